@@ -1,0 +1,39 @@
+# Two entry points for users: `make demo` and `make test`. Each creates .venv if missing and installs what
+# it needs (re-installing only when pyproject.toml changes).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed-base: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@ $(VENV)/.installed-base
+
+$(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
+	touch $@ $(VENV)/.installed-dev $(VENV)/.installed-base
+
+demo: $(VENV)/.installed-base
+	$(BIN)/shardfold demo
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: $(VENV)/.installed-bench
+	$(BIN)/python bench/getbatch.py
+
+clean:
+	rm -rf $(VENV) .shardfold .pytest_cache .ruff_cache

@@ -1,0 +1,51 @@
+"""Errors a user can cause. Each message says what is wrong and what to fix."""
+
+
+class ShardfoldError(Exception):
+    """Base class for every error a user can cause (bad spec, missing object, over budget...)."""
+
+
+class SpecError(ShardfoldError):
+    """A job spec or event failed validation. ``errors`` lists every problem found, not just the first."""
+
+    def __init__(self, message: str, errors: list[dict] | None = None):
+        super().__init__(message)
+        self.errors = errors or []
+
+
+class StoreError(ShardfoldError):
+    """A store operation failed for a reason the user can act on."""
+
+
+class ObjectNotFound(StoreError):
+    """The object at a URI does not exist."""
+
+
+class InvalidRange(StoreError):
+    """A byte range lies outside the object (HTTP 416) or is malformed."""
+
+
+class UnsafeKey(StoreError):
+    """A local key tried to leave the store root (``..`` or an absolute path)."""
+
+
+class BatchItemError(ShardfoldError):
+    """An item of a GetBatch request failed and ``continue_on_error`` was off."""
+
+    def __init__(self, index: int, item: str, reason: str):
+        super().__init__(f"item {index} ({item}): {reason}")
+        self.index = index
+        self.item = item
+        self.reason = reason
+
+
+class TooManySoftErrors(ShardfoldError):
+    """More items failed than ``max_soft_errors`` allows, so the batch was aborted."""
+
+
+class PlanError(ShardfoldError):
+    """A job cannot be planned as asked, e.g. a task would not fit the configured function memory."""
+
+
+class JobNotFound(ShardfoldError):
+    """No job with this id exists on the selected backend."""
