@@ -1,0 +1,155 @@
+"""The object store: ``s3://`` and ``file://`` behind one interface, plus GetBatch.
+
+Every function takes a URI (``s3://bucket/key``, ``file:///abs/path``) or a key relative to the store
+root (``$SHARDFOLD_HOME``, default ``./.shardfold``). Missing objects raise :class:`ObjectNotFound`, bad
+ranges :class:`InvalidRange`, keys that would leave the root :class:`UnsafeKey`.
+
+Environment: ``SHARDFOLD_HOME`` (store root), ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (an S3
+endpoint such as a moto server, honoured by boto3 and by GetBatch's CRT transport), ``AWS_REGION``,
+``SHARDFOLD_S3_TRANSPORT`` (``crt`` default, or ``boto3``: the client GetBatch reads S3 with).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, BinaryIO
+
+from functions.errors import ObjectNotFound, StoreError
+from functions.store import local, s3
+from functions.store.batch import BatchEntry, BatchStats, BatchStream, get_batch
+from functions.store.retry import RetryPolicy, TransientError
+from functions.store.tar import write_tar
+from functions.store.uri import is_s3, join, local_path, resolve, split_s3, store_root
+
+__all__ = [
+    "BatchEntry",
+    "BatchStats",
+    "BatchStream",
+    "RetryPolicy",
+    "TransientError",
+    "assemble",
+    "delete",
+    "delete_prefix",
+    "exists",
+    "get",
+    "get_batch",
+    "get_json",
+    "is_s3",
+    "join",
+    "list_uris",
+    "put",
+    "put_file",
+    "put_if_absent",
+    "put_json",
+    "resolve",
+    "size",
+    "split_s3",
+    "store_root",
+    "write_tar",
+]
+
+
+def get(uri: str, start: int = 0, length: int | None = None) -> bytes:
+    """The object's bytes, or ``length`` bytes from ``start`` (``None``: to the end)."""
+    uri = resolve(uri)
+    if is_s3(uri):
+        return s3.get(uri, start, length)
+    return local.get(local_path(uri), uri, start, length)
+
+
+def put(uri: str, data: bytes) -> None:
+    """Write an object atomically: readers see the old object or the new one, never a mix."""
+    uri = resolve(uri)
+    if is_s3(uri):
+        s3.put(uri, bytes(data))
+    else:
+        local.put(local_path(uri), data)
+
+
+def put_file(uri: str, fileobj: BinaryIO) -> None:
+    """Like :func:`put`, streaming from a binary file object (memory does not grow with its size)."""
+    uri = resolve(uri)
+    if is_s3(uri):
+        s3.put_file(uri, fileobj)
+    else:
+        local.put_file(local_path(uri), fileobj)
+
+
+def put_if_absent(uri: str, data: bytes) -> bool:
+    """Write only if nothing is at ``uri``; True if this call wrote it. Safe against concurrent writers."""
+    uri = resolve(uri)
+    if is_s3(uri):
+        return s3.put_if_absent(uri, bytes(data))
+    return local.put_if_absent(local_path(uri), data)
+
+
+def exists(uri: str) -> bool:
+    uri = resolve(uri)
+    if is_s3(uri):
+        return s3.head_size(uri) is not None
+    return local.exists(local_path(uri))
+
+
+def size(uri: str) -> int:
+    uri = resolve(uri)
+    if is_s3(uri):
+        n = s3.head_size(uri)
+        if n is None:
+            raise ObjectNotFound(f"no object at {uri}")
+        return n
+    return local.size(local_path(uri), uri)
+
+
+def list_uris(prefix_uri: str) -> list[str]:
+    """URIs of all objects under a prefix (string prefix, as on S3; recursive), sorted."""
+    prefix_uri = resolve(prefix_uri)
+    if is_s3(prefix_uri):
+        return s3.list_uris(prefix_uri)
+    return ["file://" + str(p) for p in local.list_paths(str(local_path(prefix_uri)) + _slash(prefix_uri))]
+
+
+def delete(uri: str) -> None:
+    """Remove an object; removing a missing one is not an error."""
+    uri = resolve(uri)
+    if is_s3(uri):
+        s3.delete(uri)
+    else:
+        local.delete(local_path(uri))
+
+
+def delete_prefix(prefix_uri: str) -> int:
+    """Remove every object under a prefix; returns how many were removed."""
+    prefix_uri = resolve(prefix_uri)
+    if is_s3(prefix_uri):
+        return s3.delete_prefix(prefix_uri)
+    return local.delete_prefix(str(local_path(prefix_uri)) + _slash(prefix_uri))
+
+
+def assemble(part_uris: list[str], dest_uri: str) -> None:
+    """Concatenate objects, in order, into one new object (atomically). Parts and destination share a
+    scheme: S3 copies server-side where it can (multipart UploadPartCopy)."""
+    dest_uri = resolve(dest_uri)
+    parts = [resolve(u) for u in part_uris]
+    if any(is_s3(u) != is_s3(dest_uri) for u in parts):
+        raise StoreError(f"assemble: parts and destination {dest_uri} must all be s3:// or all local")
+    if is_s3(dest_uri):
+        s3.assemble(parts, dest_uri)
+    else:
+        local.assemble([local_path(u) for u in parts], parts, local_path(dest_uri))
+
+
+def get_json(uri: str) -> Any:
+    data = get(uri)
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{resolve(uri)} is not valid JSON: {exc}") from None
+
+
+def put_json(uri: str, obj: Any) -> None:
+    put(uri, json.dumps(obj, indent=2).encode())
+
+
+def _slash(uri: str) -> str:
+    # Path() drops a trailing slash, which S3-style prefix matching needs ('a/' is not 'a').
+    return "/" if uri.endswith("/") else ""

@@ -1,0 +1,168 @@
+"""GetBatch's default S3 transport: awscrt's native S3 client.
+
+Requests are signed, sent and received on the CRT's own event-loop threads; Python only builds the
+request and collects the body in callbacks. Measured on many 10 KiB GETs (bench/transports.py) it costs
+about a fifth of boto3's client CPU per object, which is what bounds a GetBatch gatherer's throughput.
+
+The CRT does not read boto3's endpoint variables, so this module does: ``AWS_ENDPOINT_URL_S3`` (or
+``AWS_ENDPOINT_URL``) switches to path-style requests against that host (TLS off for ``http://``);
+otherwise requests go to ``<bucket>.s3.<region>.amazonaws.com``. Region: ``AWS_REGION``, then
+``AWS_DEFAULT_REGION``, then us-east-1. Credentials: the CRT's default chain (environment, profile,
+container and instance roles), which covers Lambda and Batch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from awscrt.auth import AwsCredentialsProvider
+from awscrt.http import HttpHeaders, HttpRequest
+from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
+from awscrt.s3 import S3Client, S3RequestTlsMode, S3RequestType, S3RetryConfig, S3RetryMode
+
+from functions.errors import InvalidRange, ObjectNotFound, StoreError
+from functions.store.retry import TRANSIENT_STATUS, TransientError
+from functions.store.s3 import check_body, range_header
+from functions.store.transport import Boto3Transport as _Boto3
+from functions.store.transport import Cancel, Done, thread_pool
+
+_clients: dict[tuple, _Client] = {}
+_lock = threading.Lock()
+
+
+class _Client:
+    """An S3Client with the addressing it was made for."""
+
+    def __init__(self, endpoint: str | None, region: str):
+        elg = EventLoopGroup()
+        bootstrap = ClientBootstrap(elg, DefaultHostResolver(elg))
+        self.region = region
+        self.host: str | None = None
+        tls = S3RequestTlsMode.ENABLED
+        if endpoint:
+            parts = urlsplit(endpoint)
+            self.host = parts.netloc  # host[:port]: the Host header picks where the CRT connects
+            self.prefix = parts.path.rstrip("/")
+            if parts.scheme == "http":
+                tls = S3RequestTlsMode.DISABLED
+        self.client = S3Client(
+            bootstrap=bootstrap,
+            region=region,
+            credential_provider=AwsCredentialsProvider.new_default_chain(bootstrap),
+            tls_mode=tls,
+            # The engine retries and hedges itself; CRT retries underneath would multiply attempts.
+            retry_config=S3RetryConfig(retry_mode=S3RetryMode.NONE),
+        )
+
+    def address(self, bucket: str, key: str) -> tuple[str, str]:
+        """(Host header, request path) for an object."""
+        path = "/" + quote(key, safe="/~")
+        if self.host is not None:
+            return self.host, f"{self.prefix}/{bucket}{path}"
+        if "." in bucket:  # a dotted name breaks the TLS certificate of the virtual host
+            return f"s3.{self.region}.amazonaws.com", f"/{bucket}{path}"
+        return f"{bucket}.s3.{self.region}.amazonaws.com", path
+
+
+def crt_client() -> _Client:
+    env = os.environ
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+    key = (os.getpid(), endpoint, region)
+    client = _clients.get(key)
+    if client is None:
+        with _lock:
+            client = _clients.get(key) or _Client(endpoint, region)
+            _clients[key] = client
+    return client
+
+
+def _error(uri: str, exc: BaseException | None, status: int | None, body: bytes | None) -> BaseException:
+    text = (body or b"")[:512].decode("utf-8", "replace")
+    code = text.partition("<Code>")[2].partition("</Code>")[0]
+    if status == 404:
+        what = "bucket" if code == "NoSuchBucket" else "object"
+        return ObjectNotFound(f"no {what} at {uri} ({code or 404})")
+    if status == 416:
+        size = text.partition("<ActualObjectSize>")[2].partition("</ActualObjectSize>")[0] or "?"
+        return InvalidRange(f"{uri}: requested range is outside the object ({size} bytes)")
+    if status is None and "CREDENTIALS" in str(getattr(exc, "name", "")):
+        return StoreError(f"GET {uri}: no usable AWS credentials ({exc}); configure credentials or a role")
+    if status is None or status in TRANSIENT_STATUS or code == "SlowDown":
+        return TransientError(f"GET {uri}: {code or status or exc}", status)
+    if status == 403:
+        return StoreError(f"GET {uri}: access denied ({code}); check the credentials and the bucket policy")
+    return StoreError(f"GET {uri} failed: HTTP {status} {code}")
+
+
+class _Get:
+    """Callbacks of one GET."""
+
+    __slots__ = ("uri", "start", "length", "done", "chunks", "content_range")
+
+    def __init__(self, uri: str, start: int, length: int | None, done: Done):
+        self.uri, self.start, self.length, self.done = uri, start, length, done
+        self.chunks: list[bytes] = []
+        self.content_range: str | None = None
+
+    def on_headers(self, status_code: int, headers: list[tuple[str, str]], **kwargs: Any) -> None:
+        if self.length is not None:
+            for name, value in headers:
+                if name.lower() == "content-range":
+                    self.content_range = value
+
+    def on_body(self, chunk: Any, offset: int, **kwargs: Any) -> None:
+        # The buffer is only valid during the callback; the CRT delivers parts in offset order.
+        self.chunks.append(bytes(chunk))
+
+    def on_done(
+        self,
+        error: BaseException | None = None,
+        status_code: int | None = None,
+        error_body: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if error is not None:
+            self.done(None, _error(self.uri, error, status_code, error_body))
+            return
+        chunks = self.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            data = check_body(self.uri, data, self.start, self.length, self.content_range)
+        except InvalidRange as exc:
+            self.done(None, exc)
+            return
+        self.done(data, None)
+
+
+class CrtTransport:
+    name = "crt"
+
+    def __init__(self) -> None:
+        self._client = crt_client()
+        self._fallback = _Boto3()
+
+    def fetch(self, uri: str, start: int, length: int | None, done: Done) -> Cancel | None:
+        if length == 0:  # a zero-byte read still needs the object to exist: a HEAD, rare enough for boto3
+            return self._fallback.fetch(uri, start, length, done)
+        bucket, _, key = uri[5:].partition("/")
+        host, path = self._client.address(bucket, key)
+        headers = [("Host", host)]
+        if rng := range_header(start, length):
+            headers.append(("Range", rng))
+        get = _Get(uri, start, length, done)
+        try:
+            request = self._client.client.make_request(
+                type=S3RequestType.GET_OBJECT,
+                request=HttpRequest("GET", path, HttpHeaders(headers)),
+                on_headers=get.on_headers,
+                on_body=get.on_body,
+                on_done=get.on_done,
+            )
+        except Exception as exc:  # e.g. the client is shutting down: let the engine retry elsewhere
+            thread_pool("crt-errors").submit(done, None, TransientError(f"GET {uri}: {exc}"))
+            return None
+        return request.cancel

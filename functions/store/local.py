@@ -1,0 +1,175 @@
+"""The local filesystem store behind ``file://`` URIs.
+
+Writes are atomic: data goes to a temporary file in the destination's directory and is renamed into
+place, so a reader never sees a half-written object. ``put_if_absent`` links the finished temporary file
+to its name, which fails if the name exists: race-free between processes, and never exposes partial data.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+from functions.errors import InvalidRange, ObjectNotFound, StoreError
+
+# Temporary files carry this prefix so listings skip objects that are still being written.
+TMP_PREFIX = ".sf-tmp-"
+
+
+def check_range(uri: str, size: int, start: int, length: int | None) -> None:
+    """Range rules shared by every transport.
+
+    ``length=None`` reads to the end; ``start`` must then fall inside the object, except ``start=0`` (the
+    whole object, even an empty one). ``length=0`` reads nothing and needs ``start <= size``. Otherwise
+    ``start + length`` may not pass the end.
+    """
+    if start < 0 or (length is not None and length < 0):
+        raise InvalidRange(f"{uri}: negative range start={start} length={length}")
+    if length is None:
+        bad = start > 0 and start >= size
+    else:
+        bad = start + length > size
+    if bad:
+        want = f"bytes {start}-" if length is None else f"bytes {start}-{start + length - 1}"
+        raise InvalidRange(
+            f"{uri}: range {want} is outside the object ({size} bytes); fix the item's start/length"
+        )
+
+
+def get(path: Path, uri: str, start: int = 0, length: int | None = None) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            if start == 0 and length is None:
+                return f.read()
+            size = os.fstat(f.fileno()).st_size
+            check_range(uri, size, start, length)
+            f.seek(start)
+            return f.read(size - start if length is None else length)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise ObjectNotFound(f"no object at {uri}") from None
+
+
+def _write_tmp(path: Path, chunks: Iterable[bytes]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def put(path: Path, data: bytes) -> None:
+    _commit(path, [data])
+
+
+def put_file(path: Path, fileobj: BinaryIO) -> None:
+    _commit(path, iter(lambda: fileobj.read(8 << 20), b""))
+
+
+def _commit(path: Path, chunks: Iterable[bytes]) -> None:
+    if path.is_dir():
+        raise StoreError(f"cannot write {path}: it is a directory")
+    tmp = _write_tmp(path, chunks)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def put_if_absent(path: Path, data: bytes) -> bool:
+    tmp = _write_tmp(path, [data])
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def exists(path: Path) -> bool:
+    return path.is_file()
+
+
+def size(path: Path, uri: str) -> int:
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ObjectNotFound(f"no object at {uri}") from None
+    if not path.is_file():
+        raise ObjectNotFound(f"no object at {uri} (it is a directory)")
+    return st.st_size
+
+
+def _walk(prefix: str) -> Iterable[Path]:
+    """Files whose path starts with ``prefix`` (S3 prefix semantics: 'a/b' matches 'a/b.txt', 'a/bc/d'),
+    visiting only the entries that can match, never the whole parent tree."""
+    if prefix.endswith("/"):
+        starts = [Path(prefix)]
+    else:
+        parent, base = os.path.split(prefix)
+        try:
+            starts = [Path(parent, n) for n in os.listdir(parent or ".") if n.startswith(base)]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+    for start in starts:
+        if start.is_file():
+            if not start.name.startswith(TMP_PREFIX):
+                yield start
+            continue
+        for dirpath, _, filenames in os.walk(start):
+            for name in filenames:
+                if not name.startswith(TMP_PREFIX):
+                    yield Path(dirpath, name)
+
+
+def list_paths(prefix: str) -> list[Path]:
+    return sorted(_walk(prefix), key=str)
+
+
+def delete(path: Path) -> None:
+    if path.is_dir():
+        raise StoreError(f"cannot delete {path} as an object: it is a directory; use delete_prefix")
+    path.unlink(missing_ok=True)
+
+
+def delete_prefix(prefix: str) -> int:
+    paths = list_paths(prefix)
+    for path in paths:
+        path.unlink(missing_ok=True)
+    # Prune directories the deletion emptied, deepest first. A prefix ending in '/' names a directory,
+    # which goes too; otherwise the prefix's parent directory stays.
+    top = Path(prefix) if prefix.endswith("/") else Path(prefix).parent
+    stop = top.parent if prefix.endswith("/") else top
+    for d in sorted({p.parent for p in paths}, key=lambda p: len(p.parts), reverse=True):
+        while d != stop and d.is_relative_to(top):
+            try:
+                d.rmdir()
+            except OSError:
+                break
+            d = d.parent
+    return len(paths)
+
+
+def assemble(paths: list[Path], uris: list[str], dest: Path) -> None:
+    """Concatenate ``paths`` into ``dest`` atomically, streaming (memory does not grow with part size)."""
+
+    def chunks() -> Iterable[bytes]:
+        for path, uri in zip(paths, uris, strict=True):
+            try:
+                f = open(path, "rb")
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise ObjectNotFound(f"assemble: part {uri} does not exist") from None
+            with f:
+                while block := f.read(8 << 20):
+                    yield block
+
+    _commit(dest, chunks())

@@ -1,0 +1,304 @@
+"""The S3 store behind ``s3://`` URIs (boto3).
+
+One client per process (and per endpoint/region setting, so tests that switch endpoints get a fresh one),
+re-created after fork because a client's connection pool must not be shared across processes. The
+endpoint comes from boto3's own ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` variables.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from typing import Any, BinaryIO
+
+import boto3
+import boto3.exceptions
+import botocore.exceptions
+from aws_lambda_powertools import Logger
+from botocore.config import Config
+
+from functions.errors import InvalidRange, ObjectNotFound, StoreError
+from functions.store.local import check_range
+from functions.store.retry import TRANSIENT_CODES, TRANSIENT_STATUS, TransientError
+from functions.store.uri import split_s3
+
+logger = Logger(service="shardfold")
+
+POOL = 128  # >= any GetBatch concurrency we run, so threads never wait on (or discard) a connection
+MIN_PART = 5 * 1024 * 1024  # S3's smallest multipart part (all but the last)
+MAX_COPY_PART = 5 * 1024**3  # S3's largest UploadPartCopy source range
+MAX_PARTS = 10_000
+
+_clients: dict[tuple, Any] = {}
+_lock = threading.Lock()
+
+_NETWORK_ERRORS = (
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.HTTPClientError,
+    botocore.exceptions.ResponseStreamingError,
+)
+
+
+def _env_key() -> tuple:
+    env = os.environ
+    return (
+        os.getpid(),
+        env.get("AWS_ENDPOINT_URL_S3"),
+        env.get("AWS_ENDPOINT_URL"),
+        env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+    )
+
+
+def s3_client(retries: bool = True) -> Any:
+    """The process's boto3 S3 client. ``retries=False`` gives one that tries once, for callers (the
+    GetBatch engine) that run their own retry and hedging policy."""
+    key = (*_env_key(), retries)
+    client = _clients.get(key)
+    if client is None:
+        with _lock:
+            client = _clients.get(key)
+            if client is None:
+                retry = {"mode": "standard", "max_attempts": 5} if retries else {"total_max_attempts": 1}
+                config = Config(max_pool_connections=POOL, retries=retry, tcp_keepalive=True)
+                client = boto3.session.Session().client("s3", config=config)
+                _clients[key] = client
+    return client
+
+
+def _code_status(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
+    err = exc.response.get("Error", {})
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return str(err.get("Code", "")), int(status or 0)
+
+
+def translate(exc: Exception, uri: str, op: str) -> Exception:
+    """A botocore exception as the store's error for ``uri``."""
+    if isinstance(exc, _NETWORK_ERRORS):
+        return TransientError(f"{op} {uri}: {exc}")
+    if not isinstance(exc, botocore.exceptions.ClientError):
+        return exc
+    code, status = _code_status(exc)
+    if code in ("NoSuchKey", "NotFound", "404") or status == 404:
+        what = "bucket" if code == "NoSuchBucket" else "object"
+        return ObjectNotFound(f"no {what} at {uri} ({code or status})")
+    if code == "InvalidRange" or status == 416:
+        size = exc.response.get("Error", {}).get("ActualObjectSize", "?")
+        return InvalidRange(f"{uri}: requested range is outside the object ({size} bytes)")
+    if code in TRANSIENT_CODES or status in TRANSIENT_STATUS:
+        return TransientError(f"{op} {uri}: {code or status}", status)
+    if status == 403 or code == "AccessDenied":
+        return StoreError(f"{op} {uri}: access denied; check the credentials and the bucket policy")
+    return StoreError(f"{op} {uri} failed: {code or status}: {exc}")
+
+
+def range_header(start: int, length: int | None) -> str | None:
+    if start == 0 and length is None:
+        return None
+    if length is None:
+        return f"bytes={start}-"
+    return f"bytes={start}-{start + length - 1}"
+
+
+def check_body(uri: str, data: bytes, start: int, length: int | None, content_range: str | None) -> bytes:
+    """S3 clips a range that runs past the end; the store refuses it instead, as it does locally."""
+    if length is not None and len(data) != length:
+        total = (content_range or "").rpartition("/")[2] or "?"
+        raise InvalidRange(
+            f"{uri}: range bytes {start}-{start + length - 1} is outside the object ({total} bytes); "
+            "fix the item's start/length"
+        )
+    return data
+
+
+def get(uri: str, start: int = 0, length: int | None = None, client: Any = None) -> bytes:
+    bucket, key = split_s3(uri)
+    client = client or s3_client()
+    try:
+        if length == 0:
+            check_range(uri, client.head_object(Bucket=bucket, Key=key)["ContentLength"], start, 0)
+            return b""
+        kw = {"Range": rng} if (rng := range_header(start, length)) else {}
+        resp = client.get_object(Bucket=bucket, Key=key, **kw)
+        data = resp["Body"].read()
+    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS) as exc:
+        raise translate(exc, uri, "GET") from None
+    return check_body(uri, data, start, length, resp.get("ContentRange"))
+
+
+def put(uri: str, data: bytes) -> None:
+    bucket, key = split_s3(uri)
+    client = s3_client()
+    try:
+        if len(data) <= MAX_COPY_PART:
+            client.put_object(Bucket=bucket, Key=key, Body=data)
+        else:  # beyond one PUT's limit: s3transfer's multipart upload (still all-or-nothing on S3)
+            client.upload_fileobj(io.BytesIO(data), bucket, key)
+    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS) as exc:
+        raise translate(exc, uri, "PUT") from None
+
+
+def put_file(uri: str, fileobj: BinaryIO) -> None:
+    """Upload from a file object: one PUT when small, s3transfer's multipart upload beyond 8 MiB."""
+    bucket, key = split_s3(uri)
+    try:
+        s3_client().upload_fileobj(fileobj, bucket, key)
+    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS) as exc:
+        raise translate(exc, uri, "PUT") from None
+    except boto3.exceptions.S3UploadFailedError as exc:
+        raise StoreError(f"PUT {uri} failed: {exc}") from None
+
+
+def put_if_absent(uri: str, data: bytes) -> bool:
+    bucket, key = split_s3(uri)
+    client = s3_client()
+    for attempt in range(5):
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            return True
+        except botocore.exceptions.ClientError as exc:
+            code, status = _code_status(exc)
+            if code == "PreconditionFailed" or status == 412:
+                return False
+            # 409: another conditional write to this key is in flight; S3 says to retry.
+            if code == "ConditionalRequestConflict" or status == 409:
+                time.sleep(0.05 * 2**attempt)
+                continue
+            raise translate(exc, uri, "PUT") from None
+    raise StoreError(f"put_if_absent {uri}: kept conflicting with concurrent writers; retry later")
+
+
+def head_size(uri: str) -> int | None:
+    bucket, key = split_s3(uri)
+    try:
+        return int(s3_client().head_object(Bucket=bucket, Key=key)["ContentLength"])
+    except botocore.exceptions.ClientError as exc:
+        code, status = _code_status(exc)
+        if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise translate(exc, uri, "HEAD") from None
+
+
+def list_uris(prefix_uri: str) -> list[str]:
+    bucket, prefix = split_s3(prefix_uri)
+    out: list[str] = []
+    try:
+        for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            out.extend(f"s3://{bucket}/{o['Key']}" for o in page.get("Contents", ()))
+    except botocore.exceptions.ClientError as exc:
+        raise translate(exc, prefix_uri, "LIST") from None
+    return sorted(out)
+
+
+def delete(uri: str) -> None:
+    bucket, key = split_s3(uri)
+    try:
+        s3_client().delete_object(Bucket=bucket, Key=key)
+    except botocore.exceptions.ClientError as exc:
+        raise translate(exc, uri, "DELETE") from None
+
+
+def delete_prefix(prefix_uri: str) -> int:
+    bucket, _ = split_s3(prefix_uri)
+    keys = [u.partition(f"s3://{bucket}/")[2] for u in list_uris(prefix_uri)]
+    client = s3_client()
+    for i in range(0, len(keys), 1000):
+        batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+        resp = client.delete_objects(Bucket=bucket, Delete=batch)
+        if errors := resp.get("Errors"):
+            raise StoreError(f"delete_prefix {prefix_uri}: {len(errors)} keys not deleted, e.g. {errors[0]}")
+    return len(keys)
+
+
+def assemble(part_uris: list[str], dest_uri: str) -> None:
+    """Concatenate objects into ``dest_uri``.
+
+    Parts of at least 5 MiB are copied server-side (UploadPartCopy); smaller ones are read and coalesced
+    in memory into parts of at least 5 MiB, so any mix of sizes works and memory stays ~10 MiB.
+    """
+    sizes = []
+    for uri in part_uris:
+        n = head_size(uri)
+        if n is None:
+            raise ObjectNotFound(f"assemble: part {uri} does not exist")
+        sizes.append(n)
+    if sum(sizes) < MIN_PART:  # too small for a multipart upload to be worth it: one PUT
+        put(dest_uri, b"".join(get(u) for u, n in zip(part_uris, sizes, strict=True) if n))
+        return
+    _Multipart(dest_uri).run(part_uris, sizes)
+
+
+class _Multipart:
+    """One multipart upload that mixes server-side copies and in-memory parts."""
+
+    def __init__(self, dest_uri: str):
+        self.dest = dest_uri
+        self.bucket, self.key = split_s3(dest_uri)
+        self.client = s3_client()
+        self.parts: list[dict] = []
+        self.buf = bytearray()
+
+    def run(self, part_uris: list[str], sizes: list[int]) -> None:
+        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key)
+        self.upload_id = upload["UploadId"]
+        try:
+            for i, (uri, n) in enumerate(zip(part_uris, sizes, strict=True)):
+                self._add(uri, n, last=i == len(sizes) - 1)
+            if self.buf or not self.parts:
+                self._flush()
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": self.parts},
+            )
+        except BaseException:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
+            raise
+
+    def _add(self, uri: str, n: int, last: bool) -> None:
+        pos = 0
+        if self.buf:
+            # Top the pending buffer up to a legal part size from the head of this object.
+            take = min(n, MIN_PART - len(self.buf))
+            self.buf += get(uri, 0, take) if take else b""
+            pos = take
+            if len(self.buf) >= MIN_PART:
+                self._flush()
+        rest = n - pos
+        # A part below 5 MiB is legal only as the last one, so a short tail is copied only then.
+        if rest >= MIN_PART or (rest and last and not self.buf):
+            self._copy(uri, pos, rest)
+        elif rest:
+            self.buf += get(uri, pos, rest)
+
+    def _number(self) -> int:
+        if len(self.parts) >= MAX_PARTS:
+            raise StoreError(f"assemble {self.dest}: more than {MAX_PARTS} parts; assemble in two levels")
+        return len(self.parts) + 1
+
+    def _flush(self) -> None:
+        num = self._number()
+        resp = self.client.upload_part(
+            Bucket=self.bucket, Key=self.key, UploadId=self.upload_id, PartNumber=num, Body=bytes(self.buf)
+        )
+        self.parts.append({"PartNumber": num, "ETag": resp["ETag"]})
+        self.buf = bytearray()
+
+    def _copy(self, uri: str, start: int, length: int) -> None:
+        src_bucket, src_key = split_s3(uri)
+        pieces = -(-length // MAX_COPY_PART)  # equal pieces: each is >= 5 MiB when length is
+        step = -(-length // pieces)
+        for off in range(start, start + length, step):
+            end = min(off + step, start + length) - 1
+            num = self._number()
+            resp = self.client.upload_part_copy(
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                PartNumber=num,
+                CopySource={"Bucket": src_bucket, "Key": src_key},
+                CopySourceRange=f"bytes={off}-{end}",
+            )
+            self.parts.append({"PartNumber": num, "ETag": resp["CopyPartResult"]["ETag"]})

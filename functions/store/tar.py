@@ -1,0 +1,133 @@
+"""TAR in and out: the deterministic archive GetBatch writes, and the member index archpath reads use.
+
+Writing is byte-reproducible: PAX format, mtime 0, uid/gid 0, empty owner names, mode
+0o644, so the same request gives the same archive (and the same sha256) on every run and machine.
+Reading a member does not fetch the whole shard: :func:`index_tar` walks the headers through ranged block
+reads (tarfile seeks over member data) and returns each regular file's data offset and size.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Callable, Iterable
+from typing import BinaryIO, Protocol
+
+TAR_FORMAT = tarfile.PAX_FORMAT
+INDEX_BLOCK = 1 << 20  # bytes per ranged read while scanning headers
+BLOCK = tarfile.BLOCKSIZE
+# End of archive: two zero blocks. No padding to a 10 KiB record follows, so an archive is exactly its
+# members' bytes plus this trailer, and fragments written with ``end_of_archive=False`` concatenate (with
+# one trailer at the end) into the same bytes as one archive of all their entries.
+TAR_TRAILER = bytes(2 * BLOCK)
+
+
+class Entry(Protocol):
+    index: int
+    name: str
+    data: bytes
+    error: str | None
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """The (PAX) header block(s) of a regular file with fixed metadata."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info.tobuf(TAR_FORMAT, "utf-8", "surrogateescape")
+
+
+def write_tar(entries: Iterable[Entry], fileobj: BinaryIO, end_of_archive: bool = True) -> list[dict]:
+    """Write ``entries`` in order as TAR members into ``fileobj``; return a status row per entry:
+    ``{"index", "name", "size", "error"}``.
+
+    ``end_of_archive=False`` leaves the trailer off, for fragments that are concatenated later. An
+    exception from ``entries`` propagates (the output is then incomplete and must be discarded).
+    """
+    rows: list[dict] = []
+    write = fileobj.write
+    for e in entries:
+        n = len(e.data)
+        write(tar_header(e.name, n))
+        if n:
+            write(e.data)
+            if pad := -n % BLOCK:
+                write(bytes(pad))
+        rows.append({"index": e.index, "name": e.name, "size": n, "error": e.error})
+    if end_of_archive:
+        write(TAR_TRAILER)
+    return rows
+
+
+class _BlockReader(io.RawIOBase):
+    """A read-only, seekable file over ``read_block(offset) -> bytes`` (short or empty at the end)."""
+
+    def __init__(self, read_block: Callable[[int], bytes], block: int):
+        self._read_block = read_block
+        self._block = block
+        self._pos = 0
+        self._cached_at = -1
+        self._cached = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            offset += self._pos
+        elif whence != io.SEEK_SET:
+            raise io.UnsupportedOperation("seek from the end is not supported")
+        self._pos = offset
+        return offset
+
+    def read(self, n: int = -1) -> bytes:
+        out = bytearray()
+        while n < 0 or len(out) < n:
+            at = self._pos - self._pos % self._block
+            if at != self._cached_at:
+                self._cached, self._cached_at = self._read_block(at), at
+            piece = self._cached[self._pos - at :]
+            if n >= 0:
+                piece = piece[: n - len(out)]
+            if not piece:
+                break
+            out += piece
+            self._pos += len(piece)
+        return bytes(out)
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def index_tar(read_block: Callable[[int], bytes], block: int = INDEX_BLOCK) -> dict[str, tuple[int, int]]:
+    """Map each regular member's name to ``(data offset, size)``; a later duplicate wins, as on extraction.
+
+    Raises :class:`tarfile.ReadError` when the object is not an uncompressed TAR.
+    """
+    index: dict[str, tuple[int, int]] = {}
+    with tarfile.open(fileobj=_BlockReader(read_block, block), mode="r:") as tar:
+        for member in tar:
+            if member.isreg() and not member.issparse():
+                index[member.name] = (member.offset_data, member.size)
+    return index
+
+
+def find_member(index: dict[str, tuple[int, int]], archpath: str) -> tuple[int, int] | None:
+    """Look a member up by its path, tolerating a leading './' on either side."""
+    found = index.get(archpath)
+    if found is None:
+        bare = archpath.removeprefix("./")
+        found = index.get(bare) or index.get("./" + bare)
+    return found

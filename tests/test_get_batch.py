@@ -1,0 +1,634 @@
+"""The GetBatch engine: order, streaming, bounded memory, retries, hedging, ranges, archpath, errors.
+
+Fake transports decide when each read answers (gates are Events, order comes from virtual delays), so no
+test waits on wall-clock time. The same semantics are then checked on real transports: local files,
+S3 through boto3 under ``mock_aws``, and S3 through awscrt against a moto server.
+"""
+
+import hashlib
+import heapq
+import io
+import logging
+import queue
+import tarfile
+import threading
+from collections import Counter
+
+import boto3
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from moto import mock_aws
+from moto.server import ThreadedMotoServer
+
+from functions import store
+from functions.errors import BatchItemError, InvalidRange, ObjectNotFound, SpecError, TooManySoftErrors
+from functions.specs import BatchItem
+from functions.store import transport as transport_mod
+from functions.store.batch import HEDGE_FLOOR_S, _Engine
+from functions.store.local import check_range
+from functions.store.retry import RetryPolicy, TransientError
+from functions.store.tar import write_tar
+
+FAST_RETRY = RetryPolicy(max_attempts=4, base_s=0.001, cap_s=0.002)
+
+
+def obj(i: int, size: int | None = None) -> bytes:
+    size = 50 + 37 * i if size is None else size
+    return bytes((i + k) % 251 for k in range(size))
+
+
+def answer(objects: dict[str, bytes], uri: str, start: int, length: int | None) -> bytes:
+    """What a store answers for a read: the same range rules as every real transport."""
+    if uri not in objects:
+        raise ObjectNotFound(f"no object at {uri}")
+    data = objects[uri]
+    check_range(uri, len(data), start, length)
+    return data[start:] if length is None else data[start : start + length]
+
+
+class GatedTransport:
+    """Answers each read on its own thread. A read may first wait on an Event (``gates``), or until a
+    number of other reads have answered (``after``); ``faults`` make given attempts fail."""
+
+    def __init__(self, objects, gates=None, after=None, faults=None):
+        self.objects = objects
+        self.gates = gates or {}  # (uri, attempt) -> Event
+        self.after = after or {}  # (uri, attempt) -> answered count to wait for
+        self.faults = faults or {}  # (uri, attempt) -> exception
+        self.requests: list[tuple[str, int, int | None]] = []
+        self.attempts: Counter = Counter()
+        self.cancelled: list[tuple[str, int]] = []
+        self.answered = 0
+        self.cond = threading.Condition()
+        self.outstanding = 0
+        self.peak_outstanding = 0
+
+    def fetch(self, uri, start, length, done):
+        with self.cond:
+            n = self.attempts[uri]
+            self.attempts[uri] += 1
+            self.requests.append((uri, start, length))
+            self.outstanding += 1
+            self.peak_outstanding = max(self.peak_outstanding, self.outstanding)
+
+        def run():
+            if gate := self.gates.get((uri, n)):
+                gate.wait()
+            with self.cond:
+                self.cond.wait_for(lambda: self.answered >= self.after.get((uri, n), 0))
+            try:
+                if fault := self.faults.get((uri, n)):
+                    raise fault
+                data, exc = answer(self.objects, uri, start, length), None
+            except Exception as e:
+                data, exc = None, e
+            with self.cond:
+                self.answered += 1
+                self.outstanding -= 1
+                self.cond.notify_all()
+            done(data, exc)
+
+        threading.Thread(target=run, daemon=True).start()
+        return lambda: self.cancelled.append((uri, n))
+
+
+class DelayedTransport:
+    """Answers reads on one thread in order of virtual time: read number ``s`` answers at ``s + delay``.
+    It holds answers until the engine's whole first wave has arrived, so early reads really do overtake."""
+
+    def __init__(self, objects, delays: list[int], first_wave: int):
+        self.objects, self.delays, self.first_wave = objects, delays or [0], first_wave
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.seq = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def fetch(self, uri, start, length, done):
+        s = self.seq
+        self.seq += 1
+        self.inbox.put((s + self.delays[s % len(self.delays)], s, uri, start, length, done))
+
+    def close(self):
+        self.inbox.put(None)
+        self.thread.join()
+
+    def _run(self):
+        heap: list = []
+        arrived = 0
+        while True:
+            block = not heap or arrived < self.first_wave
+            try:
+                msg = self.inbox.get(block=block)
+            except queue.Empty:
+                msg = False
+            if msg is None:
+                return
+            if msg:
+                heapq.heappush(heap, msg)
+                arrived += 1
+                continue  # take in everything that has arrived before answering
+            _, _, uri, start, length, done = heapq.heappop(heap)
+            try:
+                data, exc = answer(self.objects, uri, start, length), None
+            except Exception as e:
+                data, exc = None, e
+            done(data, exc)
+
+
+# --- order, duplicates, memory (fake transports) ----------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=12),
+    picks=st.lists(st.integers(0, 100), min_size=1, max_size=60),
+    delays=st.lists(st.integers(0, 40), min_size=1, max_size=20),
+    concurrency=st.integers(1, 8),
+    extra_window=st.integers(0, 8),
+)
+def test_order_under_random_delays(sizes, picks, delays, concurrency, extra_window):
+    objects = {f"s3://bkt/o{i}": obj(i, n) for i, n in enumerate(sizes)}
+    request = [f"s3://bkt/o{p % len(sizes)}" for p in picks]  # duplicates likely
+    window = concurrency + extra_window
+    fake = DelayedTransport(objects, delays, first_wave=min(len(request), concurrency))
+    try:
+        stream = store.get_batch(
+            request, concurrency=concurrency, window=window, transport=fake, hedge_after=1e9
+        )
+        got = [(e.index, e.name, e.data) for e in stream]
+    finally:
+        fake.close()
+    assert got == [(i, u.removeprefix("s3://bkt/"), objects[u]) for i, u in enumerate(request)]
+    assert stream.stats.peak_buffered_bytes <= window * max(len(objects[u]) for u in request)
+    assert stream.stats.peak_in_flight <= concurrency
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=40), window=st.integers(1, 6))
+def test_peak_buffered_bytes_within_window_times_largest(sizes, window):
+    objects = {f"s3://bkt/o{i}": obj(i, n) for i, n in enumerate(sizes)}
+    request = list(objects)
+    # The head item answers last within its window, so the buffer fills up as far as it ever can.
+    after = {(request[0], 0): min(window, len(request)) - 1}
+    fake = GatedTransport(objects, after=after)
+    stream = store.get_batch(request, window=window, concurrency=window, transport=fake, hedge_after=1e9)
+    assert [e.data for e in stream] == [objects[u] for u in request]
+    stats = stream.stats
+    assert stats.peak_buffered_bytes <= window * max(sizes)
+    assert stats.peak_buffered_bytes >= sum(sizes[1:window])  # the window really was used
+    assert fake.peak_outstanding <= window
+
+
+def test_first_entry_streams_before_the_last_item_is_requested():
+    objects = {f"s3://bkt/o{i}": obj(i) for i in range(10)}
+    request = list(objects)
+    hold = threading.Event()
+    gates = {(u, 0): hold for u in request[1:]}
+    fake = GatedTransport(objects, gates=gates)
+    pulled: list[str] = []
+
+    def lazily():
+        for u in request:
+            pulled.append(u)
+            yield u
+
+    stream = store.get_batch(lazily(), window=3, transport=fake, hedge_after=1e9)
+    first = next(stream)
+    assert (first.index, first.data) == (0, objects[request[0]])
+    assert [u for u, _, _ in fake.requests] == request[:3]  # the last item is not even requested yet
+    assert pulled == request[:3]  # and the item iterator was read only as far as the window
+    hold.set()
+    assert [e.data for e in stream] == [objects[u] for u in request[1:]]
+
+
+def test_closing_the_stream_abandons_reads_in_flight():
+    objects = {f"s3://bkt/o{i}": obj(i) for i in range(6)}
+    hold = threading.Event()
+    fake = GatedTransport(objects, gates={(u, 0): hold for u in list(objects)[1:]})
+    with store.get_batch(list(objects), window=4, transport=fake, hedge_after=1e9) as stream:
+        next(stream)
+    assert sorted(fake.cancelled) == [(u, 0) for u in list(objects)[1:4]]
+    hold.set()
+
+
+# --- retries and hedging ------------------------------------------------------------------------------------
+
+
+def test_throttling_and_5xx_are_retried():
+    objects = {f"s3://bkt/o{i}": obj(i) for i in range(5)}
+    faults = {
+        ("s3://bkt/o1", 0): TransientError("SlowDown", 503),
+        ("s3://bkt/o1", 1): TransientError("Too Many Requests", 429),
+        ("s3://bkt/o3", 0): TransientError("InternalError", 500),
+    }
+    fake = GatedTransport(objects, faults=faults)
+    stream = store.get_batch(list(objects), transport=fake, retry=FAST_RETRY, hedge_after=1e9)
+    assert [e.data for e in stream] == list(objects.values())
+    assert stream.stats.retries == 3
+    assert fake.attempts["s3://bkt/o1"] == 3
+
+
+def test_retries_run_out_into_a_hard_error_even_with_continue_on_error():
+    objects = {"s3://bkt/a": b"a", "s3://bkt/b": b"b"}
+    faults = {("s3://bkt/b", n): TransientError("SlowDown", 503) for n in range(FAST_RETRY.max_attempts)}
+    fake = GatedTransport(objects, faults=faults)
+    stream = store.get_batch(
+        list(objects), continue_on_error=True, transport=fake, retry=FAST_RETRY, hedge_after=1e9
+    )
+    with pytest.raises(BatchItemError, match=r"item 1 \(s3://bkt/b\).*gave up after 4 tries") as info:
+        list(stream)
+    assert info.value.index == 1
+
+
+def test_a_straggler_is_hedged_and_the_first_answer_wins():
+    objects = {f"s3://bkt/o{i}": obj(i) for i in range(8)}
+    straggler = "s3://bkt/o3"
+    never = threading.Event()  # the straggler's first read hangs until the test ends
+    fake = GatedTransport(objects, gates={(straggler, 0): never})
+    stream = store.get_batch(list(objects), transport=fake, hedge_after=0.01)
+    try:
+        assert [e.data for e in stream] == list(objects.values())
+    finally:
+        never.set()  # its late answer goes to a finished stream and is ignored
+    assert fake.attempts[straggler] == 2
+    assert (straggler, 0) in fake.cancelled
+    assert stream.stats.hedge_wins >= 1 and stream.stats.hedges >= 1
+
+
+def test_a_late_answer_from_the_original_read_is_ignored():
+    objects = {"s3://bkt/a": b"A" * 10, "s3://bkt/b": b"B" * 10}
+    first = threading.Event()
+    fake = GatedTransport(objects, gates={("s3://bkt/a", 0): first})
+    stream = store.get_batch(list(objects), transport=fake, hedge_after=0.01, window=1)
+    assert next(stream).data == b"A" * 10  # answered by the hedge
+    first.set()  # now the original answers too, while the stream is still running
+    assert [e.data for e in stream] == [b"B" * 10]
+    assert stream.stats.items == 2
+
+
+def test_adaptive_hedge_delay_follows_p95_with_a_floor():
+    engine = _Engine(iter(()), **_engine_defaults())
+    assert engine.hedge_delay == HEDGE_FLOOR_S
+    engine.stats.latencies.extend([0.01] * 100)
+    engine._adapt_hedge_delay()
+    assert engine.hedge_delay == HEDGE_FLOOR_S  # fast peers: the floor holds
+    engine.stats.latencies.extend([1.0] * 100)
+    engine._adapt_hedge_delay()
+    assert engine.hedge_delay == pytest.approx(3.0)  # 3 x p95
+
+
+def _engine_defaults():
+    return dict(
+        continue_on_error=False,
+        window=4,
+        concurrency=2,
+        max_soft_errors=None,
+        hedge_after=None,
+        transport=GatedTransport({}),
+        retry=RetryPolicy(),
+    )
+
+
+# --- local files: semantics ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_data(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    root = store.store_root()
+    for i in range(6):
+        store.put(store.join(root, "data", f"o{i}"), obj(i))
+    members = [("a/x.wav", b"x" * 1000), ("b.txt", b"0123456789"), ("empty", b"")]
+    store.put(store.join(root, "shards", "s.tar"), _tar_bytes(members))
+    return root
+
+
+def _tar_bytes(members) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_local_order_duplicates_and_names(local_data):
+    request = [
+        "data/o3",
+        "data/o0",
+        "data/o3",
+        {"uri": "data/o1", "name": "renamed"},
+        BatchItem(uri="data/o5"),
+    ]
+    entries = list(store.get_batch(request))
+    assert [e.index for e in entries] == [0, 1, 2, 3, 4]
+    assert [e.name for e in entries] == ["data/o3", "data/o0", "data/o3", "renamed", "data/o5"]
+    assert [e.data for e in entries] == [obj(3), obj(0), obj(3), obj(1), obj(5)]
+    assert all(e.error is None for e in entries)
+
+
+def test_local_ranges(local_data):
+    request = [
+        {"uri": "data/o2", "start": 5, "length": 7},
+        {"uri": "data/o2", "start": 5},
+        {"uri": "data/o2", "start": 0, "length": 0},
+        {"uri": "data/o2", "start": len(obj(2)) - 1, "length": 1},
+    ]
+    got = [e.data for e in store.get_batch(request)]
+    assert got == [obj(2)[5:12], obj(2)[5:], b"", obj(2)[-1:]]
+
+
+def test_missing_and_bad_ranges_become_placeholders_with_continue_on_error(local_data):
+    request = [
+        "data/o0",
+        "data/missing",
+        {"uri": "data/o1", "start": 10_000},
+        {"uri": "data/o1", "start": 10, "length": 10_000},
+        "data/o2",
+    ]
+    entries = list(store.get_batch(request, continue_on_error=True))
+    assert [e.name for e in entries] == [
+        "data/o0",
+        "__404__/data/missing",
+        "__404__/data/o1",
+        "__404__/data/o1",
+        "data/o2",
+    ]
+    assert [e.data for e in entries] == [obj(0), b"", b"", b"", obj(2)]
+    assert "no object" in entries[1].error and "data/missing" in entries[1].error
+    assert "outside the object" in entries[2].error and "outside the object" in entries[3].error
+    assert entries[0].error is None and entries[4].error is None
+
+
+def test_without_continue_on_error_a_missing_item_stops_the_stream(local_data):
+    stream = store.get_batch(["data/o0", "data/o1", "data/missing", "data/o2"], window=1)
+    assert [e.data for e in (next(stream), next(stream))] == [obj(0), obj(1)]
+    with pytest.raises(BatchItemError, match=r"item 2 \(.*data/missing\)") as info:
+        next(stream)
+    assert info.value.index == 2 and info.value.item.endswith("data/missing")
+    assert list(stream) == []  # and nothing more comes out
+
+
+def test_too_many_soft_errors_abort(local_data):
+    request = ["data/o0", "data/x1", "data/x2", "data/x3", "data/o1"]
+    assert len(list(store.get_batch(request, continue_on_error=True, max_soft_errors=3))) == 5
+    with pytest.raises(TooManySoftErrors, match="max_soft_errors=2"):
+        list(store.get_batch(request, continue_on_error=True, max_soft_errors=2))
+
+
+def test_items_may_not_leave_the_store_root(local_data):
+    from functions.errors import UnsafeKey
+
+    with pytest.raises(UnsafeKey, match="item 1"):
+        list(store.get_batch(["data/o0", "data/../../secret"]))
+
+
+def test_bad_items_are_spec_errors(local_data):
+    with pytest.raises(SpecError, match="item 1"):
+        list(store.get_batch(["data/o0", {"uri": "data/o1", "start": 3, "length": 0}]))
+    with pytest.raises(ValueError):
+        store.get_batch(["data/o0"], window=0, concurrency=-1)
+
+
+def test_archpath_reads_members_and_ranges_within_them(local_data):
+    shard = "shards/s.tar"
+    request = [
+        {"uri": shard, "archpath": "a/x.wav"},
+        {"uri": shard, "archpath": "b.txt", "start": 3, "length": 4},
+        {"uri": shard, "archpath": "b.txt", "start": 8},
+        {"uri": shard, "archpath": "empty"},
+        {"uri": shard, "archpath": "b.txt", "name": "custom"},
+        "data/o4",
+    ]
+    stream = store.get_batch(request)
+    entries = list(stream)
+    assert [e.name for e in entries] == [
+        "shards/s.tar/a/x.wav",
+        "shards/s.tar/b.txt",
+        "shards/s.tar/b.txt",
+        "shards/s.tar/empty",
+        "custom",
+        "data/o4",
+    ]
+    assert [e.data for e in entries] == [b"x" * 1000, b"3456", b"89", b"", b"0123456789", obj(4)]
+    assert stream.stats.tar_indexes == 1  # one header scan serves every member of the shard
+
+
+def test_archpath_errors_are_soft(local_data):
+    request = [
+        {"uri": "shards/s.tar", "archpath": "nope.wav"},
+        {"uri": "shards/s.tar", "archpath": "b.txt", "start": 5, "length": 6},
+        {"uri": "data/o1", "archpath": "x"},  # not a TAR
+        {"uri": "shards/missing.tar", "archpath": "x"},
+        {"uri": "shards/s.tar", "archpath": "b.txt"},
+    ]
+    entries = list(store.get_batch(request, continue_on_error=True))
+    assert [e.name.startswith("__404__/") for e in entries] == [True, True, True, True, False]
+    assert "no member 'nope.wav'" in entries[0].error
+    assert "outside the object" in entries[1].error
+    assert "not an uncompressed TAR" in entries[2].error
+    assert "no object" in entries[3].error
+    assert entries[4].data == b"0123456789"
+    with pytest.raises(BatchItemError, match="item 0.*member nope.wav"):
+        list(store.get_batch(request[:1]))
+
+
+def test_same_request_gives_a_byte_identical_tar(local_data):
+    objects = {f"s3://bkt/o{i}": obj(i) for i in range(8)}
+    request = [
+        "s3://bkt/o5",
+        "s3://bkt/o1",
+        "s3://bkt/missing",
+        {"uri": "s3://bkt/o1", "start": 3, "length": 9},
+        "s3://bkt/o5",
+        "s3://bkt/o7",
+    ]
+    digests = set()
+    for delays in ([0], [9, 0, 5, 1], [1, 30, 2, 0, 7]):
+        fake = DelayedTransport(objects, delays, first_wave=4)
+        buf = io.BytesIO()
+        try:
+            write_tar(store.get_batch(request, continue_on_error=True, concurrency=4, transport=fake), buf)
+        finally:
+            fake.close()
+        digests.add(hashlib.sha256(buf.getvalue()).hexdigest())
+    assert len(digests) == 1
+
+
+# --- transport selection ------------------------------------------------------------------------------------
+
+
+def test_transport_selection(monkeypatch):
+    from functions.store.crt import CrtTransport
+
+    monkeypatch.delenv("SHARDFOLD_S3_TRANSPORT", raising=False)
+    assert isinstance(transport_mod.s3_transport(), CrtTransport)
+    monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", "boto3")
+    assert isinstance(transport_mod.s3_transport(), transport_mod.Boto3Transport)
+    monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", "curl")
+    with pytest.raises(ValueError, match="SHARDFOLD_S3_TRANSPORT"):
+        transport_mod.s3_transport()
+
+
+def test_crt_error_mapping():
+    from functions.store.crt import _error
+
+    body = b"<Error><Code>SlowDown</Code></Error>"
+    assert isinstance(_error("s3://b/k", None, 503, body), TransientError)
+    assert isinstance(_error("s3://b/k", None, 500, b""), TransientError)
+    assert isinstance(_error("s3://b/k", RuntimeError("reset"), None, None), TransientError)
+    assert isinstance(_error("s3://b/k", None, 404, b"<Code>NoSuchKey</Code>"), ObjectNotFound)
+    assert isinstance(_error("s3://b/k", None, 416, b""), InvalidRange)
+    assert "access denied" in str(_error("s3://b/k", None, 403, b"<Code>AccessDenied</Code>"))
+    from awscrt.exceptions import AwsCrtError
+
+    no_creds = AwsCrtError(1, "AWS_AUTH_CREDENTIALS_PROVIDER_CHAIN_SOURCES_EXHAUSTED", "none")
+    assert "credentials" in str(_error("s3://b/k", no_creds, None, None))
+
+
+# --- S3: boto3 under mock_aws, awscrt against a moto server -------------------------------------------------
+
+S3_OBJECTS = {f"dir/o{i}": obj(i) for i in range(12)} | {"sp ace+plus é.bin": b"weird key", "empty": b""}
+SHARD = _tar_bytes([("m/one.txt", b"member one"), ("two.bin", obj(2))])
+
+
+def _fill_bucket(client, bucket: str) -> None:
+    client.create_bucket(Bucket=bucket)
+    for key, data in S3_OBJECTS.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+    client.put_object(Bucket=bucket, Key="shard.tar", Body=SHARD)
+
+
+def _s3_request(bucket: str) -> tuple[list, list]:
+    """A request mixing everything, and the entries it must produce (name, data, is_error)."""
+    b = f"s3://{bucket}"
+    request = [
+        f"{b}/dir/o3",
+        f"{b}/dir/o0",
+        f"{b}/dir/o3",
+        {"uri": f"{b}/dir/o5", "start": 4, "length": 10},
+        {"uri": f"{b}/dir/o5", "start": 100},
+        f"{b}/sp ace+plus é.bin",
+        f"{b}/empty",
+        f"{b}/nope",
+        {"uri": f"{b}/dir/o1", "start": 10_000},
+        {"uri": f"{b}/shard.tar", "archpath": "m/one.txt", "start": 7},
+        {"uri": f"{b}/shard.tar", "archpath": "two.bin"},
+    ] + [f"{b}/dir/o{i}" for i in range(12)]
+    expected = [
+        ("dir/o3", obj(3), False),
+        ("dir/o0", obj(0), False),
+        ("dir/o3", obj(3), False),
+        ("dir/o5", obj(5)[4:14], False),
+        ("dir/o5", obj(5)[100:], False),
+        ("sp ace+plus é.bin", b"weird key", False),
+        ("empty", b"", False),
+        ("__404__/nope", b"", True),
+        ("__404__/dir/o1", b"", True),
+        ("shard.tar/m/one.txt", b"one", False),
+        ("shard.tar/two.bin", obj(2), False),
+    ] + [(f"dir/o{i}", obj(i), False) for i in range(12)]
+    return request, expected
+
+
+def _check(stream, expected) -> None:
+    got = [(e.name, e.data, e.error is not None) for e in stream]
+    assert got == expected
+
+
+@pytest.fixture
+def aws_env(monkeypatch):
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def test_s3_with_boto3_transport(aws_env, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", "boto3")
+    with mock_aws():
+        _fill_bucket(boto3.client("s3"), "gb-boto3")
+        request, expected = _s3_request("gb-boto3")
+        _check(store.get_batch(request, continue_on_error=True, concurrency=4), expected)
+        with pytest.raises(BatchItemError, match=r"item 7 \(s3://gb-boto3/nope\)"):
+            list(store.get_batch(request))
+
+
+@pytest.fixture(scope="module")
+def moto_server():
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def crt_bucket(moto_server, aws_env, monkeypatch, request):
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server)
+    monkeypatch.delenv("SHARDFOLD_S3_TRANSPORT", raising=False)  # the default: awscrt
+    bucket = f"gb-crt-{request.node.name.split('[')[0][-20:].replace('_', '-')}"
+    _fill_bucket(boto3.client("s3", endpoint_url=moto_server), bucket)
+    return bucket
+
+
+def test_s3_with_crt_transport(crt_bucket):
+    from functions.store.crt import CrtTransport
+
+    assert isinstance(transport_mod.s3_transport(), CrtTransport)
+    request, expected = _s3_request(crt_bucket)
+    _check(store.get_batch(request, continue_on_error=True, concurrency=8), expected)
+    stream = store.get_batch(request)
+    assert [e.data for e in (next(stream) for _ in range(7))] == [d for _, d, _ in expected[:7]]
+    with pytest.raises(BatchItemError, match=rf"item 7 \(s3://{crt_bucket}/nope\)"):
+        list(stream)
+
+
+class Flaky:
+    """Wraps a transport: the first read of each listed URI fails with a throttling error."""
+
+    def __init__(self, inner, uris, status=503):
+        self.inner, self.left, self.status = inner, set(uris), status
+        self.failed = 0
+        self.lock = threading.Lock()
+
+    def fetch(self, uri, start, length, done):
+        with self.lock:
+            fail = uri in self.left
+            self.left.discard(uri)
+        if fail:
+            self.failed += 1
+            threading.Thread(target=done, args=(None, TransientError("SlowDown", self.status))).start()
+            return None
+        return self.inner.fetch(uri, start, length, done)
+
+
+def test_s3_crt_injected_throttling_is_retried(crt_bucket):
+    request, expected = _s3_request(crt_bucket)
+    flaky = Flaky(transport_mod.default_transport(), [f"s3://{crt_bucket}/dir/o{i}" for i in (0, 3, 5, 7)])
+    stream = store.get_batch(request, continue_on_error=True, transport=flaky, retry=FAST_RETRY)
+    _check(stream, expected)
+    assert flaky.failed == 4 and stream.stats.retries == 4
+
+
+def test_store_get_on_moto_server(crt_bucket):
+    """The plain store calls honour the same endpoint variable (boto3 reads it)."""
+    assert store.get(f"s3://{crt_bucket}/dir/o2", 3, 5) == obj(2)[3:8]
+    assert store.exists(f"s3://{crt_bucket}/shard.tar")
+
+
+def test_crt_addressing(monkeypatch, aws_env):
+    from functions.store.crt import _Client, crt_client
+
+    aws = _Client(None, "eu-west-1")
+    assert aws.address("bkt", "a b/c+d") == ("bkt.s3.eu-west-1.amazonaws.com", "/a%20b/c%2Bd")
+    assert aws.address("my.dotted.bkt", "k") == ("s3.eu-west-1.amazonaws.com", "/my.dotted.bkt/k")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:4566/base/")
+    monkeypatch.setenv("AWS_REGION", "ap-south-1")
+    local = crt_client()
+    assert (local.host, local.region) == ("127.0.0.1:4566", "ap-south-1")
+    assert local.address("bkt", "k/x") == ("127.0.0.1:4566", "/base/bkt/k/x")

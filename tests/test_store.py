@@ -1,0 +1,297 @@
+"""The store interface on both schemes: local files and S3 (moto)."""
+
+import io
+import os
+import threading
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from functions import store
+from functions.errors import InvalidRange, ObjectNotFound, StoreError, UnsafeKey
+from functions.store import s3 as s3mod
+from functions.store import uri as urimod
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def aws_env(monkeypatch):
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+@pytest.fixture
+def local_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    return store.store_root()
+
+
+@pytest.fixture
+def s3_root(aws_env):
+    with mock_aws():
+        boto3.client("s3").create_bucket(Bucket="sf-test")
+        yield "s3://sf-test"
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request):
+    return request.getfixturevalue(f"{request.param}_root")
+
+
+# --- URIs ------------------------------------------------------------------------------------------------
+
+
+def test_store_root_is_an_absolute_file_uri(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SHARDFOLD_HOME", raising=False)
+    assert store.store_root() == f"file://{tmp_path}/.shardfold"
+    monkeypatch.setenv("SHARDFOLD_HOME", "rel/home")
+    assert store.store_root() == f"file://{tmp_path}/rel/home"
+
+
+def test_resolve_keeps_uris_and_confines_keys(local_root):
+    assert store.resolve("a/b") == local_root + "/a/b"
+    assert store.resolve("s3://bkt/k/x") == "s3://bkt/k/x"
+    assert store.resolve("file:///data/x") == "file:///data/x"  # the user's own path: allowed
+    for bad in ("../x", "a/../../x", "/etc/passwd", "file:///data/../etc/passwd", "s3://bkt/a/../b", ""):
+        with pytest.raises(UnsafeKey):
+            store.resolve(bad)
+    with pytest.raises(StoreError, match="scheme"):
+        store.resolve("gs://bucket/key")
+
+
+def test_join_split_and_names(local_root):
+    assert store.join("s3://b/x/", "/y/", "z") == "s3://b/x/y/z"
+    with pytest.raises(UnsafeKey):
+        store.join(local_root, "a/../..")
+    assert store.split_s3("s3://bucket/a/b") == ("bucket", "a/b")
+    assert store.split_s3("s3://bucket") == ("bucket", "")
+    with pytest.raises(StoreError):
+        store.split_s3("s3:///key")
+    assert store.is_s3("s3://b/k") and not store.is_s3(local_root)
+    assert urimod.default_name("s3://bkt/dir/obj.bin") == "dir/obj.bin"
+    assert urimod.default_name(local_root + "/data/x.bin") == "data/x.bin"
+    assert urimod.default_name("file:///elsewhere/x.bin") == "elsewhere/x.bin"
+
+
+# --- objects on both schemes -----------------------------------------------------------------------------
+
+
+def test_put_get_size_exists_delete(root):
+    u = store.join(root, "dir", "obj.bin")
+    assert not store.exists(u)
+    store.put(u, b"0123456789")
+    assert store.exists(u) and store.size(u) == 10
+    assert store.get(u) == b"0123456789"
+    store.put(u, b"new")  # overwrite
+    assert store.get(u) == b"new"
+    store.delete(u)
+    assert not store.exists(u)
+    store.delete(u)  # deleting a missing object is fine
+    with pytest.raises(ObjectNotFound, match="obj.bin"):
+        store.get(u)
+    with pytest.raises(ObjectNotFound):
+        store.size(u)
+
+
+@pytest.mark.parametrize(
+    ("start", "length", "want"),
+    [(0, None, b"0123456789"), (3, None, b"3456789"), (2, 3, b"234"), (0, 10, b"0123456789"), (9, 1, b"9")],
+)
+def test_ranged_get(root, start, length, want):
+    u = store.join(root, "r.bin")
+    store.put(u, b"0123456789")
+    assert store.get(u, start, length) == want
+
+
+@pytest.mark.parametrize(("start", "length"), [(10, None), (11, None), (8, 3), (0, 11), (20, 1)])
+def test_ranged_get_outside_the_object_is_invalid(root, start, length):
+    u = store.join(root, "r.bin")
+    store.put(u, b"0123456789")
+    with pytest.raises(InvalidRange, match="r.bin"):
+        store.get(u, start, length)
+
+
+def test_empty_objects_and_zero_length_reads(root):
+    u = store.join(root, "empty")
+    store.put(u, b"")
+    assert store.get(u) == b"" and store.size(u) == 0
+    assert store.get(u, 0, 0) == b""
+    with pytest.raises(InvalidRange):
+        store.get(u, 0, 1)
+    with pytest.raises(ObjectNotFound):
+        store.get(store.join(root, "nope"), 0, 0)
+
+
+def test_put_if_absent(root):
+    u = store.join(root, "once")
+    assert store.put_if_absent(u, b"first")
+    assert not store.put_if_absent(u, b"second")
+    assert store.get(u) == b"first"
+
+
+def test_put_if_absent_has_exactly_one_winner_under_contention(local_root):
+    u = store.join(local_root, "race")
+    barrier = threading.Barrier(8)
+    wins: list[bool] = []
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        wins.append(store.put_if_absent(u, f"writer-{i}".encode() * 1000))
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wins.count(True) == 1
+    data = store.get(u)
+    assert data == data[: len(data) // 1000] * 1000  # one writer's complete content
+
+
+def test_put_file_and_json(root):
+    u = store.join(root, "f.bin")
+    store.put_file(u, io.BytesIO(b"x" * 100_000))
+    assert store.get(u) == b"x" * 100_000
+    j = store.join(root, "doc.json")
+    store.put_json(j, {"a": [1, 2], "b": None})
+    assert store.get_json(j) == {"a": [1, 2], "b": None}
+    store.put(j, b"{not json")
+    with pytest.raises(StoreError, match="not valid JSON"):
+        store.get_json(j)
+
+
+def test_list_and_delete_prefix(root):
+    keys = ["jobs/a/1", "jobs/a/2/x", "jobs/ab", "jobs/b/1", "other"]
+    for k in keys:
+        store.put(store.join(root, k), k.encode())
+    assert store.list_uris(store.join(root, "jobs/a") + "/") == [store.join(root, k) for k in keys[:2]]
+    assert store.list_uris(store.join(root, "jobs/a")) == [store.join(root, k) for k in keys[:3]]
+    assert store.list_uris(store.join(root, "nothing") + "/") == []
+    assert store.delete_prefix(store.join(root, "jobs/a") + "/") == 2
+    assert store.list_uris(store.join(root, "jobs")) == [store.join(root, k) for k in keys[2:4]]
+    assert store.exists(store.join(root, "other"))
+
+
+def test_local_delete_prefix_prunes_emptied_directories(local_root):
+    base = local_root.removeprefix("file://")
+    store.put(store.join(local_root, "jobs/j1/a/b/c"), b"1")
+    store.put(store.join(local_root, "jobs/j2/x"), b"2")
+    store.delete_prefix(store.join(local_root, "jobs/j1") + "/")
+    assert not os.path.exists(base + "/jobs/j1") and os.path.isfile(base + "/jobs/j2/x")
+
+
+def test_relative_keys_use_the_store_root(local_root):
+    store.put("k/v.txt", b"v")
+    assert store.get(local_root + "/k/v.txt") == b"v"
+    assert os.path.isfile(local_root.removeprefix("file://") + "/k/v.txt")
+    with pytest.raises(UnsafeKey):
+        store.put("../escape.txt", b"x")
+
+
+def test_local_temporaries_are_invisible(local_root):
+    store.put(store.join(local_root, "d/x"), b"1")
+    leftovers = [n for n in os.listdir(local_root.removeprefix("file://") + "/d") if n != "x"]
+    assert leftovers == []
+    open(local_root.removeprefix("file://") + "/d/.sf-tmp-x.123", "wb").close()  # a crashed writer's
+    assert store.list_uris(store.join(local_root, "d") + "/") == [store.join(local_root, "d/x")]
+
+
+# --- assemble --------------------------------------------------------------------------------------------
+
+
+def test_assemble_small_parts(root):
+    parts = [store.join(root, f"p{i}") for i in range(4)]
+    for i, p in enumerate(parts):
+        store.put(p, bytes([65 + i]) * (i * 10))
+    dest = store.join(root, "out")
+    store.assemble(parts, dest)
+    assert store.get(dest) == b"".join(store.get(p) for p in parts)
+    with pytest.raises(ObjectNotFound, match="p9"):
+        store.assemble([parts[0], store.join(root, "p9")], store.join(root, "out2"))
+    assert not store.exists(store.join(root, "out2"))
+
+
+def _multipart_calls(monkeypatch) -> dict[str, int]:
+    calls = {"upload_part_copy": 0, "upload_part": 0}
+    client = s3mod.s3_client()
+    for name in calls:
+        real = getattr(client, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(client, name, counted)
+    return calls
+
+
+def test_assemble_on_s3_copies_big_parts_server_side(s3_root, monkeypatch):
+    sizes = [5 * MiB, 5 * MiB + 7, 1000]
+    parts = [store.join(s3_root, f"big{i}") for i in range(len(sizes))]
+    for i, (p, n) in enumerate(zip(parts, sizes, strict=True)):
+        store.put(p, bytes([i + 1]) * n)
+    calls = _multipart_calls(monkeypatch)
+    dest = store.join(s3_root, "assembled")
+    store.assemble(parts, dest)
+    assert store.get(dest) == b"".join(bytes([i + 1]) * n for i, n in enumerate(sizes))
+    assert calls == {"upload_part_copy": 3, "upload_part": 0}
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [1000, 5 * MiB, 2000],  # a small part before a big one: coalesced through memory
+        [3 * MiB, 3 * MiB, 1, 0, 2 * MiB],  # only small parts, summing past 5 MiB
+        [6 * MiB, 100, 6 * MiB],  # small part between big ones
+    ],
+)
+def test_assemble_on_s3_handles_small_parts(s3_root, sizes):
+    parts = [store.join(s3_root, f"mix{i}") for i in range(len(sizes))]
+    for i, (p, n) in enumerate(zip(parts, sizes, strict=True)):
+        store.put(p, bytes([i + 1]) * n)
+    dest = store.join(s3_root, "assembled")
+    store.assemble(parts, dest)
+    assert store.get(dest) == b"".join(bytes([i + 1]) * n for i, n in enumerate(sizes))
+
+
+def test_assemble_refuses_mixed_schemes(local_root):
+    with pytest.raises(StoreError, match="all"):
+        store.assemble(["s3://bkt/a"], store.join(local_root, "x"))
+
+
+# --- S3 specifics ----------------------------------------------------------------------------------------
+
+
+def test_s3_client_is_cached_per_process_and_endpoint(aws_env, monkeypatch):
+    a = s3mod.s3_client()
+    assert s3mod.s3_client() is a
+    assert s3mod.s3_client(retries=False) is not a
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    b = s3mod.s3_client()
+    assert b is not a and b.meta.endpoint_url == "http://127.0.0.1:9"
+    assert a.meta.config.max_pool_connections >= 64
+
+
+def test_s3_errors_are_translated(s3_root):
+    with pytest.raises(ObjectNotFound, match="bucket"):
+        store.get("s3://no-such-bucket/x")
+    from botocore.exceptions import ClientError
+
+    from functions.store.retry import TransientError
+
+    def err(code: str, status: int) -> ClientError:
+        return ClientError(
+            {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+        )
+
+    assert isinstance(s3mod.translate(err("SlowDown", 503), "s3://b/k", "GET"), TransientError)
+    assert isinstance(s3mod.translate(err("InternalError", 500), "s3://b/k", "GET"), TransientError)
+    assert isinstance(s3mod.translate(err("InvalidRange", 416), "s3://b/k", "GET"), InvalidRange)
+    denied = s3mod.translate(err("AccessDenied", 403), "s3://b/k", "GET")
+    assert isinstance(denied, StoreError) and "access denied" in str(denied)
