@@ -1,0 +1,168 @@
+"""Pure core of the ``getbatch`` job: plan → gather parts → assemble.
+
+* **plan** splits the request into parts of ``items_per_part`` items, writes each part's item list and a
+  manifest listing the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
+  through the control plane.
+* **gather** fetches one part with the GetBatch engine and writes it as a TAR *fragment* (members only, no
+  end-of-archive marker) plus its per-item status rows.
+* **assemble** concatenates the fragments and a TAR trailer into one archive server-side, writes the
+  per-item status manifest and the job result, then removes the temporaries.
+
+Every object goes to a key derived from (job id, stage, part), so retries and resumes overwrite identical
+bytes and never double-count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+from functions import store
+from functions.errors import SpecError, TooManySoftErrors
+from functions.manifest import manifest_ref
+from functions.specs import BatchItem, GetBatchJob
+from functions.store.tar import TAR_TRAILER, write_tar
+from functions.store.uri import join, resolve
+
+logger = Logger(service="shardfold")
+
+STAGE = "getbatch"
+# A gather task spills its TAR fragment to disk beyond this, so a part's memory stays O(window).
+SPOOL_BYTES = 64 * 1024 * 1024
+
+
+def job_uri(store_root: str, job_id: str, *parts: str) -> str:
+    return join(store_root, "jobs", job_id, *parts)
+
+
+def output_uri(spec: GetBatchJob, store_root: str, job_id: str) -> str:
+    if spec.output:
+        return resolve_in(spec.output, store_root)
+    return job_uri(store_root, job_id, "output", "batch.tar")
+
+
+def resolve_in(uri: str, store_root: str) -> str:
+    """A URI as given, or a relative key under ``store_root`` (the bucket on AWS, ``.shardfold/`` locally)."""
+    if "://" in uri:
+        return resolve(uri)
+    return join(store_root, uri)
+
+
+def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
+    """The request's items, from the spec or from its manifest (a JSON array or JSON Lines of items)."""
+    if spec.items is not None:
+        raw: list[Any] = [i.model_dump(exclude_none=True) for i in spec.items]
+    else:
+        assert spec.manifest is not None  # the spec validator guarantees one source
+        text = store.get(resolve_in(spec.manifest, store_root)).decode("utf-8")
+        stripped = text.lstrip()
+        try:
+            if stripped.startswith("["):
+                raw = json.loads(text)
+            else:
+                raw = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"manifest {spec.manifest}: not a JSON array or JSON Lines of items ({exc})") from exc
+        if not raw:
+            raise SpecError(f"manifest {spec.manifest} lists no items")
+    items = []
+    errors = []
+    for i, doc in enumerate(raw):
+        if isinstance(doc, str):  # a bare URI is shorthand for a whole object
+            doc = {"uri": doc}
+        try:
+            item = BatchItem.model_validate(doc)
+        except ValueError as exc:
+            errors.append({"field": f"items.{i}", "error": str(exc).splitlines()[-1].strip()})
+            continue
+        items.append(item.model_copy(update={"uri": resolve_in(item.uri, store_root)}))
+    if errors:
+        summary = "; ".join(f"{e['field']}: {e['error']}" for e in errors[:10])
+        raise SpecError(f"{len(errors)} invalid item(s): {summary}", errors)
+    return items
+
+
+def plan(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
+    """Split the request into parts and write their item lists and the part manifest."""
+    items = load_items(spec, store_root)
+    size = spec.items_per_part
+    n_parts = math.ceil(len(items) / size)
+    manifest = []
+    for p in range(n_parts):
+        chunk = items[p * size : (p + 1) * size]
+        uri = job_uri(store_root, job_id, STAGE, "parts", f"{p:05d}.json")
+        store.put_json(uri, [i.model_dump(exclude_none=True) for i in chunk])
+        manifest.append({"part": p, "first": p * size, "count": len(chunk)})
+    manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
+    store.put_json(manifest_uri, manifest)
+    logger.info("planned getbatch", extra={"job_id": job_id, "items": len(items), "parts": n_parts})
+    return {"manifest": manifest_ref(manifest_uri, n_parts), "parts": n_parts, "items": len(items)}
+
+
+def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int) -> dict:
+    """Fetch one part in request order and write its TAR fragment and status rows."""
+    items = [BatchItem.model_validate(d) for d in store.get_json(_part_uri(store_root, job_id, part))]
+    entries = store.get_batch(
+        items, continue_on_error=spec.continue_on_error, max_soft_errors=spec.max_soft_errors
+    )
+    with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as frag:
+        rows = write_tar(entries, frag, end_of_archive=False)
+        frag.seek(0)
+        store.put_file(_fragment_uri(store_root, job_id, part), frag)
+    first = part * spec.items_per_part
+    for row in rows:
+        row["index"] += first
+    store.put_json(_status_uri(store_root, job_id, part), rows)
+    errors = sum(1 for r in rows if r["error"])
+    return {"part": part, "items": len(rows), "errors": errors, "bytes": sum(r["size"] for r in rows)}
+
+
+def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dict:
+    """Join the fragments into the archive, write the status manifest and the result, clean up."""
+    result_uri = job_uri(store_root, job_id, "result.json")
+    if store.exists(result_uri):  # a retried assemble after success: the committed result stands
+        return store.get_json(result_uri)
+    rows: list[dict] = []
+    for p in range(parts):
+        rows.extend(store.get_json(_status_uri(store_root, job_id, p)))
+    failed = [r for r in rows if r["error"]]
+    if spec.max_soft_errors is not None and len(failed) > spec.max_soft_errors:
+        raise TooManySoftErrors(
+            f"{len(failed)} items failed, more than max_soft_errors={spec.max_soft_errors}; "
+            f"first: item {failed[0]['index']} ({failed[0]['error']})"
+        )
+    out = output_uri(spec, store_root, job_id)
+    trailer = job_uri(store_root, job_id, STAGE, "fragments", "trailer.tar")
+    store.put(trailer, TAR_TRAILER)
+    store.assemble([_fragment_uri(store_root, job_id, p) for p in range(parts)] + [trailer], out)
+    status = job_uri(store_root, job_id, "output", "status.jsonl")
+    store.put(status, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
+    result = {
+        "job_id": job_id,
+        "kind": "getbatch",
+        "archive": out,
+        "status": status,
+        "items": len(rows),
+        "errors": len(failed),
+        "bytes": sum(r["size"] for r in rows),
+        "parts": parts,
+    }
+    store.put_json(result_uri, result)
+    store.delete_prefix(job_uri(store_root, job_id, STAGE, "fragments") + "/")
+    return result
+
+
+def _part_uri(root: str, job_id: str, part: int) -> str:
+    return job_uri(root, job_id, STAGE, "parts", f"{part:05d}.json")
+
+
+def _fragment_uri(root: str, job_id: str, part: int) -> str:
+    return job_uri(root, job_id, STAGE, "fragments", f"{part:05d}.tar")
+
+
+def _status_uri(root: str, job_id: str, part: int) -> str:
+    return job_uri(root, job_id, STAGE, "status", f"{part:05d}.json")

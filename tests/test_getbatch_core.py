@@ -1,0 +1,108 @@
+"""The getbatch job's pure core on the local store: plan → gather → assemble."""
+
+import io
+import json
+import tarfile
+
+import pytest
+
+from functions import store
+from functions.errors import BatchItemError, SpecError, TooManySoftErrors
+from functions.getbatch import core
+from functions.specs import GetBatchJob
+from functions.store.tar import write_tar
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    r = store.uri.store_root()
+    for i in range(23):
+        store.put(store.uri.join(r, "data", f"obj-{i:03d}.bin"), bytes([i]) * (100 + i))
+    return r
+
+
+def run_job(spec: GetBatchJob, root: str, job_id: str = "getbatch-20260101T000000-abcdef") -> dict:
+    planned = core.plan(spec, job_id, root)
+    for part in store.get_json(planned["manifest"]["uri"]):
+        core.gather(spec, job_id, root, part["part"])
+    return core.assemble(spec, job_id, root, planned["parts"])
+
+
+def members(uri: str) -> list[tuple[str, bytes]]:
+    with tarfile.open(fileobj=io.BytesIO(store.get(uri))) as tf:
+        return [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()]
+
+
+@pytest.mark.parametrize("items_per_part", [1, 4, 7, 23, 100])
+def test_archive_equals_single_tar_of_whole_request(root, items_per_part):
+    uris = [f"data/obj-{i:03d}.bin" for i in (5, 0, 22, 5, 9, 3, 17, 1, 1, 12)]
+    spec = GetBatchJob(items=[{"uri": u} for u in uris], items_per_part=items_per_part)
+    result = run_job(spec, root)
+    assert result["items"] == len(uris) and result["errors"] == 0
+    got = members(result["archive"])
+    assert [data for _, data in got] == [store.get(store.uri.join(root, u)) for u in uris]
+    # byte-identical to one deterministic TAR of the whole request, whatever the part size
+    whole = io.BytesIO()
+    write_tar(store.get_batch([{"uri": store.uri.join(root, u)} for u in uris]), whole)
+    assert store.get(result["archive"]) == whole.getvalue()
+    # temporaries removed, status manifest complete and in order
+    assert not store.list_uris(core.job_uri(root, "getbatch-20260101T000000-abcdef", "getbatch", "fragments"))
+    rows = [json.loads(line) for line in store.get(result["status"]).decode().splitlines()]
+    assert [r["index"] for r in rows] == list(range(len(uris)))
+
+
+def test_missing_item_with_continue_on_error_keeps_neighbours(root):
+    spec = GetBatchJob(
+        items=[{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}, {"uri": "data/obj-002.bin"}],
+        continue_on_error=True,
+        items_per_part=2,
+    )
+    result = run_job(spec, root)
+    got = members(result["archive"])
+    assert got[0][1] == bytes([1]) * 101 and got[2][1] == bytes([2]) * 102
+    assert got[1][0].startswith("__404__/") and got[1][1] == b""
+    assert result["errors"] == 1
+    rows = [json.loads(line) for line in store.get(result["status"]).decode().splitlines()]
+    assert rows[1]["error"] and "nope.bin" in rows[1]["name"]
+
+
+def test_missing_item_strict_fails_and_writes_no_archive(root):
+    spec = GetBatchJob(items=[{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}])
+    job_id = "getbatch-20260101T000000-000001"
+    planned = core.plan(spec, job_id, root)
+    with pytest.raises(BatchItemError, match="nope.bin"):
+        core.gather(spec, job_id, root, 0)
+    assert planned["parts"] == 1
+    assert not store.exists(core.output_uri(spec, root, job_id))
+    assert not store.exists(core.job_uri(root, job_id, "result.json"))
+
+
+def test_soft_error_budget_is_enforced_across_parts(root):
+    items = [{"uri": f"data/missing-{i}.bin"} for i in range(3)] + [{"uri": "data/obj-001.bin"}]
+    spec = GetBatchJob(items=items, continue_on_error=True, max_soft_errors=2, items_per_part=1)
+    with pytest.raises(TooManySoftErrors, match="max_soft_errors=2"):
+        run_job(spec, root)
+
+
+def test_manifest_jsonl_and_bare_uris(root):
+    manifest = store.uri.join(root, "requests", "r.jsonl")
+    store.put(manifest, b'"data/obj-004.bin"\n{"uri": "data/obj-006.bin", "start": 2, "length": 3}\n')
+    result = run_job(GetBatchJob(manifest="requests/r.jsonl"), root)
+    got = members(result["archive"])
+    assert [d for _, d in got] == [bytes([4]) * 104, bytes([6]) * 3]
+
+
+def test_bad_manifest_item_is_named(root):
+    manifest = store.uri.join(root, "requests", "bad.json")
+    store.put(manifest, json.dumps([{"uri": "data/obj-001.bin"}, {"uri": "x", "start": -1}]).encode())
+    with pytest.raises(SpecError, match=r"items\.1"):
+        core.plan(GetBatchJob(manifest="requests/bad.json"), "getbatch-20260101T000000-000002", root)
+
+
+def test_assemble_is_idempotent(root):
+    spec = GetBatchJob(items=[{"uri": "data/obj-001.bin"}, {"uri": "data/obj-002.bin"}], items_per_part=1)
+    job_id = "getbatch-20260101T000000-000003"
+    first = run_job(spec, root, job_id)
+    again = core.assemble(spec, job_id, root, 2)
+    assert again == first
