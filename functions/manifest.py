@@ -29,7 +29,9 @@ def write_manifest(uri: str, items: list[Any]) -> dict[str, Any]:
 
 
 def is_manifest_ref(value: Any) -> bool:
-    return isinstance(value, dict) and isinstance(value.get("uri"), str) and "bucket" in value and "key" in value
+    return (
+        isinstance(value, dict) and isinstance(value.get("uri"), str) and "bucket" in value and "key" in value
+    )
 
 
 def read_manifest(ref: dict[str, Any]) -> list[Any]:

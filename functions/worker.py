@@ -1,0 +1,45 @@
+"""Entry point of the AWS Batch container (GPU stages): ``python -m functions.worker``.
+
+The state machine's ``batch:submitJob.sync`` task passes everything in container environment variables:
+``SHARDFOLD_HANDLER`` (``module:function``), ``SHARDFOLD_FUNCTION`` (the registered name, for logs) and
+``SHARDFOLD_EVENT`` (the state as JSON). The handler's result is discarded (outputs go to the store); a
+raised exception fails the Batch job, which fails the task. The moto harness calls :func:`run` in-process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+logger = Logger(service="shardfold")
+
+
+def run(environ: Mapping[str, str]) -> Any:
+    """Call the handler named in ``environ`` with its event; return its result."""
+    path = environ.get("SHARDFOLD_HANDLER", "")
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise RuntimeError(f"SHARDFOLD_HANDLER must be 'module:function', got {path!r}")
+    event = json.loads(environ.get("SHARDFOLD_EVENT") or "{}")
+    handler = getattr(importlib.import_module(module), name)
+    logger.info("batch worker start", extra={"function": environ.get("SHARDFOLD_FUNCTION"), "handler": path})
+    return handler(event, None)
+
+
+def main() -> int:
+    try:
+        run(os.environ)
+    except Exception:
+        logger.exception("batch worker failed", extra={"function": os.environ.get("SHARDFOLD_FUNCTION")})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""What every executor shares: the job status record, the executor interface, the error wording.
+
+``jobs/<id>/status.json`` (relative to the store root) is the executor-maintained record of a job:
+``{job_id, kind, backend, state, started_at, ended_at, error, steps, spec_uri, execution_arn?}``. The
+local executor keeps it current while it runs; the AWS executor writes it on start and whenever it
+observes a change, so ``status`` works from any process.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+from functions import store
+from functions.errors import JobNotFound, ObjectNotFound
+from functions.jobs import status_key
+from functions.store.uri import join
+
+JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
+# Step Functions prefixes a States.Runtime cause with where it happened; our Fail states already say so.
+_DECORATION = re.compile(
+    r"^An error occurred while executing the state '[^']*' \(entered at the event id #\d+\)\. "
+)
+TERMINAL: frozenset[str] = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
+
+@dataclass
+class JobStatus:
+    """A job's state and per-step progress (``steps[name] = {"done": int, "total": int | None}``)."""
+
+    job_id: str
+    kind: str
+    state: JobState
+    steps: dict[str, dict[str, int | None]] = field(default_factory=dict)
+    error: str | None = None
+    backend: str = "local"
+    started_at: str | None = None
+    ended_at: str | None = None
+    spec_uri: str | None = None
+    execution_arn: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    def to_record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> JobStatus:
+        known = {k: record.get(k) for k in cls.__dataclass_fields__ if k in record}
+        known.setdefault("steps", {})
+        known["steps"] = known["steps"] or {}
+        return cls(**known)
+
+
+ProgressCallback = Callable[[JobStatus], None]
+
+
+class Executor(Protocol):
+    """Implemented by :class:`orchestrator.local.LocalExecutor` and :class:`orchestrator.aws.AwsExecutor`."""
+
+    backend: str
+
+    def start(self, job_id: str, kind: str, spec_uri: str) -> None: ...
+
+    def status(self, job_id: str) -> JobStatus: ...
+
+    def wait(
+        self, job_id: str, on_progress: ProgressCallback | None = None, timeout_s: float | None = None
+    ) -> JobStatus: ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def resume(self, job_id: str) -> None: ...
+
+    def jobs(self) -> list[JobStatus]: ...
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def step_error(step: str, index: int | None, error: str, message: str) -> str:
+    """The one wording of a failed step, shared by both executors (and the ASL Fail states' prefix)."""
+    at = f" (item {index})" if index is not None else ""
+    return f"step {step}{at} failed: {error}: {message}"
+
+
+def tidy_cause(cause: str, error: str = "Error") -> str:
+    """Turn ``step s (item i) failed: {"errorType": ..., "errorMessage": ...}`` (an ASL Fail cause built
+    from a Lambda error payload) into the executors' shared wording ``step s (item i) failed: T: message``.
+    ``error`` is the failure's error name, used when the cause carries no payload (e.g. States.Timeout)."""
+    cause = _DECORATION.sub("", cause)
+    head, sep, tail = cause.partition(" failed: ")
+    if not sep:
+        return cause
+    if not tail.strip():
+        return f"{head} failed: {error}"
+    try:
+        payload = json.loads(tail)
+    except (json.JSONDecodeError, TypeError):
+        return f"{head} failed: {error}: {tail}" if not tail.startswith(f"{error}:") else cause
+    if isinstance(payload, dict) and "errorMessage" in payload:  # a Lambda function's error
+        return f"{head} failed: {payload.get('errorType', error)}: {payload['errorMessage']}"
+    if isinstance(payload, dict) and "StatusReason" in payload:  # a Batch job's description (.sync)
+        return f"{head} failed: {error}: {payload['StatusReason']}"
+    return cause
+
+
+def status_uri(store_root: str, job_id: str) -> str:
+    return join(store_root, status_key(job_id))
+
+
+def read_status(store_root: str, job_id: str) -> dict[str, Any]:
+    try:
+        return store.get_json(status_uri(store_root, job_id))
+    except ObjectNotFound as exc:
+        raise JobNotFound(
+            f"no job {job_id!r} under {store_root}: check the id with `shardfold jobs`"
+        ) from exc
+
+
+def write_status(store_root: str, status: JobStatus) -> None:
+    store.put_json(status_uri(store_root, status.job_id), status.to_record())

@@ -1,0 +1,103 @@
+"""Call one handler the way Lambda would, outside Lambda (local executor, moto harness, ``shardfold invoke``).
+
+The event and the result go through JSON, as they do on Lambda, so a handler that returns something
+Lambda could not serialise, or a result over the 256 KiB state limit, fails here too. Any failure comes
+back as :class:`HandlerFailed` carrying the error name Step Functions would see (the exception's class
+name), so retry policies match the same names on every backend. ``HandlerFailed`` pickles cleanly, which
+lets a process-pool worker report any exception (even one whose constructor takes extra arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+from functions.errors import ShardfoldError
+from orchestrator.registry import import_handler
+
+logger = Logger(service="shardfold")
+
+MAX_STATE_BYTES = 256 * 1024  # Step Functions' limit on a state's input/output
+
+
+class HandlerFailed(Exception):
+    """A handler raised. ``error`` is the Step Functions error name; ``user_error`` marks ShardfoldError."""
+
+    def __init__(self, error: str, message: str, user_error: bool = False, trace: str = ""):
+        super().__init__(error, message, user_error, trace)
+        self.error = error
+        self.message = message
+        self.user_error = user_error
+        self.trace = trace
+
+    def __str__(self) -> str:
+        return f"{self.error}: {self.message}"
+
+    def payload(self) -> dict[str, Any]:
+        """Lambda's error payload for an unhandled exception."""
+        return {
+            "errorType": self.error,
+            "errorMessage": self.message,
+            "stackTrace": self.trace.splitlines()[-20:],
+        }
+
+
+@dataclass
+class LocalContext:
+    """The parts of Lambda's context object handlers and Powertools use."""
+
+    function_name: str
+    memory_limit_in_mb: int = 1024
+    timeout_s: int = 900
+    invoked_function_arn: str = ""
+    aws_request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    function_version: str = "$LATEST"
+    log_group_name: str = "local"
+    log_stream_name: str = "local"
+    _deadline: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._deadline = time.monotonic() + self.timeout_s
+        if not self.invoked_function_arn:
+            self.invoked_function_arn = f"arn:aws:lambda:local:000000000000:function:{self.function_name}"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return max(0, int((self._deadline - time.monotonic()) * 1000))
+
+
+class ResultTooLarge(Exception):
+    """A handler returned more than a state may hold; it must write data to the store instead."""
+
+
+def call(
+    handler_path: str,
+    event: dict[str, Any],
+    *,
+    function_name: str,
+    memory_mb: int = 1024,
+    timeout_s: int = 900,
+) -> Any:
+    """Run the handler at ``handler_path`` on a JSON copy of ``event``; return its JSON-normalised result."""
+    try:
+        handler = import_handler(handler_path)
+        payload = json.loads(json.dumps(event))
+        context = LocalContext(function_name=function_name, memory_limit_in_mb=memory_mb, timeout_s=timeout_s)
+        result = handler(payload, context)
+        text = json.dumps(result)
+        if len(text.encode()) > MAX_STATE_BYTES:
+            raise ResultTooLarge(
+                f"{function_name} returned {len(text.encode())} bytes; a task result must stay under "
+                f"{MAX_STATE_BYTES} bytes: write data to the store and return its URI"
+            )
+        return json.loads(text)
+    except Exception as exc:
+        name = "States.DataLimitExceeded" if isinstance(exc, ResultTooLarge) else type(exc).__name__
+        if isinstance(exc, TypeError | ValueError) and "JSON serializable" in str(exc):
+            name = "States.Runtime"
+        raise HandlerFailed(name, str(exc), isinstance(exc, ShardfoldError), traceback.format_exc()) from None

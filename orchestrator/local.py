@@ -1,0 +1,603 @@
+"""LocalExecutor: runs a workflow in this process, with the data-flow rule the compiled ASL follows.
+
+* Tasks marked ``mode="thread"`` run on threads (I/O-bound), ``mode="process"`` in a process pool
+  (CPU-bound; spawned workers, so no fork-with-threads hazards). Map children run on a thread pool of
+  ``max_concurrency`` (default: ``threads``), Parallel branches on one thread each.
+* Retries follow the plan's :class:`~orchestrator.plan.Retry` list with ASL semantics. User errors
+  (:class:`ShardfoldError`) are never retried.
+* A journal under ``<store_root>/jobs/<id>/journal/`` holds one marker per finished task, Map item step,
+  Map and Parallel (written put-if-absent, with the step's small result), so :meth:`resume` re-runs only
+  what has not finished, and a retried or resumed step never commits twice.
+* :meth:`cancel` sets a flag and writes ``jobs/<id>/cancel`` (so another process's ``shardfold cancel``
+  works too); it is checked between tasks and during retry back-off, and the job ends CANCELLED.
+* ``jobs/<id>/status.json`` is kept current (at most every ``status_interval_s`` while running).
+
+A failed task fails the job with an error naming the step, the Map item and the handler's message; what
+earlier tasks committed stays in the store.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+from functions import store
+from functions.errors import JobNotFound, PlanError, ShardfoldError
+from functions.jobs import job_key
+from functions.manifest import is_manifest_ref, read_manifest
+from functions.store.uri import is_file, join, local_path
+from functions.store.uri import store_root as default_store_root
+from orchestrator.executors import (
+    JobStatus,
+    ProgressCallback,
+    now,
+    read_status,
+    step_error,
+    write_status,
+)
+from orchestrator.invoke import HandlerFailed, call
+from orchestrator.plan import BatchJob, Map, Parallel, Step, Task, Workflow, selectable
+from orchestrator.registry import handler_path
+
+logger = Logger(service="shardfold")
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _StepFailed(Exception):
+    """A step failed for good (retries exhausted or not retryable); the message is the job's error."""
+
+
+@dataclass
+class _Run:
+    workflow: Workflow
+    input: dict[str, Any]
+    status: JobStatus
+    journal: str
+    cancel_uri: str
+    done: set[str]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    version: int = 0
+    thread: threading.Thread | None = None
+    last_status_write: float = 0.0
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+    max_state_bytes: int = 0
+
+    def snapshot(self) -> JobStatus:
+        with self.cond:
+            s = self.status
+            return JobStatus(**{**s.to_record(), "steps": {k: dict(v) for k, v in s.steps.items()}})
+
+
+def _key(scope: tuple[str, ...], name: str) -> str:
+    return "/".join((*scope, name))
+
+
+def _lookup(state: dict[str, Any], path: str) -> Any:
+    node: Any = state
+    for part in path.removeprefix("$.").split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _progress_steps(steps: tuple[Step, ...]) -> Iterator[Step]:
+    """Steps shown in progress: all but those inside Map bodies (their work shows as the Map's items)."""
+    for step in steps:
+        yield step
+        if isinstance(step, Parallel):
+            for branch in step.branches:
+                yield from _progress_steps(branch)
+
+
+class LocalExecutor:
+    """Runs workflows in-process. ``retry_delay_scale`` multiplies retry back-off (tests use 0)."""
+
+    backend = "local"
+
+    def __init__(
+        self,
+        store_root: str | None = None,
+        workflows: Mapping[str, Workflow] | None = None,
+        *,
+        threads: int = 16,
+        processes: int | None = None,
+        retry_delay_scale: float = 1.0,
+        status_interval_s: float = 0.5,
+    ):
+        if workflows is None:
+            from orchestrator.workflows import WORKFLOWS
+
+            workflows = WORKFLOWS
+        self.store_root = (store_root or default_store_root()).rstrip("/")
+        self.workflows = workflows
+        self.threads = threads
+        self.processes = processes or os.cpu_count() or 2
+        self.retry_delay_scale = retry_delay_scale
+        self.status_interval_s = status_interval_s
+        self._runs: dict[str, _Run] = {}
+        self._lock = threading.Lock()
+        self._pool: cf.ProcessPoolExecutor | None = None
+
+    # --- executor interface ----------------------------------------------------------------------------
+
+    def start(self, job_id: str, kind: str, spec_uri: str) -> None:
+        """Start the job on a background thread and return."""
+        workflow = self._workflow(kind)
+        with self._lock:
+            if job_id in self._runs or store.exists(self._uri(job_id, "status.json")):
+                raise ShardfoldError(f"job {job_id} already exists; use resume to continue it")
+            run = self._new_run(job_id, workflow, spec_uri, started_at=now())
+            self._runs[job_id] = run
+        self._launch(run)
+
+    def status(self, job_id: str) -> JobStatus:
+        run = self._runs.get(job_id)
+        if run is not None:
+            return run.snapshot()
+        return JobStatus.from_record(read_status(self.store_root, job_id))
+
+    def wait(
+        self, job_id: str, on_progress: ProgressCallback | None = None, timeout_s: float | None = None
+    ) -> JobStatus:
+        """Block until the job ends (or ``timeout_s`` passes); call ``on_progress`` on every change seen."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        run = self._runs.get(job_id)
+        if run is None:
+            return self._poll_record(job_id, on_progress, deadline)
+        seen = -1
+        while True:
+            with run.cond:
+                while run.version == seen and not run.status.finished:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    run.cond.wait(timeout=1.0 if left is None else min(left, 1.0))
+                seen = run.version
+            snap = run.snapshot()
+            if on_progress is not None:
+                on_progress(snap)
+            if snap.finished or (deadline is not None and time.monotonic() >= deadline):
+                return snap
+
+    def cancel(self, job_id: str) -> None:
+        """Ask the job to stop; it ends CANCELLED once the tasks now running return."""
+        run = self._runs.get(job_id)
+        if self.status(job_id).finished:  # (JobNotFound for an unknown id)
+            return
+        store.put(self._uri(job_id, "cancel"), now().encode())
+        if run is not None:
+            run.cancel.set()
+            self._notify(run)
+
+    def resume(self, job_id: str) -> None:
+        """Re-run only the unfinished steps of a failed, cancelled or interrupted job (in the background)."""
+        with self._lock:
+            old = self._runs.get(job_id)
+            if old is not None and not old.snapshot().finished:
+                raise ShardfoldError(f"job {job_id} is still running; wait for it or cancel it first")
+            record = read_status(self.store_root, job_id)
+            if record.get("state") == "SUCCEEDED":
+                logger.info("nothing to resume", extra={"job_id": job_id})
+                return
+            workflow = self._workflow(record["kind"])
+            if store.exists(self._uri(job_id, "cancel")):
+                store.delete(self._uri(job_id, "cancel"))
+            run = self._new_run(job_id, workflow, record["spec_uri"], started_at=record.get("started_at"))
+            self._runs[job_id] = run
+        logger.info("resuming", extra={"job_id": job_id, "finished_steps": len(run.done)})
+        self._launch(run)
+
+    def jobs(self) -> list[JobStatus]:
+        out = [self.status(job_id) for job_id in self._job_ids()]
+        return sorted(out, key=lambda s: (s.started_at or "", s.job_id))
+
+    def close(self) -> None:
+        """Shut the process pool down (running jobs keep their threads)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> LocalExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def max_state_bytes(self, job_id: str) -> int:
+        """Largest state (JSON bytes) this executor passed to a handler for ``job_id`` in this process."""
+        run = self._runs.get(job_id)
+        if run is None:
+            raise JobNotFound(f"job {job_id} has not run in this executor")
+        return run.max_state_bytes
+
+    # --- set-up ------------------------------------------------------------------------------------------
+
+    def _workflow(self, kind: str) -> Workflow:
+        try:
+            return self.workflows[kind]
+        except KeyError:
+            raise PlanError(f"unknown job kind {kind!r}; known: {sorted(self.workflows)}") from None
+
+    def _uri(self, job_id: str, *parts: str) -> str:
+        return join(self.store_root, job_key(job_id, *parts))
+
+    def _new_run(self, job_id: str, workflow: Workflow, spec_uri: str, started_at: str | None) -> _Run:
+        journal = self._uri(job_id, "journal")
+        done = self._journal_keys(journal)
+        steps: dict[str, dict[str, int | None]] = {}
+        for step in _progress_steps(workflow.steps):
+            total = None if isinstance(step, Map) else 1
+            steps[step.name] = {"done": 0, "total": total}
+            if step.name in done:
+                marker = store.get_json(self._marker_uri(journal, step.name))
+                total = marker.get("items", 1)
+                steps[step.name] = {"done": total, "total": total}
+        status = JobStatus(
+            job_id=job_id,
+            kind=workflow.kind,
+            state="RUNNING",
+            steps=steps,
+            backend=self.backend,
+            started_at=started_at,
+            spec_uri=spec_uri,
+        )
+        run_input = {"job_id": job_id, "spec_uri": spec_uri, "store_root": self.store_root}
+        return _Run(workflow, run_input, status, journal, self._uri(job_id, "cancel"), done)
+
+    def _journal_keys(self, journal: str) -> set[str]:
+        prefix = journal + "/"
+        keys = set()
+        for uri in store.list_uris(prefix):
+            if uri.startswith(prefix) and uri.endswith(".json"):
+                keys.add(uri[len(prefix) : -len(".json")])
+        return keys
+
+    @staticmethod
+    def _marker_uri(journal: str, key: str) -> str:
+        return f"{journal}/{key}.json"
+
+    def _launch(self, run: _Run) -> None:
+        self._write_status(run, force=True)
+        run.thread = threading.Thread(
+            target=self._run_job, args=(run,), name=f"shardfold-{run.status.job_id}", daemon=True
+        )
+        run.thread.start()
+
+    def _job_ids(self) -> list[str]:
+        ids = set(self._runs)
+        root = join(self.store_root, "jobs")
+        if is_file(root):
+            path = local_path(root)
+            if path.is_dir():
+                ids.update(p.parent.name for p in Path(path).glob("*/status.json"))
+        else:
+            for uri in store.list_uris(root + "/"):
+                rel = uri[len(root) + 1 :].split("/")
+                if len(rel) == 2 and rel[1] == "status.json":
+                    ids.add(rel[0])
+        return sorted(ids)
+
+    # --- running -----------------------------------------------------------------------------------------
+
+    def _run_job(self, run: _Run) -> None:
+        job_id = run.status.job_id
+        logger.info("job start", extra={"job_id": job_id, "kind": run.workflow.kind})
+        try:
+            self._run_steps(run, run.workflow.steps, dict(run.input), (), None)
+        except _Cancelled:
+            self._finish(run, "CANCELLED", None)
+        except _StepFailed as exc:
+            self._finish(run, "FAILED", str(exc))
+        except Exception as exc:  # an executor bug must still end the job, not leave it RUNNING
+            logger.exception("executor error", extra={"job_id": job_id})
+            self._finish(run, "FAILED", f"executor error: {type(exc).__name__}: {exc}")
+        else:
+            self._finish(run, "SUCCEEDED", None)
+
+    def _run_steps(
+        self,
+        run: _Run,
+        steps: tuple[Step, ...],
+        state: dict[str, Any],
+        scope: tuple[str, ...],
+        index: int | None,
+    ) -> dict[str, Any]:
+        for step in steps:
+            self._check_cancel(run)
+            if isinstance(step, Task):
+                state = {**state, step.name: self._run_call(run, step, step.function, state, scope, index)}
+            elif isinstance(step, BatchJob):
+                self._run_call(run, step, step.entry_point, state, scope, index)
+            elif isinstance(step, Map):
+                self._run_map(run, step, state, scope, index)
+            else:
+                result = self._run_parallel(run, step, state, scope, index)
+                if result is not None:
+                    state = {**state, step.name: result}
+        return state
+
+    def _run_call(
+        self,
+        run: _Run,
+        step: Task | BatchJob,
+        function: str,
+        state: dict[str, Any],
+        scope: tuple[str, ...],
+        index: int | None,
+    ) -> Any:
+        key = _key(scope, step.name)
+        if key in run.done:
+            return store.get_json(self._marker_uri(run.journal, key))["result"]
+        result = self._call_with_retry(run, step, function, state, index)
+        if isinstance(step, BatchJob):
+            result = None  # ResultPath null, as on AWS
+        result = self._commit(run, key, {"result": result})["result"]
+        if index is None:
+            self._progress(run, step.name, inc=1)
+        return result
+
+    def _commit(self, run: _Run, key: str, marker: dict[str, Any]) -> dict[str, Any]:
+        """Write the step's journal marker once; a marker already there (a concurrent run) wins."""
+        uri = self._marker_uri(run.journal, key)
+        if not store.put_if_absent(uri, json.dumps(marker).encode()):
+            marker = store.get_json(uri)
+        run.done.add(key)
+        return marker
+
+    def _call_with_retry(
+        self, run: _Run, step: Task | BatchJob, function: str, state: dict[str, Any], index: int | None
+    ) -> Any:
+        path = handler_path(function)
+        size = len(json.dumps(state).encode())
+        run.max_state_bytes = max(run.max_state_bytes, size)
+        attempts = [0] * len(step.retry)
+        while True:
+            try:
+                return self._invoke(step, path, function, state)
+            except HandlerFailed as failure:
+                which = None
+                if not failure.user_error:
+                    which = next((i for i, r in enumerate(step.retry) if failure.error in r.errors), None)
+                if which is None or attempts[which] >= step.retry[which].max_attempts:
+                    error, message = failure.error, failure.message
+                    if isinstance(step, BatchJob):  # as Step Functions reports a failed Batch job
+                        error, message = "States.TaskFailed", f"{failure.error}: {failure.message}"
+                    raise _StepFailed(step_error(step.name, index, error, message)) from None
+                attempts[which] += 1
+                retrier = step.retry[which]
+                delay = retrier.delay_s(attempts[which])
+                if retrier.jitter:
+                    delay = random.uniform(0, delay)
+                logger.warning(
+                    "retrying",
+                    extra={
+                        "step": step.name,
+                        "index": index,
+                        "error": failure.error,
+                        "attempt": attempts[which],
+                    },
+                )
+                if run.cancel.wait(delay * self.retry_delay_scale):
+                    raise _Cancelled from None
+                self._check_cancel(run)
+
+    def _invoke(self, step: Task | BatchJob, path: str, function: str, state: dict[str, Any]) -> Any:
+        kwargs = {"function_name": function, "memory_mb": step.memory_mb, "timeout_s": step.timeout_s}
+        if step.mode == "thread":
+            return call(path, state, **kwargs)
+        try:
+            return self._process_pool().submit(call, path, state, **kwargs).result()
+        except cf.process.BrokenProcessPool:
+            with self._lock:  # a worker died (out of memory?); the next call gets a fresh pool
+                broken, self._pool = self._pool, None
+            if broken is not None:
+                broken.shutdown(wait=False, cancel_futures=True)
+            raise HandlerFailed("Runtime.ExitError", f"the worker process running {function} died") from None
+
+    def _process_pool(self) -> cf.ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                # spawn, not fork: the executor runs threads, and forking a threaded process can deadlock.
+                ctx = multiprocessing.get_context("spawn")
+                self._pool = cf.ProcessPoolExecutor(max_workers=self.processes, mp_context=ctx)
+            return self._pool
+
+    def _run_map(
+        self, run: _Run, step: Map, state: dict[str, Any], scope: tuple[str, ...], index: int | None
+    ) -> None:
+        key = _key(scope, step.name)
+        if key in run.done:
+            return
+        ref = _lookup(state, step.items)
+        if not is_manifest_ref(ref):
+            raise _StepFailed(
+                step_error(
+                    step.name,
+                    index,
+                    "States.Runtime",
+                    f"{step.items} is {json.dumps(ref)[:200]}, not a manifest reference "
+                    "(return functions.manifest.manifest_ref(...) from the task that writes the manifest)",
+                )
+            )
+        try:
+            items = read_manifest(ref)
+        except ShardfoldError as exc:
+            raise _StepFailed(step_error(step.name, index, type(exc).__name__, str(exc))) from None
+        total = len(items)
+        child_scope = (*scope, step.name)
+        last = step.body[-1].name
+        pending = [i for i in range(total) if _key((*child_scope, str(i)), last) not in run.done]
+        if index is None:
+            self._progress(run, step.name, done=total - len(pending), total=total)
+        failures = self._run_children(run, step, items, pending, child_scope, index)
+        pct = step.tolerance()
+        if failures and (pct is None or len(failures) * 100.0 / total > pct):
+            raise failures[min(failures)]
+        self._commit(run, key, {"result": None, "items": total, "failed": sorted(failures)})
+
+    def _run_children(
+        self,
+        run: _Run,
+        step: Map,
+        items: list[Any],
+        pending: list[int],
+        child_scope: tuple[str, ...],
+        index: int | None,
+    ) -> dict[int, _StepFailed]:
+        """Run the pending children with at most ``limit`` in flight; stop starting new ones once the
+        failures exceed the tolerance or the job is cancelled. Returns {item index: failure}."""
+        limit = step.max_concurrency or self.threads
+        total = len(items)
+        pct = step.tolerance()
+        failures: dict[int, _StepFailed] = {}
+        cancelled = False
+        todo = iter(pending)
+        inflight: dict[cf.Future, int] = {}
+        base = {k: run.input[k] for k in ("job_id", "spec_uri", "store_root")}
+        with cf.ThreadPoolExecutor(
+            max_workers=max(1, min(limit, len(pending))), thread_name_prefix="sf-map"
+        ) as pool:
+
+            def fill() -> None:
+                while len(inflight) < limit and not run.cancel.is_set():
+                    i = next(todo, None)
+                    if i is None:
+                        return
+                    child = {**base, "item": items[i], "index": i}
+                    fut = pool.submit(self._run_steps, run, step.body, child, (*child_scope, str(i)), i)
+                    inflight[fut] = i
+
+            fill()
+            while inflight:
+                finished, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
+                for fut in finished:
+                    i = inflight.pop(fut)
+                    exc = fut.exception()
+                    if exc is None:
+                        if index is None:
+                            self._progress(run, step.name, inc=1)
+                    elif isinstance(exc, _Cancelled):
+                        cancelled = True
+                    elif isinstance(exc, _StepFailed):
+                        failures[i] = exc
+                    else:
+                        logger.error(
+                            "map child error", extra={"step": step.name, "index": i, "error": repr(exc)}
+                        )
+                        failures[i] = _StepFailed(step_error(step.name, i, type(exc).__name__, str(exc)))
+                over = bool(failures) and (pct is None or len(failures) * 100.0 / total > pct)
+                if not (cancelled or over):
+                    fill()
+        if cancelled or run.cancel.is_set():  # some children may never have started: not finished
+            raise _Cancelled
+        return failures
+
+    def _run_parallel(
+        self, run: _Run, step: Parallel, state: dict[str, Any], scope: tuple[str, ...], index: int | None
+    ) -> dict[str, Any] | None:
+        key = _key(scope, step.name)
+        names = [n for branch in step.branches for n in selectable(branch)]
+        if key in run.done:
+            result = store.get_json(self._marker_uri(run.journal, key))["result"]
+        else:
+            with cf.ThreadPoolExecutor(max_workers=len(step.branches), thread_name_prefix="sf-par") as pool:
+                futures = [
+                    pool.submit(self._run_steps, run, branch, dict(state), scope, index)
+                    for branch in step.branches
+                ]
+                cf.wait(futures)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            for exc in errors:
+                if isinstance(exc, _Cancelled):
+                    raise exc
+            if errors:
+                raise errors[0]
+            outputs = [f.result() for f in futures]
+            result = {
+                n: out[n]
+                for branch, out in zip(step.branches, outputs, strict=True)
+                for n in selectable(branch)
+            }
+            result = self._commit(run, key, {"result": result})["result"]
+            if index is None:
+                self._progress(run, step.name, inc=1)
+        return result if names else None
+
+    # --- cancellation, progress, status -----------------------------------------------------------------
+
+    def _check_cancel(self, run: _Run) -> None:
+        # The marker is how another process cancels; one existence check per step is cheap next to the
+        # journal write every step makes anyway.
+        if run.cancel.is_set() or store.exists(run.cancel_uri):
+            run.cancel.set()
+            raise _Cancelled
+
+    def _progress(
+        self, run: _Run, name: str, *, inc: int = 0, done: int | None = None, total: int | None = None
+    ):
+        with run.cond:
+            entry = run.status.steps.setdefault(name, {"done": 0, "total": None})
+            if total is not None:
+                entry["total"] = total
+            if done is not None:
+                entry["done"] = done
+            entry["done"] = (entry["done"] or 0) + inc
+            run.version += 1
+            run.cond.notify_all()
+        self._write_status(run)
+
+    def _notify(self, run: _Run) -> None:
+        with run.cond:
+            run.version += 1
+            run.cond.notify_all()
+
+    def _finish(self, run: _Run, state: str, error: str | None) -> None:
+        final = run.snapshot()
+        final.state, final.error, final.ended_at = state, error, now()  # type: ignore[assignment]
+        with run.write_lock:  # the record is final before any waiter can see the job as ended
+            write_status(self.store_root, final)
+            run.last_status_write = time.monotonic()
+        with run.cond:
+            run.status = final
+            run.version += 1
+            run.cond.notify_all()
+        log = logger.info if state == "SUCCEEDED" else logger.warning
+        log("job end", extra={"job_id": run.status.job_id, "state": state, "error": error})
+
+    def _write_status(self, run: _Run, force: bool = False) -> None:
+        with run.write_lock:  # serialised, so an older snapshot never lands after a newer one
+            t = time.monotonic()
+            if not force and t - run.last_status_write < self.status_interval_s:
+                return
+            run.last_status_write = t
+            write_status(self.store_root, run.snapshot())
+
+    def _poll_record(
+        self, job_id: str, on_progress: ProgressCallback | None, deadline: float | None
+    ) -> JobStatus:
+        """Wait for a job another process runs, by polling its status record."""
+        last = None
+        while True:
+            snap = JobStatus.from_record(read_status(self.store_root, job_id))
+            if on_progress is not None and snap != last:
+                on_progress(snap)
+            last = snap
+            if snap.finished or (deadline is not None and time.monotonic() >= deadline):
+                return snap
+            time.sleep(0.2)  # polling another process's record; there is no event to wait on

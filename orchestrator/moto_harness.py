@@ -1,0 +1,700 @@
+"""The moto backend: a whole Shardfold stack inside moto, driven by the unchanged :class:`AwsExecutor`.
+
+Every piece of moto-internal patching lives in this module (tests: ``tests/test_moto_harness.py``).
+Usage::
+
+    with MotoStack(workflows) as stack:            # or: outputs = stack.start(); ...; stack.stop()
+        executor = AwsExecutor(stack.outputs, workflows)
+
+**Why a server.** moto runs as an in-process ``ThreadedMotoServer`` on an ephemeral port, not as the
+``mock_aws`` decorator. Our clients then talk real HTTP to it (``AWS_ENDPOINT_URL``), so every S3 path of
+the store works, including GetBatch's awscrt transport, which ``mock_aws`` cannot intercept; the
+interpreter's own boto3 clients reach the same server through ``MOTO_PORT``; and nothing patches botocore
+globally, so other clients in the process are untouched. The server shares moto's backends with this
+process, so the patches below act on it directly.
+
+**Gaps filled** (moto 5.2.5), never by changing the ASL that AWS runs:
+
+* Lambda: ``LambdaSimpleBackend.invoke`` runs our registered handler in-process (the Lambda function's
+  name maps to the registry name) and reports an exception as an ``Unhandled`` function error with
+  Lambda's ``{errorType, errorMessage, stackTrace}`` payload, so Retry/Catch see the same error names.
+* Distributed Map: moto ignores ``ToleratedFailure*`` (a failed child never fails the Map); the harness
+  fails the Map with ``States.ExceedToleratedFailureThreshold`` as AWS does. moto runs children inside
+  the parent rather than as executions; the harness records them so ``ListExecutions(mapRunArn=...)`` and
+  ``DescribeExecution`` of a child answer as on AWS.
+* ``batch:submitJob.sync``: moto passes the ASL's PascalCase parameters to boto3 unconverted; the harness
+  converts them (and the response) with botocore's Batch model, and runs each submitted job's container
+  in-process through ``functions.worker.run`` with the job's environment, so the job succeeds or fails as
+  the worker does.
+* Fail states: moto refuses an ``ErrorPath`` that yields a ``States.*`` name (a caught ``States.Timeout``
+  or ``States.ExceedToleratedFailureThreshold`` passed on); the harness lets it through, as AWS does.
+* JSONPath: moto wraps the value of a definite path through an array index (``$[1].stamp``) in a list;
+  the harness returns the node itself, as AWS does (our Parallel ``ResultSelector`` relies on it).
+* ``RedriveExecution`` is not implemented by moto; the harness answers ``ExecutionNotRedrivable`` (a 400,
+  not a 500 that clients would retry), and the executor falls back to a restart.
+
+One stack per process: moto's backends are process-wide, so a second ``start()`` is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import io
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import urllib.request
+import uuid
+import zipfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import boto3
+import botocore.session
+from aws_lambda_powertools import Logger
+
+from functions.errors import ShardfoldError
+from orchestrator.asl import StackResolver, compile_workflow
+from orchestrator.invoke import HandlerFailed, call
+from orchestrator.plan import BatchJob, Workflow
+from orchestrator.registry import handler_path, lambda_handler, lambda_name
+
+logger = Logger(service="shardfold")
+
+ACCOUNT = "123456789012"  # moto's default account
+MOTO_CONFIG = {
+    "stepfunctions": {"execute_state_machine": True},
+    "lambda": {"use_docker": False},
+    "batch": {"use_docker": False},
+}
+
+
+# --- patch bookkeeping ------------------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_installed = 0
+_originals: list[tuple[Any, str, Any]] = []
+_lambda_functions: dict[str, str] = {}  # Lambda function name -> registry function name
+_map_children: dict[str, list[dict[str, Any]]] = {}  # map run ARN -> child execution records
+_active: MotoStack | None = None  # the one running stack (moto's backends are process-wide)
+
+
+_MISSING = object()
+
+
+def _patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    original = (
+        owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name, _MISSING)
+    )
+    _originals.append((owner, name, original))
+    setattr(owner, name, make(getattr(owner, name, None)))
+
+
+def install_patches() -> None:
+    """Apply every patch (reference-counted: nested stacks share one installation)."""
+    global _installed
+    with _lock:
+        _installed += 1
+        if _installed > 1:
+            return
+        _patch_lambda()
+        _patch_distributed_map()
+        _patch_map_children_api()
+        _patch_fail_state()
+        _patch_definite_json_paths()
+        _patch_redrive()
+        _patch_batch()
+
+
+def uninstall_patches() -> None:
+    global _installed
+    with _lock:
+        _installed = max(0, _installed - 1)
+        if _installed:
+            return
+        while _originals:
+            owner, name, original = _originals.pop()
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        _lambda_functions.clear()
+        _map_children.clear()
+
+
+# --- Lambda: our handlers, in-process ---------------------------------------------------------------------
+
+
+def _patch_lambda() -> None:
+    from moto.awslambda_simple.models import LambdaSimpleBackend
+
+    def make(_original: Any) -> Any:
+        def invoke(self, function_name, qualifier, body, headers, response_headers):  # moto's signature
+            fn = self.get_function(function_name, qualifier)  # unknown functions fail as on AWS
+            registered = _lambda_functions.get(fn.function_name)
+            if registered is None:
+                response_headers["x-amz-function-error"] = "Unhandled"
+                error = {
+                    "errorType": "Runtime.HandlerNotFound",
+                    "errorMessage": f"{fn.function_name} has no handler",
+                }
+                return json.dumps(error).encode()
+            event = json.loads(body or b"{}")
+            try:
+                result = call(
+                    handler_path(registered),
+                    event,
+                    function_name=registered,
+                    memory_mb=int(fn.memory_size or 1024),
+                    timeout_s=int(fn.timeout or 900),
+                )
+            except HandlerFailed as failure:
+                response_headers["x-amz-function-error"] = "Unhandled"
+                return json.dumps(failure.payload()).encode()
+            return json.dumps(result).encode()
+
+        return invoke
+
+    _patch(LambdaSimpleBackend, "invoke", make)
+
+
+# --- Distributed Map: failure tolerance and child executions ----------------------------------------------
+
+
+def _patch_distributed_map() -> None:
+    from moto.stepfunctions.parser.api import HistoryEventType, MapRunFailedEventDetails
+    from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import (
+        FailureEvent,
+        FailureEventException,
+    )
+    from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name import StatesErrorName
+    from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name_type import (
+        StatesErrorNameType,
+    )
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration import (
+        distributed_iteration_component as dic,
+    )
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.itemprocessor import (
+        distributed_item_processor_worker as dipw,
+    )
+    from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
+    from moto.stepfunctions.parser.asl.eval.program_state import ProgramEnded, ProgramError, ProgramStopped
+
+    def make_eval_input(original: Any) -> Any:
+        def _eval_input(self, env_frame):
+            original(self, env_frame)
+            # The child's input after ItemSelector: what AWS shows as the child execution's input.
+            env_frame._shardfold_child_input = copy.deepcopy(env_frame.states.get_input())
+
+        return _eval_input
+
+    def make_eval_job(original: Any) -> Any:
+        def _eval_job(self, env, job):
+            started = _dt.datetime.now(_dt.UTC)
+            original(self, env, job)
+            state = env.program_state()
+            record: dict[str, Any] = {"status": "SUCCEEDED", "error": None, "cause": None}
+            if isinstance(state, ProgramError):
+                details = state.error or {}
+                record.update(status="FAILED", error=details.get("error"), cause=details.get("cause"))
+            elif isinstance(state, ProgramStopped):
+                record["status"] = "ABORTED"
+            elif not isinstance(state, ProgramEnded | type(None)) and job.job_output is None:
+                record["status"] = "FAILED"
+            arn = self._map_run_record.map_run_arn
+            head, _, _ = arn.rpartition(":")
+            record.update(
+                executionArn=f"{head.replace(':mapRun:', ':execution:', 1)}:{uuid.uuid4()}",
+                mapRunArn=arn,
+                index=job.job_index,
+                input=json.dumps(getattr(env, "_shardfold_child_input", job.job_input)),
+                startDate=started,
+                stopDate=_dt.datetime.now(_dt.UTC),
+            )
+            with _lock:
+                _map_children.setdefault(arn, []).append(record)
+
+        return _eval_job
+
+    def make_map_run(original: Any) -> Any:
+        def _map_run(self, env, eval_input):
+            original(self, env, eval_input)
+            if not env.is_running():
+                return  # stopped (StopExecution): the execution ends ABORTED, not failed
+            record = eval_input.map_run_record
+            failed = record.item_counter.failed.get() + record.item_counter.timed_out.get()
+            total = max(1, record.item_counter.total.get())
+            # AWS's defaults are 0 and 0%: any failed child fails the Map. (When only one of the two is
+            # set, the other's 0 must not count; our compiler only ever sets the percentage.)
+            over_count = failed > (record.tolerated_failure_count or 0)
+            over_pct = failed * 100.0 / total > (record.tolerated_failure_percentage or 0.0)
+            if failed and over_count and over_pct:
+                cause = (
+                    f"The specified tolerated failure threshold was exceeded: {failed} of "
+                    f"{record.item_counter.total.get()} items failed"
+                )
+                error = StatesErrorNameType.StatesExceedToleratedFailureThreshold
+                raise FailureEventException(
+                    FailureEvent(
+                        env=env,
+                        error_name=StatesErrorName(typ=error),
+                        event_type=HistoryEventType.MapRunFailed,
+                        event_details=EventDetails(
+                            mapRunFailedEventDetails=MapRunFailedEventDetails(
+                                error=error.to_name(), cause=cause
+                            )
+                        ),
+                    )
+                )
+
+        return _map_run
+
+    _patch(dipw.DistributedItemProcessorWorker, "_eval_input", make_eval_input)
+    _patch(dipw.DistributedItemProcessorWorker, "_eval_job", make_eval_job)
+    _patch(dic.DistributedIterationComponent, "_map_run", make_map_run)
+
+
+def _child(arn: str) -> dict[str, Any] | None:
+    with _lock:
+        for children in _map_children.values():
+            for child in children:
+                if child["executionArn"] == arn:
+                    return child
+    return None
+
+
+def _patch_map_children_api() -> None:
+    from moto.core.responses import ActionResult
+    from moto.stepfunctions.responses import StepFunctionResponse
+
+    def make_list(original: Any) -> Any:
+        def list_executions(self):
+            map_run_arn = self._get_param("mapRunArn")
+            if not map_run_arn:
+                return original(self)
+            status = self._get_param("statusFilter")
+            with _lock:
+                children = list(_map_children.get(map_run_arn, []))
+            rows = [
+                {
+                    "executionArn": c["executionArn"],
+                    "stateMachineArn": map_run_arn.rpartition(":")[0].replace(
+                        ":mapRun:", ":stateMachine:", 1
+                    ),
+                    "name": c["executionArn"].rsplit(":", 1)[-1],
+                    "status": c["status"],
+                    "startDate": c["startDate"],
+                    "stopDate": c["stopDate"],
+                    "mapRunArn": map_run_arn,
+                }
+                for c in sorted(children, key=lambda c: c["index"])
+                if status is None or c["status"] == status
+            ]
+            limit = self._get_int_param("maxResults") or len(rows)
+            return ActionResult({"executions": rows[:limit]})
+
+        return list_executions
+
+    def make_describe(original: Any) -> Any:
+        def describe_execution(self):
+            child = _child(self._get_param("executionArn") or "")
+            if child is None:
+                return original(self)
+            out = {
+                "executionArn": child["executionArn"],
+                "stateMachineArn": child["mapRunArn"]
+                .rpartition(":")[0]
+                .replace(":mapRun:", ":stateMachine:", 1),
+                "name": child["executionArn"].rsplit(":", 1)[-1],
+                "status": child["status"],
+                "startDate": child["startDate"],
+                "stopDate": child["stopDate"],
+                "input": child["input"],
+                "mapRunArn": child["mapRunArn"],
+            }
+            out.update({k: child[k] for k in ("error", "cause") if child[k] is not None})
+            return ActionResult(out)
+
+        return describe_execution
+
+    _patch(StepFunctionResponse, "list_executions", make_list)
+    _patch(StepFunctionResponse, "describe_execution", make_describe)
+
+
+# --- Fail states and redrive -----------------------------------------------------------------------------
+
+
+def _patch_fail_state() -> None:
+    from moto.stepfunctions.parser.asl.component.common.error_name.error_name import ErrorName
+    from moto.stepfunctions.parser.asl.component.state.fail import state_fail
+
+    class _PassedOnErrorName(ErrorName):
+        """An error name a Fail state passes on unchanged (``ErrorPath: $.error.Error``)."""
+
+    def make(original: Any) -> Any:
+        def error_name(name: str | None) -> ErrorName:
+            # moto refuses a Fail state whose ErrorPath yields a States.* name (a caught States.Timeout,
+            # States.ExceedToleratedFailureThreshold...); AWS reports it as the execution's error.
+            if name is not None and name.startswith("States."):
+                return _PassedOnErrorName(error_name=name)
+            return original(name)
+
+        return error_name
+
+    _patch(state_fail, "CustomErrorName", make)
+
+
+_DEFINITE_PATH = re.compile(
+    r"^\$(?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*\[\d+\](?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*$"
+)
+_PATH_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+
+
+def _patch_definite_json_paths() -> None:
+    import moto.stepfunctions.parser.asl.parse.asl_parser  # noqa: F401 (loads every module that uses it)
+    import moto.stepfunctions.parser.asl.utils.json_path as json_path
+    import moto.stepfunctions.parser.backend.execution  # noqa: F401
+
+    original = json_path.extract_json
+
+    def extract_json(path: str, data: Any) -> Any:
+        # moto wraps the value of any path that passes through an array index in a list ($[1].stamp ->
+        # [value]); on AWS a definite reference path yields the node itself. Our Parallel ResultSelector
+        # relies on that ($[i].<task>), so definite paths with an index are resolved here.
+        if not _DEFINITE_PATH.match(path):
+            return original(path, data)
+        node = data
+        for name, index in _PATH_STEP.findall(path[1:]):
+            try:
+                node = node[name] if name else node[int(index)]
+            except (KeyError, IndexError, TypeError):
+                raise json_path.NoSuchJsonPathError(json_path=path, data=data) from None
+        return node
+
+    # Modules import the function by name, so each module's reference is replaced.
+    for name, module in list(sys.modules.items()):
+        if name.startswith("moto.stepfunctions.parser") and getattr(module, "extract_json", None) is original:
+            _patch(module, "extract_json", lambda _orig: extract_json)
+
+
+def _patch_redrive() -> None:
+    from moto.core.exceptions import AWSError
+    from moto.stepfunctions.responses import StepFunctionResponse
+
+    def make(_original: Any) -> Any:
+        def redrive_execution(self):
+            # moto has no RedriveExecution; answer like AWS refusing one (a 400), not with a 500 that
+            # clients retry, so the executor falls back to a restart at once.
+            raise AWSError(
+                "moto does not implement RedriveExecution", exception_type="ExecutionNotRedrivable"
+            )
+
+        return redrive_execution
+
+    _patch(StepFunctionResponse, "redrive_execution", make)
+
+
+# --- Batch: .sync parameters and in-process containers ----------------------------------------------------
+
+
+def _batch_operation(action: str) -> Any:
+    # moto passes "submitJob" (the ASL resource's action) or "describe_jobs" (boto3's method name)
+    name = "".join(p[:1].upper() + p[1:] for p in action.split("_"))
+    return botocore.session.get_session().get_service_model("batch").operation_model(name)
+
+
+def _patch_batch() -> None:
+    from moto.batch_simple.models import BatchSimpleBackend
+    from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import state_task_service_batch
+
+    StateTaskServiceBatch = state_task_service_batch.StateTaskServiceBatch
+
+    def make_params(_original: Any) -> Any:
+        def _normalise_parameters(self, parameters, boto_service_name=None, service_action_name=None):
+            # ASL says JobName/ContainerOverrides.Environment[].Name...; boto3 wants jobName/name...
+            op = _batch_operation(service_action_name or self.resource.api_action)
+            self._to_boto_request(parameters, op.input_shape)
+
+        return _normalise_parameters
+
+    def make_response(_original: Any) -> Any:
+        def _normalise_response(self, response, boto_service_name=None, service_action_name=None):
+            # ...and the task's output is PascalCase again (JobId, which the .sync poller reads).
+            op = _batch_operation(service_action_name or self.resource.api_action)
+            self._from_boto_response(response, op.output_shape)
+
+        return _normalise_response
+
+    def make_finish(original: Any) -> Any:
+        def _mark_job_as_finished(self, include_start_attempt, job):
+            env: dict[str, str] = {}
+            props = job.job_definition.container_properties or {}
+            for item in props.get("environment", []) or []:
+                env[item["name"]] = item["value"]
+            for item in (job.container_overrides or {}).get("environment", []) or []:
+                env[item["name"]] = item["value"]
+            if "SHARDFOLD_HANDLER" not in env:
+                return original(self, include_start_attempt, job)  # not one of ours: moto's default
+            self.backend._jobs[job.job_id] = job
+            job.job_started_at = _dt.datetime.now()
+            job.log_stream_name = job._stream_name
+            if include_start_attempt:
+                job._start_attempt()
+            from functions.worker import run as run_worker  # the container's entry point, in-process
+
+            try:
+                run_worker(env)
+            except Exception as exc:
+                logger.warning(
+                    "batch job failed", extra={"job": job.job_name, "error": f"{type(exc).__name__}: {exc}"}
+                )
+                job.job_stopped_reason = f"{type(exc).__name__}: {exc}"
+                job._mark_stopped(success=False)
+            else:
+                job._mark_stopped(success=True)
+
+        return _mark_job_as_finished
+
+    _patch(StateTaskServiceBatch, "_normalise_parameters", make_params)
+    _patch(StateTaskServiceBatch, "_normalise_response", make_response)
+    _patch(BatchSimpleBackend, "_mark_job_as_finished", make_finish)
+
+
+# --- the server and the stack -----------------------------------------------------------------------------
+
+
+def _dummy_zip() -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("shardfold_placeholder.py", "# moto never runs this: the harness calls the handler\n")
+    return buf.getvalue()
+
+
+def build_stack(
+    workflows: Mapping[str, Workflow],
+    *,
+    region: str,
+    bucket: str,
+    stage: str,
+    endpoint_url: str,
+    batch: bool = True,
+) -> dict[str, Any]:
+    """Create the stack inside a running moto (bucket, role, one Lambda function per registered function
+    the workflows call, Batch queue and job definitions, one state machine per workflow from the compiled
+    ASL) and return its outputs, in the shape ``shardfold deploy`` saves."""
+    kw = {"region_name": region, "endpoint_url": endpoint_url}
+    iam, s3, lam, sfn = (boto3.client(s, **kw) for s in ("iam", "s3", "lambda", "stepfunctions"))
+    trust = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Principal": {
+                    "Service": ["states.amazonaws.com", "lambda.amazonaws.com", "batch.amazonaws.com"]
+                },
+                "Action": "sts:AssumeRole",
+            }
+        ],
+    }
+    role = iam.create_role(RoleName=f"shardfold-{stage}", AssumeRolePolicyDocument=json.dumps(trust))["Role"][
+        "Arn"
+    ]
+    if region == "us-east-1":
+        s3.create_bucket(Bucket=bucket)
+    else:
+        s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+
+    outputs: dict[str, Any] = {
+        "backend": "moto",
+        "region": region,
+        "bucket": bucket,
+        "stage": stage,
+        "endpoint_url": endpoint_url,
+        "functions": {},
+        "function_names": {},
+        "state_machine_arns": {},
+    }
+    code = _dummy_zip()
+    batch_jobs = [s for wf in workflows.values() for s in wf.walk() if isinstance(s, BatchJob)]
+    for wf in workflows.values():
+        for step in wf.walk():
+            function = getattr(step, "function", None)
+            if not function or function in outputs["functions"]:
+                continue
+            name = lambda_name(function, stage)
+            fn = lam.create_function(
+                FunctionName=name,
+                Runtime="python3.11",
+                Role=role,
+                Handler=lambda_handler(function),
+                Code={"ZipFile": code},
+                MemorySize=step.memory_mb,
+                Timeout=step.timeout_s,
+            )
+            outputs["functions"][function] = fn["FunctionArn"]
+            outputs["function_names"][function] = name
+            with _lock:
+                _lambda_functions[name] = function
+    if batch and batch_jobs:
+        _build_batch(boto3.client("batch", **kw), role, stage, batch_jobs, outputs)
+    resolver = StackResolver(outputs)
+    for kind, wf in workflows.items():
+        definition = json.dumps(compile_workflow(wf, resolver))
+        sm = sfn.create_state_machine(name=f"shardfold-{stage}-{kind}", definition=definition, roleArn=role)
+        outputs["state_machine_arns"][kind] = sm["stateMachineArn"]
+    return outputs
+
+
+def _build_batch(client: Any, role: str, stage: str, steps: list[BatchJob], outputs: dict[str, Any]) -> None:
+    ce = client.create_compute_environment(
+        computeEnvironmentName=f"shardfold-{stage}", type="UNMANAGED", state="ENABLED", serviceRole=role
+    )
+    queue = client.create_job_queue(
+        jobQueueName=f"shardfold-{stage}",
+        state="ENABLED",
+        priority=1,
+        computeEnvironmentOrder=[{"order": 1, "computeEnvironment": ce["computeEnvironmentArn"]}],
+    )
+    outputs["batch_job_queue"] = queue["jobQueueArn"]
+    outputs["batch_job_definitions"] = {}
+    for step in steps:
+        if step.entry_point in outputs["batch_job_definitions"]:
+            continue
+        jd = client.register_job_definition(
+            jobDefinitionName=f"shardfold-{stage}-{step.entry_point.replace('.', '-')}",
+            type="container",
+            containerProperties={
+                "image": "shardfold-worker:moto",
+                "command": ["python", "-m", "functions.worker"],
+                "resourceRequirements": [
+                    {"type": "VCPU", "value": str(step.vcpus)},
+                    {"type": "MEMORY", "value": str(step.memory_mb)},
+                ],
+            },
+        )
+        outputs["batch_job_definitions"][step.entry_point] = jd["jobDefinitionArn"]
+
+
+class MotoStack:
+    """An in-process moto server holding a whole stack; ``start()`` returns the stack outputs."""
+
+    def __init__(
+        self,
+        workflows: Mapping[str, Workflow] | None = None,
+        *,
+        region: str = "us-east-1",
+        bucket: str = "shardfold-moto",
+        stage: str = "moto",
+    ):
+        if workflows is None:
+            from orchestrator.workflows import WORKFLOWS
+
+            workflows = WORKFLOWS
+        self.workflows = dict(workflows)
+        self.region = region
+        self.bucket = bucket
+        self.stage = stage
+        self.outputs: dict[str, Any] = {}
+        self._server: Any = None
+        self._saved_env: dict[str, str | None] = {}
+        self._saved_levels: dict[str, int] = {}
+        self._patched = False
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.outputs["endpoint_url"]
+
+    def start(self) -> dict[str, Any]:
+        global _active
+        with _lock:
+            if _active is not None:
+                # moto's backends are process-wide: a second stack would reset the first one's state.
+                raise ShardfoldError("a moto stack is already running in this process; stop it first")
+            _active = self
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("moto stack up", extra={"endpoint": self.endpoint_url, "kinds": sorted(self.workflows)})
+        return self.outputs
+
+    def _start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        # werkzeug logs one line per request, and the interpreter logs every caught task failure with its
+        # whole state tree; the executor reports the job's error itself.
+        for name, level in (("werkzeug", logging.ERROR), ("moto.stepfunctions.parser", logging.CRITICAL)):
+            self._saved_levels[name] = logging.getLogger(name).level
+            logging.getLogger(name).setLevel(level)
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        self._set_env(
+            {
+                "AWS_ENDPOINT_URL": endpoint,  # our boto3 clients, the store's S3 client and its CRT client
+                "MOTO_PORT": str(port),  # the interpreter's own clients call localhost:$MOTO_PORT
+                "AWS_ACCESS_KEY_ID": "testing",  # never real credentials against a fake endpoint
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_SESSION_TOKEN": None,
+                "AWS_REGION": self.region,
+                "AWS_DEFAULT_REGION": self.region,
+            }
+        )
+        self._post("/moto-api/reset", {})
+        self._post("/moto-api/config", MOTO_CONFIG)
+        install_patches()
+        self._patched = True
+        self.outputs = build_stack(
+            self.workflows, region=self.region, bucket=self.bucket, stage=self.stage, endpoint_url=endpoint
+        )
+
+    def stop(self) -> None:
+        """Stop the server and undo every patch, environment variable and log level (safe to call twice)."""
+        global _active
+        if self._patched:
+            uninstall_patches()
+            self._patched = False
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        for name, level in self._saved_levels.items():
+            logging.getLogger(name).setLevel(level)
+        self._saved_levels.clear()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env.clear()
+        with _lock:
+            if _active is self:
+                _active = None
+
+    def __enter__(self) -> MotoStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _set_env(self, values: dict[str, str | None]) -> None:
+        for key, value in values.items():
+            self._saved_env.setdefault(key, os.environ.get(key))
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        host, port = self._server.get_host_and_port()
+        req = urllib.request.Request(
+            f"http://{host}:{port}{path}", data=json.dumps(body).encode(), method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (our own local server)
+            resp.read()

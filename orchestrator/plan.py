@@ -1,0 +1,257 @@
+"""The plan vocabulary: a workflow is a small tree of steps that both executors understand.
+
+One :class:`Workflow` per job kind compiles to Amazon States Language (:mod:`orchestrator.asl`) and runs
+directly in :class:`orchestrator.local.LocalExecutor`. Both follow the same data-flow rule, which mirrors
+JSONPath ASL so the two give the same result:
+
+* The workflow input is ``{"job_id", "spec_uri", "store_root"}``.
+* A :class:`Task` receives the whole state; its result (a small JSON object) is stored at ``$.<name>``.
+* A :class:`Map` reads a manifest (a JSON array in the store) named by a *manifest reference* found at
+  its ``items`` path (``functions.manifest.manifest_ref``: ``{"uri", "bucket", "key", "count"}``). Each
+  child receives ``{"job_id", "spec_uri", "store_root", "item": <manifest element>, "index": <int>}`` and
+  runs ``body``; child results are discarded (``ResultPath: null``), so children write their outputs to the
+  store at deterministic keys.
+* A :class:`Parallel` runs its branches on copies of the state; ``$.<name>`` becomes
+  ``{<task name>: <result>}`` for every Task and Parallel at the top level of any branch.
+* A :class:`BatchJob` (an AWS Batch container on AWS) receives the whole state; its result is discarded.
+
+Step names are unique in a workflow and are plain identifiers, so ``$.<name>`` is valid JSONPath and the
+name works as a state name, a Map label and a journal key.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from functions.errors import PlanError
+
+Mode = Literal["thread", "process"]
+
+# Errors the Lambda service (not our code) raises for a transient fault; AWS recommends retrying them.
+LAMBDA_TRANSIENT: tuple[str, ...] = (
+    "Lambda.ServiceException",
+    "Lambda.AWSLambdaException",
+    "Lambda.SdkClientException",
+    "Lambda.ClientExecutionTimeoutException",
+)
+# Throttling: retried with full jitter so a burst of children does not retry in lock-step.
+LAMBDA_THROTTLED: tuple[str, ...] = ("Lambda.TooManyRequestsException",)
+# Python exception class names a handler raises for a fault worth retrying. On Lambda the error name is the
+# exception's class name, and the local executor matches the same name, so both retry the same errors.
+PYTHON_TRANSIENT: tuple[str, ...] = (
+    "TransientError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "ConnectionAbortedError",
+    "ConnectionRefusedError",
+    "BrokenPipeError",
+    "TimeoutError",
+)
+BATCH_TRANSIENT: tuple[str, ...] = ("Batch.ServerException", "Batch.TooManyRequestsException")
+
+# Catch-all names would also retry user errors (ShardfoldError), which must fail fast on every backend.
+_FORBIDDEN_RETRY_ERRORS = frozenset({"States.ALL", "States.TaskFailed"})
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,39}$")  # 40: the limit of a Map Label
+# Keys of the workflow input and of a Map child's input: a step of that name would overwrite them.
+RESERVED_NAMES = frozenset({"job_id", "spec_uri", "store_root", "item", "index", "error"})
+
+
+@dataclass(frozen=True)
+class Retry:
+    """One retrier: ASL ``Retry`` entry semantics (its own attempt counter, first matching retrier wins).
+
+    The delay before attempt ``n`` (1-based) is ``interval_s * backoff**(n-1)``, capped at ``max_delay_s``;
+    with ``jitter`` it is drawn uniformly from ``[0, delay]`` (ASL ``JitterStrategy: FULL``).
+    """
+
+    errors: tuple[str, ...]
+    interval_s: int = 2
+    max_attempts: int = 6
+    backoff: float = 2.0
+    max_delay_s: int | None = None
+    jitter: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.errors:
+            raise PlanError("a Retry needs at least one error name")
+        bad = _FORBIDDEN_RETRY_ERRORS.intersection(self.errors)
+        if bad:
+            raise PlanError(
+                f"Retry may not match {sorted(bad)}: user errors must not be retried; list the transient "
+                "error names instead (see orchestrator.plan.PYTHON_TRANSIENT)"
+            )
+        if self.interval_s < 1 or self.max_attempts < 0 or self.backoff < 1.0:
+            raise PlanError("Retry needs interval_s >= 1 (ASL seconds), max_attempts >= 0 and backoff >= 1.0")
+        if self.max_delay_s is not None and self.max_delay_s < 1:
+            raise PlanError("Retry.max_delay_s must be >= 1 second when given")
+
+    def delay_s(self, attempt: int) -> float:
+        """Delay (before jitter) ahead of retry number ``attempt`` (1-based)."""
+        delay = self.interval_s * self.backoff ** (attempt - 1)
+        return min(delay, self.max_delay_s) if self.max_delay_s is not None else delay
+
+
+DEFAULT_TASK_RETRY: tuple[Retry, ...] = (
+    Retry(errors=LAMBDA_TRANSIENT + PYTHON_TRANSIENT, interval_s=2, max_attempts=6, backoff=2.0),
+    Retry(errors=LAMBDA_THROTTLED, interval_s=1, max_attempts=8, backoff=2.0, max_delay_s=30, jitter=True),
+)
+DEFAULT_BATCH_RETRY: tuple[Retry, ...] = (
+    Retry(errors=BATCH_TRANSIENT, interval_s=5, max_attempts=3, backoff=2.0, max_delay_s=60, jitter=True),
+)
+
+
+@dataclass(frozen=True)
+class Task:
+    """Call one registered function (a Lambda function on AWS).
+
+    ``mode`` says how the local executor runs it: ``"thread"`` for I/O-bound work, ``"process"`` for
+    CPU-bound work (handlers are top-level functions, so they pickle by reference). ``memory_mb`` and
+    ``timeout_s`` size the Lambda function; ``timeout_s`` is also the state's ``TimeoutSeconds``.
+    """
+
+    name: str
+    function: str
+    mode: Mode = "thread"
+    memory_mb: int = 1024
+    timeout_s: int = 900
+    retry: tuple[Retry, ...] = DEFAULT_TASK_RETRY
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """Run a registered function as an AWS Batch container job (GPU stages); locally, in a process.
+
+    ``entry_point`` names the registered function the worker calls (``functions.worker``) with the state as
+    its event. Resources size the job definition; ``timeout_s`` is the attempt duration.
+    """
+
+    name: str
+    entry_point: str
+    vcpus: int = 4
+    memory_mb: int = 16384
+    gpus: int = 0
+    timeout_s: int = 3600
+    mode: Mode = "process"
+    retry: tuple[Retry, ...] = DEFAULT_BATCH_RETRY
+
+
+@dataclass(frozen=True)
+class Map:
+    """Fan out over the manifest referenced at ``items`` (a JSONPath into the state: ``$.plan.manifest``).
+
+    ``max_concurrency`` bounds concurrent children (0: the backend's default: unbounded on AWS, the local
+    executor's thread count locally). ``tolerated_failure_percentage`` lets that share of children fail
+    without failing the step (None: no failure tolerated).
+    """
+
+    name: str
+    items: str
+    body: tuple[Step, ...]
+    max_concurrency: int = 0
+    tolerated_failure_percentage: float | None = None
+
+    def tolerance(self) -> float | None:
+        """The tolerated failure percentage both executors apply: two decimals (finer is meaningless, and
+        it keeps the ASL number out of exponent notation, which moto's parser cannot read)."""
+        pct = self.tolerated_failure_percentage
+        return None if pct is None else round(float(pct), 2)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Run branches concurrently on copies of the state; see the module docstring for the result."""
+
+    name: str
+    branches: tuple[tuple[Step, ...], ...]
+
+
+Step = Task | BatchJob | Map | Parallel
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """A job kind's plan. Validated on construction: names, retry policies and item paths."""
+
+    kind: str
+    steps: tuple[Step, ...]
+    comment: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9]*", self.kind):
+            raise PlanError(f"workflow kind {self.kind!r} must be lower-case letters and digits")
+        _check_steps(self.steps, f"workflow {self.kind!r}", seen=set())
+
+    def walk(self) -> Iterator[Step]:
+        """Every step, depth first, in plan order."""
+        yield from walk_steps(self.steps)
+
+    def functions(self) -> list[str]:
+        """Registered function names this workflow calls (Tasks and BatchJob entry points), in order."""
+        out: list[str] = []
+        for step in self.walk():
+            fn = step.function if isinstance(step, Task) else getattr(step, "entry_point", None)
+            if fn and fn not in out:
+                out.append(fn)
+        return out
+
+    def step(self, name: str) -> Step:
+        for s in self.walk():
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+def walk_steps(steps: tuple[Step, ...]) -> Iterator[Step]:
+    for step in steps:
+        yield step
+        if isinstance(step, Map):
+            yield from walk_steps(step.body)
+        elif isinstance(step, Parallel):
+            for branch in step.branches:
+                yield from walk_steps(branch)
+
+
+def selectable(branch: tuple[Step, ...]) -> list[str]:
+    """Names whose results a Parallel exposes from one branch: its top-level Tasks and Parallels."""
+    return [s.name for s in branch if isinstance(s, Task | Parallel)]
+
+
+def _check_steps(steps: tuple[Step, ...], where: str, seen: set[str]) -> None:
+    if not steps:
+        raise PlanError(f"{where} has no steps")
+    for step in steps:
+        if not isinstance(step, Task | BatchJob | Map | Parallel):
+            raise PlanError(f"{where}: {step!r} is not a Task, BatchJob, Map or Parallel")
+        if not _NAME_RE.match(step.name):
+            raise PlanError(f"{where}: step name {step.name!r} must be an identifier (letters, digits, _)")
+        if step.name in RESERVED_NAMES:
+            raise PlanError(f"{where}: step name {step.name!r} is reserved for workflow input fields")
+        if step.name in seen:
+            raise PlanError(f"{where}: step name {step.name!r} is used twice; names must be unique")
+        seen.add(step.name)
+        if isinstance(step, Task | BatchJob):
+            if step.mode not in ("thread", "process"):
+                raise PlanError(f"step {step.name!r}: mode must be 'thread' or 'process'")
+            if step.timeout_s < 1 or step.memory_mb < 128:
+                raise PlanError(f"step {step.name!r}: timeout_s must be >= 1 and memory_mb >= 128")
+            if isinstance(step, BatchJob) and step.timeout_s < 60:
+                raise PlanError(f"BatchJob {step.name!r}: timeout_s must be >= 60 (AWS Batch's minimum)")
+        if isinstance(step, Map):
+            if not re.fullmatch(r"\$(\.[A-Za-z_][A-Za-z0-9_]*)+", step.items):
+                raise PlanError(
+                    f"Map {step.name!r}: items {step.items!r} must be a JSONPath like '$.plan.manifest'"
+                )
+            if step.max_concurrency < 0:
+                raise PlanError(f"Map {step.name!r}: max_concurrency must be >= 0")
+            pct = step.tolerated_failure_percentage
+            if pct is not None and not 0.0 <= pct <= 100.0:
+                raise PlanError(f"Map {step.name!r}: tolerated_failure_percentage must be within 0..100")
+            _check_steps(step.body, f"Map {step.name!r}", seen)
+        if isinstance(step, Parallel):
+            if not step.branches:
+                raise PlanError(f"Parallel {step.name!r} has no branches")
+            for branch in step.branches:
+                _check_steps(branch, f"Parallel {step.name!r}", seen)

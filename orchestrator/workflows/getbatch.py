@@ -1,0 +1,32 @@
+"""The getbatch workflow: plan → Map(gather one part each) → assemble.
+
+The plan writes the part list as a manifest (Distributed Map's ``ItemReader`` reads it on AWS), each gather
+task writes one TAR fragment, and assemble joins them server-side into one archive plus a per-item status
+manifest. Nothing but references crosses the control plane, so a 100,000-item request stays far below the
+256 KiB state limit.
+"""
+
+from __future__ import annotations
+
+from orchestrator.plan import Map, Task, Workflow
+from orchestrator.registry import register
+
+register("getbatch.plan", "functions.getbatch.handlers:plan")
+register("getbatch.gather", "functions.getbatch.handlers:gather")
+register("getbatch.assemble", "functions.getbatch.handlers:assemble")
+
+# gather is I/O-bound (threads locally); its memory is the engine's window plus the spooled fragment.
+WORKFLOW = Workflow(
+    kind="getbatch",
+    comment="GetBatch: many objects fetched into one ordered TAR",
+    steps=(
+        Task("plan", "getbatch.plan", memory_mb=512, timeout_s=300),
+        Map(
+            "gather",
+            items="$.plan.manifest",
+            body=(Task("gather_part", "getbatch.gather", memory_mb=1024, timeout_s=900),),
+            max_concurrency=64,
+        ),
+        Task("assemble", "getbatch.assemble", memory_mb=512, timeout_s=900),
+    ),
+)

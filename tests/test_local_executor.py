@@ -1,0 +1,266 @@
+"""LocalExecutor on the toy workflow: results, retries, failures, resume, cancel, progress, payload size."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import toyflow
+from toyflow import calls, fail_switch, parts_workflow, toy_workflow, write_spec
+
+from functions import store
+from functions.errors import JobNotFound, PlanError, ShardfoldError
+from functions.jobs import new_job_id
+from functions.store.uri import join
+from orchestrator.executors import JobStatus
+from orchestrator.invoke import call
+from orchestrator.local import LocalExecutor
+from orchestrator.plan import Map, Retry, Task, Workflow
+from orchestrator.registry import register
+
+WAIT_S = 60  # a deadline for the job, not a timing assumption
+
+
+def squares(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+@pytest.fixture
+def root(tmp_path) -> str:
+    return f"file://{tmp_path}/store"
+
+
+@pytest.fixture(autouse=True)
+def _gate():
+    toyflow.GATE.clear()
+    toyflow.STARTED.clear()
+    yield
+    toyflow.GATE.set()  # never leave a handler blocked
+
+
+def make(root: str, workflow: Workflow | None = None, **kw) -> LocalExecutor:
+    wf = workflow or toy_workflow()
+    return LocalExecutor(store_root=root, workflows={wf.kind: wf}, retry_delay_scale=0.0, **kw)
+
+
+def run(ex: LocalExecutor, root: str, kind: str = "toy", **spec) -> tuple[str, JobStatus]:
+    job_id = new_job_id(kind)
+    ex.start(job_id, kind, write_spec(root, job_id, **spec))
+    return job_id, ex.wait(job_id, timeout_s=WAIT_S)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_toy_end_to_end(root, mode):
+    seen: list[JobStatus] = []
+    with make(root, toy_workflow(mode=mode)) as ex:
+        job_id = new_job_id("toy")
+        ex.start(job_id, "toy", write_spec(root, job_id, n=20))
+        status = ex.wait(job_id, on_progress=seen.append, timeout_s=WAIT_S)
+    assert status.state == "SUCCEEDED", status.error
+    assert status.steps == {
+        "plan": {"done": 1, "total": 1},
+        "squares": {"done": 20, "total": 20},
+        "total": {"done": 1, "total": 1},
+    }
+    result = store.get_json(join(root, "jobs", job_id, "result.json"))
+    assert result == {"sum": squares(20), "outputs": 20, "n": 20}
+    assert calls(root, job_id) == {i: 1 for i in range(20)}
+    assert seen and seen[-1].state == "SUCCEEDED"
+    done = [s.steps["squares"]["done"] for s in seen]
+    assert done == sorted(done)  # progress only moves forward
+    # the record on disk tells another process the same
+    assert LocalExecutor(store_root=root).status(job_id).state == "SUCCEEDED"
+
+
+def test_transient_errors_are_retried(root):
+    with make(root) as ex:
+        job_id, status = run(ex, root, n=5, transient={"2": 2})
+    assert status.state == "SUCCEEDED", status.error
+    assert calls(root, job_id)[2] == 3  # failed twice, then succeeded
+    assert store.get_json(join(root, "jobs", job_id, "result.json"))["sum"] == squares(5)
+
+
+def test_retries_run_out(root):
+    with make(root) as ex:
+        job_id, status = run(ex, root, n=5, transient={"2": 9})
+    assert status.state == "FAILED"
+    assert status.error == "step square (item 2) failed: ConnectionError: item 2: transient failure 4"
+    assert calls(root, job_id)[2] == 4  # the first try and TOY_RETRY's 3 attempts
+
+
+def test_failure_names_step_item_and_message_and_keeps_outputs(root):
+    with make(root) as ex:
+        job_id = new_job_id("toy")
+        spec_uri = write_spec(root, job_id, n=8, fail=[3])
+        fail_switch(root, job_id, True)
+        ex.start(job_id, "toy", spec_uri)
+        status = ex.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "FAILED"
+    assert status.error == "step square (item 3) failed: ValueError: item 3 is bad"
+    assert calls(root, job_id)[3] == 1  # a ValueError is not transient: no retry
+    assert not store.exists(join(root, "jobs", job_id, "result.json"))  # no partial result
+    outs = store.list_uris(join(root, "jobs", job_id, "toy", "out") + "/")
+    assert outs and all(store.get_json(u)["i"] != 3 for u in outs)  # committed outputs stay
+    assert store.get_json(join(root, "jobs", job_id, "status.json"))["state"] == "FAILED"
+
+
+def test_resume_reruns_only_unfinished_items(root):
+    with make(root) as ex:
+        job_id = new_job_id("toy")
+        spec_uri = write_spec(root, job_id, n=12, fail=[3])
+        fail_switch(root, job_id, True)
+        ex.start(job_id, "toy", spec_uri)
+        assert ex.wait(job_id, timeout_s=WAIT_S).state == "FAILED"
+        before = calls(root, job_id)
+        fail_switch(root, job_id, False)
+        ex.resume(job_id)
+        status = ex.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "SUCCEEDED", status.error
+    after = calls(root, job_id)
+    assert after[3] == 2  # the failed item ran again
+    assert all(after[i] == 1 for i in range(12) if i != 3)  # every other item ran exactly once
+    assert sum(before.values()) < sum(after.values())
+    assert store.get_json(join(root, "jobs", job_id, "result.json"))["sum"] == squares(12)
+    # a resumed job's plan task was not re-run: its journal marker was reused
+    assert status.steps["plan"] == {"done": 1, "total": 1}
+
+
+def test_resume_from_another_executor(root):
+    with make(root) as ex:
+        job_id = new_job_id("toy")
+        spec_uri = write_spec(root, job_id, n=6, fail=[1])
+        fail_switch(root, job_id, True)
+        ex.start(job_id, "toy", spec_uri)
+        assert ex.wait(job_id, timeout_s=WAIT_S).state == "FAILED"
+    fail_switch(root, job_id, False)
+    with make(root) as other:  # e.g. `shardfold resume` in a new process
+        other.resume(job_id)
+        assert other.wait(job_id, timeout_s=WAIT_S).state == "SUCCEEDED"
+    assert calls(root, job_id)[1] == 2 and calls(root, job_id)[0] == 1
+
+
+def test_cancel(root):
+    with make(root, toy_workflow(max_concurrency=2)) as ex:
+        job_id = new_job_id("toy")
+        ex.start(job_id, "toy", write_spec(root, job_id, n=10, gate=True))
+        assert toyflow.STARTED.wait(timeout=WAIT_S)
+        ex.cancel(job_id)
+        toyflow.GATE.set()
+        status = ex.wait(job_id, timeout_s=WAIT_S)
+        assert status.state == "CANCELLED"
+        assert len(calls(root, job_id)) < 10  # no new item started after the cancel
+        assert not store.exists(join(root, "jobs", job_id, "result.json"))
+        assert store.get_json(join(root, "jobs", job_id, "status.json"))["state"] == "CANCELLED"
+        # the Map did not finish: no journal marker claims it did
+        assert not store.exists(join(root, "jobs", job_id, "journal", "squares.json"))
+        ex.resume(job_id)  # a cancelled job can be resumed to completion
+        assert ex.wait(job_id, timeout_s=WAIT_S).state == "SUCCEEDED"
+    assert calls(root, job_id) == {i: 1 for i in range(10)}
+    assert store.get_json(join(root, "jobs", job_id, "result.json"))["sum"] == squares(10)
+
+
+def test_cancel_marker_from_another_process(root):
+    with make(root, toy_workflow(max_concurrency=1)) as ex:
+        job_id = new_job_id("toy")
+        ex.start(job_id, "toy", write_spec(root, job_id, n=5, gate=True))
+        assert toyflow.STARTED.wait(timeout=WAIT_S)
+        LocalExecutor(store_root=root, workflows=ex.workflows).cancel(job_id)  # only writes the marker
+        toyflow.GATE.set()
+        assert ex.wait(job_id, timeout_s=WAIT_S).state == "CANCELLED"
+
+
+def test_batch_job_step_runs_in_a_process(root):
+    with make(root, toy_workflow(batch=True)) as ex:
+        job_id, status = run(ex, root, n=4)
+    assert status.state == "SUCCEEDED", status.error
+    assert store.get_json(join(root, "jobs", job_id, "toy", "batch.json")) == {"double": 2 * squares(4)}
+    assert status.steps["double"] == {"done": 1, "total": 1}
+
+
+def test_state_stays_small_for_100k_items(root):
+    """100,000 items live in the store; the state handed to every task stays tiny."""
+    wf = parts_workflow()
+    with make(root, wf) as ex:
+        job_id, status = run(ex, root, kind="toyparts", n=100_000, parts=1000)
+        assert status.state == "SUCCEEDED", status.error
+        assert ex.max_state_bytes(job_id) < 2048
+    assert store.get_json(join(root, "jobs", job_id, "result.json"))["sum"] == squares(100_000)
+    assert status.steps["parts"] == {"done": 100, "total": 100}
+    fan = store.get_json(join(root, "jobs", job_id, "journal", "fan.json"))["result"]
+    assert fan == {"stamp": {"job": job_id}}  # Parallel: $.fan holds the branches' task results
+
+
+def test_plan_result_for_a_100k_item_manifest_is_small(root):
+    job_id = new_job_id("toy")
+    event = {"job_id": job_id, "spec_uri": write_spec(root, job_id, n=100_000), "store_root": root}
+    result = call(toyflow.__name__ + ":plan", event, function_name="toy.plan")
+    assert len(store.get_json(result["manifest"]["uri"])) == 100_000
+    state = {**event, "plan": result}
+    assert len(json.dumps(state)) < 1024
+
+
+def test_map_over_something_that_is_not_a_manifest_ref(root):
+    register("toy.bad_plan", toyflow.__name__ + ":stamp")
+    wf = Workflow(
+        "bad", (Task("plan", "toy.bad_plan"), Map("m", items="$.plan.job", body=(Task("t", "toy.stamp"),)))
+    )
+    with make(root, wf) as ex:
+        _, status = run(ex, root, kind="bad", n=1)
+    assert status.state == "FAILED"
+    assert status.error.startswith("step m failed: States.Runtime: $.plan.job is ")
+    assert "manifest_ref" in status.error
+
+
+def test_user_errors_are_never_retried(root):
+    register("toy.user_error", __name__ + ":_user_error")
+    retry = (Retry(errors=("SpecError", "ShardfoldError"), interval_s=1, max_attempts=5),)
+    wf = Workflow("usererr", (Task("check", "toy.user_error", retry=retry),))
+    with make(root, wf) as ex:
+        job_id, status = run(ex, root, kind="usererr")
+    assert status.state == "FAILED"
+    assert status.error == "step check failed: SpecError: field x is wrong"
+    assert len(store.list_uris(join(root, "jobs", job_id, "usererr") + "/")) == 1
+
+
+def _user_error(event, context):
+    from functions.errors import SpecError
+
+    store.put(join(event["store_root"], "jobs", event["job_id"], "usererr", uuid.uuid4().hex), b"")
+    raise SpecError("field x is wrong")
+
+
+def test_interface_errors(root):
+    with make(root) as ex:
+        with pytest.raises(PlanError, match="unknown job kind 'nope'"):
+            ex.start(new_job_id("nope"), "nope", "x")
+        with pytest.raises(JobNotFound):
+            ex.status("toy-20260101T000000-abcdef")
+        job_id, status = run(ex, root, n=2)
+        with pytest.raises(ShardfoldError, match="already exists"):
+            ex.start(job_id, "toy", "x")
+        assert [j.job_id for j in ex.jobs()] == [job_id]
+        ex.resume(job_id)  # nothing to do for a finished job
+        assert ex.status(job_id).state == "SUCCEEDED"
+
+
+def _big(event, context):
+    return {"blob": "x" * 300_000}
+
+
+def _not_json(event, context):
+    return {"when": object()}
+
+
+@pytest.mark.parametrize(
+    ("handler", "error"),
+    [("_big", "States.DataLimitExceeded: toy.big returned"), ("_not_json", "States.Runtime: Object of type")],
+)
+def test_results_must_be_small_json(root, handler, error):
+    name = f"toy.{handler.strip('_')}"
+    register(name, f"{__name__}:{handler}")
+    wf = Workflow("res", (Task("t", name),))
+    with make(root, wf) as ex:
+        _, status = run(ex, root, kind="res")
+    assert status.state == "FAILED"
+    assert status.error.startswith(f"step t failed: {error}")

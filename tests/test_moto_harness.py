@@ -1,0 +1,212 @@
+"""The moto harness itself: each patch fills one moto gap, and everything is undone on stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from toyflow import fail_switch, toy_workflow, write_spec
+
+from functions.errors import ShardfoldError
+from functions.jobs import new_job_id
+from orchestrator import moto_harness
+from orchestrator.aws import AwsExecutor
+from orchestrator.local import LocalExecutor
+from orchestrator.moto_harness import MotoStack
+from orchestrator.plan import BatchJob, Map, Task, Workflow
+from orchestrator.registry import register
+
+WAIT_S = 120
+
+
+def batch_fail(event, context):
+    raise RuntimeError("gpu on fire")
+
+
+def boom(event, context):
+    raise KeyError("missing thing")
+
+
+register("toy.batch_fail", f"{__name__}:batch_fail")
+register("toy.boom", f"{__name__}:boom")
+
+FLOWS = {
+    "toy": toy_workflow(),
+    "toytol": Workflow(
+        "toytol",
+        (
+            Task("plan", "toy.plan"),
+            Map(
+                "squares", "$.plan.manifest", (Task("square", "toy.square"),), tolerated_failure_percentage=25
+            ),
+            Task("total", "toy.total"),
+        ),
+    ),
+    "toybatch": Workflow("toybatch", (BatchJob("gpu", "toy.batch_fail", timeout_s=60),)),
+    "toyboom": Workflow("toyboom", (Task("boom", "toy.boom"),)),
+}
+
+
+def test_stop_undoes_everything():
+    """Runs before the module's stack starts: a stack's lifetime leaves no trace in the process."""
+    from moto.awslambda_simple.models import LambdaSimpleBackend
+    from moto.stepfunctions.responses import StepFunctionResponse
+
+    before_invoke = LambdaSimpleBackend.invoke
+    before_env = os.environ.get("AWS_ENDPOINT_URL")
+    with MotoStack({"toy": toy_workflow()}) as stack:
+        assert os.environ["AWS_ENDPOINT_URL"] == stack.endpoint_url
+        assert LambdaSimpleBackend.invoke is not before_invoke
+        assert hasattr(StepFunctionResponse, "redrive_execution")
+        with pytest.raises(ShardfoldError, match="already running"):
+            MotoStack({"toy": toy_workflow()}).start()
+    assert LambdaSimpleBackend.invoke is before_invoke
+    assert not hasattr(StepFunctionResponse, "redrive_execution")
+    assert os.environ.get("AWS_ENDPOINT_URL") == before_env
+    assert moto_harness._active is None and not moto_harness._originals
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with MotoStack(FLOWS) as s:
+        yield s
+
+
+@pytest.fixture
+def aws(stack) -> AwsExecutor:
+    return AwsExecutor(stack.outputs, FLOWS)
+
+
+def test_stack_outputs(stack):
+    out = stack.outputs
+    assert out["backend"] == "moto" and out["bucket"] == "shardfold-moto"
+    assert set(out["state_machine_arns"]) == set(FLOWS)
+    assert set(out["functions"]) == {"toy.plan", "toy.square", "toy.total", "toy.boom"}
+    assert out["batch_job_definitions"].keys() == {"toy.batch_fail"}
+    sfn = boto3.client("stepfunctions", region_name=out["region"])
+    definition = json.loads(
+        sfn.describe_state_machine(stateMachineArn=out["state_machine_arns"]["toy"])["definition"]
+    )
+    assert definition["States"]["squares"]["ItemReader"]["ReaderConfig"] == {
+        "InputType": "JSON"
+    }  # ASL unchanged
+
+
+def test_lambda_invoke_runs_the_registered_handler(stack, aws):
+    lam = boto3.client("lambda", region_name=stack.region)
+    root = aws.store_root
+    job_id = new_job_id("toy")
+    event = {"job_id": job_id, "spec_uri": write_spec(root, job_id, n=3), "store_root": root}
+    resp = lam.invoke(FunctionName=stack.outputs["function_names"]["toy.plan"], Payload=json.dumps(event))
+    assert "FunctionError" not in resp
+    assert json.loads(resp["Payload"].read())["manifest"]["count"] == 3
+    resp = lam.invoke(FunctionName=stack.outputs["functions"]["toy.boom"], Payload=b"{}")  # by ARN too
+    assert resp["FunctionError"] == "Unhandled"
+    payload = json.loads(resp["Payload"].read())
+    assert payload["errorType"] == "KeyError" and payload["errorMessage"] == "'missing thing'"
+    with pytest.raises(ClientError):
+        lam.invoke(FunctionName="shardfold-moto-not-there", Payload=b"{}")
+
+
+def test_failed_children_fail_the_map_and_are_listed_like_aws(aws):
+    sfn = aws._sfn
+    root = aws.store_root
+    job_id = new_job_id("toy")
+    spec = write_spec(root, job_id, n=5, fail=[1, 3])
+    fail_switch(root, job_id, True)
+    aws.start(job_id, "toy", spec)
+    status = aws.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "FAILED"
+    assert status.error == "step square (item 1) failed: ValueError: item 1 is bad"  # the lowest failed item
+    desc = sfn.describe_execution(executionArn=status.execution_arn)
+    assert desc["error"] == "States.ExceedToleratedFailureThreshold"  # a States.* name through a Fail state
+    assert desc["cause"].startswith(
+        "step squares failed: The specified tolerated failure threshold was exceeded"
+    )
+    (run,) = sfn.list_map_runs(executionArn=status.execution_arn)["mapRuns"]
+    assert sfn.describe_map_run(mapRunArn=run["mapRunArn"])["itemCounts"]["failed"] == 2
+    failed = sfn.list_executions(mapRunArn=run["mapRunArn"], statusFilter="FAILED")["executions"]
+    assert len(failed) == 2
+    child = sfn.describe_execution(executionArn=failed[0]["executionArn"])
+    assert child["status"] == "FAILED" and child["error"] == "ValueError"
+    assert json.loads(child["input"])["index"] == 1
+    assert child["cause"].startswith("step square (item 1) failed: {")
+    assert len(sfn.list_executions(mapRunArn=run["mapRunArn"], statusFilter="SUCCEEDED")["executions"]) == 3
+
+
+def test_tolerated_failures_pass_on_both_backends(tmp_path, aws):
+    root = aws.store_root
+    job_id = new_job_id("toytol")
+    spec = write_spec(root, job_id, n=4, fail=[2])  # 1 of 4 = 25%: tolerated
+    fail_switch(root, job_id, True)
+    aws.start(job_id, "toytol", spec)
+    assert aws.wait(job_id, timeout_s=WAIT_S).state == "SUCCEEDED"
+
+    local_root = f"file://{tmp_path}"
+    with LocalExecutor(store_root=local_root, workflows=FLOWS, retry_delay_scale=0) as local:
+        lid = new_job_id("toytol")
+        spec = write_spec(local_root, lid, n=4, fail=[2])
+        fail_switch(local_root, lid, True)
+        local.start(lid, "toytol", spec)
+        assert local.wait(lid, timeout_s=WAIT_S).state == "SUCCEEDED"
+        for r in (local_root, root):  # and 2 of 4 is not
+            j = new_job_id("toytol")
+            spec = write_spec(r, j, n=4, fail=[1, 2])
+            fail_switch(r, j, True)
+            ex = local if r == local_root else aws
+            ex.start(j, "toytol", spec)
+            assert (
+                ex.wait(j, timeout_s=WAIT_S).error == "step square (item 1) failed: ValueError: item 1 is bad"
+            )
+
+
+@pytest.mark.parametrize("backend", ["local", "moto"])
+def test_batch_sync_runs_the_worker_in_process(tmp_path, aws, backend):
+    local = LocalExecutor(f"file://{tmp_path}", FLOWS, retry_delay_scale=0)
+    ex, root = (aws, aws.store_root) if backend == "moto" else (local, f"file://{tmp_path}")
+    job_id = new_job_id("toybatch")
+    with local:
+        ex.start(job_id, "toybatch", write_spec(root, job_id, n=1))
+        status = ex.wait(job_id, timeout_s=WAIT_S)
+    assert status.error == "step gpu failed: States.TaskFailed: RuntimeError: gpu on fire"
+    if backend == "moto":
+        cause = aws._sfn.describe_execution(executionArn=status.execution_arn)["cause"]
+        described = json.loads(cause.partition(" failed: ")[2])  # the .sync result: the job, PascalCase
+        assert described["JobName"] == f"{job_id}-gpu" and described["Status"] == "FAILED"
+
+
+def test_top_level_task_failure_reads_well(aws):
+    job_id = new_job_id("toyboom")
+    aws.start(job_id, "toyboom", write_spec(aws.store_root, job_id, n=1))
+    assert aws.wait(job_id, timeout_s=WAIT_S).error == "step boom failed: KeyError: 'missing thing'"
+
+
+def test_redrive_is_refused_cleanly(aws):
+    sfn = aws._sfn
+    job_id = new_job_id("toy")
+    aws.start(job_id, "toy", write_spec(aws.store_root, job_id, n=1))
+    status = aws.wait(job_id, timeout_s=WAIT_S)
+    t0 = time.monotonic()
+    with pytest.raises(ClientError) as err:
+        sfn.redrive_execution(executionArn=status.execution_arn)
+    assert err.value.response["Error"]["Code"] == "ExecutionNotRedrivable"
+    assert err.value.response["ResponseMetadata"]["RetryAttempts"] == 0  # a 400, so nothing was retried
+    assert time.monotonic() - t0 < WAIT_S
+
+
+def test_definite_json_paths_yield_the_node(stack):
+    from moto.stepfunctions.parser.asl.component.common.string import string_expression
+    from moto.stepfunctions.parser.asl.utils import json_path
+
+    data = [{"a": 1}, {"stamp": {"job": "x"}, "list": [5, 6]}]
+    for fn in (json_path.extract_json, string_expression.extract_json):
+        assert fn("$[1].stamp", data) == {"job": "x"}
+        assert fn("$[1].list[0]", data) == 5
+        assert fn("$[0]", data) == {"a": 1}
+        assert fn("$[*].a", data) == [1]  # non-definite paths keep moto's behaviour
+        with pytest.raises(json_path.NoSuchJsonPathError):
+            fn("$[5].a", data)

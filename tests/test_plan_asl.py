@@ -1,0 +1,296 @@
+"""Plan vocabulary, function registry and the ASL compiler/validator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from toyflow import parts_workflow, toy_workflow
+
+from functions.errors import PlanError
+from orchestrator import asl as asl_mod
+from orchestrator.asl import (
+    BATCH_SYNC,
+    S3_GET_OBJECT,
+    NamingResolver,
+    StackResolver,
+    compile_workflow,
+    lint,
+    moto_check,
+    validate,
+)
+from orchestrator.plan import (
+    DEFAULT_TASK_RETRY,
+    LAMBDA_THROTTLED,
+    LAMBDA_TRANSIENT,
+    BatchJob,
+    Map,
+    Parallel,
+    Retry,
+    Task,
+    Workflow,
+)
+from orchestrator.registry import handler_path, lambda_handler, lambda_name, register
+from orchestrator.workflows import WORKFLOWS
+
+TOYS = [toy_workflow(), toy_workflow(mode="process", batch=True), parts_workflow()]
+
+
+# --- plan ---------------------------------------------------------------------------------------------------
+
+
+def test_workflow_validation_names_the_problem():
+    with pytest.raises(PlanError, match="used twice"):
+        Workflow("x", (Task("a", "toy.plan"), Task("a", "toy.total")))
+    with pytest.raises(PlanError, match="must be an identifier"):
+        Workflow("x", (Task("a-b", "toy.plan"),))
+    with pytest.raises(PlanError, match="reserved"):
+        Workflow("x", (Task("item", "toy.plan"),))
+    with pytest.raises(PlanError, match="must be a JSONPath"):
+        Workflow("x", (Map("m", items="plan.manifest", body=(Task("t", "toy.square"),)),))
+    with pytest.raises(PlanError, match="no steps"):
+        Workflow("x", (Parallel("p", branches=((),)),))
+    with pytest.raises(PlanError, match="lower-case"):
+        Workflow("Bad", (Task("a", "toy.plan"),))
+    with pytest.raises(PlanError, match="AWS Batch's minimum"):
+        Workflow("x", (BatchJob("b", "toy.batch_double", timeout_s=10),))
+
+
+def test_retry_never_matches_user_errors():
+    with pytest.raises(PlanError, match="user errors must not be retried"):
+        Retry(errors=("States.ALL",))
+    with pytest.raises(PlanError, match="interval_s >= 1"):
+        Retry(errors=("X",), interval_s=0)
+    r = Retry(errors=("X",), interval_s=2, backoff=3.0, max_delay_s=10)
+    assert [r.delay_s(n) for n in (1, 2, 3)] == [2, 6, 10]
+
+
+def test_workflow_walk_and_functions():
+    wf = parts_workflow()
+    assert [s.name for s in wf.walk()] == ["plan", "fan", "parts", "part", "stamp", "total"]
+    assert wf.functions() == ["toy.plan", "toy.square_part", "toy.stamp", "toy.total"]
+    assert wf.step("stamp").function == "toy.stamp"
+
+
+# --- registry -----------------------------------------------------------------------------------------------
+
+
+def test_registry():
+    assert handler_path("toy.plan").endswith(":plan")
+    assert lambda_handler("toy.plan").endswith(".plan")
+    assert lambda_name("getbatch.plan", "dev") == "shardfold-dev-getbatch-plan"
+    with pytest.raises(PlanError, match="already registered"):
+        register("toy.plan", "somewhere.else:plan")
+    with pytest.raises(PlanError, match="kind.step"):
+        register("Plan", "a:b")
+    with pytest.raises(PlanError, match="no handler is registered"):
+        handler_path("nobody.home")
+
+    def nested(event, context):  # not importable by name
+        return {}
+
+    with pytest.raises(PlanError, match="not a top-level function"):
+        register("toy.nested", nested)
+    with pytest.raises(PlanError, match="longer than 64"):
+        lambda_name("toy.plan", "x" * 60)
+
+
+# --- compiler -----------------------------------------------------------------------------------------------
+
+
+def test_task_state_shape():
+    asl = compile_workflow(
+        toy_workflow(), NamingResolver(region="eu-west-1", account="111122223333", stage="t")
+    )
+    plan = asl["States"]["plan"]
+    assert plan["Type"] == "Task"
+    assert plan["Resource"] == "arn:aws:lambda:eu-west-1:111122223333:function:shardfold-t-toy-plan"
+    assert plan["ResultPath"] == "$.plan"  # the data-flow rule: the result lands at $.<name>
+    assert plan["Next"] == "squares"
+    assert plan["Retry"][0]["ErrorEquals"][: len(LAMBDA_TRANSIENT)] == list(LAMBDA_TRANSIENT)
+    throttle = plan["Retry"][1]
+    assert throttle["ErrorEquals"] == list(LAMBDA_THROTTLED)
+    assert throttle["JitterStrategy"] == "FULL" and throttle["MaxDelaySeconds"] == 30
+    assert plan["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "plan-failed"}]
+    fail = asl["States"]["plan-failed"]
+    assert fail == {
+        "Type": "Fail",
+        "ErrorPath": "$.error.Error",
+        "CausePath": "States.Format('step plan failed: {}', $.error.Cause)",
+    }
+    assert asl["States"]["total"]["End"] is True
+
+
+def test_map_state_is_a_distributed_map_reading_the_manifest():
+    wf = Workflow(
+        "m",
+        (
+            Task("plan", "toy.plan"),
+            Map(
+                "work",
+                items="$.plan.manifest",
+                body=(Task("square", "toy.square"),),
+                max_concurrency=7,
+                tolerated_failure_percentage=5,
+            ),
+        ),
+    )
+    state = compile_workflow(wf)["States"]["work"]
+    assert state["Type"] == "Map"
+    assert state["ItemProcessor"]["ProcessorConfig"] == {"Mode": "DISTRIBUTED", "ExecutionType": "STANDARD"}
+    assert state["ItemReader"] == {
+        "Resource": S3_GET_OBJECT,
+        "ReaderConfig": {"InputType": "JSON"},
+        "Parameters": {"Bucket.$": "$.plan.manifest.bucket", "Key.$": "$.plan.manifest.key"},
+    }
+    assert state["ItemSelector"]["item.$"] == "$$.Map.Item.Value"
+    assert state["ItemSelector"]["index.$"] == "$$.Map.Item.Index"
+    assert state["ResultPath"] is None  # child outputs never come back into the state
+    assert state["MaxConcurrency"] == 7
+    assert state["ToleratedFailurePercentage"] == 5.0 and isinstance(
+        state["ToleratedFailurePercentage"], float
+    )
+    child_fail = state["ItemProcessor"]["States"]["square-failed"]
+    assert (
+        child_fail["CausePath"] == "States.Format('step square (item {}) failed: {}', $.index, $.error.Cause)"
+    )
+
+
+def test_parallel_selects_branch_task_results():
+    state = compile_workflow(parts_workflow())["States"]["fan"]
+    assert state["Type"] == "Parallel" and len(state["Branches"]) == 2
+    assert state["ResultSelector"] == {"stamp.$": "$[1].stamp"}
+    assert state["ResultPath"] == "$.fan"
+
+
+def test_batch_job_state():
+    wf = toy_workflow(batch=True)
+    outputs = {
+        "functions": {f: f"arn:fn:{f}" for f in wf.functions()},
+        "batch_job_queue": "arn:queue",
+        "batch_job_definitions": {"toy.batch_double": "arn:jobdef"},
+    }
+    state = compile_workflow(wf, StackResolver(outputs))["States"]["double"]
+    assert state["Resource"] == BATCH_SYNC
+    params = state["Parameters"]
+    assert params["JobQueue"] == "arn:queue" and params["JobDefinition"] == "arn:jobdef"
+    assert params["JobName.$"] == "States.Format('{}-double', $.job_id)"
+    env = {e["Name"]: e for e in params["ContainerOverrides"]["Environment"]}
+    assert env["SHARDFOLD_EVENT"]["Value.$"] == "States.JsonToString($)"
+    assert env["SHARDFOLD_HANDLER"]["Value"] == handler_path("toy.batch_double")
+    assert params["Timeout"] == {"AttemptDurationSeconds": 600}
+    assert state["ResultPath"] is None
+    with pytest.raises(PlanError, match="no Lambda function"):
+        compile_workflow(wf, StackResolver({"functions": {}}))
+
+
+# --- validation ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(WORKFLOWS))
+def test_every_builtin_workflow_validates(kind):
+    validate(compile_workflow(WORKFLOWS[kind]))
+
+
+@pytest.mark.parametrize("wf", TOYS, ids=lambda wf: wf.kind)
+def test_toy_workflows_validate(wf):
+    validate(compile_workflow(wf))
+
+
+def test_statelint_allowances_cover_only_known_false_reports():
+    from statelint.linter import Linter
+
+    asl = compile_workflow(toy_workflow())
+    raw = Linter.validate(asl)
+    assert raw == ['Field "InputType" not allowed in State Machine.States.squares.ItemReader.ReaderConfig']
+    assert lint(asl) == []
+    tolerant = Workflow(
+        "tol",
+        (
+            Task("plan", "toy.plan"),
+            Map("m", "$.plan.manifest", (Task("t", "toy.square"),), tolerated_failure_percentage=5),
+        ),
+    )
+    asl = compile_workflow(tolerant)
+    assert len(Linter.validate(asl)) == 2 and lint(asl) == []
+    moto_check(asl)  # the float form is the one moto accepts
+    assert len(asl_mod.STATELINT_FALSE_REPORTS) == 2  # the one place allowances live
+    # a real problem in the same fields is still reported
+    asl["States"]["m"]["ToleratedFailurePercentage"] = "lots"
+    asl["States"]["m"]["ItemReader"]["ReaderConfig"]["Bogus"] = 1
+    assert len(lint(asl)) == 2
+
+
+def test_validate_rejects_broken_asl():
+    asl = compile_workflow(toy_workflow())
+    broken = json.loads(json.dumps(asl))
+    broken["States"]["plan"]["Next"] = "nowhere"
+    with pytest.raises(PlanError, match="statelint"):
+        validate(broken)
+    jsonl = json.loads(json.dumps(asl))
+    jsonl["States"]["squares"]["ItemReader"]["ReaderConfig"]["InputType"] = "JSONL"  # moto 5.2.5 cannot
+    with pytest.raises(PlanError, match="moto rejects"):
+        moto_check(jsonl)
+
+
+# --- property: any plan compiles to ASL that both checkers accept -------------------------------------------
+
+_counter = iter(range(10**9))
+
+
+def _name() -> str:
+    return f"s{next(_counter)}"
+
+
+def _task() -> st.SearchStrategy:
+    return st.builds(
+        lambda mode, retry: Task(_name(), "toy.stamp", mode=mode, retry=retry),
+        st.sampled_from(["thread", "process"]),
+        st.sampled_from([DEFAULT_TASK_RETRY, (), (Retry(errors=("ConnectionError",), interval_s=1),)]),
+    )
+
+
+def _steps(depth: int) -> st.SearchStrategy:
+    leaf = st.one_of(
+        _task(), st.just(None).map(lambda _: BatchJob(_name(), "toy.batch_double", timeout_s=60))
+    )
+    if depth == 0:
+        return st.lists(leaf, min_size=1, max_size=3).map(tuple)
+    inner = _steps(depth - 1)
+    compound = st.one_of(
+        st.builds(
+            lambda body, pct: Map(
+                _name(), items="$.plan.manifest", body=body, tolerated_failure_percentage=pct
+            ),
+            inner,
+            st.one_of(st.none(), st.floats(0, 100)),
+        ),
+        st.builds(
+            lambda branches: Parallel(_name(), branches=tuple(branches)),
+            st.lists(inner, min_size=1, max_size=3),
+        ),
+    )
+    return st.lists(st.one_of(leaf, compound), min_size=1, max_size=3).map(tuple)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_steps(2))
+def test_any_plan_compiles_to_valid_asl(steps):
+    wf = Workflow("prop", (Task(_name(), "toy.plan"), *steps))
+    asl = compile_workflow(wf)
+    validate(asl)
+    names: list[str] = []
+
+    def collect(states: dict) -> None:
+        for name, state in states.items():
+            names.append(name)
+            if "ItemProcessor" in state:
+                collect(state["ItemProcessor"]["States"])
+            for branch in state.get("Branches", []):
+                collect(branch["States"])
+
+    collect(asl["States"])
+    assert len(names) == len(set(names))  # state names are unique across the whole machine
+    assert all(len(n) <= 80 for n in names)

@@ -1,0 +1,168 @@
+"""A tiny test-only job kind, ``toy``, that exercises every executor feature without the real kinds.
+
+Spec (a JSON object at ``spec_uri``)::
+
+    {"kind": "toy", "n": 10,            # items 0..n-1; the result is the sum of their squares
+     "fail": [3],                       # items that raise ValueError while jobs/<id>/toy/fail-switch exists
+     "transient": {"2": 2},             # item -> how many times it raises ConnectionError before succeeding
+     "gate": false,                     # items wait for GATE (a threading.Event; thread mode only)
+     "parts": 0}                        # >0: plan groups items into parts of this size (map over parts)
+
+Every call of ``square`` leaves a marker under ``jobs/<id>/toy/calls/`` so tests count invocations through
+the store (they work across processes); outputs are written put-if-absent, so a re-run does no new work.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from typing import Any
+
+from functions import store
+from functions.manifest import write_manifest
+from functions.store.uri import join
+from orchestrator.plan import BatchJob, Map, Parallel, Retry, Task, Workflow
+from orchestrator.registry import register
+
+GATE = threading.Event()  # tests release blocked items with GATE.set()
+STARTED = threading.Event()  # set when the first gated item has started
+
+TOY_RETRY = (Retry(errors=("ConnectionError",), interval_s=1, max_attempts=3, backoff=1.0),)
+
+
+def _uri(event: dict[str, Any], *parts: str) -> str:
+    return join(event["store_root"], "jobs", event["job_id"], "toy", *parts)
+
+
+def _spec(event: dict[str, Any]) -> dict[str, Any]:
+    return store.get_json(event["spec_uri"])
+
+
+def plan(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    spec = _spec(event)
+    n = int(spec["n"])
+    size = int(spec.get("parts") or 0)
+    if size:
+        store.put_json(_uri(event, "items.json"), list(range(n)))
+        items: list[Any] = [{"first": p, "count": min(size, n - p)} for p in range(0, n, size)]
+    else:
+        items = [{"i": i} for i in range(n)]
+    return {"manifest": write_manifest(_uri(event, "manifest.json"), items), "n": n}
+
+
+def square(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    i = int(event["item"]["i"])
+    spec = _spec(event)
+    out = _uri(event, "out", f"{i:06d}.json")
+    calls = store.list_uris(_uri(event, "calls", f"{i:06d}") + "-")
+    store.put(_uri(event, "calls", f"{i:06d}-{uuid.uuid4().hex}"), b"")
+    if spec.get("gate"):
+        STARTED.set()
+        if not GATE.wait(timeout=30):
+            raise TimeoutError("the test never opened the gate")
+    if len(calls) < int(spec.get("transient", {}).get(str(i), 0)):
+        raise ConnectionError(f"item {i}: transient failure {len(calls) + 1}")
+    if i in spec.get("fail", []) and store.exists(_uri(event, "fail-switch")):
+        raise ValueError(f"item {i} is bad")
+    store.put_if_absent(out, json.dumps({"i": i, "square": i * i}).encode())
+    return {"i": i}
+
+
+def square_part(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    part = event["item"]
+    items = store.get_json(_uri(event, "items.json"))[part["first"] : part["first"] + part["count"]]
+    store.put_if_absent(
+        _uri(event, "out", f"{part['first']:06d}.json"),
+        json.dumps({"i": part["first"], "square": sum(i * i for i in items)}).encode(),
+    )
+    return {"part": part["first"]}
+
+
+def total(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    outs = store.list_uris(_uri(event, "out") + "/")
+    result = {
+        "sum": sum(store.get_json(u)["square"] for u in outs),
+        "outputs": len(outs),
+        "n": event["plan"]["n"],
+    }
+    store.put_json(join(event["store_root"], "jobs", event["job_id"], "result.json"), result)
+    return result
+
+
+def stamp(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """A second Parallel branch: proves branch results are selected into $.<parallel name>."""
+    return {"job": event["job_id"]}
+
+
+def batch_double(event: dict[str, Any], context: Any) -> None:
+    """A BatchJob entry point: reads the total and writes its double (the result is discarded)."""
+    store.put_json(_uri(event, "batch.json"), {"double": 2 * event["total"]["sum"]})
+
+
+for _name, _fn in {
+    "toy.plan": plan,
+    "toy.square": square,
+    "toy.square_part": square_part,
+    "toy.total": total,
+    "toy.stamp": stamp,
+    "toy.batch_double": batch_double,
+}.items():
+    register(_name, _fn)
+
+
+def toy_workflow(mode: str = "thread", max_concurrency: int = 4, batch: bool = False) -> Workflow:
+    steps: list[Any] = [
+        Task("plan", "toy.plan"),
+        Map(
+            "squares",
+            items="$.plan.manifest",
+            body=(Task("square", "toy.square", mode=mode, retry=TOY_RETRY),),  # type: ignore[arg-type]
+            max_concurrency=max_concurrency,
+        ),
+        Task("total", "toy.total"),
+    ]
+    if batch:
+        steps.append(BatchJob("double", "toy.batch_double", timeout_s=600))
+    return Workflow(kind="toy", steps=tuple(steps))
+
+
+def parts_workflow() -> Workflow:
+    """Map over parts of a big item list (the getbatch shape): the manifest of parts stays in the store."""
+    return Workflow(
+        kind="toyparts",
+        steps=(
+            Task("plan", "toy.plan"),
+            Parallel(
+                "fan",
+                branches=(
+                    (Map("parts", items="$.plan.manifest", body=(Task("part", "toy.square_part"),)),),
+                    (Task("stamp", "toy.stamp"),),
+                ),
+            ),
+            Task("total", "toy.total"),
+        ),
+    )
+
+
+def write_spec(store_root: str, job_id: str, **spec: Any) -> str:
+    uri = join(store_root, "jobs", job_id, "spec.json")
+    store.put_json(uri, {"kind": "toy", **spec})
+    return uri
+
+
+def calls(store_root: str, job_id: str) -> dict[int, int]:
+    """{item: number of square calls} from the call markers."""
+    out: dict[int, int] = {}
+    for uri in store.list_uris(join(store_root, "jobs", job_id, "toy", "calls") + "/"):
+        i = int(uri.rsplit("/", 1)[-1].split("-", 1)[0])
+        out[i] = out.get(i, 0) + 1
+    return out
+
+
+def fail_switch(store_root: str, job_id: str, on: bool) -> None:
+    uri = join(store_root, "jobs", job_id, "toy", "fail-switch")
+    if on:
+        store.put(uri, b"on")
+    else:
+        store.delete(uri)
