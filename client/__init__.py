@@ -1,0 +1,8 @@
+"""The user's side of Shardfold: the Python SDK (:class:`Client`, :class:`Job`) and the ``shardfold`` CLI.
+
+``from client import Client``. torch is imported only by :mod:`client.data` (``GetBatchDataset``).
+"""
+
+from client.sdk import Client, Job
+
+__all__ = ["Client", "Job"]

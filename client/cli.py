@@ -1,0 +1,510 @@
+"""The ``shardfold`` command line: a thin layer over the SDK that prints with rich.
+
+Errors a user can cause (:class:`ShardfoldError`) print one red line and exit 1; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import click
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from functions.errors import ShardfoldError
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+BACKEND_CHOICES = click.Choice(["local", "aws", "moto"])
+REPO_EVENTS = Path(__file__).resolve().parent.parent / "events"
+# Handlers that are not workflow steps (so not in orchestrator.registry) but can be invoked like one.
+EXTRA_HANDLERS = {"dispatch": "functions.dispatch:handler"}
+
+
+class ShardfoldGroup(click.Group):
+    """Turns user errors into one red line and exit code 1, with no traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ShardfoldError as exc:
+            err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+            ctx.exit(1)
+
+
+def backend_option(f: Any) -> Any:
+    f = click.option(
+        "--stack",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="stack outputs JSON for --backend aws (default: $SHARDFOLD_STACK or .shardfold/stack.json)",
+    )(f)
+    return click.option(
+        "--backend",
+        "-b",
+        type=BACKEND_CHOICES,
+        default="local",
+        envvar="SHARDFOLD_BACKEND",
+        show_default=True,
+        help="where jobs run ($SHARDFOLD_BACKEND)",
+    )(f)
+
+
+def _client(backend: str, stack: str | None = None) -> Any:
+    from client import Client
+
+    return Client(backend=backend, stack=stack)
+
+
+def _fmt_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _kv_table(title: str, data: dict[str, Any]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for k, v in data.items():
+        table.add_row(
+            str(k), _fmt_bytes(v) if k == "bytes" else json.dumps(v) if isinstance(v, dict | list) else str(v)
+        )
+    return table
+
+
+def _state_style(state: str) -> str:
+    return {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan"}.get(
+        state, "white"
+    )
+
+
+def _steps_text(steps: dict[str, Any] | None) -> str:
+    parts = []
+    for name, c in (steps or {}).items():
+        done = c.get("done", 0) if isinstance(c, dict) else getattr(c, "done", 0)
+        total = c.get("total") if isinstance(c, dict) else getattr(c, "total", None)
+        parts.append(f"{name} {done}/{total if total is not None else '?'}")
+    return ", ".join(parts)
+
+
+def _status_dict(status: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(status):
+        return dataclasses.asdict(status)
+    return dict(status)
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    out.print(_kv_table("result", result))
+
+
+def _wait_and_report(job: Any) -> None:
+    status = job.wait(progress=True, console=err)
+    style = _state_style(status.state)
+    out.print(f"job [bold]{job.job_id}[/] [{style}]{status.state}[/]")
+    if status.state != "SUCCEEDED":
+        from client.errors import JobFailed
+
+        raise JobFailed(
+            f"job {job.job_id} {status.state.lower()}: {status.error or 'no error recorded'}"
+            + (f"; fix the cause and run `shardfold resume {job.job_id}`" if status.state == "FAILED" else "")
+        )
+    _print_result(job.result())
+
+
+@click.group(cls=ShardfoldGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="show the JSON logs (-v: info, -vv: debug)")
+def cli(verbose: int) -> None:
+    """Shardfold: serverless batch jobs on AWS Step Functions and Lambda, or locally."""
+    # The library logs JSON lines for CloudWatch; at a terminal they would drown the tables, so the CLI
+    # shows only errors unless asked (an explicit POWERTOOLS_LOG_LEVEL wins).
+    if verbose or not os.environ.get("POWERTOOLS_LOG_LEVEL"):
+        level = {0: logging.ERROR, 1: logging.INFO}.get(verbose, logging.DEBUG)
+        logging.getLogger("shardfold").setLevel(level)
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@backend_option
+@click.option("--no-wait", is_flag=True, help="print the job id and return at once")
+def run(spec: str, backend: str, stack: str | None, no_wait: bool) -> None:
+    """Submit the job in SPEC (a JSON file), show progress and print its result."""
+    with _client(backend, stack) as client:
+        job = client.submit(Path(spec))
+        out.print(f"submitted [bold]{job.job_id}[/] ({job.kind}) on {backend}")
+        if no_wait:
+            if backend == "moto":
+                err.print("[yellow]note:[/] moto state lives in this process; waiting anyway")
+            else:
+                return
+        _wait_and_report(job)
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@backend_option
+@click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
+    """Dry run: steps, tasks, memory per task, S3 requests and an AWS cost estimate. Runs nothing."""
+    with _client(backend, stack) as client:
+        report = client.plan(Path(spec))
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+        return
+    table = Table(
+        title=f"plan: {report.kind}, {report.items:,} items", title_justify="left", box=box.SIMPLE_HEAD
+    )
+    for col, just in [
+        ("step", "left"),
+        ("tasks", "right"),
+        ("MiB peak/mem", "right"),
+        ("GET", "right"),
+        ("PUT", "right"),
+        ("s/task", "right"),
+        ("GB-s", "right"),
+    ]:
+        table.add_column(col, justify=just, no_wrap=just == "left")
+    for s in report.steps:
+        mem = f"{s.peak_mb:,.0f}/{s.memory_mb:,}"
+        table.add_row(
+            s.name,
+            f"{s.tasks:,}",
+            mem if s.fits else f"[red]{mem}[/]",
+            f"{s.gets:,}",
+            f"{s.puts:,}",
+            f"{s.duration_s:.2f}",
+            f"{s.gb_s:,.2f}",
+        )
+    out.print(table)
+    cost = Table(title="cost if run on AWS", title_justify="left", box=box.SIMPLE_HEAD)
+    cost.add_column("component")
+    cost.add_column("USD (us-east-1)", justify="right")
+    for k, v in report.cost_usd.items():
+        cost.add_row(f"[bold]{k}[/]" if k == "total" else k, f"{v:.6f}")
+    out.print(cost)
+    out.print(f"state transitions: {report.transitions:,}")
+    for note in report.notes:
+        out.print(f"[dim]- {note}[/]")
+
+
+@cli.command()
+@click.argument("job_id")
+@backend_option
+def status(job_id: str, backend: str, stack: str | None) -> None:
+    """Show a job's state and per-step progress."""
+    with _client(backend, stack) as client:
+        st = client.job(job_id).status()
+    data = _status_dict(st)
+    steps = data.pop("steps", None)
+    data["steps"] = _steps_text(steps)
+    out.print(_kv_table(f"job {job_id}", {k: v for k, v in data.items() if v not in (None, "")}))
+
+
+@cli.command()
+@backend_option
+def jobs(backend: str, stack: str | None) -> None:
+    """List the jobs on a backend."""
+    with _client(backend, stack) as client:
+        statuses = client.jobs()
+    if not statuses:
+        out.print(f"no jobs on the {backend} backend")
+        return
+    table = Table(title=f"jobs ({backend})", title_justify="left")
+    for col in ("job id", "kind", "state", "steps", "error"):
+        table.add_column(col)
+    for st in sorted(statuses, key=lambda s: s.job_id):
+        style = _state_style(st.state)
+        table.add_row(st.job_id, st.kind, f"[{style}]{st.state}[/]", _steps_text(st.steps), st.error or "")
+    out.print(table)
+
+
+@cli.command()
+@click.argument("job_id")
+@backend_option
+@click.option("--json", "as_json", is_flag=True, help="print the raw result.json")
+def result(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
+    """Print a finished job's result."""
+    with _client(backend, stack) as client:
+        res = client.job(job_id).result()
+    if as_json:
+        out.print_json(json.dumps(res))
+    else:
+        _print_result(res)
+
+
+@cli.command()
+@click.argument("job_id")
+@backend_option
+def cancel(job_id: str, backend: str, stack: str | None) -> None:
+    """Stop a running job; what it already committed stays readable."""
+    with _client(backend, stack) as client:
+        client.job(job_id).cancel()
+    out.print(f"cancelled [bold]{job_id}[/]")
+
+
+@cli.command()
+@click.argument("job_id")
+@backend_option
+@click.option("--no-wait", is_flag=True, help="return once the job is restarted")
+def resume(job_id: str, backend: str, stack: str | None, no_wait: bool) -> None:
+    """Re-run the unfinished tasks of a failed or cancelled job."""
+    with _client(backend, stack) as client:
+        job = client.job(job_id).resume()
+        out.print(f"resumed [bold]{job_id}[/]")
+        if not no_wait:
+            _wait_and_report(job)
+
+
+@cli.command()
+@click.argument("kind")
+@click.option("--region", default="us-east-1", show_default=True, help="region in the placeholder ARNs")
+@click.option("--account", default="123456789012", show_default=True, help="account in the placeholder ARNs")
+@click.option("--stage", default="dev", show_default=True, help="stage suffix of the function names")
+def asl(kind: str, region: str, account: str, stage: str) -> None:
+    """Print the Amazon States Language of KIND's workflow (JSONPath, validated)."""
+    from client.backends import compile_asl
+
+    out.print_json(json.dumps(compile_asl(kind, region=region, account=account, stage=stage)))
+
+
+@dataclasses.dataclass
+class FakeLambdaContext:
+    """What a Lambda handler may read from its context (Powertools' Logger reads these fields)."""
+
+    function_name: str
+    memory_limit_in_mb: int = 1024
+    invoked_function_arn: str = ""
+    aws_request_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
+    log_group_name: str = "/aws/lambda/local"
+    log_stream_name: str = "local"
+    function_version: str = "$LATEST"
+
+    def __post_init__(self) -> None:
+        self._deadline = time.monotonic() + 900
+
+    def get_remaining_time_in_millis(self) -> int:
+        return int(max(self._deadline - time.monotonic(), 0) * 1000)
+
+
+def _find_event(event: str) -> Path:
+    candidates = [Path(event)]
+    for base in (Path("events"), REPO_EVENTS):
+        candidates += [base / event, base / f"{event}.json"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ShardfoldError(f"no event file {event!r} (looked in ., events/ and {REPO_EVENTS})")
+
+
+def _resolve_handler(name: str) -> Any:
+    target = EXTRA_HANDLERS.get(name)
+    if target is None and ":" in name:
+        target = name
+    if target is None:
+        from client.backends import handler_target
+
+        target = handler_target(name)
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ShardfoldError(f"handler {name!r} -> {target!r} cannot be loaded: {exc}") from exc
+
+
+def _stage_event(payload: Any, path: Path) -> Any:
+    """Make a sample task event runnable here, as ``sam local invoke`` would.
+
+    A ``spec_uri`` of ``./file.json`` (relative to the event file) is validated and written to the job's
+    ``jobs/<id>/spec.json`` in the local store, as the SDK does on submit; a missing ``store_root`` is the
+    local store root. Other events pass unchanged.
+    """
+    if not isinstance(payload, dict) or "job_id" not in payload:
+        return payload
+    from functions.jobs import spec_key
+    from functions.store.uri import join as uri_join
+    from functions.store.uri import store_root as local_root
+
+    root = payload.setdefault("store_root", local_root())
+    spec_uri = payload.get("spec_uri")
+    if isinstance(spec_uri, str) and spec_uri.startswith(("./", "../")):
+        from client.sdk import validate_spec
+        from functions import store
+
+        spec = validate_spec(path.parent / spec_uri)
+        payload["spec_uri"] = uri_join(root, spec_key(payload["job_id"]))
+        store.put_json(payload["spec_uri"], spec.model_dump(mode="json", exclude_none=True))
+    return payload
+
+
+@cli.command()
+@click.argument("handler")
+@click.argument("event")
+def invoke(handler: str, event: str) -> None:
+    """Run one handler (a registered name like getbatch.plan, or dispatch) on EVENT, a JSON file.
+
+    EVENT may name a file under events/ without its extension (getbatch_plan, then getbatch_gather, then
+    getbatch_assemble step through a job by hand). Prints the handler's JSON result, or a Lambda-style
+    error object (exit 1).
+    """
+    fn = _resolve_handler(handler)
+    path = _find_event(event)
+    try:
+        payload = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ShardfoldError(f"event {path} is not JSON: {exc}") from exc
+    payload = _stage_event(payload, path)
+    context = FakeLambdaContext(function_name=handler)
+    try:
+        res = fn(payload, context)
+    except Exception as exc:  # report like Lambda does: the caller sees errorType/errorMessage
+        out.print_json(json.dumps({"errorType": type(exc).__name__, "errorMessage": str(exc)}))
+        sys.exit(1)
+    out.print_json(json.dumps(res, default=str))
+
+
+def _watch_status_update(report_path: Path, job: Any) -> bool:
+    """Refresh a dispatched spec's status report with the job's current state; True once it ended."""
+    st = job.status()
+    data = json.loads(report_path.read_text())
+    data["state"] = st.state
+    if st.error:
+        data["error"] = st.error
+    from functions import store
+
+    store.put_json(report_path.resolve().as_uri(), data)
+    return st.state in ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@backend_option
+@click.option("--once", is_flag=True, help="dispatch the specs there now, wait for their jobs, and exit")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="seconds between polls")
+def watch(directory: str, backend: str, stack: str | None, once: bool, interval: float) -> None:
+    """Local twin of the bucket trigger: start a job for each new *.json spec dropped in DIRECTORY.
+
+    Writes <name>.status.json (job id, state) or <name>.error.json (every validation error) beside each spec.
+    """
+    from functions.dispatch import REPORT_SUFFIXES, dispatch, report_uris
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    seen: dict[Path, tuple[int, int]] = {}
+    running: dict[Path, Any] = {}  # status report path -> Job, refreshed until the job ends
+    with _client(backend, stack) as client:
+
+        def start(job_id: str, kind: str, spec_uri: str) -> str:
+            client.executor.start(job_id, kind, spec_uri)
+            return f"{backend}:{job_id}"
+
+        if not once:
+            out.print(f"watching {root.resolve()} for job specs (Ctrl-C to stop)")
+        try:
+            while True:
+                for path in sorted(root.glob("*.json")):
+                    if path.name.endswith(REPORT_SUFFIXES):
+                        continue
+                    stamp = (path.stat().st_mtime_ns, path.stat().st_size)
+                    if seen.get(path) == stamp:
+                        continue
+                    seen[path] = stamp
+                    report = dispatch(path.resolve().as_uri(), start, root=client.store_root)
+                    if "ignored" in report:
+                        err.print(f"[dim]- {path.name}: ignored ({report['ignored']})[/]")
+                        continue
+                    if "errors" in report:
+                        err.print(f"[red]✗[/] {path.name}: {len(report['errors'])} error(s)")
+                        for e in report["errors"]:
+                            err.print(f"    {e['field']}: {e['error']}")
+                        continue
+                    out.print(f"[green]→[/] {path.name}: job [bold]{report['job_id']}[/] ({report['kind']})")
+                    status_path = Path(report_uris(str(path.resolve()))[0])
+                    running[status_path] = client.job(report["job_id"])
+                for status_path, job in list(running.items()):
+                    if once:
+                        job.wait(progress=False)
+                    if _watch_status_update(status_path, job):
+                        state = job.status().state
+                        out.print(f"  {job.job_id} [{_state_style(state)}]{state}[/]")
+                        del running[status_path]
+                if once:
+                    return
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            out.print("stopped")
+
+
+@cli.command()
+@click.option(
+    "--items", "n_items", type=click.IntRange(min=8), default=300, show_default=True, help="objects per kind"
+)
+@click.option("--kind", "kinds", multiple=True, help="only these kinds (default: all)")
+@click.option("--progress/--no-progress", default=True, help="draw progress bars")
+def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
+    """Run every job kind end to end on generated data (local backend) and verify the outputs."""
+    from client.demo import DEMOS
+
+    selected = kinds or tuple(DEMOS)
+    unknown = [k for k in selected if k not in DEMOS]
+    if unknown:
+        raise ShardfoldError(f"no demo for {unknown}; available: {sorted(DEMOS)}")
+    rows = []
+    with _client("local") as client:
+        for kind in selected:
+            out.print(f"[bold]{kind}[/]: generating {n_items} objects and running the job")
+            rows.append(
+                DEMOS[kind](client, items=n_items, wait=lambda job: job.wait(progress=progress, console=err))
+            )
+    table = Table(title="shardfold demo (local backend)", title_justify="left", box=box.SIMPLE_HEAD)
+    for col, just in [
+        ("kind", "left"),
+        ("state", "left"),
+        ("items", "right"),
+        ("parts", "right"),
+        ("bytes", "right"),
+        ("errors", "right"),
+        ("s", "right"),
+        ("ok", "left"),
+    ]:
+        table.add_column(col, justify=just, no_wrap=True)
+    for r in rows:
+        table.add_row(
+            r.kind,
+            f"[{_state_style(r.state)}]{r.state}[/]",
+            f"{r.items:,}",
+            str(r.parts),
+            _fmt_bytes(r.bytes),
+            str(r.errors),
+            f"{r.seconds:.2f}",
+            "[green]yes[/]" if r.verified else "[red]no[/]",
+        )
+    out.print(table)
+    for r in rows:
+        for check in r.checks:
+            out.print(f"[green]✓[/] {r.kind}: {check}")
+        out.print(f"  {r.kind} job {r.job_id}: `shardfold result {r.job_id}`", soft_wrap=True)
+
+
+def main() -> None:
+    """Console-script entry point (``shardfold``)."""
+    cli(prog_name="shardfold")
+
+
+if __name__ == "__main__":
+    main()

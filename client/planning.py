@@ -1,0 +1,376 @@
+"""``shardfold plan``: what a job will do and cost, computed before anything runs.
+
+The workflow (``orchestrator.workflows.WORKFLOWS[kind]``) says which steps exist, which function runs each
+and with how much memory; a per-kind estimator says how many tasks each step has and what one task reads,
+writes, holds in memory and takes. Prices come from :mod:`client.pricing`. A task whose projected peak does
+not fit its function's configured memory makes the plan refused (:class:`PlanError`), as Cubed does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+from client import pricing
+from functions.errors import ObjectNotFound, PlanError, StoreError
+
+logger = Logger(service="shardfold")
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class TaskLoad:
+    """What ONE task of a function does: peak memory, S3 requests, estimated duration."""
+
+    peak_bytes: int
+    gets: int = 0
+    puts: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass
+class KindEstimate:
+    """A kind estimator's answer: per-function task loads and how many children each Map step gets."""
+
+    items: int
+    loads: dict[str, TaskLoad]  # keyed by the function's short name ("plan", "gather"...)
+    map_items: dict[str, int] = field(default_factory=dict)  # Map step name -> children
+    notes: list[str] = field(default_factory=list)
+    output_bytes: int | None = None
+
+
+@dataclass
+class StepPlan:
+    name: str
+    function: str
+    tasks: int
+    memory_mb: int  # the function's configured memory
+    peak_mb: float  # projected peak per task
+    gets: int  # total over the step's tasks
+    puts: int
+    duration_s: float  # per task
+    gb_s: float  # billed over the step's tasks
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_mb <= self.memory_mb
+
+
+@dataclass
+class PlanReport:
+    kind: str
+    items: int
+    steps: list[StepPlan]
+    transitions: int
+    cost_usd: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+    output_bytes: int | None = None
+
+    @property
+    def gets(self) -> int:
+        return sum(s.gets for s in self.steps)
+
+    @property
+    def puts(self) -> int:
+        return sum(s.puts for s in self.steps)
+
+    @property
+    def tasks(self) -> int:
+        return sum(s.tasks for s in self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(gets=self.gets, puts=self.puts, tasks=self.tasks)
+        return out
+
+    def check(self) -> PlanReport:
+        """Raise :class:`PlanError` naming each step whose task would not fit its function's memory."""
+        over = [s for s in self.steps if not s.fits]
+        if over:
+            what = "; ".join(
+                f"step {s.name!r} ({s.function}) needs ~{s.peak_mb:.0f} MiB per task but the function has "
+                f"{s.memory_mb} MiB"
+                for s in over
+            )
+            hint = " ".join(n for n in self.notes if n.startswith("to fit:")) or (
+                "split large objects into byte ranges (start/length) or raise the function's memory_mb"
+            )
+            raise PlanError(f"plan refused: {what}. {hint}")
+        return self
+
+
+# --- workflow walking ---------------------------------------------------------------------------------------
+
+
+def _short(function: str) -> str:
+    return function.rsplit(".", 1)[-1]
+
+
+def _walk_tasks(steps: tuple[Any, ...], multiplier: int, map_items: dict[str, int]) -> list[tuple[Any, int]]:
+    """Every Task/BatchJob step with how many times it runs (Map children multiply their bodies)."""
+    from orchestrator.plan import Map, Parallel
+
+    out: list[tuple[Any, int]] = []
+    for step in steps:
+        if isinstance(step, Map):
+            out += _walk_tasks(step.body, multiplier * map_items.get(step.name, 1), map_items)
+        elif isinstance(step, Parallel):
+            for branch in step.branches:
+                out += _walk_tasks(branch, multiplier, map_items)
+        else:
+            out.append((step, multiplier))
+    return out
+
+
+def _count_transitions(steps: tuple[Any, ...], map_items: dict[str, int]) -> int:
+    """State transitions billed by a Standard workflow on the happy path.
+
+    Each state entered is one transition; a Distributed Map's children are child executions billed the
+    same way, so a Map costs one plus its children times its body.
+    """
+    from orchestrator.plan import Map, Parallel
+
+    total = 0
+    for step in steps:
+        if isinstance(step, Map):
+            total += 1 + map_items.get(step.name, 1) * _count_transitions(step.body, map_items)
+        elif isinstance(step, Parallel):
+            total += 1 + sum(_count_transitions(b, map_items) for b in step.branches)
+        else:
+            total += 1
+    return total
+
+
+def _workflow(kind: str) -> Any:
+    from orchestrator.workflows import WORKFLOWS
+
+    if kind not in WORKFLOWS:
+        raise PlanError(f"no workflow for job kind {kind!r}; known: {sorted(WORKFLOWS)}")
+    return WORKFLOWS[kind]
+
+
+# --- per-kind estimators ------------------------------------------------------------------------------------
+
+ESTIMATORS: dict[str, Callable[..., KindEstimate]] = {}
+
+
+def estimator(kind: str) -> Callable:
+    def register(fn: Callable[[Any, str], KindEstimate]) -> Callable[[Any, str], KindEstimate]:
+        ESTIMATORS[kind] = fn
+        return fn
+
+    return register
+
+
+def estimate_plan(spec: Any, store_root: str, probe_limit: int | None = None) -> PlanReport:
+    """Price and size a validated spec on its workflow; does not check memory (see :meth:`check`).
+
+    ``probe_limit`` caps how many objects are sized (HEAD/stat) to find the largest item; ``submit``
+    uses a small sample so checking a plan costs far less than running it.
+    """
+    workflow = _workflow(spec.kind)
+    if spec.kind not in ESTIMATORS:
+        raise PlanError(f"no plan estimator for job kind {spec.kind!r}")
+    est = ESTIMATORS[spec.kind](spec, store_root, probe_limit or PROBE_LIMIT)
+    steps: list[StepPlan] = []
+    for task, runs in _walk_tasks(workflow.steps, 1, est.map_items):
+        function = getattr(task, "function", None) or getattr(task, "entry_point", task.name)
+        load = (
+            est.loads.get(_short(function))
+            or est.loads.get(task.name)
+            or TaskLoad(peak_bytes=pricing.LAMBDA_BASELINE_MB * MiB)
+        )
+        memory_mb = int(getattr(task, "memory_mb", None) or 0)
+        billed_s = max(load.duration_s, pricing.LAMBDA_MIN_BILLED_S)
+        steps.append(
+            StepPlan(
+                name=task.name,
+                function=function,
+                tasks=runs,
+                memory_mb=memory_mb,
+                peak_mb=load.peak_bytes / MiB,
+                gets=load.gets * runs,
+                puts=load.puts * runs,
+                duration_s=load.duration_s,
+                gb_s=memory_mb / 1024 * billed_s * runs,
+            )
+        )
+    transitions = _count_transitions(workflow.steps, est.map_items)
+    gb_s = sum(s.gb_s for s in steps)
+    invocations = sum(s.tasks for s in steps)
+    gets = sum(s.gets for s in steps)
+    puts = sum(s.puts for s in steps) + 1  # + the client's spec.json
+    cost = {
+        "lambda_compute": gb_s * pricing.LAMBDA_USD_PER_GB_S,
+        "lambda_requests": invocations * pricing.LAMBDA_USD_PER_REQUEST,
+        "s3_get": gets * pricing.S3_USD_PER_GET,
+        "s3_put": puts * pricing.S3_USD_PER_PUT,
+        "step_functions": transitions * pricing.SFN_USD_PER_TRANSITION,
+    }
+    cost["total"] = sum(cost.values())
+    notes = list(est.notes)
+    if est.output_bytes is not None:
+        notes.append(
+            f"output ~{est.output_bytes / MiB:.1f} MiB; S3 Standard storage "
+            f"${est.output_bytes / 1024**3 * pricing.S3_USD_PER_GB_MONTH:.6f}/month (not in the total)"
+        )
+    return PlanReport(
+        kind=spec.kind,
+        items=est.items,
+        steps=steps,
+        transitions=transitions,
+        cost_usd=cost,
+        notes=notes,
+        output_bytes=est.output_bytes,
+    )
+
+
+# --- getbatch -----------------------------------------------------------------------------------------------
+
+# Probing sizes costs one HEAD (S3) or stat (local) per item; beyond this many we sample evenly.
+PROBE_LIMIT = 10_000
+PROBE_THREADS = 32
+# Python memory of one parsed BatchItem plus its JSON (plan and assemble hold all of them / their rows).
+ITEM_OBJECT_BYTES = 1024
+STATUS_ROW_BYTES = 400
+# Objects above this are written with multipart upload; each part is one PUT (functions.store).
+MULTIPART_CHUNK = 8 * MiB
+
+
+def _probe_sizes(uris: list[str]) -> tuple[dict[str, int], list[str]]:
+    """Sizes of the given objects (HEAD/stat), and those that do not exist."""
+    from functions import store
+
+    sizes: dict[str, int] = {}
+    missing: list[str] = []
+
+    def one(uri: str) -> None:
+        try:
+            sizes[uri] = store.size(uri)
+        except ObjectNotFound:
+            missing.append(uri)
+
+    with ThreadPoolExecutor(PROBE_THREADS) as pool:
+        list(pool.map(one, uris))
+    return sizes, missing
+
+
+def _store_defaults() -> tuple[int, int]:
+    """(window, concurrency) the GetBatch engine uses when the job does not say."""
+    from functions.store import batch
+
+    concurrency = int(batch.DEFAULT_CONCURRENCY)
+    return int(getattr(batch, "DEFAULT_WINDOW", 0) or 2 * concurrency), concurrency
+
+
+@estimator("getbatch")
+def estimate_getbatch(spec: Any, store_root: str, probe_limit: int) -> KindEstimate:
+    from functions.getbatch import core
+
+    items = core.load_items(spec, store_root)
+    n = len(items)
+    per_part = spec.items_per_part
+    parts = math.ceil(n / per_part)
+    window, concurrency = _store_defaults()
+    notes: list[str] = []
+
+    # Item sizes: exact for ranges with a length, probed (HEAD/stat) for whole objects. A TAR member's size
+    # is unknown before the engine indexes its shard: it is bounded by the shard, assumed 1 MiB at most.
+    unknown = sorted({i.uri for i in items if i.length is None})
+    if len(unknown) > probe_limit:
+        step = len(unknown) / probe_limit
+        probe = [unknown[int(k * step)] for k in range(probe_limit)]
+        notes.append(f"sizes probed for {len(probe):,} of {len(unknown):,} distinct objects (evenly sampled)")
+    else:
+        probe = unknown
+    try:
+        sizes, missing = _probe_sizes(probe)
+    except StoreError as exc:  # e.g. no credentials for a bucket: plan without sizes rather than fail
+        sizes, missing = {}, []
+        notes.append(f"object sizes unknown ({exc}); memory and time assume 1 MiB objects")
+    shards = {i.uri for i in items if i.archpath is not None}
+    plain = [v for u, v in sizes.items() if u not in shards]
+    fallback = int(sum(plain) / len(plain)) if plain else MiB
+    missing_set = set(missing)
+
+    def item_bytes(i: Any) -> int:
+        if i.length is not None:
+            return i.length
+        if i.uri in missing_set:
+            return 0
+        whole = sizes.get(i.uri, fallback)
+        if i.archpath is not None:
+            return min(whole, MiB)
+        return max(whole - i.start, 0)
+
+    item_sizes = [item_bytes(i) for i in items]
+    if shards:
+        notes.append(f"{sum(1 for i in items if i.archpath)} TAR member(s): sizes assumed <= 1 MiB each")
+    largest_buffered = max(item_sizes, default=0)
+    total = sum(item_sizes)
+    part_bytes = max(
+        (sum(item_sizes[p * per_part : (p + 1) * per_part]) for p in range(parts)),
+        default=0,
+    )
+    if missing:
+        how = "become __404__ placeholders" if spec.continue_on_error else "will fail the job"
+        notes.append(f"{len(missing)} object(s) not found, e.g. {missing[0]}: they {how}")
+
+    base = pricing.LAMBDA_BASELINE_MB * MiB
+    spool = min(part_bytes, core.SPOOL_BYTES)  # the TAR fragment is spooled in memory up to SPOOL_BYTES
+    gather_peak = base + min(window, per_part) * largest_buffered + spool + per_part * ITEM_OBJECT_BYTES
+    gather = TaskLoad(
+        peak_bytes=gather_peak,
+        gets=2 + min(per_part, n),  # spec + part list + one GET per item
+        puts=1 + math.ceil(max(part_bytes, 1) / MULTIPART_CHUNK) + (2 if part_bytes > MULTIPART_CHUNK else 0),
+        duration_s=pricing.TASK_OVERHEAD_S
+        + math.ceil(min(per_part, n) / concurrency) * pricing.S3_GET_LATENCY_S
+        + part_bytes / pricing.LAMBDA_NET_BYTES_PER_S,
+    )
+    plan = TaskLoad(
+        peak_bytes=base + n * ITEM_OBJECT_BYTES * 2,  # parsed items + their JSON for the part lists
+        gets=1 + (1 if spec.manifest else 0),
+        puts=parts + 1,
+        duration_s=pricing.TASK_OVERHEAD_S + (parts + 1) * pricing.S3_GET_LATENCY_S,
+    )
+    assemble = TaskLoad(
+        peak_bytes=base + n * STATUS_ROW_BYTES * 2,  # the rows plus the status.jsonl text
+        gets=1 + parts,
+        # trailer, multipart create + one copy per fragment + complete, status, result, and a LIST to clean up
+        puts=1 + (parts + 3) + 1 + 1 + 1,
+        duration_s=pricing.TASK_OVERHEAD_S + (parts + 5) * pricing.S3_GET_LATENCY_S,
+    )
+    if gather_peak > 0:
+        notes.append(
+            f"gather holds up to {min(window, per_part)} items in flight "
+            f"(largest {largest_buffered / MiB:.2f} MiB) plus a TAR fragment spooled in memory "
+            f"up to {core.SPOOL_BYTES // MiB} MiB"
+        )
+    if largest_buffered * min(window, per_part) > 512 * MiB:
+        notes.append(
+            "to fit: give large objects byte ranges (start/length) so each item stays small, or raise the "
+            "gather function's memory_mb"
+        )
+    if n * ITEM_OBJECT_BYTES * 2 > 512 * MiB:
+        notes.append("to fit: a request this long needs a bigger plan function; split it into several jobs")
+    tar_overhead = n * 1024 + 1024  # a 512-byte header per member (plus padding) and the trailer
+    return KindEstimate(
+        items=n,
+        loads={"plan": plan, "gather": gather, "assemble": assemble},
+        map_items=_map_names_for(spec.kind, parts),
+        notes=notes,
+        output_bytes=total + tar_overhead,
+    )
+
+
+def _map_names_for(kind: str, children: int) -> dict[str, int]:
+    """Every Map step of ``kind``'s workflow gets ``children`` (getbatch has exactly one Map: the parts)."""
+    from orchestrator.plan import Map
+
+    return {step.name: children for step in _workflow(kind).walk() if isinstance(step, Map)}

@@ -1,0 +1,255 @@
+"""The Python SDK: :class:`Client` submits and inspects jobs on a backend; :class:`Job` is one job.
+
+Every backend has a store root (``file://...`` locally, ``s3://<bucket>`` on AWS and moto) and an executor
+implementing the contract's interface (start/status/wait/cancel/resume/jobs). The client validates a spec,
+refuses a plan that does not fit, writes ``jobs/<id>/spec.json`` and hands the job to the executor; from then
+on status comes from the executor and the result from ``jobs/<id>/result.json``, the same on every backend.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from aws_lambda_powertools import Logger
+from pydantic import BaseModel
+
+from client.errors import BackendError, JobFailed, JobNotFinished
+from client.planning import PlanReport, estimate_plan
+from functions import store
+from functions.errors import JobNotFound, SpecError
+from functions.jobs import kind_of, new_job_id, resolve_relative_uris, result_key, spec_key
+from functions.specs import BatchItem, JobSpec, parse_spec
+from functions.store.uri import join
+
+logger = Logger(service="shardfold")
+
+BACKENDS = ("local", "aws", "moto")
+SUBMIT_PROBE_LIMIT = 32  # objects sized (HEAD/stat) by submit's plan check; `plan` sizes up to 10,000
+SpecInput = BaseModel | dict | str | bytes | os.PathLike
+
+
+def load_spec_document(spec: SpecInput) -> tuple[Any, str | None]:
+    """The spec as a dict/JSON text plus, when it came from a file, that file's URI.
+
+    A path (``Path`` or a string naming an existing ``.json`` file) is read; its ``./`` and ``../`` URI
+    fields are then relative to the file, so a spec can ship with its data (see ``events/``).
+    """
+    if isinstance(spec, BaseModel):
+        return spec.model_dump(mode="json", exclude_none=True), None
+    if isinstance(spec, os.PathLike) or (
+        isinstance(spec, str) and spec.endswith(".json") and "\n" not in spec and Path(spec).is_file()
+    ):
+        path = Path(spec).resolve()
+        try:
+            return path.read_bytes(), path.as_uri()
+        except OSError as exc:
+            raise SpecError(f"cannot read spec file {path}: {exc.strerror}") from exc
+    return spec, None
+
+
+def validate_spec(spec: SpecInput) -> JobSpec:
+    """Validate a spec from any accepted form; raises :class:`SpecError` naming every bad field."""
+    doc, base = load_spec_document(spec)
+    if base is not None:
+        doc = parse_spec(doc).model_dump(mode="json", exclude_none=True)  # fail on bad JSON before rewriting
+        doc = resolve_relative_uris(doc, base)
+    return parse_spec(doc)
+
+
+def _file_uris(doc: Any, path: str = "") -> list[tuple[str, str]]:
+    """(field path, uri) of every ``file://`` value in a spec document."""
+    if isinstance(doc, dict):
+        return [hit for k, v in doc.items() for hit in _file_uris(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(doc, list):
+        return [hit for i, v in enumerate(doc) for hit in _file_uris(v, f"{path}.{i}")]
+    return [(path, doc)] if isinstance(doc, str) and doc.startswith("file://") else []
+
+
+class Client:
+    """Entry point of the SDK. ``Client()`` runs jobs in-process on the local store.
+
+    ``backend="aws"`` uses the deployed stack (outputs from ``stack=`` — a dict or a path — or from
+    ``.shardfold/stack.json`` / ``$SHARDFOLD_STACK``); ``backend="moto"`` builds the same stack inside moto
+    and drives it with the AWS executor (a local dry run of the cloud path; its state lives as long as the
+    client).
+    """
+
+    def __init__(self, backend: str = "local", *, stack: dict[str, Any] | str | os.PathLike | None = None):
+        if backend not in BACKENDS:
+            raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.backend = backend
+        self._closers: list[Any] = []
+        from client import backends  # deferred: pulls in orchestrator (and moto for backend="moto")
+
+        self.executor, self.store_root, self._closers = backends.make(backend, stack)
+        logger.debug("client ready", extra={"backend": backend, "store_root": self.store_root})
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release backend resources (moto's mock, the executor's pools)."""
+        while self._closers:
+            closer = self._closers.pop()
+            closer()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- jobs ---------------------------------------------------------------------------------------------
+
+    def uri(self, key: str) -> str:
+        """URI of a key relative to this backend's store root."""
+        return join(self.store_root, key)
+
+    def _validate(self, spec: SpecInput) -> JobSpec:
+        parsed = validate_spec(spec)
+        if self.backend == "aws":
+            # Lambda functions cannot read this machine's files: say so before anything runs
+            local = _file_uris(parsed.model_dump(mode="json", exclude_none=True))
+            if local:
+                errors = [
+                    {"field": f, "error": f"{u} is a local file; upload it to S3 first"} for f, u in local
+                ]
+                raise SpecError(
+                    f"{len(local)} URI(s) name local files, which the aws backend cannot read "
+                    f"(first: {local[0][1]}); upload them to s3:// or run with the local backend",
+                    errors,
+                )
+        return parsed
+
+    def plan(self, spec: SpecInput) -> PlanReport:
+        """Dry run: steps, task counts, per-task memory, request counts and a cost estimate. Runs nothing.
+
+        Raises :class:`PlanError` when a task would not fit its function's configured memory.
+        """
+        parsed = self._validate(spec)
+        report = estimate_plan(parsed, store_root=self.store_root)
+        report.check()
+        return report
+
+    def submit(self, spec: SpecInput) -> Job:
+        """Validate ``spec``, check its plan, record it and start it; returns the :class:`Job` at once."""
+        parsed = self._validate(spec)
+        # refused plans never start; a sample of sizes keeps the check cheap next to the job itself
+        estimate_plan(parsed, store_root=self.store_root, probe_limit=SUBMIT_PROBE_LIMIT).check()
+        job_id = new_job_id(parsed.kind)
+        spec_uri = self.uri(spec_key(job_id))
+        store.put_json(spec_uri, parsed.model_dump(mode="json", exclude_none=True))
+        self.executor.start(job_id, parsed.kind, spec_uri)
+        logger.info("job submitted", extra={"job_id": job_id, "kind": parsed.kind, "backend": self.backend})
+        return Job(self, job_id, parsed.kind)
+
+    def job(self, job_id: str) -> Job:
+        """A handle on an existing job; :class:`JobNotFound` if this backend never saw it."""
+        if not store.exists(self.uri(spec_key(job_id))):
+            raise JobNotFound(
+                f"no job {job_id!r} on the {self.backend} backend (store {self.store_root}); "
+                "`shardfold jobs` lists the jobs there"
+            )
+        kind = kind_of(job_id) or store.get_json(self.uri(spec_key(job_id))).get("kind", "?")
+        return Job(self, job_id, kind)
+
+    def jobs(self) -> list[Any]:
+        """Every job's :class:`JobStatus` on this backend, as the executor reports them."""
+        return list(self.executor.jobs())
+
+    # -- direct helpers -----------------------------------------------------------------------------------
+
+    def _item(self, item: BatchItem | dict | str) -> BatchItem:
+        item = (
+            item
+            if isinstance(item, BatchItem)
+            else BatchItem.model_validate({"uri": item} if isinstance(item, str) else item)
+        )
+        # Relative keys name objects under this backend's root. Locally the store resolves (and confines)
+        # them itself; on S3 they are keys in the stack's bucket.
+        if "://" not in item.uri and self.backend != "local":
+            item = item.model_copy(update={"uri": self.uri(item.uri)})
+        return item
+
+    def get_batch(
+        self,
+        items: Iterable[BatchItem | dict | str],
+        continue_on_error: bool = False,
+        *,
+        stream: bool = False,
+        **options: Any,
+    ) -> list[Any] | Iterator[Any]:
+        """Fetch many objects (ranges, TAR members) in one ordered request, in this process.
+
+        Returns the :class:`BatchEntry` list in request order (``stream=True``: a generator yielding each
+        entry as soon as it and all before it have arrived). ``options`` pass through to
+        :func:`functions.store.get_batch` (window, concurrency, max_soft_errors, hedge_after...).
+        """
+        batch = [self._item(i) for i in items]
+        entries = store.get_batch(batch, continue_on_error=continue_on_error, **options)
+        return entries if stream else list(entries)
+
+
+class Job:
+    """One job on one backend. Cheap to create; every call asks the backend afresh."""
+
+    def __init__(self, client: Client, job_id: str, kind: str):
+        self.client = client
+        self.job_id = job_id
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"Job({self.job_id!r}, backend={self.client.backend!r})"
+
+    @property
+    def spec_uri(self) -> str:
+        return self.client.uri(spec_key(self.job_id))
+
+    @property
+    def result_uri(self) -> str:
+        return self.client.uri(result_key(self.job_id))
+
+    def spec(self) -> dict[str, Any]:
+        return store.get_json(self.spec_uri)
+
+    def status(self) -> Any:
+        """The executor's :class:`JobStatus`: state, per-step progress counts, error."""
+        return self.client.executor.status(self.job_id)
+
+    def wait(self, progress: bool = True, timeout_s: float | None = None, console: Any = None) -> Any:
+        """Block until the job ends; returns its final :class:`JobStatus` (check ``.state``).
+
+        ``progress=True`` draws one rich progress bar per step (on stderr); ``False`` is silent.
+        """
+        if not progress:
+            return self.client.executor.wait(self.job_id, on_progress=None, timeout_s=timeout_s)
+        from client.progress import ProgressView
+
+        with ProgressView(self.job_id, console=console) as view:
+            status = self.client.executor.wait(self.job_id, on_progress=view.update, timeout_s=timeout_s)
+            view.update(status)
+        return status
+
+    def result(self) -> dict[str, Any]:
+        """The job's result summary (``jobs/<id>/result.json``), once it SUCCEEDED."""
+        status = self.status()
+        state = status.state
+        if state in ("FAILED", "CANCELLED"):
+            hint = f"; fix the cause and run `shardfold resume {self.job_id}`" if state == "FAILED" else ""
+            raise JobFailed(f"job {self.job_id} {state.lower()}: {status.error or 'no error recorded'}{hint}")
+        if state != "SUCCEEDED":
+            raise JobNotFinished(
+                f"job {self.job_id} is {state}; wait for it (Job.wait() or `shardfold status {self.job_id}`)"
+            )
+        return store.get_json(self.result_uri)
+
+    def cancel(self) -> None:
+        """Stop the job; work already committed stays readable."""
+        self.client.executor.cancel(self.job_id)
+
+    def resume(self) -> Job:
+        """Re-run what did not finish (locally from the journal; on AWS by redrive or restart)."""
+        self.client.executor.resume(self.job_id)
+        return self

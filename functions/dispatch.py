@@ -1,0 +1,251 @@
+"""The bucket trigger: a spec dropped at ``jobs/<name>.json`` starts a job.
+
+S3 sends "Object Created" to EventBridge, which invokes :func:`handler`. The pure core :func:`dispatch`
+reads the spec, validates it, writes the canonical ``jobs/<id>/spec.json``, starts the workflow through an
+injected ``start(job_id, kind, spec_uri)`` callable and writes a report beside the spec:
+``jobs/<name>.status.json`` on success or ``jobs/<name>.error.json`` listing every problem. ``shardfold
+watch`` runs the same core on a local directory with the local executor as the starter.
+
+Our own writes (reports, ``jobs/<id>/...``) land in the same bucket and fire events too; they are ignored by
+key shape, so the trigger never loops.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote_plus
+
+from aws_lambda_powertools import Logger
+from aws_lambda_powertools.utilities.parser import parse
+from aws_lambda_powertools.utilities.parser.models import S3EventNotificationEventBridgeModel
+from pydantic import ValidationError
+
+from functions import store
+from functions.errors import ObjectNotFound, ShardfoldError, SpecError
+from functions.jobs import new_job_id, resolve_relative_uris, spec_key, status_key
+from functions.specs import parse_spec
+from functions.store.uri import is_s3, join, split_s3, store_root
+
+logger = Logger(service="shardfold")
+
+# (job_id, kind, spec_uri) -> execution id (ARN on AWS) or None
+Starter = Callable[[str, str, str], str | None]
+
+REPORT_SUFFIXES = (".status.json", ".error.json")
+_JOB_SPEC_KEY = re.compile(r"^jobs/[^/]+\.json$")
+
+
+def report_uris(spec_uri: str) -> tuple[str, str]:
+    """``(status_uri, error_uri)`` beside the spec: ``jobs/<name>.json`` -> ``jobs/<name>.status.json``..."""
+    stem = spec_uri[: -len(".json")]
+    return f"{stem}.status.json", f"{stem}.error.json"
+
+
+def _relative_key(uri: str, root: str) -> str | None:
+    """``uri`` relative to ``root``, or None when it lies outside it."""
+    root = root.rstrip("/") + "/"
+    return uri[len(root) :] if uri.startswith(root) else None
+
+
+def ignore_reason(spec_uri: str, root: str | None = None) -> str | None:
+    """Why this object is not a job spec to dispatch, or None if it is one.
+
+    Only ``*.json`` objects that are direct children of ``jobs/`` under the store root (the bucket root on
+    S3) are specs; our own reports and everything under ``jobs/<id>/`` are not. A file outside the store root
+    (a directory given to ``shardfold watch``) is judged by its name only.
+    """
+    name = spec_uri.rsplit("/", 1)[-1]
+    if name.endswith(REPORT_SUFFIXES):
+        return f"{name} is a dispatch report, not a spec"
+    if not name.endswith(".json") or name == ".json":
+        return f"{name} is not a .json job spec"
+    if is_s3(spec_uri):
+        bucket, _ = split_s3(spec_uri)
+        root = f"s3://{bucket}"
+    key = _relative_key(spec_uri, root or store_root())
+    if key is not None and not _JOB_SPEC_KEY.match(key):
+        return f"{key} is not a direct child of jobs/"
+    return None
+
+
+def _root_for(spec_uri: str) -> str:
+    """Where the job's own objects go: the bucket root on S3, the local store root otherwise."""
+    if is_s3(spec_uri):
+        bucket, _ = split_s3(spec_uri)
+        return f"s3://{bucket}"
+    return store_root()
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def dispatch(spec_uri: str, start: Starter, *, root: str | None = None) -> dict[str, Any]:
+    """Validate the spec at ``spec_uri`` and start its job; return the report written beside it.
+
+    Returns ``{"ignored": reason}`` for objects that are not job specs (nothing is written then). A spec
+    that fails validation (or is not JSON) yields the error report ``{"spec_uri", "error", "errors": [...]}``
+    naming every bad field; nothing is started. Errors outside the user's control (store or AWS failures)
+    propagate so the caller (Lambda's async retry, ``watch``) can retry.
+    """
+    reason = ignore_reason(spec_uri, root)
+    if reason:
+        logger.info("ignored", extra={"spec_uri": spec_uri, "reason": reason})
+        return {"ignored": reason}
+    root = root or _root_for(spec_uri)
+    status_uri, error_uri = report_uris(spec_uri)
+
+    try:
+        raw = store.get(spec_uri)
+    except ObjectNotFound as exc:
+        # deleted between the event and now: nothing to report beside, and nothing to start
+        logger.warning("spec vanished", extra={"spec_uri": spec_uri})
+        return {"ignored": str(exc)}
+    digest = hashlib.sha256(raw).hexdigest()
+
+    # EventBridge delivers at least once: the same spec bytes already dispatched -> the same job.
+    if store.exists(status_uri):
+        previous = store.get_json(status_uri)
+        if previous.get("spec_sha256") == digest:
+            logger.info("duplicate event", extra={"spec_uri": spec_uri, "job_id": previous.get("job_id")})
+            return previous
+
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return _report_error(spec_uri, error_uri, SpecError(f"spec is not valid JSON: {exc}"), digest)
+    if isinstance(doc, dict):
+        doc = resolve_relative_uris(doc, spec_uri)
+    try:
+        spec = parse_spec(doc)
+        job_id = new_job_id(spec.kind)
+        job_spec_uri = join(root, spec_key(job_id))
+        store.put_json(job_spec_uri, spec.model_dump(mode="json", exclude_none=True))
+        execution = start(job_id, spec.kind, job_spec_uri)
+    except ShardfoldError as exc:
+        return _report_error(spec_uri, error_uri, exc, digest)
+
+    report = {
+        "job_id": job_id,
+        "kind": spec.kind,
+        "state": "RUNNING",
+        "execution": execution,
+        "spec_uri": job_spec_uri,
+        "submitted_spec": spec_uri,
+        "spec_sha256": digest,
+        "dispatched_at": _now(),
+    }
+    store.put_json(status_uri, report)
+    if store.exists(error_uri):  # a fixed spec replaces the old complaint
+        store.delete(error_uri)
+    logger.info("dispatched", extra={"job_id": job_id, "kind": spec.kind, "spec_uri": spec_uri})
+    return report
+
+
+def _report_error(spec_uri: str, error_uri: str, exc: ShardfoldError, digest: str) -> dict[str, Any]:
+    errors = getattr(exc, "errors", None) or [{"field": "<spec>", "error": str(exc)}]
+    report = {
+        "spec_uri": spec_uri,
+        "error": str(exc),
+        "errors": errors,
+        "spec_sha256": digest,
+        "reported_at": _now(),
+    }
+    store.put_json(error_uri, report)
+    logger.warning("spec rejected", extra={"spec_uri": spec_uri, "errors": errors})
+    return report
+
+
+# --- Lambda side ------------------------------------------------------------------------------------------
+
+_sfn_clients: dict[tuple, Any] = {}
+
+
+def _sfn() -> Any:
+    # One client per warm container, created on first use so importing this module stays cheap; keyed by
+    # process and endpoint settings (as functions.store.s3 does) so a fork or a test's endpoint gets its own.
+    env = os.environ
+    key = (
+        os.getpid(),
+        env.get("AWS_ENDPOINT_URL_STEPFUNCTIONS") or env.get("AWS_ENDPOINT_URL"),
+        env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+    )
+    client = _sfn_clients.get(key)
+    if client is None:
+        import boto3
+
+        client = _sfn_clients[key] = boto3.session.Session().client("stepfunctions")
+    return client
+
+
+def state_machine_arns() -> dict[str, str]:
+    """``{kind: state machine ARN}`` from ``SHARDFOLD_STATE_MACHINES`` (set by the Pulumi program)."""
+    raw = os.environ.get("SHARDFOLD_STATE_MACHINES", "")
+    try:
+        arns = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as exc:
+        raise ShardfoldError(f"SHARDFOLD_STATE_MACHINES is not JSON ({exc}); expected {{kind: arn}}") from exc
+    if not isinstance(arns, dict):
+        raise ShardfoldError("SHARDFOLD_STATE_MACHINES must be a JSON object {kind: state machine arn}")
+    return arns
+
+
+def sfn_starter(arns: dict[str, str] | None = None) -> Starter:
+    """A starter that runs the kind's deployed state machine, with the job id as the execution name.
+
+    Also writes ``jobs/<id>/status.json`` with the execution ARN, the same record the AWS executor keeps,
+    so ``Client(backend="aws").job(id)`` finds jobs that were started from the bucket.
+    """
+
+    def start(job_id: str, kind: str, spec_uri: str) -> str:
+        table = arns if arns is not None else state_machine_arns()
+        if kind not in table:
+            raise ShardfoldError(f"job kind {kind!r} is not deployed here (deployed: {sorted(table)})")
+        bucket, _ = split_s3(spec_uri)
+        root = f"s3://{bucket}"
+        payload = {"job_id": job_id, "spec_uri": spec_uri, "store_root": root}
+        resp = _sfn().start_execution(stateMachineArn=table[kind], name=job_id, input=json.dumps(payload))
+        arn = resp["executionArn"]
+        # the record shape of orchestrator.executors.JobStatus, so the AWS executor reads it as its own
+        store.put_json(
+            join(root, status_key(job_id)),
+            {
+                "job_id": job_id,
+                "kind": kind,
+                "backend": "aws",
+                "state": "RUNNING",
+                "steps": {},
+                "error": None,
+                "started_at": _now(),
+                "ended_at": None,
+                "spec_uri": spec_uri,
+                "execution_arn": arn,
+            },
+        )
+        return arn
+
+    return start
+
+
+def spec_uri_from_event(event: dict[str, Any]) -> str:
+    """The ``s3://bucket/key`` of an EventBridge "Object Created" event (keys arrive URL-encoded)."""
+    try:
+        parsed = parse(event=event, model=S3EventNotificationEventBridgeModel)
+    except ValidationError as exc:
+        errors = [{"field": ".".join(map(str, e["loc"])), "error": e["msg"]} for e in exc.errors()]
+        raise SpecError("event is not an S3 Object Created event from EventBridge", errors) from exc
+    return f"s3://{parsed.detail.bucket.name}/{unquote_plus(parsed.detail.object.key)}"
+
+
+def handler(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
+    """Lambda entry point for EventBridge "Object Created" events on the job bucket."""
+    if event.get("detail-type") != "Object Created":
+        return {"ignored": f"detail-type {event.get('detail-type')!r} is not 'Object Created'"}
+    spec_uri = spec_uri_from_event(event)
+    return dispatch(spec_uri, sfn_starter())

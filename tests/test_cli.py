@@ -1,0 +1,153 @@
+"""Smoke tests of every ``shardfold`` verb through click's CliRunner, on the local backend."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from client import Client
+from client.cli import cli
+from functions import store
+from functions.store.uri import join, store_root
+
+REPO = Path(__file__).resolve().parent.parent
+EVENTS = REPO / "events"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COLUMNS", "200")  # rich tables wide enough to keep ids on one line
+    monkeypatch.delenv("SHARDFOLD_BACKEND", raising=False)
+    r = store_root()
+    for i in range(6):
+        store.put(join(r, "data", f"obj-{i}.bin"), f"object {i}".encode())
+    return r
+
+
+def invoke(*args: str, ok: bool = True):
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def spec_file(tmp_path: Path, n: int = 6, **kw) -> Path:
+    path = tmp_path / "spec.json"
+    path.write_text(
+        json.dumps({"kind": "getbatch", "items": [{"uri": f"data/obj-{i}.bin"} for i in range(n)], **kw})
+    )
+    return path
+
+
+def job_id_in(output: str) -> str:
+    return next(w for w in output.split() if w.startswith("getbatch-"))
+
+
+def test_run_sample_spec_from_events(home):
+    # the shipped example runs on a fresh checkout: its data lives in events/data/
+    out = invoke("run", str(EVENTS / "getbatch.json")).output
+    assert "SUCCEEDED" in out
+    job = Client().job(job_id_in(out))
+    result = job.result()
+    with tarfile.open(fileobj=io.BytesIO(store.get(result["archive"]))) as tf:
+        datas = [tf.extractfile(m).read() for m in tf.getmembers()]
+    hello = (EVENTS / "data" / "hello.txt").read_bytes()
+    assert datas[0] == hello and datas[-1] == hello
+    assert datas[1] == (EVENTS / "data" / "scores.csv").read_bytes()[14:44]
+    assert datas[2] == b"second sample of the shard\n"
+
+
+def test_run_no_wait_then_status_jobs_result_cancel_resume(home, tmp_path):
+    out = invoke("run", str(spec_file(tmp_path)), "--no-wait").output
+    job_id = job_id_in(out)
+    Client().job(job_id).wait(progress=False)
+    assert "SUCCEEDED" in invoke("status", job_id).output
+    assert job_id in invoke("jobs").output
+    res = invoke("result", job_id, "--json").output
+    assert json.loads(res)["items"] == 6
+    assert "items" in invoke("result", job_id).output
+    assert "cancelled" in invoke("cancel", job_id).output
+    assert job_id in invoke("resume", job_id, "--no-wait").output
+
+
+def test_plan_table_and_json(home, tmp_path):
+    path = spec_file(tmp_path, items_per_part=2)
+    out = invoke("plan", str(path)).output
+    for word in ("gather", "assemble", "total", "transitions"):
+        assert word in out
+    data = json.loads(invoke("plan", str(path), "--json").output)
+    assert data["items"] == 6 and any(s["tasks"] == 3 for s in data["steps"])
+
+
+def test_asl(home):
+    asl = json.loads(invoke("asl", "getbatch").output)
+    assert asl["StartAt"] in asl["States"]
+    assert any(s.get("Type") == "Map" for s in asl["States"].values())
+
+
+def test_invoke_handler_with_sample_event(home):
+    out = invoke("invoke", "dispatch", "dispatch_not_a_job").output
+    assert "ignored" in json.loads(out)
+    # the getbatch samples step through a job by hand: plan writes the parts, gather fetches one
+    planned = json.loads(invoke("invoke", "getbatch.plan", "getbatch_plan").output)
+    assert planned["parts"] == 3 and planned["items"] == 6
+    gathered = json.loads(invoke("invoke", "getbatch.gather", str(EVENTS / "getbatch_gather.json")).output)
+    assert gathered["part"] == 1 and gathered["items"] == 2 and gathered["errors"] == 0
+    # a registered workflow function fails like Lambda would on a bad event: errorType/errorMessage, exit 1
+    bad = invoke("invoke", "getbatch.plan", str(EVENTS / "dispatch_not_a_job.json"), ok=False)
+    assert bad.exit_code == 1 and "errorType" in json.loads(bad.output)
+
+
+def test_watch_once(home, tmp_path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "good.json").write_text(
+        json.dumps({"kind": "getbatch", "items": [{"uri": "data/obj-1.bin"}, {"uri": "data/obj-2.bin"}]})
+    )
+    (inbox / "bad.json").write_text(
+        json.dumps(
+            {"kind": "getbatch", "items": [{"uri": "data/obj-1.bin", "start": -1}], "items_per_part": 0}
+        )
+    )
+    (inbox / "junk.json").write_text("{nope")
+    (inbox / "notes.txt").write_text("not a spec")
+    invoke("watch", str(inbox), "--once")
+    status = json.loads((inbox / "good.status.json").read_text())
+    assert status["state"] == "SUCCEEDED" and status["kind"] == "getbatch"
+    assert Client().job(status["job_id"]).result()["items"] == 2
+    errors = json.loads((inbox / "bad.error.json").read_text())["errors"]
+    assert {"items.0.start", "items_per_part"} <= {e["field"] for e in errors}
+    assert "JSON" in json.loads((inbox / "junk.error.json").read_text())["error"]
+    assert not (inbox / "bad.status.json").exists() and not (inbox / "notes.status.json").exists()
+    # a second pass starts nothing new: the same spec bytes map to the same job
+    invoke("watch", str(inbox), "--once")
+    assert json.loads((inbox / "good.status.json").read_text())["job_id"] == status["job_id"]
+
+
+def test_demo_small(home):
+    out = invoke("demo", "--items", "24", "--no-progress").output
+    assert "getbatch" in out and "yes" in out and "SUCCEEDED" in out
+
+
+def test_user_errors_are_one_red_line(home, tmp_path):
+    res = invoke("status", "getbatch-20000101T000000-000000", ok=False)
+    assert res.exit_code == 1 and "error:" in res.output and "Traceback" not in res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": ""}], "items_per_part": 0}))
+    res = invoke("run", str(bad), ok=False)
+    assert res.exit_code == 1 and "items_per_part" in res.output and "Traceback" not in res.output
+    res = invoke("asl", "nosuchkind", ok=False)
+    assert res.exit_code == 1 and "nosuchkind" in res.output
+
+
+def test_failed_job_exits_nonzero(home, tmp_path):
+    path = tmp_path / "missing.json"
+    path.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "data/not-there.bin"}]}))
+    res = invoke("run", str(path), ok=False)
+    assert res.exit_code == 1 and "not-there.bin" in res.output and "resume" in res.output

@@ -1,0 +1,291 @@
+"""The SDK on the local backend: submit/wait/result, validation first, plan, jobs/status/cancel."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from client import Client, Job
+from client.errors import JobFailed, JobNotFinished, StackNotFound
+from client.planning import estimate_plan
+from functions import store
+from functions.errors import JobNotFound, PlanError, SpecError
+from functions.specs import GetBatchJob, parse_spec
+from functions.store.uri import join, store_root
+
+N = 25
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SHARDFOLD_STACK", raising=False)
+    r = store_root()
+    for i in range(N):
+        store.put(join(r, "data", f"obj-{i:03d}.bin"), bytes([i]) * (50 + i))
+    return r
+
+
+@pytest.fixture
+def client(root):
+    with Client() as c:
+        yield c
+
+
+def spec(n: int = N, **kw) -> dict:
+    return {"kind": "getbatch", "items": [{"uri": f"data/obj-{i:03d}.bin"} for i in range(n)], **kw}
+
+
+def archive_members(uri: str) -> list[tuple[str, bytes]]:
+    with tarfile.open(fileobj=io.BytesIO(store.get(uri))) as tf:
+        return [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()]
+
+
+def job_dirs(root: str) -> list[str]:
+    return [u for u in store.list_uris(join(root, "jobs") + "/")] if store.exists(join(root, "jobs")) else []
+
+
+def test_submit_wait_result(client, root):
+    job = client.submit(spec(items_per_part=7))
+    assert isinstance(job, Job) and job.kind == "getbatch" and job.job_id.startswith("getbatch-")
+    assert parse_spec(store.get_json(join(root, "jobs", job.job_id, "spec.json"))) == parse_spec(
+        spec(items_per_part=7)
+    )
+    status = job.wait(progress=False)
+    assert status.state == "SUCCEEDED" and status.error is None
+    result = job.result()
+    assert result["items"] == N and result["errors"] == 0 and result["parts"] == math.ceil(N / 7)
+    assert [data for _, data in archive_members(result["archive"])] == [
+        bytes([i]) * (50 + i) for i in range(N)
+    ]
+    assert client.job(job.job_id).result() == result
+
+
+def test_wait_with_progress_bars(client):
+    from rich.console import Console
+
+    buf = io.StringIO()
+    job = client.submit(spec(items_per_part=5))
+    status = job.wait(progress=True, console=Console(file=buf, width=120, force_terminal=False))
+    assert status.state == "SUCCEEDED"
+    drawn = buf.getvalue()
+    for step in status.steps:
+        assert step in drawn
+
+
+def test_submit_accepts_model_json_text_and_file(client, tmp_path):
+    model = GetBatchJob.model_validate(spec(3))
+    assert client.submit(model).wait(progress=False).state == "SUCCEEDED"
+    assert client.submit(json.dumps(spec(2))).wait(progress=False).state == "SUCCEEDED"
+    # a spec file names its data relative to itself
+    (tmp_path / "pack" / "data").mkdir(parents=True)
+    (tmp_path / "pack" / "data" / "x.txt").write_bytes(b"beside the spec")
+    (tmp_path / "pack" / "job.json").write_text(
+        json.dumps({"kind": "getbatch", "items": [{"uri": "./data/x.txt"}]})
+    )
+    job = client.submit(tmp_path / "pack" / "job.json")
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    assert archive_members(job.result()["archive"])[0][1] == b"beside the spec"
+
+
+@pytest.mark.parametrize(
+    "bad, fields",
+    [
+        (
+            {"kind": "getbatch", "items": [{"uri": "", "start": -1}], "items_per_part": 0, "x": 1},
+            {"items.0.uri", "items.0.start", "items_per_part", "x"},
+        ),
+        ({"kind": "nope"}, {"kind"}),
+        ("{not json", {"<spec>"}),
+    ],
+)
+def test_spec_errors_before_anything_runs(client, root, monkeypatch, bad, fields):
+    def never(*a, **k):
+        raise AssertionError("the executor must not be reached")
+
+    monkeypatch.setattr(client.executor, "start", never)
+    before = job_dirs(root)
+    with pytest.raises(SpecError) as exc:
+        client.submit(bad)
+    assert fields <= {e["field"] for e in exc.value.errors}
+    with pytest.raises(SpecError):
+        client.plan(bad)
+    assert job_dirs(root) == before
+
+
+def test_plan_numbers(client):
+    report = client.plan(spec(items_per_part=4))
+    parts = math.ceil(N / 4)
+    by_name = {s.function.rsplit(".", 1)[-1]: s for s in report.steps}
+    assert report.kind == "getbatch" and report.items == N
+    assert by_name["gather"].tasks == parts and by_name["plan"].tasks == 1 and by_name["assemble"].tasks == 1
+    assert by_name["gather"].gets >= N  # one GET per item at least
+    assert report.gets >= N and report.puts >= parts
+    assert all(s.fits and 0 < s.peak_mb <= s.memory_mb for s in report.steps)
+    assert report.transitions >= 2 + parts  # every child of the Map is billed
+    assert report.cost_usd["total"] == pytest.approx(
+        sum(v for k, v in report.cost_usd.items() if k != "total")
+    )
+    assert report.cost_usd["total"] > 0
+    assert json.loads(json.dumps(report.to_dict()))["items"] == N
+    # more items -> more parts, more GETs, more transitions
+    bigger = client.plan(spec(items_per_part=2))
+    assert bigger.transitions > report.transitions and bigger.tasks > report.tasks
+
+
+def test_plan_refuses_task_that_does_not_fit(client, root, monkeypatch):
+    # a sparse 2 GiB object: the gather task would buffer it whole, more than any configured memory
+    path = Path(root.removeprefix("file://")) / "data" / "huge.bin"
+    with open(path, "wb") as f:
+        f.truncate(2 * 1024**3)
+    monkeypatch.setattr(client.executor, "start", lambda *a: pytest.fail("refused plans must not start"))
+    before = job_dirs(root)
+    big = {"kind": "getbatch", "items": [{"uri": "data/huge.bin"}, {"uri": "data/obj-000.bin"}]}
+    with pytest.raises(PlanError, match="gather"):
+        client.plan(big)
+    with pytest.raises(PlanError):
+        client.submit(big)
+    assert job_dirs(root) == before
+    # the same object as byte ranges fits
+    ranged = {"kind": "getbatch", "items": [{"uri": "data/huge.bin", "start": 0, "length": 1024}]}
+    assert client.plan(ranged).steps
+    assert estimate_plan(parse_spec(big), store_root=root).steps  # estimating alone never refuses
+
+
+def test_failed_job_result_is_a_clear_error(client):
+    job = client.submit(
+        {"kind": "getbatch", "items": [{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}]}
+    )
+    status = job.wait(progress=False)
+    assert status.state == "FAILED" and "nope.bin" in (status.error or "")
+    with pytest.raises(JobFailed, match="nope.bin"):
+        job.result()
+
+
+def test_continue_on_error_job(client):
+    job = client.submit(
+        {
+            "kind": "getbatch",
+            "items": [{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}, {"uri": "data/obj-002.bin"}],
+            "continue_on_error": True,
+        }
+    )
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    result = job.result()
+    assert result["errors"] == 1
+    names = [n for n, _ in archive_members(result["archive"])]
+    assert names[1].startswith("__404__/")
+
+
+def test_jobs_status_and_unknown_job(client):
+    a = client.submit(spec(3))
+    b = client.submit(spec(4))
+    a.wait(progress=False)
+    b.wait(progress=False)
+    listed = {s.job_id: s for s in client.jobs()}
+    assert {a.job_id, b.job_id} <= set(listed)
+    assert listed[a.job_id].state == "SUCCEEDED" and listed[a.job_id].kind == "getbatch"
+    st = client.job(b.job_id).status()
+    assert st.state == "SUCCEEDED" and st.steps
+    with pytest.raises(JobNotFound, match="shardfold jobs"):
+        client.job("getbatch-20000101T000000-000000")
+
+
+def test_result_before_the_end_and_cancel(client, monkeypatch):
+    # hold every gather task on an event so the job is provably still running
+    from functions.getbatch import core
+
+    gate = threading.Event()
+    entered = threading.Event()
+    real = core.gather
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert gate.wait(60), "test gate never opened"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "gather", held)
+    job = client.submit(spec(6, items_per_part=2))
+    assert entered.wait(60)
+    with pytest.raises(JobNotFinished, match="RUNNING|PENDING"):
+        job.result()
+    job.cancel()
+    gate.set()
+    status = job.wait(progress=False)
+    assert status.state == "CANCELLED"
+    with pytest.raises(JobFailed, match="cancelled"):
+        job.result()
+    # resume finishes what was left
+    monkeypatch.setattr(core, "gather", real)
+    job.resume()
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    assert job.result()["items"] == 6
+
+
+def test_get_batch_in_process(client):
+    entries = client.get_batch(["data/obj-003.bin", {"uri": "data/obj-004.bin", "start": 10, "length": 5}])
+    assert [e.data for e in entries] == [bytes([3]) * 53, bytes([4]) * 5]
+    stream = client.get_batch(["data/obj-001.bin", "data/missing.bin"], continue_on_error=True, stream=True)
+    first, second = list(stream)
+    assert first.data == bytes([1]) * 51 and second.error and second.name.startswith("__404__/")
+
+
+def test_aws_backend_needs_stack_outputs(root, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StackNotFound, match="shardfold deploy"):
+        Client(backend="aws")
+    monkeypatch.setenv("SHARDFOLD_STACK", str(tmp_path / "nowhere.json"))
+    with pytest.raises(StackNotFound, match="nowhere.json"):
+        Client(backend="aws")
+
+
+# --- the moto backend: the cloud path (compiled ASL, Lambda handlers, S3) inside moto -----------------------
+
+
+@pytest.fixture
+def moto_client(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    with Client(backend="moto") as c:
+        yield c
+
+
+def test_moto_backend_submit_wait_result(moto_client):
+    c = moto_client
+    assert c.store_root.startswith("s3://")
+    for i in range(5):
+        store.put(c.uri(f"data/obj-{i}.bin"), f"object {i}".encode())
+    items = [{"uri": f"data/obj-{i}.bin"} for i in (4, 0, 2)] + [{"uri": "data/gone.bin"}]
+    job = c.submit({"kind": "getbatch", "items": items, "items_per_part": 2, "continue_on_error": True})
+    status = job.wait(progress=False)
+    assert status.state == "SUCCEEDED", status.error
+    result = job.result()
+    assert result["items"] == 4 and result["errors"] == 1 and result["archive"].startswith("s3://")
+    members = archive_members(result["archive"])
+    assert [d for _, d in members[:3]] == [b"object 4", b"object 0", b"object 2"]
+    assert members[3][0].startswith("__404__/")
+    assert job.job_id in {s.job_id for s in c.jobs()}
+    assert [e.data for e in c.get_batch(["data/obj-1.bin"])] == [b"object 1"]
+
+
+def test_aws_backend_refuses_local_files_before_anything_runs(root, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    stack = {
+        "bucket": "shardfold-example",
+        "region": "us-east-1",
+        "state_machine_arns": {"getbatch": "arn:aws:states:us-east-1:123456789012:stateMachine:x"},
+    }
+    (tmp_path / "stack.json").write_text(json.dumps(stack))
+    with Client(backend="aws", stack=tmp_path / "stack.json") as c:
+        assert c.store_root == "s3://shardfold-example"
+        monkeypatch.setattr(c.executor, "start", lambda *a: pytest.fail("must not start"))
+        local = {"kind": "getbatch", "items": [{"uri": "s3://b/k"}, {"uri": (tmp_path / "x.bin").as_uri()}]}
+        with pytest.raises(SpecError, match="local file") as exc:
+            c.submit(local)
+        assert [e["field"] for e in exc.value.errors] == ["items.1.uri"]

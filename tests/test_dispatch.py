@@ -1,0 +1,291 @@
+"""The bucket trigger: dispatch core on the local store, and the Lambda handler on S3 via moto."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from functions import dispatch as dispatch_mod
+from functions import store
+from functions.dispatch import dispatch, handler, ignore_reason
+from functions.errors import SpecError
+from functions.specs import parse_spec
+from functions.store.uri import join, store_root
+
+EVENTS = Path(__file__).resolve().parent.parent / "events"
+GOOD = {"kind": "getbatch", "items": [{"uri": "data/a.bin"}, {"uri": "data/b.bin", "start": 2, "length": 3}]}
+# four independent mistakes: every one must be reported, not just the first
+BAD = {
+    "kind": "getbatch",
+    "items": [{"uri": "", "start": -1}],
+    "items_per_part": 0,
+    "colour": "blue",
+}
+
+
+class Starter:
+    """Records start() calls instead of running anything."""
+
+    def __init__(self, result: str | None = "exec-1"):
+        self.calls: list[tuple[str, str, str]] = []
+        self.result = result
+
+    def __call__(self, job_id: str, kind: str, spec_uri: str) -> str | None:
+        self.calls.append((job_id, kind, spec_uri))
+        return self.result
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    return store_root()
+
+
+def put_spec(root: str, name: str, doc: dict | bytes) -> str:
+    uri = join(root, "jobs", name)
+    store.put(uri, doc if isinstance(doc, bytes) else json.dumps(doc).encode())
+    return uri
+
+
+# --- core on the local store --------------------------------------------------------------------------------
+
+
+def test_valid_spec_starts_job_and_writes_status(root):
+    start = Starter()
+    uri = put_spec(root, "nightly.json", GOOD)
+    report = dispatch(uri, start)
+    assert report["kind"] == "getbatch" and report["state"] == "RUNNING" and report["execution"] == "exec-1"
+    job_id = report["job_id"]
+    assert start.calls == [(job_id, "getbatch", join(root, "jobs", job_id, "spec.json"))]
+    assert store.get_json(join(root, "jobs", "nightly.status.json")) == report
+    assert not store.exists(join(root, "jobs", "nightly.error.json"))
+    # the canonical spec is the validated document, and it round-trips
+    assert parse_spec(store.get_json(report["spec_uri"])) == parse_spec(GOOD)
+
+
+def test_duplicate_delivery_does_not_start_twice(root):
+    start = Starter()
+    uri = put_spec(root, "once.json", GOOD)
+    first = dispatch(uri, start)
+    again = dispatch(uri, start)
+    assert again["job_id"] == first["job_id"] and len(start.calls) == 1
+    # new bytes at the same key are a new job
+    put_spec(root, "once.json", {**GOOD, "items_per_part": 1})
+    third = dispatch(uri, start)
+    assert third["job_id"] != first["job_id"] and len(start.calls) == 2
+
+
+def test_invalid_spec_reports_every_error_and_starts_nothing(root):
+    start = Starter()
+    uri = put_spec(root, "bad.json", BAD)
+    report = dispatch(uri, start)
+    assert start.calls == []
+    assert store.get_json(join(root, "jobs", "bad.error.json")) == report
+    assert not store.exists(join(root, "jobs", "bad.status.json"))
+    fields = {e["field"] for e in report["errors"]}
+    assert {"items.0.uri", "items.0.start", "items_per_part", "colour"} <= fields
+    assert all(e["error"] for e in report["errors"])
+    assert not store.list_uris(join(root, "jobs") + "/") or all(
+        "/spec.json" not in u for u in store.list_uris(join(root, "jobs") + "/")
+    )
+
+
+def test_unknown_kind_is_reported(root):
+    report = dispatch(put_spec(root, "what.json", {"kind": "teleport"}), Starter())
+    assert report["errors"][0]["field"] == "kind" and "teleport" in report["error"]
+
+
+@pytest.mark.parametrize("payload", [b"{not json", b"\xff\xfe\x00garbage", b"[1, 2, 3]"])
+def test_non_json_or_non_object_spec_is_reported(root, payload):
+    start = Starter()
+    report = dispatch(put_spec(root, "junk.json", payload), start)
+    assert start.calls == [] and report["errors"] and report["error"]
+    assert store.exists(join(root, "jobs", "junk.error.json"))
+
+
+def test_fixed_spec_replaces_error_report(root):
+    uri = put_spec(root, "fixme.json", BAD)
+    dispatch(uri, Starter())
+    assert store.exists(join(root, "jobs", "fixme.error.json"))
+    put_spec(root, "fixme.json", GOOD)
+    report = dispatch(uri, Starter())
+    assert report["state"] == "RUNNING"
+    assert not store.exists(join(root, "jobs", "fixme.error.json"))
+
+
+def test_start_refusal_is_reported(root):
+    def refuse(job_id, kind, spec_uri):
+        raise dispatch_mod.ShardfoldError(f"job kind {kind!r} is not deployed here")
+
+    report = dispatch(put_spec(root, "nodeploy.json", GOOD), refuse)
+    assert "not deployed" in report["error"]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "jobs/x.status.json",
+        "jobs/x.error.json",
+        "jobs/getbatch-20260101T000000-abcdef/spec.json",
+        "jobs/sub/x.json",
+        "data/x.json",
+        "x.json",
+        "jobs/readme.txt",
+    ],
+)
+def test_ignored_keys_local(root, key):
+    start = Starter()
+    uri = join(root, key)
+    store.put(uri, json.dumps(GOOD).encode())
+    before = set(store.list_uris(root + "/"))
+    report = dispatch(uri, start)
+    assert set(report) == {"ignored"} and report["ignored"]
+    assert start.calls == [] and set(store.list_uris(root + "/")) == before
+
+
+def test_relative_data_paths_resolve_beside_the_spec(root, tmp_path):
+    # a spec file outside the store (a `watch` directory) may name its data relative to itself
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "s.json").write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "./data/a.bin"}]}))
+    report = dispatch((inbox / "s.json").as_uri(), Starter())
+    spec = store.get_json(report["spec_uri"])
+    assert spec["items"][0]["uri"] == (inbox / "data" / "a.bin").as_uri()
+    assert ignore_reason((inbox / "s.json").as_uri()) is None
+
+
+# --- the Lambda handler on S3 (moto) ----------------------------------------------------------------------
+
+BUCKET = "shardfold-jobs-test"
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setattr(dispatch_mod, "_sfn_clients", {})
+    with mock_aws():
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        sfn = boto3.client("stepfunctions")
+        arn = sfn.create_state_machine(
+            name="shardfold-getbatch",
+            definition=json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}}),
+            roleArn="arn:aws:iam::123456789012:role/sfn",
+        )["stateMachineArn"]
+        monkeypatch.setenv("SHARDFOLD_STATE_MACHINES", json.dumps({"getbatch": arn}))
+        yield {"s3": boto3.client("s3"), "sfn": sfn, "arn": arn}
+
+
+def event_for(key: str, bucket: str = BUCKET) -> dict:
+    event = json.loads((EVENTS / "dispatch_object_created.json").read_text())
+    event["detail"]["bucket"]["name"] = bucket
+    event["detail"]["object"]["key"] = key
+    return event
+
+
+def s3_json(aws, key: str) -> dict:
+    return json.loads(aws["s3"].get_object(Bucket=BUCKET, Key=key)["Body"].read())
+
+
+def test_handler_starts_state_machine(aws):
+    aws["s3"].put_object(Bucket=BUCKET, Key="jobs/nightly.json", Body=json.dumps(GOOD).encode())
+    report = handler(event_for("jobs/nightly.json"), None)
+    job_id = report["job_id"]
+    assert s3_json(aws, "jobs/nightly.status.json") == report
+    execution = aws["sfn"].describe_execution(executionArn=report["execution"])
+    assert execution["name"] == job_id and execution["stateMachineArn"] == aws["arn"]
+    assert json.loads(execution["input"]) == {
+        "job_id": job_id,
+        "spec_uri": f"s3://{BUCKET}/jobs/{job_id}/spec.json",
+        "store_root": f"s3://{BUCKET}",
+    }
+    assert parse_spec(s3_json(aws, f"jobs/{job_id}/spec.json")) == parse_spec(GOOD)
+    status = s3_json(aws, f"jobs/{job_id}/status.json")
+    assert status["execution_arn"] == report["execution"] and status["backend"] == "aws"
+
+
+def test_handler_url_decodes_keys(aws):
+    aws["s3"].put_object(Bucket=BUCKET, Key="jobs/my spec.json", Body=json.dumps(GOOD).encode())
+    report = handler(event_for("jobs/my+spec.json"), None)
+    assert report["state"] == "RUNNING"
+    assert s3_json(aws, "jobs/my spec.status.json")["job_id"] == report["job_id"]
+
+
+def test_handler_reports_invalid_spec_on_s3(aws):
+    aws["s3"].put_object(Bucket=BUCKET, Key="jobs/bad.json", Body=json.dumps(BAD).encode())
+    report = handler(event_for("jobs/bad.json"), None)
+    assert s3_json(aws, "jobs/bad.error.json") == report
+    assert {"items.0.uri", "items.0.start", "items_per_part", "colour"} <= {
+        e["field"] for e in report["errors"]
+    }
+    assert aws["sfn"].list_executions(stateMachineArn=aws["arn"])["executions"] == []
+
+
+def test_handler_reports_non_json_on_s3(aws):
+    aws["s3"].put_object(Bucket=BUCKET, Key="jobs/junk.json", Body=b"kind: getbatch")
+    report = handler(event_for("jobs/junk.json"), None)
+    assert "not valid JSON" in report["error"]
+    assert "error" in s3_json(aws, "jobs/junk.error.json")
+
+
+def test_handler_kind_not_deployed(aws, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_STATE_MACHINES", "{}")
+    aws["s3"].put_object(Bucket=BUCKET, Key="jobs/n.json", Body=json.dumps(GOOD).encode())
+    report = handler(event_for("jobs/n.json"), None)
+    assert "not deployed" in report["error"]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "jobs/x.status.json",
+        "jobs/x.error.json",
+        "jobs/getbatch-20260101T000000-abcdef/spec.json",
+        "in/x.json",
+    ],
+)
+def test_handler_ignores_non_spec_keys_on_s3(aws, key):
+    aws["s3"].put_object(Bucket=BUCKET, Key=key, Body=json.dumps(GOOD).encode())
+    report = handler(event_for(key), None)
+    assert set(report) == {"ignored"}
+    keys = [o["Key"] for o in aws["s3"].list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+    assert keys == [key]
+    assert aws["sfn"].list_executions(stateMachineArn=aws["arn"])["executions"] == []
+
+
+def test_sample_events():
+    # the shipped not-a-job event is ignored without touching AWS; a malformed envelope is a SpecError
+    assert "ignored" in handler(json.loads((EVENTS / "dispatch_not_a_job.json").read_text()), None)
+    assert "ignored" in handler({"detail-type": "Object Deleted"}, None)
+    with pytest.raises(SpecError) as exc:
+        handler({"detail-type": "Object Created", "detail": {"bucket": {}}}, None)
+    assert exc.value.errors
+
+
+def test_dispatch_to_a_real_workflow_on_moto(tmp_path, monkeypatch):
+    # end to end: a spec dropped in the bucket runs the compiled getbatch state machine (moto harness),
+    # and the AWS executor reads the job the trigger started like one it started itself
+    from orchestrator.aws import AwsExecutor
+    from orchestrator.moto_harness import MotoStack
+
+    monkeypatch.setattr(dispatch_mod, "_sfn_clients", {})
+    with MotoStack() as stack:
+        outputs = stack.outputs
+        monkeypatch.setenv("SHARDFOLD_STATE_MACHINES", json.dumps(outputs["state_machine_arns"]))
+        bucket = outputs["bucket"]
+        store.put(f"s3://{bucket}/data/a.bin", b"alpha")
+        store.put(f"s3://{bucket}/data/b.bin", b"bravo")
+        store.put(f"s3://{bucket}/jobs/drop.json", json.dumps(GOOD).encode())
+        report = handler(event_for("jobs/drop.json", bucket=bucket), None)
+        status = AwsExecutor(outputs).wait(report["job_id"])
+        assert status.state == "SUCCEEDED", status.error
+        result = store.get_json(f"s3://{bucket}/jobs/{report['job_id']}/result.json")
+        assert result["items"] == 2 and result["bytes"] == len(b"alpha") + len(b"avo")
