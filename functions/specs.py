@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from functions.errors import SpecError
 
+
 class StrictModel(BaseModel):
     """Unknown fields are errors: a typo in a spec must not be silently ignored."""
 
@@ -23,8 +24,8 @@ class BatchItem(StrictModel):
     """One entry of a GetBatch request.
 
     ``uri`` is an object URI (``s3://bucket/key``, ``file:///abs/path``, or a key relative to the store
-    root). A byte range is ``start`` plus ``length`` (``None``: to the end of the object). ``archpath`` names a
-    member of a TAR object; a range then applies to the member. ``name`` overrides the entry's name in the
+    root). A byte range is ``start`` plus ``length`` (``None``: to the end of the object). ``archpath``
+    names a member of a TAR object; a range then applies to the member. ``name`` overrides the entry's name in the
     output archive (default: the object key, plus ``/archpath``).
     """
 
@@ -47,11 +48,13 @@ class GetBatchJob(StrictModel):
     kind: Literal["getbatch"] = "getbatch"
     items: list[BatchItem] | None = Field(default=None, description="the request, in output order")
     manifest: str | None = Field(
-        default=None, description="URI of a JSON array (or JSON Lines) of items, for requests too big to inline"
+        default=None,
+        description="URI of a JSON array (or JSON Lines) of items, for requests too big to inline",
     )
     output: str | None = Field(default=None, description="archive URI; default jobs/<id>/output/batch.tar")
     continue_on_error: bool = Field(
-        default=False, description="missing objects become zero-byte __404__/<name> entries instead of failing"
+        default=False,
+        description="missing objects become zero-byte __404__/<name> entries instead of failing",
     )
     max_soft_errors: int | None = Field(
         default=None, ge=0, description="with continue_on_error, abort once more items than this fail"
@@ -86,7 +89,9 @@ def parse_spec(doc: dict | str | bytes) -> JobSpec:
         try:
             doc = json.loads(doc)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecError(f"spec is not valid JSON: {exc}", [{"field": "<spec>", "error": str(exc)}]) from exc
+            raise SpecError(
+                f"spec is not valid JSON: {exc}", [{"field": "<spec>", "error": str(exc)}]
+            ) from exc
     if not isinstance(doc, dict):
         raise SpecError("spec must be a JSON object", [{"field": "<spec>", "error": "not an object"}])
     kind = doc.get("kind")

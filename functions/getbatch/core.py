@@ -66,7 +66,9 @@ def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
             else:
                 raw = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as exc:
-            raise SpecError(f"manifest {spec.manifest}: not a JSON array or JSON Lines of items ({exc})") from exc
+            raise SpecError(
+                f"manifest {spec.manifest}: not a JSON array or JSON Lines of items ({exc})"
+            ) from exc
         if not raw:
             raise SpecError(f"manifest {spec.manifest} lists no items")
     items = []

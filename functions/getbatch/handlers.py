@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from functions.getbatch import core
-from functions.runtime import JobEvent, load_spec, logger, parse_event
+from functions.runtime import JobEvent, load_spec, parse_event
 
 
 class PartRef(BaseModel):
@@ -30,17 +30,14 @@ class AssembleEvent(JobEvent):
 
 def plan(event: dict[str, Any], context: Any = None) -> dict:
     e = parse_event(event, JobEvent)
-    logger.append_keys(job_id=e.job_id, step="plan")
     return core.plan(load_spec(e.spec_uri, "getbatch"), e.job_id, e.store_root)
 
 
 def gather(event: dict[str, Any], context: Any = None) -> dict:
     e = parse_event(event, GatherEvent)
-    logger.append_keys(job_id=e.job_id, step="gather", part=e.item.part)
     return core.gather(load_spec(e.spec_uri, "getbatch"), e.job_id, e.store_root, e.item.part)
 
 
 def assemble(event: dict[str, Any], context: Any = None) -> dict:
     e = parse_event(event, AssembleEvent)
-    logger.append_keys(job_id=e.job_id, step="assemble")
     return core.assemble(load_spec(e.spec_uri, "getbatch"), e.job_id, e.store_root, e.plan.parts)
