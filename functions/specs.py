@@ -25,8 +25,8 @@ class BatchItem(StrictModel):
 
     ``uri`` is an object URI (``s3://bucket/key``, ``file:///abs/path``, or a key relative to the store
     root). A byte range is ``start`` plus ``length`` (``None``: to the end of the object). ``archpath``
-    names a member of a TAR object; a range then applies to the member. ``name`` overrides the entry's name in the
-    output archive (default: the object key, plus ``/archpath``).
+    names a member of a TAR object; a range then applies to the member. ``name`` overrides the entry's
+    name in the output archive (default: the object key, plus ``/archpath``).
     """
 
     uri: str = Field(min_length=1)
