@@ -68,12 +68,15 @@ def test_missing_item_with_continue_on_error_keeps_neighbours(root):
 
 
 def test_missing_item_strict_fails_and_writes_no_archive(root):
-    spec = GetBatchJob(items=[{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}])
+    items = [{"uri": "data/obj-001.bin"}] * 3 + [{"uri": "data/nope.bin"}]
+    spec = GetBatchJob(items=items, items_per_part=2)
     job_id = "getbatch-20260101T000000-000001"
     planned = core.plan(spec, job_id, root)
-    with pytest.raises(BatchItemError, match="nope.bin"):
-        core.gather(spec, job_id, root, 0)
-    assert planned["parts"] == 1
+    core.gather(spec, job_id, root, 0)
+    with pytest.raises(BatchItemError, match=r"item 3 \(.*nope.bin") as exc:
+        core.gather(spec, job_id, root, 1)
+    assert exc.value.index == 3  # its place in the request, not in its part
+    assert planned["parts"] == 2
     assert not store.exists(core.output_uri(spec, root, job_id))
     assert not store.exists(core.job_uri(root, job_id, "result.json"))
 

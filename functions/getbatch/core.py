@@ -22,7 +22,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 
 from functions import store
-from functions.errors import SpecError, TooManySoftErrors
+from functions.errors import BatchItemError, SpecError, TooManySoftErrors
 from functions.manifest import manifest_ref
 from functions.specs import BatchItem, GetBatchJob
 from functions.store.tar import TAR_TRAILER, write_tar
@@ -108,14 +108,17 @@ def plan(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
 def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int) -> dict:
     """Fetch one part in request order and write its TAR fragment and status rows."""
     items = [BatchItem.model_validate(d) for d in store.get_json(_part_uri(store_root, job_id, part))]
+    first = part * spec.items_per_part  # the part's first item in the whole request
     entries = store.get_batch(
         items, continue_on_error=spec.continue_on_error, max_soft_errors=spec.max_soft_errors
     )
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as frag:
-        rows = write_tar(entries, frag, end_of_archive=False)
+        try:
+            rows = write_tar(entries, frag, end_of_archive=False)
+        except BatchItemError as exc:  # name the item by its place in the user's request, not the part
+            raise BatchItemError(first + exc.index, exc.item, exc.reason) from None
         frag.seek(0)
         store.put_file(_fragment_uri(store_root, job_id, part), frag)
-    first = part * spec.items_per_part
     for row in rows:
         row["index"] += first
     store.put_json(_status_uri(store_root, job_id, part), rows)

@@ -1,0 +1,107 @@
+"""The getbatch job end to end: the local executor and the moto executor (compiled ASL on moto's Step
+Functions interpreter) must produce the byte-identical archive; a 100,000-item request keeps every state
+payload far below Step Functions' 256 KiB limit."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+
+import pytest
+
+from client import Client
+from functions import store
+from functions.jobs import new_job_id
+from functions.store.uri import join
+from orchestrator.local import LocalExecutor
+
+WAIT_S = 180  # a deadline, not a timing assumption
+
+
+@pytest.fixture(scope="module")
+def moto_client(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDFOLD_HOME", str(tmp_path_factory.mktemp("moto-home")))
+        with Client(backend="moto") as c:
+            yield c
+
+
+def request(bucket_root: str) -> list[dict]:
+    """Objects of varied sizes in the (moto) bucket, a TAR shard, ranges, duplicates and a missing key."""
+    for i in range(12):
+        store.put(join(bucket_root, "data", f"obj-{i:02d}.bin"), bytes([i]) * (97 * i + 1))
+    shard = io.BytesIO()
+    with tarfile.open(fileobj=shard, mode="w") as tf:
+        for name in ("a.txt", "dir/b.txt"):
+            info = tarfile.TarInfo(name)
+            body = name.encode() * 50
+            info.size = len(body)
+            tf.addfile(info, io.BytesIO(body))
+    store.put(join(bucket_root, "data", "shard.tar"), shard.getvalue())
+    d = f"{bucket_root}/data"
+    return [
+        {"uri": f"{d}/obj-07.bin"},
+        {"uri": f"{d}/obj-00.bin"},
+        {"uri": f"{d}/shard.tar", "archpath": "dir/b.txt"},
+        {"uri": f"{d}/obj-11.bin", "start": 100, "length": 50},
+        {"uri": f"{d}/missing.bin"},
+        {"uri": f"{d}/obj-07.bin"},
+        {"uri": f"{d}/obj-03.bin", "start": 10},
+        {"uri": f"{d}/shard.tar", "archpath": "a.txt", "name": "renamed.txt"},
+    ] + [{"uri": f"{d}/obj-{i:02d}.bin"} for i in range(12)]
+
+
+def test_local_and_moto_executors_give_the_identical_archive(moto_client, tmp_path, monkeypatch):
+    items = request(moto_client.store_root)
+    spec = {"kind": "getbatch", "items": items, "items_per_part": 3, "continue_on_error": True}
+
+    on_moto = moto_client.submit(spec)
+    assert on_moto.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    moto_result = on_moto.result()
+
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "local-home"))
+    with Client() as local:  # local store and executor; the items still live in the moto bucket
+        on_local = local.submit(spec)
+        assert on_local.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+        local_result = on_local.result()
+
+    assert moto_result["archive"].startswith("s3://") and local_result["archive"].startswith("file://")
+    moto_tar, local_tar = store.get(moto_result["archive"]), store.get(local_result["archive"])
+    assert hashlib.sha256(moto_tar).hexdigest() == hashlib.sha256(local_tar).hexdigest()
+    assert store.get(moto_result["status"]) == store.get(local_result["status"])
+    for key in ("items", "errors", "bytes", "parts"):
+        assert moto_result[key] == local_result[key]
+
+    with tarfile.open(fileobj=io.BytesIO(local_tar)) as tf:
+        names = tf.getnames()
+    assert len(names) == len(items) and names[4].startswith("__404__/") and names[7] == "renamed.txt"
+
+
+def test_strict_job_fails_naming_the_item_and_writes_no_archive(moto_client):
+    items = request(moto_client.store_root)[:6]  # includes the missing object at index 4
+    job = moto_client.submit({"kind": "getbatch", "items": items, "items_per_part": 2})
+    status = job.wait(progress=False, timeout_s=WAIT_S)
+    assert status.state == "FAILED"
+    assert "missing.bin" in status.error and "item 4" in status.error
+    out = join(moto_client.store_root, "jobs", job.job_id, "output", "batch.tar")
+    assert not store.exists(out)
+
+
+def test_state_payloads_stay_small_for_100k_items(tmp_path):
+    root = f"file://{tmp_path}/store"
+    store.put(join(root, "data", "tiny.bin"), b"x")
+    job_id = new_job_id("getbatch")
+    manifest = join(root, "requests", "big.jsonl")
+    store.put(manifest, b'"data/tiny.bin"\n' * 100_000)
+    spec_uri = join(root, "jobs", job_id, "spec.json")
+    store.put_json(spec_uri, {"kind": "getbatch", "manifest": manifest, "items_per_part": 5000})
+    with LocalExecutor(store_root=root) as ex:
+        ex.start(job_id, "getbatch", spec_uri)
+        status = ex.wait(job_id, timeout_s=WAIT_S)
+        assert status.state == "SUCCEEDED", status.error
+        assert ex.max_state_bytes(job_id) < 4 * 1024  # Step Functions allows 256 KiB
+    result = store.get_json(join(root, "jobs", job_id, "result.json"))
+    assert result["items"] == 100_000 and result["parts"] == 20
+    assert len(json.dumps(result)) < 1024
