@@ -37,7 +37,7 @@ from orchestrator.executors import (
     tidy_cause,
     write_status,
 )
-from orchestrator.plan import Map, Parallel, Step, Workflow
+from orchestrator.plan import Map, Workflow, progress_steps
 
 logger = Logger(service="shardfold")
 
@@ -52,14 +52,6 @@ _STATES = {
 _EXITED = {"TaskStateExited", "MapStateExited", "ParallelStateExited"}
 _BATCH_ACTIVE = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING"}
 THRESHOLD_ERROR = "States.ExceedToleratedFailureThreshold"
-
-
-def _progress_steps(steps: tuple[Step, ...]) -> Iterator[Step]:
-    for step in steps:
-        yield step
-        if isinstance(step, Parallel):
-            for branch in step.branches:
-                yield from _progress_steps(branch)
 
 
 def _entered_state(events: dict[int, dict[str, Any]], event: dict[str, Any]) -> str | None:
@@ -245,7 +237,7 @@ class AwsExecutor:
             return {}
         return {
             s.name: {"done": 0, "total": None if isinstance(s, Map) else 1}
-            for s in _progress_steps(workflow.steps)
+            for s in progress_steps(workflow.steps)
         }
 
     def _history(self, arn: str) -> Iterator[dict[str, Any]]:

@@ -25,7 +25,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from orchestrator.executors import (
     write_status,
 )
 from orchestrator.invoke import HandlerFailed, call
-from orchestrator.plan import BatchJob, Map, Parallel, Step, Task, Workflow, selectable
+from orchestrator.plan import BatchJob, Map, Parallel, Step, Task, Workflow, progress_steps, selectable
 from orchestrator.registry import handler_path
 
 logger = Logger(service="shardfold")
@@ -94,15 +94,6 @@ def _lookup(state: dict[str, Any], path: str) -> Any:
             return None
         node = node[part]
     return node
-
-
-def _progress_steps(steps: tuple[Step, ...]) -> Iterator[Step]:
-    """Steps shown in progress: all but those inside Map bodies (their work shows as the Map's items)."""
-    for step in steps:
-        yield step
-        if isinstance(step, Parallel):
-            for branch in step.branches:
-                yield from _progress_steps(branch)
 
 
 class LocalExecutor:
@@ -241,7 +232,7 @@ class LocalExecutor:
         journal = self._uri(job_id, "journal")
         done = self._journal_keys(journal)
         steps: dict[str, dict[str, int | None]] = {}
-        for step in _progress_steps(workflow.steps):
+        for step in progress_steps(workflow.steps):
             total = None if isinstance(step, Map) else 1
             steps[step.name] = {"done": 0, "total": total}
             if step.name in done:

@@ -214,6 +214,15 @@ def walk_steps(steps: tuple[Step, ...]) -> Iterator[Step]:
                 yield from walk_steps(branch)
 
 
+def progress_steps(steps: tuple[Step, ...]) -> Iterator[Step]:
+    """Steps shown in progress: all but those inside Map bodies (their work shows as the Map's items)."""
+    for step in steps:
+        yield step
+        if isinstance(step, Parallel):
+            for branch in step.branches:
+                yield from progress_steps(branch)
+
+
 def selectable(branch: tuple[Step, ...]) -> list[str]:
     """Names whose results a Parallel exposes from one branch: its top-level Tasks and Parallels."""
     return [s.name for s in branch if isinstance(s, Task | Parallel)]

@@ -164,12 +164,7 @@ BUCKET = "shardfold-jobs-test"
 
 
 @pytest.fixture
-def aws(monkeypatch):
-    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+def aws(aws_env, monkeypatch):
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     monkeypatch.setattr(dispatch_mod, "_sfn_clients", {})
     with mock_aws():

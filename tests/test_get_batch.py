@@ -538,15 +538,6 @@ def _check(stream, expected) -> None:
     assert got == expected
 
 
-@pytest.fixture
-def aws_env(monkeypatch):
-    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-
-
 def test_s3_with_boto3_transport(aws_env, monkeypatch):
     monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", "boto3")
     with mock_aws():

@@ -17,15 +17,6 @@ MiB = 1024 * 1024
 
 
 @pytest.fixture
-def aws_env(monkeypatch):
-    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-
-
-@pytest.fixture
 def local_root(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     return store.store_root()
