@@ -7,6 +7,7 @@ other field belongs to that kind. Validation errors become :class:`SpecError` li
 from __future__ import annotations
 
 import json
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -70,9 +71,62 @@ class GetBatchJob(StrictModel):
         return self
 
 
+class FedAvgClient(StrictModel):
+    """One client's model update: a safetensors object and its weight (number of training examples).
+
+    Without ``weight`` the weight is read from the file's ``__metadata__["num_examples"]``.
+    """
+
+    uri: str = Field(min_length=1)
+    weight: float | None = Field(default=None, description="> 0; default: __metadata__.num_examples")
+
+    @model_validator(mode="after")
+    def _positive_weight(self) -> FedAvgClient:
+        if self.weight is not None and not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ValueError(f"weight of {self.uri} must be a finite number > 0, got {self.weight}")
+        return self
+
+
+class FedAvgJob(StrictModel):
+    """Average N client updates (safetensors) into one model, sharded by byte range (GradsSharding)."""
+
+    kind: Literal["fedavg"] = "fedavg"
+    clients: list[FedAvgClient] = Field(min_length=1, description="summed in this order")
+    output: str | None = Field(default=None, description="default jobs/<id>/output/model.safetensors")
+    aggregator: Literal["mean", "trimmed_mean", "median"] = Field(
+        default="mean",
+        description="weighted mean (FedAvg), or coordinate-wise robust statistics (unweighted)",
+    )
+    trim_fraction: float = Field(
+        default=0.1,
+        ge=0.0,
+        lt=0.5,
+        description="trimmed_mean: share of clients cut at each end per coordinate",
+    )
+    uniform: bool = Field(default=False, description="ignore weights: plain mean, as GradsSharding does")
+    accumulate: Literal["float32", "float64"] = Field(default="float32", description="accumulator precision")
+    integer_policy: Literal["mean", "first", "max"] = Field(
+        default="mean",
+        description="integer tensors: weighted mean rounded half to even, client 0's value, or the maximum",
+    )
+    allow_nonfinite: bool = Field(default=False, description="accept NaN/Inf in updates instead of failing")
+    shards: int | None = Field(default=None, ge=1, le=10_000, description="default: chosen from model size")
+
+    @model_validator(mode="after")
+    def _distinct_clients(self) -> FedAvgJob:
+        seen: dict[str, int] = {}
+        for i, c in enumerate(self.clients):
+            if c.uri in seen:
+                raise ValueError(
+                    f"clients.{i} repeats clients.{seen[c.uri]} ({c.uri}); each update counts once"
+                )
+            seen[c.uri] = i
+        return self
+
+
 # Every job kind's spec model, by its ``kind`` tag. A new kind registers here.
-KINDS: dict[str, type[StrictModel]] = {"getbatch": GetBatchJob}
-JobSpec = GetBatchJob  # the union of KINDS' models, for type hints
+KINDS: dict[str, type[StrictModel]] = {"getbatch": GetBatchJob, "fedavg": FedAvgJob}
+JobSpec = GetBatchJob | FedAvgJob  # the union of KINDS' models, for type hints
 
 
 def _describe(err: ValidationError) -> list[dict]:
