@@ -49,3 +49,24 @@ class PlanError(ShardfoldError):
 
 class JobNotFound(ShardfoldError):
     """No job with this id exists on the selected backend."""
+
+
+class InvalidModelFile(ShardfoldError):
+    """A model update cannot be aggregated: not a safetensors file, truncated, unlike the other clients'
+    updates, without a usable weight, or holding NaN/Inf. The message names the client and the tensor."""
+
+    def __init__(
+        self, message: str, client: int | None = None, uri: str | None = None, tensor: str | None = None
+    ):
+        super().__init__(message)
+        self.client = client
+        self.uri = uri
+        self.tensor = tensor
+
+
+class NonFiniteUpdate(InvalidModelFile):
+    """A client's update holds NaN or Inf (set ``allow_nonfinite`` to aggregate it anyway)."""
+
+
+class AggregationOverflow(ShardfoldError):
+    """A weighted sum left the accumulator's finite range although every input was finite."""

@@ -104,10 +104,15 @@ class FedAvgJob(StrictModel):
         description="trimmed_mean: share of clients cut at each end per coordinate",
     )
     uniform: bool = Field(default=False, description="ignore weights: plain mean, as GradsSharding does")
-    accumulate: Literal["float32", "float64"] = Field(default="float32", description="accumulator precision")
+    accumulate: Literal["float32", "float64"] = Field(
+        default="float32", description="accumulator of float tensors (F64 tensors always use float64)"
+    )
     integer_policy: Literal["mean", "first", "max"] = Field(
         default="mean",
-        description="integer tensors: weighted mean rounded half to even, client 0's value, or the maximum",
+        description=(
+            "integer and BOOL tensors: 'mean' applies the aggregator in float64 and rounds half to even "
+            "(BOOL: a weighted majority), 'first' keeps client 0's values, 'max' the elementwise maximum"
+        ),
     )
     allow_nonfinite: bool = Field(default=False, description="accept NaN/Inf in updates instead of failing")
     shards: int | None = Field(default=None, ge=1, le=10_000, description="default: chosen from model size")

@@ -1,0 +1,16 @@
+"""The ``fedavg`` job kind: FedAvg of N client updates (safetensors) by byte-range shards (GradsSharding).
+
+Modules (all pure Python + numpy; no torch, no AWS outside :mod:`functions.store`):
+
+* :mod:`functions.fedavg.layout` — safetensors parsing and validation (length prefix, header JSON, offsets,
+  truncation), the cross-client layout check and the output header.
+* :mod:`functions.fedavg.kernels` — the numeric reducers (weighted/uniform mean, median, trimmed mean,
+  integer policies) applied to one piece of one tensor, in fixed client order.
+* :mod:`functions.fedavg.sizing` — :class:`~functions.fedavg.sizing.Budget`, the shard-count rule, the chunk
+  rule and :func:`~functions.fedavg.sizing.task_loads` (per-task peak memory and S3 requests of a plan).
+* :mod:`functions.fedavg.core` — ``inspect`` (read and check headers, choose shards; writes nothing),
+  ``plan`` → ``aggregate`` (one shard) → ``commit``.
+* :mod:`functions.fedavg.handlers` — the thin Lambda handlers.
+
+See :mod:`functions.fedavg.core` for the semantics (formula, dtypes, integer and bool policies, errors).
+"""

@@ -1,0 +1,325 @@
+"""Numeric reducers: one piece of one tensor, aggregated over N clients fed in fixed client order.
+
+A :class:`Rule` says how a tensor is aggregated (from its dtype and the job's options, see
+:func:`rule_for`); a reducer built from it takes each client's values for the piece with ``add(i, x)``
+(``i`` = 0, 1, ... in spec order; ``x`` a read-only numpy view of the fetched bytes) and ``finish()`` returns
+the piece's output values in the tensor's dtype. Every operation is elementwise in a fixed order, so a
+piece's result does not depend on how the tensor was cut into pieces: sharded, chunked and whole-tensor
+aggregation are bitwise identical.
+
+Formulas (``acc`` is the accumulator dtype, ``w_i`` the weights and ``W`` their total as ``acc`` scalars):
+
+* mean: ``acc = w_0*x_0``, then ``acc = acc + w_i*x_i`` for i = 1..N-1, then ``acc / W`` (true division)
+  and a cast to the output dtype (round to nearest even). Uniform weights: ``w_i = 1``, ``W = N``.
+* median: values sorted per coordinate (``np.sort``); odd N: the middle one; even N: ``(lo + hi) / 2``.
+* trimmed_mean: sorted per coordinate, ``k`` values dropped at each end, the rest summed in sorted order
+  and divided by ``N - 2k``.
+* integer rules round the float64 result half to even (``np.rint``) before the cast; ``first`` copies
+  client 0; ``max`` is an elementwise maximum in the tensor's own dtype.
+
+Memory: a mean reducer holds ``count`` accumulator elements (plus the shared block scratch); a robust one
+holds all N clients' values for its piece, ``N x count`` accumulator elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Literal
+
+import numpy as np
+
+from functions.fedavg.layout import DType
+
+Method = Literal["mean", "median", "trimmed_mean", "first", "max"]
+
+BLOCK = 1 << 16  # elements per inner step of the weighted sum: scratch stays in L2
+ALIGN = 64
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one tensor is aggregated.
+
+    ``acc``: the dtype values are accumulated/sorted in; ``out``: the tensor's dtype; ``rint``: round half to
+    even before the cast (integer and bool tensors); ``as_bool``: read bytes as 0/1 (BOOL).
+    """
+
+    method: Method
+    acc: np.dtype
+    out: np.dtype
+    weighted: bool = False
+    rint: bool = False
+    as_bool: bool = False
+    check_finite: bool = False
+
+    def acc_ratio(self, in_itemsize: int) -> float:
+        """Accumulator bytes per input byte."""
+        return self.acc.itemsize / in_itemsize
+
+
+def rule_for(
+    dt: DType,
+    *,
+    aggregator: str,
+    uniform: bool,
+    accumulate: str,
+    integer_policy: str,
+    allow_nonfinite: bool,
+) -> Rule:
+    """The rule for a tensor of dtype ``dt`` under the job's options (see :mod:`functions.fedavg.core`)."""
+    robust = aggregator in ("median", "trimmed_mean")
+    weighted = aggregator == "mean" and not uniform
+    if dt.kind == "float":
+        acc = F64 if (accumulate == "float64" or dt.name == "F64") else F32
+        method: Method = "mean" if not robust else aggregator  # type: ignore[assignment]
+        return Rule(method, acc, dt.np, weighted=weighted and not robust, check_finite=not allow_nonfinite)
+    as_bool = dt.kind == "bool"
+    if integer_policy == "first":
+        return Rule("first", dt.np, dt.np, as_bool=as_bool)
+    if integer_policy == "max":
+        return Rule("max", dt.np, dt.np, as_bool=as_bool)
+    method = "mean" if not robust else aggregator  # type: ignore[assignment]
+    return Rule(method, F64, dt.np, weighted=weighted, rint=True, as_bool=as_bool)
+
+
+class NonFinite(Exception):
+    """Internal: a piece's inputs (``client`` known) or its weighted sum (``client`` None) are not finite."""
+
+    def __init__(self, client: int | None, element: int):
+        super().__init__(client, element)
+        self.client = client
+        self.element = element
+
+
+class Arena:
+    """One preallocated byte buffer carved into the current chunk's reducer buffers (no per-chunk
+    allocation; it grows to the largest chunk's need and stays there)."""
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self.buf = np.empty(nbytes, np.uint8)
+        self.pos = 0
+        self.peak = nbytes
+
+    def reserve(self, nbytes: int) -> None:
+        """Start a new chunk needing at most ``nbytes`` (sum of :func:`need` of its reducers). Size the arena
+        for the largest chunk up front: growing it allocates while views of the old buffer may live."""
+        if nbytes > self.buf.size:
+            self.buf = np.empty(0, np.uint8)
+            self.buf = np.empty(nbytes, np.uint8)
+            self.peak = max(self.peak, nbytes)
+        self.pos = 0
+
+    def take(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape)) * dtype.itemsize
+        start = self.pos
+        self.pos = start + _aligned(n)
+        if self.pos > self.buf.size:
+            raise AssertionError("arena overrun: need() undercounted")
+        return self.buf[start : start + n].view(dtype).reshape(shape)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def need(rule: Rule, count: int, n_clients: int) -> int:
+    """Arena bytes a reducer for ``count`` elements takes."""
+    acc = count * rule.acc.itemsize
+    out = 0 if rule.out == rule.acc else count * rule.out.itemsize
+    if rule.method in ("median", "trimmed_mean"):
+        return _aligned(n_clients * acc) + _aligned(acc) + _aligned(out)
+    return _aligned(acc) + _aligned(out)
+
+
+@dataclass
+class Params:
+    """Per-task constants: the weights and their total as accumulator scalars, the trim count."""
+
+    weights: list[float]  # one per client, > 0 (ones when unweighted)
+    total: float  # sum of the weights (math.fsum), or N when unweighted
+    n_clients: int
+    trim: int = 0
+
+    def __post_init__(self) -> None:
+        self._w = {F32: [np.float32(w) for w in self.weights], F64: [np.float64(w) for w in self.weights]}
+        self._total_w = {F32: np.float32(self.total), F64: np.float64(self.total)}
+        n = self.n_clients
+        self._total_u = {F32: np.float32(n), F64: np.float64(n)}
+        self.scratch = {F32: np.empty(BLOCK, F32), F64: np.empty(BLOCK, F64)}
+
+    def w(self, acc: np.dtype, client: int) -> np.floating:
+        return self._w[acc][client]
+
+    def total_for(self, rule: Rule) -> np.floating:
+        return (self._total_w if rule.weighted else self._total_u)[rule.acc]
+
+
+def _as_input(rule: Rule, x: np.ndarray) -> np.ndarray:
+    if rule.as_bool:
+        return np.minimum(x, 1)  # bytes as 0/1 (a new small array; BOOL tensors are rare and small)
+    return x
+
+
+class Reducer:
+    """Base: ``add`` each client's values in client order, then ``finish``."""
+
+    def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
+        self.rule = rule
+        self.count = count
+        self.params = params
+        self.out = arena.take(rule.out, (count,)) if rule.out != rule.acc else None
+
+    def add(self, client: int, x: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _emit(self, values: np.ndarray) -> np.ndarray:
+        """``values`` (accumulator dtype) as the output dtype, rounded half to even for integer rules."""
+        if self.rule.rint:
+            np.rint(values, out=values)
+        if self.out is None:
+            return values
+        np.copyto(self.out, values, casting="unsafe")
+        return self.out
+
+
+class MeanReducer(Reducer):
+    """``acc = w_0 x_0; acc += w_i x_i; acc / W`` (``w_i = 1`` unweighted), blocked so the scratch for
+    ``w_i x_i`` stays in cache."""
+
+    def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
+        super().__init__(rule, count, params, arena)
+        self.acc = arena.take(rule.acc, (count,))
+
+    def add(self, client: int, x: np.ndarray) -> None:
+        rule, acc = self.rule, self.acc
+        x = _as_input(rule, x)
+        if not rule.weighted:
+            if client == 0:
+                np.copyto(acc, x, casting="unsafe")
+            else:
+                np.add(acc, x, out=acc, casting="unsafe")
+            return
+        w = self.params.w(rule.acc, client)
+        if client == 0:
+            np.multiply(x, w, out=acc, casting="unsafe")
+            return
+        tmp = self.params.scratch[rule.acc]
+        n = self.count
+        for lo in range(0, n, BLOCK):
+            hi = min(lo + BLOCK, n)
+            t = tmp[: hi - lo]
+            np.multiply(x[lo:hi], w, out=t, casting="unsafe")
+            a = acc[lo:hi]
+            np.add(a, t, out=a)
+
+    def finish(self) -> np.ndarray:
+        acc = self.acc
+        if self.rule.check_finite and not np.isfinite(acc).all():
+            raise NonFinite(None, int(np.flatnonzero(~np.isfinite(acc))[0]))
+        np.divide(acc, self.params.total_for(self.rule), out=acc)
+        return self._emit(acc)
+
+
+class RobustReducer(Reducer):
+    """Coordinate-wise median or trimmed mean over all N clients' values (unweighted).
+
+    The values sit coordinate-major (``count x N``): client ``i`` fills column ``i``, then every row (one
+    coordinate's N values, contiguous) is sorted in place. A trimmed mean sums each row's kept values in
+    sorted order with ``cumsum`` (strictly sequential, unlike a pairwise ``sum``) over blocks of rows.
+    """
+
+    def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
+        super().__init__(rule, count, params, arena)
+        self.mat = arena.take(rule.acc, (count, params.n_clients))
+        self.res = arena.take(rule.acc, (count,))
+
+    def add(self, client: int, x: np.ndarray) -> None:
+        np.copyto(self.mat[:, client], _as_input(self.rule, x), casting="unsafe")
+
+    def finish(self) -> np.ndarray:
+        mat, res, n = self.mat, self.res, self.params.n_clients
+        if self.rule.check_finite:
+            bad = ~np.isfinite(mat)
+            if bad.any():
+                client = int(np.argmax(bad.any(axis=0)))  # the first client holding one
+                raise NonFinite(client, int(np.flatnonzero(bad[:, client])[0]))
+            del bad
+        mat.sort(axis=1)
+        if self.rule.method == "median":
+            m = n // 2
+            if n % 2:
+                np.copyto(res, mat[:, m])
+            else:
+                np.add(mat[:, m - 1], mat[:, m], out=res)
+                np.divide(res, 2, out=res)
+        else:
+            k = self.params.trim
+            kept = n - 2 * k
+            scratch = self.params.scratch[self.rule.acc]
+            rows = max(1, scratch.size // kept)
+            for lo in range(0, self.count, rows):
+                hi = min(lo + rows, self.count)
+                sums = scratch[: (hi - lo) * kept].reshape(hi - lo, kept)
+                np.cumsum(mat[lo:hi, k : n - k], axis=1, out=sums)
+                np.copyto(res[lo:hi], sums[:, -1])
+            np.divide(res, kept, out=res)
+        return self._emit(res)
+
+
+class FirstReducer(Reducer):
+    """Client 0's values."""
+
+    def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
+        super().__init__(rule, count, params, arena)
+        self.acc = arena.take(rule.acc, (count,))
+
+    def add(self, client: int, x: np.ndarray) -> None:
+        if client == 0:
+            np.copyto(self.acc, _as_input(self.rule, x))
+
+    def finish(self) -> np.ndarray:
+        return self.acc
+
+
+class MaxReducer(Reducer):
+    """The elementwise maximum, in the tensor's own dtype (for BOOL: logical or)."""
+
+    def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
+        super().__init__(rule, count, params, arena)
+        self.acc = arena.take(rule.acc, (count,))
+
+    def add(self, client: int, x: np.ndarray) -> None:
+        x = _as_input(self.rule, x)
+        if client == 0:
+            np.copyto(self.acc, x)
+        else:
+            np.maximum(self.acc, x, out=self.acc)
+
+    def finish(self) -> np.ndarray:
+        return self.acc
+
+
+_REDUCERS: dict[str, type[Reducer]] = {
+    "mean": MeanReducer,
+    "median": RobustReducer,
+    "trimmed_mean": RobustReducer,
+    "first": FirstReducer,
+    "max": MaxReducer,
+}
+
+
+def reducer(rule: Rule, count: int, params: Params, arena: Arena) -> Reducer:
+    return _REDUCERS[rule.method](rule, count, params, arena)
+
+
+def trim_count(trim_fraction: float, n_clients: int) -> int:
+    """Values dropped at each end by trimmed_mean: ``floor(beta * N)`` with ``beta`` taken as the decimal it
+    was written as (so 0.29 x 100 is 29, not 28); always < N/2 since beta < 0.5."""
+    return math.floor(Decimal(repr(float(trim_fraction))) * n_clients)

@@ -1,0 +1,531 @@
+"""Plan geometry and sizing for fedavg: the plan document, shards, chunks, reads and per-task loads.
+
+Everything here is pure (no store access): the SDK's ``shardfold plan`` estimator and the benchmark call
+:func:`task_loads` on a :class:`Plan` that :func:`functions.fedavg.core.inspect` built from the headers.
+
+**Byte space.** The output's data buffer is the concatenation of the tensors in client 0's data order.
+A shard is a byte range ``[bounds[k], bounds[k+1])`` of it; a chunk is a sub-range of a shard; both end on
+element boundaries (of whichever tensor they fall in) and may cross tensor boundaries. A chunk cut into
+*segments* (one per tensor it touches) maps, for each client, to the ranges of that client's file holding
+those segments; ranges that touch are merged, so a client written like client 0 is read in ONE ranged GET
+per chunk.
+
+**Shard count** (:func:`choose_shards`). Memory does not bound a shard (a task streams its shard in chunks and
+spools its part to ephemeral storage), so the shard size ``S`` is the target size
+(``Budget.target_shard_bytes``, for parallelism) capped by
+
+* time: a task reads ``(N + 1) * S`` bytes (N inputs and its own part upload), which must take at most
+  ``time_fraction`` of the Lambda timeout at the assumed ``read_bytes_per_s``;
+* ephemeral storage: the spooled part (``S`` plus the header for shard 0) must fit ``/tmp`` less a margin;
+* S3: at most 5 GiB per copied part is handled by the store, at most 10,000 parts per object.
+
+and floored by S3's 5 MiB multipart minimum (every shard but the last is at least ``min_shard_bytes``, so
+commit assembles the output with server-side UploadPartCopy only). ``M = ceil(B / S)``, then boundaries
+``floor(k B / M)`` aligned down to an element. A ``shards`` given in the spec is used, lowered to what the
+5 MiB floor allows; if it breaks the time or storage cap a note says so.
+
+**Chunks** (:func:`chunk_bytes_for`). The mean reads ``Budget.chunk_bytes`` (4 MiB) per ranged GET.
+median/trimmed_mean hold all N values of a chunk, so their chunk is ``robust_bytes / (N * acc_ratio)``
+bytes: the matrix stays within ``robust_bytes`` whatever N is (more, smaller GETs as N grows), down to
+``min_robust_chunk`` bytes, below which memory grows as ``N * min_robust_chunk * acc_ratio``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from functions.errors import PlanError
+from functions.fedavg import kernels
+from functions.fedavg.layout import Tensor, encode_header
+
+MiB = 1 << 20
+S3_MIN_PART = 5 * MiB  # every multipart part but the last
+S3_MAX_PARTS = 10_000
+S3_MAX_COPY_PART = 5 * 1024**3
+MULTIPART_CHUNK = 8 * MiB  # s3transfer: uploads above this go multipart, in parts of this size
+UPLOAD_BUFFER_BYTES = 10 * MULTIPART_CHUNK  # s3transfer keeps up to 10 parts in memory
+SPOOL_BYTES = 1 * MiB  # a part stays in memory up to this, then spills to ephemeral storage
+EPHEMERAL_MARGIN = 64 * MiB  # room left in /tmp for everything else
+RUNTIME_BYTES = 160 * MiB  # warm Python with numpy, boto3, awscrt, pydantic, Powertools (assumed)
+HEADER_PARSE_FACTOR = 12  # parsed JSON header objects per header byte (plan holds all N headers' tensors)
+DELETE_BATCH = 1000  # objects per DeleteObjects call
+# Python objects of an aggregate task besides its buffers: read descriptors, GetBatch slots and hedge timers
+# (a few thousand), interned paths, the store clients.
+OBJECT_BYTES = 4 * MiB
+
+AGGREGATE_MEMORY_MB = 1769  # 1 vCPU: the aggregate is CPU-bound once reads overlap
+PLAN_MEMORY_MB = 1024
+COMMIT_MEMORY_MB = 512
+LAMBDA_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a plan is sized for. Defaults: the deployed aggregate function and Lambda's limits.
+
+    Tests shrink ``min_shard_bytes``, ``chunk_bytes``, ``robust_bytes`` and ``min_robust_chunk`` to cut tiny
+    models into many shards and chunks (the 5 MiB floor only matters for S3 assembly).
+    """
+
+    memory_mb: int = AGGREGATE_MEMORY_MB  # the aggregate function's memory
+    timeout_s: int = LAMBDA_TIMEOUT_S
+    ephemeral_mb: int = 512  # /tmp of the aggregate function (Lambda's default)
+    read_bytes_per_s: float = 80 * MiB  # assumed S3 read throughput of one function (paper: 45-57 MB/s)
+    time_fraction: float = 0.5  # share of the timeout a shard may take by that estimate
+    min_shard_bytes: int = S3_MIN_PART
+    target_shard_bytes: int = 64 * MiB
+    chunk_bytes: int = 4 * MiB  # bytes per ranged GET for the mean
+    inflight_bytes: int = 32 * MiB  # reads buffered or in flight per task
+    robust_bytes: int = 256 * MiB  # median/trimmed_mean: the N x chunk matrix
+    min_robust_chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise PlanError(f"Budget.{f.name} must be > 0, got {getattr(self, f.name)}")
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any] | None) -> Budget:
+        return cls(**(doc or {}))
+
+
+@dataclass(frozen=True)
+class ClientRef:
+    """One client in the plan: where its data buffer starts and which layout its offsets follow."""
+
+    uri: str
+    weight: float | None  # the resolved weight (None when the job does not use weights and none was found)
+    data_start: int  # 8 + its header length
+    layout: int  # index into Plan.layouts
+
+
+@dataclass
+class Plan:
+    """The plan document (``jobs/<id>/fedavg/plan.json``): everything an aggregate task needs.
+
+    ``layouts[j][t]`` is where tensor ``t`` (output order) begins in the data buffer of clients whose
+    ``layout`` is ``j``; clients written like client 0 share layout 0, so the document stays O(N + T).
+    """
+
+    job_id: str
+    output: str
+    tensors: list[Tensor]
+    clients: list[ClientRef]
+    layouts: list[list[int]]
+    bounds: list[int]  # shard k covers output data bytes [bounds[k], bounds[k+1])
+    chunk_bytes: int
+    read_window: int
+    aggregator: str
+    uniform: bool
+    accumulate: str
+    integer_policy: str
+    trim_fraction: float
+    allow_nonfinite: bool
+    metadata: dict[str, str]
+    total_weight: float | None
+    budget: Budget = field(default_factory=Budget)
+    notes: list[str] = field(default_factory=list)
+    version: int = 1
+
+    # --- derived ---------------------------------------------------------------------------------------
+
+    @property
+    def shards(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def data_bytes(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    @property
+    def n_clients(self) -> int:
+        return len(self.clients)
+
+    def header(self) -> bytes:
+        """The output's length prefix and header (shard 0's part starts with it)."""
+        return encode_header(self.tensors, self.metadata)
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        if not 0 <= shard < self.shards:
+            raise PlanError(
+                f"shard {shard} does not exist; the plan has {self.shards} (0..{self.shards - 1})"
+            )
+        return self.bounds[shard], self.bounds[shard + 1]
+
+    def robust(self) -> bool:
+        return self.aggregator in ("median", "trimmed_mean")
+
+    def weighted(self) -> bool:
+        return self.aggregator == "mean" and not self.uniform
+
+    def rules(self) -> list[kernels.Rule]:
+        return [
+            kernels.rule_for(
+                t.dt,
+                aggregator=self.aggregator,
+                uniform=self.uniform,
+                accumulate=self.accumulate,
+                integer_policy=self.integer_policy,
+                allow_nonfinite=self.allow_nonfinite,
+            )
+            for t in self.tensors
+        ]
+
+    def params(self) -> kernels.Params:
+        n = self.n_clients
+        if self.weighted():
+            weights = [float(c.weight) for c in self.clients]  # type: ignore[arg-type]
+            total = float(self.total_weight)  # type: ignore[arg-type]
+        else:
+            weights, total = [1.0] * n, float(n)
+        return kernels.Params(
+            weights=weights, total=total, n_clients=n, trim=kernels.trim_count(self.trim_fraction, n)
+        )
+
+    def dtype_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            out[t.dtype] = out.get(t.dtype, 0) + 1
+        return dict(sorted(out.items()))
+
+    # --- JSON ------------------------------------------------------------------------------------------
+
+    def to_doc(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["tensors"] = [[t.name, t.dtype, list(t.shape), t.begin, t.end] for t in self.tensors]
+        doc["clients"] = [[c.uri, c.weight, c.data_start, c.layout] for c in self.clients]
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> Plan:
+        doc = dict(doc)
+        if doc.get("version") != 1:
+            raise PlanError(f"plan document version {doc.get('version')!r} is not supported (expected 1)")
+        doc["tensors"] = [Tensor(n, d, tuple(s), b, e) for n, d, s, b, e in doc["tensors"]]
+        doc["clients"] = [ClientRef(u, w, s, j) for u, w, s, j in doc["clients"]]
+        doc["budget"] = Budget.from_doc(doc.get("budget"))
+        return cls(**doc)
+
+
+# --- shard count ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardChoice:
+    shards: int
+    notes: tuple[str, ...] = ()
+
+
+def shard_caps(n_clients: int, header_bytes: int, budget: Budget) -> tuple[int, int]:
+    """(smallest, largest) shard size in bytes the budget allows (see the module docstring)."""
+    by_time = budget.time_fraction * budget.timeout_s * budget.read_bytes_per_s / (n_clients + 1)
+    by_disk = budget.ephemeral_mb * MiB - EPHEMERAL_MARGIN - header_bytes
+    largest = int(min(by_time, by_disk, S3_MAX_COPY_PART * 1.0))
+    # +8: boundaries are aligned down by up to an element (8 bytes), and must stay >= the floor.
+    return budget.min_shard_bytes + 8, max(largest, 1)
+
+
+def choose_shards(
+    data_bytes: int, n_clients: int, header_bytes: int, budget: Budget, requested: int | None = None
+) -> ShardChoice:
+    """How many shards to cut ``data_bytes`` into (see the module docstring for the rule)."""
+    if data_bytes == 0:
+        return ShardChoice(1)
+    smallest, largest = shard_caps(n_clients, header_bytes, budget)
+    most = max(1, data_bytes // smallest)  # more shards would make one smaller than the floor
+    fewest = max(1, math.ceil(data_bytes / largest))
+    notes: list[str] = []
+    if requested is not None:
+        shards = requested
+        if shards > most:
+            notes.append(
+                f"shards={requested} lowered to {most}: every shard but the last must hold at least "
+                f"{budget.min_shard_bytes / MiB:g} MiB (S3's multipart minimum) of the "
+                f"{data_bytes / MiB:.1f} MiB model"
+            )
+            shards = most
+        if shards < fewest:
+            notes.append(
+                f"shards={shards} makes {data_bytes / shards / MiB:.0f} MiB shards; with {n_clients} clients "
+                f"a shard task may exceed {budget.time_fraction:.0%} of the {budget.timeout_s} s timeout or "
+                f"the {budget.ephemeral_mb} MiB of ephemeral storage; {fewest} or more shards would not"
+            )
+    else:
+        if fewest > most:
+            raise PlanError(
+                f"cannot shard a {data_bytes / MiB:.1f} MiB model over {n_clients} clients: a shard of at "
+                f"least {budget.min_shard_bytes / MiB:g} MiB (S3's multipart minimum) would need reading "
+                f"{(n_clients + 1) * smallest / MiB:.0f} MiB, more than fits {budget.time_fraction:.0%} of "
+                f"the {budget.timeout_s} s timeout at {budget.read_bytes_per_s / MiB:.0f} MiB/s; aggregate "
+                "the clients in groups (a tree of jobs, passing each group's num_examples on)"
+            )
+        target = min(max(budget.target_shard_bytes, smallest), largest)
+        shards = min(max(math.ceil(data_bytes / target), fewest), most)
+    if shards > S3_MAX_PARTS:
+        raise PlanError(
+            f"{shards} shards exceed S3's {S3_MAX_PARTS} parts per object; raise Budget.target_shard_bytes"
+        )
+    return ShardChoice(shards, tuple(notes))
+
+
+# --- geometry ---------------------------------------------------------------------------------------------
+
+
+class Geometry:
+    """Element-aligned positions in the output data buffer, and segments of byte ranges."""
+
+    def __init__(self, tensors: list[Tensor]):
+        self.tensors = tensors
+        self.nonempty = [i for i, t in enumerate(tensors) if t.nbytes > 0]
+        self.begins = [tensors[i].begin for i in self.nonempty]
+        self.data_bytes = tensors[-1].end if tensors else 0
+
+    def _at(self, pos: int) -> int:
+        """Index (in ``nonempty``) of the tensor holding byte ``pos`` (0 <= pos < data_bytes)."""
+        return bisect.bisect_right(self.begins, pos) - 1
+
+    def align_down(self, pos: int) -> int:
+        if pos <= 0:
+            return 0
+        if pos >= self.data_bytes:
+            return self.data_bytes
+        t = self.tensors[self.nonempty[self._at(pos)]]
+        size = t.dt.itemsize
+        return t.begin + (pos - t.begin) // size * size
+
+    def next_boundary(self, pos: int) -> int:
+        """The first element boundary after ``pos`` (``pos`` itself aligned)."""
+        t = self.tensors[self.nonempty[self._at(pos)]]
+        return min(pos + t.dt.itemsize, self.data_bytes)
+
+    def shard_bounds(self, shards: int) -> list[int]:
+        """``shards + 1`` increasing boundaries (fewer when tiny shards collapse on one element)."""
+        b = self.data_bytes
+        raw = [self.align_down(k * b // shards) for k in range(shards)] + [b]
+        out = [raw[0]]
+        for x in raw[1:]:
+            if x > out[-1]:
+                out.append(x)
+        if len(out) == 1:
+            out.append(b)
+        return out
+
+    def chunks(self, start: int, end: int, chunk: int) -> Iterator[tuple[int, int]]:
+        """Element-aligned ``[a, b)`` pieces of at most ``chunk`` bytes (at least one element) covering
+        ``[start, end)``."""
+        a = start
+        while a < end:
+            b = min(end, self.align_down(a + chunk))
+            if b <= a:
+                b = min(end, self.next_boundary(a))
+            yield a, b
+            a = b
+
+    def segments(self, start: int, end: int) -> list[Segment]:
+        """The pieces of the tensors overlapping ``[start, end)``, in output order."""
+        out: list[Segment] = []
+        if start >= end:
+            return out
+        k = self._at(start)
+        while k < len(self.nonempty):
+            i = self.nonempty[k]
+            t = self.tensors[i]
+            if t.begin >= end:
+                break
+            a, b = max(start, t.begin), min(end, t.end)
+            size = t.dt.itemsize
+            out.append(Segment(i, (a - t.begin) // size, (b - a) // size, a))
+            k += 1
+        return out
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``[first, first + count)`` of tensor ``tensor``; ``out`` is their output byte offset."""
+
+    tensor: int
+    first: int
+    count: int
+    out: int
+
+
+@dataclass(frozen=True)
+class RunRead:
+    """One ranged read relative to a client's data buffer, covering whole segments.
+
+    ``pieces``: (segment index in the chunk, byte offset of the segment within the read).
+    """
+
+    start: int
+    length: int
+    pieces: tuple[tuple[int, int], ...]
+
+
+def runs(tensors: list[Tensor], layout: list[int], segs: list[Segment]) -> list[RunRead]:
+    """Group a chunk's segments into reads of one client's data buffer, merging ranges that touch."""
+    out: list[RunRead] = []
+    cur_start = cur_end = -1
+    pieces: list[tuple[int, int]] = []
+    for j, s in enumerate(segs):
+        t = tensors[s.tensor]
+        size = t.dt.itemsize
+        a = layout[s.tensor] + s.first * size
+        n = s.count * size
+        if pieces and a == cur_end:
+            pieces.append((j, a - cur_start))
+            cur_end = a + n
+            continue
+        if pieces:
+            out.append(RunRead(cur_start, cur_end - cur_start, tuple(pieces)))
+        cur_start, cur_end, pieces = a, a + n, [(j, 0)]
+    if pieces:
+        out.append(RunRead(cur_start, cur_end - cur_start, tuple(pieces)))
+    return out
+
+
+def chunk_bytes_for(aggregator: str, n_clients: int, tensors: list[Tensor], budget: Budget) -> int:
+    """Output bytes per chunk: ``chunk_bytes`` for the mean; for median/trimmed_mean, what keeps the
+    N x chunk accumulator matrix within ``robust_bytes`` (at least ``min_robust_chunk``)."""
+    if aggregator not in ("median", "trimmed_mean"):
+        return budget.chunk_bytes
+    ratio = max((8 / t.dt.itemsize for t in tensors if t.nbytes), default=1.0)  # worst case: F64 acc
+    fit = int(budget.robust_bytes / (n_clients * ratio))
+    return min(budget.chunk_bytes, max(budget.min_robust_chunk, fit))
+
+
+def read_window(chunk_bytes: int, budget: Budget) -> int:
+    """Reads buffered or in flight per task: ``inflight_bytes`` worth, between 4 and 64."""
+    return max(4, min(64, budget.inflight_bytes // max(chunk_bytes, 1)))
+
+
+# --- loads -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What one step of a fedavg plan does.
+
+    ``peak_bytes``: the largest per-task peak memory (``components`` breaks it down); ``gets``/``puts``:
+    S3 requests summed over the step's ``tasks`` (``gets`` counts GET and HEAD; ``puts`` counts PUT,
+    multipart create/part/copy/complete, LIST and DeleteObjects); ``read_bytes``/``write_bytes``: the
+    largest per-task bytes read from / written to the store.
+    """
+
+    tasks: int
+    peak_bytes: int
+    gets: int
+    puts: int
+    read_bytes: int
+    write_bytes: int
+    components: dict[str, int] = field(default_factory=dict)
+
+
+def _upload_puts(nbytes: int) -> int:
+    """Requests of ``store.put_file`` on S3: one PUT, or create + parts + complete beyond 8 MiB."""
+    if nbytes < MULTIPART_CHUNK:
+        return 1
+    return 2 + math.ceil(nbytes / MULTIPART_CHUNK)
+
+
+def task_loads(plan: Plan, on_s3: bool = True) -> dict[str, StepLoad]:
+    """Per-step loads of ``plan``: ``{"plan": ..., "aggregate": ..., "commit": ...}``.
+
+    Exact request counts (the same chunk and read geometry the aggregate tasks use, computed per distinct
+    client layout, so it costs O(chunks x layouts), not O(chunks x N)); memory from the buffers a task
+    holds, plus :data:`RUNTIME_BYTES`. ``on_s3=False`` drops the S3 upload buffers (local store).
+    """
+    n = plan.n_clients
+    geo = Geometry(plan.tensors)
+    rules = plan.rules()
+    per_layout = [0] * len(plan.layouts)
+    for c in plan.clients:
+        per_layout[c.layout] += 1
+    header_bytes = len(plan.header())
+    params_scratch = 2 * kernels.BLOCK * 8
+    plan_doc_bytes = 200 * (len(plan.tensors) * (1 + len(plan.layouts)) + n) + 50 * plan.shards
+
+    agg_gets = agg_puts = 0
+    peak = 0
+    comps: dict[str, int] = {}
+    max_read = max_write = 0
+    for k in range(plan.shards):
+        start, end = plan.shard_range(k)
+        reads = 0
+        arena = transient = 0
+        for a, b in geo.chunks(start, end, plan.chunk_bytes):
+            segs = geo.segments(a, b)
+            for j, count in enumerate(per_layout):
+                if count:
+                    reads += count * len(runs(plan.tensors, plan.layouts[j], segs))
+            arena = max(arena, sum(kernels.need(rules[s.tensor], s.count, n) for s in segs))
+            counts = [s.count for s in segs]
+            transient = max(transient, (n if plan.robust() else 1) * max(counts, default=0))
+        part = (end - start) + (header_bytes if k == 0 else 0)
+        buffers = (plan.read_window + 1) * plan.chunk_bytes
+        objects = OBJECT_BYTES + 2 * plan_doc_bytes  # the parsed plan document, read descriptors, slots
+        # The spool holds up to SPOOL_BYTES plus one write, and copies it once when it rolls over to disk.
+        spool = 2 * min(part, SPOOL_BYTES + plan.chunk_bytes)
+        agg_phase = buffers + arena + params_scratch + transient + spool + objects
+        # local: put_file copies in 8 MiB blocks (two alive at a time); S3: s3transfer holds up to 10 parts
+        upload = min(part, UPLOAD_BUFFER_BYTES if on_s3 else 2 * MULTIPART_CHUNK)
+        upload_phase = upload + objects
+        task_peak = RUNTIME_BYTES + max(agg_phase, upload_phase)
+        if task_peak > peak:
+            peak = task_peak
+            comps = {
+                "runtime": RUNTIME_BYTES,
+                "reads_in_flight": buffers,
+                "accumulators": arena,
+                "scratch": params_scratch + transient,
+                "spool_in_memory": spool,
+                "objects": objects,
+                "upload_buffers": upload,
+            }
+        agg_gets += 2 + reads  # spec + plan document + the ranged reads
+        agg_puts += _upload_puts(part)
+        max_read = max(max_read, n * (end - start))
+        max_write = max(max_write, part)
+
+    m = plan.shards
+    out_bytes = header_bytes + plan.data_bytes
+    plan_step = StepLoad(
+        tasks=1,
+        # client 0's parsed header and one other at a time, the layouts, the plan document
+        peak_bytes=RUNTIME_BYTES + 2 * HEADER_PARSE_FACTOR * plan.clients[0].data_start + 2 * plan_doc_bytes,
+        gets=1 + 3 * n,  # spec; per client: length prefix, header, HEAD
+        puts=2,  # plan document, manifest
+        read_bytes=sum(c.data_start for c in plan.clients),
+        write_bytes=plan_doc_bytes,
+        components={"runtime": RUNTIME_BYTES},
+    )
+    if out_bytes >= S3_MIN_PART:
+        copies = sum(
+            max(1, math.ceil((geo_end - geo_start + (header_bytes if k == 0 else 0)) / S3_MAX_COPY_PART))
+            for k, (geo_start, geo_end) in enumerate(zip(plan.bounds, plan.bounds[1:], strict=False))
+        )
+        assemble_puts, assemble_gets = 2 + copies, m
+    else:
+        assemble_puts, assemble_gets = 1, 2 * m  # HEAD and GET of each part, one PUT
+    commit_step = StepLoad(
+        tasks=1,
+        peak_bytes=RUNTIME_BYTES + 2 * plan_doc_bytes + (0 if out_bytes >= S3_MIN_PART else out_bytes),
+        gets=3 + assemble_gets,  # spec, result (HEAD), plan document, the parts
+        puts=assemble_puts + 1 + 1 + math.ceil((m + 2) / DELETE_BATCH),  # + result, LIST, deletes
+        read_bytes=plan_doc_bytes,
+        write_bytes=out_bytes,
+        components={"runtime": RUNTIME_BYTES},
+    )
+    aggregate_step = StepLoad(
+        tasks=m,
+        peak_bytes=peak,
+        gets=agg_gets,
+        puts=agg_puts,
+        read_bytes=max_read,
+        write_bytes=max_write,
+        components=comps,
+    )
+    return {"plan": plan_step, "aggregate": aggregate_step, "commit": commit_step}

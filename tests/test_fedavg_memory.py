@@ -1,0 +1,118 @@
+"""An aggregate task's peak memory does not grow with the number of clients.
+
+Each shard task runs in a fresh ``python -c`` subprocess (the way a Lambda function would), on the same
+16 MiB model for N = 2, 16 and 64 clients (hard links of one file, so the page cache serves them all). The
+growth of the peak resident size (VmHWM, reset after the imports) across the task, and the tracemalloc peak,
+must be the same for N = 64 as for N = 2 within a small tolerance (median: N = 16 vs 64, once its N x chunk
+matrix has reached its budget), and within what ``task_loads`` predicts. Memory, not time: a legitimate
+assertion. Linux only (``/proc/self/clear_refs``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from functions import store
+from functions.fedavg import core
+from functions.fedavg.sizing import RUNTIME_BYTES, Budget, MiB, task_loads
+from functions.specs import FedAvgJob
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+MODEL_MIB = 16
+
+TASK = """
+import json, sys, tracemalloc
+from functions.fedavg import core
+from functions.specs import FedAvgJob
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+spec = FedAvgJob.model_validate_json(sys.argv[1])
+job_id, root = sys.argv[2], sys.argv[3]
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak resident size (VmHWM) to the current one: imports are not the task
+before = status("VmRSS:")
+tracemalloc.start()
+stats = core.aggregate(spec, job_id, root, 0)
+traced = tracemalloc.get_traced_memory()[1]
+tracemalloc.stop()
+peak = status("VmHWM:")
+print(json.dumps({"rss_growth": peak - before, "rss": peak, "traced": traced, **stats}))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fedavg-mem")
+    rng = np.random.default_rng(0)
+    n = MODEL_MIB * MiB // 4
+    tensors = {
+        "a.weight": rng.standard_normal(n // 2, dtype=np.float32),
+        "b.weight": rng.standard_normal(n // 2 - 1000, dtype=np.float32).reshape(-1, 8),
+        "c.half": rng.standard_normal(2000).astype(np.float16),
+    }
+    path = d / "client-000.safetensors"
+    save_file(tensors, str(path), metadata={"num_examples": "100"})
+    for i in range(1, 64):
+        os.link(path, d / f"client-{i:03d}.safetensors")
+    return d
+
+
+# 1 MiB reads, 8 in flight, a 16 MiB robust matrix: the model is many chunks even for N = 2, so every N fills
+# the read window and the numbers compare like for like.
+BUDGET = Budget(chunk_bytes=MiB, inflight_bytes=8 * MiB, robust_bytes=16 * MiB)
+
+
+def run_task(model_dir: Path, n: int, aggregator: str) -> tuple[dict, int, int]:
+    """Plan here, run shard 0 in a fresh interpreter; (its stats, predicted buffer bytes, data bytes)."""
+    env = {**os.environ, "POWERTOOLS_LOG_LEVEL": "WARNING"}
+    root = store.uri.store_root()
+    uris = [f"file://{model_dir / f'client-{i:03d}.safetensors'}" for i in range(n)]
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], shards=1, aggregator=aggregator)
+    job_id = f"fedavg-20260101T000000-{n:06x}"
+    core.plan(spec, job_id, root, budget=BUDGET)
+    plan = core.load_plan(root, job_id)
+    predicted = task_loads(plan, on_s3=False)["aggregate"].peak_bytes - RUNTIME_BYTES
+    out = subprocess.run(
+        [sys.executable, "-c", TASK, spec.model_dump_json(), job_id, root],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1]), predicted, plan.data_bytes
+
+
+@pytest.mark.parametrize(
+    ("aggregator", "ns"),
+    [
+        ("mean", (2, 16, 64)),
+        # median/trimmed_mean hold N x chunk values: the matrix grows with N until it reaches
+        # Budget.robust_bytes (by N = 8 here), then the chunk shrinks instead
+        ("median", (16, 64)),
+    ],
+)
+def test_shard_task_peak_memory_is_flat_in_n(model_file, tmp_path, monkeypatch, aggregator, ns):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    runs = {n: run_task(model_file, n, aggregator) for n in ns}
+    for n, (stats, predicted, data_bytes) in runs.items():
+        assert stats["read_bytes"] == n * data_bytes  # it did read all N clients' whole model
+        # within what the plan predicts for the task's buffers (runtime excluded)
+        assert stats["traced"] <= predicted, (n, stats, predicted)
+        assert stats["rss_growth"] <= predicted + 16 * MiB, (n, stats, predicted)
+    small, large = runs[ns[0]][0], runs[ns[-1]][0]
+    assert large["traced"] <= small["traced"] * 1.10 + 2 * MiB, (small, large)
+    assert large["rss_growth"] <= small["rss_growth"] * 1.10 + 8 * MiB, (small, large)
