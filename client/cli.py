@@ -137,6 +137,8 @@ def cli(verbose: int) -> None:
     if verbose or not os.environ.get("POWERTOOLS_LOG_LEVEL"):
         level = {0: logging.ERROR, 1: logging.INFO}.get(verbose, logging.DEBUG)
         logging.getLogger("shardfold").setLevel(level)
+        # worker processes of the local executor (CPU-bound steps) build their own loggers from the env
+        os.environ["POWERTOOLS_LOG_LEVEL"] = logging.getLevelName(level)
 
 
 @cli.command()
@@ -452,7 +454,12 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
 
 @cli.command()
 @click.option(
-    "--items", "n_items", type=click.IntRange(min=8), default=300, show_default=True, help="objects per kind"
+    "--items",
+    "n_items",
+    type=click.IntRange(min=8),
+    default=300,
+    show_default=True,
+    help="objects in the getbatch demo's request",
 )
 @click.option("--kind", "kinds", multiple=True, help="only these kinds (default: all)")
 @click.option("--progress/--no-progress", default=True, help="draw progress bars")
@@ -467,7 +474,7 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
     rows = []
     with _client("local") as client:
         for kind in selected:
-            out.print(f"[bold]{kind}[/]: generating {n_items} objects and running the job")
+            out.print(f"[bold]{kind}[/]: generating its inputs and running the job")
             rows.append(
                 DEMOS[kind](client, items=n_items, wait=lambda job: job.wait(progress=progress, console=err))
             )
@@ -475,8 +482,8 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
     for col, just in [
         ("kind", "left"),
         ("state", "left"),
-        ("items", "right"),
-        ("parts", "right"),
+        ("inputs", "right"),
+        ("tasks", "right"),
         ("bytes", "right"),
         ("errors", "right"),
         ("s", "right"),
@@ -487,8 +494,8 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
         table.add_row(
             r.kind,
             f"[{_state_style(r.state)}]{r.state}[/]",
-            f"{r.items:,}",
-            str(r.parts),
+            f"{r.items:,} {r.items_label}",
+            f"{r.parts} {r.parts_label}",
             _fmt_bytes(r.bytes),
             str(r.errors),
             f"{r.seconds:.2f}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import random
 import tarfile
 import time
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
+import numpy as np
 from aws_lambda_powertools import Logger
 
 from functions import store
@@ -36,6 +39,8 @@ class DemoResult:
     seconds: float
     verified: bool
     checks: list[str] = field(default_factory=list)
+    items_label: str = "items"  # what ``items`` counts (clients for fedavg)
+    parts_label: str = "parts"  # what ``parts`` counts (shards for fedavg)
 
 
 class DemoFailed(ShardfoldError):
@@ -142,5 +147,115 @@ def demo_getbatch(client: Any, items: int = 300, wait: Callable[[Any], Any] | No
     )
 
 
+# --- fedavg -------------------------------------------------------------------------------------------------
+
+# name -> (shape, dtype): an MLP with BatchNorm, ~10.6 MiB per update (so the demo job really has 2 shards:
+# every shard but the last holds at least S3's 5 MiB multipart minimum).
+DEMO_MODEL: dict[str, tuple[tuple[int, ...], Any]] = {
+    "fc1.weight": ((1024, 2560), np.float32),
+    "fc1.bias": ((1024,), np.float32),
+    "bn1.weight": ((1024,), np.float32),
+    "bn1.bias": ((1024,), np.float32),
+    "bn1.running_mean": ((1024,), np.float32),
+    "bn1.running_var": ((1024,), np.float32),
+    "bn1.num_batches_tracked": ((), np.int64),
+    "fc2.weight": ((256, 1024), ml_dtypes.bfloat16),
+    "fc2.bias": ((256,), ml_dtypes.bfloat16),
+    "head.weight": ((10, 256), np.float32),
+}
+DEMO_CLIENTS = 8
+DEMO_SHARDS = 2
+
+
+def fedavg_updates(
+    model: dict[str, tuple[tuple[int, ...], Any]], clients: int, seed: int = 0
+) -> list[tuple[dict[str, np.ndarray], int]]:
+    """``clients`` generated updates of ``model`` (name -> (shape, dtype)) with their ``num_examples``.
+
+    Floats are normal around a per-tensor mean; integer tensors (``num_batches_tracked``) are step counts
+    that differ per client. Deterministic in ``seed``.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(clients):
+        num_examples = int(rng.integers(50, 500))
+        tensors: dict[str, np.ndarray] = {}
+        for name, (shape, dtype) in model.items():
+            if np.issubdtype(np.dtype(dtype), np.integer):
+                tensors[name] = rng.integers(100, 1000, size=shape).astype(dtype)
+            else:
+                tensors[name] = (rng.standard_normal(shape, dtype=np.float32) * 0.05 + 0.01).astype(dtype)
+        out.append((tensors, num_examples))
+    return out
+
+
+def fedavg_reference(updates: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
+    """The weighted mean the job computes, written plainly over whole tensors in numpy.
+
+    Floats: ``acc = w_0 x_0; acc = acc + w_i x_i`` in float32 in client order, ``/ W`` (``W = fsum(w)``),
+    cast back; integers: the same in float64, rounded half to even.
+    """
+    total = math.fsum(weights)
+    out: dict[str, np.ndarray] = {}
+    for name, first in updates[0].items():
+        acc_t = np.float64 if np.issubdtype(first.dtype, np.integer) else np.float32
+        acc = first.astype(acc_t) * acc_t(weights[0])
+        for u, w in zip(updates[1:], weights[1:], strict=True):
+            acc = acc + u[name].astype(acc_t) * acc_t(w)
+        acc = acc / acc_t(total)
+        if acc_t is np.float64:
+            acc = np.rint(acc)
+        out[name] = acc.astype(first.dtype)
+    return out
+
+
+def demo_fedavg(client: Any, items: int = 0, wait: Callable[[Any], Any] | None = None) -> DemoResult:
+    """Write 8 generated updates under ``demo/fedavg/``, average them with a fedavg job and check the output
+    byte for byte against :func:`fedavg_reference` (``items`` is getbatch's; the client count is fixed)."""
+    updates = fedavg_updates(DEMO_MODEL, DEMO_CLIENTS, seed=7)
+    keys = [f"{DEMO_PREFIX}/fedavg/client-{i:02d}.safetensors" for i in range(len(updates))]
+    for key, (tensors, n) in zip(keys, updates, strict=True):
+        client.fedavg.save_update(tensors, key, num_examples=n)
+    t0 = time.perf_counter()
+    job = client.fedavg.submit(keys, shards=DEMO_SHARDS)
+    status = wait(job) if wait else job.wait(progress=False)
+    seconds = time.perf_counter() - t0
+    if status.state != "SUCCEEDED":
+        raise DemoFailed(f"demo job {job.job_id} ended {status.state}: {status.error}")
+    result = job.result()
+    got = client.fedavg.load(result["output"])
+    weights = [n for _, n in updates]
+    want = fedavg_reference([u for u, _ in updates], weights)
+    if list(got) != list(want) and sorted(got) != sorted(want):
+        raise DemoFailed(f"output tensors {sorted(got)} differ from the model's {sorted(want)}")
+    for name, ref in want.items():
+        g = got[name]
+        if g.dtype != ref.dtype or g.shape != ref.shape or g.tobytes() != ref.tobytes():
+            raise DemoFailed(f"tensor {name!r} of the output differs from the numpy reference")
+    meta = client.fedavg.metadata(result["output"])
+    if float(meta.get("num_examples", "nan")) != sum(weights):
+        raise DemoFailed(f"output num_examples {meta.get('num_examples')} != {sum(weights)}")
+    dtypes = ", ".join(sorted(result.get("dtypes", {})))
+    checks = [
+        f"{len(want)} tensors ({dtypes}) byte-identical to a whole-tensor numpy FedAvg of the "
+        f"{len(updates)} clients",
+        f"output num_examples = {sum(weights)} (the clients' total)",
+    ]
+    return DemoResult(
+        kind="fedavg",
+        job_id=job.job_id,
+        state=status.state,
+        items=result["clients"],
+        parts=result["shards"],
+        bytes=result["bytes"],
+        errors=0,
+        seconds=seconds,
+        verified=True,
+        checks=checks,
+        items_label="clients",
+        parts_label="shards",
+    )
+
+
 # Every job kind's demo; a new kind registers here.
-DEMOS: dict[str, Callable[..., DemoResult]] = {"getbatch": demo_getbatch}
+DEMOS: dict[str, Callable[..., DemoResult]] = {"getbatch": demo_getbatch, "fedavg": demo_fedavg}

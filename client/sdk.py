@@ -82,6 +82,7 @@ class Client:
             raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.backend = backend
         self._closers: list[Any] = []
+        self._fedavg: Any = None
         from client import backends  # deferred: pulls in orchestrator (and moto for backend="moto")
 
         self.executor, self.store_root, self._closers = backends.make(backend, stack)
@@ -160,6 +161,15 @@ class Client:
         return list(self.executor.jobs())
 
     # -- direct helpers -----------------------------------------------------------------------------------
+
+    @property
+    def fedavg(self) -> Any:
+        """The ``fedavg`` helpers (:class:`client.fedavg.FedAvg`): ``save_update``, ``load``, ``run``."""
+        from client.fedavg import FedAvg  # deferred: numpy and safetensors only when used
+
+        if self._fedavg is None:
+            self._fedavg = FedAvg(self)
+        return self._fedavg
 
     def _item(self, item: BatchItem | dict | str) -> BatchItem:
         item = (

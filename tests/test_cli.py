@@ -133,6 +133,7 @@ def test_watch_once(home, tmp_path):
 def test_demo_small(home):
     out = invoke("demo", "--items", "24", "--no-progress").output
     assert "getbatch" in out and "yes" in out and "SUCCEEDED" in out
+    assert "8 clients" in out and "2 shards" in out and "fedavg: 10 tensors" in out
 
 
 def test_user_errors_are_one_red_line(home, tmp_path):
