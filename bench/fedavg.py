@@ -755,24 +755,14 @@ def run_job(store_root: str, doc: dict, repeats: int, timeout_s: float) -> dict:
     One client (one process pool) serves every repeat, so the first run pays the pool's start."""
     from client import Client
     from functions import store
-    from functions.errors import PlanError
     from functions.store.uri import local_path
 
     runs = []
     result: dict = {}
-    submitted_via = "Client().submit"
     with Client() as cl:
         for _ in range(repeats):
             t0 = time.perf_counter()
-            try:
-                job = cl.submit(doc)
-            except PlanError as exc:
-                if "no plan estimator" not in str(exc):
-                    raise
-                # client/planning.py has no fedavg estimator yet: start the job as submit does, minus the
-                # plan check (noted in the output)
-                submitted_via = f"executor.start (submit refused: {exc})"
-                job = _start_without_plan(cl, doc)
+            job = cl.submit(doc)
             job.wait(progress=False, timeout_s=timeout_s)
             t1 = time.perf_counter()
             result = job.result()
@@ -783,21 +773,7 @@ def run_job(store_root: str, doc: dict, repeats: int, timeout_s: float) -> dict:
                     store.delete(out_uri)
     out_uri = result.get("output") if isinstance(result, dict) else None
     path = str(local_path(out_uri)) if out_uri and out_uri.startswith("file://") else None
-    return {"seconds": runs, "result": result, "output_path": path, "submitted_via": submitted_via}
-
-
-def _start_without_plan(cl: Any, doc: dict) -> Any:
-    from client.sdk import Job
-    from functions import store
-    from functions.jobs import new_job_id, spec_key
-    from functions.specs import parse_spec
-
-    parsed = parse_spec(doc)
-    job_id = new_job_id(parsed.kind)
-    spec_uri = cl.uri(spec_key(job_id))
-    store.put_json(spec_uri, parsed.model_dump(mode="json", exclude_none=True))
-    cl.executor.start(job_id, parsed.kind, spec_uri)
-    return Job(cl, job_id, parsed.kind)
+    return {"seconds": runs, "result": result, "output_path": path}
 
 
 # --------------------------------------------------------------------------------------------------------
