@@ -1,0 +1,299 @@
+"""``shardfold plan`` for dpquery jobs: the planner's own noise plan and fan-out, without reading the data.
+
+The estimate runs :func:`functions.dpquery.planner.plan` on the spec (pure: no data), so the residual sets,
+the measure and reconstruct groups (the job's Map children), the predicted per-cell variances and the
+privacy report are exactly the ones the job will use. From the store it reads only the dataset's size (one
+HEAD, for the scan time) and the dataset's budget ledger (to say whether the job fits the remaining
+budget); neither is required: a missing dataset or an unreadable ledger becomes a note, and the job itself
+would fail at its plan step, naming the cause, before any budget is spent.
+
+Besides the step table it returns two detail tables: the privacy and accuracy plan (ρ, ε at δ by CKS and
+by the exact Gaussian curve, workload RMSE) and the predicted per-cell error of each workload marginal
+(the largest ones first when the workload has more than :data:`MAX_MARGINAL_ROWS`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from client import pricing
+from client.planning import DetailTable, KindEstimate, MiB, TaskLoad, estimator
+from functions.errors import StoreError
+
+# --- memory model (per task; what one function holds at its peak) -------------------------------------------
+# Python + numpy + pyarrow + OpenDP loaded: 150 MiB measured (ru_maxrss after importing functions.dpquery.*).
+RUNTIME_BYTES = 160 * MiB
+# One streaming pass over the dataset's columns: pyarrow's CSV reader keeps a few 8 MiB blocks in flight with
+# their decoded columns (~100 MiB measured), Parquet one record batch of 2^17 rows (~60 MiB measured), and on
+# S3 an 8 MiB read buffer.
+SCAN_BYTES = {"csv": 128 * MiB, "parquet": 64 * MiB}
+# Planning holds about this much per (marginal, subset) pair (97-108 B measured at d = 50, 100, <=3-way).
+PLAN_BYTES_PER_PAIR = 128
+# A reconstructed marginal: the estimate and its temporaries (float64), the table's label columns and the
+# Parquet buffer, per cell (plus 16 bytes per attribute for its label column).
+RECON_BYTES_PER_CELL = 48
+# The plan document once loaded in a task: its JSON text, the decoded arrays and their copies.
+PLAN_DOC_FACTOR = 3
+
+# --- duration model (assumed per-core rates, measured on a dev box; bench/dpquery.py measures them) ---------
+SAMPLER_SAMPLES_PER_S = 19_000  # OpenDP 0.16 float-vector make_gaussian, one core
+SCAN_BYTES_PER_S = {"csv": 40 * MiB, "parquet": 12 * MiB}  # parse + map to domain indices, one core
+PLAN_S_PER_PAIR = 0.5e-6  # d = 100, <=3-way: 1.3 M pairs planned in 0.65 s
+RECON_S_PER_CELL_TERM = 0.15e-6  # one Kronecker-vector term of one cell
+TABLE_S_PER_CELL = 1.5e-6  # labels, Arrow table and Parquet encoding
+OUTPUT_BYTES_PER_CELL = 12  # Parquet: float64 estimate (noisy: incompressible) + dictionary-coded labels
+TABLE_OVERHEAD_BYTES = 2048  # Parquet footer and schema metadata per table
+JSON_BYTES_PER_CELL = 40
+READ_CHUNK_BYTES = 8 * MiB  # the data path's ranged-GET size on S3 (functions.dpquery.data)
+
+MAX_MARGINAL_ROWS = 20  # rows of the per-marginal table; beyond, the largest per-cell variances
+
+
+def _residual_cells(pl: Any) -> np.ndarray:
+    """∏_{i∈S} n_i for every residual set S (the histogram a measure task counts for it)."""
+    log_n = np.log(pl.domains.astype(np.float64))
+    cs = np.concatenate([[0.0], np.cumsum(log_n[pl.res_attrs])])
+    return np.rint(np.exp(cs[pl.res_ptr[1:]] - cs[pl.res_ptr[:-1]]))
+
+
+def _names(spec: Any, pl: Any, j: int) -> str:
+    """The marginal's name as ``client.dpquery.tables`` keys it (``"sex,region"``, ``"(total)"``)."""
+    from client.dpquery import marginal_name
+
+    return marginal_name([spec.attributes[i].name for i in pl.marginal(j)])
+
+
+def _dataset_size(spec: Any, store_root: str) -> tuple[int | None, str | None]:
+    from functions import store
+    from functions.dpquery.core import resolve_in
+
+    uri = resolve_in(spec.dataset, store_root)
+    try:
+        return store.size(uri), None
+    except StoreError as exc:  # missing, or no permission: the job's plan step would fail the same way
+        return None, f"dataset {uri}: {exc}; the job will fail at its plan step (nothing is spent)"
+
+
+def _ledger(spec: Any, store_root: str) -> tuple[Any, str | None]:
+    from functions.dpquery import ledger
+
+    try:
+        return ledger.read(store_root, spec.dataset_id), None
+    except StoreError as exc:
+        return None, f"budget ledger of {spec.dataset_id!r} could not be read ({exc})"
+
+
+def _budget_rows(spec: Any, state: Any) -> tuple[list[list[Any]], list[str]]:
+    """Ledger rows of the privacy table, and notes when the job would be refused."""
+    rho = spec.rho()
+    if state is None:
+        return [], []
+    if state.total_rho is None:
+        if spec.dataset_budget_rho is None:
+            return [["dataset budget", f"{spec.dataset_id!r} has no ledger yet"]], [
+                f"dataset {spec.dataset_id!r} has no budget ledger yet: the first job on it must give "
+                "'dataset_budget_rho'; this one would fail at its plan step"
+            ]
+        total, committed = spec.dataset_budget_rho, 0.0
+        opened = " (this job opens the ledger)"
+    else:
+        total, committed = state.total_rho, state.committed()
+        opened = ""
+    remaining = max(0.0, total - committed)
+    fits = math.fsum([committed, rho]) <= total
+    rows = [
+        [
+            "dataset budget ρ",
+            f"{total:.6g} total{opened}, {committed:.6g} committed by {len(state.reserved)} job(s)",
+        ],
+        ["remaining ρ", f"{remaining:.6g} before this job, {max(0.0, remaining - rho):.6g} after"]
+        if fits
+        else ["remaining ρ", f"{remaining:.6g}: this job's {rho:.6g} does NOT fit"],
+    ]
+    notes = []
+    if not fits:
+        notes.append(
+            f"dataset {spec.dataset_id!r} has ρ {remaining:.6g} left; this job asks for {rho:.6g} and would "
+            "be refused at its plan step (BudgetExceeded) before any measurement"
+        )
+    if state.total_rho is not None and spec.dataset_budget_rho not in (None, state.total_rho):
+        notes.append(
+            f"dataset_budget_rho {spec.dataset_budget_rho} differs from the registered total "
+            f"{state.total_rho}; the job would fail at its plan step"
+        )
+    return rows, notes
+
+
+def privacy_rows(spec: Any, pl: Any) -> list[list[Any]]:
+    """The privacy and accuracy plan as (quantity, value) rows."""
+    rep = pl.privacy_report()
+    b = spec.budget
+    source = (
+        f" (from ε {b.epsilon:g}, δ {b.delta:g} by CKS)" if b.epsilon is not None else " (zCDP, as given)"
+    )
+    delta = rep["delta"]
+    rows: list[list[Any]] = [
+        ["ρ (zCDP)", f"{rep['rho']:.6g}{source}; the plan allocates ρ·(1 − 1e-9)"],
+        [f"ε at δ = {delta:g}, CKS", f"{rep['epsilon_cks']:.6g} (any ρ-zCDP mechanism; use across jobs)"],
+        [
+            f"ε at δ = {delta:g}, exact Gaussian",
+            f"{rep['epsilon_gaussian']:.6g} (this release as one Gaussian mechanism, this job alone)",
+        ],
+        ["neighbouring datasets", rep["neighbouring"]],
+        ["loss", pl.loss + (f" ({pl.solver.get('solver')}, {pl.solver.get('status')})" if pl.solver else "")],
+        ["workload", f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} cells"],
+        ["residual sets", f"{pl.num_residuals:,} ({pl.total_noise_samples:,} noise samples)"],
+        ["workload RMSE (per cell)", f"{pl.rmse:.6g} (expected squared error {pl.sse:.6g} over all cells)"],
+        ["largest per-cell std error", f"{math.sqrt(float(pl.var.max())):.6g}"],
+    ]
+    return rows
+
+
+def marginal_rows(spec: Any, pl: Any) -> tuple[str, list[list[Any]]]:
+    """The per-marginal table's title and rows (marginal, cells, weight, variance, std error)."""
+    m = pl.num_marginals
+    var = pl.var
+    if m <= MAX_MARGINAL_ROWS:
+        order = list(range(m))
+        title = "predicted error per marginal (unbiased estimates; every cell of a marginal alike)"
+    else:
+        order = np.argsort(-var, kind="stable")[:MAX_MARGINAL_ROWS].tolist()
+        title = (
+            f"predicted error: the {MAX_MARGINAL_ROWS} of {m:,} marginals with the largest per-cell variance"
+        )
+    rows = [
+        [_names(spec, pl, j), int(pl.cells[j]), float(pl.weights[j]), float(var[j]), math.sqrt(float(var[j]))]
+        for j in order
+    ]
+    return title, rows
+
+
+@estimator("dpquery")
+def estimate_dpquery(spec: Any, store_root: str, probe_limit: int) -> KindEstimate:
+    from functions.dpquery import planner
+    from functions.dpquery import reconstruct as rc
+
+    pl = planner.plan(spec)  # a PlanError (a marginal too large, ...) is the job's own refusal
+    fmt = spec.format
+    mgroups = pl.residual_groups(spec.noise_samples_per_task)
+    rgroups = pl.marginal_groups(spec.cells_per_task)
+    notes: list[str] = []
+
+    size, problem = _dataset_size(spec, store_root)
+    if problem:
+        notes.append(problem)
+    data_bytes = size or 0
+    chunks = max(1, -(-data_bytes // READ_CHUNK_BYTES))
+    scan_gets = 3 + chunks  # HEADs, the header/footer read, then ranged GETs of 8 MiB
+    scan_s = data_bytes / SCAN_BYTES_PER_S[fmt]
+    latency = pricing.S3_GET_LATENCY_S
+
+    arrays_bytes = sum(getattr(pl, name).nbytes for name in planner.Plan._ARRAYS)
+    plan_doc_bytes = PLAN_DOC_FACTOR * arrays_bytes
+    pairs = int(pl.sub_ptr[-1])
+
+    state, problem = _ledger(spec, store_root)
+    if problem:
+        notes.append(problem)
+    ledger_entries = len(state.entries) if state is not None else 0
+
+    # plan: allocate, scan once, reserve on the ledger, write the plan document and two manifests
+    plan_load = TaskLoad(
+        peak_bytes=RUNTIME_BYTES + PLAN_BYTES_PER_PAIR * pairs + plan_doc_bytes + SCAN_BYTES[fmt],
+        gets=scan_gets + 1 + ledger_entries,  # + the ledger's LIST and entries
+        puts=4 + (1 if state is not None and state.total_rho is None else 0),
+        duration_s=pricing.TASK_OVERHEAD_S
+        + PLAN_S_PER_PAIR * pairs
+        + scan_s
+        + (4 + ledger_entries) * latency,
+    )
+
+    # measure: per group, the histograms of its residual sets, their residuals and the noisy payload
+    res_cells = _residual_cells(pl)
+    hist_bytes = max(8 * float(res_cells[s:t].sum()) for s, t in mgroups)
+    samples = [int(pl.noise_count[s:t].sum()) for s, t in mgroups]
+    measure_load = TaskLoad(
+        peak_bytes=int(RUNTIME_BYTES + plan_doc_bytes + SCAN_BYTES[fmt] + hist_bytes + 24 * max(samples)),
+        gets=scan_gets + 2,  # + the plan document, + the put-if-absent check on the measurement
+        puts=1,
+        duration_s=pricing.TASK_OVERHEAD_S + scan_s + max(samples) / SAMPLER_SAMPLES_PER_S + 3 * latency,
+    )
+
+    # reconstruct: per group, the measurements it needs and its largest marginal's table
+    sizes = np.diff(pl.marg_ptr)
+    terms = np.diff(pl.sub_ptr)
+    json_tables = int(np.count_nonzero(pl.cells <= rc.JSON_MAX_CELLS))
+    peak = 0.0
+    worst_s = 0.0
+    recon_gets = 0
+    for s, t in rgroups:
+        needed = pl.needed_residuals(s, t)
+        owners = np.unique(planner.Plan.group_of(needed, mgroups))
+        recon_gets += 1 + int(owners.size)
+        cells = pl.cells[s:t].astype(np.float64)
+        biggest = int(np.argmax(cells))
+        peak = max(
+            peak,
+            16 * float(pl.noise_count[needed].sum())
+            + float(cells[biggest]) * (RECON_BYTES_PER_CELL + 16 * int(sizes[s + biggest])),
+        )
+        work = (
+            float(np.sum(cells * terms[s:t])) * RECON_S_PER_CELL_TERM + float(cells.sum()) * TABLE_S_PER_CELL
+        )
+        worst_s = max(worst_s, work + (1 + owners.size + 2 * (t - s)) * latency)
+    n_r = len(rgroups)
+    recon_puts = pl.num_marginals + json_tables + n_r
+    reconstruct_load = TaskLoad(
+        peak_bytes=int(RUNTIME_BYTES + plan_doc_bytes + peak),
+        gets=-(-recon_gets // n_r),
+        puts=-(-recon_puts // n_r),
+        duration_s=pricing.TASK_OVERHEAD_S + worst_s,
+        total_gets=recon_gets,
+        total_puts=recon_puts,
+    )
+
+    # finalize: the measurements' trailers, the ledger's spend entry, the tables index and the result
+    finalize_load = TaskLoad(
+        peak_bytes=int(RUNTIME_BYTES + plan_doc_bytes + 400 * pl.num_marginals + 100 * pl.num_residuals),
+        gets=2 + len(mgroups) + n_r + 1 + ledger_entries + 1,
+        puts=3,
+        duration_s=pricing.TASK_OVERHEAD_S + (6 + ledger_entries) * latency,
+    )
+
+    output_bytes = int(
+        pl.num_queries * OUTPUT_BYTES_PER_CELL
+        + pl.num_marginals * TABLE_OVERHEAD_BYTES
+        + float(pl.cells[pl.cells <= rc.JSON_MAX_CELLS].sum()) * JSON_BYTES_PER_CELL
+    )
+
+    budget_rows, budget_notes = _budget_rows(spec, state)
+    notes = [
+        f"{pl.num_residuals:,} residual set(s), {pl.total_noise_samples:,} noise samples in "
+        f"{len(mgroups)} measure task(s) (up to {max(samples):,} samples each); "
+        f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} cells in {n_r} reconstruct task(s)",
+        f"the dataset ({'unknown size' if size is None else f'{data_bytes / MiB:,.1f} MiB'}, {fmt}) is read "
+        f"once by plan (validation) and once by each measure task (its columns only)",
+        *notes,
+        *budget_notes,
+    ]
+    title, rows = marginal_rows(spec, pl)
+    details = [
+        DetailTable("privacy and accuracy plan", ["quantity", "value"], privacy_rows(spec, pl) + budget_rows),
+        DetailTable(title, ["marginal", "cells", "weight", "variance", "std error"], rows),
+    ]
+    return KindEstimate(
+        items=pl.num_marginals,
+        loads={
+            "plan": plan_load,
+            "measure": measure_load,
+            "reconstruct": reconstruct_load,
+            "finalize": finalize_load,
+        },
+        map_items={"measure": len(mgroups), "reconstruct": n_r},
+        notes=notes,
+        output_bytes=output_bytes,
+        details=details,
+    )

@@ -1,0 +1,415 @@
+"""Pure core of the ``dpquery`` job: plan → measure (fan-out over residual sets) → reconstruct (fan-out over
+workload marginals) → finalize.
+
+* **plan** (:func:`plan`): the noise allocation (:mod:`functions.dpquery.planner`, no data), then ONE scan
+  of the dataset that checks every column and value against the schema (:func:`functions.dpquery.data.scan`),
+  then the budget reservation on the dataset's ledger (:mod:`functions.dpquery.ledger`). Only then are the
+  plan document and the two manifests written. Every bad input therefore fails before any budget is spent.
+* **measure** (:func:`measure`): one contiguous range of residual sets (about equal noise-sample counts):
+  count the covering marginals in one pass over the needed columns, transform, add OpenDP noise, and write
+  ONE object with put-if-absent at ``jobs/<id>/dpquery/measurements/<group>.bin``. If that object exists
+  (a retry, a redrive, a duplicate attempt) it is read back and no noise is drawn. A task that died before
+  writing released nothing, so its retry may draw afresh.
+* **reconstruct** (:func:`reconstruct`): one contiguous range of workload marginals; ranged reads of the
+  measurements they need; x̂_A and its per-cell variance; a Parquet table per marginal (JSON too for small
+  ones). Post-processing only.
+* **finalize** (:func:`finalize`): ρ spent = Σ of the sampler's map values over every measurement; the
+  ledger's ``spend`` entry; ``jobs/<id>/result.json`` with the tables and the report.
+
+Nothing here logs or returns a row, a true count, or the row count: task results and logs carry indices,
+sizes of the plan, ρ values and URIs only. The histograms live in memory in measure tasks and are dropped.
+
+Store layout (under ``jobs/<id>/dpquery/``): ``plan.json`` (the plan document, first writer wins),
+``measure.json`` and ``reconstruct.json`` (manifests), ``measurements/<g>.bin`` (the released
+measurements: float64 payload in residual order + JSON trailer), ``tables/<g>.json`` (per reconstruct
+group, the tables it wrote). Tables go to ``spec.output`` or ``jobs/<id>/output/`` as
+``<index>-<attributes>.parquet`` (+ ``.json``), and ``tables.json`` lists them all.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+from aws_lambda_powertools import Logger
+
+from functions import store
+from functions.dpquery import data, ledger, planner
+from functions.dpquery import measure as mz
+from functions.dpquery import reconstruct as rc
+from functions.dpquery.planner import Plan
+from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps
+from functions.errors import DatasetError, PlanError, StoreError
+from functions.manifest import write_manifest
+from functions.specs import DPQueryJob
+from functions.store.uri import join, resolve
+
+logger = Logger(service="shardfold")
+
+STAGE = "dpquery"
+INLINE_TABLES_MAX = 2000  # result.json lists the tables inline up to this many marginals
+COALESCE_GAP_BYTES = 1 << 20  # ranged reads of one measurement object closer than this are merged
+
+
+# --- keys ---------------------------------------------------------------------------------------------------
+
+
+def job_uri(store_root: str, job_id: str, *parts: str) -> str:
+    return join(store_root, "jobs", job_id, *parts)
+
+
+def resolve_in(uri: str, store_root: str) -> str:
+    """A URI as given, or a relative key under ``store_root``."""
+    return resolve(uri) if "://" in uri else join(store_root, uri)
+
+
+def plan_uri(store_root: str, job_id: str) -> str:
+    return job_uri(store_root, job_id, STAGE, "plan.json")
+
+
+def measurement_uri(store_root: str, job_id: str, group: int) -> str:
+    return job_uri(store_root, job_id, STAGE, "measurements", f"{group:05d}.bin")
+
+
+def _tables_uri(store_root: str, job_id: str, group: int) -> str:
+    return job_uri(store_root, job_id, STAGE, "tables", f"{group:05d}.json")
+
+
+def output_prefix(spec: DPQueryJob, store_root: str, job_id: str) -> str:
+    if spec.output:
+        return resolve_in(spec.output, store_root).rstrip("/")
+    return job_uri(store_root, job_id, "output")
+
+
+# --- the plan document, cached per process ---------------------------------------------------------------
+
+_cache_lock = threading.Lock()
+_cache: dict[str, tuple[dict, Plan]] = {}
+
+
+def load_plan(store_root: str, job_id: str) -> tuple[dict, Plan]:
+    """The job's plan document and its :class:`Plan` (decoded once per process)."""
+    uri = plan_uri(store_root, job_id)
+    with _cache_lock:
+        hit = _cache.get(uri)
+    if hit is not None:
+        return hit
+    doc = store.get_json(uri)
+    value = (doc, Plan.from_doc(doc["plan"]))
+    with _cache_lock:
+        if len(_cache) > 8:
+            _cache.clear()
+        _cache[uri] = value
+    return value
+
+
+def _payload_offsets(pl: Plan) -> np.ndarray:
+    """Global sample offset of every residual set (in residual order), and the total at the end."""
+    off = np.zeros(pl.num_residuals + 1, dtype=np.int64)
+    np.cumsum(pl.noise_count, out=off[1:])
+    return off
+
+
+# --- plan ---------------------------------------------------------------------------------------------------
+
+
+def plan(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
+    """Plan the job, validate the dataset, reserve the budget, write the plan and the manifests.
+
+    Order matters: the allocation and the dataset scan raise on bad input BEFORE the ledger is touched,
+    and nothing is measured until the reservation is on the ledger."""
+    pl = planner.plan(spec)
+    dataset = resolve_in(spec.dataset, store_root)
+    fingerprint = data.scan(dataset, spec.format, spec.attributes)
+    summary = ledger.reserve(store_root, spec.dataset_id, job_id, spec.rho(), spec.dataset_budget_rho)
+    doc = {
+        "job_id": job_id,
+        "dataset": dataset,
+        "format": spec.format,
+        "dataset_bytes": fingerprint["bytes"],
+        "measure_groups": [list(g) for g in pl.residual_groups(spec.noise_samples_per_task)],
+        "reconstruct_groups": [list(g) for g in pl.marginal_groups(spec.cells_per_task)],
+        "plan": pl.to_doc(),
+    }
+    uri = plan_uri(store_root, job_id)
+    if not store.put_if_absent(uri, json.dumps(doc, sort_keys=True).encode()):
+        doc = store.get_json(uri)  # a retried plan: the first plan stands (measurements may rely on it)
+        pl = Plan.from_doc(doc["plan"])
+    offsets = _payload_offsets(pl)
+    measure_items = [
+        {"group": g, "start": s, "stop": t, "samples": int(offsets[t] - offsets[s])}
+        for g, (s, t) in enumerate(doc["measure_groups"])
+    ]
+    reconstruct_items = [
+        {"group": g, "start": s, "stop": t, "cells": int(pl.cells[s:t].sum())}
+        for g, (s, t) in enumerate(doc["reconstruct_groups"])
+    ]
+    m_ref = write_manifest(job_uri(store_root, job_id, STAGE, "measure.json"), measure_items)
+    r_ref = write_manifest(job_uri(store_root, job_id, STAGE, "reconstruct.json"), reconstruct_items)
+    logger.info(
+        "planned dpquery",
+        extra={
+            "job_id": job_id,
+            "residual_sets": pl.num_residuals,
+            "marginals": pl.num_marginals,
+            "noise_samples": pl.total_noise_samples,
+            "measure_tasks": len(measure_items),
+            "reconstruct_tasks": len(reconstruct_items),
+            "rho": pl.rho,
+        },
+    )
+    return {
+        "measure": m_ref,
+        "reconstruct": r_ref,
+        "residual_sets": pl.num_residuals,
+        "marginals": pl.num_marginals,
+        "noise_samples": pl.total_noise_samples,
+        "rho": pl.rho,
+        "rmse": pl.rmse,
+        "ledger": summary,
+    }
+
+
+# --- measure ------------------------------------------------------------------------------------------------
+
+
+def _trailer(uri: str, payload_bytes: int) -> dict:
+    return mz.decode_trailer(store.get(uri, payload_bytes))
+
+
+def measure(
+    spec: DPQueryJob, job_id: str, store_root: str, group: int, *, noise: bool = True
+) -> dict[str, Any]:
+    """Measure one group of residual sets and write it once (put-if-absent). A measurement already in the
+    store is read back, never redrawn. ``noise=False`` is the tests' seam: handlers never pass it."""
+    doc, pl = load_plan(store_root, job_id)
+    start, stop = doc["measure_groups"][group]
+    offsets = _payload_offsets(pl)
+    payload_bytes = 8 * int(offsets[stop] - offsets[start])
+    uri = measurement_uri(store_root, job_id, group)
+    if store.exists(uri):
+        meta = _trailer(uri, payload_bytes)
+        logger.info("measurement exists; reused", extra={"job_id": job_id, "group": group})
+        return _measure_result(group, meta, reused=True)
+    dataset = doc["dataset"]
+    if store.size(dataset) != doc["dataset_bytes"]:
+        raise DatasetError(f"dataset {dataset} changed since the job was planned; submit a new job")
+    sigma2 = pl.sigma2
+    rho_s = pl.rho_s
+    sets = []
+    for k in range(start, stop):
+        attrs = pl.residual(k)
+        sets.append(
+            mz.SetSpec(
+                index=k,
+                attrs=attrs,
+                sizes=tuple(int(pl.domains[a]) for a in attrs),
+                scale=math.sqrt(float(sigma2[k])),
+                rho_planned=float(rho_s[k]),
+            )
+        )
+    hist = data.marginals(dataset, doc["format"], spec.attributes, [s.attrs for s in sets])
+    values, records = mz.measure_sets(sets, hist.__getitem__, noise=noise)
+    del hist
+    if values.size * 8 != payload_bytes:
+        raise PlanError(
+            f"internal: group {group} measured {values.size} samples, expected {payload_bytes // 8}"
+        )
+    meta = {
+        "version": mz.FORMAT_VERSION,
+        "job_id": job_id,
+        "group": group,
+        "start": start,
+        "stop": stop,
+        "samples": int(values.size),
+        "sampler": mz.sampler_id() if noise else mz.NO_NOISE_SAMPLER,
+        "rho": math.fsum(r["rho"] for r in records),
+        "sets": [[r["index"], r["scale"], r["d_in"], r["rho"]] for r in records],
+    }
+    if not store.put_if_absent(uri, mz.encode(values, meta)):
+        # another attempt released its measurement first: ours was never published, theirs stands
+        meta = _trailer(uri, payload_bytes)
+        return _measure_result(group, meta, reused=True)
+    logger.info("measured", extra={"job_id": job_id, "group": group, "sets": stop - start})
+    return _measure_result(group, meta, reused=False)
+
+
+def _measure_result(group: int, meta: dict, reused: bool) -> dict[str, Any]:
+    return {
+        "group": group,
+        "sets": meta["stop"] - meta["start"],
+        "samples": meta["samples"],
+        "rho": meta["rho"],
+        "reused": reused,
+    }
+
+
+# --- reconstruct --------------------------------------------------------------------------------------------
+
+
+def _read_residuals(
+    store_root: str, job_id: str, doc: dict, pl: Plan, needed: np.ndarray
+) -> dict[int, np.ndarray]:
+    """y_S for every residual index in ``needed`` (sorted), by coalesced ranged reads of the measurements."""
+    offsets = _payload_offsets(pl)
+    groups = [tuple(g) for g in doc["measure_groups"]]
+    owner = Plan.group_of(needed, groups)
+    spans: list[tuple[int, int, int, list[int]]] = []  # (group, first byte, end byte, residual indices)
+    for k, g in zip(needed.tolist(), owner.tolist(), strict=True):
+        base = int(offsets[groups[g][0]])
+        lo, hi = 8 * (int(offsets[k]) - base), 8 * (int(offsets[k + 1]) - base)
+        if spans and spans[-1][0] == g and lo - spans[-1][2] <= COALESCE_GAP_BYTES:
+            spans[-1] = (g, spans[-1][1], hi, spans[-1][3] + [k])
+        else:
+            spans.append((g, lo, hi, [k]))
+    items = [
+        {"uri": measurement_uri(store_root, job_id, g), "start": lo, "length": hi - lo}
+        for g, lo, hi, _ in spans
+    ]
+    out: dict[int, np.ndarray] = {}
+    for entry, (g, lo, _hi, ks) in zip(store.get_batch(items), spans, strict=True):
+        buf = mz.decode_values(entry.data)
+        base = int(offsets[groups[g][0]])
+        for k in ks:
+            a = int(offsets[k]) - base - lo // 8
+            out[k] = buf[a : a + int(pl.noise_count[k])]
+    return out
+
+
+def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> dict[str, Any]:
+    """Reconstruct one group of workload marginals and write their tables."""
+    doc, pl = load_plan(store_root, job_id)
+    start, stop = doc["reconstruct_groups"][group]
+    needed = pl.needed_residuals(start, stop)
+    values = _read_residuals(store_root, job_id, doc, pl, needed)
+    attributes = spec.attributes
+    prefix = output_prefix(spec, store_root, job_id)
+    var = pl.var
+    entries = []
+    for j in range(start, stop):
+        attrs = pl.marginal(j)
+        terms = [(pl.residual(int(k)), values[int(k)]) for k in pl.subsets(j)]
+        sizes = [int(pl.domains[a]) for a in attrs]
+        estimate = rc.reconstruct(sizes, attrs, terms)
+        names = [attributes[a].name for a in attrs]
+        v = float(var[j])
+        tbl = rc.table(
+            estimate,
+            names,
+            [attributes[a].labels() for a in attrs],
+            v,
+            {"job_id": job_id, "attributes": json.dumps(names), "marginal": str(j)},
+        )
+        stem = rc.file_stem(j, names)
+        buf = io.BytesIO()
+        pq.write_table(tbl, buf)
+        parquet_uri = f"{prefix}/{stem}.parquet"
+        store.put(parquet_uri, buf.getvalue())
+        entry = {
+            "index": j,
+            "attributes": names,
+            "cells": int(estimate.size),
+            "variance": v,
+            "std_error": math.sqrt(v),
+            "weight": float(pl.weights[j]),
+            "parquet": parquet_uri,
+        }
+        if estimate.size <= rc.JSON_MAX_CELLS:
+            json_uri = f"{prefix}/{stem}.json"
+            store.put_json(json_uri, rc.json_doc(tbl, v, names))
+            entry["json"] = json_uri
+        entries.append(entry)
+    store.put_json(_tables_uri(store_root, job_id, group), entries)
+    return {"group": group, "marginals": stop - start}
+
+
+# --- finalize -----------------------------------------------------------------------------------------------
+
+
+def finalize(spec: DPQueryJob, job_id: str, store_root: str) -> dict[str, Any]:
+    """Sum the sampler maps, record the spend on the ledger, write ``result.json``."""
+    result_uri = job_uri(store_root, job_id, "result.json")
+    if store.exists(result_uri):  # a retried finalize after success: the committed result stands
+        return _small(store.get_json(result_uri), result_uri)
+    doc, pl = load_plan(store_root, job_id)
+    offsets = _payload_offsets(pl)
+    groups = doc["measure_groups"]
+    # each read starts where the group's payload ends: the trailer holds the sampler's map values
+    items = [
+        {"uri": measurement_uri(store_root, job_id, g), "start": 8 * int(offsets[t] - offsets[s])}
+        for g, (s, t) in enumerate(groups)
+    ]
+    rho_terms: list[float] = []
+    samplers: set[str] = set()
+    sets_seen = 0
+    for entry in store.get_batch(items):
+        meta = mz.decode_trailer(entry.data)
+        rho_terms.extend(float(r[3]) for r in meta["sets"])
+        samplers.add(meta["sampler"])
+        sets_seen += len(meta["sets"])
+    if sets_seen != pl.num_residuals:
+        raise StoreError(f"job {job_id}: {sets_seen} residual sets measured, the plan has {pl.num_residuals}")
+    rho_spent = math.fsum(rho_terms)
+    ledger_summary = ledger.spend(store_root, spec.dataset_id, job_id, rho_spent)
+    tables: list[dict] = []
+    for g in range(len(doc["reconstruct_groups"])):
+        tables.extend(store.get_json(_tables_uri(store_root, job_id, g)))
+    prefix = output_prefix(spec, store_root, job_id)
+    index_uri = f"{prefix}/tables.json"
+    store.put_json(index_uri, tables)
+    delta = pl.delta
+    report = {
+        "rho_budget": pl.rho,
+        "rho_planned": pl.rho_planned,
+        "rho_spent": rho_spent,
+        "delta": delta,
+        "epsilon_cks": cdp_eps(rho_spent, delta),
+        "epsilon_gaussian": gaussian_eps(rho_spent, delta),
+        "epsilon_simple": simple_eps(rho_spent, delta),
+        "epsilon_note": (
+            "epsilon_cks holds for any rho-zCDP mechanism (Canonne-Kamath-Steinke); epsilon_gaussian is the "
+            "exact curve of this release as one Gaussian mechanism (continuous-noise analysis, this job only)"
+        ),
+        "neighbouring": "add or remove one record",
+        "samplers": sorted(samplers),
+        "loss": pl.loss,
+        "residual_sets": pl.num_residuals,
+        "noise_samples": pl.total_noise_samples,
+        "marginals": pl.num_marginals,
+        "cells": pl.num_queries,
+        "predicted_sse": pl.sse,
+        "predicted_rmse": pl.rmse,
+        "predicted_weighted_sse": pl.weighted_sse,
+        "predicted_max_weighted_variance": pl.max_weighted_variance,
+        "measure_tasks": len(groups),
+        "reconstruct_tasks": len(doc["reconstruct_groups"]),
+    }
+    result = {
+        "job_id": job_id,
+        "kind": "dpquery",
+        "dataset_id": spec.dataset_id,
+        "output": prefix,
+        "tables_index": index_uri,
+        "report": report,
+        "ledger": ledger_summary,
+    }
+    if len(tables) <= INLINE_TABLES_MAX:
+        result["tables"] = tables
+    store.put_json(result_uri, result)
+    logger.info("dpquery finalized", extra={"job_id": job_id, "rho_spent": rho_spent})
+    return _small(result, result_uri)
+
+
+def _small(result: dict, uri: str) -> dict[str, Any]:
+    """What the finalize task returns to the workflow (the full result is in the store)."""
+    return {
+        "job_id": result["job_id"],
+        "result": uri,
+        "marginals": result["report"]["marginals"],
+        "rho_spent": result["report"]["rho_spent"],
+    }

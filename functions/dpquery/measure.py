@@ -1,0 +1,202 @@
+"""Measure residual sets: y_S = E_S x_S + N(0, σ_S² I), with the noise from OpenDP's Gaussian mechanism.
+
+**The residual transform.** ``E_n`` (:func:`contrasts`) is the (n−1)×n Helmert contrast matrix: row k
+(1-based) is (1, …, 1, −k, 0, …, 0)/√(k(k+1)) with k ones, so its rows are orthonormal and orthogonal to
+the all-ones vector, and E_nᵀE_n = I − J/n. ``E_S = ⊗_{i∈S} E_{n_i}`` is applied mode-wise to the marginal
+x_S (one small matrix product per axis, :func:`residual`); the Kronecker product is never formed.
+
+**Sensitivity.** Adding or removing one record changes x_S by ±e_j, so E_S x_S moves by the j-th column of
+E_S, whose squared norm is ∏_{i∈S}(1 − 1/n_i) = p_S for every j. The L2 sensitivity is √p_S, passed to
+OpenDP rounded *up* (:func:`l2_sensitivity` checks it against the exact rational p_S).
+
+**The sampler.** ``opendp.measurements.make_gaussian`` on ``vector_domain(atom_domain(T=float, nan=False),
+size=k)`` with ``l2_distance(T=float)`` and output measure zero-concentrated divergence. OpenDP samples
+the float vector Gaussian from a discrete Gaussian on a 2^k grid (exact arithmetic, a CSPRNG), which
+defeats the floating-point attacks on textbook samplers (Mironov 2012; Haney et al. 2022); the rounding to
+the grid is charged in its privacy map, so ``meas.map(√p_S)`` exceeds the ideal p_S/(2σ_S²) by a few ulps.
+That map value is what we record and what the ledger spends. The constructor needs OpenDP's ``contrib``
+feature (components whose proofs are written but not yet vetted by OpenDP's review); no
+``floating-point`` or ``honest-but-curious`` feature is needed for this mechanism in 0.16. numpy's random
+generator is never used here (a test lints this module for it).
+
+Before any noise is drawn for a set, its map value is checked against the plan's ρ_S; since the plan
+allocates ρ·(1 − RHO_SLACK), per-set maps within ρ_S·(1 + RHO_SLACK/10) keep the job's total within its
+reserved ρ.
+
+**Floating point.** x_S is exact (int64 counts); E_S x_S is evaluated in float64, with a relative rounding
+error of about |S|·n·2⁻⁵³ of ‖x_S‖. The sensitivity above is that of the exact transform; charging the
+rounding would need a public bound on the row count (a data-dependent charge would itself leak it).
+
+**The test seam.** :func:`measure_sets` takes ``noise=False`` to return y_S exactly (sampler id ``"none"``,
+map 0). No handler passes it and no spec field reaches it: the tests call the pure core directly or patch
+the core function in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+from importlib.metadata import version
+
+import numpy as np
+
+from functions.errors import PlanError
+
+FORMAT_VERSION = 1
+# A set's map may exceed its planned ρ_S by at most this much (relative): a tenth of the plan's slack.
+MAP_RTOL = 1e-10
+NO_NOISE_SAMPLER = "none (test seam: noise disabled)"
+_TRAILER_LEN = struct.Struct("<Q")
+
+
+@lru_cache(maxsize=1)
+def _opendp():
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+    return dp
+
+
+@lru_cache(maxsize=1)
+def sampler_id() -> str:
+    """What drew the noise: the OpenDP version and mechanism (recorded with every measurement)."""
+    return (
+        f"opendp {version('opendp')} make_gaussian(vector_domain(atom_domain(T=f64, nan=false)), "
+        "l2_distance(T=f64)) -> ZeroConcentratedDivergence"
+    )
+
+
+# --- the residual transform ---------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=256)
+def contrasts(n: int) -> np.ndarray:
+    """E_n: (n−1)×n Helmert contrasts, orthonormal rows orthogonal to 1 (read-only)."""
+    if n < 2:
+        raise PlanError(f"a domain needs at least 2 values, got {n}")
+    k = np.arange(1, n, dtype=np.float64)
+    e = np.zeros((n - 1, n), dtype=np.float64)
+    mask = np.arange(n)[None, :] < k[:, None]
+    e[mask] = np.repeat(1.0 / np.sqrt(k * (k + 1.0)), np.arange(1, n))
+    e[np.arange(n - 1), np.arange(1, n)] = -k / np.sqrt(k * (k + 1.0))
+    e.setflags(write=False)
+    return e
+
+
+def residual(x: np.ndarray) -> np.ndarray:
+    """E_S x_S for a marginal ``x`` (one axis per attribute of S): apply E_{n_a} along every axis a.
+    Returns the (∏(n_i−1),) vector in C order; a 0-d ``x`` (the total) gives a 1-vector."""
+    y = np.asarray(x, dtype=np.float64)
+    for axis in range(y.ndim):
+        e = contrasts(y.shape[axis])
+        y = np.moveaxis(np.tensordot(e, y, axes=([1], [axis])), 0, axis)
+    return np.ascontiguousarray(y).reshape(-1)
+
+
+def l2_sensitivity(sizes: Sequence[int]) -> float:
+    """√p_S, p_S = ∏(n_i−1)/n_i, as the smallest float whose square is ≥ the exact rational p_S."""
+    p = Fraction(1)
+    for n in sizes:
+        p *= Fraction(int(n) - 1, int(n))
+    d = math.sqrt(float(p))
+    while Fraction(d) ** 2 < p:
+        d = math.nextafter(d, math.inf)
+    return d
+
+
+# --- the sampler -------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def gaussian(size: int, scale: float):
+    """OpenDP's Gaussian mechanism on float vectors of length ``size`` with noise std ``scale``."""
+    dp = _opendp()
+    domain = dp.vector_domain(dp.atom_domain(T=float, nan=False), size=int(size))
+    return dp.m.make_gaussian(domain, dp.l2_distance(T=float), scale=float(scale))
+
+
+def privacy_map(size: int, scale: float, d_in: float) -> float:
+    """The sampler's own zCDP cost ρ of releasing a vector of L2 sensitivity ``d_in``."""
+    return float(gaussian(size, scale).map(d_in))
+
+
+def release(y: np.ndarray, scale: float, d_in: float) -> tuple[np.ndarray, float]:
+    """y + N(0, scale² I) drawn by OpenDP, and the mechanism's map value at ``d_in``."""
+    meas = gaussian(y.size, scale)
+    rho = float(meas.map(d_in))
+    return np.asarray(meas(y), dtype=np.float64), rho
+
+
+# --- measuring a group of residual sets ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SetSpec:
+    """One residual set to measure: its index, attributes, domain sizes, noise std and planned ρ_S."""
+
+    index: int
+    attrs: tuple[int, ...]
+    sizes: tuple[int, ...]
+    scale: float
+    rho_planned: float
+
+
+def measure_sets(
+    sets: Sequence[SetSpec],
+    marginal: Callable[[tuple[int, ...]], np.ndarray],
+    *,
+    noise: bool = True,
+) -> tuple[np.ndarray, list[dict]]:
+    """Measure every set: transform its marginal (``marginal(attrs)``), check the sampler's map against
+    the plan, add OpenDP noise. Returns the concatenated measurements (in ``sets`` order) and one record
+    per set: ``{"index", "scale", "d_in", "rho"}`` (``rho``: the sampler's map value).
+
+    ``noise=False`` is the tests' seam (exact y_S, map 0); nothing in a job passes it."""
+    out = []
+    records = []
+    for s in sets:
+        x = marginal(s.attrs)
+        if x.shape != s.sizes:
+            raise PlanError(f"internal: marginal of {s.attrs} has shape {x.shape}, expected {s.sizes}")
+        y = residual(x)
+        d_in = l2_sensitivity(s.sizes)
+        if noise:
+            cost = privacy_map(y.size, s.scale, d_in)
+            if not cost <= s.rho_planned * (1.0 + MAP_RTOL):
+                raise PlanError(
+                    f"residual set {s.index}: the sampler's privacy map {cost!r} exceeds the planned "
+                    f"{s.rho_planned!r}; no noise was drawn"
+                )
+            noisy, rho = release(y, s.scale, d_in)
+        else:
+            noisy, rho = y, 0.0
+        out.append(noisy)
+        records.append({"index": s.index, "scale": s.scale, "d_in": d_in, "rho": rho})
+    values = np.concatenate(out) if out else np.zeros(0, dtype=np.float64)
+    return values, records
+
+
+# --- the measurement object ---------------------------------------------------------------------------------
+
+
+def encode(values: np.ndarray, meta: dict) -> bytes:
+    """Payload (float64 little-endian, sets in order) + JSON trailer + trailer length (8 bytes, LE)."""
+    trailer = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    return values.astype("<f8").tobytes() + trailer + _TRAILER_LEN.pack(len(trailer))
+
+
+def decode_trailer(tail: bytes) -> dict:
+    """The metadata from the bytes that follow the payload (trailer + its length)."""
+    (n,) = _TRAILER_LEN.unpack(tail[-_TRAILER_LEN.size :])
+    if n != len(tail) - _TRAILER_LEN.size:
+        raise ValueError("measurement trailer length does not match")
+    return json.loads(tail[:n])
+
+
+def decode_values(payload: bytes) -> np.ndarray:
+    return np.frombuffer(payload, dtype="<f8").astype(np.float64)

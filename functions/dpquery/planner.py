@@ -1,0 +1,640 @@
+"""The ``dpquery`` plan: ResidualPlanner noise allocation, computed without touching data. Pure, no store.
+
+Notation (see shared/reference/dp-query.md §1–2): attributes 0..d−1 with domain sizes n_i ≥ 2; a workload W
+of marginals A (sorted tuples of attribute indices) with weights w_A > 0; its closure
+C(W) = {S : S ⊆ A for some A ∈ W}, which always holds ∅ (the total count).
+
+For every residual set S ∈ C(W) the plan fixes a noise variance σ_S². Measuring S means releasing
+y_S = E_S x_S + N(0, σ_S² I), with E_S = ⊗_{i∈S} E_{n_i} and E_n an (n−1)×n matrix of orthonormal rows
+orthogonal to 1 (e.g. Helmert contrasts). Its L2 sensitivity is √p_S, with p_S = ∏_{i∈S}(n_i−1)/n_i, so it
+costs ρ_S = p_S/(2σ_S²), it needs ∏_{i∈S}(n_i−1) noise samples, and Σ_S ρ_S is the job's ρ.
+A marginal A is reconstructed as x̂_A = Σ_{S⊆A} (⊗_{i∈A} (i∈S ? E_{n_i}ᵀ : 1/n_i)) y_S; every cell has the
+variance Var_A = Σ_{S⊆A} σ_S² p_S ∏_{i∈A∖S} 1/n_i².
+
+Allocation (``loss``):
+* ``sum_of_variances`` minimises Σ_A w_A·cells_A·Var_A in closed form:
+  σ_S² = √(p_S/v_S) · Σ_T √(p_T v_T) / (2ρ), with v_S = Σ_{A⊇S} w_A ∏_{i∈S}(n_i−1) ∏_{i∈A∖S} 1/n_i.
+* ``max_variance`` minimises max_A w_A·Var_A: a convex program in |C| variables solved with cvxpy
+  (imported only then), scaled by the closed-form solution for conditioning.
+
+**Conventions** (what the measure/reconstruct stages rely on):
+
+* Residual sets are indexed 0..|C|−1 in the order (size, then lexicographic); index 0 is always ∅. A set is a
+  tuple of attribute indices in increasing order: :meth:`Plan.residual`.
+* Workload marginals keep the order they were given in (a spec's :meth:`DPQueryJob.marginals`), each a sorted
+  tuple: :meth:`Plan.marginal`; :meth:`Plan.subsets` lists the residual indices S ⊆ A (ascending).
+* Coefficients are held as **natural logarithms** (``log_p``, ``log_v``, ``log_sigma2``, ``log_var``): a
+  product over 100 attributes under- or overflows float64. They are finite (never −inf): every p_S, v_S,
+  σ_S², Var_A is > 0. :attr:`Plan.sigma2`, :attr:`Plan.rho_s`, :attr:`Plan.var` give linear values.
+* Counts are exact int64: :attr:`Plan.noise_count` (∏(n_i−1) over S), :attr:`Plan.cells` (∏ n_i over A).
+* The plan spends ``rho_planned`` = ρ·(1 − RHO_SLACK), not ρ: a floating-point-safe sampler's own privacy map
+  may exceed the ideal p_S/(2σ_S²) by a rounding term, and the slack keeps the sum of the maps within ρ.
+
+**Fan-out** helpers: :meth:`Plan.residual_groups` cuts the residual sets into contiguous index ranges of
+roughly equal noise-sample counts (measure tasks); :meth:`Plan.marginal_groups` cuts the workload into
+contiguous ranges of roughly equal reconstruction work (reconstruct tasks); :meth:`Plan.needed_residuals`
+and :meth:`Plan.group_of` map a reconstruct group to the residuals, and measure groups, it reads.
+
+**Document form** (:meth:`Plan.to_doc` / :meth:`Plan.from_doc`): a JSON-safe dict with scalars in clear and
+every array as ``{"dtype", "shape", "zb64"}`` (base64 of zlib-compressed little-endian bytes; exact). Flat
+arrays with CSR pointers (``ptr``) hold the sets, never one dict per set: d = 100 with all ≤3-way
+marginals (166,751 residual sets) is a few MB. :meth:`Plan.summary` is the small human-readable part.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps
+from functions.errors import PlanError, SpecError
+
+DOC_VERSION = 1
+# The plan spends ρ·(1 − RHO_SLACK): room for the sampler's rounding term in its privacy map.
+RHO_SLACK = 1e-9
+# Σ_S p_S/σ_S² must equal 2·rho_planned to this relative tolerance, or planning fails.
+PRIVACY_CHECK_RTOL = 1e-9
+# The largest marginal a task may materialise (float64 cells); bounds every task's memory.
+MAX_MARGINAL_CELLS = 100_000_000
+# Σ_A 2^|A| (the (marginal, subset) pairs the plan enumerates) may not exceed this.
+MAX_SUBSET_PAIRS = 50_000_000
+# Default fan-out sizes.
+DEFAULT_SAMPLES_PER_TASK = 2_000_000
+DEFAULT_CELLS_PER_TASK = 20_000_000
+DEFAULT_REPORT_DELTA = 1e-9
+LOSSES = ("sum_of_variances", "max_variance")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# array helpers
+
+
+def _lse(x: np.ndarray) -> float:
+    """log Σ exp(x) of a 1-D array."""
+    m = float(np.max(x))
+    return m + math.log(float(np.sum(np.exp(x - m))))
+
+
+def _grouped_lse(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """log Σ exp over the consecutive groups of ``values`` beginning at ``starts`` (sorted, starts[0] = 0)."""
+    m = np.maximum.reduceat(values, starts)
+    counts = np.diff(np.append(starts, values.size))
+    s = np.add.reduceat(np.exp(values - np.repeat(m, counts)), starts)
+    return m + np.log(s)
+
+
+def _encode(a: np.ndarray) -> dict[str, Any]:
+    a = np.ascontiguousarray(a)
+    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder not in ("|", "<", "=") else a.dtype
+    raw = a.astype(dt.newbyteorder("<"), copy=False).tobytes()
+    return {
+        "dtype": np.dtype(dt).newbyteorder("<").str,
+        "shape": list(a.shape),
+        "zb64": base64.b64encode(zlib.compress(raw, 1)).decode("ascii"),
+    }
+
+
+def _decode(doc: dict[str, Any]) -> np.ndarray:
+    raw = zlib.decompress(base64.b64decode(doc["zb64"]))
+    return np.frombuffer(raw, dtype=np.dtype(doc["dtype"])).reshape(doc["shape"]).copy()
+
+
+def _ranges_by_cost(cost: np.ndarray, target: float) -> list[tuple[int, int]]:
+    """Cut 0..len(cost) into contiguous [start, stop) ranges of total cost about ``target`` each.
+
+    Greedy on the running sum: a range closes as soon as it reaches ``target``, so each holds at most
+    target + (its largest single cost), and only the last may hold less.
+    """
+    n = int(cost.size)
+    if n == 0:
+        return []
+    target = max(float(target), 1.0)
+    cum = np.cumsum(cost, dtype=np.float64)
+    out = []
+    start = 0
+    base = 0.0
+    while start < n:
+        # first index whose running sum (from start) reaches the target
+        stop = int(np.searchsorted(cum, base + target, side="left")) + 1
+        stop = min(max(stop, start + 1), n)
+        out.append((start, stop))
+        base = float(cum[stop - 1])
+        start = stop
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass
+class Plan:
+    """A complete noise allocation for one dpquery job (see the module docstring for conventions)."""
+
+    domains: np.ndarray  # (d,) int64, n_i
+    names: list[str] | None  # attribute names, or None when planned from bare parts
+    rho: float  # the job's budget (zCDP)
+    rho_planned: float  # what the allocation spends: rho·(1 − RHO_SLACK)
+    loss: str
+    delta: float  # the δ at which the report states ε
+    # residual sets, CSR over res_attrs; index 0 is ∅
+    res_ptr: np.ndarray  # (|C|+1,) int64
+    res_attrs: np.ndarray  # (Σ|S|,) int32
+    log_p: np.ndarray  # (|C|,) float64
+    log_v: np.ndarray  # (|C|,) float64, weighted sum-of-variance coefficients
+    log_sigma2: np.ndarray  # (|C|,) float64
+    noise_count: np.ndarray  # (|C|,) int64, ∏_{i∈S}(n_i−1)
+    # workload marginals, in the given order, CSR over marg_attrs
+    marg_ptr: np.ndarray  # (|W|+1,) int64
+    marg_attrs: np.ndarray  # (Σ|A|,) int32
+    weights: np.ndarray  # (|W|,) float64
+    log_var: np.ndarray  # (|W|,) float64, per-cell variance of x̂_A
+    cells: np.ndarray  # (|W|,) int64, ∏_{i∈A} n_i
+    sub_ptr: np.ndarray  # (|W|+1,) int64, CSR over sub_idx
+    sub_idx: np.ndarray  # (Σ 2^|A|,) int32 (int64 beyond 2^31 residual sets): S ⊆ A, ascending
+    solver: dict[str, Any] = field(default_factory=dict)  # max_variance: cvxpy status, solver, time
+
+    # ---- sizes and accessors ------------------------------------------------------------------------
+    @property
+    def num_residuals(self) -> int:
+        return int(self.res_ptr.size - 1)
+
+    @property
+    def num_marginals(self) -> int:
+        return int(self.marg_ptr.size - 1)
+
+    def residual(self, k: int) -> tuple[int, ...]:
+        """Attribute indices of residual set k (ascending; () is ∅)."""
+        return tuple(int(i) for i in self.res_attrs[self.res_ptr[k] : self.res_ptr[k + 1]])
+
+    def marginal(self, j: int) -> tuple[int, ...]:
+        """Attribute indices of workload marginal j (ascending)."""
+        return tuple(int(i) for i in self.marg_attrs[self.marg_ptr[j] : self.marg_ptr[j + 1]])
+
+    def subsets(self, j: int) -> np.ndarray:
+        """Residual indices S ⊆ A_j, ascending (so ∅ = 0 first)."""
+        return self.sub_idx[self.sub_ptr[j] : self.sub_ptr[j + 1]]
+
+    def residual_index(self) -> dict[tuple[int, ...], int]:
+        """{attribute tuple: residual index} (builds a dict of |C| entries: use for small plans/tests)."""
+        return {self.residual(k): k for k in range(self.num_residuals)}
+
+    # ---- linear values --------------------------------------------------------------------------------
+    @property
+    def sigma2(self) -> np.ndarray:
+        """σ_S², the variance of each noise sample of residual set S."""
+        return np.exp(self.log_sigma2)
+
+    @property
+    def p(self) -> np.ndarray:
+        """p_S = ∏(n_i−1)/n_i: the squared L2 sensitivity of the orthonormal residual query E_S x_S."""
+        return np.exp(self.log_p)
+
+    @property
+    def rho_s(self) -> np.ndarray:
+        """ρ_S = p_S / (2σ_S²), the zCDP cost of measuring S (Σ_S ρ_S = rho_planned)."""
+        return np.exp(self.log_p - self.log_sigma2 - math.log(2.0))
+
+    @property
+    def var(self) -> np.ndarray:
+        """Predicted per-cell variance of each reconstructed workload marginal."""
+        return np.exp(self.log_var)
+
+    # ---- error and privacy summaries ---------------------------------------------------------------
+    @property
+    def num_queries(self) -> int:
+        """Cells over all workload marginals."""
+        return int(self.cells.sum())
+
+    @property
+    def sse(self) -> float:
+        """Σ_A cells_A·Var_A: expected total squared error of the workload (unweighted)."""
+        return float(math.fsum((self.cells.astype(np.float64) * self.var).tolist()))
+
+    @property
+    def rmse(self) -> float:
+        """√(SSE / #queries), the workload's root mean squared error per cell."""
+        return math.sqrt(self.sse / self.num_queries)
+
+    @property
+    def weighted_sse(self) -> float:
+        """Σ_A w_A·cells_A·Var_A: the ``sum_of_variances`` objective."""
+        return float(math.fsum((self.weights * self.cells.astype(np.float64) * self.var).tolist()))
+
+    @property
+    def max_weighted_variance(self) -> float:
+        """max_A w_A·Var_A: the ``max_variance`` objective."""
+        return float(np.max(self.weights * self.var))
+
+    @property
+    def total_noise_samples(self) -> int:
+        return int(self.noise_count.sum())
+
+    def privacy_cost(self) -> float:
+        """Σ_S p_S/σ_S², which the allocation makes equal to 2·rho_planned."""
+        return math.exp(_lse(self.log_p - self.log_sigma2))
+
+    def privacy_report(self) -> dict[str, Any]:
+        """ρ, its per-residual split, and ε at ``delta`` by CKS, by the exact Gaussian curve, and the
+        simple bound. The release is one Gaussian mechanism with μ = √(2ρ), so the Gaussian value is exact
+        for continuous noise (it assumes this job alone; across jobs compose ρ and use CKS)."""
+        rho = self.rho
+        return {
+            "rho": rho,
+            "rho_planned": self.rho_planned,
+            "sum_rho_s": float(math.fsum(self.rho_s.tolist())),
+            "privacy_cost": self.privacy_cost(),  # = 2·rho_planned
+            "delta": self.delta,
+            "epsilon_cks": cdp_eps(rho, self.delta),
+            "epsilon_gaussian": gaussian_eps(rho, self.delta),
+            "epsilon_simple": simple_eps(rho, self.delta),
+            "neighbouring": "add or remove one record",
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The small, human-readable part of the plan (what ``shardfold plan`` prints)."""
+        sizes = np.diff(self.marg_ptr)
+        out: dict[str, Any] = {
+            "attributes": int(self.domains.size),
+            "loss": self.loss,
+            "workload_marginals": self.num_marginals,
+            "max_marginal_size": int(sizes.max()) if sizes.size else 0,
+            "largest_marginal_cells": int(self.cells.max()),
+            "residual_sets": self.num_residuals,
+            "noise_samples": self.total_noise_samples,
+            "queries": self.num_queries,
+            "sse": self.sse,
+            "rmse": self.rmse,
+            "weighted_sse": self.weighted_sse,
+            "max_weighted_variance": self.max_weighted_variance,
+            "max_cell_stddev": float(math.sqrt(float(self.var.max()))),
+            "privacy": self.privacy_report(),
+        }
+        if self.solver:
+            out["solver"] = self.solver
+        return out
+
+    # ---- fan-out ----------------------------------------------------------------------------------------
+    def residual_groups(self, samples_per_task: int | None = None) -> list[tuple[int, int]]:
+        """Contiguous [start, stop) residual-index ranges of about ``samples_per_task`` noise samples each
+        (a group exceeds it by at most one residual set's samples). In (size, lexicographic) order, so a
+        group's sets share leading attributes and need few dataset columns."""
+        target = samples_per_task or DEFAULT_SAMPLES_PER_TASK
+        # a residual set also costs a histogram/transform: count each as at least one sample
+        return _ranges_by_cost(np.maximum(self.noise_count, 1), target)
+
+    def marginal_groups(self, cells_per_task: int | None = None) -> list[tuple[int, int]]:
+        """Contiguous [start, stop) workload-index ranges of about ``cells_per_task`` reconstruction work
+        each, the work of marginal A being cells_A·2^|A| (one Kronecker-vector product per S ⊆ A)."""
+        target = cells_per_task or DEFAULT_CELLS_PER_TASK
+        work = self.cells.astype(np.float64) * np.diff(self.sub_ptr).astype(np.float64)
+        return _ranges_by_cost(work, target)
+
+    def needed_residuals(self, start: int, stop: int) -> np.ndarray:
+        """Sorted unique residual indices that marginals start..stop−1 reconstruct from."""
+        return np.unique(self.sub_idx[self.sub_ptr[start] : self.sub_ptr[stop]])
+
+    @staticmethod
+    def group_of(residuals: np.ndarray, groups: list[tuple[int, int]]) -> np.ndarray:
+        """For each residual index, the index of the ``residual_groups`` range that holds it."""
+        starts = np.array([g[0] for g in groups], dtype=np.int64)
+        return np.searchsorted(starts, np.asarray(residuals), side="right") - 1
+
+    # ---- document form ---------------------------------------------------------------------------------
+    _ARRAYS = (
+        "domains",
+        "res_ptr",
+        "res_attrs",
+        "log_p",
+        "log_v",
+        "log_sigma2",
+        "noise_count",
+        "marg_ptr",
+        "marg_attrs",
+        "weights",
+        "log_var",
+        "cells",
+        "sub_ptr",
+        "sub_idx",
+    )
+
+    def to_doc(self) -> dict[str, Any]:
+        """A JSON-safe dict that :meth:`from_doc` turns back into an identical plan."""
+        return {
+            "version": DOC_VERSION,
+            "names": self.names,
+            "rho": self.rho,
+            "rho_planned": self.rho_planned,
+            "loss": self.loss,
+            "delta": self.delta,
+            "solver": self.solver,
+            "summary": self.summary(),
+            "arrays": {name: _encode(getattr(self, name)) for name in self._ARRAYS},
+        }
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> Plan:
+        if doc.get("version") != DOC_VERSION:
+            raise PlanError(f"plan document version {doc.get('version')!r}; this code reads {DOC_VERSION}")
+        arrays = {name: _decode(doc["arrays"][name]) for name in cls._ARRAYS}
+        return cls(
+            names=doc["names"],
+            rho=float(doc["rho"]),
+            rho_planned=float(doc["rho_planned"]),
+            loss=doc["loss"],
+            delta=float(doc["delta"]),
+            solver=dict(doc.get("solver") or {}),
+            **arrays,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# planning
+
+
+def plan(
+    spec: Any = None,
+    *,
+    domains: list[int] | None = None,
+    workload: list | None = None,
+    rho: float | None = None,
+    loss: str | None = None,
+    names: list[str] | None = None,
+    delta: float | None = None,
+) -> Plan:
+    """Plan a job: ``plan(spec)`` for a :class:`functions.specs.DPQueryJob`, or from bare parts,
+    ``plan(domains=[n_0, …], workload=[(attrs, weight) | attrs, …], rho=ρ, loss=…)`` with attrs tuples
+    of attribute indices. Keyword arguments given with a spec override it (e.g. ``rho``)."""
+    if spec is not None:
+        domains = spec.domains() if domains is None else domains
+        workload = spec.marginals() if workload is None else workload
+        rho = spec.rho() if rho is None else rho
+        loss = spec.loss if loss is None else loss
+        names = [a.name for a in spec.attributes] if names is None else names
+        delta = spec.budget.report_delta() if delta is None else delta
+    if domains is None or workload is None or rho is None:
+        raise SpecError("plan needs a spec, or domains, workload and rho")
+    loss = loss or "sum_of_variances"
+    delta = DEFAULT_REPORT_DELTA if delta is None else float(delta)
+    n = np.asarray(domains, dtype=np.int64)
+    marginals, weights = _check_parts(n, workload, float(rho), loss, names)
+    return _plan(n, marginals, weights, float(rho), loss, names, delta)
+
+
+def _check_parts(n, workload, rho, loss, names) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    errors = []
+    if n.ndim != 1 or n.size == 0:
+        errors.append({"field": "domains", "error": "give one domain size per attribute"})
+    elif np.any(n < 2):
+        j = int(np.argmax(n < 2))
+        errors.append({"field": f"domains.{j}", "error": f"domain size {int(n[j])}; at least 2 needed"})
+    if not (rho > 0 and math.isfinite(rho)):
+        errors.append({"field": "rho", "error": f"must be a finite number > 0, got {rho}"})
+    if loss not in LOSSES:
+        errors.append({"field": "loss", "error": f"{loss!r}; expected one of {list(LOSSES)}"})
+    if names is not None and len(names) != n.size:
+        errors.append({"field": "names", "error": f"{len(names)} names for {n.size} attributes"})
+    if not workload:
+        errors.append({"field": "workload", "error": "the workload is empty"})
+    marginals: list[tuple[int, ...]] = []
+    weights = []
+    seen: dict[tuple[int, ...], int] = {}
+    d = int(n.size)
+    for j, entry in enumerate(workload or []):
+        # an entry is (attrs, weight) with attrs a tuple/list, or bare attrs (weight 1)
+        if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], tuple | list):
+            attrs, w = entry
+        else:
+            attrs, w = entry, 1.0
+        attrs = tuple(sorted(int(i) for i in attrs))
+        if any(i < 0 or i >= d for i in attrs) or len(set(attrs)) != len(attrs):
+            errors.append({"field": f"workload.{j}", "error": f"bad attribute indices {attrs} for d = {d}"})
+            continue
+        if not (float(w) > 0 and math.isfinite(float(w))):
+            errors.append({"field": f"workload.{j}", "error": f"weight must be finite and > 0, got {w}"})
+            continue
+        if attrs in seen:
+            errors.append({"field": f"workload.{j}", "error": f"repeats workload.{seen[attrs]} ({attrs})"})
+            continue
+        seen[attrs] = j
+        marginals.append(attrs)
+        weights.append(float(w))
+    if errors:
+        raise SpecError("cannot plan: " + "; ".join(f"{e['field']}: {e['error']}" for e in errors), errors)
+    return marginals, np.asarray(weights, dtype=np.float64)
+
+
+def _plan(n, marginals, weights, rho, loss, names, delta) -> Plan:
+    d = int(n.size)
+    m = len(marginals)
+    sizes = np.fromiter((len(a) for a in marginals), dtype=np.int64, count=m)
+    kmax = int(sizes.max())
+    pairs_total = int(np.sum(np.left_shift(np.int64(1), sizes)))
+    if pairs_total > MAX_SUBSET_PAIRS:
+        raise PlanError(
+            f"the workload's marginals have {pairs_total:,} (marginal, subset) pairs in all; the limit is "
+            f"{MAX_SUBSET_PAIRS:,} (use fewer or smaller marginals)"
+        )
+    log_n = np.log(n.astype(np.float64))
+    # per-attribute tables, with one extra entry (index d) for the padding of short sets
+    log_n_ext = np.append(log_n, 0.0)
+    log_pfac_ext = np.append(np.log1p(-1.0 / n.astype(np.float64)), 0.0)  # log((n−1)/n)
+    log_nn1_ext = np.append(log_n + np.log(n.astype(np.float64) - 1.0), 0.0)  # log(n(n−1))
+    n1_ext = np.append(n - 1, 1).astype(np.int64)
+    n_ext = np.append(n, 1).astype(np.int64)
+
+    marg_ptr = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(sizes, out=marg_ptr[1:])
+    marg_attrs = np.fromiter((i for a in marginals for i in a), dtype=np.int32, count=int(marg_ptr[-1]))
+    padded_a = np.full((m, max(kmax, 1)), d, dtype=np.int32)
+    for j, a in enumerate(marginals):
+        padded_a[j, : len(a)] = a
+    cells_log = log_n_ext[padded_a].sum(axis=1)
+    big = np.flatnonzero(cells_log > math.log(MAX_MARGINAL_CELLS) + 1e-9)
+    if big.size:
+        j = int(big[0])
+        raise PlanError(
+            f"workload.{j} {_label(marginals[j], names)} has about {math.exp(cells_log[j]):.3g} cells; "
+            f"a marginal may have at most {MAX_MARGINAL_CELLS:,} "
+            "(coarsen the attributes' bins or split the marginal)"
+        )
+    cells = np.prod(n_ext[padded_a], axis=1)
+    log_a = np.log(weights) - cells_log  # log(w_A / cells_A)
+
+    # ---- enumerate every (A, S ⊆ A) pair, grouped by |A|, A-major ---------------------------------------
+    sub_ptr = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(np.left_shift(np.int64(1), sizes), out=sub_ptr[1:])
+    width = max(kmax, 1)
+    pair_rows = np.empty((pairs_total, width), dtype=np.int32)  # S, padded with d
+    pair_size = np.empty(pairs_total, dtype=np.int32)
+    idx_t = np.int32 if max(m, pairs_total) < 2**31 else np.int64
+    pair_marg = np.empty(pairs_total, dtype=idx_t)
+    for k in np.unique(sizes):
+        k = int(k)
+        idx = np.flatnonzero(sizes == k)
+        a_k = padded_a[idx, :k]  # (m_k, k)
+        masks = np.arange(1 << k)
+        # positions of this group's pairs: the 2^k slots of each marginal, mask order
+        pos = (sub_ptr[idx][:, None] + masks[None, :]).ravel()
+        rows = np.full((idx.size, 1 << k, width), d, dtype=np.int32)
+        for mask in range(1 << k):
+            cols = [b for b in range(k) if mask >> b & 1]
+            if cols:
+                rows[:, mask, : len(cols)] = a_k[:, cols]
+        pair_rows[pos] = rows.reshape(-1, width)
+        pair_size[pos] = np.tile(
+            np.array([bin(x).count("1") for x in range(1 << k)], dtype=np.int32), idx.size
+        )
+        pair_marg[pos] = np.repeat(idx, 1 << k)
+        del rows
+
+    # ---- unique residual sets, ordered by (size, lexicographic) -----------------------------------------
+    keys = [pair_rows[:, c] for c in range(width - 1, -1, -1)] + [pair_size]
+    order = np.lexsort(keys)  # last key is primary
+    del keys
+    sorted_rows = pair_rows[order]
+    del pair_rows
+    sorted_size = pair_size[order]
+    del pair_size
+    new = np.ones(pairs_total, dtype=bool)
+    new[1:] = np.any(sorted_rows[1:] != sorted_rows[:-1], axis=1) | (sorted_size[1:] != sorted_size[:-1])
+    starts = np.flatnonzero(new)
+    uniq_rows = sorted_rows[starts]
+    uniq_size = sorted_size[starts].astype(np.int64)
+    c = int(starts.size)
+    del sorted_rows, sorted_size
+    res_of_pair = np.empty(pairs_total, dtype=idx_t)
+    res_of_pair[order] = np.cumsum(new, dtype=idx_t) - 1
+    del new
+
+    res_ptr = np.zeros(c + 1, dtype=np.int64)
+    np.cumsum(uniq_size, out=res_ptr[1:])
+    col = np.arange(width)[None, :]
+    res_attrs = uniq_rows[col < uniq_size[:, None]].astype(np.int32)  # row-major: each set in order
+
+    log_p = log_pfac_ext[uniq_rows].sum(axis=1)
+    noise_count = np.prod(n1_ext[uniq_rows], axis=1)
+    # v_S = ∏_{i∈S} n_i(n_i−1) · Σ_{A⊇S} w_A/cells_A  (see the module docstring)
+    log_v = log_nn1_ext[uniq_rows].sum(axis=1) + _grouped_lse(log_a[pair_marg[order]], starts)
+    del order
+    log_n_sum_s = log_n_ext[uniq_rows].sum(axis=1)  # Σ_{i∈S} log n_i
+    del uniq_rows
+
+    rho_planned = rho * (1.0 - RHO_SLACK)
+    two_rho = 2.0 * rho_planned
+    solver: dict[str, Any] = {}
+    # closed form for sum_of_variances (also the starting point and scaling of max_variance)
+    half = 0.5 * (log_p + log_v)
+    log_g = _lse(half)
+    log_sigma2 = 0.5 * (log_p - log_v) + log_g - math.log(two_rho)
+    if loss == "max_variance":
+        log_sigma2, solver = _max_variance(
+            log_sigma2, log_p, log_n_sum_s, res_of_pair, pair_marg, cells_log, weights, two_rho
+        )
+
+    # per-cell variance: Var_A = cells_A^{-2} Σ_{S⊆A} σ_S² p_S ∏_{i∈S} n_i²  (pairs are A-major)
+    term = (log_sigma2 + log_p + 2.0 * log_n_sum_s)[res_of_pair]
+    log_var = _grouped_lse(term, sub_ptr[:-1]) - 2.0 * cells_log
+
+    # S ⊆ A lists in ascending residual order, per marginal
+    sub_idx = res_of_pair  # reordered in place below: ascending within each marginal
+    for k in np.unique(sizes):
+        idx = np.flatnonzero(sizes == k)
+        span = 1 << int(k)
+        pos = (sub_ptr[idx][:, None] + np.arange(span)[None, :]).ravel()
+        sub_idx[pos] = np.sort(sub_idx[pos].reshape(-1, span), axis=1).ravel()
+
+    result = Plan(
+        domains=n.astype(np.int64),
+        names=list(names) if names is not None else None,
+        rho=rho,
+        rho_planned=rho_planned,
+        loss=loss,
+        delta=delta,
+        res_ptr=res_ptr,
+        res_attrs=res_attrs,
+        log_p=log_p,
+        log_v=log_v,
+        log_sigma2=log_sigma2,
+        noise_count=noise_count.astype(np.int64),
+        marg_ptr=marg_ptr,
+        marg_attrs=marg_attrs,
+        weights=weights,
+        log_var=log_var,
+        cells=cells.astype(np.int64),
+        sub_ptr=sub_ptr,
+        sub_idx=sub_idx,
+        solver=solver,
+    )
+    cost = result.privacy_cost()
+    if not abs(cost - two_rho) <= PRIVACY_CHECK_RTOL * two_rho:
+        raise PlanError(f"internal: the allocation costs Σ p_S/σ_S² = {cost!r}, not 2ρ = {two_rho!r}")
+    return result
+
+
+def _label(attrs: tuple[int, ...], names: list[str] | None) -> str:
+    if names is None:
+        return str(attrs)
+    return "(" + ", ".join(names[i] for i in attrs) + ")"
+
+
+def _max_variance(log_sigma2_0, log_p, log_n_sum_s, res_of_pair, pair_marg, cells_log, weights, two_rho):
+    """min_u max_A w_A Var_A(u) subject to Σ p_S/u_S = 2ρ, as the convex program
+    min Σ q_S/t_S s.t. M t ≤ 1, in the variables t = u/u⁰ (u⁰: the closed-form sum-of-variances solution),
+    with q_S = p_S/u⁰_S and M_{A,S} = w_A p_S ∏_{A∖S} 1/n_i² u⁰_S. Rescaling its optimum to cost 2ρ gives
+    the allocation (dp-query.md §2.4; the objective is P*/(2ρ), not P*·2ρ)."""
+    import time
+
+    try:
+        import cvxpy as cp
+        import scipy.sparse as sp
+    except ImportError as exc:  # pragma: no cover - cvxpy is installed where max_variance is offered
+        raise PlanError(
+            "loss 'max_variance' needs cvxpy (pip install cvxpy); 'sum_of_variances' does not"
+        ) from exc
+
+    c = log_p.size
+    m = cells_log.size
+    q = np.exp(log_p - log_sigma2_0)
+    q = q / q.sum()
+    log_m = np.log(weights)[pair_marg] + (log_p + 2.0 * log_n_sum_s + log_sigma2_0)[res_of_pair]
+    log_m -= 2.0 * cells_log[pair_marg]
+    vals = np.exp(log_m - np.max(log_m))
+    mat = sp.csr_matrix((vals, (pair_marg, res_of_pair)), shape=(m, c))
+    row_max = float(np.max(mat @ np.ones(c)))
+    mat = mat / row_max
+    t = cp.Variable(c, pos=True)
+    problem = cp.Problem(cp.Minimize(q @ cp.inv_pos(t)), [mat @ t <= 1.0])
+    started = time.perf_counter()
+    errors = []
+    for name in ("CLARABEL", "SCS"):
+        if name not in cp.installed_solvers():
+            continue
+        try:
+            problem.solve(solver=name)
+        except cp.error.SolverError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if problem.status in ("optimal", "optimal_inaccurate") and t.value is not None:
+            break
+        errors.append(f"{name}: {problem.status}")
+    else:
+        raise PlanError("max_variance: the convex program was not solved (" + "; ".join(errors) + ")")
+    elapsed = time.perf_counter() - started
+    tv = np.maximum(np.asarray(t.value, dtype=np.float64), 1e-300)
+    log_u = log_sigma2_0 + np.log(tv)
+    # scale so that Σ p_S/u_S = 2ρ exactly
+    log_cost = _lse(log_p - log_u)
+    log_u = log_u + log_cost - math.log(two_rho)
+    return log_u, {
+        "solver": problem.solver_stats.solver_name,
+        "status": problem.status,
+        "seconds": round(elapsed, 3),
+        "variables": int(c),
+        "constraints": int(m),
+    }

@@ -1,0 +1,390 @@
+"""dpquery's data path and measurement math, without a workflow: reading CSV/Parquet and mapping domains
+(errors name the column and the count, never a value), one-pass marginals, the orthonormal residual
+transform, OpenDP's privacy map, exact reconstruction with the noise seam, Monte Carlo unbiasedness and
+variance on the reference case, the ledger (also under racing threads), and the no-numpy-random lint."""
+
+from __future__ import annotations
+
+import ast
+import io
+import math
+import threading
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from functions import store
+from functions.dpquery import data, ledger, planner
+from functions.dpquery import measure as mz
+from functions.dpquery import reconstruct as rc
+from functions.errors import BudgetExceeded, DatasetError, PlanError, SpecError
+from functions.specs import DPAttribute
+
+SECRET = "SSN-123-45-6789"  # planted in bad rows: no error message may ever contain it
+
+
+def attrs_abc() -> list[DPAttribute]:
+    return [
+        DPAttribute(name="a", categories=["x", "y"]),
+        DPAttribute(name="b", categories=[0, 1, 2]),
+        DPAttribute(name="c", range=(18, 60), bin_width=10),
+    ]
+
+
+def table_abc(n: int, seed: int = 0) -> tuple[pa.Table, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a, b, c = rng.integers(0, 2, n), rng.integers(0, 3, n), rng.integers(18, 61, n)
+    t = pa.table({"a": np.array(["x", "y"])[a], "b": b, "c": c, "extra": np.zeros(n)})
+    idx = np.stack([a, b, (c - 18) // 10])
+    return t, idx
+
+
+def write(tmp_path: Path, t: pa.Table, fmt: str) -> str:
+    path = tmp_path / f"d.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(t, path, row_group_size=700)
+    else:
+        pcsv.write_csv(t, path)
+    return f"file://{path}"
+
+
+def true_marginal(idx: np.ndarray, sizes: list[int], attrs: tuple[int, ...]) -> np.ndarray:
+    full = np.zeros(sizes, dtype=np.int64)
+    np.add.at(full, tuple(idx), 1)
+    drop = tuple(i for i in range(len(sizes)) if i not in attrs)
+    return full.sum(axis=drop) if drop else full
+
+
+# --- reading and domains ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_marginals_match_numpy_in_small_batches(tmp_path, fmt, monkeypatch):
+    monkeypatch.setattr(data, "BATCH_ROWS", 256)  # many record batches
+    monkeypatch.setattr(data, "CSV_BLOCK_BYTES", 4096)
+    t, idx = table_abc(3000)
+    uri = write(tmp_path, t, fmt)
+    attrs = attrs_abc()
+    assert data.scan(uri, fmt, attrs)["bytes"] == store.size(uri)
+    wanted = [(), (0,), (2,), (0, 1), (1, 2), (0, 1, 2)]
+    got = data.marginals(uri, fmt, attrs, wanted)
+    sizes = [2, 3, 5]
+    for tpl in wanted:
+        assert np.array_equal(got[tpl], true_marginal(idx, sizes, tpl)), tpl
+    assert got[()].shape == () and int(got[()]) == 3000
+
+
+def test_maximal_covers():
+    assert data.maximal([(0,), (0, 1), (1,), (2,), (), (1, 2), (0, 1)]) == [(0, 1), (1, 2)]
+
+
+def test_category_text_matching_and_range_parsing(tmp_path):
+    t = pa.table(
+        {
+            "flag": pa.array([True, False, True]),
+            "code": pa.array([7, 7, 12]),  # integers matched to string/int categories by their text
+            "level": pa.array(["low", "high", "low"]).dictionary_encode(),
+            "age": pa.array([" 19", "+20", "21"]),  # integer text, with sign and spaces
+            "score": pa.array([1.0, 2.0, 3.0]),  # integral floats in a range
+        }
+    )
+    uri = write(tmp_path, t, "parquet")
+    attrs = [
+        DPAttribute(name="flag", categories=[False, True]),
+        DPAttribute(name="code", categories=["7", 12]),
+        DPAttribute(name="level", categories=["high", "low"]),
+        DPAttribute(name="age", range=(19, 22)),
+        DPAttribute(name="score", range=(0, 3), bin_width=2),
+    ]
+    got = data.marginals(uri, "parquet", attrs, [(0,), (1,), (2,), (3,), (4,)])
+    assert got[(0,)].tolist() == [1, 2]
+    assert got[(1,)].tolist() == [2, 1]
+    assert got[(2,)].tolist() == [1, 2]
+    assert got[(3,)].tolist() == [1, 1, 1, 0]
+    assert got[(4,)].tolist() == [1, 2]
+    # the same through CSV, where every column is read as text
+    uri_csv = write(tmp_path, t.set_column(2, "level", pa.array(["low", "high", "low"])), "csv")
+    got_csv = data.marginals(uri_csv, "csv", attrs, [(0,), (1,), (2,), (3,), (4,)])
+    for k in got:
+        assert np.array_equal(got[k], got_csv[k]), k
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_out_of_domain_names_column_and_count_never_a_value(tmp_path, fmt):
+    t, _ = table_abc(500)
+    a = t.column("a").to_pylist()
+    c = t.column("c").to_pylist()
+    for i in range(0, 500, 50):  # 10 rows with a secret category
+        a[i] = SECRET
+    for i in range(3, 500, 100):  # 5 rows out of range, 2 of them missing
+        c[i] = 99 if i < 300 else None
+    t = t.set_column(0, "a", pa.array(a)).set_column(2, "c", pa.array(c, pa.int64()))
+    uri = write(tmp_path, t, fmt)
+    with pytest.raises(DatasetError) as err:
+        data.scan(uri, fmt, attrs_abc())
+    msg = str(err.value)
+    assert "'a': 10 row(s)" in msg and "'c': 5 row(s)" in msg
+    assert err.value.counts == {"a": 10, "c": 5} and err.value.column == "a"
+    assert SECRET not in msg and "99" not in msg and "500" not in msg  # no value, no row count
+    with pytest.raises(DatasetError, match="'a': 10 row"):
+        data.marginals(uri, fmt, attrs_abc(), [(0,)])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_missing_column_is_named(tmp_path, fmt):
+    t, _ = table_abc(50)
+    uri = write(tmp_path, t.drop_columns(["b"]), fmt)
+    with pytest.raises(DatasetError, match="no column 'b'") as err:
+        data.scan(uri, fmt, attrs_abc())
+    assert err.value.missing == ["b"]
+
+
+def test_csv_parse_errors_withhold_the_row(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text(f"a,b,c\nx,1,20\ny,2,{SECRET},extra\n")
+    with pytest.raises(DatasetError, match="details withheld") as err:
+        data.scan(f"file://{path}", "csv", attrs_abc())
+    assert SECRET not in str(err.value)
+
+
+def test_missing_dataset(tmp_path):
+    with pytest.raises(Exception, match="does not exist"):
+        data.scan(f"file://{tmp_path}/nope.csv", "csv", attrs_abc())
+
+
+def test_store_file_reads_parquet_by_ranges(tmp_path):
+    t, _ = table_abc(2000)
+    uri = write(tmp_path, t, "parquet")
+    with io.BufferedReader(data.StoreFile(uri), buffer_size=1024) as f:
+        back = pq.ParquetFile(f).read()
+    assert back.equals(pq.read_table(uri[len("file://") :]))
+
+
+def test_ambiguous_categories_are_refused():
+    with pytest.raises(DatasetError, match="both match the text '1'"):
+        data.Domain(DPAttribute(name="v", categories=["1", 1]))
+
+
+# --- the residual transform and the sampler --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 10, 37])
+def test_contrasts_are_orthonormal_and_orthogonal_to_ones(n):
+    e = mz.contrasts(n)
+    assert e.shape == (n - 1, n)
+    assert np.allclose(e @ e.T, np.eye(n - 1), atol=1e-14)
+    assert np.allclose(e @ np.ones(n), 0, atol=1e-14)
+    assert np.allclose(e.T @ e, np.eye(n) - 1.0 / n, atol=1e-14)
+
+
+def test_mode_wise_transform_equals_the_kronecker_product():
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 9, size=(2, 3, 4)).astype(float)
+    kron = np.kron(np.kron(mz.contrasts(2), mz.contrasts(3)), mz.contrasts(4))
+    assert np.allclose(mz.residual(x), kron @ x.reshape(-1), atol=1e-12)
+    assert mz.residual(np.array(17)).tolist() == [17.0]
+
+
+@pytest.mark.parametrize("sizes", [(), (2,), (3, 3), (2, 3, 4), (10, 10, 10), (7, 2, 9, 5)])
+def test_sensitivity_rounds_up_and_is_attained(sizes):
+    p = Fraction(1)
+    for n in sizes:
+        p *= Fraction(n - 1, n)
+    d = mz.l2_sensitivity(sizes)
+    assert Fraction(d) ** 2 >= p and Fraction(math.nextafter(d, 0)) ** 2 < p
+    if sizes:  # a record's column of E_S has squared norm exactly p_S
+        col = np.zeros(sizes)
+        col[(0,) * len(sizes)] = 1
+        assert math.isclose(float(np.sum(mz.residual(col) ** 2)), float(p), rel_tol=1e-12)
+
+
+def test_opendp_map_is_the_ideal_rho_up_to_rounding():
+    for sizes, scale in [((2, 3, 4), 1.3), ((10, 10), 0.07), ((), 25.0)]:
+        d_in = mz.l2_sensitivity(sizes)
+        ideal = d_in**2 / (2 * scale**2)
+        k = math.prod(n - 1 for n in sizes)
+        value = mz.privacy_map(k, scale, d_in)
+        assert ideal * (1 - 1e-12) <= value <= ideal * (1 + 1e-12)
+
+
+def test_measure_refuses_before_drawing_when_the_map_exceeds_the_plan(monkeypatch):
+    def no_draw(*a, **k):
+        raise AssertionError("noise was drawn")
+
+    monkeypatch.setattr(mz, "release", no_draw)
+    s = mz.SetSpec(index=3, attrs=(0,), sizes=(3,), scale=1.0, rho_planned=0.3)  # map: (2/3)/2 = 0.333
+    with pytest.raises(PlanError, match="residual set 3"):
+        mz.measure_sets([s], lambda attrs: np.array([1, 2, 3]))
+
+
+def test_measure_records_the_sampler_map():
+    s = mz.SetSpec(index=0, attrs=(0, 1), sizes=(2, 3), scale=2.0, rho_planned=1 / 3 / 8 * (1 + 1e-12))
+    values, records = mz.measure_sets([s], lambda attrs: np.arange(6).reshape(2, 3))
+    assert values.shape == (2,) and records[0]["index"] == 0
+    assert math.isclose(records[0]["rho"], (1 / 3) / 8, rel_tol=1e-12)
+    blob = mz.encode(values, {"sets": [[0, 2.0, records[0]["d_in"], records[0]["rho"]]]})
+    assert np.array_equal(mz.decode_values(blob[:16]), values)
+    assert mz.decode_trailer(blob[16:])["sets"][0][3] == records[0]["rho"]
+
+
+# --- reconstruction -------------------------------------------------------------------------------------
+
+
+def _exact_roundtrip(sizes: list[int], workload: list[tuple[int, ...]], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 1000, size=sizes)
+    pl = planner.plan(domains=sizes, workload=workload, rho=1.0)
+
+    def marg(attrs):
+        drop = tuple(i for i in range(len(sizes)) if i not in attrs)
+        return x.sum(axis=drop) if drop else x
+
+    sets = [
+        mz.SetSpec(k, pl.residual(k), tuple(sizes[a] for a in pl.residual(k)), 1.0, float(pl.rho_s[k]))
+        for k in range(pl.num_residuals)
+    ]
+    values, _ = mz.measure_sets(sets, marg, noise=False)
+    off = np.concatenate([[0], np.cumsum(pl.noise_count)])
+    for j in range(pl.num_marginals):
+        a = pl.marginal(j)
+        terms = [(pl.residual(k), values[off[k] : off[k + 1]]) for k in pl.subsets(j)]
+        est = rc.reconstruct([sizes[i] for i in a], a, terms)
+        truth = marg(a)
+        assert np.max(np.abs(est - truth)) <= 1e-9 * max(1.0, float(np.max(truth))), a
+
+
+def test_exact_without_noise_on_the_reference_case():
+    _exact_roundtrip([2, 3, 4], [(0,), (0, 1), (1, 2)], seed=0)
+    _exact_roundtrip([5, 2, 3, 2], [(0, 1, 2, 3), (1,), (0, 3)], seed=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(2, 5), min_size=1, max_size=4),
+    data_=st.data(),
+)
+def test_exact_without_noise_for_random_workloads(sizes, data_):
+    d = len(sizes)
+    subsets = st.lists(st.integers(0, d - 1), unique=True, max_size=d).map(lambda v: tuple(sorted(v)))
+    workload = data_.draw(st.lists(subsets, min_size=1, max_size=4, unique=True))
+    _exact_roundtrip(sizes, workload, seed=d)
+
+
+def test_monte_carlo_unbiased_with_the_predicted_variance():
+    """Reference case (dp-query.md §2.6, §7): domains [2,3,4], W = {(0),(0,1),(1,2)}, 2ρ = 1. R runs, each
+    with noise from OpenDP's sampler (R draws per residual set in one call); Bonferroni bounds of §7."""
+    runs = 4000
+    sizes = [2, 3, 4]
+    pl = planner.plan(domains=sizes, workload=[(0,), (0, 1), (1, 2)], rho=0.5)
+    assert np.allclose(pl.var, [3.6269, 1.9102, 1.5383], atol=1e-4)
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 30, size=sizes)
+
+    def marg(attrs):
+        drop = tuple(i for i in range(3) if i not in attrs)
+        return x.sum(axis=drop) if drop else x
+
+    draws = {}
+    for k in range(pl.num_residuals):
+        s = pl.residual(k)
+        y = mz.residual(marg(s))
+        noisy, _ = mz.release(
+            np.tile(y, runs), math.sqrt(float(pl.sigma2[k])), mz.l2_sensitivity([sizes[a] for a in s])
+        )
+        draws[k] = noisy.reshape(runs, y.size)
+    for j in range(pl.num_marginals):
+        a = pl.marginal(j)
+        shape = [sizes[i] for i in a]
+        est = np.stack(
+            [
+                rc.reconstruct(shape, a, [(pl.residual(k), draws[k][r]) for k in pl.subsets(j)])
+                for r in range(runs)
+            ]
+        )
+        truth = marg(a)
+        v = float(pl.var[j])
+        z = np.abs(est.mean(axis=0) - truth) / math.sqrt(v / runs)
+        assert z.max() < 5, (a, z.max())
+        emp = est.var(axis=0, ddof=1)
+        assert np.all(np.abs(emp - v) < 5 * v * math.sqrt(2 / runs)), (a, emp, v)
+
+
+# --- ledger -------------------------------------------------------------------------------------------------
+
+
+def test_ledger_opens_reserves_refuses_and_spends(tmp_path):
+    root = f"file://{tmp_path}"
+    with pytest.raises(SpecError, match="must give 'dataset_budget_rho'"):
+        ledger.reserve(root, "census", "job-1", 0.4)
+    assert ledger.reserve(root, "census", "job-1", 0.4, total_rho=1.0)["remaining_rho"] == pytest.approx(0.6)
+    assert ledger.reserve(root, "census", "job-1", 0.4)["jobs"] == 1  # idempotent: a retried plan
+    with pytest.raises(SpecError, match="differs from the total 1.0"):
+        ledger.reserve(root, "census", "job-2", 0.1, total_rho=2.0)
+    ledger.reserve(root, "census", "job-2", 0.5)
+    with pytest.raises(BudgetExceeded, match="exceeds the remaining budget"):
+        ledger.reserve(root, "census", "job-3", 0.2)
+    ledger.spend(root, "census", "job-1", 0.3999999996)
+    ledger.spend(root, "census", "job-1", 0.3999999996)  # idempotent
+    state = ledger.read(root, "census")
+    assert [e["type"] for e in state.entries] == ["open", "reserve", "reserve", "spend"]
+    assert state.committed() == pytest.approx(0.8999999996)
+    ledger.reserve(root, "census", "job-3", 0.1)  # fits: the spend released the slack... and 0.1 remained
+    with pytest.raises(Exception, match="more than its reservation"):
+        ledger.spend(root, "census", "job-2", 0.6)
+
+
+def test_ledger_under_racing_jobs(tmp_path):
+    """24 jobs race to reserve 0.1 each on a total of 1.0 (and race to open the ledger): exactly 10 win,
+    every reservation is on the ledger once, and the sum never exceeds the total."""
+    root = f"file://{tmp_path}"
+    barrier = threading.Barrier(24)
+    won, refused, errors = [], [], []
+
+    def job(i: int) -> None:
+        barrier.wait()
+        try:
+            for _ in range(2):  # a retry of the same job must not reserve twice
+                ledger.reserve(root, "race", f"job-{i}", 0.1, total_rho=1.0)
+            won.append(i)
+        except BudgetExceeded:
+            refused.append(i)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    state = ledger.read(root, "race")
+    assert len(won) == 10 and len(refused) == 14
+    assert sorted(state.reserved) == sorted(f"job-{i}" for i in won)
+    assert [e["type"] for e in state.entries].count("open") == 1
+    assert len(state.entries) == 11 and state.committed() <= 1.0
+
+
+# --- safety lint --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["measure.py", "core.py", "data.py", "reconstruct.py"])
+def test_no_numpy_or_stdlib_random_in_the_measure_path(module):
+    path = Path(data.__file__).with_name(module)
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            assert not any(a.name.split(".")[0] in ("random", "secrets") for a in node.names), module
+            assert not any(a.name.startswith("numpy.random") for a in node.names), module
+        if isinstance(node, ast.ImportFrom):
+            assert (node.module or "").split(".")[0] not in ("random", "secrets"), module
+            assert not (node.module or "").startswith("numpy.random"), module
+            assert not (node.module == "numpy" and any(a.name == "random" for a in node.names)), module
+        if isinstance(node, ast.Attribute):
+            assert node.attr != "random", f"{module}: .random attribute at line {node.lineno}"
