@@ -29,6 +29,7 @@ err = Console(stderr=True, highlight=False)
 
 BACKEND_CHOICES = click.Choice(["local", "aws", "moto"])
 REPO_EVENTS = Path(__file__).resolve().parent.parent / "events"
+DPQUERY_RESULT_ROWS = 50  # released tables listed by `run`/`result` (all of them with --json)
 # Handlers that are not workflow steps (so not in orchestrator.registry) but can be invoked like one.
 EXTRA_HANDLERS = {"dispatch": "functions.dispatch:handler"}
 
@@ -78,6 +79,13 @@ def _fmt_bytes(n: int | float | None) -> str:
     return str(n)
 
 
+def _fmt_cell(v: Any) -> str:
+    """A plan detail value: integers with separators, floats to 4 significant digits."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return str(v)
+    return f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
+
+
 def _kv_table(title: str, data: dict[str, Any]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
@@ -111,7 +119,46 @@ def _status_dict(status: Any) -> dict[str, Any]:
 
 
 def _print_result(result: dict[str, Any]) -> None:
+    if result.get("kind") == "dpquery":
+        _print_dpquery_result(result)
+        return
     out.print(_kv_table("result", result))
+
+
+def _print_dpquery_result(result: dict[str, Any]) -> None:
+    """A dpquery result: the privacy spent, the ledger, and one row per released table (`--json`: all)."""
+    from client.dpquery import marginal_name
+
+    rep, led = result["report"], result["ledger"]
+    summary = {
+        "job_id": result["job_id"],
+        "dataset_id": result["dataset_id"],
+        "privacy": f"ρ {rep['rho_spent']:.6g} spent of the job's {rep['rho_budget']:.6g}; "
+        f"ε at δ {rep['delta']:g}: {rep['epsilon_cks']:.4g} (CKS), "
+        f"{rep['epsilon_gaussian']:.4g} (exact Gaussian, this job alone)",
+        "ledger": f"dataset total ρ {led['total_rho']:.6g}, committed {led['committed_rho']:.6g}, "
+        f"remaining {led['remaining_rho']:.6g} ({led['jobs']} job(s))",
+        "accuracy": f"predicted workload RMSE {rep['predicted_rmse']:.4g} per cell, "
+        f"{rep['marginals']:,} marginal(s), {rep['cells']:,} cells",
+        "output": result["output"],
+    }
+    out.print(_kv_table("result", summary))
+    tables = result.get("tables")
+    if tables is None:
+        out.print(f"{rep['marginals']:,} tables listed in {result['tables_index']}")
+        return
+    table = Table(title="released tables (unbiased estimates ± std error per cell)", title_justify="left")
+    for col, just in [("marginal", "left"), ("cells", "right"), ("std error", "right"), ("parquet", "left")]:
+        table.add_column(col, justify=just, overflow="fold")
+    for t in tables[:DPQUERY_RESULT_ROWS]:
+        name = t["parquet"].rsplit("/", 1)[-1]
+        table.add_row(marginal_name(t["attributes"]), f"{t['cells']:,}", f"{t['std_error']:.4g}", name)
+    out.print(table)
+    if len(tables) > DPQUERY_RESULT_ROWS:
+        out.print(
+            f"... and {len(tables) - DPQUERY_RESULT_ROWS:,} more: "
+            f"`shardfold result {result['job_id']} --json`"
+        )
 
 
 def _wait_and_report(job: Any) -> None:
@@ -163,7 +210,9 @@ def run(spec: str, backend: str, stack: str | None, no_wait: bool) -> None:
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
 def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
-    """Dry run: steps, tasks, memory per task, S3 requests and an AWS cost estimate. Runs nothing."""
+    """Dry run: steps, tasks, memory per task, S3 requests and an AWS cost estimate. Runs nothing.
+
+    Some kinds add their own tables (dpquery: the privacy and accuracy plan)."""
     with _client(backend, stack) as client:
         report = client.plan(Path(spec))
     if as_json:
@@ -201,6 +250,16 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
         cost.add_row(f"[bold]{k}[/]" if k == "total" else k, f"{v:.6f}")
     out.print(cost)
     out.print(f"state transitions: {report.transitions:,}")
+    for detail in report.details:  # kind-specific tables (e.g. dpquery's privacy and accuracy plan)
+        extra = Table(title=detail.title, title_justify="left", box=box.SIMPLE_HEAD)
+        for i, col in enumerate(detail.columns):
+            numeric = all(
+                isinstance(row[i], int | float) and not isinstance(row[i], bool) for row in detail.rows
+            )
+            extra.add_column(col, justify="right" if numeric else "left", overflow="fold")
+        for row in detail.rows:
+            extra.add_row(*(_fmt_cell(v) for v in row))
+        out.print(extra)
     for note in report.notes:
         out.print(f"[dim]- {note}[/]")
 
@@ -283,6 +342,71 @@ def asl(kind: str, region: str, account: str, stage: str) -> None:
     from client.backends import compile_asl
 
     out.print_json(json.dumps(compile_asl(kind, region=region, account=account, stage=stage)))
+
+
+def stack_name_option(f: Any) -> Any:
+    return click.option(
+        "--stack",
+        "stack_name",
+        default="dev",
+        show_default=True,
+        envvar="SHARDFOLD_PULUMI_STACK",
+        help="Pulumi stack name ($SHARDFOLD_PULUMI_STACK); its outputs go to --outputs",
+    )(f)
+
+
+def outputs_option(f: Any) -> Any:
+    return click.option(
+        "--outputs",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="stack outputs file (default: $SHARDFOLD_STACK or .shardfold/stack.json)",
+    )(f)
+
+
+@cli.command("deploy")
+@stack_name_option
+@outputs_option
+@click.option("--yes", "-y", is_flag=True, help="apply without Pulumi's preview and prompt")
+def deploy_cmd(stack_name: str, outputs: str | None, yes: bool) -> None:
+    """Deploy or update Shardfold on AWS (`pulumi up` on infra/) and save the stack outputs.
+
+    Needs the Pulumi CLI (logged in) and AWS credentials; `--backend aws` then uses the saved outputs.
+    """
+    from client import stack as st
+
+    ident = st.check_deploy_prerequisites()
+    out.print(f"deploying stack [bold]{stack_name}[/] to AWS account {ident['Account']} ({ident['Arn']})")
+    path = st.deploy(stack_name, yes=yes, path=outputs)
+    saved = st.load_stack_outputs(path)
+    out.print(
+        f"[green]deployed[/] stack {stack_name}: bucket {saved['bucket']}, "
+        f"{len(saved['state_machine_arns'])} workflows ({', '.join(sorted(saved['state_machine_arns']))})"
+    )
+    out.print(f"stack outputs saved to {path}; run jobs with `shardfold run SPEC --backend aws`")
+
+
+@cli.command("destroy")
+@stack_name_option
+@outputs_option
+@click.option("--yes", "-y", is_flag=True, help="do not ask for confirmation")
+def destroy_cmd(stack_name: str, outputs: str | None, yes: bool) -> None:
+    """Tear down the Shardfold stack (`pulumi destroy`) and delete its saved outputs.
+
+    A bucket that still holds objects is deleted only with `shardfold:forceDestroy` set; otherwise Pulumi
+    stops at it: empty it (or set the key and `shardfold deploy` again) and re-run.
+    """
+    from client import stack as st
+
+    ident = st.check_deploy_prerequisites()
+    if not yes:
+        click.confirm(
+            f"Destroy every resource of Shardfold stack '{stack_name}' in AWS account {ident['Account']}?",
+            abort=True,
+            err=True,
+        )
+    removed = st.destroy(stack_name, path=outputs)
+    out.print(f"[green]destroyed[/] stack {stack_name}" + (f"; removed {removed}" if removed else ""))
 
 
 @dataclasses.dataclass

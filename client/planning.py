@@ -39,6 +39,16 @@ class TaskLoad:
 
 
 @dataclass
+class DetailTable:
+    """A kind-specific table that ``shardfold plan`` prints after the cost (e.g. dpquery's privacy and
+    accuracy plan): a title, column names and rows of plain values (str, int, float)."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+
+
+@dataclass
 class KindEstimate:
     """A kind estimator's answer: per-function task loads and how many children each Map step gets."""
 
@@ -47,6 +57,7 @@ class KindEstimate:
     map_items: dict[str, int] = field(default_factory=dict)  # Map step name -> children
     notes: list[str] = field(default_factory=list)
     output_bytes: int | None = None
+    details: list[DetailTable] = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +86,7 @@ class PlanReport:
     cost_usd: dict[str, float]
     notes: list[str] = field(default_factory=list)
     output_bytes: int | None = None
+    details: list[DetailTable] = field(default_factory=list)
 
     @property
     def gets(self) -> int:
@@ -234,6 +246,7 @@ def estimate_plan(spec: Any, store_root: str, probe_limit: int | None = None) ->
         cost_usd=cost,
         notes=notes,
         output_bytes=est.output_bytes,
+        details=list(est.details),
     )
 
 
@@ -245,4 +258,4 @@ def map_names_for(kind: str, children: int) -> dict[str, int]:
 
 
 # The kinds' estimators register themselves on import (one module per kind keeps this one generic).
-from client import planning_fedavg, planning_getbatch  # noqa: E402, F401
+from client import planning_dpquery, planning_fedavg, planning_getbatch  # noqa: E402, F401

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from client.errors import BackendError, JobFailed, JobNotFinished
 from client.planning import PlanReport, estimate_plan
 from functions import store
-from functions.errors import JobNotFound, SpecError
+from functions.errors import JobNotFound, ShardfoldError, SpecError
 from functions.jobs import kind_of, new_job_id, resolve_relative_uris, result_key, spec_key
 from functions.specs import BatchItem, JobSpec, parse_spec
 from functions.store.uri import join
@@ -68,6 +68,22 @@ def _file_uris(doc: Any, path: str = "") -> list[tuple[str, str]]:
     return [(path, doc)] if isinstance(doc, str) and doc.startswith("file://") else []
 
 
+def _refuse_in_a_bootstrapping_worker() -> None:
+    """Refuse to submit from a process that multiprocessing is still bootstrapping.
+
+    The local executor runs CPU-bound steps in *spawned* processes, which re-import the user's main script;
+    a script without ``if __name__ == "__main__":`` would otherwise submit the job again from every worker
+    (and, for dpquery, reserve privacy budget each time before failing)."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ShardfoldError(
+            "a job was submitted while a worker process was importing your script (the local backend starts "
+            "workers with 'spawn'); put the code that runs jobs under `if __name__ == \"__main__\":` so "
+            "that workers do not submit it again"
+        )
+
+
 class Client:
     """Entry point of the SDK. ``Client()`` runs jobs in-process on the local store.
 
@@ -83,6 +99,7 @@ class Client:
         self.backend = backend
         self._closers: list[Any] = []
         self._fedavg: Any = None
+        self._dpquery: Any = None
         from client import backends  # deferred: pulls in orchestrator (and moto for backend="moto")
 
         self.executor, self.store_root, self._closers = backends.make(backend, stack)
@@ -136,6 +153,7 @@ class Client:
 
     def submit(self, spec: SpecInput) -> Job:
         """Validate ``spec``, check its plan, record it and start it; returns the :class:`Job` at once."""
+        _refuse_in_a_bootstrapping_worker()
         parsed = self._validate(spec)
         # refused plans never start; a sample of sizes keeps the check cheap next to the job itself
         estimate_plan(parsed, store_root=self.store_root, probe_limit=SUBMIT_PROBE_LIMIT).check()
@@ -170,6 +188,16 @@ class Client:
         if self._fedavg is None:
             self._fedavg = FedAvg(self)
         return self._fedavg
+
+    @property
+    def dpquery(self) -> Any:
+        """The ``dpquery`` helpers (:class:`client.dpquery.DPQuery`): ``plan`` (no data), ``run``,
+        ``tables``, ``arrays``, ``budget``."""
+        from client.dpquery import DPQuery  # deferred: pyarrow and the planner only when used
+
+        if self._dpquery is None:
+            self._dpquery = DPQuery(self)
+        return self._dpquery
 
     def _item(self, item: BatchItem | dict | str) -> BatchItem:
         item = (

@@ -1,17 +1,22 @@
 """Stack outputs of a deployed Shardfold: bucket, region, state machine ARNs and function names.
 
-``shardfold deploy`` saves them to ``.shardfold/stack.json`` (override: ``$SHARDFOLD_STACK``); the AWS
-backend reads them from there unless they are passed in.
+``shardfold deploy`` (:func:`deploy`: ``pulumi up`` on the program in ``infra/``, through the Pulumi CLI)
+saves them to ``.shardfold/stack.json`` (override: ``$SHARDFOLD_STACK``); the AWS backend reads them from
+there unless they are passed in. ``shardfold destroy`` (:func:`destroy`) tears the stack down and deletes
+them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from client.errors import StackNotFound
+from functions.errors import ShardfoldError
 
 REQUIRED = ("bucket", "state_machine_arns")
 
@@ -44,3 +49,145 @@ def load_stack_outputs(source: dict[str, Any] | str | os.PathLike | None = None)
     if missing:
         raise StackNotFound(f"stack outputs in {where} lack {missing}; re-run `shardfold deploy`")
     return outputs
+
+
+# ---- deploy / destroy: the Pulumi program in infra/, driven through the Pulumi CLI ----------------------
+
+INFRA_DIR = Path(__file__).resolve().parent.parent / "infra"
+PULUMI_INSTALL_URL = "https://www.pulumi.com/docs/install/"
+DEFAULT_STACK = "dev"
+
+
+class DeployError(ShardfoldError):
+    """``shardfold deploy``/``destroy`` cannot run, or Pulumi failed."""
+
+
+class PulumiNotFound(DeployError):
+    """The Pulumi CLI is not installed (or not on PATH)."""
+
+
+class AwsCredentialsMissing(DeployError):
+    """No usable AWS credentials in the environment."""
+
+
+def pulumi_cli() -> str:
+    """Path of the ``pulumi`` executable: on PATH, else where its installer puts it (``~/.pulumi/bin``)."""
+    found = shutil.which("pulumi")
+    if found:
+        return found
+    default = Path.home() / ".pulumi" / "bin" / "pulumi"
+    if default.is_file() and os.access(default, os.X_OK):
+        return str(default)
+    raise PulumiNotFound(
+        f"the Pulumi CLI (`pulumi`) is not installed or not on PATH: install it from {PULUMI_INSTALL_URL} "
+        "(e.g. `curl -fsSL https://get.pulumi.com | sh`), run `pulumi login` (or `pulumi login --local`), "
+        "then retry"
+    )
+
+
+def infra_dir() -> Path:
+    """The Pulumi project (``infra/`` of the Shardfold checkout)."""
+    if not (INFRA_DIR / "Pulumi.yaml").is_file():
+        raise DeployError(
+            f"no Pulumi program at {INFRA_DIR}: deploy from a Shardfold checkout, installed with "
+            "`pip install -e '.[infra]'`"
+        )
+    return INFRA_DIR
+
+
+def aws_identity(region: str | None = None) -> dict[str, str]:
+    """``{"Account", "Arn", "UserId"}`` of the AWS credentials in the environment (STS GetCallerIdentity)."""
+    import boto3
+    import botocore.exceptions
+
+    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    try:
+        sts = boto3.session.Session().client("sts", region_name=region or "us-east-1")
+        ident = sts.get_caller_identity()
+    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError) as exc:
+        raise AwsCredentialsMissing(
+            f"no AWS credentials found ({exc}): run `aws configure` or `aws sso login`, or set AWS_PROFILE "
+            "or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then retry"
+        ) from exc
+    except botocore.exceptions.ClientError as exc:
+        raise AwsCredentialsMissing(
+            f"the AWS credentials were rejected ({exc.response.get('Error', {}).get('Code', exc)}): refresh "
+            "them (`aws sso login`, new access keys) and retry"
+        ) from exc
+    except botocore.exceptions.BotoCoreError as exc:
+        raise AwsCredentialsMissing(f"could not check the AWS credentials with STS: {exc}") from exc
+    return {k: ident[k] for k in ("Account", "Arn", "UserId") if k in ident}
+
+
+def save_stack_outputs(outputs: dict[str, Any], path: str | os.PathLike | None = None) -> Path:
+    """Write the stack outputs (checked for the keys the aws backend needs) where :func:`load_stack_outputs`
+    reads them; return the path."""
+    load_stack_outputs(outputs)  # the same checks as a reader applies
+    dest = Path(path) if path is not None else stack_path()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_text(json.dumps(outputs, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, dest)
+    return dest
+
+
+def remove_stack_outputs(path: str | os.PathLike | None = None) -> Path | None:
+    """Delete the saved stack outputs; the path deleted, or None when there were none."""
+    dest = Path(path) if path is not None else stack_path()
+    if dest.is_file():
+        dest.unlink()
+        return dest
+    return None
+
+
+def _pulumi(args: list[str], *, capture: bool = False) -> subprocess.CompletedProcess[str]:
+    cmd = [pulumi_cli(), *args]
+    proc = subprocess.run(cmd, capture_output=capture, text=True, check=False)
+    if proc.returncode != 0:
+        said = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:] if capture else []
+        raise DeployError(
+            f"`pulumi {' '.join(args)}` failed (exit {proc.returncode})"
+            + (": " + " | ".join(said) if said else "; its output above says why")
+            + ". If Pulumi is not logged in: `pulumi login`, or `pulumi login --local` with "
+            "PULUMI_CONFIG_PASSPHRASE set"
+        )
+    return proc
+
+
+def stack_outputs_from_pulumi(stack: str) -> dict[str, Any]:
+    """``pulumi stack output --json`` of ``stack``."""
+    proc = _pulumi(["stack", "output", "--json", "--stack", stack, "--cwd", str(infra_dir())], capture=True)
+    try:
+        outputs = json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        raise DeployError(
+            f"`pulumi stack output --json` printed no JSON ({exc}): {proc.stdout[:200]!r}"
+        ) from exc
+    if not isinstance(outputs, dict):
+        raise DeployError(f"`pulumi stack output --json` printed {type(outputs).__name__}, not an object")
+    return outputs
+
+
+def check_deploy_prerequisites(region: str | None = None) -> dict[str, str]:
+    """The Pulumi CLI, the Pulumi program and AWS credentials, in that order; returns the AWS identity."""
+    pulumi_cli()
+    infra_dir()
+    return aws_identity(region)
+
+
+def deploy(stack: str = DEFAULT_STACK, *, yes: bool = False, path: str | os.PathLike | None = None) -> Path:
+    """``pulumi up`` the Shardfold stack ``stack`` (created if new) and save its outputs; return their path.
+
+    Without ``yes``, Pulumi shows its preview and asks before changing anything. Call
+    :func:`check_deploy_prerequisites` first for a clear error about a missing CLI or credentials.
+    """
+    cwd = str(infra_dir())
+    _pulumi(["stack", "select", "--create", stack, "--cwd", cwd])
+    _pulumi(["up", *(["--yes"] if yes else []), "--stack", stack, "--cwd", cwd])
+    return save_stack_outputs(stack_outputs_from_pulumi(stack), path)
+
+
+def destroy(stack: str = DEFAULT_STACK, *, path: str | os.PathLike | None = None) -> Path | None:
+    """``pulumi destroy --yes`` the stack, then delete the saved outputs (the caller asks first)."""
+    _pulumi(["destroy", "--yes", "--stack", stack, "--cwd", str(infra_dir())])
+    return remove_stack_outputs(path)

@@ -70,3 +70,28 @@ class NonFiniteUpdate(InvalidModelFile):
 
 class AggregationOverflow(ShardfoldError):
     """A weighted sum left the accumulator's finite range although every input was finite."""
+
+
+class DatasetError(ShardfoldError):
+    """A dataset does not match its schema: a missing column, or values missing or outside an attribute's
+    domain. The message names the column(s) and how many rows are at fault, never a value or a row (the
+    data are private). ``column`` is the first column at fault, ``count`` its number of bad rows."""
+
+    def __init__(
+        self,
+        message: str,
+        column: str | None = None,
+        count: int | None = None,
+        counts: dict[str, int] | None = None,
+        missing: list[str] | None = None,
+    ):
+        super().__init__(message)
+        self.column = column
+        self.count = count
+        self.counts = counts or {}
+        self.missing = missing or []
+
+
+class BudgetExceeded(ShardfoldError):
+    """A job's privacy budget would take its dataset's ledger past the dataset's total; nothing was
+    measured. The message states the total, what is already committed and what the job asked for."""

@@ -15,7 +15,7 @@ JOB_ID_RE = re.compile(r"^(?P<kind>[a-z][a-z0-9]*)-(?P<ts>\d{8}T\d{6})-(?P<rand>
 
 # Spec fields that hold URIs. A value starting with "./" or "../" in a spec *file* is relative to the file's
 # own location, so a spec and its data can travel together (events/getbatch.json + events/data/).
-URI_FIELDS = frozenset({"uri", "manifest", "output"})
+URI_FIELDS = frozenset({"uri", "manifest", "output", "dataset"})
 
 
 def new_job_id(kind: str, now: _dt.datetime | None = None) -> str:

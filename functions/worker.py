@@ -4,6 +4,9 @@ The state machine's ``batch:submitJob.sync`` task passes everything in container
 ``SHARDFOLD_HANDLER`` (``module:function``), ``SHARDFOLD_FUNCTION`` (the registered name, for logs) and
 ``SHARDFOLD_EVENT`` (the state as JSON). The handler's result is discarded (outputs go to the store); a
 raised exception fails the Batch job, which fails the task. The moto harness calls :func:`run` in-process.
+
+Exit codes: 0 success; 75 (``EX_TEMPFAIL``) for a transient fault, which the job definition's retry table
+retries; 1 for anything else, which it does not.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
+from functions.store.retry import TransientError
+
 logger = Logger(service="shardfold")
+
+EXIT_TRANSIENT = 75  # EX_TEMPFAIL: the Batch retry strategy retries this code
+# Faults worth another attempt; the same names the workflows' Retry policies treat as transient.
+TRANSIENT = (TransientError, ConnectionError, TimeoutError)
 
 
 def run(environ: Mapping[str, str]) -> Any:
@@ -35,6 +44,11 @@ def run(environ: Mapping[str, str]) -> Any:
 def main() -> int:
     try:
         run(os.environ)
+    except TRANSIENT:
+        logger.exception(
+            "batch worker hit a transient fault", extra={"function": os.environ.get("SHARDFOLD_FUNCTION")}
+        )
+        return EXIT_TRANSIENT
     except Exception:
         logger.exception("batch worker failed", extra={"function": os.environ.get("SHARDFOLD_FUNCTION")})
         return 1

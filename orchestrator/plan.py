@@ -29,6 +29,9 @@ from typing import Literal
 from functions.errors import PlanError
 
 Mode = Literal["thread", "process"]
+# How a kind's Lambda functions are packaged on AWS (see Workflow.lambda_package).
+LambdaPackage = Literal["zip", "image"]
+LAMBDA_PACKAGES: tuple[str, ...] = ("zip", "image")
 
 # Errors the Lambda service (not our code) raises for a transient fault; AWS recommends retrying them.
 LAMBDA_TRANSIENT: tuple[str, ...] = (
@@ -173,15 +176,28 @@ Step = Task | BatchJob | Map | Parallel
 
 @dataclass(frozen=True)
 class Workflow:
-    """A job kind's plan. Validated on construction: names, retry policies and item paths."""
+    """A job kind's plan. Validated on construction: names, retry policies, item paths, packaging.
+
+    ``lambda_package`` says how the kind's Task functions are deployed on AWS (the executors ignore it):
+    ``"zip"`` (the default): in the shared zip package (``infra.package``, at most 250 MB unzipped);
+    ``"image"``: the kind's functions need dependencies too large for a zip and deploy as container-image
+    Lambda functions (``Dockerfile.lambda``, up to 10 GB), one image for all such functions, the handler
+    chosen per function.
+    """
 
     kind: str
     steps: tuple[Step, ...]
     comment: str = field(default="")
+    lambda_package: LambdaPackage = "zip"
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9]*", self.kind):
             raise PlanError(f"workflow kind {self.kind!r} must be lower-case letters and digits")
+        if self.lambda_package not in LAMBDA_PACKAGES:
+            raise PlanError(
+                f"workflow {self.kind!r}: lambda_package {self.lambda_package!r} must be one of "
+                f"{list(LAMBDA_PACKAGES)}"
+            )
         _check_steps(self.steps, f"workflow {self.kind!r}", seen=set())
 
     def walk(self) -> Iterator[Step]:

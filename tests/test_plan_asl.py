@@ -56,6 +56,18 @@ def test_workflow_validation_names_the_problem():
         Workflow("Bad", (Task("a", "toy.plan"),))
     with pytest.raises(PlanError, match="AWS Batch's minimum"):
         Workflow("x", (BatchJob("b", "toy.batch_double", timeout_s=10),))
+    with pytest.raises(PlanError, match=r"lambda_package 'tar' must be one of \['zip', 'image'\]"):
+        Workflow("x", (Task("a", "toy.plan"),), lambda_package="tar")  # type: ignore[arg-type]
+
+
+def test_lambda_package_is_zip_unless_a_kind_says_image():
+    assert Workflow("x", (Task("a", "toy.plan"),)).lambda_package == "zip"
+    wf = Workflow("x", (Task("a", "toy.plan"),), lambda_package="image")
+    assert wf.lambda_package == "image"
+    # packaging is a deployment matter: the state machine is the same either way
+    resolver = NamingResolver(region="eu-west-1", account="111122223333", stage="t")
+    zipped = compile_workflow(Workflow("x", (Task("a", "toy.plan"),)), resolver)
+    assert compile_workflow(wf, resolver) == zipped
 
 
 def test_retry_never_matches_user_errors():

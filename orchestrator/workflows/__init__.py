@@ -27,7 +27,11 @@ from orchestrator.plan import Workflow
 logger = Logger(service="shardfold")
 
 # The registration point: one module per job kind, each defining WORKFLOW.
-KIND_MODULES: tuple[str, ...] = ("orchestrator.workflows.getbatch", "orchestrator.workflows.fedavg")
+KIND_MODULES: tuple[str, ...] = (
+    "orchestrator.workflows.getbatch",
+    "orchestrator.workflows.fedavg",
+    "orchestrator.workflows.dpquery",
+)
 
 WORKFLOWS: dict[str, Workflow] = {}
 

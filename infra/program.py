@@ -1,0 +1,149 @@
+"""The whole stack: bucket -> GPU queue -> functions -> state machines -> trigger, and its outputs.
+
+:func:`build` creates every resource for a :class:`~infra.config.StackConfig` and returns the stack
+outputs, exactly the keys the ``aws`` backend reads (``client.stack.load_stack_outputs``, the same shape
+``orchestrator.moto_harness.build_stack`` gives the moto twin) plus a few for people and tools:
+
+==========================  ============================================================================
+``backend``                 ``"aws"``
+``bucket``, ``region``      the job bucket and its Region
+``stage``, ``account``      the stage name; the AWS account id
+``state_machine_arns``      ``{kind: state machine ARN}``
+``functions``               ``{function: Lambda ARN}`` for every function the workflows call
+``function_names``          ``{function: Lambda function name}``
+``batch_job_queue``         the GPU job queue ARN (absent with ``shardfold:batch`` false)
+``batch_job_definitions``   ``{entry point: job definition ARN}`` (empty when no workflow has a BatchJob)
+``dispatch_function``       the bucket trigger's function name
+``dead_letter_queue``       the URL of the trigger's dead-letter queue
+``ecr_repository``          the worker image repository URL (absent with ``shardfold:batch`` false)
+``worker_image``            the image the job definitions run (absent when there are none)
+``lambda_image``            the image the container-image functions run (absent when no kind has
+                            ``lambda_package="image"``)
+``lambda_ecr_repository``   its ECR repository URL (absent with ``shardfold:lambdaImage`` or no such kind)
+``log_groups``              ``{function or kind or "batch": log group name}``
+==========================  ============================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from functions.errors import ShardfoldError
+from infra.config import DISPATCH, StackConfig
+from infra.context import Context
+from infra.functions import ImageCode, LambdaCode, WorkerFunctions, function_specs
+from infra.gpu import GpuQueue, batch_steps
+from infra.lambda_image import LambdaImage
+from infra.storage import Storage
+from infra.trigger import Trigger
+from infra.workflows import StateMachines
+from orchestrator.plan import Workflow
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_DIR = REPO_ROOT / ".shardfold" / "build"
+
+
+def lambda_code(cfg: StackConfig) -> LambdaCode:
+    """The Lambda package for the configured architecture and runtime (built by ``infra.package``)."""
+    from infra import package
+
+    python_version = cfg.lambda_runtime.removeprefix("python")
+    path = package.build_lambda_package(cfg.lambda_architecture, BUILD_DIR, python_version=python_version)
+    return LambdaCode.from_zip(path)
+
+
+class Stack:
+    """Every component of one deployment; ``outputs`` maps output names to values or Outputs."""
+
+    def __init__(
+        self,
+        cfg: StackConfig,
+        workflows: Mapping[str, Workflow] | None = None,
+        code: LambdaCode | None = None,
+    ):
+        if workflows is None:
+            from orchestrator.workflows import WORKFLOWS
+
+            workflows = WORKFLOWS
+        if not workflows:
+            raise ShardfoldError("no workflows to deploy (orchestrator.workflows.WORKFLOWS is empty)")
+        if batch_steps(workflows) and not cfg.batch:
+            raise ShardfoldError(
+                "a workflow has a BatchJob (GPU) step but shardfold:batch is false; turn it on to deploy"
+            )
+        self.cfg = cfg
+        self.workflows = dict(workflows)
+        self.ctx = Context.create(cfg)
+        self.specs = function_specs(self.workflows, cfg)
+        code = code if code is not None else lambda_code(cfg)
+
+        self.storage = Storage(self.ctx)
+        bucket = self.storage.bucket_name
+        if not code.direct_upload:
+            # Over the 50 MB direct-upload limit: Lambda takes the zip from the bucket instead.
+            code = code.upload(self.storage)
+        self.gpu = GpuQueue(self.ctx, self.workflows, bucket) if cfg.batch else None
+        image_functions = [s.name for s in self.specs.values() if s.package == "image"]
+        self.lambda_image = LambdaImage(self.ctx, image_functions) if image_functions else None
+        image = ImageCode(self.lambda_image.uri, self.lambda_image.depends_on) if self.lambda_image else None
+        self.functions = WorkerFunctions(self.ctx, self.specs, code, bucket, image)
+        self.state_machines = StateMachines(
+            self.ctx,
+            self.workflows,
+            bucket,
+            self.functions.arns,
+            self.gpu.queue_arn if self.gpu else None,
+            self.gpu.job_definition_arns if self.gpu else {},
+            self.gpu.job_definition_names if self.gpu else {},
+        )
+        self.trigger = Trigger(
+            self.ctx,
+            self.specs[DISPATCH],
+            code,
+            bucket,
+            self.state_machines.arns,
+            # S3 must be sending events before the rule is useful; the trigger comes up last.
+            depends_on=[self.storage.notification],
+        )
+        self.outputs = self._outputs()
+
+    def _outputs(self) -> dict[str, Any]:
+        log_groups: dict[str, Any] = {fn: f.log_group.name for fn, f in self.functions.functions.items()}
+        log_groups.update({kind: lg.name for kind, lg in self.state_machines.log_groups.items()})
+        log_groups[DISPATCH] = self.trigger.function.log_group.name
+        out: dict[str, Any] = {
+            "backend": "aws",
+            "bucket": self.storage.bucket_name,
+            "region": self.ctx.region,
+            "stage": self.cfg.stage,
+            "account": self.ctx.account_id,
+            "state_machine_arns": self.state_machines.arns,
+            "functions": self.functions.arns,
+            "function_names": self.functions.names,
+            "dispatch_function": self.trigger.function.name,
+            "dead_letter_queue": self.trigger.dlq.url,
+            "log_groups": log_groups,
+        }
+        if self.gpu is not None:
+            log_groups["batch"] = self.gpu.log_group.name
+            out["batch_job_queue"] = self.gpu.queue_arn
+            out["batch_job_definitions"] = self.gpu.job_definition_arns
+            out["ecr_repository"] = self.gpu.repository.repository_url
+            if self.gpu.image is not None:
+                out["worker_image"] = self.gpu.image
+        if self.lambda_image is not None:
+            out["lambda_image"] = self.lambda_image.uri
+            if self.lambda_image.repository is not None:
+                out["lambda_ecr_repository"] = self.lambda_image.repository.repository_url
+        return out
+
+
+def build(
+    cfg: StackConfig,
+    workflows: Mapping[str, Workflow] | None = None,
+    code: LambdaCode | None = None,
+) -> Stack:
+    """Create the stack's resources (in a Pulumi program or under mocks) and return it."""
+    return Stack(cfg, workflows, code)

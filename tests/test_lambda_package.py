@@ -1,0 +1,424 @@
+"""The Lambda deployment package (``infra.package``): builds, holds no torch, fits Lambda's limits and
+imports every handler in an interpreter that sees nothing but the package.
+
+The builds download wheels from the package index (PyPI): with no index reachable these tests FAIL, naming
+the cause. Each architecture is built once per test run, and builds are cached under ``.shardfold/build/``
+by a hash of their inputs, so a re-run with unchanged sources and dependencies builds nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from infra import package
+from infra.package import (
+    IMAGE_ONLY,
+    LAMBDA_EXCLUDE,
+    LAMBDA_PYTHON_VERSION,
+    LAMBDA_UNZIPPED_MAX,
+    ForbiddenDependency,
+    PackageBuildError,
+    PackageError,
+    PackageTooLarge,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+EVENTS = REPO / "events"
+HOST_ARCH = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "arm64", "arm64": "arm64"}[
+    platform.machine().lower()
+]
+OTHER_ARCH = "arm64" if HOST_ARCH == "x86_64" else "x86_64"
+EM_MACHINE = {"x86_64": 62, "arm64": 183}  # ELF e_machine of each architecture
+
+
+def _interpreter(version: str) -> str | None:
+    """A CPython ``version`` interpreter on this machine: PATH, then pyenv's versions."""
+    if f"{sys.version_info[0]}.{sys.version_info[1]}" == version:
+        return sys.executable
+    root = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
+    candidates = [shutil.which(f"python{version}")]
+    candidates += sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"), reverse=True)
+    for candidate in filter(None, candidates):
+        probe = subprocess.run(
+            [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == version:  # a pyenv shim may not resolve
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def functions_snapshot(tmp_path_factory):
+    """Build from a copy of ``functions/`` taken once, so every build and cache lookup of the session sees
+    the same sources (the cache key is their hash) even if files change while the suite runs."""
+    snap = tmp_path_factory.mktemp("src") / "functions"
+    shutil.copytree(REPO / "functions", snap, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(package, "FUNCTIONS_DIR", snap)
+        yield snap
+
+
+def _host_glibc() -> int:
+    """Lambda's glibc (2.34), or this machine's if older: the host build's wheels must load here."""
+    libc, libc_version = platform.libc_ver()
+    host = int(libc_version.split(".")[1]) if libc == "glibc" and libc_version else 17
+    return min(package.LAMBDA_GLIBC_MINOR[LAMBDA_PYTHON_VERSION], host)
+
+
+def _build(
+    arch: str, out: Path, python_version: str = LAMBDA_PYTHON_VERSION, glibc: int | None = None
+) -> Path:
+    try:
+        return package.build_lambda_package(arch, out, python_version=python_version, glibc=glibc)
+    except PackageBuildError as exc:
+        pytest.fail(
+            f"building the {arch} Lambda package needs the package index (PyPI) reachable, or pip's cache "
+            f"warm for these wheels: {exc}",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="module")
+def host_build(tmp_path_factory) -> tuple[Path, str, str]:
+    """``(zip, python, version)``: the package for this machine's architecture, built for Lambda's Python
+    when an interpreter of that version is here (else for this interpreter's), so it can be imported."""
+    python = _interpreter(LAMBDA_PYTHON_VERSION)
+    if python is None:
+        python = sys.executable
+        version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    else:
+        version = LAMBDA_PYTHON_VERSION
+    return _build(HOST_ARCH, tmp_path_factory.mktemp("host"), version, _host_glibc()), python, version
+
+
+@pytest.fixture(scope="module")
+def host_dir(host_build, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("unzipped") / "task"  # Lambda unpacks to /var/task
+    with zipfile.ZipFile(host_build[0]) as zf:
+        zf.extractall(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def other_zip(tmp_path_factory) -> Path:
+    """The other architecture's package (arm64 on an x86_64 machine), for Lambda's Python."""
+    return _build(OTHER_ARCH, tmp_path_factory.mktemp("other"))
+
+
+# ---- what goes in ---------------------------------------------------------------------------------------
+
+
+def test_requirements_are_the_runtime_deps_minus_client_only_ones_and_never_torch():
+    reqs = package.lambda_requirements()
+    names = {package._requirement_name(r) for r in reqs}
+    assert {"boto3", "numpy", "pydantic", "aws-lambda-powertools", "awscrt", "ml-dtypes"} <= names
+    assert not names & {package.canonical(n) for n in LAMBDA_EXCLUDE}
+    assert not names & {package.canonical(n) for n in IMAGE_ONLY}
+    assert "torch" not in names
+    pins = package.pinned_versions(reqs, "arm64", LAMBDA_PYTHON_VERSION)
+    assert pins["numpy"] == metadata.version("numpy")  # what the tests run is what ships
+    assert pins["botocore"] == metadata.version("botocore")  # boto3 is bundled, with its closure
+    assert not any(package.FORBIDDEN_RE.match(n) for n in pins)
+    # nothing only the image-only dependencies pull in (cvxpy's scipy and solvers) is in the closure
+    assert not set(pins) & image_only_closure()
+
+
+def _runtime_deps() -> list[str]:
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def image_only_closure() -> set[str]:
+    """Distributions the image-only dependencies bring that the zip's requirements do not: all must stay
+    out of the zip."""
+    image_reqs = [r for r in _runtime_deps() if package._requirement_name(r) in set(IMAGE_ONLY)]
+    assert {package._requirement_name(r) for r in image_reqs} == set(IMAGE_ONLY)  # runtime deps, all
+    every = package.pinned_versions(image_reqs, "arm64", LAMBDA_PYTHON_VERSION)
+    zipped = package.pinned_versions(package.lambda_requirements(), "arm64", LAMBDA_PYTHON_VERSION)
+    only = set(every) - set(zipped)
+    assert set(IMAGE_ONLY) <= only and "scipy" in only  # installed here: the tests run dpquery
+    return only
+
+
+def test_image_only_dependencies_are_base_runtime_dependencies_kept_out_of_the_zip():
+    # the local backend and `make demo` run dpquery without extras; on AWS its functions run the image
+    names = {package._requirement_name(r): r for r in _runtime_deps()}
+    assert {"opendp", "pyarrow", "cvxpy"} <= set(IMAGE_ONLY) <= set(names)
+    assert names["opendp"] == "opendp==0.16.0"  # measurements record the sampler's version
+    assert not set(IMAGE_ONLY) & set(LAMBDA_EXCLUDE)
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_image_only_dependencies_are_imported_only_by_image_kinds():
+    """A module importing opendp, pyarrow or cvxpy must live in the package of an image kind's handlers (the
+    zip test below imports every zip handler, so a zip kind reaching them would fail there too)."""
+    image_packages = {h.rsplit(".", 2)[0] for h in package.lambda_handlers("image").values()}
+    zip_packages = {h.rsplit(".", 2)[0] for h in package.lambda_handlers("zip").values()}
+    image_only = set(IMAGE_ONLY)
+    for path in sorted((REPO / "functions").rglob("*.py")):
+        used = _imports(path) & image_only
+        if used:
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            assert any(module.startswith(p + ".") for p in image_packages - zip_packages), (
+                f"{module} imports {sorted(used)}, which only the container image has; move it into an image "
+                f"kind's package (Workflow.lambda_package='image'): {sorted(image_packages)}"
+            )
+
+
+def test_function_packages_follow_the_kinds():
+    import toyflow  # noqa: F401  (registers the toy functions)
+
+    from orchestrator.plan import Task, Workflow
+
+    zipped = Workflow("a", (Task("p", "toy.plan"), Task("t", "toy.total")))
+    imaged = Workflow("b", (Task("t", "toy.total"), Task("s", "toy.stamp")), lambda_package="image")
+    assert package.function_packages({"a": zipped, "b": imaged}) == {
+        "dispatch": "zip",
+        "toy.plan": "zip",
+        "toy.stamp": "image",
+        "toy.total": "image",  # called by both: the image has every dependency
+    }
+    assert package.function_packages({"b": imaged, "a": zipped})["toy.total"] == "image"
+    assert set(package.lambda_handlers("image", {"b": imaged})) == {"toy.stamp", "toy.total"}
+    assert package.lambda_handlers(None, {"b": imaged})["dispatch"] == "functions.dispatch.handler"
+    with pytest.raises(PackageError, match="package must be"):
+        package.lambda_handlers("tar")
+
+
+def test_functions_imports_nothing_from_the_other_packages_or_client_only_deps():
+    forbidden = {"client", "orchestrator", "infra"} | {n.replace("-", "_") for n in LAMBDA_EXCLUDE}
+    offenders = {
+        str(p.relative_to(REPO)): sorted(_imports(p) & forbidden)
+        for p in sorted((REPO / "functions").rglob("*.py"))
+        if _imports(p) & forbidden
+    }
+    assert not offenders, f"functions/ must import none of {sorted(forbidden)}: {offenders}"
+
+
+def test_torch_in_the_dependencies_is_refused(tmp_path, monkeypatch):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "x"\ndependencies = ["numpy>=1.26", "torch==2.13.0"]\n')
+    with pytest.raises(ForbiddenDependency, match="torch"):
+        package.lambda_requirements(pyproject)
+    # ... also when it comes in through a dependency
+    monkeypatch.setattr(package.metadata, "distribution", _fake_distribution({"fancy": ["torch>=2"]}))
+    with pytest.raises(ForbiddenDependency, match="torch.*required by fancy"):
+        package.pinned_versions(["fancy"], "arm64", "3.12")
+
+
+def _fake_distribution(requires: dict[str, list[str]]):
+    class Dist:
+        def __init__(self, name: str):
+            self.version, self.requires = "1.0", requires[name]
+
+    def distribution(name: str):
+        if name not in requires:
+            raise metadata.PackageNotFoundError(name)
+        return Dist(name)
+
+    return distribution
+
+
+def test_installed_torch_or_cuda_wheels_are_refused(tmp_path):
+    site = tmp_path / "site"
+    (site / "numpy-2.4.6.dist-info").mkdir(parents=True)
+    package._check_forbidden_installed(site)
+    (site / "nvidia_cublas_cu12-12.8.4.1.dist-info").mkdir()
+    with pytest.raises(ForbiddenDependency, match="nvidia-cublas-cu12"):
+        package._check_forbidden_installed(site)
+
+
+def test_architectures():
+    assert package.lambda_arch("aarch64") == "arm64" and package.lambda_arch("AMD64") == "x86_64"
+    assert package.pip_platforms("arm64")[0] == "manylinux_2_34_aarch64"
+    assert "manylinux2014_aarch64" in package.pip_platforms("arm64")
+    with pytest.raises(PackageError, match="unknown Lambda architecture"):
+        package.lambda_arch("riscv64")
+    # python3.11 runs on Amazon Linux 2 (glibc 2.26), python3.12 and later on Amazon Linux 2023 (2.34)
+    assert package.pip_platforms("x86_64", package.glibc_minor("3.11"))[0] == "manylinux_2_26_x86_64"
+    assert package.glibc_minor("3.13") == 34
+    with pytest.raises(PackageError, match="no Lambda Python runtime '3.9'"):
+        package.glibc_minor("3.9")
+
+
+# ---- the zip ------------------------------------------------------------------------------------------
+
+
+def test_zip_is_deterministic(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "b.py").write_text("B = 2\n")
+    (tree / "pkg" / "a.py").write_text("A = 1\n")
+    (tree / "pkg" / "_ext.so").write_bytes(b"\x7fELF")
+    (tree / "pkg" / "_ext.so").chmod(0o755)
+    package._write_zip(tree, tmp_path / "1.zip")
+    os.utime(tree / "pkg" / "a.py", (1_000_000_000, 1_000_000_000))  # mtimes must not matter
+    package._write_zip(tree, tmp_path / "2.zip")
+    assert (tmp_path / "1.zip").read_bytes() == (tmp_path / "2.zip").read_bytes()
+    with zipfile.ZipFile(tmp_path / "1.zip") as zf:
+        infos = zf.infolist()
+    assert [i.filename for i in infos] == ["pkg/_ext.so", "pkg/a.py", "pkg/b.py"]
+    assert {i.date_time for i in infos} == {(1980, 1, 1, 0, 0, 0)}
+    assert [(i.external_attr >> 16) & 0o777 for i in infos] == [0o755, 0o644, 0o644]
+
+
+def test_host_package_fits_lambda_and_holds_only_functions_and_their_deps(host_build):
+    zip_path = host_build[0]
+    report = package.package_report(zip_path)
+    assert report["has_torch"] is False
+    assert report["fits"] and report["unzipped_bytes"] <= LAMBDA_UNZIPPED_MAX
+    assert report["zip_bytes"] == zip_path.stat().st_size
+    top = set(report["top_level"])
+    assert "functions" in top and {"numpy", "boto3", "botocore", "pydantic", "awscrt"} <= top
+    assert not top & {"client", "orchestrator", "infra", "torch", "click", "rich", "safetensors", "bin"}
+    assert report["dists"][package.FUNCTIONS_DIST] > 0
+    assert report["unzipped_bytes"] < 150 * 2**20  # far under the limit without the image-only deps
+    assert not any(d.startswith("(unowned)") for d in report["dists"]), report["dists"]
+    with zipfile.ZipFile(zip_path) as zf:
+        names = zf.namelist()
+    assert names == sorted(names)
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+
+
+_IMPORT_CHECK = r"""
+import importlib, importlib.util, json, sys
+root = sys.argv[1]
+sys.path.insert(0, root)
+handlers = json.loads(sys.argv[2])
+out = {"path": sys.path, "loaded": {}, "absent": {}}
+for function, setting in handlers.items():
+    module, _, name = setting.rpartition(".")
+    mod = importlib.import_module(module)
+    assert callable(getattr(mod, name)), setting
+    out["loaded"][function] = mod.__file__
+for name in ("torch", "click", "rich", "client", "orchestrator", "infra", "opendp", "pyarrow", "cvxpy",
+             "scipy"):
+    out["absent"][name] = importlib.util.find_spec(name) is None
+from functions.dispatch import handler
+out["dispatch"] = handler(json.load(open(sys.argv[3])), None)
+print(json.dumps(out))
+"""
+
+
+def test_host_package_imports_every_handler_in_isolation(host_build, host_dir, tmp_path):
+    """Each Lambda handler imports, with ``sys.path`` = the package plus the standard library only."""
+    _, python, _ = host_build
+    handlers = package.lambda_handlers()
+    assert "dispatch" in handlers and "getbatch.plan" in handlers and "fedavg.aggregate" in handlers
+    assert not set(handlers) & set(package.lambda_handlers("image"))  # those run from Dockerfile.lambda
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(tmp_path),
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "SHARDFOLD_STATE_MACHINES": "{}",
+        "POWERTOOLS_LOG_LEVEL": "ERROR",
+    }
+    proc = subprocess.run(
+        [python, "-I", "-S", "-c", _IMPORT_CHECK, str(host_dir), json.dumps(handlers)]
+        + [str(EVENTS / "dispatch_not_a_job.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not [p for p in out["path"] if "site-packages" in p or str(REPO) in p], out["path"]
+    assert set(out["loaded"]) == set(handlers)
+    assert all(f.startswith(str(host_dir)) for f in out["loaded"].values()), out["loaded"]
+    assert all(out["absent"].values()), out["absent"]
+    assert "ignored" in out["dispatch"]  # the packaged dispatch handler ran (powertools' parser, pydantic)
+
+
+@pytest.mark.parametrize("which", ["host", "other"])
+def test_zips_hold_none_of_the_image_only_dependencies(which, request):
+    zip_path = (
+        request.getfixturevalue("host_build")[0] if which == "host" else request.getfixturevalue("other_zip")
+    )
+    report = package.package_report(zip_path)
+    dists = {d.split("==", 1)[0] for d in report["dists"]}
+    assert not dists & image_only_closure(), sorted(dists & image_only_closure())
+    assert not set(report["top_level"]) & {"opendp", "pyarrow", "cvxpy", "scipy", "scs", "osqp", "clarabel"}
+
+
+def test_other_arch_package_fits_has_no_torch_and_is_built_for_that_cpu(other_zip):
+    report = package.package_report(other_zip)
+    assert report["has_torch"] is False and report["fits"]
+    assert {"functions", "numpy", "awscrt"} <= set(report["top_level"])
+    with zipfile.ZipFile(other_zip) as zf:
+        libs = [n for n in zf.namelist() if n.endswith(".so") or ".so." in n]
+        machines = {int.from_bytes(zf.open(n).read(20)[18:20], "little") for n in libs}
+    assert libs and machines == {EM_MACHINE[OTHER_ARCH]}
+
+
+def test_a_second_build_comes_from_the_cache_byte_identical(host_build, tmp_path, monkeypatch):
+    zip_path, _, version = host_build
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip ran for a cached build")
+
+    monkeypatch.setattr(package, "_pip_install", no_pip)
+    again = package.build_lambda_package(HOST_ARCH, tmp_path, python_version=version, glibc=_host_glibc())
+    assert again.read_bytes() == zip_path.read_bytes()
+
+
+def test_size_limits_name_the_largest_distributions(host_build, monkeypatch):
+    report = package.package_report(host_build[0])
+    monkeypatch.setattr(package, "LAMBDA_UNZIPPED_MAX", 2**20)
+    report = package.package_report(host_build[0])
+    with pytest.raises(PackageTooLarge, match=r"over Lambda's 1\.0 MiB limit; largest: numpy=="):
+        package._check_size(report, None)
+    monkeypatch.undo()
+    report = package.package_report(host_build[0])
+    with pytest.raises(PackageTooLarge, match=r"zipped, over 1\.0 MiB .*through S3"):
+        package._check_size(report, max_zip_bytes=2**20)
+
+
+def test_report_spots_torch_in_a_zip(tmp_path):
+    bad = tmp_path / "bad.zip"
+    with zipfile.ZipFile(bad, "w") as zf:
+        zf.writestr("torch/__init__.py", "")
+        zf.writestr("functions/__init__.py", "")
+    report = package.package_report(bad)
+    assert report["has_torch"] is True
+    with pytest.raises(ForbiddenDependency):
+        package._check_size(report, None)
+
+
+def test_an_unreachable_index_is_a_clear_build_error(tmp_path, monkeypatch):
+    # what the builds above raise (and the fixture turns into a test failure) when PyPI cannot be reached
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no configured mirrors or find-links either
+    for var in ("PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    with pytest.raises(PackageBuildError, match=r"(?s)index \(PyPI\).*unreachable"):
+        package.build_lambda_package("arm64", tmp_path / "out", cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").iterdir())  # nothing half-built is cached
