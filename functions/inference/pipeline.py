@@ -1,0 +1,177 @@
+"""Pure core of the ``inference`` job around its GPU worker: plan, preprocess, cpu_done, reconcile, commit.
+
+* **preprocess** tokenizes one shard and writes ``pre/<H>/<k>.npz`` put-if-absent; an existing shard file
+  is kept (lineage: a shard's CPU task re-runs only when its file is missing).
+* **cpu_done** marks the end of the CPU stage (the worker exits once it is there and nothing is left).
+* **reconcile** lists the shards lacking a commit marker ``out/<H>/<k>.done`` into ``missing.json`` (the
+  repair round's manifest). The workflow runs one repair round (no loops in the plan vocabulary).
+* **commit** fails naming the shards still missing, else merges every shard's embeddings in input order
+  into the output Parquet (``id`` and ``embedding`` list<float32>) plus a manifest, and writes the result.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from typing import Any
+
+import numpy as np
+from aws_lambda_powertools import Logger
+
+from functions import store
+from functions.errors import ShardfoldError
+from functions.inference import plan as layout
+from functions.inference.plan import load_plan, plan
+from functions.inference.preprocess import decode_shard, encode_shard, read_shard
+from functions.manifest import manifest_ref
+from functions.specs import InferenceJob
+from functions.store.uri import join
+
+logger = Logger(service="shardfold")
+
+__all__ = ["commit", "cpu_done", "missing_shards", "plan", "preprocess", "reconcile"]
+
+
+class MissingShards(ShardfoldError):
+    """Commit found shards without a commit marker after the repair round."""
+
+
+def output_uri(spec: InferenceJob, store_root: str, job_id: str) -> str:
+    if spec.output:
+        return layout.resolve_in(spec.output, store_root)
+    return join(store_root, "jobs", job_id, "output", "embeddings.parquet")
+
+
+def preprocess(spec: InferenceJob, job_id: str, store_root: str, shard: int) -> dict[str, Any]:
+    """Tokenize shard ``shard`` into ``pre/<H>/<k>.npz`` unless it is already there."""
+    p = load_plan(store_root, job_id)
+    h = p["config_hash"]
+    uri = layout.pre_uri(store_root, job_id, h, shard)
+    if store.exists(uri):
+        return {"shard": shard, "cached": True}
+    entry = p["shards"][shard]
+    try:
+        rows = read_shard(spec, entry)
+    except ShardfoldError as exc:
+        # The GPU worker polls for shards; tell it the CPU stage failed so it stops instead of waiting.
+        store.put_if_absent(
+            layout.cpu_failed_uri(store_root, job_id),
+            json.dumps({"shard": shard, "error": str(exc)}).encode(),
+        )
+        raise
+    wrote = store.put_if_absent(uri, encode_shard(rows, spec.max_tokens))
+    return {"shard": shard, "rows": len(rows.texts), "skipped": len(rows.skipped), "cached": not wrote}
+
+
+def cpu_done(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+    """Mark the CPU stage finished (every shard's preprocess task returned)."""
+    p = load_plan(store_root, job_id)
+    store.put_json(layout.cpu_done_uri(store_root, job_id), {"shards": len(p["shards"])})
+    return {"shards": len(p["shards"])}
+
+
+def missing_shards(store_root: str, job_id: str, p: dict[str, Any]) -> list[int]:
+    """Shards of the plan lacking a commit marker for its config hash, ascending."""
+    prefix = layout.out_prefix(store_root, job_id, p["config_hash"])
+    done = {layout.shard_of(u) for u in store.list_uris(prefix) if u.endswith(".done")}
+    return [s["shard"] for s in p["shards"] if s["shard"] not in done]
+
+
+def reconcile(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+    """Write ``missing.json`` (``[{"shard": k}]`` for every shard lacking a marker); return its reference."""
+    p = load_plan(store_root, job_id)
+    missing = missing_shards(store_root, job_id, p)
+    uri = layout.missing_uri(store_root, job_id)
+    store.put_json(uri, [{"shard": k} for k in missing])
+    if missing:
+        logger.warning(
+            "shards to repair", extra={"job_id": job_id, "count": len(missing), "first": missing[:10]}
+        )
+    return {"missing": manifest_ref(uri, len(missing)), "count": len(missing), "first": missing[:20]}
+
+
+def _load_out(store_root: str, job_id: str, h: str, shard: int, rows: int) -> np.ndarray:
+    emb = np.load(io.BytesIO(store.get(layout.out_uri(store_root, job_id, h, shard))), allow_pickle=False)
+    if emb.ndim != 2 or emb.shape[0] != rows:
+        raise ShardfoldError(f"shard {shard}: embeddings of shape {emb.shape}, expected {rows} rows")
+    return emb.astype(np.float32, copy=False)
+
+
+def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+    """Merge every shard's embeddings in input order into the output Parquet and write the result."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    result_uri = join(store_root, "jobs", job_id, "result.json")
+    if store.exists(result_uri):  # a retried commit after success: the committed result stands
+        return store.get_json(result_uri)
+    p = load_plan(store_root, job_id)
+    h = p["config_hash"]
+    missing = missing_shards(store_root, job_id, p)
+    if missing:
+        shown = ", ".join(str(k) for k in missing[:20]) + (" …" if len(missing) > 20 else "")
+        raise MissingShards(
+            f"{len(missing)} shard(s) still lack a commit marker after the repair round: {shown}; "
+            "resume the job to recompute only those"
+        )
+    shards = [decode_shard(store.get(layout.pre_uri(store_root, job_id, h, s["shard"]))) for s in p["shards"]]
+    string_ids = any(sh["ids"].dtype.kind == "U" for sh in shards)
+    id_type = pa.string() if string_ids else pa.int64()
+    out = output_uri(spec, store_root, job_id)
+    skipped: list[dict[str, Any]] = []
+    rows, dim, writer = 0, None, None
+    with tempfile.TemporaryFile() as f:
+        for s, sh in zip(p["shards"], shards, strict=True):
+            skipped.extend(sh["skipped"])
+            n = len(sh["row_index"])
+            if not np.all(np.diff(sh["row_index"]) > 0):
+                raise ShardfoldError(f"shard {s['shard']}: rows out of input order in its preprocessed file")
+            emb = _load_out(store_root, job_id, h, s["shard"], n)
+            if dim is None and n:
+                dim = emb.shape[1]
+            elif n and emb.shape[1] != dim:
+                raise ShardfoldError(f"shard {s['shard']}: embedding width {emb.shape[1]}, others {dim}")
+            ids = sh["ids"].astype(str) if string_ids else sh["ids"]
+            width = emb.shape[1] if n else (dim or 0)
+            values = pa.array(emb.reshape(-1), type=pa.float32())
+            offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width, type=pa.int32())
+            table = pa.table(
+                {"id": pa.array(ids, type=id_type), "embedding": pa.ListArray.from_arrays(offsets, values)}
+            )
+            if writer is None:
+                writer = pq.ParquetWriter(f, table.schema)
+            writer.write_table(table)
+            rows += n
+        if writer is not None:
+            writer.close()
+        f.seek(0)
+        store.put_file(out, f)
+    manifest = {
+        "output": out,
+        "rows": rows,
+        "dim": dim,
+        "config_hash": h,
+        "config": p["config"],
+        "inputs": list(spec.inputs),
+        "shards": len(p["shards"]),
+        "skipped": skipped,
+    }
+    manifest_out = (
+        out.rsplit(".", 1)[0] + ".manifest.json" if out.endswith(".parquet") else out + ".manifest.json"
+    )
+    store.put(manifest_out, json.dumps(manifest, sort_keys=True, indent=1).encode())
+    result = {
+        "job_id": job_id,
+        "kind": "inference",
+        "output": out,
+        "manifest": manifest_out,
+        "rows": rows,
+        "dim": dim,
+        "skipped": len(skipped),
+        "shards": len(p["shards"]),
+        "config_hash": h,
+    }
+    store.put_json(result_uri, result)
+    logger.info("committed inference", extra={k: v for k, v in result.items() if k != "job_id"})
+    return result

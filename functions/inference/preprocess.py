@@ -1,0 +1,196 @@
+"""CPU stage of an ``inference`` job: read one shard's rows, tokenize them, write ``pre/<H>/<k>.npz``.
+
+No torch: the tokenizer is the ``tokenizers`` library reading the bundled ``tokenizer.json`` of
+all-MiniLM-L6-v2, configured as sentence-transformers uses it: ``[CLS] … [SEP]``, truncated to
+``max_tokens`` tokens (special tokens included), no padding (the GPU batcher pads).
+
+The shard file is a numpy ``savez`` archive (:func:`encode_shard` / :func:`decode_shard`):
+
+* ``input_ids`` int32, every row's token ids back to back; ``offsets`` int64 (rows + 1): row ``r`` is
+  ``input_ids[offsets[r]:offsets[r + 1]]``;
+* ``row_index`` int64: each kept row's global row number (across all inputs, bad rows counted);
+* ``ids``: the id column (int64, or unicode strings), the row number when the spec names no ``id_field``;
+* ``skipped``: a 0-d unicode array holding the JSON list of skipped rows (``on_bad_row="skip"``), each
+  ``{"input", "line" | "row", "row_index", "error"}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from functions import store
+from functions.errors import BadInputError
+from functions.inference.plan import tokenizer_path
+from functions.specs import InferenceJob
+
+
+@dataclass
+class ShardRows:
+    """The rows of one shard as read from its input: texts, ids, global row numbers, skipped rows."""
+
+    texts: list[str] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
+    row_index: list[int] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(max_tokens: int):
+    """The built-in tokenizer truncating to ``max_tokens`` (special tokens included), without padding."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path()))
+    tok.no_padding()
+    tok.enable_truncation(max_length=max_tokens)
+    return tok
+
+
+def tokenize(texts: list[str], max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids int32 flat, offsets int64)`` of ``texts``."""
+    encodings = load_tokenizer(max_tokens).encode_batch(texts) if texts else []
+    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+    offsets = np.zeros(len(encodings) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    input_ids = np.empty(int(offsets[-1]), dtype=np.int32)
+    for r, e in enumerate(encodings):
+        input_ids[offsets[r] : offsets[r + 1]] = e.ids
+    return input_ids, offsets
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class _Rows:
+    """Collects rows, applying the bad-row policy: fail with the location, or record it and go on."""
+
+    def __init__(self, spec: InferenceJob, shard: dict[str, Any]):
+        self.spec, self.shard, self.out = spec, shard, ShardRows()
+
+    def bad(self, where: dict[str, Any], row_index: int, error: str) -> None:
+        loc = f"line {where['line']}" if "line" in where else f"row {where['row']}"
+        if self.spec.on_bad_row == "fail":
+            raise BadInputError(f"{self.shard['input']} {loc}: {error}")
+        self.out.skipped.append(
+            {"input": self.shard["input"], **where, "row_index": row_index, "error": error}
+        )
+
+    def add(self, where: dict[str, Any], row_index: int, text: Any, row_id: Any, has_id: bool) -> None:
+        spec = self.spec
+        if text is None:
+            return self.bad(where, row_index, f"missing field {spec.field!r}")
+        if not isinstance(text, str):
+            return self.bad(
+                where, row_index, f"field {spec.field!r} is a {type(text).__name__}, not a string"
+            )
+        if spec.id_field is None:
+            row_id = row_index
+        elif not has_id or row_id is None:
+            return self.bad(where, row_index, f"missing id field {spec.id_field!r}")
+        elif isinstance(row_id, bool) or not isinstance(row_id, int | str):
+            return self.bad(where, row_index, f"id field {spec.id_field!r} is a {type(row_id).__name__}")
+        self.out.texts.append(text)
+        self.out.ids.append(row_id)
+        self.out.row_index.append(row_index)
+
+
+def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
+    """The shard's rows from its byte range (one ranged read: memory is bounded by the shard)."""
+    data = store.get(shard["uri"], shard["byte_start"], shard["byte_end"] - shard["byte_start"])
+    rows = _Rows(spec, shard)
+    line_no, row_index = shard["first_line"], shard["row_offset"]
+    for raw in data.split(b"\n"):
+        if raw.strip(b" \t\r"):
+            where = {"line": line_no}
+            try:
+                doc = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                rows.bad(where, row_index, f"not UTF-8 ({exc.reason} at byte {exc.start})")
+            except json.JSONDecodeError as exc:
+                rows.bad(where, row_index, f"not JSON ({exc.msg}, column {exc.colno})")
+            else:
+                if not isinstance(doc, dict):
+                    rows.bad(where, row_index, f"a JSON {type(doc).__name__}, not an object")
+                else:
+                    has_id = spec.id_field is not None and spec.id_field in doc
+                    rows.add(where, row_index, doc.get(spec.field), doc.get(spec.id_field or ""), has_id)
+            row_index += 1
+        line_no += 1
+    if row_index - shard["row_offset"] != shard["rows"]:
+        raise BadInputError(
+            f"{shard['input']}: shard {shard['shard']} has {row_index - shard['row_offset']} rows where the "
+            f"plan counted {shard['rows']}; the file changed after the plan"
+        )
+    return rows.out
+
+
+def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
+    """The shard's rows: only the row groups overlapping its row range, only the needed columns."""
+    import pyarrow.parquet as pq
+
+    from functions.inference.plan import _parquet_source
+
+    pf = pq.ParquetFile(_parquet_source(shard["uri"]))
+    names = set(pf.schema_arrow.names)
+    columns = [spec.field] + ([spec.id_field] if spec.id_field else [])
+    for c in columns:
+        if c not in names:
+            raise BadInputError(f"{shard['input']}: no column {c!r} (columns: {sorted(names)})")
+    start, stop = shard["start_row"], shard["start_row"] + shard["rows"]
+    groups, first, pos = [], None, 0
+    for g in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if pos < stop and pos + n > start:
+            groups.append(g)
+            first = pos if first is None else first
+        pos += n
+    table = pf.read_row_groups(groups, columns=columns).slice(start - (first or 0), shard["rows"])
+    texts = table.column(spec.field).to_pylist()
+    ids = table.column(spec.id_field).to_pylist() if spec.id_field else [None] * len(texts)
+    rows = _Rows(spec, shard)
+    for r, (text, row_id) in enumerate(zip(texts, ids, strict=True)):
+        rows.add({"row": start + r}, shard["row_offset"] + r, text, row_id, spec.id_field is not None)
+    return rows.out
+
+
+def read_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
+    if shard["format"] == "jsonl":
+        return read_jsonl_shard(spec, shard)
+    return read_parquet_shard(spec, shard)
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def encode_shard(rows: ShardRows, max_tokens: int) -> bytes:
+    """The ``.npz`` bytes of a tokenized shard."""
+    input_ids, offsets = tokenize(rows.texts, max_tokens)
+    if rows.ids and all(isinstance(i, int) for i in rows.ids):
+        ids = np.asarray(rows.ids, dtype=np.int64)
+    elif rows.ids:
+        ids = np.asarray([str(i) for i in rows.ids], dtype=np.str_)
+    else:
+        ids = np.zeros(0, dtype=np.int64)
+    buf = io.BytesIO()
+    np.savez(
+        buf,
+        input_ids=input_ids,
+        offsets=offsets,
+        row_index=np.asarray(rows.row_index, dtype=np.int64),
+        ids=ids,
+        skipped=np.array(json.dumps(rows.skipped, sort_keys=True)),
+    )
+    return buf.getvalue()
+
+
+def decode_shard(data: bytes) -> dict[str, Any]:
+    """A shard file's arrays; ``skipped`` decoded to its list."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        out = {k: z[k] for k in ("input_ids", "offsets", "row_index", "ids")}
+        out["skipped"] = json.loads(str(z["skipped"]))
+    return out

@@ -1,0 +1,410 @@
+"""The inference GPU worker: ``python -m functions.inference.worker`` (AWS Batch container, or locally).
+
+The workflow's BatchJob steps call :func:`handler` (registered as ``inference.worker``) with the state as
+event; the CLI takes the same event from ``--event`` JSON, ``$SHARDFOLD_EVENT`` or flags. Both run
+:func:`run_worker`:
+
+1. Poll the listing of ``pre/<H>/`` (and ``out/<H>/`` for commit markers). Every preprocessed shard that
+   is a target of this attempt and has no ``.done`` marker is claimed with ``put_if_absent`` on
+   ``claims/<attempt>/<k:05d>``: a claim another worker holds is left to it. At most ``prefetch`` claimed
+   shards are read ahead by a small thread pool, so a worker never hoards shards others could take.
+2. Each shard's rows are batched by token budget after sorting by length (:mod:`batcher`), embedded under
+   ``torch.inference_mode()`` on CUDA if present, else CPU; on ``torch.cuda.OutOfMemoryError`` the
+   worker halves its budget (for the rest of its life) and re-splits the failed batch.
+3. ``out/<H>/<k>.npy`` (float32 ``[rows, D]`` in the shard's row order) is written, then the commit
+   marker ``out/<H>/<k>.done`` with ``put_if_absent``: a shard is committed iff its marker exists.
+4. The worker exits once ``cpu_done.json`` exists (checked *before* the listing, so the listing is
+   complete) and nothing is left to claim.
+
+Attempt 0 (the ``infer`` step) targets every planned shard; a repair attempt (``attempt >= 1``: the
+event's ``attempt``, or the ``repair_infer`` step, recognised by the reconcile result in its state)
+targets only the shards in ``missing.json`` and claims under ``claims/<attempt>/``, so claims left by a
+killed attempt-0 worker do not block the repair. A Batch job retried by its job definition (same
+``AWS_BATCH_JOB_ID``, higher ``AWS_BATCH_JOB_ATTEMPT``) takes over the claims its dead earlier attempt
+held (see :func:`_claim`); it never takes another job's claims.
+
+Exit codes: 0; 75 for a transient fault (the job definition retries it); 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from aws_lambda_powertools import Logger
+
+from functions import store
+from functions.errors import ShardfoldError
+from functions.inference import plan as layout
+from functions.inference.batcher import token_budget_batches
+from functions.runtime import JobEvent, load_spec, parse_event
+from functions.specs import InferenceJob
+
+logger = Logger(service="shardfold")
+
+POLL_S = float(os.environ.get("SHARDFOLD_INFERENCE_POLL_S", "1.0"))
+PREFETCH = 2  # claimed shards read ahead of the one being computed
+# Give up (an error: the job fails) when, before cpu_done.json, no new preprocessed shard appeared for this
+# long: the CPU stage has died. On AWS a failed CPU branch stops the Batch job anyway (Parallel); locally
+# this bounds the wait. A CPU task is bounded by the Lambda timeout (900 s) times its retries.
+IDLE_S = float(os.environ.get("SHARDFOLD_INFERENCE_IDLE_S", "3600"))
+
+
+class WorkerEvent(JobEvent):
+    attempt: int | None = None
+
+
+@dataclass
+class WorkerStats:
+    attempt: int = 0
+    computed: list[int] = field(default_factory=list)  # shards this worker committed
+    skipped: list[int] = field(default_factory=list)  # committed by someone else before we got to them
+    rows: int = 0
+    batches: int = 0
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    oom_halvings: int = 0
+    budget: int = 0
+    first_commit_s: float | None = None
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        pad = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+        return {
+            "attempt": self.attempt,
+            "shards": len(self.computed),
+            "rows": self.rows,
+            "batches": self.batches,
+            "padding_fraction": round(pad, 4),
+            "oom_halvings": self.oom_halvings,
+            "budget": self.budget,
+            "first_commit_s": self.first_commit_s,
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    oom = getattr(torch.cuda, "OutOfMemoryError", None) or getattr(torch, "OutOfMemoryError", None)
+    return oom is not None and isinstance(exc, oom)
+
+
+def load_shard(uri: str) -> dict[str, np.ndarray]:
+    """A preprocessed shard (``input_ids`` flat int32, ``offsets`` int64 rows+1)."""
+    with np.load(io.BytesIO(store.get(uri)), allow_pickle=False) as z:
+        shard = {"input_ids": z["input_ids"], "offsets": z["offsets"]}
+    if shard["offsets"].ndim != 1 or len(shard["offsets"]) < 1:
+        raise ShardfoldError(f"{uri}: offsets must be a 1-D array of rows+1 entries")
+    return shard
+
+
+def embed_rows(
+    model: Any, input_ids: np.ndarray, offsets: np.ndarray, budget: int, stats: WorkerStats | None = None
+) -> tuple[np.ndarray, int]:
+    """Embeddings ``[rows, D]`` float32 of a shard's rows in row order; returns ``(out, budget)`` where
+    budget may have been halved on out-of-memory."""
+    import torch
+
+    stats = stats if stats is not None else WorkerStats()
+    lengths = np.diff(offsets).astype(np.int64)
+    rows = len(lengths)
+    dim = model.dim
+    out = np.zeros((rows, dim), dtype=np.float32)
+    if rows == 0:
+        return out, budget
+    device = model.device
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    queue = deque(token_budget_batches(lengths, budget))
+    with torch.inference_mode():
+        while queue:
+            idx = queue.popleft()
+            lens = np.maximum(lengths[idx], 1)
+            t = int(lens.max())
+            ids = np.zeros((len(idx), t), dtype=np.int64)
+            mask = np.zeros((len(idx), t), dtype=np.int64)
+            for j, r in enumerate(idx):
+                n = int(lengths[r])
+                ids[j, :n] = input_ids[offsets[r] : offsets[r] + n]
+                mask[j, :n] = 1
+                if n == 0:
+                    mask[j, 0] = 1  # an empty row still attends to one (pad) token
+            ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+            if cuda:
+                ids_t = ids_t.pin_memory().to(device, non_blocking=True)
+                mask_t = mask_t.pin_memory().to(device, non_blocking=True)
+            try:
+                y = model(ids_t, mask_t)
+            except Exception as exc:
+                if not _is_oom(exc):
+                    raise
+                if budget <= 1 or (len(idx) == 1 and budget < t):
+                    raise ShardfoldError(
+                        f"out of memory on a single row of {t} tokens even at a budget of {budget} tokens; "
+                        "lower max_tokens or use a device with more memory"
+                    ) from exc
+                budget = max(1, budget // 2)
+                stats.oom_halvings += 1
+                logger.warning("out of memory: halving the token budget", extra={"budget": budget})
+                if cuda:
+                    torch.cuda.empty_cache()
+                # re-cut the failed batch and every batch still queued (cut under the old budget)
+                left = np.concatenate([idx, *queue])
+                queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
+                continue
+            y = y.detach().float()
+            if y.dim() != 2 or y.shape[0] != len(idx) or y.shape[1] != dim:
+                raise ShardfoldError(
+                    f"model {getattr(model, 'name', '?')} returned shape {list(y.shape)} for a batch of "
+                    f"{len(idx)} rows; expected [{len(idx)}, {dim}]"
+                )
+            out[idx] = y.cpu().numpy()
+            stats.batches += 1
+            stats.padded_tokens += len(idx) * t
+            stats.real_tokens += int(lens.sum())
+    return out, budget
+
+
+def _targets(store_root: str, job_id: str, attempt: int, plan: dict[str, Any]) -> set[int]:
+    planned = {int(s["shard"]) for s in plan["shards"]}
+    if attempt == 0:
+        return planned
+    uri = layout.missing_uri(store_root, job_id)
+    if not store.exists(uri):
+        return set()
+    missing = store.get_json(uri)
+    if isinstance(missing, dict):
+        missing = missing.get("missing", missing.get("shards", []))
+    shards = {int(m["shard"]) if isinstance(m, dict) else int(m) for m in missing}
+    return shards & planned
+
+
+def _listed(prefix: str, suffix: str) -> set[int]:
+    found = set()
+    for uri in store.list_uris(prefix + "/"):
+        if uri.endswith(suffix):
+            try:
+                found.add(layout.shard_of(uri))
+            except ValueError:
+                continue
+    return found
+
+
+def run_worker(
+    spec: InferenceJob,
+    job_id: str,
+    store_root: str,
+    attempt: int = 0,
+    *,
+    model: Any = None,
+    device: Any = None,
+    poll_s: float | None = None,
+    idle_s: float | None = None,
+    prefetch: int = PREFETCH,
+    stop: threading.Event | None = None,
+) -> dict[str, Any]:
+    """Claim, embed and commit shards until the CPU stage is done and nothing is left; return a summary."""
+    started = time.monotonic()
+    poll_s = POLL_S if poll_s is None else poll_s
+    idle_s = IDLE_S if idle_s is None else idle_s
+    stop = stop or threading.Event()
+    plan = layout.load_plan(store_root, job_id)
+    h = plan["config_hash"]
+    targets = _targets(store_root, job_id, attempt, plan)
+    stats = WorkerStats(attempt=attempt, budget=spec.batch_tokens)
+    worker_id = _worker_identity()
+    pre, out = layout.pre_prefix(store_root, job_id, h), layout.out_prefix(store_root, job_id, h)
+    cpu_done = layout.cpu_done_uri(store_root, job_id)
+    logger.info(
+        "inference worker start", extra={"job_id": job_id, "attempt": attempt, "targets": len(targets)}
+    )
+    if not targets:
+        stats.wall_s = time.monotonic() - started
+        return stats.summary()
+    if model is None:
+        from functions.inference.models import load_model
+
+        model = load_model(_resolved_model(spec, store_root), device)
+
+    remaining = set(targets)  # neither committed, nor claimed (by us or another worker) as far as we know
+    inflight: deque[tuple[int, Future]] = deque()
+    seen_ready: set[int] = set()
+    last_progress = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="prefetch") as pool:
+        while True:
+            finished = False
+            if remaining and len(inflight) <= prefetch:
+                finished = store.exists(cpu_done)  # checked before the listing, so the listing is complete
+                ready = _listed(pre, ".npz") & remaining
+                if ready - seen_ready:
+                    seen_ready |= ready
+                    last_progress = time.monotonic()
+                if ready:
+                    remaining -= _listed(out, ".done")
+                    ready &= remaining
+                for k in sorted(ready):
+                    if len(inflight) > prefetch:
+                        finished = False  # ready shards are left to claim
+                        break
+                    remaining.discard(k)
+                    if _claim(layout.claim_uri(store_root, job_id, attempt, k), worker_id):
+                        inflight.append(
+                            (k, pool.submit(load_shard, layout.pre_uri(store_root, job_id, h, k)))
+                        )
+            if inflight:
+                k, fut = inflight.popleft()
+                _process(model, store_root, job_id, h, k, fut.result(), stats, worker_id, started)
+                continue
+            if not remaining:
+                break
+            if finished:
+                logger.warning(
+                    "CPU stage done but shards have no preprocessed input; leaving them to reconcile",
+                    extra={"job_id": job_id, "shards": sorted(remaining)[:20]},
+                )
+                break
+            failed = layout.cpu_failed_uri(store_root, job_id)
+            if store.exists(failed):
+                raise ShardfoldError(f"job {job_id}: the CPU stage failed: {store.get_json(failed)['error']}")
+            if time.monotonic() - last_progress > idle_s:
+                raise ShardfoldError(
+                    f"job {job_id}: no preprocessed shard appeared for {idle_s:.0f} s and the CPU stage has "
+                    f"not finished ({layout.cpu_done_uri(store_root, job_id)} is absent); "
+                    f"{len(remaining)} shard(s) left, e.g. {sorted(remaining)[:10]}"
+                )
+            if stop.wait(poll_s):
+                break
+    stats.wall_s = time.monotonic() - started
+    logger.info("inference worker done", extra={"job_id": job_id, **stats.summary()})
+    return stats.summary()
+
+
+def _worker_identity() -> dict[str, Any]:
+    """Who holds a claim: host and pid, plus the AWS Batch job (``AWS_BATCH_JOB_ID``, ``parent:index`` for
+    an array child) and its attempt (``AWS_BATCH_JOB_ATTEMPT``, from 1) when run by Batch."""
+    ident: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    if os.environ.get("AWS_BATCH_JOB_ID"):
+        ident["batch_job"] = os.environ["AWS_BATCH_JOB_ID"]
+        ident["batch_attempt"] = int(os.environ.get("AWS_BATCH_JOB_ATTEMPT") or 1)
+    return ident
+
+
+def _claim(uri: str, ident: dict[str, Any]) -> bool:
+    """Claim a shard with ``put_if_absent``. A claim held by an *earlier attempt of this same Batch job*
+    (the job definition retried it after exit 75 or a lost host) is taken over: only one attempt of a Batch
+    job runs at a time, so that holder is dead, and leaving its shards to the repair round would waste it."""
+    body = json.dumps({**ident, "at": time.time()}).encode()
+    if store.put_if_absent(uri, body):
+        return True
+    if "batch_job" not in ident:
+        return False
+    try:
+        held = store.get_json(uri)
+    except ShardfoldError:
+        return False
+    if (
+        held.get("batch_job") == ident["batch_job"]
+        and int(held.get("batch_attempt", 0)) < ident["batch_attempt"]
+    ):
+        store.put(uri, body)
+        logger.info("took over a claim of an earlier attempt of this Batch job", extra={"claim": uri})
+        return True
+    return False
+
+
+def _process(
+    model: Any,
+    store_root: str,
+    job_id: str,
+    h: str,
+    k: int,
+    shard: dict[str, np.ndarray],
+    stats: WorkerStats,
+    worker_id: dict[str, Any],
+    started: float,
+) -> None:
+    done = layout.done_uri(store_root, job_id, h, k)
+    if store.exists(done):  # committed while it was prefetched (another worker, or an earlier attempt)
+        stats.skipped.append(k)
+        return
+    emb, stats.budget = embed_rows(model, shard["input_ids"], shard["offsets"], stats.budget, stats)
+    buf = io.BytesIO()
+    np.save(buf, emb, allow_pickle=False)
+    data = buf.getvalue()
+    store.put(layout.out_uri(store_root, job_id, h, k), data)
+    marker = {
+        "shard": k,
+        "rows": int(emb.shape[0]),
+        "dim": int(emb.shape[1]),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "attempt": stats.attempt,
+        **worker_id,
+    }
+    if store.put_if_absent(done, json.dumps(marker).encode()):
+        stats.computed.append(k)
+        stats.rows += int(emb.shape[0])
+        if stats.first_commit_s is None:
+            stats.first_commit_s = round(time.monotonic() - started, 3)
+    else:
+        stats.skipped.append(k)
+
+
+def _resolved_model(spec: InferenceJob, store_root: str) -> Any:
+    if spec.model == "minilm":
+        return "minilm"
+    return {"torchscript": layout.resolve_in(spec.model.torchscript, store_root)}
+
+
+def attempt_of(event: dict[str, Any]) -> int:
+    """The event's ``attempt``; else 1 in the repair step (its state holds the reconcile result), else 0."""
+    if event.get("attempt") is not None:
+        return int(event["attempt"])
+    return 1 if "reconcile" in event else 0
+
+
+def handler(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
+    """Entry point ``inference.worker`` (BatchJob steps ``infer`` and ``repair_infer``)."""
+    e = parse_event(event, WorkerEvent)
+    spec = load_spec(e.spec_uri, "inference")
+    return run_worker(spec, e.job_id, e.store_root, attempt_of(event))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from functions.worker import EXIT_TRANSIENT, TRANSIENT
+
+    parser = argparse.ArgumentParser(prog="python -m functions.inference.worker", description=__doc__)
+    parser.add_argument("--event", help="the state as JSON (default: $SHARDFOLD_EVENT)")
+    parser.add_argument("--job-id")
+    parser.add_argument("--spec-uri")
+    parser.add_argument("--store-root")
+    parser.add_argument("--attempt", type=int)
+    args = parser.parse_args(argv)
+    event = json.loads(args.event or os.environ.get("SHARDFOLD_EVENT") or "{}")
+    for key in ("job_id", "spec_uri", "store_root", "attempt"):
+        if getattr(args, key) is not None:
+            event[key] = getattr(args, key)
+    try:
+        handler(event)
+    except TRANSIENT:
+        logger.exception("inference worker hit a transient fault")
+        return EXIT_TRANSIENT
+    except Exception:
+        logger.exception("inference worker failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

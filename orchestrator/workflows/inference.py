@@ -1,0 +1,75 @@
+"""The inference workflow: plan → Parallel(CPU Map + cpu_done | GPU worker) → reconcile → repair → commit.
+
+The CPU branch tokenizes shards (one Lambda task each) while the GPU branch's worker (an AWS Batch job,
+``python -m functions.inference.worker``) claims each shard as soon as its preprocessed file appears, so
+the two stages overlap. ``reconcile`` lists the shards lacking a commit marker; one bounded repair round
+re-runs only those (their CPU tasks are no-ops where the preprocessed shard survived; the repair worker
+exits at once when nothing is missing). The plan vocabulary has no loops, so the repair round is a fixed
+pair of steps; ``commit`` fails naming any shard still missing, and resuming the job repeats only that.
+
+The kind deploys as container-image Lambda functions (``lambda_package="image"``): plan, preprocess and
+commit read and write Parquet with pyarrow, which is image-only (infra/package.py IMAGE_ONLY).
+"""
+
+from __future__ import annotations
+
+from orchestrator.plan import BatchJob, Map, Parallel, Task, Workflow
+from orchestrator.registry import register
+
+register("inference.plan", "functions.inference.handlers:plan")
+register("inference.preprocess", "functions.inference.handlers:preprocess")
+register("inference.cpu_done", "functions.inference.handlers:cpu_done")
+register("inference.reconcile", "functions.inference.handlers:reconcile")
+register("inference.commit", "functions.inference.handlers:commit")
+register("inference.worker", "functions.inference.worker:handler")
+
+WORKER = dict(entry_point="inference.worker", vcpus=4, memory_mb=16384, gpus=1, timeout_s=4 * 3600)
+
+WORKFLOW = Workflow(
+    kind="inference",
+    comment="Streaming batch inference: CPU tokenization overlapped with GPU inference",
+    lambda_package="image",
+    steps=(
+        Task("plan", "inference.plan", memory_mb=1024, timeout_s=900),
+        Parallel(
+            "stages",
+            branches=(
+                (
+                    Map(
+                        "preprocess",
+                        items="$.plan.manifest",
+                        body=(
+                            Task(
+                                "preprocess_shard",
+                                "inference.preprocess",
+                                mode="process",
+                                memory_mb=2048,
+                                timeout_s=900,
+                            ),
+                        ),
+                        max_concurrency=64,
+                    ),
+                    Task("cpu_done", "inference.cpu_done", memory_mb=512, timeout_s=60),
+                ),
+                (BatchJob("infer", **WORKER),),
+            ),
+        ),
+        Task("reconcile", "inference.reconcile", memory_mb=512, timeout_s=300),
+        Map(
+            "repair_preprocess",
+            items="$.reconcile.missing",
+            body=(
+                Task(
+                    "repair_preprocess_shard",
+                    "inference.preprocess",
+                    mode="process",
+                    memory_mb=2048,
+                    timeout_s=900,
+                ),
+            ),
+            max_concurrency=64,
+        ),
+        BatchJob("repair_infer", **WORKER),
+        Task("commit", "inference.commit", memory_mb=3008, timeout_s=900),
+    ),
+)

@@ -1,0 +1,165 @@
+"""The inference job from the user's side: end to end on the local and moto executors (equal embeddings, same
+ids in the same order), ``client.inference.run``/``load``, the plan estimator, the shipped example spec on
+the CLI, and bad input through the job (a missing field fails naming the file and line; ``skip`` reports it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from client import Client, inference
+from client.cli import cli
+from client.demo import inference_corpus
+from client.errors import JobFailed
+from client.planning import estimate_plan
+from functions.specs import parse_spec
+
+REPO = Path(__file__).resolve().parent.parent
+EVENTS = REPO / "events"
+WAIT_S = 300  # a deadline, not a timing assumption
+ROWS = 48
+SHARD_ROWS = 16
+
+
+def corpus_bytes(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+@pytest.fixture(scope="module")
+def moto_client(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDFOLD_HOME", str(tmp_path_factory.mktemp("moto-home")))
+        with Client(backend="moto") as c:
+            yield c
+
+
+@pytest.fixture
+def local_client(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SHARDFOLD_INFERENCE_POLL_S", "0.05")
+    with Client() as c:
+        yield c
+
+
+def put_corpus(client: Client, key: str, rows: list[dict]) -> str:
+    from functions import store
+
+    uri = client.uri(key)
+    store.put(uri, corpus_bytes(rows))
+    return key
+
+
+# --- the job end to end -------------------------------------------------------------------------------------
+
+
+def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, monkeypatch):
+    rows = inference_corpus(ROWS, seed=3)
+    key = put_corpus(moto_client, "corpora/a.jsonl", rows)  # relative key: under the moto bucket
+    on_moto = inference.run(key, field="text", id_field="id", shard_rows=SHARD_ROWS, client=moto_client)
+    moto_ids, moto_emb = inference.load(on_moto)
+
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "local-home"))
+    with Client() as local:  # local store and executor; the corpus still lives in the moto bucket
+        spec_uri = moto_client.uri(key)
+        on_local = inference.run(spec_uri, field="text", id_field="id", shard_rows=SHARD_ROWS, client=local)
+        local_ids, local_emb = inference.load(on_local)
+
+    assert on_moto["output"].startswith("s3://") and on_local["output"].startswith("file://")
+    assert on_moto["rows"] == on_local["rows"] == ROWS
+    assert on_moto["shards"] == on_local["shards"] == ROWS // SHARD_ROWS
+    assert on_moto["config_hash"] == on_local["config_hash"]
+    want = [r["id"] for r in rows]
+    assert [str(i) for i in moto_ids] == want and [str(i) for i in local_ids] == want
+    assert moto_emb.shape == local_emb.shape == (ROWS, 384) and moto_emb.dtype == np.float32
+    assert np.allclose(moto_emb, local_emb, atol=1e-5)
+    assert np.allclose(np.linalg.norm(local_emb, axis=1), 1.0, atol=1e-4)
+
+
+def test_run_default_ids_are_row_numbers_across_inputs(local_client):
+    a = put_corpus(local_client, "in/a.jsonl", inference_corpus(5, seed=1))
+    b = put_corpus(local_client, "in/b.jsonl", inference_corpus(4, seed=2))
+    result = inference.run([a, b], field="text", shard_rows=3, client=local_client)
+    ids, emb = inference.load(result)
+    assert list(ids) == list(range(9)) and emb.shape == (9, 384)
+    # the same text embeds the same wherever it sits: row 0 of b.jsonl is global row 5
+    again = inference.run(b, field="text", shard_rows=2, client=local_client)
+    _, emb_b = inference.load(again)
+    assert np.allclose(emb[5:], emb_b, atol=1e-5)
+
+
+def test_plan_estimate_counts_shards_and_cpu_tasks(local_client):
+    key = put_corpus(local_client, "in/p.jsonl", inference_corpus(50, seed=4))
+    spec = parse_spec({"kind": "inference", "inputs": [key], "field": "text", "shard_rows": 20})
+    report = estimate_plan(spec, local_client.store_root).check()
+    assert report.items == 50
+    steps = {s.name: s for s in report.steps}
+    assert steps["preprocess_shard"].tasks == 3
+    assert steps["infer"].tasks == 1
+    (table,) = report.details
+    assert table.rows[0][:3] == [50, 3, 3]
+    # an unreadable input is a note, not a crash
+    missing = parse_spec({"kind": "inference", "inputs": ["in/nope.jsonl"], "field": "text"})
+    notes = estimate_plan(missing, local_client.store_root).notes
+    assert any("nope.jsonl" in n for n in notes)
+
+
+# --- the shipped example and the CLI ------------------------------------------------------------------------
+
+
+def test_cli_plan_and_run_the_shipped_example(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("SHARDFOLD_BACKEND", raising=False)
+    spec = str(EVENTS / "inference.json")
+    corpus = (EVENTS / "data" / "inference" / "corpus.jsonl").read_text().splitlines()
+    assert len(corpus) == 300
+
+    plan = CliRunner().invoke(cli, ["plan", spec], catch_exceptions=False)
+    assert plan.exit_code == 0, plan.output
+    assert "inference" in plan.output and "preprocess" in plan.output
+
+    out = CliRunner().invoke(cli, ["run", spec], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "SUCCEEDED" in out.output
+    job_id = next(w for w in out.output.split() if w.startswith("inference-"))
+    ids, emb = inference.load(Client().job(job_id).result())
+    assert [str(i) for i in ids] == [json.loads(line)["id"] for line in corpus]
+    assert emb.shape == (300, 384)
+
+
+# --- bad input through the job ------------------------------------------------------------------------------
+
+
+def test_missing_field_fails_naming_file_and_line(local_client):
+    # the failing CPU task leaves cpu_failed.json, so the GPU worker stops at once instead of waiting
+    rows = inference_corpus(6, seed=8)
+    rows[3] = {"id": rows[3]["id"], "body": "no text field here"}
+    key = put_corpus(local_client, "bad/missing.jsonl", rows)
+    with pytest.raises(JobFailed) as err:
+        inference.run(key, field="text", id_field="id", shard_rows=4, client=local_client)
+    msg = str(err.value)
+    assert "missing.jsonl" in msg and "line 4" in msg and "'text'" in msg
+
+
+def test_skip_policy_drops_bad_rows_and_reports_them(local_client):
+    rows = inference_corpus(6, seed=8)
+    rows[3] = {"id": rows[3]["id"], "body": "no text field here"}
+    key = put_corpus(local_client, "bad/skip.jsonl", rows)
+    result = inference.run(
+        key, field="text", id_field="id", shard_rows=4, on_bad_row="skip", client=local_client
+    )
+    ids, emb = inference.load(result)
+    assert [str(i) for i in ids] == [r["id"] for i, r in enumerate(rows) if i != 3]
+    assert result["skipped"] == 1 and emb.shape == (5, 384)
+
+
+def test_unknown_option_is_a_spec_error():
+    from functions.errors import SpecError
+
+    with pytest.raises((SpecError, ValueError)):
+        inference.spec(["a.jsonl"], field="text", shard_rowz=3)

@@ -1,0 +1,450 @@
+"""The inference GPU worker (on CPU here): model parity, streaming, kill -9 + repair, user models, OOM.
+
+The worker runs as a real subprocess (``python -m functions.inference.worker``) where the test is about
+processes (streaming, kill -9); the test feeds ``pre/`` shards itself (in the contract's format, through
+``functions.inference.preprocess.encode_shard``) and waits on store files with a deadline, never on time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from functions import store
+from functions.errors import ModelLoadError, ShardfoldError
+from functions.inference import plan as layout
+from functions.inference import worker as W
+from functions.inference.models import LoadedModel, load_model, minilm_dir, model_identity
+from functions.inference.preprocess import ShardRows, encode_shard, tokenize
+from functions.specs import parse_spec
+
+REPO = Path(__file__).resolve().parents[1]
+H = "00c0ffee00c0ffee"
+MAX_TOKENS = 128
+DEADLINE_S = 120.0
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog river mountain shard worker token batch budget "
+    "überprüfung naïve café 東京 données λόγος 🙂 embeddings inference pipeline streaming"
+).split()
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    """Varied sentences: 1 to ~300 words (some past max_tokens, so truncation is exercised), unicode."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        k = int(rng.choice([1, 3, 8, 20, 40], p=[0.1, 0.25, 0.3, 0.25, 0.1]))
+        out.append(" ".join(rng.choice(WORDS, size=k)) + ("." if i % 3 else "?"))
+    out[0] = ""  # an empty text still embeds ([CLS] [SEP])
+    if n > 1:
+        out[1] = " ".join(WORDS * 12)  # past max_tokens: truncated
+    return out
+
+
+class Tiny(torch.nn.Module):
+    """A user model: masked mean of a small embedding table, ``(ids, mask) -> [B, 8]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(30522, 8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        m = attention_mask.unsqueeze(-1).float()
+        return (self.emb(input_ids) * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+class Wrong(torch.nn.Module):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], input_ids.shape[1], 4)  # [B, T, D]: not [B, D]
+
+
+def save_torchscript(module: torch.nn.Module, path: Path) -> str:
+    torch.jit.save(torch.jit.script(module), str(path))
+    return "file://" + str(path)
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture()
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "store"))
+    return "file://" + str(tmp_path / "store")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_model("minilm", "cpu")
+
+
+@pytest.fixture()
+def tiny_uri(tmp_path):
+    return save_torchscript(Tiny(), tmp_path / "tiny.pt")
+
+
+def make_job(root: str, job_id: str, shards: list[list[str]], model, batch_tokens: int = 256) -> tuple:
+    """Write a spec and a plan with ``len(shards)`` shards (no pre/ shards yet); return (spec, spec_uri)."""
+    spec_doc = {
+        "kind": "inference",
+        "inputs": ["corpus.jsonl"],
+        "field": "text",
+        "model": model,
+        "max_tokens": MAX_TOKENS,
+        "batch_tokens": batch_tokens,
+        "shard_rows": max(len(s) for s in shards),
+    }
+    spec_uri = store.join(root, "jobs", job_id, "spec.json")
+    store.put_json(spec_uri, spec_doc)
+    rows = [len(s) for s in shards]
+    plan = {
+        "config_hash": H,
+        "shards": [
+            {"shard": k, "input": "corpus.jsonl", "start_row": 0, "rows": n} for k, n in enumerate(rows)
+        ],
+    }
+    store.put_json(layout.plan_uri(root, job_id), plan)
+    return parse_spec(json.dumps(spec_doc).encode()), spec_uri
+
+
+def write_pre(root: str, job_id: str, k: int, texts: list[str]) -> None:
+    rows = ShardRows(texts=list(texts), ids=list(range(len(texts))), row_index=list(range(len(texts))))
+    assert store.put_if_absent(layout.pre_uri(root, job_id, H, k), encode_shard(rows, MAX_TOKENS))
+
+
+def cpu_done(root: str, job_id: str) -> None:
+    store.put_json(layout.cpu_done_uri(root, job_id), {"done": True})
+
+
+def out(root: str, job_id: str, k: int) -> np.ndarray:
+    import io
+
+    return np.load(io.BytesIO(store.get(layout.out_uri(root, job_id, H, k))))
+
+
+def markers(root: str, job_id: str) -> set[int]:
+    return W._listed(layout.out_prefix(root, job_id, H), ".done")
+
+
+def claims(root: str, job_id: str, attempt: int) -> set[int]:
+    prefix = store.join(layout.job_root(root, job_id), "claims", str(attempt)) + "/"
+    return {layout.shard_of(u) for u in store.list_uris(prefix)}
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(
+                f"worker exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def start_worker(root: str, job_id: str, spec_uri: str, attempt: int = 0) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "SHARDFOLD_HOME": root[len("file://") :],
+        "SHARDFOLD_INFERENCE_POLL_S": "0.02",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [sys.executable, "-m", "functions.inference.worker", "--job-id", job_id, "--spec-uri", spec_uri]
+    cmd += ["--store-root", root, "--attempt", str(attempt)]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def test_minilm_matches_sentence_transformers(minilm):
+    from sentence_transformers import SentenceTransformer
+
+    texts = sentences(50, seed=1)
+    ids, offsets = tokenize(texts, 256)
+    ours, _ = W.embed_rows(minilm, ids, offsets, budget=2048)
+    ref = SentenceTransformer(str(minilm_dir()), device="cpu").encode(texts, batch_size=16)
+    cos = (ours * ref).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
+    assert ours.shape == (50, 384) and ours.dtype == np.float32
+    assert cos.min() > 0.999, cos.min()
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, rtol=1e-5)
+
+
+def test_batching_does_not_change_outputs(minilm):
+    texts = sentences(6, seed=2)
+    ids, offsets = tokenize(texts, MAX_TOKENS)
+    one, _ = W.embed_rows(minilm, ids, offsets, budget=1)  # every row alone
+    many, _ = W.embed_rows(minilm, ids, offsets, budget=4096)
+    np.testing.assert_allclose(one, many, atol=1e-5)
+
+
+def test_model_identity_needs_no_torch_and_tracks_bytes(tmp_path, tiny_uri):
+    code = "import sys; from functions.inference.models import model_identity as m; m('minilm'); "
+    code += "assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+    a = model_identity({"torchscript": tiny_uri})
+    other = save_torchscript(Wrong(), tmp_path / "wrong.pt")
+    assert a.startswith("torchscript:") and a != model_identity({"torchscript": other})
+    assert model_identity("minilm").startswith("minilm:")
+
+
+# ---------------------------------------------------------------------------------------------- user models
+
+
+def test_torchscript_and_torch_export_models(root, tmp_path, tiny_uri):
+    texts = sentences(12, seed=3)
+    ids, offsets = tokenize(texts, MAX_TOKENS)
+    expected = []
+    for r in range(len(texts)):
+        t = torch.from_numpy(ids[offsets[r] : offsets[r + 1]].astype(np.int64))[None]
+        expected.append(Tiny()(t, torch.ones_like(t))[0].detach().numpy())
+    ts = load_model({"torchscript": tiny_uri}, "cpu")
+    assert ts.dim == 8
+    got, _ = W.embed_rows(ts, ids, offsets, budget=64)
+    np.testing.assert_allclose(got, np.stack(expected), atol=1e-5)
+
+    example = (torch.ones((2, 3), dtype=torch.int64), torch.ones((2, 3), dtype=torch.int64))  # not aliased
+    b, t = torch.export.Dim("B"), torch.export.Dim("T")
+    ep = torch.export.export(Tiny(), example, dynamic_shapes=({0: b, 1: t}, {0: b, 1: t}))
+    torch.export.save(ep, str(tmp_path / "tiny.pt2"))
+    exported = load_model({"torchscript": "file://" + str(tmp_path / "tiny.pt2")}, "cpu")
+    got2, _ = W.embed_rows(exported, ids, offsets, budget=64)
+    np.testing.assert_allclose(got2, got, atol=1e-5)
+
+
+def test_worker_runs_a_torchscript_model(root, tiny_uri):
+    shards = [sentences(7, seed=10 + k) for k in range(3)]
+    spec, _ = make_job(root, "ts", shards, {"torchscript": tiny_uri})
+    for k, texts in enumerate(shards):
+        write_pre(root, "ts", k, texts)
+    cpu_done(root, "ts")
+    summary = W.run_worker(spec, "ts", root, poll_s=0.01)
+    assert summary["shards"] == 3 and summary["rows"] == 21
+    assert markers(root, "ts") == {0, 1, 2}
+    assert out(root, "ts", 1).shape == (7, 8)
+
+
+def test_bad_model_files_give_clear_errors(root, tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"this is not a model")
+    with pytest.raises(ModelLoadError) as exc:
+        load_model({"torchscript": "file://" + str(garbage)}, "cpu")
+    assert str(garbage) in str(exc.value) and "TorchScript" in str(exc.value)
+    assert exc.value.uri == "file://" + str(garbage)
+
+    wrong = save_torchscript(Wrong(), tmp_path / "wrong.pt")
+    with pytest.raises(ModelLoadError, match=r"expected a float tensor \[2, D\]") as exc:
+        load_model({"torchscript": wrong}, "cpu")
+    assert "wrong.pt" in str(exc.value)
+
+    with pytest.raises(ModelLoadError, match="missing.pt"):
+        load_model({"torchscript": "file://" + str(tmp_path / "missing.pt")}, "cpu")
+
+    # through the worker's entry point: the error fails the job (a ShardfoldError: not retried)
+    spec, spec_uri = make_job(root, "bad", [["a b c"]], {"torchscript": "file://" + str(garbage)})
+    write_pre(root, "bad", 0, ["a b c"])
+    with pytest.raises(ModelLoadError):
+        W.handler({"job_id": "bad", "spec_uri": spec_uri, "store_root": root})
+    assert issubclass(ModelLoadError, ShardfoldError)
+
+
+# ---------------------------------------------------------------------------------------------- OOM
+
+
+class FakeOOM(LoadedModel):
+    """Raises CUDA out-of-memory for batches over ``limit`` padded tokens, else runs the real model."""
+
+    def __init__(self, inner: LoadedModel, limit: int):
+        super().__init__(inner.fn, inner.device, "fake-oom")
+        self._dim = inner.dim
+        self.limit = limit
+        self.seen: list[int] = []
+
+    def __call__(self, input_ids, attention_mask):
+        padded = int(input_ids.shape[0] * input_ids.shape[1])
+        if padded > self.limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory ({padded} tokens)")
+        self.seen.append(padded)
+        return super().__call__(input_ids, attention_mask)
+
+
+def test_oom_halves_the_budget_and_the_shard_completes(tiny_uri):
+    model = FakeOOM(load_model({"torchscript": tiny_uri}, "cpu"), limit=300)  # rows have <= 128 tokens
+    texts = sentences(40, seed=4)
+    ids, offsets = tokenize(texts, MAX_TOKENS)
+    stats = W.WorkerStats()
+    got, budget = W.embed_rows(model, ids, offsets, budget=1024, stats=stats)
+    assert stats.oom_halvings == 2 and budget == 256  # 1024 -> 512 -> 256, kept for the rest of the shard
+    assert model.seen and max(model.seen) <= 256
+    ref, _ = W.embed_rows(load_model({"torchscript": tiny_uri}, "cpu"), ids, offsets, budget=4096)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_oom_on_a_single_row_at_the_smallest_budget_is_an_error(tiny_uri):
+    model = FakeOOM(load_model({"torchscript": tiny_uri}, "cpu"), limit=0)
+    ids, offsets = tokenize(["hello there"], MAX_TOKENS)
+    with pytest.raises(ShardfoldError, match="out of memory on a single row"):
+        W.embed_rows(model, ids, offsets, budget=8)
+
+
+# ---------------------------------------------------------------------------------------------- claims
+
+
+def test_concurrent_workers_split_the_shards(root, tiny_uri):
+    shards = [sentences(5, seed=20 + k) for k in range(8)]
+    spec, _ = make_job(root, "two", shards, {"torchscript": tiny_uri})
+    for k, texts in enumerate(shards):
+        write_pre(root, "two", k, texts)
+    cpu_done(root, "two")
+    model = load_model({"torchscript": tiny_uri}, "cpu")
+    results: list[dict] = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(W.run_worker(spec, "two", root, model=model, poll_s=0.01))
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r["shards"] for r in results) == 8
+    assert markers(root, "two") == set(range(8)) == claims(root, "two", 0)
+
+
+def test_repair_attempt_without_missing_exits_at_once(root, tiny_uri):
+    spec, spec_uri = make_job(root, "none", [["a"]], {"torchscript": tiny_uri})
+    store.put_json(layout.missing_uri(root, "none"), [])
+    event = {"job_id": "none", "spec_uri": spec_uri, "store_root": root, "reconcile": {"count": 0}}
+    assert W.attempt_of(event) == 1
+    assert W.handler(event)["shards"] == 0
+    assert claims(root, "none", 1) == set()
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def test_streaming_first_commit_lands_before_the_cpu_stage_ends(root, tiny_uri):
+    shards = [sentences(6, seed=30 + k) for k in range(4)]
+    _, spec_uri = make_job(root, "stream", shards, {"torchscript": tiny_uri})
+    proc = start_worker(root, "stream", spec_uri)
+    try:
+        write_pre(root, "stream", 0, shards[0])
+        wait_for(lambda: store.exists(layout.done_uri(root, "stream", H, 0)), "the first commit", proc)
+        assert not store.exists(layout.cpu_done_uri(root, "stream"))  # the CPU stage is still running
+        for k in range(1, 4):
+            write_pre(root, "stream", k, shards[k])
+        cpu_done(root, "stream")
+        assert proc.wait(timeout=DEADLINE_S) == 0, proc.stderr.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert markers(root, "stream") == {0, 1, 2, 3}
+
+
+def test_kill_9_then_repair_recomputes_only_uncommitted_shards(root, tiny_uri):
+    shards = [sentences(6, seed=40 + k) for k in range(6)]
+    spec, spec_uri = make_job(root, "kill", shards, {"torchscript": tiny_uri})
+    proc = start_worker(root, "kill", spec_uri)
+    try:
+        for k in range(3):  # half the CPU stage; the rest arrives after the kill
+            write_pre(root, "kill", k, shards[k])
+        wait_for(lambda: markers(root, "kill"), "a first commit", proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    committed = markers(root, "kill")
+    assert 1 <= len(committed) <= 3
+    before = {k: store.get(layout.done_uri(root, "kill", H, k)) for k in committed}
+    for k in range(3, 6):
+        write_pre(root, "kill", k, shards[k])
+    cpu_done(root, "kill")
+    missing = sorted(set(range(6)) - committed)  # what reconcile writes
+    store.put_json(layout.missing_uri(root, "kill"), [{"shard": k} for k in missing])
+
+    summary = W.run_worker(spec, "kill", root, attempt=1, poll_s=0.01)
+    assert sorted(claims(root, "kill", 1)) == missing  # only the uncommitted shards were claimed
+    assert summary["shards"] == len(missing)
+    assert markers(root, "kill") == set(range(6))
+    assert {k: store.get(layout.done_uri(root, "kill", H, k)) for k in committed} == before
+
+    clean, _ = make_job(root, "clean", shards, {"torchscript": tiny_uri})
+    for k in range(6):
+        write_pre(root, "clean", k, shards[k])
+    cpu_done(root, "clean")
+    W.run_worker(clean, "clean", root, poll_s=0.01)
+    for k in range(6):
+        np.testing.assert_allclose(out(root, "kill", k), out(root, "clean", k), rtol=1e-6, atol=1e-7)
+
+
+def test_worker_gives_up_when_the_cpu_stage_never_finishes(root, tiny_uri):
+    spec, _ = make_job(root, "stall", [["a"], ["b"]], {"torchscript": tiny_uri})
+    write_pre(root, "stall", 0, ["a"])  # shard 1 never arrives and cpu_done.json is never written
+    with pytest.raises(ShardfoldError, match=r"no preprocessed shard appeared .* 1 shard\(s\) left"):
+        W.run_worker(spec, "stall", root, poll_s=0.01, idle_s=0.05)
+    assert markers(root, "stall") == {0}
+
+
+def test_worker_stops_when_the_cpu_stage_failed(root, tiny_uri):
+    spec, _ = make_job(root, "cpufail", [["a"], ["b"]], {"torchscript": tiny_uri})
+    write_pre(root, "cpufail", 0, ["a"])
+    failure = {"shard": 1, "error": "bad.jsonl line 4: no 'text'"}
+    store.put_json(layout.cpu_failed_uri(root, "cpufail"), failure)
+    with pytest.raises(ShardfoldError, match="CPU stage failed: bad.jsonl line 4"):
+        W.run_worker(spec, "cpufail", root, poll_s=0.01, idle_s=3600)
+
+
+def test_a_retried_batch_attempt_takes_over_its_own_claims_only(root, tiny_uri, monkeypatch):
+    shards = [["a b"], ["c d"], ["e f"]]
+    spec, _ = make_job(root, "retry", shards, {"torchscript": tiny_uri})
+    for k, texts in enumerate(shards):
+        write_pre(root, "retry", k, texts)
+    cpu_done(root, "retry")
+    # attempt 1 of Batch job j:0 died holding shard 1; another job (j:1) holds shard 2 and is alive
+    store.put_json(layout.claim_uri(root, "retry", 0, 1), {"batch_job": "j:0", "batch_attempt": 1})
+    store.put_json(layout.claim_uri(root, "retry", 0, 2), {"batch_job": "j:1", "batch_attempt": 1})
+    monkeypatch.setenv("AWS_BATCH_JOB_ID", "j:0")
+    monkeypatch.setenv("AWS_BATCH_JOB_ATTEMPT", "2")
+    summary = W.run_worker(spec, "retry", root, poll_s=0.01)
+    assert summary["shards"] == 2 and markers(root, "retry") == {0, 1}
+    assert store.get_json(layout.claim_uri(root, "retry", 0, 1))["batch_attempt"] == 2
+
+
+def test_cli_exit_codes(monkeypatch):
+    from functions.store.retry import TransientError
+
+    def transient(event, context=None):
+        raise TransientError("S3 throttled")
+
+    def broken(event, context=None):
+        raise ModelLoadError("bad model", uri="s3://b/m.pt")
+
+    seen = {}
+
+    def ok(event, context=None):
+        seen.update(event)
+
+    monkeypatch.setattr(W, "handler", transient)
+    assert W.main(["--job-id", "j"]) == 75
+    monkeypatch.setattr(W, "handler", broken)
+    assert W.main(["--job-id", "j"]) == 1
+    monkeypatch.setattr(W, "handler", ok)
+    monkeypatch.setenv("SHARDFOLD_EVENT", json.dumps({"job_id": "j", "spec_uri": "s", "store_root": "r"}))
+    assert W.main(["--attempt", "1"]) == 0
+    assert seen == {"job_id": "j", "spec_uri": "s", "store_root": "r", "attempt": 1}
