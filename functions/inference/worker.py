@@ -59,6 +59,7 @@ PREFETCH = 2  # claimed shards read ahead of the one being computed
 # Give up (an error: the job fails) when, before cpu_done.json, no new preprocessed shard appeared for this
 # long: the CPU stage has died. On AWS a failed CPU branch stops the Batch job anyway (Parallel); locally
 # this bounds the wait. A CPU task is bounded by the Lambda timeout (900 s) times its retries.
+CPU_BATCH_TOKENS = 4096  # token budget cap when no GPU is present
 IDLE_S = float(os.environ.get("SHARDFOLD_INFERENCE_IDLE_S", "3600"))
 
 
@@ -237,6 +238,10 @@ def run_worker(
         from functions.inference.models import load_model
 
         model = load_model(_resolved_model(spec, store_root), device)
+    if str(getattr(model, "device", "cpu")).startswith("cpu"):
+        # A GPU-sized budget swallows a whole shard in one batch on the CPU, so length sorting saves nothing
+        # and padding dominates; batches of ~32 average rows (as sentence-transformers' encode) do better.
+        stats.budget = min(stats.budget, CPU_BATCH_TOKENS)
 
     remaining = set(targets)  # neither committed, nor claimed (by us or another worker) as far as we know
     inflight: deque[tuple[int, Future]] = deque()
