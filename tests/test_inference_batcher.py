@@ -56,19 +56,71 @@ def test_sorted_padding_not_above_unsorted(lengths, batch_size):
     assert padding_tokens(lengths, sorted_batches) <= padding_tokens(lengths, unsorted)
 
 
+def _cost(lengths, batches, overhead):
+    return sum(padded_tokens(lengths, batches)) + overhead * len(batches)
+
+
+def _best_cost_brute_force(lengths, budget, overhead):
+    """The least cost over every cut of the sorted order into contiguous batches within the budget."""
+    eff = sorted((max(x, 1) for x in lengths), reverse=True)
+    n = len(eff)
+    best = None
+    for mask in range(1 << max(n - 1, 0)):
+        cuts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        batches = [eff[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        if any(len(b) > 1 and len(b) * b[0] > budget for b in batches):
+            continue
+        cost = sum(len(b) * b[0] + overhead for b in batches)
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=10),
+    st.integers(min_value=1, max_value=120),
+    st.integers(min_value=0, max_value=30),
+)
+def test_cuts_are_optimal(lengths, budget, overhead):
+    batches = token_budget_batches(lengths, budget, overhead)
+    assert _cost(lengths, batches, overhead) == _best_cost_brute_force(lengths, budget, overhead)
+
+
+def _greedy(lengths, budget):
+    """The plain greedy cut: fill each batch while one more (shorter) row fits the budget."""
+    eff = np.maximum(np.asarray(lengths, dtype=np.int64), 1)
+    order = np.argsort(-eff, kind="stable")
+    out, start = [], 0
+    while start < len(order):
+        size = max(1, budget // int(eff[order[start]]))
+        out.append(order[start : start + size])
+        start += size
+    return out
+
+
 @settings(max_examples=300, deadline=None)
 @given(lengths_st, budget_st)
-def test_token_budget_batches_are_full(lengths, budget):
-    """Greedy packing: a batch ends only when one more row (the next longest) would break the budget."""
-    eff = np.maximum(np.asarray(lengths, dtype=np.int64), 1)
-    batches = token_budget_batches(lengths, budget)
-    for b in batches[:-1]:
-        assert (len(b) + 1) * eff[b].max() > budget
+def test_never_costs_more_than_greedy_filling(lengths, budget):
+    overhead = budget // 16
+    assert _cost(lengths, token_budget_batches(lengths, budget), overhead) <= _cost(
+        lengths, _greedy(lengths, budget), overhead
+    )
+
+
+def test_long_tail_row_rides_alone():
+    # one long row and many short ones: greedy filling pads every short row to 150 tokens
+    lengths = [150] + [40] * 26
+    assert padding_tokens(lengths, _greedy(lengths, 4096)) == 26 * 110
+    batches = token_budget_batches(lengths, 4096)
+    assert [len(b) for b in batches] == [1, 26]
+    assert padding_tokens(lengths, batches) == 0
 
 
 def test_token_budget_counterexample_is_documented():
-    # input order cuts three unpadded batches; sorted cuts two with one pad token (see the module doc)
-    assert padding_tokens([2, 3, 0], token_budget_batches([2, 3, 0], 4)) == 1
+    # input order cuts three unpadded batches; sorted, with a batch overhead of one token, two batches tie
+    # with three and the fewer batches win, one pad token (see the module doc); with no overhead, none
+    assert padding_tokens([2, 3, 0], token_budget_batches([2, 3, 0], 4, overhead=1)) == 1
+    assert padding_tokens([2, 3, 0], token_budget_batches([2, 3, 0], 4, overhead=0)) == 0
 
 
 def test_examples():
@@ -85,5 +137,7 @@ def test_rejects_bad_arguments():
         token_budget_batches([1, 2], 0)
     with pytest.raises(ValueError):
         token_budget_batches([-1], 4)
+    with pytest.raises(ValueError):
+        token_budget_batches([1], 4, overhead=-1)
     with pytest.raises(ValueError):
         restore_order([np.array([0])], [], 1)

@@ -59,7 +59,7 @@ PREFETCH = 2  # claimed shards read ahead of the one being computed
 # Give up (an error: the job fails) when, before cpu_done.json, no new preprocessed shard appeared for this
 # long: the CPU stage has died. On AWS a failed CPU branch stops the Batch job anyway (Parallel); locally
 # this bounds the wait. A CPU task is bounded by the Lambda timeout (900 s) times its retries.
-CPU_BATCH_TOKENS = 4096  # token budget cap when no GPU is present
+CPU_BATCH_TOKENS = 2048  # token budget cap when no GPU is present
 IDLE_S = float(os.environ.get("SHARDFOLD_INFERENCE_IDLE_S", "3600"))
 
 
