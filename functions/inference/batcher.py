@@ -4,7 +4,8 @@ Rows are sorted longest first (as sentence-transformers' ``encode`` does, so an 
 the first batch) and cut into batches whose *padded* size, ``len(batch) * max length in batch``, stays
 within ``budget`` tokens, at the cut points that minimise padding plus a per-batch overhead. A row longer
 than the budget forms a batch of one: that single batch exceeds the budget (it cannot be split without
-truncating the row; the spec's ``max_tokens`` bounds it). :func:`restore_order` puts per-batch outputs back in the rows' original order.
+truncating the row; the spec's ``max_tokens`` bounds it). :func:`restore_order` puts per-batch outputs
+back in the rows' original order.
 
 Sorting never pads more than input order at a fixed batch size (the k-th largest batch maximum is at
 least the ``((k-1)·b+1)``-th longest row in any grouping). With a token budget and a batch overhead the
