@@ -41,16 +41,31 @@ def run(environ: Mapping[str, str]) -> Any:
     return handler(event, None)
 
 
+def _report(exc: BaseException) -> None:
+    """Write why the job failed to ``SHARDFOLD_STATUS_FILE`` when the caller set one (the local executor's
+    stand-in for Batch's status reason); the container on AWS logs it instead."""
+    path = os.environ.get("SHARDFOLD_STATUS_FILE")
+    if not path:
+        return
+    from functions.errors import ShardfoldError
+
+    status = {"error": type(exc).__name__, "message": str(exc), "user_error": isinstance(exc, ShardfoldError)}
+    with open(path, "w") as fh:
+        json.dump(status, fh)
+
+
 def main() -> int:
     try:
         run(os.environ)
-    except TRANSIENT:
+    except TRANSIENT as exc:
         logger.exception(
             "batch worker hit a transient fault", extra={"function": os.environ.get("SHARDFOLD_FUNCTION")}
         )
+        _report(exc)
         return EXIT_TRANSIENT
-    except Exception:
+    except Exception as exc:
         logger.exception("batch worker failed", extra={"function": os.environ.get("SHARDFOLD_FUNCTION")})
+        _report(exc)
         return 1
     return 0
 

@@ -32,16 +32,18 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from functions.worker import EXIT_TRANSIENT
 from infra import iam
 from infra.context import Component, Context
 from infra.functions import base_environment, worker_statements
+from orchestrator.container import BATCH_ATTEMPTS
 from orchestrator.plan import BatchJob, Workflow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_DOCKERFILE = REPO_ROOT / "Dockerfile"
 WORKER_COMMAND = ["python", "-m", "functions.worker"]
-EX_TEMPFAIL = 75
-RETRY_ATTEMPTS = 3
+EX_TEMPFAIL = EXIT_TRANSIENT
+RETRY_ATTEMPTS = BATCH_ATTEMPTS  # the local executor follows the same table (orchestrator.container)
 RUNNABLE_REASONS = (
     "CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY",
     "MISCONFIGURATION:COMPUTE_ENVIRONMENT_MAX_RESOURCE",

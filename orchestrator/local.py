@@ -1,7 +1,9 @@
 """LocalExecutor: runs a workflow in this process, with the data-flow rule the compiled ASL follows.
 
 * Tasks marked ``mode="thread"`` run on threads (I/O-bound), ``mode="process"`` in a process pool
-  (CPU-bound; spawned workers, so no fork-with-threads hazards). Map children run on a thread pool of
+  (CPU-bound; spawned workers, so no fork-with-threads hazards). A BatchJob runs as a child process of the
+  container entry point, ``python -m functions.worker``, with Batch's retry table
+  (:mod:`orchestrator.container`). Map children run on a thread pool of
   ``max_concurrency`` (default: ``threads``), Parallel branches on one thread each.
 * Retries follow the plan's :class:`~orchestrator.plan.Retry` list with ASL semantics. User errors
   (:class:`ShardfoldError`) are never retried.
@@ -38,6 +40,7 @@ from functions.jobs import job_key
 from functions.manifest import is_manifest_ref, read_manifest
 from functions.store.uri import is_file, join, local_path
 from functions.store.uri import store_root as default_store_root
+from orchestrator.container import Cancelled, run_container
 from orchestrator.executors import (
     JobStatus,
     ProgressCallback,
@@ -360,7 +363,11 @@ class LocalExecutor:
         attempts = [0] * len(step.retry)
         while True:
             try:
+                if isinstance(step, BatchJob):
+                    return run_container(path, function, state, timeout_s=step.timeout_s, cancel=run.cancel)
                 return self._invoke(step, path, function, state)
+            except Cancelled:
+                raise _Cancelled from None
             except HandlerFailed as failure:
                 which = None
                 if not failure.user_error:
@@ -388,7 +395,7 @@ class LocalExecutor:
                     raise _Cancelled from None
                 self._check_cancel(run)
 
-    def _invoke(self, step: Task | BatchJob, path: str, function: str, state: dict[str, Any]) -> Any:
+    def _invoke(self, step: Task, path: str, function: str, state: dict[str, Any]) -> Any:
         kwargs = {"function_name": function, "memory_mb": step.memory_mb, "timeout_s": step.timeout_s}
         if step.mode == "thread":
             return call(path, state, **kwargs)

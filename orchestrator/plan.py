@@ -125,7 +125,8 @@ class Task:
 
 @dataclass(frozen=True)
 class BatchJob:
-    """Run a registered function as an AWS Batch container job (GPU stages); locally, in a process.
+    """Run a registered function as an AWS Batch container job (GPU stages); locally, as a child process of
+    the same container entry point (:mod:`orchestrator.container`).
 
     ``entry_point`` names the registered function the worker calls (``functions.worker``) with the state as
     its event. Resources size the job definition; ``timeout_s`` is the attempt duration.
@@ -137,7 +138,6 @@ class BatchJob:
     memory_mb: int = 16384
     gpus: int = 0
     timeout_s: int = 3600
-    mode: Mode = "process"
     retry: tuple[Retry, ...] = DEFAULT_BATCH_RETRY
 
 
@@ -258,7 +258,7 @@ def _check_steps(steps: tuple[Step, ...], where: str, seen: set[str]) -> None:
             raise PlanError(f"{where}: step name {step.name!r} is used twice; names must be unique")
         seen.add(step.name)
         if isinstance(step, Task | BatchJob):
-            if step.mode not in ("thread", "process"):
+            if isinstance(step, Task) and step.mode not in ("thread", "process"):
                 raise PlanError(f"step {step.name!r}: mode must be 'thread' or 'process'")
             if step.timeout_s < 1 or step.memory_mb < 128:
                 raise PlanError(f"step {step.name!r}: timeout_s must be >= 1 and memory_mb >= 128")

@@ -80,6 +80,66 @@ def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, m
     assert np.allclose(np.linalg.norm(local_emb, axis=1), 1.0, atol=1e-4)
 
 
+def _worker_container(timeout_s: float = WAIT_S):
+    """The running ``python -m functions.worker`` child of this process (the local executor's Batch job)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if "functions.worker" in " ".join(p.cmdline()):
+                    return p
+            except psutil.Error:
+                continue
+        time.sleep(0.02)
+    raise AssertionError("no worker container started")
+
+
+def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_client):
+    import time
+
+    from functions import store
+    from functions.inference import plan as layout
+    from functions.inference.pipeline import worker_reports
+
+    rows = inference_corpus(320, seed=5)
+    key = put_corpus(local_client, "corpora/kill.jsonl", rows)
+    spec = {"kind": "inference", "inputs": [key], "field": "text", "id_field": "id", "shard_rows": 16}
+    job = local_client.submit(spec)
+    root = local_client.store_root
+    worker = _worker_container()
+    markers = []
+    deadline = time.monotonic() + WAIT_S
+    while len(markers) < 2 and time.monotonic() < deadline:  # kill once two shards are committed
+        markers = [u for u in store.list_uris(layout.job_root(root, job.job_id) + "/") if u.endswith(".done")]
+        time.sleep(0.01)
+    worker.kill()
+    status = job.wait(progress=False, timeout_s=WAIT_S)
+    assert status.state == "FAILED" and "killed by SIGKILL" in status.error, (status.error, markers)
+    h = layout.load_plan(root, job.job_id)["config_hash"]
+    committed = {layout.shard_of(u) for u in store.list_uris(layout.out_prefix(root, job.job_id, h) + "/")}
+    committed = {k for k in committed if store.exists(layout.done_uri(root, job.job_id, h, k))}
+    assert 2 <= len(committed) < 20, "the worker finished before the kill; the test needs a slower shard"
+    before = {k: store.get(layout.out_uri(root, job.job_id, h, k)) for k in committed}
+
+    assert job.resume().wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    result = job.result()
+    (report,) = worker_reports(root, job.job_id)  # only the resumed worker reports; the killed one never did
+    assert sorted(report["computed"]) == sorted(set(range(20)) - committed)
+    assert {k: store.get(layout.out_uri(root, job.job_id, h, k)) for k in committed} == before
+    assert result["workers"] == 1
+    assert not store.list_uris(layout.job_root(root, job.job_id) + "/claims/1/")  # no repair round needed
+
+    clean = inference.run(key, field="text", id_field="id", shard_rows=16, client=local_client)
+    ids, emb = inference.load(result)
+    clean_ids, clean_emb = inference.load(clean)
+    assert list(ids) == list(clean_ids) == [r["id"] for r in rows]
+    np.testing.assert_allclose(emb, clean_emb, atol=1e-6)
+
+
 def test_run_default_ids_are_row_numbers_across_inputs(local_client):
     a = put_corpus(local_client, "in/a.jsonl", inference_corpus(5, seed=1))
     b = put_corpus(local_client, "in/b.jsonl", inference_corpus(4, seed=2))

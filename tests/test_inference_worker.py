@@ -426,6 +426,42 @@ def test_a_retried_batch_attempt_takes_over_its_own_claims_only(root, tiny_uri, 
     assert store.get_json(layout.claim_uri(root, "retry", 0, 1))["batch_attempt"] == 2
 
 
+def test_a_resumed_local_worker_takes_over_claims_of_dead_processes_only(root, tiny_uri):
+    import socket
+    import subprocess
+    import sys
+
+    shards = [["a b"], ["c d"], ["e f"], ["g h"]]
+    spec, _ = make_job(root, "dead", shards, {"torchscript": tiny_uri})
+    for k, texts in enumerate(shards):
+        write_pre(root, "dead", k, texts)
+    cpu_done(root, "dead")
+    host = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = W._process_start(alive.pid)
+        store.put_json(layout.claim_uri(root, "dead", 0, 0), {"host": host, "pid": gone.pid})  # killed
+        store.put_json(
+            layout.claim_uri(root, "dead", 0, 1), {"host": host, "pid": alive.pid, "pid_start": start}
+        )
+        # the pid is alive but names another process than the one that claimed (pid reuse)
+        store.put_json(
+            layout.claim_uri(root, "dead", 0, 2), {"host": host, "pid": alive.pid, "pid_start": -1}
+        )
+        store.put_json(layout.claim_uri(root, "dead", 0, 3), {"host": "elsewhere", "pid": gone.pid})
+        summary = W.run_worker(spec, "dead", root, poll_s=0.01)
+    finally:
+        alive.kill()
+    assert summary["computed"] == [0, 2] and markers(root, "dead") == {0, 2}
+    assert store.get_json(layout.claim_uri(root, "dead", 0, 0))["pid"] == os.getpid()
+    reports = store.list_uris(layout.worker_reports_prefix(root, "dead") + "/")
+    (report,) = [store.get_json(u) for u in reports]
+    assert report["computed"] == [0, 2] and set(report["shard_s"]) == {"0", "2"}
+    assert report["rows"] == 2 and 0 <= report["padding_fraction"] < 1
+
+
 def test_cli_exit_codes(monkeypatch):
     from functions.store.retry import TransientError
 

@@ -6,7 +6,8 @@
 * **reconcile** lists the shards lacking a commit marker ``out/<H>/<k>.done`` into ``missing.json`` (the
   repair round's manifest). The workflow runs one repair round (no loops in the plan vocabulary).
 * **commit** fails naming the shards still missing, else merges every shard's embeddings in input order
-  into the output Parquet (``id`` and ``embedding`` list<float32>) plus a manifest, and writes the result.
+  into the output Parquet (``id`` and ``embedding`` list<float32>) plus a manifest (which holds the workers'
+  reports), and writes the result (with the batches' padding fraction and the workers' compute seconds).
 """
 
 from __future__ import annotations
@@ -98,6 +99,24 @@ def _load_out(store_root: str, job_id: str, h: str, shard: int, rows: int) -> np
     return emb.astype(np.float32, copy=False)
 
 
+def worker_reports(store_root: str, job_id: str) -> list[dict[str, Any]]:
+    """Every worker's summary (``workers/<attempt>/<name>.json``), by attempt and name."""
+    prefix = layout.worker_reports_prefix(store_root, job_id) + "/"
+    return [store.get_json(u) for u in sorted(store.list_uris(prefix)) if u.endswith(".json")]
+
+
+def _batching_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the result says of the GPU stage: the workers that reported (a killed worker does not), the
+    padding fraction over all their batches, and their embedding seconds."""
+    real = sum(w.get("real_tokens", 0) for w in workers)
+    padded = sum(w.get("padded_tokens", 0) for w in workers)
+    return {
+        "workers": len(workers),
+        "padding_fraction": round(1 - real / padded, 4) if padded else 0.0,
+        "compute_s": round(sum(w.get("compute_s", 0.0) for w in workers), 3),
+    }
+
+
 def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     """Merge every shard's embeddings in input order into the output Parquet and write the result."""
     import pyarrow as pa
@@ -147,7 +166,9 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
             writer.close()
         f.seek(0)
         store.put_file(out, f)
+    workers = worker_reports(store_root, job_id)
     manifest = {
+        "workers": workers,
         "output": out,
         "rows": rows,
         "dim": dim,
@@ -171,6 +192,7 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
         "skipped": len(skipped),
         "shards": len(p["shards"]),
         "config_hash": h,
+        **_batching_summary(workers),
     }
     store.put_json(result_uri, result)
     logger.info("committed inference", extra={k: v for k, v in result.items() if k != "job_id"})

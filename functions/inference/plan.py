@@ -86,6 +86,15 @@ def claim_uri(store_root: str, job_id: str, attempt: int, shard: int) -> str:
     return join(job_root(store_root, job_id), "claims", str(attempt), f"{shard:05d}")
 
 
+def worker_report_uri(store_root: str, job_id: str, attempt: int, worker: str) -> str:
+    """A worker's summary when it finishes (rows, batches, padding, per-shard seconds)."""
+    return join(job_root(store_root, job_id), "workers", str(attempt), f"{worker}.json")
+
+
+def worker_reports_prefix(store_root: str, job_id: str) -> str:
+    return join(job_root(store_root, job_id), "workers")
+
+
 def cpu_done_uri(store_root: str, job_id: str) -> str:
     return join(job_root(store_root, job_id), "cpu_done.json")
 

@@ -6,7 +6,7 @@ event; the CLI takes the same event from ``--event`` JSON, ``$SHARDFOLD_EVENT`` 
 
 1. Poll the listing of ``pre/<H>/`` (and ``out/<H>/`` for commit markers). Every preprocessed shard that
    is a target of this attempt and has no ``.done`` marker is claimed with ``put_if_absent`` on
-   ``claims/<attempt>/<k:05d>``: a claim another worker holds is left to it. At most ``prefetch`` claimed
+   ``claims/<attempt>/<k:05d>``: a claim another live worker holds is left to it. At most ``prefetch`` claimed
    shards are read ahead by a small thread pool, so a worker never hoards shards others could take.
 2. Each shard's rows are batched by token budget after sorting by length (:mod:`batcher`), embedded under
    ``torch.inference_mode()`` on CUDA if present, else CPU; on ``torch.cuda.OutOfMemoryError`` the
@@ -19,9 +19,14 @@ event; the CLI takes the same event from ``--event`` JSON, ``$SHARDFOLD_EVENT`` 
 Attempt 0 (the ``infer`` step) targets every planned shard; a repair attempt (``attempt >= 1``: the
 event's ``attempt``, or the ``repair_infer`` step, recognised by the reconcile result in its state)
 targets only the shards in ``missing.json`` and claims under ``claims/<attempt>/``, so claims left by a
-killed attempt-0 worker do not block the repair. A Batch job retried by its job definition (same
-``AWS_BATCH_JOB_ID``, higher ``AWS_BATCH_JOB_ATTEMPT``) takes over the claims its dead earlier attempt
-held (see :func:`_claim`); it never takes another job's claims.
+killed attempt-0 worker do not block the repair. A claim whose holder is known to be dead is taken over
+(see :func:`_claim`): one held by an earlier attempt of the same Batch job (same ``AWS_BATCH_JOB_ID``,
+higher ``AWS_BATCH_JOB_ATTEMPT``), or, outside Batch, one held by a process of this host that no longer
+runs (a local worker killed, then the job resumed). A claim of another live worker, or of another Batch
+job, is never taken.
+
+Each worker writes its summary to ``workers/<attempt>/<host>-<pid>.json`` when it finishes (rows,
+batches, padding fraction, seconds per shard); ``commit`` gathers them into the output's manifest.
 
 Exit codes: 0; 75 for a transient fault (the job definition retries it); 1 otherwise.
 """
@@ -40,6 +45,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,18 +86,27 @@ class WorkerStats:
     budget: int = 0
     first_commit_s: float | None = None
     wall_s: float = 0.0
+    shard_s: dict[int, float] = field(default_factory=dict)  # embedding seconds per committed shard
+    device: str = ""
 
     def summary(self) -> dict[str, Any]:
         pad = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
         return {
             "attempt": self.attempt,
+            "device": self.device,
             "shards": len(self.computed),
+            "computed": sorted(self.computed),
+            "skipped": sorted(self.skipped),
             "rows": self.rows,
             "batches": self.batches,
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
             "padding_fraction": round(pad, 4),
             "oom_halvings": self.oom_halvings,
             "budget": self.budget,
             "first_commit_s": self.first_commit_s,
+            "compute_s": round(sum(self.shard_s.values()), 3),
+            "shard_s": {str(k): round(v, 4) for k, v in sorted(self.shard_s.items())},
             "wall_s": round(self.wall_s, 3),
         }
 
@@ -238,7 +253,8 @@ def run_worker(
         from functions.inference.models import load_model
 
         model = load_model(_resolved_model(spec, store_root), device)
-    if str(getattr(model, "device", "cpu")).startswith("cpu"):
+    stats.device = str(getattr(model, "device", "cpu"))
+    if stats.device.startswith("cpu"):
         # A GPU-sized budget swallows a whole shard in one batch on the CPU, so length sorting saves nothing
         # and padding dominates; batches of ~32 average rows (as sentence-transformers' encode) do better.
         stats.budget = min(stats.budget, CPU_BATCH_TOKENS)
@@ -292,39 +308,78 @@ def run_worker(
             if stop.wait(poll_s):
                 break
     stats.wall_s = time.monotonic() - started
-    logger.info("inference worker done", extra={"job_id": job_id, **stats.summary()})
-    return stats.summary()
+    summary = stats.summary()
+    name = f"{worker_id['host']}-{worker_id['pid']}"
+    store.put_json(
+        layout.worker_report_uri(store_root, job_id, attempt, name), {**summary, "worker": worker_id}
+    )
+    logger.info(
+        "inference worker done",
+        extra={"job_id": job_id, **{k: v for k, v in summary.items() if k not in ("shard_s", "computed")}},
+    )
+    return summary
 
 
 def _worker_identity() -> dict[str, Any]:
     """Who holds a claim: host and pid, plus the AWS Batch job (``AWS_BATCH_JOB_ID``, ``parent:index`` for
     an array child) and its attempt (``AWS_BATCH_JOB_ATTEMPT``, from 1) when run by Batch."""
     ident: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    started = _process_start(os.getpid())
+    if started is not None:
+        ident["pid_start"] = started
     if os.environ.get("AWS_BATCH_JOB_ID"):
         ident["batch_job"] = os.environ["AWS_BATCH_JOB_ID"]
         ident["batch_attempt"] = int(os.environ.get("AWS_BATCH_JOB_ATTEMPT") or 1)
     return ident
 
 
+def _process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), which tells a
+    reused pid from the original; None where /proc is not there, or the process is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def _holder_is_dead(held: dict[str, Any], ident: dict[str, Any]) -> bool:
+    """Whether the claim's holder is known to be dead (see the module doc); unknown means alive."""
+    if "batch_job" in ident or "batch_job" in held:
+        return held.get("batch_job") == ident.get("batch_job") and int(held.get("batch_attempt", 0)) < int(
+            ident.get("batch_attempt", 0)
+        )
+    if held.get("host") != ident["host"] or not isinstance(held.get("pid"), int):
+        return False  # another machine's process: nothing here can tell whether it still runs
+    if held["pid"] == ident["pid"]:
+        return False
+    started = _process_start(held["pid"])
+    if started is None:
+        try:
+            os.kill(held["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return Path("/proc").is_dir()  # alive by kill(0), but /proc says gone or zombie
+    return "pid_start" in held and started != held["pid_start"]  # the pid now names another process
+
+
 def _claim(uri: str, ident: dict[str, Any]) -> bool:
-    """Claim a shard with ``put_if_absent``. A claim held by an *earlier attempt of this same Batch job*
-    (the job definition retried it after exit 75 or a lost host) is taken over: only one attempt of a Batch
-    job runs at a time, so that holder is dead, and leaving its shards to the repair round would waste it."""
+    """Claim a shard with ``put_if_absent``, or take over a claim whose holder is dead: an earlier attempt
+    of this same Batch job (only one attempt of a Batch job runs at a time, and the job definition retried
+    it after exit 75 or a lost host), or a process of this host that no longer runs. Leaving such shards
+    to the repair round would waste them."""
     body = json.dumps({**ident, "at": time.time()}).encode()
     if store.put_if_absent(uri, body):
         return True
-    if "batch_job" not in ident:
-        return False
     try:
         held = store.get_json(uri)
     except ShardfoldError:
         return False
-    if (
-        held.get("batch_job") == ident["batch_job"]
-        and int(held.get("batch_attempt", 0)) < ident["batch_attempt"]
-    ):
+    if _holder_is_dead(held, ident):
         store.put(uri, body)
-        logger.info("took over a claim of an earlier attempt of this Batch job", extra={"claim": uri})
+        logger.info("took over the claim of a dead worker", extra={"claim": uri, "holder": held})
         return True
     return False
 
@@ -344,7 +399,9 @@ def _process(
     if store.exists(done):  # committed while it was prefetched (another worker, or an earlier attempt)
         stats.skipped.append(k)
         return
+    t0 = time.monotonic()
     emb, stats.budget = embed_rows(model, shard["input_ids"], shard["offsets"], stats.budget, stats)
+    seconds = time.monotonic() - t0
     buf = io.BytesIO()
     np.save(buf, emb, allow_pickle=False)
     data = buf.getvalue()
@@ -359,6 +416,7 @@ def _process(
     }
     if store.put_if_absent(done, json.dumps(marker).encode()):
         stats.computed.append(k)
+        stats.shard_s[k] = seconds
         stats.rows += int(emb.shape[0])
         if stats.first_commit_s is None:
             stats.first_commit_s = round(time.monotonic() - started, 3)

@@ -1,0 +1,132 @@
+"""Run a BatchJob step on this machine the way AWS Batch runs its container (local executor).
+
+The step runs as a child process of the container's entry point, ``python -m functions.worker``, with the
+same environment contract (``SHARDFOLD_HANDLER``, ``SHARDFOLD_FUNCTION``, ``SHARDFOLD_EVENT``), so a local
+run exercises the code path the GPU container runs, and the worker is a real process that can be killed.
+The job definition's retry table is followed: exit code 75 (the worker's "transient fault") is retried up
+to :data:`BATCH_ATTEMPTS` attempts in all; any other exit fails the job, as does running past the step's
+``timeout_s`` (Batch's attempt duration, which Batch does not retry). A death by signal (``kill -9``, the
+out-of-memory killer) is exit 137 in a container, which the table does not retry either.
+
+The child writes why it failed to ``SHARDFOLD_STATUS_FILE`` (Batch's status reason), so the failure names
+the handler's error and message; its log lines go to this process's stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+import functions
+from functions.worker import EXIT_TRANSIENT
+from orchestrator.invoke import HandlerFailed
+
+logger = Logger(service="shardfold")
+
+BATCH_ATTEMPTS = 3  # the job definitions' retryStrategy.attempts (infra/gpu.py)
+_TERMINATE_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long (as ECS's stop timeout)
+
+
+class Cancelled(Exception):
+    """The job was cancelled while its container ran; the child was terminated."""
+
+
+def _environment(handler_path: str, function: str, event: dict[str, Any], status_file: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # the child imports what this process can (as a spawned process-pool worker does): this code, installed
+    # or not, and handlers registered from modules on this process's path
+    root = str(Path(functions.__file__).resolve().parent.parent)
+    paths = [root, *(p or os.getcwd() for p in sys.path), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    env.update(
+        SHARDFOLD_HANDLER=handler_path,
+        SHARDFOLD_FUNCTION=function,
+        SHARDFOLD_EVENT=json.dumps(event),
+        SHARDFOLD_STATUS_FILE=status_file,
+    )
+    return env
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(_TERMINATE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _failure(returncode: int, status_file: Path, function: str, pid: int) -> HandlerFailed:
+    try:
+        status = json.loads(status_file.read_text())
+    except (OSError, ValueError):
+        status = None
+    if status:
+        return HandlerFailed(status["error"], status["message"], bool(status.get("user_error")))
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
+        return HandlerFailed(
+            "Batch.JobFailed", f"the container running {function} (pid {pid}) was killed by {name}"
+        )
+    return HandlerFailed("Batch.JobFailed", f"the container running {function} exited with code {returncode}")
+
+
+def run_container(
+    handler_path: str,
+    function: str,
+    event: dict[str, Any],
+    *,
+    timeout_s: float,
+    cancel: threading.Event,
+    attempts: int = BATCH_ATTEMPTS,
+    poll_s: float = 0.2,
+) -> None:
+    """Run the container entry point on ``event`` until it succeeds, fails for good, or is cancelled.
+
+    Raises :class:`HandlerFailed` naming the failure, or :class:`Cancelled`. The result is discarded, as
+    Step Functions discards a Batch job's (outputs go to the store).
+    """
+    for attempt in range(1, attempts + 1):
+        with tempfile.TemporaryDirectory(prefix="shardfold-batch-") as tmp:
+            status_file = Path(tmp) / "status.json"
+            env = _environment(handler_path, function, event, str(status_file))
+            proc = subprocess.Popen([sys.executable, "-m", "functions.worker"], env=env)
+            logger.info(
+                "batch container started", extra={"function": function, "pid": proc.pid, "attempt": attempt}
+            )
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    code = proc.wait(poll_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if cancel.is_set():
+                    _stop(proc)
+                    raise Cancelled(function)
+                if time.monotonic() > deadline:
+                    _stop(proc)
+                    raise HandlerFailed(
+                        "States.Timeout", f"{function} ran past its attempt duration of {timeout_s:.0f} s"
+                    )
+            if code == 0:
+                return
+            failure = _failure(code, status_file, function, proc.pid)
+        if code != EXIT_TRANSIENT or attempt == attempts:
+            raise failure
+        logger.warning(
+            "batch container asked for a retry (exit 75)",
+            extra={"function": function, "attempt": attempt, "error": str(failure)},
+        )
