@@ -4,10 +4,11 @@ The workflow's BatchJob steps call :func:`handler` (registered as ``inference.wo
 event; the CLI takes the same event from ``--event`` JSON, ``$SHARDFOLD_EVENT`` or flags. Both run
 :func:`run_worker`:
 
-1. Poll the listing of ``pre/<H>/`` (and ``out/<H>/`` for commit markers). Every preprocessed shard that
-   is a target of this attempt and has no ``.done`` marker is claimed with ``put_if_absent`` on
-   ``claims/<attempt>/<k:05d>``: a claim another live worker holds is left to it. At most ``prefetch`` claimed
-   shards are read ahead by a small thread pool, so a worker never hoards shards others could take.
+1. Poll the listing of ``pre/<H>/`` (and ``out/<H>/`` for commit markers): 50 ms after progress, backing
+   off to ``$SHARDFOLD_INFERENCE_POLL_S`` (1 s) while idle. Every preprocessed shard that is a target of
+   this attempt and has no ``.done`` marker is claimed with ``put_if_absent`` on ``claims/<attempt>/<k:05d>``:
+   a claim another live worker holds is left to it. At most ``prefetch`` claimed shards are read ahead by
+   a small thread pool, so a worker never hoards shards others could take.
 2. Each shard's rows are batched by token budget after sorting by length (:mod:`batcher`), embedded under
    ``torch.inference_mode()`` on CUDA if present, else CPU; on ``torch.cuda.OutOfMemoryError`` the
    worker halves its budget (for the rest of its life) and re-splits the failed batch.
@@ -39,7 +40,6 @@ import io
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -60,7 +60,8 @@ from functions.specs import InferenceJob
 
 logger = Logger(service="shardfold")
 
-POLL_S = float(os.environ.get("SHARDFOLD_INFERENCE_POLL_S", "1.0"))
+POLL_S = float(os.environ.get("SHARDFOLD_INFERENCE_POLL_S", "1.0"))  # the longest wait between listings
+FIRST_POLL_S = 0.05  # the first wait after progress; doubled while idle, up to POLL_S
 PREFETCH = 2  # claimed shards read ahead of the one being computed
 # Give up (an error: the job fails) when, before cpu_done.json, no new preprocessed shard appeared for this
 # long: the CPU stage has died. On AWS a failed CPU branch stops the Batch job anyway (Parallel); locally
@@ -263,6 +264,7 @@ def run_worker(
     inflight: deque[tuple[int, Future]] = deque()
     seen_ready: set[int] = set()
     last_progress = time.monotonic()
+    wait_s = min(poll_s, FIRST_POLL_S)
     with ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="prefetch") as pool:
         while True:
             finished = False
@@ -272,6 +274,7 @@ def run_worker(
                 if ready - seen_ready:
                     seen_ready |= ready
                     last_progress = time.monotonic()
+                    wait_s = min(poll_s, FIRST_POLL_S)
                 if ready:
                     remaining -= _listed(out, ".done")
                     ready &= remaining
@@ -305,8 +308,9 @@ def run_worker(
                     f"not finished ({layout.cpu_done_uri(store_root, job_id)} is absent); "
                     f"{len(remaining)} shard(s) left, e.g. {sorted(remaining)[:10]}"
                 )
-            if stop.wait(poll_s):
+            if stop.wait(wait_s):
                 break
+            wait_s = min(poll_s, wait_s * 2)  # idle: back off to poll_s; reset when a shard arrives
     stats.wall_s = time.monotonic() - started
     summary = stats.summary()
     name = f"{worker_id['host']}-{worker_id['pid']}"
@@ -470,4 +474,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from functions.worker import exit_now
+
+    exit_now(main())
