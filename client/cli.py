@@ -240,7 +240,7 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
             f"{s.gets:,}",
             f"{s.puts:,}",
             f"{s.duration_s:.2f}",
-            f"{s.gb_s:,.2f}",
+            f"EC2 {s.instance_s:,.0f} s" if s.instance_s else f"{s.gb_s:,.2f}",
         )
     out.print(table)
     cost = Table(title="cost if run on AWS", title_justify="left", box=box.SIMPLE_HEAD)

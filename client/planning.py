@@ -70,7 +70,8 @@ class StepPlan:
     gets: int  # total over the step's tasks
     puts: int
     duration_s: float  # per task
-    gb_s: float  # billed over the step's tasks
+    gb_s: float  # Lambda GB-s billed over the step's tasks (0 for a Batch step)
+    instance_s: float = 0.0  # EC2 instance seconds over a Batch step's jobs, startup included
 
     @property
     def fits(self) -> bool:
@@ -192,6 +193,8 @@ def estimate_plan(spec: Any, store_root: str, probe_limit: int | None = None) ->
     ``probe_limit`` caps how many objects are sized (HEAD/stat) to find the largest item; ``submit``
     uses a small sample so checking a plan costs far less than running it.
     """
+    from orchestrator.plan import BatchJob
+
     workflow = _workflow(spec.kind)
     if spec.kind not in ESTIMATORS:
         raise PlanError(f"no plan estimator for job kind {spec.kind!r}")
@@ -206,6 +209,7 @@ def estimate_plan(spec: Any, store_root: str, probe_limit: int | None = None) ->
         )
         memory_mb = int(getattr(task, "memory_mb", None) or 0)
         billed_s = max(load.duration_s, pricing.LAMBDA_MIN_BILLED_S)
+        batch = isinstance(task, BatchJob)
         steps.append(
             StepPlan(
                 name=task.name,
@@ -216,12 +220,14 @@ def estimate_plan(spec: Any, store_root: str, probe_limit: int | None = None) ->
                 gets=load.gets * runs if load.total_gets is None else load.total_gets,
                 puts=load.puts * runs if load.total_puts is None else load.total_puts,
                 duration_s=load.duration_s,
-                gb_s=memory_mb / 1024 * billed_s * runs,
+                gb_s=0.0 if batch else memory_mb / 1024 * billed_s * runs,
+                instance_s=(load.duration_s + pricing.BATCH_STARTUP_S) * runs if batch else 0.0,
             )
         )
     transitions = _count_transitions(workflow.steps, est.map_items)
     gb_s = sum(s.gb_s for s in steps)
-    invocations = sum(s.tasks for s in steps)
+    instance_s = sum(s.instance_s for s in steps)
+    invocations = sum(s.tasks for s in steps if not s.instance_s)
     gets = sum(s.gets for s in steps)
     puts = sum(s.puts for s in steps) + 1  # + the client's spec.json
     cost = {
@@ -231,6 +237,8 @@ def estimate_plan(spec: Any, store_root: str, probe_limit: int | None = None) ->
         "s3_put": puts * pricing.S3_USD_PER_PUT,
         "step_functions": transitions * pricing.SFN_USD_PER_TRANSITION,
     }
+    if any(isinstance(t, BatchJob) for t in workflow.walk()):
+        cost["batch_gpu_instances"] = instance_s / 3600 * pricing.BATCH_GPU_USD_PER_HOUR
     cost["total"] = sum(cost.values())
     notes = list(est.notes)
     if est.output_bytes is not None:

@@ -86,7 +86,9 @@ def estimate_inference(spec: Any, store_root: str, probe_limit: int) -> KindEsti
     map_items["repair_preprocess"] = 0  # a clean run repairs nothing
     notes.append(
         f"GPU stage: one AWS Batch job (1 GPU), ~{gpu_s:,.0f} s at ~{GPU_ROWS_PER_S} rows/s for MiniLM "
-        "(order of magnitude); Batch instance time is billed by EC2, not in the total"
+        f"(order of magnitude), priced as g5.xlarge on-demand (${pricing.BATCH_GPU_USD_PER_HOUR}/h) with "
+        f"~{pricing.BATCH_STARTUP_S:.0f} s of instance start per Batch job (the repair round's job too); "
+        "the default Spot compute environment usually costs far less"
     )
     notes.append("repair round: runs only for shards lacking a commit marker (none in a clean run)")
     details = [

@@ -22,6 +22,14 @@ S3_USD_PER_PUT = 0.005 / 1_000
 # https://aws.amazon.com/s3/pricing/ : S3 Standard storage, first 50 TB, $0.023 per GB-month
 S3_USD_PER_GB_MONTH = 0.023
 
+# https://aws.amazon.com/ec2/pricing/on-demand/ : g5.xlarge (1x NVIDIA A10G, 4 vCPU, 16 GiB), Linux,
+# us-east-1.
+# The GPU stages' AWS Batch jobs run on such an instance; the default compute environment uses Spot, which
+# is usually well below this on-demand price, so the estimate is an upper bound.
+BATCH_GPU_USD_PER_HOUR = 1.006
+# Instance launch plus container image pull before a Batch job's command runs (assumed); EC2 bills it.
+BATCH_STARTUP_S = 180.0
+
 # Lambda bills duration rounded up to the millisecond; we round each task up to this many seconds.
 LAMBDA_MIN_BILLED_S = 0.001
 

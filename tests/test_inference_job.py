@@ -160,6 +160,18 @@ def test_plan_estimate_counts_shards_and_cpu_tasks(local_client):
     steps = {s.name: s for s in report.steps}
     assert steps["preprocess_shard"].tasks == 3
     assert steps["infer"].tasks == 1
+    # Batch steps are priced as GPU instance time, not as Lambda GB-s, and are not Lambda invocations
+    from client import pricing
+
+    for name in ("infer", "repair_infer"):
+        assert steps[name].gb_s == 0 and steps[name].instance_s >= pricing.BATCH_STARTUP_S
+    gpu_s = steps["infer"].instance_s + steps["repair_infer"].instance_s
+    assert report.cost_usd["batch_gpu_instances"] == pytest.approx(
+        gpu_s / 3600 * pricing.BATCH_GPU_USD_PER_HOUR
+    )
+    assert report.cost_usd["total"] == pytest.approx(
+        sum(v for k, v in report.cost_usd.items() if k != "total")
+    )
     (table,) = report.details
     assert table.rows[0][:3] == [50, 3, 3]
     # an unreadable input is a note, not a crash
