@@ -58,7 +58,8 @@ def estimate_inference(spec: Any, store_root: str, probe_limit: int) -> KindEsti
     out_bytes = rows * EMBED_DIM * 4
     commit_peak = RUNTIME_BYTES + n_shards * shard_rows * 16 + 3 * shard_rows * EMBED_DIM * 4
     cpu_s = pricing.TASK_OVERHEAD_S + shard_tokens / CPU_TOKENS_PER_S
-    gpu_s = rows / GPU_ROWS_PER_S
+    workers = max(1, min(spec.gpu_workers, n_shards))
+    gpu_s = rows / GPU_ROWS_PER_S / workers  # per worker: the shards are shared out by claims
     loads = {
         "plan": TaskLoad(
             peak_bytes=RUNTIME_BYTES + 24 * rows,
@@ -71,8 +72,8 @@ def estimate_inference(spec: Any, store_root: str, probe_limit: int) -> KindEsti
         "reconcile": TaskLoad(peak_bytes=RUNTIME_BYTES, gets=2, puts=1, duration_s=pricing.TASK_OVERHEAD_S),
         "worker": TaskLoad(
             peak_bytes=worker_peak,
-            gets=2 * n_shards + 2,
-            puts=3 * n_shards,
+            gets=2 * -(-n_shards // workers) + 2,
+            puts=3 * -(-n_shards // workers),
             duration_s=gpu_s,
         ),
         "commit": TaskLoad(
@@ -84,8 +85,10 @@ def estimate_inference(spec: Any, store_root: str, probe_limit: int) -> KindEsti
     }
     map_items = map_names_for("inference", n_shards)
     map_items["repair_preprocess"] = 0  # a clean run repairs nothing
+    map_items["infer_workers"] = workers
     notes.append(
-        f"GPU stage: one AWS Batch job (1 GPU), ~{gpu_s:,.0f} s at ~{GPU_ROWS_PER_S} rows/s for MiniLM "
+        f"GPU stage: {workers} AWS Batch job(s) of 1 GPU, ~{gpu_s:,.0f} s each at ~{GPU_ROWS_PER_S} rows/s "
+        "for MiniLM "
         f"(order of magnitude), priced as g5.xlarge on-demand (${pricing.BATCH_GPU_USD_PER_HOUR}/h) with "
         f"~{pricing.BATCH_STARTUP_S:.0f} s of instance start per Batch job (the repair round's job too); "
         "the default Spot compute environment usually costs far less"
@@ -94,13 +97,13 @@ def estimate_inference(spec: Any, store_root: str, probe_limit: int) -> KindEsti
     details = [
         DetailTable(
             title="inference plan",
-            columns=["rows", "shards", "CPU tasks", "GPU job", "preprocess MiB", "worker MiB", "commit MiB"],
+            columns=["rows", "shards", "CPU tasks", "GPU jobs", "preprocess MiB", "worker MiB", "commit MiB"],
             rows=[
                 [
                     rows,
                     n_shards,
                     n_shards,
-                    "1 Batch job, 1 GPU",
+                    f"{workers} Batch job(s), 1 GPU each",
                     round(preprocess_peak / MiB),
                     round(worker_peak / MiB),
                     round(commit_peak / MiB),

@@ -507,6 +507,9 @@ class InferenceJob(StrictModel):
     max_tokens: int = Field(default=256, ge=2, le=8192, description="truncation, special tokens included")
     batch_tokens: int = Field(default=16384, ge=1, description="token budget of one GPU batch")
     shard_rows: int = Field(default=2000, ge=1, le=1_000_000, description="rows per shard")
+    gpu_workers: int = Field(
+        default=1, ge=1, le=256, description="GPU workers (AWS Batch jobs) claiming shards side by side"
+    )
     output: str | None = Field(
         default=None, description="Parquet URI; default jobs/<id>/output/embeddings.parquet"
     )

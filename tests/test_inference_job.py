@@ -60,7 +60,9 @@ def put_corpus(client: Client, key: str, rows: list[dict]) -> str:
 def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, monkeypatch):
     rows = inference_corpus(ROWS, seed=3)
     key = put_corpus(moto_client, "corpora/a.jsonl", rows)  # relative key: under the moto bucket
-    on_moto = inference.run(key, field="text", id_field="id", shard_rows=SHARD_ROWS, client=moto_client)
+    on_moto = inference.run(
+        key, field="text", id_field="id", shard_rows=SHARD_ROWS, gpu_workers=2, client=moto_client
+    )
     moto_ids, moto_emb = inference.load(on_moto)
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "local-home"))
@@ -72,6 +74,7 @@ def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, m
     assert on_moto["output"].startswith("s3://") and on_local["output"].startswith("file://")
     assert on_moto["rows"] == on_local["rows"] == ROWS
     assert on_moto["shards"] == on_local["shards"] == ROWS // SHARD_ROWS
+    assert on_moto["workers"] == 2 and on_local["workers"] == 1  # a Map of two Batch jobs on moto
     assert on_moto["config_hash"] == on_local["config_hash"]
     want = [r["id"] for r in rows]
     assert [str(i) for i in moto_ids] == want and [str(i) for i in local_ids] == want
@@ -132,6 +135,42 @@ def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_
     assert {k: store.get(layout.out_uri(root, job.job_id, h, k)) for k in committed} == before
     assert result["workers"] == 1
     assert not store.list_uris(layout.job_root(root, job.job_id) + "/claims/1/")  # no repair round needed
+
+    clean = inference.run(key, field="text", id_field="id", shard_rows=16, client=local_client)
+    ids, emb = inference.load(result)
+    clean_ids, clean_emb = inference.load(clean)
+    assert list(ids) == list(clean_ids) == [r["id"] for r in rows]
+    np.testing.assert_allclose(emb, clean_emb, atol=1e-6)
+
+
+def test_two_workers_share_the_shards_and_survive_one_killed(local_client):
+    import time
+
+    from functions import store
+    from functions.inference import plan as layout
+    from functions.inference.pipeline import worker_reports
+
+    rows = inference_corpus(320, seed=6)
+    key = put_corpus(local_client, "corpora/two.jsonl", rows)
+    spec = {"kind": "inference", "inputs": [key], "field": "text", "id_field": "id", "shard_rows": 16}
+    job = local_client.submit({**spec, "gpu_workers": 2})
+    root = local_client.store_root
+    first = _worker_container()
+    deadline = time.monotonic() + WAIT_S
+    while not any(u.endswith(".done") for u in store.list_uris(layout.job_root(root, job.job_id) + "/")):
+        assert time.monotonic() < deadline, "no shard was committed"
+        time.sleep(0.01)
+    first.kill()  # the other worker carries on; the repair round takes what the killed one held
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED", job.status().error
+    result = job.result()
+    reports = worker_reports(root, job.job_id)
+    assert first.pid not in {r["worker"]["pid"] for r in reports}  # the killed worker never reported
+    h = layout.load_plan(root, job.job_id)["config_hash"]
+    by = {k: store.get_json(layout.done_uri(root, job.job_id, h, k))["pid"] for k in range(20)}
+    for r in reports:  # every shard committed once, by the worker whose report lists it
+        assert sorted(r["computed"]) == sorted(k for k, pid in by.items() if pid == r["worker"]["pid"])
+    assert set(by.values()) <= {first.pid} | {r["worker"]["pid"] for r in reports}
+    assert result["rows"] == 320 and result["workers"] == len(reports)
 
     clean = inference.run(key, field="text", id_field="id", shard_rows=16, client=local_client)
     ids, emb = inference.load(result)

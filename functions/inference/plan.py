@@ -82,6 +82,11 @@ def done_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
     return join(out_prefix(store_root, job_id, h), f"{shard:05d}.done")
 
 
+def workers_uri(store_root: str, job_id: str) -> str:
+    """The GPU stage's worker list, ``[{"worker": i}]``: the items of its Map of Batch jobs."""
+    return join(job_root(store_root, job_id), "workers.json")
+
+
 def claim_uri(store_root: str, job_id: str, attempt: int, shard: int) -> str:
     return join(job_root(store_root, job_id), "claims", str(attempt), f"{shard:05d}")
 
@@ -293,7 +298,8 @@ def make_shards(spec: InferenceJob, store_root: str) -> list[dict[str, Any]]:
 
 
 def plan(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
-    """Write ``plan.json`` and the shard manifest; return ``{manifest, shards, rows, config_hash}``."""
+    """Write ``plan.json``, the shard manifest and the worker list; return ``{manifest, workers, shards, rows,
+    config_hash}``."""
     h, parts = config_hash(spec, store_root)
     shards = make_shards(spec, store_root)
     rows = sum(s["rows"] for s in shards)
@@ -303,9 +309,14 @@ def plan(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     )
     m_uri = manifest_uri(store_root, job_id)
     store.put_json(m_uri, [{"shard": s["shard"]} for s in shards])
+    # more workers than shards would only start GPU instances that find nothing to claim
+    workers = max(1, min(spec.gpu_workers, len(shards)))
+    w_uri = workers_uri(store_root, job_id)
+    store.put_json(w_uri, [{"worker": i} for i in range(workers)])
     logger.info("planned inference", extra={"job_id": job_id, "rows": rows, "shards": len(shards), "H": h})
     return {
         "manifest": manifest_ref(m_uri, len(shards)),
+        "workers": manifest_ref(w_uri, workers),
         "shards": len(shards),
         "rows": rows,
         "config_hash": h,

@@ -1,11 +1,13 @@
-"""The inference workflow: plan → Parallel(CPU Map + cpu_done | GPU worker) → reconcile → repair → commit.
+"""The inference workflow: plan → Parallel(CPU Map + cpu_done | GPU workers) → reconcile → repair → commit.
 
-The CPU branch tokenizes shards (one Lambda task each) while the GPU branch's worker (an AWS Batch job,
-``python -m functions.inference.worker``) claims each shard as soon as its preprocessed file appears, so
-the two stages overlap. ``reconcile`` lists the shards lacking a commit marker; one bounded repair round
-re-runs only those (their CPU tasks are no-ops where the preprocessed shard survived; the repair worker
-exits at once when nothing is missing). The plan vocabulary has no loops, so the repair round is a fixed
-pair of steps; ``commit`` fails naming any shard still missing, and resuming the job repeats only that.
+The CPU branch tokenizes shards (one Lambda task each) while the GPU branch's workers (``gpu_workers`` AWS
+Batch jobs, ``python -m functions.inference.worker``) claim each shard as soon as its preprocessed file
+appears, so the two stages overlap. A worker that dies fails only itself unless every worker does: the
+shards it held are left to the repair round. ``reconcile`` lists the shards lacking a commit marker; one
+bounded repair round re-runs only those (their CPU tasks are no-ops where the preprocessed shard survived;
+the repair worker exits at once when nothing is missing). The plan vocabulary has no loops, so the repair
+round is a fixed pair of steps; ``commit`` fails naming any shard still missing, and resuming the job
+repeats only that.
 
 The kind deploys as container-image Lambda functions (``lambda_package="image"``): plan, preprocess and
 commit read and write Parquet with pyarrow, which is image-only (infra/package.py IMAGE_ONLY).
@@ -51,7 +53,16 @@ WORKFLOW = Workflow(
                     ),
                     Task("cpu_done", "inference.cpu_done", memory_mb=512, timeout_s=60),
                 ),
-                (BatchJob("infer", **WORKER),),
+                (
+                    # One Batch job per GPU worker (the spec's gpu_workers); they claim shards side by side.
+                    # The stage fails only when every worker failed: a lost worker's shards go to repair.
+                    Map(
+                        "infer_workers",
+                        items="$.plan.workers",
+                        body=(BatchJob("infer", **WORKER),),
+                        tolerated_failure_percentage=99,
+                    ),
+                ),
             ),
         ),
         Task("reconcile", "inference.reconcile", memory_mb=512, timeout_s=300),
