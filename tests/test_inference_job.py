@@ -274,3 +274,11 @@ def test_unknown_option_is_a_spec_error():
 
     with pytest.raises((SpecError, ValueError)):
         inference.spec(["a.jsonl"], field="text", shard_rowz=3)
+
+
+@pytest.mark.parametrize("workers", [0, -1, 257, "two"])
+def test_bad_gpu_workers_is_a_spec_error_naming_the_field(workers):
+    from functions.errors import SpecError
+
+    with pytest.raises(SpecError, match="gpu_workers"):
+        parse_spec({"kind": "inference", "inputs": ["a.jsonl"], "field": "text", "gpu_workers": workers})
