@@ -9,6 +9,7 @@ on status comes from the executor and the result from ``jobs/<id>/result.json``,
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,17 @@ class Client:
         return entries if stream else list(entries)
 
 
+def _inference_progress(store_root: str, job_id: str) -> dict[str, dict[str, int]]:
+    from functions.inference.pipeline import progress
+
+    return progress(store_root, job_id)
+
+
+# Work inside one step that the executors cannot count (a GPU worker's shards), read from the store per kind
+# and shown beside the steps in `status` and in the progress bars.
+KIND_PROGRESS = {"inference": _inference_progress}
+
+
 class Job:
     """One job on one backend. Cheap to create; every call asks the backend afresh."""
 
@@ -253,8 +265,9 @@ class Job:
         return store.get_json(self.spec_uri)
 
     def status(self) -> Any:
-        """The executor's :class:`JobStatus`: state, per-step progress counts, error."""
-        return self.client.executor.status(self.job_id)
+        """The executor's :class:`JobStatus`: state, per-step progress counts (plus the kind's own counters,
+        e.g. an inference job's ``embedded_shards``), error."""
+        return self._with_kind_progress(self.client.executor.status(self.job_id))
 
     def wait(self, progress: bool = True, timeout_s: float | None = None, console: Any = None) -> Any:
         """Block until the job ends; returns its final :class:`JobStatus` (check ``.state``).
@@ -262,12 +275,35 @@ class Job:
         ``progress=True`` draws one rich progress bar per step (on stderr); ``False`` is silent.
         """
         if not progress:
-            return self.client.executor.wait(self.job_id, on_progress=None, timeout_s=timeout_s)
+            status = self.client.executor.wait(self.job_id, on_progress=None, timeout_s=timeout_s)
+            return self._with_kind_progress(status)
         from client.progress import ProgressView
 
         with ProgressView(self.job_id, console=console) as view:
-            status = self.client.executor.wait(self.job_id, on_progress=view.update, timeout_s=timeout_s)
+
+            def show(status: Any) -> None:
+                view.update(self._with_kind_progress(status, throttle_s=2.0))
+
+            status = self._with_kind_progress(
+                self.client.executor.wait(self.job_id, on_progress=show, timeout_s=timeout_s)
+            )
             view.update(status)
+        return status
+
+    def _with_kind_progress(self, status: Any, throttle_s: float = 0.0) -> Any:
+        """``status`` with the kind's counters added to its steps (read at most every ``throttle_s``)."""
+        counters = KIND_PROGRESS.get(self.kind)
+        if counters is None:
+            return status
+        now = time.monotonic()
+        cached = getattr(self, "_kind_progress", None)
+        if cached is None or now - cached[0] >= throttle_s or status.finished:
+            try:
+                cached = (now, counters(self.client.store_root, self.job_id))
+            except ShardfoldError:  # the store is unreachable now; the executor's own counts still show
+                cached = (now, {})
+            self._kind_progress = cached
+        status.steps = {**status.steps, **cached[1]}
         return status
 
     def result(self) -> dict[str, Any]:

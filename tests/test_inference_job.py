@@ -127,8 +127,10 @@ def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_
     committed = {k for k in committed if store.exists(layout.done_uri(root, job.job_id, h, k))}
     assert 2 <= len(committed) < 20, "the worker finished before the kill; the test needs a slower shard"
     before = {k: store.get(layout.out_uri(root, job.job_id, h, k)) for k in committed}
+    assert job.status().steps["embedded_shards"] == {"done": len(committed), "total": 20}
 
-    assert job.resume().wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    finished = job.resume().wait(progress=False, timeout_s=WAIT_S)
+    assert finished.state == "SUCCEEDED" and finished.steps["embedded_shards"] == {"done": 20, "total": 20}
     result = job.result()
     (report,) = worker_reports(root, job.job_id)  # only the resumed worker reports; the killed one never did
     assert sorted(report["computed"]) == sorted(set(range(20)) - committed)
@@ -241,6 +243,8 @@ def test_cli_plan_and_run_the_shipped_example(tmp_path, monkeypatch):
     ids, emb = inference.load(Client().job(job_id).result())
     assert [str(i) for i in ids] == [json.loads(line)["id"] for line in corpus]
     assert emb.shape == (300, 384)
+    status = CliRunner().invoke(cli, ["status", job_id], catch_exceptions=False)
+    assert status.exit_code == 0 and "embedded_shards 3/3" in status.output, status.output
 
 
 # --- bad input through the job ------------------------------------------------------------------------------

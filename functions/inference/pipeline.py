@@ -31,7 +31,7 @@ from functions.store.uri import join
 
 logger = Logger(service="shardfold")
 
-__all__ = ["commit", "cpu_done", "missing_shards", "plan", "preprocess", "reconcile"]
+__all__ = ["commit", "cpu_done", "missing_shards", "plan", "preprocess", "progress", "reconcile"]
 
 
 class MissingShards(ShardfoldError):
@@ -77,6 +77,16 @@ def missing_shards(store_root: str, job_id: str, p: dict[str, Any]) -> list[int]
     prefix = layout.out_prefix(store_root, job_id, p["config_hash"])
     done = {layout.shard_of(u) for u in store.list_uris(prefix) if u.endswith(".done")}
     return [s["shard"] for s in p["shards"] if s["shard"] not in done]
+
+
+def progress(store_root: str, job_id: str) -> dict[str, dict[str, int]]:
+    """Shards embedded so far (commit markers) of the planned shards: the GPU workers' progress, which an
+    executor sees only as one running step. Empty until the plan exists."""
+    if not store.exists(layout.plan_uri(store_root, job_id)):
+        return {}
+    p = load_plan(store_root, job_id)
+    done = len(p["shards"]) - len(missing_shards(store_root, job_id, p))
+    return {"embedded_shards": {"done": done, "total": len(p["shards"])}}
 
 
 def reconcile(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
