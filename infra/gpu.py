@@ -352,6 +352,9 @@ class GpuQueue(Component):
                 lambda v: iam.to_json(
                     iam.document(
                         *worker_statements(cfg, v[0], v[1]),
+                        # Resource "*": DescribeJobs has no resource type (iam.WILDCARD_RESOURCE_ACTIONS); a
+                        # worker asks whether the Batch job holding a shard's claim has ended.
+                        iam.statement(["batch:DescribeJobs"], "*", sid="ClaimHolderAlive"),
                         iam.xray_statement() if cfg.tracing else None,
                     )
                 )

@@ -410,20 +410,46 @@ def test_worker_stops_when_the_cpu_stage_failed(root, tiny_uri):
         W.run_worker(spec, "cpufail", root, poll_s=0.01, idle_s=3600)
 
 
-def test_a_retried_batch_attempt_takes_over_its_own_claims_only(root, tiny_uri, monkeypatch):
-    shards = [["a b"], ["c d"], ["e f"]]
+class FakeBatch:
+    """``describe_jobs`` as AWS Batch answers it, from a table of job statuses; raises for "boom"."""
+
+    def __init__(self, statuses):
+        self.statuses = statuses
+        self.asked = []
+
+    def describe_jobs(self, jobs):
+        self.asked.extend(jobs)
+        if "boom" in jobs:
+            raise RuntimeError("AccessDenied")
+        return {"jobs": [{"jobId": j, "status": self.statuses[j]} for j in jobs if j in self.statuses]}
+
+
+def test_batch_claims_are_taken_over_only_from_ended_jobs(root, tiny_uri, monkeypatch):
+    import boto3
+
+    shards = [["a b"], ["c d"], ["e f"], ["g h"], ["i j"], ["k l"]]
     spec, _ = make_job(root, "retry", shards, {"torchscript": tiny_uri})
     for k, texts in enumerate(shards):
         write_pre(root, "retry", k, texts)
     cpu_done(root, "retry")
-    # attempt 1 of Batch job j:0 died holding shard 1; another job (j:1) holds shard 2 and is alive
-    store.put_json(layout.claim_uri(root, "retry", 0, 1), {"batch_job": "j:0", "batch_attempt": 1})
-    store.put_json(layout.claim_uri(root, "retry", 0, 2), {"batch_job": "j:1", "batch_attempt": 1})
+    holders = {
+        1: {"batch_job": "j:0", "batch_attempt": 1},  # an earlier attempt of this very job: dead
+        2: {"batch_job": "j:1", "batch_attempt": 1},  # a peer Batch reports RUNNING: alive
+        3: {"batch_job": "j:2", "batch_attempt": 1},  # a peer Batch reports FAILED: dead
+        4: {"batch_job": "gone", "batch_attempt": 1},  # Batch no longer lists it: unknown, left alone
+        5: {"batch_job": "boom", "batch_attempt": 1},  # DescribeJobs fails: unknown, left alone
+    }
+    for k, holder in holders.items():
+        store.put_json(layout.claim_uri(root, "retry", 0, k), holder)
+    fake = FakeBatch({"j:1": "RUNNING", "j:2": "FAILED"})
+    monkeypatch.setattr(boto3, "client", lambda service, **kw: fake)
     monkeypatch.setenv("AWS_BATCH_JOB_ID", "j:0")
     monkeypatch.setenv("AWS_BATCH_JOB_ATTEMPT", "2")
     summary = W.run_worker(spec, "retry", root, poll_s=0.01)
-    assert summary["shards"] == 2 and markers(root, "retry") == {0, 1}
+    assert summary["computed"] == [0, 1, 3] and markers(root, "retry") == {0, 1, 3}
     assert store.get_json(layout.claim_uri(root, "retry", 0, 1))["batch_attempt"] == 2
+    assert store.get_json(layout.claim_uri(root, "retry", 0, 3))["batch_job"] == "j:0"
+    assert sorted(fake.asked) == ["boom", "gone", "j:1", "j:2"]  # never asked about its own job
 
 
 def test_a_resumed_local_worker_takes_over_claims_of_dead_processes_only(root, tiny_uri):

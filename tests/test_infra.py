@@ -750,6 +750,10 @@ def test_gpu_instance_role_is_scoped_to_its_cluster(stack):
     assert trust["Principal"] == {"Service": "ec2.amazonaws.com"}
     job_trust = docs["shardfold-test-gpu-job-role.assumeRolePolicy"]["Statement"][0]
     assert job_trust["Principal"] == {"Service": "ecs-tasks.amazonaws.com"}
+    # the worker asks Batch whether a claim's holder ended; DescribeJobs takes no resource ARN
+    job = {s["Sid"]: s for s in docs["shardfold-test-gpu-job-policy.policy"]["Statement"]}
+    assert job["ClaimHolderAlive"]["Action"] in ("batch:DescribeJobs", ["batch:DescribeJobs"])
+    assert job["ClaimHolderAlive"]["Resource"] == "*"
     role = stack.named("aws:iam/role:Role", "shardfold-test-gpu-instance-role").inputs
     assert not role.get("managedPolicyArns")
 

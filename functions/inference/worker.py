@@ -22,9 +22,10 @@ event's ``attempt``, or the ``repair_infer`` step, recognised by the reconcile r
 targets only the shards in ``missing.json`` and claims under ``claims/<attempt>/``, so claims left by a
 killed attempt-0 worker do not block the repair. A claim whose holder is known to be dead is taken over
 (see :func:`_claim`): one held by an earlier attempt of the same Batch job (same ``AWS_BATCH_JOB_ID``,
-higher ``AWS_BATCH_JOB_ATTEMPT``), or, outside Batch, one held by a process of this host that no longer
-runs (a local worker killed, then the job resumed). A claim of another live worker, or of another Batch
-job, is never taken.
+higher ``AWS_BATCH_JOB_ATTEMPT``), by another Batch job that ``DescribeJobs`` reports SUCCEEDED or FAILED
+(a peer worker that died, or the job of the run before a redrive), or, outside Batch, by a process of this
+host that no longer runs (a local worker killed, then the job resumed). A claim of a live worker, or one
+whose holder's fate is unknown, is never taken.
 
 Each worker writes its summary to ``workers/<attempt>/<host>-<pid>-<run>.json`` when it finishes (rows,
 batches, padding fraction, seconds per shard); ``commit`` gathers them into the output's manifest.
@@ -352,9 +353,10 @@ def _process_start(pid: int) -> int | None:
 def _holder_is_dead(held: dict[str, Any], ident: dict[str, Any]) -> bool:
     """Whether the claim's holder is known to be dead (see the module doc); unknown means alive."""
     if "batch_job" in ident or "batch_job" in held:
-        return held.get("batch_job") == ident.get("batch_job") and int(held.get("batch_attempt", 0)) < int(
-            ident.get("batch_attempt", 0)
-        )
+        if held.get("batch_job") == ident.get("batch_job"):
+            return int(held.get("batch_attempt", 0)) < int(ident.get("batch_attempt", 0))
+        # another Batch job's claim (a peer worker, or a job of the run before a redrive)
+        return "batch_job" in held and "batch_job" in ident and _batch_job_ended(held["batch_job"])
     if held.get("host") != ident["host"] or not isinstance(held.get("pid"), int):
         return False  # another machine's process: nothing here can tell whether it still runs
     if held["pid"] == ident["pid"]:
@@ -371,11 +373,26 @@ def _holder_is_dead(held: dict[str, Any], ident: dict[str, Any]) -> bool:
     return "pid_start" in held and started != held["pid_start"]  # the pid now names another process
 
 
+def _batch_job_ended(job_id: str) -> bool:
+    """Whether AWS Batch reports the job SUCCEEDED or FAILED, so no container of it runs any more; False
+    when it cannot tell (no access, throttled, a job Batch no longer lists)."""
+    try:
+        import boto3
+
+        jobs = boto3.client("batch").describe_jobs(jobs=[job_id])["jobs"]
+    except Exception as exc:  # noqa: BLE001 - not knowing means alive: the shard waits for the repair round
+        logger.warning(
+            "cannot tell whether a claim's Batch job ended", extra={"job": job_id, "error": str(exc)}
+        )
+        return False
+    return bool(jobs) and jobs[0].get("status") in ("SUCCEEDED", "FAILED")
+
+
 def _claim(uri: str, ident: dict[str, Any]) -> bool:
     """Claim a shard with ``put_if_absent``, or take over a claim whose holder is dead: an earlier attempt
     of this same Batch job (only one attempt of a Batch job runs at a time, and the job definition retried
-    it after exit 75 or a lost host), or a process of this host that no longer runs. Leaving such shards
-    to the repair round would waste them."""
+    it after exit 75 or a lost host), another Batch job that Batch reports ended, or a process of this
+    host that no longer runs. Leaving such shards to the repair round would waste them."""
     body = json.dumps({**ident, "at": time.time()}).encode()
     if store.put_if_absent(uri, body):
         return True
