@@ -602,14 +602,21 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
             rows.append(
                 DEMOS[kind](client, items=n_items, wait=lambda job: job.wait(progress=progress, console=err))
             )
-    table = Table(title="shardfold demo (local backend)", title_justify="left", box=box.SIMPLE_HEAD)
+    # collapsed padding keeps the table within 80 columns, the width rich assumes when output is piped
+    table = Table(
+        title="shardfold demo (local backend)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
     for col, just in [
         ("kind", "left"),
         ("state", "left"),
         ("inputs", "right"),
         ("tasks", "right"),
         ("bytes", "right"),
-        ("errors", "right"),
+        ("err", "right"),
         ("s", "right"),
         ("ok", "left"),
     ]:
