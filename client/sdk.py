@@ -249,6 +249,7 @@ class Job:
         self.client = client
         self.job_id = job_id
         self.kind = kind
+        self._kind_progress: tuple[float, dict[str, Any]] | None = None  # (read at, counters)
 
     def __repr__(self) -> str:
         return f"Job({self.job_id!r}, backend={self.client.backend!r})"
@@ -296,7 +297,7 @@ class Job:
         if counters is None:
             return status
         now = time.monotonic()
-        cached = getattr(self, "_kind_progress", None)
+        cached = self._kind_progress
         if cached is None or now - cached[0] >= throttle_s or status.finished:
             try:
                 cached = (now, counters(self.client.store_root, self.job_id))
