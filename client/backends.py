@@ -58,8 +58,8 @@ def _moto() -> tuple[Any, str, list[Closer]]:
 def compile_asl(kind: str, *, region: str, account: str, stage: str) -> dict[str, Any]:
     """The validated ASL of ``kind``'s workflow, with ARNs from the naming scheme."""
     from functions.errors import PlanError
+    from functions.kinds import WORKFLOWS
     from orchestrator.asl import NamingResolver, compile_workflow, validate
-    from orchestrator.workflows import WORKFLOWS
 
     if kind not in WORKFLOWS:
         raise PlanError(f"no workflow for job kind {kind!r}; known: {', '.join(sorted(WORKFLOWS)) or 'none'}")

@@ -29,7 +29,6 @@ err = Console(stderr=True, highlight=False)
 
 BACKEND_CHOICES = click.Choice(["local", "aws", "moto"])
 REPO_EVENTS = Path(__file__).resolve().parent.parent / "events"
-DPQUERY_RESULT_ROWS = 50  # released tables listed by `run`/`result` (all of them with --json)
 # Handlers that are not workflow steps (so not in orchestrator.registry) but can be invoked like one.
 EXTRA_HANDLERS = {"dispatch": "functions.dispatch:handler"}
 
@@ -118,47 +117,31 @@ def _status_dict(status: Any) -> dict[str, Any]:
     return dict(status)
 
 
+def _print_table(table: Any) -> None:
+    """A :class:`functions.tables.Table` (a kind's plan details or result table); numeric columns right."""
+    extra = Table(title=table.title, title_justify="left", box=box.SIMPLE_HEAD)
+    for i, col in enumerate(table.columns):
+        numeric = all(isinstance(row[i], int | float) and not isinstance(row[i], bool) for row in table.rows)
+        extra.add_column(col, justify="right" if numeric else "left", overflow="fold")
+    for row in table.rows:
+        extra.add_row(*(_fmt_cell(v) for v in row))
+    out.print(extra)
+
+
 def _print_result(result: dict[str, Any]) -> None:
-    if result.get("kind") == "dpquery":
-        _print_dpquery_result(result)
+    """The result as its kind's view shows it (:attr:`functions.kinds.JobKind.result_view`)."""
+    from functions import kinds
+
+    kind = result.get("kind")
+    view = kinds.find(kind).result_view(result) if kind in kinds.packages() else None
+    if view is None:
+        out.print(_kv_table("result", result))
         return
-    out.print(_kv_table("result", result))
-
-
-def _print_dpquery_result(result: dict[str, Any]) -> None:
-    """A dpquery result: the privacy spent, the ledger, and one row per released table (`--json`: all)."""
-    from client.dpquery import marginal_name
-
-    rep, led = result["report"], result["ledger"]
-    summary = {
-        "job_id": result["job_id"],
-        "dataset_id": result["dataset_id"],
-        "privacy": f"ρ {rep['rho_spent']:.6g} spent of the job's {rep['rho_budget']:.6g}; "
-        f"ε at δ {rep['delta']:g}: {rep['epsilon_cks']:.4g} (CKS), "
-        f"{rep['epsilon_gaussian']:.4g} (exact Gaussian, this job alone)",
-        "ledger": f"dataset total ρ {led['total_rho']:.6g}, committed {led['committed_rho']:.6g}, "
-        f"remaining {led['remaining_rho']:.6g} ({led['jobs']} job(s))",
-        "accuracy": f"predicted workload RMSE {rep['predicted_rmse']:.4g} per cell, "
-        f"{rep['marginals']:,} marginal(s), {rep['cells']:,} cells",
-        "output": result["output"],
-    }
-    out.print(_kv_table("result", summary))
-    tables = result.get("tables")
-    if tables is None:
-        out.print(f"{rep['marginals']:,} tables listed in {result['tables_index']}")
-        return
-    table = Table(title="released tables (unbiased estimates ± std error per cell)", title_justify="left")
-    for col, just in [("marginal", "left"), ("cells", "right"), ("std error", "right"), ("parquet", "left")]:
-        table.add_column(col, justify=just, overflow="fold")
-    for t in tables[:DPQUERY_RESULT_ROWS]:
-        name = t["parquet"].rsplit("/", 1)[-1]
-        table.add_row(marginal_name(t["attributes"]), f"{t['cells']:,}", f"{t['std_error']:.4g}", name)
-    out.print(table)
-    if len(tables) > DPQUERY_RESULT_ROWS:
-        out.print(
-            f"... and {len(tables) - DPQUERY_RESULT_ROWS:,} more: "
-            f"`shardfold result {result['job_id']} --json`"
-        )
+    out.print(_kv_table("result", view.summary))
+    for table in view.tables:
+        _print_table(table)
+    for note in view.notes:
+        out.print(note, soft_wrap=True)
 
 
 def _wait_and_report(job: Any) -> None:
@@ -251,15 +234,10 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
     out.print(cost)
     out.print(f"state transitions: {report.transitions:,}")
     for detail in report.details:  # kind-specific tables (e.g. dpquery's privacy and accuracy plan)
-        extra = Table(title=detail.title, title_justify="left", box=box.SIMPLE_HEAD)
-        for i, col in enumerate(detail.columns):
-            numeric = all(
-                isinstance(row[i], int | float) and not isinstance(row[i], bool) for row in detail.rows
-            )
-            extra.add_column(col, justify="right" if numeric else "left", overflow="fold")
-        for row in detail.rows:
-            extra.add_row(*(_fmt_cell(v) for v in row))
-        out.print(extra)
+        _print_table(detail)
+    for s in report.steps:  # the estimator's reasons: what each task's peak is made of
+        if s.why:
+            out.print(f"[dim]- {s.name} peak: {s.why}[/]")
     for note in report.notes:
         out.print(f"[dim]- {note}[/]")
 

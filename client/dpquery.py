@@ -33,10 +33,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from functions import store
+from functions.dpquery.spec import DPQueryJob, marginal_name
 from functions.errors import ShardfoldError, SpecError
-from functions.specs import DPQueryJob
 
-TOTAL_NAME = "(total)"  # the name of the 0-way marginal (the total count)
 LEDGER_REPORT_DELTA = 1e-9  # δ at which budget() states the dataset's ε (CKS) by default
 
 
@@ -47,12 +46,6 @@ class LabelledArray(NamedTuple):
 
     values: np.ndarray
     labels: dict[str, list]
-
-
-def marginal_name(attributes: Sequence[str]) -> str:
-    """The key of a marginal in :meth:`DPQuery.tables` / :meth:`DPQuery.arrays`: attribute names in
-    schema order joined with ``,``; ``"(total)"`` for the total count."""
-    return ",".join(attributes) if attributes else TOTAL_NAME
 
 
 def _dataset_id_pattern() -> str:

@@ -27,7 +27,8 @@ import safetensors.numpy
 
 from functions import store
 from functions.errors import ShardfoldError, SpecError
-from functions.specs import FedAvgClient, FedAvgJob, parse_spec
+from functions.fedavg.spec import FedAvgClient, FedAvgJob
+from functions.specs import parse_spec
 from functions.store.uri import resolve
 
 # safetensors dtype tags numpy has no type for, decoded with ml_dtypes (safetensors.numpy cannot load them)

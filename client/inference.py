@@ -23,7 +23,8 @@ import numpy as np
 
 from functions import store
 from functions.errors import ShardfoldError, SpecError
-from functions.specs import InferenceJob, parse_spec
+from functions.inference.spec import InferenceJob
+from functions.specs import parse_spec
 from functions.store.uri import resolve
 
 WAIT_S = 24 * 3600.0

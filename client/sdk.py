@@ -1,9 +1,10 @@
 """The Python SDK: :class:`Client` submits and inspects jobs on a backend; :class:`Job` is one job.
 
 Every backend has a store root (``file://...`` locally, ``s3://<bucket>`` on AWS and moto) and an executor
-implementing the contract's interface (start/status/wait/cancel/resume/jobs). The client validates a spec,
-refuses a plan that does not fit, writes ``jobs/<id>/spec.json`` and hands the job to the executor; from then
-on status comes from the executor and the result from ``jobs/<id>/result.json``, the same on every backend.
+implementing the contract's interface (start/status/wait/cancel/resume/jobs). ``submit`` goes through the one
+submit path (:mod:`functions.submit`: validation, policy, the plan check against the memory each task gets,
+``jobs/<id>/spec.json``) with the executor as the starter; from then on status comes from the executor and
+the result from ``jobs/<id>/result.json``, the same on every backend.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ from aws_lambda_powertools import Logger
 from pydantic import BaseModel
 
 from client.errors import BackendError, JobFailed, JobNotFinished
-from client.planning import PlanReport, estimate_plan
-from functions import store
+from functions import kinds, store
 from functions.errors import JobNotFound, ShardfoldError, SpecError
-from functions.jobs import kind_of, new_job_id, resolve_relative_uris, result_key, spec_key
-from functions.specs import BatchItem, JobSpec, parse_spec
+from functions.estimate import Estimate
+from functions.jobs import kind_of, result_key, spec_key
+from functions.specs import BatchItem, JobSpec, dump_spec, parse_spec
 from functions.store.uri import join
+from functions.submit import check, submit
 
 logger = Logger(service="shardfold")
 
 BACKENDS = ("local", "aws", "moto")
-SUBMIT_PROBE_LIMIT = 32  # objects sized (HEAD/stat) by submit's plan check; `plan` sizes up to 10,000
 SpecInput = BaseModel | dict | str | bytes | os.PathLike
 
 
@@ -39,7 +40,7 @@ def load_spec_document(spec: SpecInput) -> tuple[Any, str | None]:
     fields are then relative to the file, so a spec can ship with its data (see ``events/``).
     """
     if isinstance(spec, BaseModel):
-        return spec.model_dump(mode="json", exclude_none=True), None
+        return dump_spec(spec), None
     if isinstance(spec, os.PathLike) or (
         isinstance(spec, str) and spec.endswith(".json") and "\n" not in spec and Path(spec).is_file()
     ):
@@ -54,19 +55,7 @@ def load_spec_document(spec: SpecInput) -> tuple[Any, str | None]:
 def validate_spec(spec: SpecInput) -> JobSpec:
     """Validate a spec from any accepted form; raises :class:`SpecError` naming every bad field."""
     doc, base = load_spec_document(spec)
-    if base is not None:
-        doc = parse_spec(doc).model_dump(mode="json", exclude_none=True)  # fail on bad JSON before rewriting
-        doc = resolve_relative_uris(doc, base)
-    return parse_spec(doc)
-
-
-def _file_uris(doc: Any, path: str = "") -> list[tuple[str, str]]:
-    """(field path, uri) of every ``file://`` value in a spec document."""
-    if isinstance(doc, dict):
-        return [hit for k, v in doc.items() for hit in _file_uris(v, f"{path}.{k}" if path else str(k))]
-    if isinstance(doc, list):
-        return [hit for i, v in enumerate(doc) for hit in _file_uris(v, f"{path}.{i}")]
-    return [(path, doc)] if isinstance(doc, str) and doc.startswith("file://") else []
+    return parse_spec(doc, base_uri=base)
 
 
 def _refuse_in_a_bootstrapping_worker() -> None:
@@ -126,44 +115,31 @@ class Client:
         """URI of a key relative to this backend's store root."""
         return join(self.store_root, key)
 
-    def _validate(self, spec: SpecInput) -> JobSpec:
-        parsed = validate_spec(spec)
-        if self.backend == "aws":
-            # Lambda functions cannot read this machine's files: say so before anything runs
-            local = _file_uris(parsed.model_dump(mode="json", exclude_none=True))
-            if local:
-                errors = [
-                    {"field": f, "error": f"{u} is a local file; upload it to S3 first"} for f, u in local
-                ]
-                raise SpecError(
-                    f"{len(local)} URI(s) name local files, which the aws backend cannot read "
-                    f"(first: {local[0][1]}); upload them to s3:// or run with the local backend",
-                    errors,
-                )
-        return parsed
+    @property
+    def deployed(self) -> dict[str, Any] | None:
+        """The deployed sizes the plan check uses (the stack's ``sizes`` output); None locally."""
+        return getattr(self.executor, "deployed_sizes", None)
 
-    def plan(self, spec: SpecInput) -> PlanReport:
+    def plan(self, spec: SpecInput) -> Estimate:
         """Dry run: steps, task counts, per-task memory, request counts and a cost estimate. Runs nothing.
 
-        Raises :class:`PlanError` when a task would not fit its function's configured memory.
+        Raises :class:`PlanError` when a task would not fit the memory it gets.
         """
-        parsed = self._validate(spec)
-        report = estimate_plan(parsed, store_root=self.store_root)
-        report.check()
-        return report
+        doc, base = load_spec_document(spec)
+        return check(doc, store_root=self.store_root, base_uri=base, deployed=self.deployed)[1]
 
     def submit(self, spec: SpecInput) -> Job:
         """Validate ``spec``, check its plan, record it and start it; returns the :class:`Job` at once."""
         _refuse_in_a_bootstrapping_worker()
-        parsed = self._validate(spec)
-        # refused plans never start; a sample of sizes keeps the check cheap next to the job itself
-        estimate_plan(parsed, store_root=self.store_root, probe_limit=SUBMIT_PROBE_LIMIT).check()
-        job_id = new_job_id(parsed.kind)
-        spec_uri = self.uri(spec_key(job_id))
-        store.put_json(spec_uri, parsed.model_dump(mode="json", exclude_none=True))
-        self.executor.start(job_id, parsed.kind, spec_uri)
-        logger.info("job submitted", extra={"job_id": job_id, "kind": parsed.kind, "backend": self.backend})
-        return Job(self, job_id, parsed.kind)
+        doc, base = load_spec_document(spec)
+        job = submit(
+            doc, store_root=self.store_root, start=self._start, base_uri=base, deployed=self.deployed
+        )
+        logger.info("job submitted", extra={"job_id": job.job_id, "kind": job.kind, "backend": self.backend})
+        return Job(self, job.job_id, job.kind)
+
+    def _start(self, job_id: str, kind: str, spec_uri: str) -> None:
+        self.executor.start(job_id, kind, spec_uri)
 
     def job(self, job_id: str) -> Job:
         """A handle on an existing job; :class:`JobNotFound` if this backend never saw it."""
@@ -231,17 +207,6 @@ class Client:
         return entries if stream else list(entries)
 
 
-def _inference_progress(store_root: str, job_id: str) -> dict[str, dict[str, int]]:
-    from functions.inference.pipeline import progress
-
-    return progress(store_root, job_id)
-
-
-# Work inside one step that the executors cannot count (a GPU worker's shards), read from the store per kind
-# and shown beside the steps in `status` and in the progress bars.
-KIND_PROGRESS = {"inference": _inference_progress}
-
-
 class Job:
     """One job on one backend. Cheap to create; every call asks the backend afresh."""
 
@@ -293,14 +258,14 @@ class Job:
 
     def _with_kind_progress(self, status: Any, throttle_s: float = 0.0) -> Any:
         """``status`` with the kind's counters added to its steps (read at most every ``throttle_s``)."""
-        counters = KIND_PROGRESS.get(self.kind)
-        if counters is None:
+        if self.kind not in kinds.packages() or kinds.find(self.kind).progress is None:
             return status
+        kind = kinds.find(self.kind)
         now = time.monotonic()
         cached = self._kind_progress
         if cached is None or now - cached[0] >= throttle_s or status.finished:
             try:
-                cached = (now, counters(self.client.store_root, self.job_id))
+                cached = (now, kind.counters(self.client.store_root, self.job_id))
             except ShardfoldError:  # the store is unreachable now; the executor's own counts still show
                 cached = (now, {})
             self._kind_progress = cached

@@ -1,8 +1,9 @@
 """The bucket trigger: a spec dropped at ``jobs/<name>.json`` starts a job.
 
 S3 sends "Object Created" to EventBridge, which invokes :func:`handler`. The pure core :func:`dispatch`
-reads the spec, validates it, writes the canonical ``jobs/<id>/spec.json``, starts the workflow through an
-injected ``start(job_id, kind, spec_uri)`` callable and writes a report beside the spec:
+reads the spec and hands it to the one submit path (:func:`functions.submit.submit`: validation, policy,
+the plan check against the deployed sizes, ``jobs/<id>/spec.json``), which starts the workflow through an
+injected ``start(job_id, kind, spec_uri)`` callable; then it writes a report beside the spec:
 ``jobs/<name>.status.json`` on success or ``jobs/<name>.error.json`` listing every problem. ``shardfold
 watch`` runs the same core on a local directory with the local executor as the starter.
 
@@ -17,7 +18,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote_plus
 
@@ -28,14 +29,15 @@ from pydantic import ValidationError
 
 from functions import store
 from functions.errors import ObjectNotFound, ShardfoldError, SpecError
-from functions.jobs import new_job_id, resolve_relative_uris, spec_key, status_key
-from functions.specs import parse_spec
+from functions.jobs import status_key
+from functions.specs import load_document
 from functions.store.uri import is_s3, join, split_s3, store_root
+from functions.submit import Starter, submit
 
 logger = Logger(service="shardfold")
 
-# (job_id, kind, spec_uri) -> execution id (ARN on AWS) or None
-Starter = Callable[[str, str, str], str | None]
+# The deployed sizes (the stack's ``sizes`` output), which the Pulumi program gives the dispatch function.
+SIZES_ENV = "SHARDFOLD_SIZES"
 
 REPORT_SUFFIXES = (".status.json", ".error.json")
 _JOB_SPEC_KEY = re.compile(r"^jobs/[^/]+\.json$")
@@ -86,7 +88,9 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def dispatch(spec_uri: str, start: Starter, *, root: str | None = None) -> dict[str, Any]:
+def dispatch(
+    spec_uri: str, start: Starter, *, root: str | None = None, deployed: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Validate the spec at ``spec_uri`` and start its job; return the report written beside it.
 
     Returns ``{"ignored": reason}`` for objects that are not job specs (nothing is written then). A spec
@@ -117,26 +121,16 @@ def dispatch(spec_uri: str, start: Starter, *, root: str | None = None) -> dict[
             return previous
 
     try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return _report_error(spec_uri, error_uri, SpecError(f"spec is not valid JSON: {exc}"), digest)
-    if isinstance(doc, dict):
-        doc = resolve_relative_uris(doc, spec_uri)
-    try:
-        spec = parse_spec(doc)
-        job_id = new_job_id(spec.kind)
-        job_spec_uri = join(root, spec_key(job_id))
-        store.put_json(job_spec_uri, spec.model_dump(mode="json", exclude_none=True))
-        execution = start(job_id, spec.kind, job_spec_uri)
+        job = submit(load_document(raw), store_root=root, start=start, base_uri=spec_uri, deployed=deployed)
     except ShardfoldError as exc:
         return _report_error(spec_uri, error_uri, exc, digest)
 
     report = {
-        "job_id": job_id,
-        "kind": spec.kind,
+        "job_id": job.job_id,
+        "kind": job.kind,
         "state": "RUNNING",
-        "execution": execution,
-        "spec_uri": job_spec_uri,
+        "execution": job.execution,
+        "spec_uri": job.spec_uri,
         "submitted_spec": spec_uri,
         "spec_sha256": digest,
         "dispatched_at": _now(),
@@ -144,7 +138,7 @@ def dispatch(spec_uri: str, start: Starter, *, root: str | None = None) -> dict[
     store.put_json(status_uri, report)
     if store.exists(error_uri):  # a fixed spec replaces the old complaint
         store.delete(error_uri)
-    logger.info("dispatched", extra={"job_id": job_id, "kind": spec.kind, "spec_uri": spec_uri})
+    logger.info("dispatched", extra={"job_id": job.job_id, "kind": job.kind, "spec_uri": spec_uri})
     return report
 
 
@@ -248,4 +242,14 @@ def handler(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     if event.get("detail-type") != "Object Created":
         return {"ignored": f"detail-type {event.get('detail-type')!r} is not 'Object Created'"}
     spec_uri = spec_uri_from_event(event)
-    return dispatch(spec_uri, sfn_starter())
+    return dispatch(spec_uri, sfn_starter(), deployed=deployed_sizes())
+
+
+def deployed_sizes() -> dict[str, Any] | None:
+    """The deployed sizes from ``SHARDFOLD_SIZES`` (None when unset: the workflow's own sizes)."""
+    raw = os.environ.get(SIZES_ENV, "")
+    try:
+        sizes = json.loads(raw) if raw else None
+    except json.JSONDecodeError as exc:
+        raise ShardfoldError(f"{SIZES_ENV} is not JSON ({exc}); expected the stack's sizes output") from exc
+    return sizes

@@ -29,11 +29,11 @@ import pulumi
 import pulumi_aws as aws
 
 from functions.errors import ShardfoldError
+from functions.workflow import Task, Workflow
 from infra import iam
 from infra.config import DISPATCH, DISPATCH_MEMORY_MB, DISPATCH_TIMEOUT_S, StackConfig
 from infra.context import Component, Context, role_name_args
 from infra.package import DISPATCH_HANDLER, function_packages
-from orchestrator.plan import Task, Workflow
 from orchestrator.registry import lambda_handler, lambda_name
 
 LAMBDA_DEFAULT_EPHEMERAL_MB = 512

@@ -33,11 +33,11 @@ import pulumi
 import pulumi_aws as aws
 
 from functions.worker import EXIT_TRANSIENT
+from functions.workflow import BatchJob, Workflow
 from infra import iam
 from infra.context import Component, Context
 from infra.functions import base_environment, worker_statements
 from orchestrator.container import BATCH_ATTEMPTS
-from orchestrator.plan import BatchJob, Workflow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_DOCKERFILE = REPO_ROOT / "Dockerfile"

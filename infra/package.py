@@ -61,7 +61,7 @@ from functions.errors import ShardfoldError
 from infra.config import DISPATCH
 
 if TYPE_CHECKING:
-    from orchestrator.plan import Workflow
+    from functions.workflow import Workflow
 
 logger = Logger(service="shardfold")
 
@@ -608,10 +608,10 @@ def function_packages(workflows: Mapping[str, Workflow] | None = None) -> dict[s
     Task functions (not BatchJob entry points, which run in the worker image), packaged as their kind's
     ``Workflow.lambda_package`` says, plus the dispatch function (always the zip). A function that two
     kinds call, one of them an image kind, runs from the image (which has every dependency)."""
-    from orchestrator.plan import Task
+    from functions.workflow import Task
 
     if workflows is None:
-        from orchestrator.workflows import WORKFLOWS
+        from functions.kinds import WORKFLOWS
 
         workflows = WORKFLOWS
     out = {DISPATCH: "zip"}

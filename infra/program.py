@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from functions.errors import ShardfoldError
+from functions.workflow import Workflow
 from infra.config import DISPATCH, StackConfig
 from infra.context import Context
 from infra.functions import ImageCode, LambdaCode, WorkerFunctions, function_specs
@@ -39,7 +40,6 @@ from infra.lambda_image import LambdaImage
 from infra.storage import Storage
 from infra.trigger import Trigger
 from infra.workflows import StateMachines
-from orchestrator.plan import Workflow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = REPO_ROOT / ".shardfold" / "build"
@@ -64,11 +64,11 @@ class Stack:
         code: LambdaCode | None = None,
     ):
         if workflows is None:
-            from orchestrator.workflows import WORKFLOWS
+            from functions.kinds import WORKFLOWS
 
             workflows = WORKFLOWS
         if not workflows:
-            raise ShardfoldError("no workflows to deploy (orchestrator.workflows.WORKFLOWS is empty)")
+            raise ShardfoldError("no workflows to deploy (no job kind is registered: functions.kinds)")
         if batch_steps(workflows) and not cfg.batch:
             raise ShardfoldError(
                 "a workflow has a BatchJob (GPU) step but shardfold:batch is false; turn it on to deploy"

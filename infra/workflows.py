@@ -26,10 +26,10 @@ import pulumi
 import pulumi_aws as aws
 
 from functions.errors import ShardfoldError
+from functions.workflow import BatchJob, Map, Task, Workflow
 from infra import iam
 from infra.context import Component, Context, role_name_args
 from orchestrator.asl import compile_workflow
-from orchestrator.plan import BatchJob, Map, Task, Workflow
 
 BATCH_EVENTS_RULE = "StepFunctionsGetEventsForBatchJobsRule"
 

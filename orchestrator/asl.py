@@ -1,4 +1,4 @@
-"""Compile a :class:`~orchestrator.plan.Workflow` to Amazon States Language, and validate ASL.
+"""Compile a :class:`~functions.workflow.Workflow` to Amazon States Language, and validate ASL.
 
 The output is JSONPath ASL for a Standard state machine (moto's interpreter cannot evaluate JSONata, and
 tests run the compiled ASL there). Shapes, and why:
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from functions.errors import PlanError
-from orchestrator.plan import BatchJob, Map, Parallel, Retry, Step, Task, Workflow, selectable
+from functions.workflow import BatchJob, Map, Parallel, Retry, Step, Task, Workflow, selectable
 from orchestrator.registry import handler_path, lambda_name
 
 BATCH_SYNC = "arn:aws:states:::batch:submitJob.sync"

@@ -28,6 +28,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from functions.errors import PlanError, ShardfoldError
+from functions.workflow import Map, Workflow, progress_steps
 from orchestrator.asl import fail_state_name
 from orchestrator.executors import (
     JobStatus,
@@ -37,7 +38,6 @@ from orchestrator.executors import (
     tidy_cause,
     write_status,
 )
-from orchestrator.plan import Map, Workflow, progress_steps
 
 logger = Logger(service="shardfold")
 
@@ -83,7 +83,7 @@ class AwsExecutor:
         session: boto3.session.Session | None = None,
     ):
         if workflows is None:
-            from orchestrator.workflows import WORKFLOWS
+            from functions.kinds import WORKFLOWS
 
             workflows = WORKFLOWS
         self.outputs = dict(outputs)
@@ -91,6 +91,8 @@ class AwsExecutor:
         self.backend = str(outputs.get("backend") or "aws")
         self.store_root = f"s3://{outputs['bucket']}"
         self.state_machine_arns: dict[str, str] = dict(outputs["state_machine_arns"])
+        # what each function and Batch job was deployed with: the plan check sizes tasks against it
+        self.deployed_sizes: dict[str, Any] | None = outputs.get("sizes")
         # moto answers in milliseconds; AWS state transitions take a while, so poll it gently.
         self.poll_s = poll_s if poll_s is not None else (0.1 if self.backend == "moto" else 2.0)
         session = session or boto3.session.Session()

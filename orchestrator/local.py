@@ -5,7 +5,7 @@
   container entry point, ``python -m functions.worker``, with Batch's retry table
   (:mod:`orchestrator.container`). Map children run on a thread pool of
   ``max_concurrency`` (default: ``threads``), Parallel branches on one thread each.
-* Retries follow the plan's :class:`~orchestrator.plan.Retry` list with ASL semantics. User errors
+* Retries follow the plan's :class:`~functions.workflow.Retry` list with ASL semantics. User errors
   (:class:`ShardfoldError`) are never retried.
 * A journal under ``<store_root>/jobs/<id>/journal/`` holds one marker per finished task, Map item step,
   Map and Parallel (written put-if-absent, with the step's small result), so :meth:`resume` re-runs only
@@ -40,6 +40,7 @@ from functions.jobs import job_key
 from functions.manifest import is_manifest_ref, read_manifest
 from functions.store.uri import is_file, join, local_path
 from functions.store.uri import store_root as default_store_root
+from functions.workflow import BatchJob, Map, Parallel, Step, Task, Workflow, progress_steps, selectable
 from orchestrator.container import Cancelled, run_container
 from orchestrator.executors import (
     JobStatus,
@@ -50,7 +51,6 @@ from orchestrator.executors import (
     write_status,
 )
 from orchestrator.invoke import HandlerFailed, call
-from orchestrator.plan import BatchJob, Map, Parallel, Step, Task, Workflow, progress_steps, selectable
 from orchestrator.registry import handler_path
 
 logger = Logger(service="shardfold")
@@ -115,7 +115,7 @@ class LocalExecutor:
         status_interval_s: float = 0.5,
     ):
         if workflows is None:
-            from orchestrator.workflows import WORKFLOWS
+            from functions.kinds import WORKFLOWS
 
             workflows = WORKFLOWS
         self.store_root = (store_root or default_store_root()).rstrip("/")

@@ -58,9 +58,9 @@ import botocore.session
 from aws_lambda_powertools import Logger
 
 from functions.errors import ShardfoldError
+from functions.workflow import BatchJob, Workflow
 from orchestrator.asl import StackResolver, compile_workflow
 from orchestrator.invoke import HandlerFailed, call
-from orchestrator.plan import BatchJob, Workflow
 from orchestrator.registry import handler_path, lambda_handler, lambda_name
 
 logger = Logger(service="shardfold")
@@ -591,7 +591,7 @@ class MotoStack:
         stage: str = "moto",
     ):
         if workflows is None:
-            from orchestrator.workflows import WORKFLOWS
+            from functions.kinds import WORKFLOWS
 
             workflows = WORKFLOWS
         self.workflows = dict(workflows)

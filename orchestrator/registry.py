@@ -5,9 +5,8 @@ the handler (in a worker process too: the ``module:function`` string is all it n
 dispatches Lambda invocations to it, and infra deploys one Lambda function per name with
 :func:`lambda_handler` as its handler setting and :func:`lambda_name` as its function name.
 
-A job kind registers its handlers where its workflow is defined (``orchestrator/workflows/<kind>.py``);
-tests register their own. Lookups of an unknown name load the built-in workflows first, so callers need
-not import them.
+A job kind's functions run its ``handlers`` module by convention (:func:`functions.kinds.handler_path`);
+tests register their own here. An explicit registration wins over the kinds' convention.
 """
 
 from __future__ import annotations
@@ -55,19 +54,14 @@ def _path_of(fn: Handler) -> str:
     return f"{fn.__module__}:{qualname}"
 
 
-def _load_builtin() -> None:
-    # Importing the workflows package registers every built-in kind's handlers.
-    importlib.import_module("orchestrator.workflows")
-
-
 def handler_path(function: str) -> str:
-    """The ``module:function`` path registered for ``function``."""
-    path = _handlers.get(function)
+    """The ``module:function`` path that runs ``function``: registered here, or a kind's by convention."""
+    from functions import kinds
+
+    path = _handlers.get(function) or kinds.handler_path(function)
     if path is None:
-        _load_builtin()
-        path = _handlers.get(function)
-    if path is None:
-        raise PlanError(f"no handler is registered for function {function!r}; known: {sorted(_handlers)}")
+        known = sorted({*_handlers, *(f for k in kinds.every() for f in k.workflow.functions())})
+        raise PlanError(f"no handler is registered for function {function!r}; known: {known}")
     return path
 
 
@@ -86,10 +80,13 @@ def resolve(function: str) -> Handler:
 
 
 def registered() -> dict[str, str]:
-    """A copy of the whole table (after loading the built-in kinds)."""
-    _load_builtin()
+    """Every function with its handler: every kind's, then the explicit registrations."""
+    from functions import kinds
+
+    table = {f: k.handler_path(f) for k in kinds.every() for f in k.workflow.functions()}
     with _lock:
-        return dict(_handlers)
+        table.update(_handlers)
+    return table
 
 
 def lambda_name(function: str, stage: str) -> str:

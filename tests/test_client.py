@@ -10,13 +10,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from client.planning import estimate_plan
 
 from client import Client, Job
 from client.errors import JobFailed, JobNotFinished, StackNotFound
-from client.planning import estimate_plan
 from functions import store
 from functions.errors import JobNotFound, PlanError, SpecError
-from functions.specs import GetBatchJob, parse_spec
+from functions.getbatch.spec import GetBatchJob
+from functions.specs import parse_spec
 from functions.store.uri import join, store_root
 
 N = 25

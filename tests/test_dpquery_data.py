@@ -24,8 +24,8 @@ from functions import store
 from functions.dpquery import data, ledger, planner
 from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
+from functions.dpquery.spec import DPAttribute
 from functions.errors import BudgetExceeded, DatasetError, PlanError, SpecError
-from functions.specs import DPAttribute
 
 SECRET = "SSN-123-45-6789"  # planted in bad rows: no error message may ever contain it
 

@@ -22,11 +22,11 @@ from functions.dpquery import core, handlers, ledger
 from functions.dpquery import measure as mz
 from functions.errors import BudgetExceeded, DatasetError, SpecError
 from functions.jobs import new_job_id
+from functions.kinds import WORKFLOWS
 from functions.specs import parse_spec
 from functions.store.uri import join
+from functions.workflow import Map, Task
 from orchestrator.local import LocalExecutor
-from orchestrator.plan import Map, Task
-from orchestrator.workflows import WORKFLOWS
 
 WAIT_S = 180  # a deadline, not a timing assumption
 SIZES = [2, 3, 4]

@@ -29,8 +29,9 @@ from functions.dpquery.privacy import (
     gaussian_eps,
     simple_eps,
 )
+from functions.dpquery.spec import DPQueryJob
 from functions.errors import PlanError, SpecError
-from functions.specs import DPQueryJob, parse_spec
+from functions.specs import parse_spec
 
 HALF = 0.5  # ρ = 1/2, i.e. privacy cost 2ρ = 1, the reference's unit
 

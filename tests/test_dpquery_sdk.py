@@ -14,22 +14,22 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
+from client.planning import estimate_plan
 
 from client import Client
 from client.cli import cli
 from client.demo import PEOPLE_SCHEMA, people_csv, synthetic_people
 from client.dpquery import TOTAL_NAME, marginal_name, table_to_array
 from client.errors import JobFailed
-from client.planning import estimate_plan
 from functions import store
 from functions.dpquery import core
 from functions.dpquery.privacy import cdp_rho
 from functions.errors import ShardfoldError, SpecError
+from functions.kinds import WORKFLOWS
 from functions.specs import parse_spec
 from functions.store.uri import join
+from functions.workflow import Map, Task
 from orchestrator.local import LocalExecutor
-from orchestrator.plan import Map, Task
-from orchestrator.workflows import WORKFLOWS
 
 REPO = Path(__file__).resolve().parent.parent
 EVENTS = REPO / "events"

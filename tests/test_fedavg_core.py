@@ -29,7 +29,7 @@ from functions.errors import (
 from functions.fedavg import core, handlers, kernels
 from functions.fedavg.layout import DTYPES, Tensor
 from functions.fedavg.sizing import Budget, Geometry, MiB, Segment, choose_shards, task_loads
-from functions.specs import FedAvgJob
+from functions.fedavg.spec import FedAvgJob
 
 JOB = "fedavg-20260101T000000-abcdef"
 TINY = Budget(min_shard_bytes=1, chunk_bytes=56, robust_bytes=4096, min_robust_chunk=8)

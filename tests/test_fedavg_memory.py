@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 from functions import store
 from functions.fedavg import core
 from functions.fedavg.sizing import RUNTIME_BYTES, Budget, MiB, task_loads
-from functions.specs import FedAvgJob
+from functions.fedavg.spec import FedAvgJob
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
@@ -32,7 +32,7 @@ MODEL_MIB = 16
 TASK = """
 import json, sys, tracemalloc
 from functions.fedavg import core
-from functions.specs import FedAvgJob
+from functions.fedavg.spec import FedAvgJob
 
 def status(key):
     with open("/proc/self/status") as f:

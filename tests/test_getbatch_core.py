@@ -9,7 +9,7 @@ import pytest
 from functions import store
 from functions.errors import BatchItemError, SpecError, TooManySoftErrors
 from functions.getbatch import core
-from functions.specs import GetBatchJob
+from functions.getbatch.spec import GetBatchJob
 from functions.store.tar import write_tar
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from client.planning import estimate_plan
 
 from client import Client, inference
 from client.cli import cli
 from client.demo import inference_corpus
 from client.errors import JobFailed
-from client.planning import estimate_plan
 from functions.specs import parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -202,7 +202,7 @@ def test_plan_estimate_counts_shards_and_cpu_tasks(local_client):
     assert steps["preprocess_shard"].tasks == 3
     assert steps["infer"].tasks == 1
     # Batch steps are priced as GPU instance time, not as Lambda GB-s, and are not Lambda invocations
-    from client import pricing
+    from functions import pricing
 
     for name in ("infer", "repair_infer"):
         assert steps[name].gb_s == 0 and steps[name].instance_s >= pricing.BATCH_STARTUP_S

@@ -13,7 +13,8 @@ from functions.errors import BadInputError, SpecError
 from functions.inference import pipeline
 from functions.inference import plan as layout
 from functions.inference.preprocess import decode_shard, load_tokenizer
-from functions.specs import InferenceJob, parse_spec
+from functions.inference.spec import InferenceJob
+from functions.specs import parse_spec
 
 JOB = "inference-20260101T000000-abcdef"
 DIM = 4
@@ -389,8 +390,8 @@ def test_string_ids_and_custom_output(root):
 
 def test_handlers_and_workflow(root):
     from functions.inference import handlers
-    from orchestrator.plan import BatchJob, Parallel
-    from orchestrator.workflows import WORKFLOWS
+    from functions.kinds import WORKFLOWS
+    from functions.workflow import BatchJob, Parallel
 
     put_jsonl(root, "a.jsonl", [{"text": t} for t in texts(9)])
     spec = spec_of(inputs=["a.jsonl"], shard_rows=4)

@@ -130,14 +130,14 @@ pulumi.runtime.set_mocks(MOCKS, preview=False)
 import toyflow  # noqa: E402,F401  (registers the toy functions)
 
 from functions.errors import ShardfoldError  # noqa: E402
+from functions.kinds import WORKFLOWS  # noqa: E402
+from functions.workflow import BatchJob, Map, Task, Workflow  # noqa: E402
 from infra import iam, package  # noqa: E402
 from infra.config import StackConfig  # noqa: E402
 from infra.gpu import RETRY_ATTEMPTS  # noqa: E402
 from infra.program import build  # noqa: E402
 from infra.trigger import event_pattern  # noqa: E402
 from orchestrator.asl import validate  # noqa: E402
-from orchestrator.plan import BatchJob, Map, Task, Workflow  # noqa: E402
-from orchestrator.workflows import WORKFLOWS  # noqa: E402
 
 
 def image_workflow() -> Workflow:

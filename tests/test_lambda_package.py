@@ -193,7 +193,7 @@ def test_image_only_dependencies_are_imported_only_by_image_kinds():
 def test_function_packages_follow_the_kinds():
     import toyflow  # noqa: F401  (registers the toy functions)
 
-    from orchestrator.plan import Task, Workflow
+    from functions.workflow import Task, Workflow
 
     zipped = Workflow("a", (Task("p", "toy.plan"), Task("t", "toy.total")))
     imaged = Workflow("b", (Task("t", "toy.total"), Task("s", "toy.stamp")), lambda_package="image")

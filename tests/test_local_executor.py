@@ -13,10 +13,10 @@ from functions import store
 from functions.errors import JobNotFound, PlanError, ShardfoldError
 from functions.jobs import new_job_id
 from functions.store.uri import join
+from functions.workflow import Map, Retry, Task, Workflow
 from orchestrator.executors import JobStatus
 from orchestrator.invoke import call
 from orchestrator.local import LocalExecutor
-from orchestrator.plan import Map, Retry, Task, Workflow
 from orchestrator.registry import register
 
 WAIT_S = 60  # a deadline for the job, not a timing assumption

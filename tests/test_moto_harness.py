@@ -13,11 +13,11 @@ from toyflow import fail_switch, toy_workflow, write_spec
 
 from functions.errors import ShardfoldError
 from functions.jobs import new_job_id
+from functions.workflow import BatchJob, Map, Task, Workflow
 from orchestrator import moto_harness
 from orchestrator.aws import AwsExecutor
 from orchestrator.local import LocalExecutor
 from orchestrator.moto_harness import MotoStack
-from orchestrator.plan import BatchJob, Map, Task, Workflow
 from orchestrator.registry import register
 
 WAIT_S = 120

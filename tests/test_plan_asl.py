@@ -10,6 +10,18 @@ from hypothesis import strategies as st
 from toyflow import parts_workflow, toy_workflow
 
 from functions.errors import PlanError
+from functions.kinds import WORKFLOWS
+from functions.workflow import (
+    DEFAULT_TASK_RETRY,
+    LAMBDA_THROTTLED,
+    LAMBDA_TRANSIENT,
+    BatchJob,
+    Map,
+    Parallel,
+    Retry,
+    Task,
+    Workflow,
+)
 from orchestrator import asl as asl_mod
 from orchestrator.asl import (
     BATCH_SYNC,
@@ -21,19 +33,7 @@ from orchestrator.asl import (
     moto_check,
     validate,
 )
-from orchestrator.plan import (
-    DEFAULT_TASK_RETRY,
-    LAMBDA_THROTTLED,
-    LAMBDA_TRANSIENT,
-    BatchJob,
-    Map,
-    Parallel,
-    Retry,
-    Task,
-    Workflow,
-)
 from orchestrator.registry import handler_path, lambda_handler, lambda_name, register
-from orchestrator.workflows import WORKFLOWS
 
 TOYS = [toy_workflow(), toy_workflow(mode="process", batch=True), parts_workflow()]
 

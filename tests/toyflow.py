@@ -22,7 +22,7 @@ from typing import Any
 from functions import store
 from functions.manifest import write_manifest
 from functions.store.uri import join
-from orchestrator.plan import BatchJob, Map, Parallel, Retry, Task, Workflow
+from functions.workflow import BatchJob, Map, Parallel, Retry, Task, Workflow
 from orchestrator.registry import register
 
 GATE = threading.Event()  # tests release blocked items with GATE.set()

@@ -44,9 +44,9 @@ from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
 from functions.dpquery.planner import Plan
 from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps
+from functions.dpquery.spec import DPQueryJob
 from functions.errors import DatasetError, PlanError, StoreError
 from functions.manifest import write_manifest
-from functions.specs import DPQueryJob
 from functions.store.uri import join, resolve
 
 logger = Logger(service="shardfold")

@@ -3,7 +3,8 @@ domain indices, count marginals.
 
 * The dataset is streamed in record batches (pyarrow), so memory is O(batch + the marginals being counted),
   never O(file). Local files are memory-mapped; S3 objects are read through ranged GETs.
-* Each attribute's values map to indices ``0..n_i−1`` by the schema (:class:`functions.specs.DPAttribute`):
+* Each attribute's values map to indices ``0..n_i−1`` by the schema
+  (:class:`functions.dpquery.spec.DPAttribute`):
 
   - ``categories``: a value matches a category by its text: a string category by equality, an integer
     category by its decimal text (``7``, ``-3``), a boolean category by ``true``/``false`` in any case.
@@ -35,8 +36,8 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from functions import store
+from functions.dpquery.spec import DPAttribute
 from functions.errors import DatasetError, ObjectNotFound, PlanError
-from functions.specs import DPAttribute
 from functions.store.uri import is_s3, local_path
 
 # Rows per Parquet record batch, and bytes per CSV block: bound the memory of one step of a scan.

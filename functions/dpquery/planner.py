@@ -367,7 +367,7 @@ def plan(
     names: list[str] | None = None,
     delta: float | None = None,
 ) -> Plan:
-    """Plan a job: ``plan(spec)`` for a :class:`functions.specs.DPQueryJob`, or from bare parts,
+    """Plan a job: ``plan(spec)`` for a :class:`functions.dpquery.spec.DPQueryJob`, or from bare parts,
     ``plan(domains=[n_0, …], workload=[(attrs, weight) | attrs, …], rho=ρ, loss=…)`` with attrs tuples
     of attribute indices. Keyword arguments given with a spec override it (e.g. ``rho``)."""
     if spec is not None:

@@ -117,8 +117,8 @@ from functions.fedavg.sizing import (
     runs,
     task_loads,
 )
+from functions.fedavg.spec import FedAvgJob
 from functions.manifest import manifest_ref
-from functions.specs import FedAvgJob
 from functions.store.retry import TransientError
 from functions.store.uri import is_s3, join, resolve
 

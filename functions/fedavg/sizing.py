@@ -529,3 +529,134 @@ def task_loads(plan: Plan, on_s3: bool = True) -> dict[str, StepLoad]:
         components=comps,
     )
     return {"plan": plan_step, "aggregate": aggregate_step, "commit": commit_step}
+
+
+# --- the estimate's contract (functions.estimate) ----------------------------------------------------------
+
+ESTIMATE_JOB_ID = "fedavg-plan-estimate"  # stands in for the job id in default output keys
+
+
+def _fmt_mib(n: float) -> str:
+    return f"{n / MiB:,.1f} MiB" if n >= 0.1 * MiB else f"{n / 1024:,.1f} KiB"
+
+
+def scaled(plan: Plan, n: int, shards: int | None) -> Plan:
+    """``plan`` (built from a sample of the clients) sized for ``n`` clients: the sample's layouts repeat,
+    and the shard count and chunk follow the rules for ``n``."""
+    k = plan.n_clients
+    clients = [plan.clients[i * k // n] for i in range(n)]
+    out = Plan(**{f.name: getattr(plan, f.name) for f in fields(Plan)})
+    out.clients = clients
+    choice = choose_shards(plan.data_bytes, n, len(plan.header()), plan.budget, shards)
+    out.bounds = Geometry(plan.tensors).shard_bounds(choice.shards)
+    out.chunk_bytes = chunk_bytes_for(plan.aggregator, n, plan.tensors, plan.budget)
+    out.read_window = read_window(out.chunk_bytes, plan.budget)
+    out.notes = list(choice.notes)
+    out.total_weight = None  # the sample's weights are not the round's
+    return out
+
+
+def probe(spec: Any, store_root: str, budget: Any) -> Any:
+    """Client headers, as the job's plan step reads them, for at most ``budget.objects`` clients (evenly
+    sampled beyond); an unreadable update becomes a note (the job fails at its plan step naming it)."""
+    from functions.errors import InvalidModelFile, StoreError
+    from functions.estimate import Probe
+    from functions.fedavg import core
+
+    n = len(spec.clients)
+    k = min(n, max(1, budget.objects))
+    sample = (
+        spec if k == n else spec.model_copy(update={"clients": [spec.clients[i * n // k] for i in range(k)]})
+    )
+    try:
+        plan = core.inspect(sample, ESTIMATE_JOB_ID, store_root)
+    except (StoreError, InvalidModelFile) as exc:
+        return Probe(
+            facts={"clients": n, "headers_read": 0},
+            notes=[f"{exc}: the job will fail at its plan step; sizes, shards and memory are not known"],
+        )
+    notes = [] if k == n else [f"headers read for {k} of {n} clients (evenly sampled); the job reads all"]
+    if k < n:
+        plan = scaled(plan, n, spec.shards)
+    facts = {"clients": n, "headers_read": k, "data_bytes": plan.data_bytes, "shards": plan.shards}
+    return Probe(facts=facts, notes=notes, model=plan)
+
+
+def loads(spec: Any, probed: Any) -> Any:
+    from functions import pricing
+    from functions.estimate import Loads, TaskLoad
+    from functions.fedavg.workflow import AGGREGATE, AGGREGATE_SHARD, COMMIT, PLAN
+
+    plan: Plan | None = probed.model
+    if plan is None:  # unreadable: one shard, runtime memory, one read each
+        n = len(spec.clients)
+        base = TaskLoad(peak_bytes=RUNTIME_BYTES, duration_s=pricing.TASK_OVERHEAD_S, why="runtime only")
+        return Loads(
+            items=n,
+            tasks={
+                PLAN: TaskLoad(**{**asdict(base), "gets": 1 + 3 * n, "puts": 2}),
+                AGGREGATE_SHARD: TaskLoad(**{**asdict(base), "gets": 2 + n, "puts": 1}),
+                COMMIT: TaskLoad(**{**asdict(base), "gets": 4, "puts": 4}),
+            },
+            map_items={AGGREGATE: 1},
+        )
+    steps = task_loads(plan, on_s3=True)  # the requests AWS would bill
+    p, a, c = steps["plan"], steps["aggregate"], steps["commit"]
+    net = pricing.LAMBDA_NET_BYTES_PER_S
+    latency = pricing.S3_GET_LATENCY_S
+    n, m = plan.n_clients, plan.shards
+    parts = ", ".join(f"{k} {_fmt_mib(v)}" for k, v in a.components.items())
+    plan_load = TaskLoad(
+        peak_bytes=p.peak_bytes,
+        gets=p.gets,
+        puts=p.puts,
+        # two rounds of concurrent ranged GETs (length prefixes, headers) beside the HEADs, then two PUTs
+        duration_s=pricing.TASK_OVERHEAD_S + 4 * latency + p.read_bytes / net,
+        why="client 0's parsed header and one other at a time, the layouts, the plan document",
+    )
+    aggregate_load = TaskLoad(
+        peak_bytes=a.peak_bytes,
+        gets=-(-a.gets // m),
+        puts=-(-a.puts // m),
+        # the largest shard: N x its bytes read at the budget's assumed per-function throughput, then uploaded
+        duration_s=pricing.TASK_OVERHEAD_S
+        + a.read_bytes / plan.budget.read_bytes_per_s
+        + a.write_bytes / net,
+        total_gets=a.gets,
+        total_puts=a.puts,
+        why=parts,
+    )
+    commit_load = TaskLoad(
+        peak_bytes=c.peak_bytes,
+        gets=c.gets,
+        puts=c.puts,
+        duration_s=pricing.TASK_OVERHEAD_S + (c.gets + c.puts) * latency,  # server-side copies, one by one
+        why="the plan document; the parts are joined server-side",
+    )
+    dtypes = ", ".join(f"{k} x{v}" for k, v in plan.dtype_counts().items())
+    shard_bytes = max(b - a_ for a_, b in zip(plan.bounds, plan.bounds[1:], strict=False))
+    notes = [
+        f"{n} client(s); model {_fmt_mib(plan.data_bytes)} in {len(plan.tensors)} tensor(s) ({dtypes})",
+        f"{m} shard(s) of up to {_fmt_mib(shard_bytes)}; each aggregate task reads N x its shard "
+        f"(up to {_fmt_mib(a.read_bytes)}) as ranged GETs of {_fmt_mib(plan.chunk_bytes)} per client, "
+        f"{plan.read_window} in flight",
+        f"aggregate peak per task: {parts} (does not grow with the number of clients"
+        + (")" if not plan.robust() else "; median/trimmed_mean shrink the chunk as N grows)"),
+    ]
+    if plan.weighted() and plan.total_weight is not None:
+        notes.append(f"weighted mean: total weight {plan.total_weight:g} (from num_examples or the spec)")
+    notes += plan.notes
+    if a.peak_bytes > AGGREGATE_MEMORY_MB * MiB:
+        notes.append(
+            "to fit: use aggregator='mean' (its memory does not depend on N), or average the clients in "
+            "groups (several jobs, passing each group's num_examples on)"
+        )
+    if p.peak_bytes > PLAN_MEMORY_MB * MiB:
+        notes.append("to fit: the headers are too large for the plan function; merge small tensors")
+    return Loads(
+        items=n,
+        tasks={PLAN: plan_load, AGGREGATE_SHARD: aggregate_load, COMMIT: commit_load},
+        map_items={AGGREGATE: m},
+        notes=notes,
+        output_bytes=len(plan.header()) + plan.data_bytes,
+    )

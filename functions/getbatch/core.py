@@ -23,8 +23,9 @@ from aws_lambda_powertools import Logger
 
 from functions import store
 from functions.errors import BatchItemError, SpecError, TooManySoftErrors
+from functions.getbatch.spec import GetBatchJob
 from functions.manifest import manifest_ref
-from functions.specs import BatchItem, GetBatchJob
+from functions.specs import BatchItem
 from functions.store.tar import TAR_TRAILER, write_tar
 from functions.store.uri import join, resolve
 
@@ -74,18 +75,20 @@ def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
     items = []
     errors = []
     for i, doc in enumerate(raw):
-        if isinstance(doc, str):  # a bare URI is shorthand for a whole object
-            doc = {"uri": doc}
         try:
-            item = BatchItem.model_validate(doc)
+            items.append(parse_item(doc, store_root))
         except ValueError as exc:
             errors.append({"field": f"items.{i}", "error": str(exc).splitlines()[-1].strip()})
-            continue
-        items.append(item.model_copy(update={"uri": resolve_in(item.uri, store_root)}))
     if errors:
         summary = "; ".join(f"{e['field']}: {e['error']}" for e in errors[:10])
         raise SpecError(f"{len(errors)} invalid item(s): {summary}", errors)
     return items
+
+
+def parse_item(doc: Any, store_root: str) -> BatchItem:
+    """One item of a request (a bare URI is shorthand for a whole object), its URI resolved."""
+    item = BatchItem.model_validate({"uri": doc} if isinstance(doc, str) else doc)
+    return item.model_copy(update={"uri": resolve_in(item.uri, store_root)})
 
 
 def plan(spec: GetBatchJob, job_id: str, store_root: str) -> dict:

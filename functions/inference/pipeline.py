@@ -25,8 +25,8 @@ from functions.errors import ShardfoldError
 from functions.inference import plan as layout
 from functions.inference.plan import load_plan, plan
 from functions.inference.preprocess import decode_shard, encode_shard, read_shard
+from functions.inference.spec import InferenceJob
 from functions.manifest import manifest_ref
-from functions.specs import InferenceJob
 from functions.store.uri import join
 
 logger = Logger(service="shardfold")

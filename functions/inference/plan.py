@@ -29,8 +29,8 @@ from aws_lambda_powertools import Logger
 
 from functions import store
 from functions.errors import BadInputError, SpecError
+from functions.inference.spec import InferenceJob, inference_input_format
 from functions.manifest import manifest_ref
-from functions.specs import InferenceJob, inference_input_format
 from functions.store.uri import join, resolve
 
 logger = Logger(service="shardfold")

@@ -27,7 +27,7 @@ import numpy as np
 from functions import store
 from functions.errors import BadInputError
 from functions.inference.plan import tokenizer_path
-from functions.specs import InferenceJob
+from functions.inference.spec import InferenceJob
 
 
 @dataclass

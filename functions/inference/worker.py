@@ -57,8 +57,8 @@ from functions import store
 from functions.errors import ShardfoldError
 from functions.inference import plan as layout
 from functions.inference.batcher import token_budget_batches
+from functions.inference.spec import InferenceJob
 from functions.runtime import JobEvent, load_spec, parse_event
-from functions.specs import InferenceJob
 
 logger = Logger(service="shardfold")
 

@@ -12,6 +12,8 @@ endpoint such as a moto server, honoured by boto3 and by GetBatch's CRT transpor
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from functions.errors import ObjectNotFound, StoreError
@@ -43,6 +45,7 @@ __all__ = [
     "put_json",
     "resolve",
     "size",
+    "sizes",
     "split_s3",
     "store_root",
     "write_tar",
@@ -98,6 +101,32 @@ def size(uri: str) -> int:
             raise ObjectNotFound(f"no object at {uri}")
         return n
     return local.size(local_path(uri), uri)
+
+
+# One pool per process for metadata lookups, so repeated probes (every submit) reuse threads and the
+# store's connection pool instead of building both each time.
+_SIZE_THREADS = 32
+_size_pool: ThreadPoolExecutor | None = None
+_size_lock = threading.Lock()
+
+
+def sizes(uris: list[str]) -> dict[str, int | None]:
+    """The size of each object (None where there is no object), looked up concurrently."""
+    global _size_pool
+
+    def one(uri: str) -> int | None:
+        try:
+            return size(uri)
+        except ObjectNotFound:
+            return None
+
+    if len(uris) <= 1:
+        return {u: one(u) for u in uris}
+    with _size_lock:
+        if _size_pool is None:
+            _size_pool = ThreadPoolExecutor(_SIZE_THREADS, thread_name_prefix="shardfold-size")
+        pool = _size_pool
+    return dict(zip(uris, pool.map(one, uris), strict=True))
 
 
 def list_uris(prefix_uri: str) -> list[str]:

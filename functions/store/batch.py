@@ -57,6 +57,7 @@ logger = Logger(service="shardfold")
 # Reads in flight. S3 answers small GETs in tens of ms, so throughput is concurrency / latency until the
 # client's CPU binds; the CRT transport costs ~0.15 ms CPU per object, which leaves room for 128.
 DEFAULT_CONCURRENCY = 128
+WINDOW_PER_READ = 2  # default window: items buffered or in flight per read in flight
 HEDGE_FLOOR_S = 2.0  # AWS: retry a small GET still unanswered after 2 s
 HEDGE_P95_FACTOR = 3.0
 HEDGE_MIN_SAMPLES = 16  # below this many completed reads, p95 means little: use the floor
@@ -184,7 +185,7 @@ def get_batch(
     ``SHARDFOLD_S3_TRANSPORT``). ``retry``: backoff for throttling and 5xx.
     """
     concurrency = concurrency or DEFAULT_CONCURRENCY
-    window = window or 2 * concurrency
+    window = window or WINDOW_PER_READ * concurrency
     if concurrency < 1 or window < 1:
         raise ValueError(f"window ({window}) and concurrency ({concurrency}) must be at least 1")
     if max_soft_errors is not None and max_soft_errors < 0:

@@ -8,25 +8,16 @@ manifest. Nothing but references crosses the control plane, so a 100,000-item re
 
 from __future__ import annotations
 
-from orchestrator.plan import Map, Task, Workflow
-from orchestrator.registry import register
-
-register("getbatch.plan", "functions.getbatch.handlers:plan")
-register("getbatch.gather", "functions.getbatch.handlers:gather")
-register("getbatch.assemble", "functions.getbatch.handlers:assemble")
+from functions.workflow import Map, Task, Workflow
 
 # gather is I/O-bound (threads locally); its memory is the engine's window plus the spooled fragment.
+PLAN = Task("plan", "getbatch.plan", memory_mb=512, timeout_s=300)
+GATHER_PART = Task("gather_part", "getbatch.gather", memory_mb=1024, timeout_s=900)
+GATHER = Map("gather", items="$.plan.manifest", body=(GATHER_PART,), max_concurrency=64)
+ASSEMBLE = Task("assemble", "getbatch.assemble", memory_mb=512, timeout_s=900)
+
 WORKFLOW = Workflow(
     kind="getbatch",
     comment="GetBatch: many objects fetched into one ordered TAR",
-    steps=(
-        Task("plan", "getbatch.plan", memory_mb=512, timeout_s=300),
-        Map(
-            "gather",
-            items="$.plan.manifest",
-            body=(Task("gather_part", "getbatch.gather", memory_mb=1024, timeout_s=900),),
-            max_concurrency=64,
-        ),
-        Task("assemble", "getbatch.assemble", memory_mb=512, timeout_s=900),
-    ),
+    steps=(PLAN, GATHER, ASSEMBLE),
 )

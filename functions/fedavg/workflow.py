@@ -9,33 +9,23 @@ references cross the control plane.
 from __future__ import annotations
 
 from functions.fedavg.sizing import AGGREGATE_MEMORY_MB, COMMIT_MEMORY_MB, LAMBDA_TIMEOUT_S, PLAN_MEMORY_MB
-from orchestrator.plan import Map, Task, Workflow
-from orchestrator.registry import register
-
-register("fedavg.plan", "functions.fedavg.handlers:plan")
-register("fedavg.aggregate", "functions.fedavg.handlers:aggregate")
-register("fedavg.commit", "functions.fedavg.handlers:commit")
+from functions.workflow import Map, Task, Workflow
 
 # aggregate is CPU-bound once its reads overlap (a process locally; 1769 MB = one full vCPU on Lambda). Its
 # memory does not grow with N or the model size; the plan sizes shards to the 900 s timeout.
+PLAN = Task("plan", "fedavg.plan", memory_mb=PLAN_MEMORY_MB, timeout_s=300)
+AGGREGATE_SHARD = Task(
+    "aggregate_shard",
+    "fedavg.aggregate",
+    mode="process",
+    memory_mb=AGGREGATE_MEMORY_MB,
+    timeout_s=LAMBDA_TIMEOUT_S,
+)
+AGGREGATE = Map("aggregate", items="$.plan.manifest", body=(AGGREGATE_SHARD,))
+COMMIT = Task("commit", "fedavg.commit", memory_mb=COMMIT_MEMORY_MB, timeout_s=LAMBDA_TIMEOUT_S)
+
 WORKFLOW = Workflow(
     kind="fedavg",
     comment="FedAvg: N client updates averaged shard by shard into one safetensors file",
-    steps=(
-        Task("plan", "fedavg.plan", memory_mb=PLAN_MEMORY_MB, timeout_s=300),
-        Map(
-            "aggregate",
-            items="$.plan.manifest",
-            body=(
-                Task(
-                    "aggregate_shard",
-                    "fedavg.aggregate",
-                    mode="process",
-                    memory_mb=AGGREGATE_MEMORY_MB,
-                    timeout_s=LAMBDA_TIMEOUT_S,
-                ),
-            ),
-        ),
-        Task("commit", "fedavg.commit", memory_mb=COMMIT_MEMORY_MB, timeout_s=LAMBDA_TIMEOUT_S),
-    ),
+    steps=(PLAN, AGGREGATE, COMMIT),
 )

@@ -11,32 +11,20 @@ control plane.
 
 from __future__ import annotations
 
-from orchestrator.plan import Map, Task, Workflow
-from orchestrator.registry import register
-
-register("dpquery.plan", "functions.dpquery.handlers:plan")
-register("dpquery.measure", "functions.dpquery.handlers:measure")
-register("dpquery.reconstruct", "functions.dpquery.handlers:reconstruct")
-register("dpquery.finalize", "functions.dpquery.handlers:finalize")
+from functions.workflow import Map, Task, Workflow
 
 # measure is CPU-bound (OpenDP's sampler): a process locally, 1769 MB (one full vCPU) on Lambda. Its memory
 # is the group's marginals plus one record batch; the plan sizes groups by noise samples.
+PLAN = Task("plan", "dpquery.plan", memory_mb=1769, timeout_s=900)
+MEASURE_GROUP = Task("measure_group", "dpquery.measure", mode="process", memory_mb=1769, timeout_s=900)
+MEASURE = Map("measure", items="$.plan.measure", body=(MEASURE_GROUP,))
+RECONSTRUCT_GROUP = Task("reconstruct_group", "dpquery.reconstruct", memory_mb=1769, timeout_s=900)
+RECONSTRUCT = Map("reconstruct", items="$.plan.reconstruct", body=(RECONSTRUCT_GROUP,))
+FINALIZE = Task("finalize", "dpquery.finalize", memory_mb=1024, timeout_s=900)
+
 WORKFLOW = Workflow(
     kind="dpquery",
     lambda_package="image",
     comment="DP marginal queries: ResidualPlanner noise plan, OpenDP Gaussian measurements, reconstruction",
-    steps=(
-        Task("plan", "dpquery.plan", memory_mb=1769, timeout_s=900),
-        Map(
-            "measure",
-            items="$.plan.measure",
-            body=(Task("measure_group", "dpquery.measure", mode="process", memory_mb=1769, timeout_s=900),),
-        ),
-        Map(
-            "reconstruct",
-            items="$.plan.reconstruct",
-            body=(Task("reconstruct_group", "dpquery.reconstruct", memory_mb=1769, timeout_s=900),),
-        ),
-        Task("finalize", "dpquery.finalize", memory_mb=1024, timeout_s=900),
-    ),
+    steps=(PLAN, MEASURE, RECONSTRUCT, FINALIZE),
 )

@@ -84,7 +84,7 @@ class Retry:
         if bad:
             raise PlanError(
                 f"Retry may not match {sorted(bad)}: user errors must not be retried; list the transient "
-                "error names instead (see orchestrator.plan.PYTHON_TRANSIENT)"
+                "error names instead (see functions.workflow.PYTHON_TRANSIENT)"
             )
         if self.interval_s < 1 or self.max_attempts < 0 or self.backoff < 1.0:
             raise PlanError("Retry needs interval_s >= 1 (ASL seconds), max_attempts >= 0 and backoff >= 1.0")

@@ -1,4 +1,4 @@
-"""``shardfold plan`` for dpquery jobs: the planner's own noise plan and fan-out, without reading the data.
+"""Task loads of a dpquery job: the planner's own noise plan and fan-out, without reading the data.
 
 The estimate runs :func:`functions.dpquery.planner.plan` on the spec (pure: no data), so the residual sets,
 the measure and reconstruct groups (the job's Map children), the predicted per-cell variances and the
@@ -19,9 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from client import pricing
-from client.planning import DetailTable, KindEstimate, MiB, TaskLoad, estimator
+from functions import pricing
+from functions.dpquery.spec import DPQueryJob, marginal_name
+from functions.dpquery.workflow import FINALIZE, MEASURE, MEASURE_GROUP, PLAN, RECONSTRUCT, RECONSTRUCT_GROUP
 from functions.errors import StoreError
+from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
+from functions.tables import Table
 
 # --- memory model (per task; what one function holds at its peak) -------------------------------------------
 # Python + numpy + pyarrow + OpenDP loaded: 150 MiB measured (ru_maxrss after importing functions.dpquery.*).
@@ -61,8 +64,6 @@ def _residual_cells(pl: Any) -> np.ndarray:
 
 def _names(spec: Any, pl: Any, j: int) -> str:
     """The marginal's name as ``client.dpquery.tables`` keys it (``"sex,region"``, ``"(total)"``)."""
-    from client.dpquery import marginal_name
-
     return marginal_name([spec.attributes[i].name for i in pl.marginal(j)])
 
 
@@ -171,20 +172,33 @@ def marginal_rows(spec: Any, pl: Any) -> tuple[str, list[list[Any]]]:
     return title, rows
 
 
-@estimator("dpquery")
-def estimate_dpquery(spec: Any, store_root: str, probe_limit: int) -> KindEstimate:
+def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
+    """The dataset's size (one HEAD) and the budget ledger; the noise plan itself needs no data."""
+    from functions.dpquery import planner
+
+    pl = planner.plan(spec)  # a PlanError (a marginal too large, ...) is the job's own refusal
+    notes: list[str] = []
+    size, problem = _dataset_size(spec, store_root)
+    if problem:
+        notes.append(problem)
+    state, problem = _ledger(spec, store_root)
+    if problem:
+        notes.append(problem)
+    return Probe(facts={"dataset_bytes": size}, notes=notes, model=(pl, state))
+
+
+def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     from functions.dpquery import planner
     from functions.dpquery import reconstruct as rc
 
-    pl = planner.plan(spec)  # a PlanError (a marginal too large, ...) is the job's own refusal
+    pl, state = probed.model
+    size = probed.facts["dataset_bytes"]
+    notes: list[str] = []
     fmt = spec.format
     mgroups = pl.residual_groups(spec.noise_samples_per_task)
     rgroups = pl.marginal_groups(spec.cells_per_task)
     notes: list[str] = []
 
-    size, problem = _dataset_size(spec, store_root)
-    if problem:
-        notes.append(problem)
     data_bytes = size or 0
     chunks = max(1, -(-data_bytes // READ_CHUNK_BYTES))
     scan_gets = 3 + chunks  # HEADs, the header/footer read, then ranged GETs of 8 MiB
@@ -195,9 +209,6 @@ def estimate_dpquery(spec: Any, store_root: str, probe_limit: int) -> KindEstima
     plan_doc_bytes = PLAN_DOC_FACTOR * arrays_bytes
     pairs = int(pl.sub_ptr[-1])
 
-    state, problem = _ledger(spec, store_root)
-    if problem:
-        notes.append(problem)
     ledger_entries = len(state.entries) if state is not None else 0
 
     # plan: allocate, scan once, reserve on the ledger, write the plan document and two manifests
@@ -281,18 +292,18 @@ def estimate_dpquery(spec: Any, store_root: str, probe_limit: int) -> KindEstima
     ]
     title, rows = marginal_rows(spec, pl)
     details = [
-        DetailTable("privacy and accuracy plan", ["quantity", "value"], privacy_rows(spec, pl) + budget_rows),
-        DetailTable(title, ["marginal", "cells", "weight", "variance", "std error"], rows),
+        Table("privacy and accuracy plan", ["quantity", "value"], privacy_rows(spec, pl) + budget_rows),
+        Table(title, ["marginal", "cells", "weight", "variance", "std error"], rows),
     ]
-    return KindEstimate(
+    return Loads(
         items=pl.num_marginals,
-        loads={
-            "plan": plan_load,
-            "measure": measure_load,
-            "reconstruct": reconstruct_load,
-            "finalize": finalize_load,
+        tasks={
+            PLAN: plan_load,
+            MEASURE_GROUP: measure_load,
+            RECONSTRUCT_GROUP: reconstruct_load,
+            FINALIZE: finalize_load,
         },
-        map_items={"measure": len(mgroups), "reconstruct": n_r},
+        map_items={MEASURE: len(mgroups), RECONSTRUCT: n_r},
         notes=notes,
         output_bytes=output_bytes,
         details=details,

@@ -1,0 +1,66 @@
+"""The dpquery kind's registration: marginal workloads answered under zCDP (ResidualPlanner)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from functions.dpquery.spec import DPQueryJob, marginal_name
+from functions.dpquery.workflow import WORKFLOW
+from functions.kinds import JobKind
+from functions.tables import ResultView, Table
+
+RESULT_ROWS = 50  # released tables listed by `run`/`result` (all of them with --json)
+
+
+def result_view(result: dict[str, Any]) -> ResultView:
+    """The privacy spent, the ledger, and one row per released table."""
+    rep, led = result["report"], result["ledger"]
+    summary = {
+        "job_id": result["job_id"],
+        "dataset_id": result["dataset_id"],
+        "privacy": f"ρ {rep['rho_spent']:.6g} spent of the job's {rep['rho_budget']:.6g}; "
+        f"ε at δ {rep['delta']:g}: {rep['epsilon_cks']:.4g} (CKS), "
+        f"{rep['epsilon_gaussian']:.4g} (exact Gaussian, this job alone)",
+        "ledger": f"dataset total ρ {led['total_rho']:.6g}, committed {led['committed_rho']:.6g}, "
+        f"remaining {led['remaining_rho']:.6g} ({led['jobs']} job(s))",
+        "accuracy": f"predicted workload RMSE {rep['predicted_rmse']:.4g} per cell, "
+        f"{rep['marginals']:,} marginal(s), {rep['cells']:,} cells",
+        "output": result["output"],
+    }
+    tables = result.get("tables")
+    if tables is None:
+        return ResultView(summary, notes=[f"{rep['marginals']:,} tables listed in {result['tables_index']}"])
+    rows = [
+        [
+            marginal_name(t["attributes"]),
+            f"{t['cells']:,}",
+            f"{t['std_error']:.4g}",
+            t["parquet"].rsplit("/", 1)[-1],
+        ]
+        for t in tables[:RESULT_ROWS]
+    ]
+    view = ResultView(
+        summary,
+        tables=[
+            Table(
+                "released tables (unbiased estimates ± std error per cell)",
+                ["marginal", "cells", "std error", "parquet"],
+                rows,
+            )
+        ],
+    )
+    if len(tables) > RESULT_ROWS:
+        view.notes.append(
+            f"... and {len(tables) - RESULT_ROWS:,} more: `shardfold result {result['job_id']} --json`"
+        )
+    return view
+
+
+KIND = JobKind(
+    name="dpquery",
+    package=__package__,
+    spec=DPQueryJob,
+    workflow=WORKFLOW,
+    sizing="functions.dpquery.sizing",
+    result_view=result_view,
+)

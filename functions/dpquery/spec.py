@@ -1,0 +1,328 @@
+"""The dpquery spec: a workload of marginals of a dataset answered under zCDP (ResidualPlanner)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+from functions.specs import InputUri, OutputUri, StrictModel, fail
+
+DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".pq": "parquet"}
+# An attribute's domain may not exceed this many values (a range with bin width 1 over 10^9 is a mistake).
+DP_MAX_DOMAIN = 10_000_000
+# The expanded workload may not list more marginals than this.
+DP_MAX_MARGINALS = 1_000_000
+# Reported ε is given at this δ when the budget is a plain ``rho``.
+DP_REPORT_DELTA = 1e-9
+_DATASET_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+TOTAL_NAME = "(total)"  # the name of the 0-way marginal (the total count)
+
+
+def marginal_name(attributes: Sequence[str]) -> str:
+    """The key of a marginal in results and ``client.dpquery`` tables: attribute names in schema order
+    joined with ``,``; ``"(total)"`` for the total count."""
+    return ",".join(attributes) if attributes else TOTAL_NAME
+
+
+class DPAttribute(StrictModel):
+    """One attribute (a column of the dataset) and its domain, given one of two ways:
+
+    * ``categories``: the list of values, in output order. Rows are matched by equality with a value.
+    * ``range: [lo, hi]`` (integers, both inclusive) with ``bin_width`` (default 1): bins
+      ``[lo, lo+w−1], [lo+w, lo+2w−1], …``; the last bin ends at ``hi`` (it may be narrower). A value v
+      falls in bin ``(v − lo) // w``; values outside [lo, hi] are domain errors, never clipped.
+
+    A domain needs at least 2 values: a one-valued attribute carries no information (drop the column).
+    """
+
+    name: str = Field(min_length=1, description="column name in the dataset")
+    categories: list[StrictStr | StrictBool | StrictInt] | None = Field(
+        default=None, description="the domain's values, in output order"
+    )
+    range: tuple[StrictInt, StrictInt] | None = Field(default=None, description="[lo, hi], both inclusive")
+    bin_width: StrictInt | None = Field(default=None, ge=1, description="with range; default 1")
+
+    @model_validator(mode="after")
+    def _one_domain(self) -> DPAttribute:
+        if (self.categories is None) == (self.range is None):
+            raise ValueError(f"attribute {self.name!r}: give exactly one of 'categories' or 'range'")
+        if self.categories is not None:
+            if self.bin_width is not None:
+                raise ValueError(f"attribute {self.name!r}: 'bin_width' only applies to a 'range'")
+            seen: dict[tuple, int] = {}
+            for i, c in enumerate(self.categories):
+                key = (type(c).__name__, c)
+                if key in seen:
+                    raise ValueError(
+                        f"attribute {self.name!r}: categories.{i} repeats categories.{seen[key]} ({c!r})"
+                    )
+                seen[key] = i
+        else:
+            lo, hi = self.range
+            if lo > hi:
+                raise ValueError(f"attribute {self.name!r}: range [{lo}, {hi}] is empty (lo > hi)")
+            if self.bin_width is None:
+                self.bin_width = 1
+        n = self.size
+        if n < 2:
+            raise ValueError(
+                f"attribute {self.name!r}: the domain has {n} value; at least 2 are needed "
+                "(a one-valued attribute carries no information: drop it)"
+            )
+        if n > DP_MAX_DOMAIN:
+            raise ValueError(f"attribute {self.name!r}: {n:,} values exceeds the limit of {DP_MAX_DOMAIN:,}")
+        return self
+
+    @property
+    def size(self) -> int:
+        """n_i, the number of values (bins) of the domain."""
+        if self.categories is not None:
+            return len(self.categories)
+        lo, hi = self.range
+        return -(-(hi - lo + 1) // (self.bin_width or 1))
+
+    def labels(self) -> list:
+        """One label per domain value, in order: the categories, or for a range each bin's lower bound
+        (bin width 1) or ``"a..b"`` (both inclusive)."""
+        if self.categories is not None:
+            return list(self.categories)
+        lo, hi = self.range
+        w = self.bin_width or 1
+        if w == 1:
+            return list(range(lo, hi + 1))
+        return [f"{a}..{min(a + w - 1, hi)}" for a in range(lo, hi + 1, w)]
+
+
+class DPMarginal(StrictModel):
+    """One marginal of the workload: the counts of every combination of values of ``attributes``.
+
+    ``attributes: []`` is the total count. ``weight`` (> 0) is its importance in the loss: its per-cell
+    variances count ``weight`` times in ``sum_of_variances``; ``max_variance`` minimises max weight·Var.
+    """
+
+    attributes: list[str] = Field(description="attribute names (any order; output uses schema order)")
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+
+
+class DPMarginalGenerator(StrictModel):
+    """All marginals over at most ``all_marginals_up_to`` attributes (the 0-way total included) of
+    ``attributes`` (default: every attribute of the schema), each with ``weight``."""
+
+    all_marginals_up_to: int = Field(ge=0, description="k: every marginal of 0, 1, …, k attributes")
+    attributes: list[str] | None = Field(default=None, description="default: every schema attribute")
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+
+
+class DPBudget(StrictModel):
+    """The job's privacy budget: ``{"rho": ρ}`` (zCDP), or ``{"epsilon": ε, "delta": δ}`` converted to the
+    largest ρ whose CKS bound gives (ε, δ)-DP. With ``rho``, an optional ``delta`` only sets the δ at
+    which the report states ε (default 1e-9)."""
+
+    rho: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    epsilon: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    delta: float | None = Field(default=None, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> DPBudget:
+        if (self.rho is None) == (self.epsilon is None):
+            raise ValueError("give exactly one of 'rho' (zCDP) or 'epsilon' with 'delta'")
+        if self.epsilon is not None and self.delta is None:
+            raise ValueError("'epsilon' needs 'delta' in (0, 1) (the budget is (epsilon, delta)-DP)")
+        return self
+
+    def zcdp_rho(self) -> float:
+        """The budget as ρ-zCDP (what the ledger counts)."""
+        if self.rho is not None:
+            return self.rho
+        from functions.dpquery.privacy import cdp_rho
+
+        return cdp_rho(self.epsilon, self.delta)
+
+    def report_delta(self) -> float:
+        return self.delta if self.delta is not None else DP_REPORT_DELTA
+
+
+class DPQueryJob(StrictModel):
+    """Answer a workload of marginals of a dataset under zCDP (ResidualPlanner), with per-cell error bars.
+
+    Budget ledger rule (per ``dataset_id``, append-only in the store): the first job that names a dataset
+    id registers its total budget, ``dataset_budget_rho``, which that first job must give. Later jobs may
+    omit it; if they give it, it must equal the registered total (a total never changes). A job whose ρ
+    would take the ledger's sum past the total is refused before any measurement.
+    """
+
+    kind: Literal["dpquery"] = "dpquery"
+    dataset: InputUri = Field(description="URI of one CSV (with a header row) or Parquet object")
+    format: Literal["csv", "parquet"] | None = Field(
+        default=None, description="default: from the extension (.csv; .parquet, .parq, .pq)"
+    )
+    schema_: list[DPAttribute] = Field(
+        alias="schema", min_length=1, description="the attributes, in order (axes of every output table)"
+    )
+    workload: list[DPMarginal] | DPMarginalGenerator = Field(
+        description="a list of marginals, or {all_marginals_up_to: k, attributes?}"
+    )
+    budget: DPBudget
+    loss: Literal["sum_of_variances", "max_variance"] = Field(
+        default="sum_of_variances",
+        description="weighted sum of per-cell variances (closed form), or the largest weighted variance",
+    )
+    dataset_id: str = Field(
+        pattern=_DATASET_ID, description="ledger key: letters, digits, '.', '_', '-' (at most 128)"
+    )
+    dataset_budget_rho: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="total ρ of dataset_id; required by the first job on it, fixed afterwards",
+    )
+    output: OutputUri | None = Field(
+        default=None, description="URI prefix of the tables; default jobs/<id>/output/"
+    )
+    noise_samples_per_task: int | None = Field(
+        default=None, ge=1, le=1_000_000_000, description="measure fan-out size; default chosen by the plan"
+    )
+    cells_per_task: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000_000,
+        description="reconstruct fan-out size; default chosen by the plan",
+    )
+
+    # ``schema`` shadows a BaseModel attribute, so the field is ``schema_`` with alias "schema", and dumps
+    # use the alias, so a dumped spec parses again.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    @property
+    def attributes(self) -> list[DPAttribute]:
+        """The schema (``schema`` is a pydantic name, hence the ``schema_`` field)."""
+        return self.schema_
+
+    @field_validator("workload")
+    @classmethod
+    def _nonempty_workload(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("the workload is empty: list at least one marginal")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DPQueryJob:
+        problems: list[tuple[tuple, str]] = []
+        if self.format is None:
+            path = self.dataset.split("?", 1)[0].lower()
+            ext = next((e for e in DATASET_FORMATS if path.endswith(e)), None)
+            if ext is None:
+                problems.append(
+                    (
+                        ("format",),
+                        f"cannot infer the format of {self.dataset!r} from its extension; "
+                        "set 'format' to 'csv' or 'parquet'",
+                    )
+                )
+            else:
+                self.format = DATASET_FORMATS[ext]
+        index: dict[str, int] = {}
+        for j, a in enumerate(self.schema_):
+            if a.name in index:
+                problems.append(
+                    (("schema", j, "name"), f"attribute {a.name!r} repeats schema.{index[a.name]}")
+                )
+            else:
+                index[a.name] = j
+        if isinstance(self.workload, DPMarginalGenerator):
+            g = self.workload
+            names = g.attributes if g.attributes is not None else [a.name for a in self.schema_]
+            for i, name in enumerate(names):
+                if name not in index:
+                    problems.append((("workload", "attributes", i), f"unknown attribute {name!r}"))
+            if g.attributes is not None and len(set(g.attributes)) != len(g.attributes):
+                problems.append((("workload", "attributes"), "lists an attribute more than once"))
+            d = len(set(names))
+            count = sum(math.comb(d, k) for k in range(min(g.all_marginals_up_to, d) + 1))
+            if count > DP_MAX_MARGINALS:
+                problems.append(
+                    (
+                        ("workload", "all_marginals_up_to"),
+                        f"{g.all_marginals_up_to} over {d} attributes gives {count:,} marginals; "
+                        f"the limit is {DP_MAX_MARGINALS:,}",
+                    )
+                )
+        else:
+            if len(self.workload) > DP_MAX_MARGINALS:
+                problems.append(
+                    (("workload",), f"{len(self.workload):,} marginals; the limit is {DP_MAX_MARGINALS:,}")
+                )
+            seen: dict[frozenset, int] = {}
+            for i, m in enumerate(self.workload):
+                bad = False
+                for k, name in enumerate(m.attributes):
+                    if name not in index:
+                        problems.append((("workload", i, "attributes", k), f"unknown attribute {name!r}"))
+                        bad = True
+                if len(set(m.attributes)) != len(m.attributes):
+                    problems.append((("workload", i, "attributes"), "lists an attribute more than once"))
+                    bad = True
+                key = frozenset(m.attributes)
+                if not bad:
+                    if key in seen:
+                        problems.append(
+                            (
+                                ("workload", i, "attributes"),
+                                f"the same marginal as workload.{seen[key]}; list each marginal once "
+                                "(raise its weight instead)",
+                            )
+                        )
+                    else:
+                        seen[key] = i
+        if self.dataset_budget_rho is not None and self.budget.rho is not None:
+            if self.budget.rho > self.dataset_budget_rho:
+                problems.append(
+                    (
+                        ("budget", "rho"),
+                        f"rho {self.budget.rho} exceeds dataset_budget_rho {self.dataset_budget_rho}",
+                    )
+                )
+        if problems:
+            fail("DPQueryJob", problems, self.dataset)
+        if self.dataset_budget_rho is not None and self.budget.rho is None:
+            rho = self.budget.zcdp_rho()
+            if rho > self.dataset_budget_rho:
+                fail(
+                    "DPQueryJob",
+                    [
+                        (
+                            ("budget",),
+                            f"(epsilon {self.budget.epsilon}, delta {self.budget.delta}) is rho {rho:.6g}, "
+                            f"more than dataset_budget_rho {self.dataset_budget_rho}",
+                        )
+                    ],
+                    self.dataset,
+                )
+        return self
+
+    def domains(self) -> list[int]:
+        """n_i of every schema attribute, in schema order."""
+        return [a.size for a in self.schema_]
+
+    def marginals(self) -> list[tuple[tuple[int, ...], float]]:
+        """The expanded workload: (sorted schema indices, weight) per marginal, in a deterministic order
+        (a list: in the given order; a generator: by size, then lexicographically)."""
+        index = {a.name: j for j, a in enumerate(self.schema_)}
+        if isinstance(self.workload, DPMarginalGenerator):
+            g = self.workload
+            names = g.attributes if g.attributes is not None else [a.name for a in self.schema_]
+            idx = sorted(index[n] for n in names)
+            return [
+                (combo, g.weight)
+                for k in range(min(g.all_marginals_up_to, len(idx)) + 1)
+                for combo in itertools.combinations(idx, k)
+            ]
+        return [(tuple(sorted(index[n] for n in m.attributes)), m.weight) for m in self.workload]
+
+    def rho(self) -> float:
+        """The job's budget as ρ-zCDP."""
+        return self.budget.zcdp_rho()

@@ -1,0 +1,306 @@
+"""The estimate: what a job will do and cost, computed before anything runs (``shardfold plan``).
+
+A kind's workflow says which steps exist and how often each runs; its sizing module
+(``functions/<kind>/sizing.py``, named by its :class:`~functions.kinds.JobKind`) says what one task of each
+step holds in memory, reads, writes and takes, reading the engine's own constants:
+
+* ``probe(spec, store_root, budget) -> Probe``: a bounded look at the inputs (sizes, a header, a sample of
+  rows); ``budget`` caps how many objects it may look at and how many bytes it may read, so checking a
+  job at submit costs far less than running it. Missing or unreadable inputs become notes: the job itself
+  fails naming them.
+* ``loads(spec, probe) -> Loads``: per step of the workflow, keyed by the step objects themselves; a step
+  without a load is an error, never a default.
+
+:func:`estimate` joins the two on the workflow and prices the result (:mod:`functions.pricing`);
+:meth:`Estimate.check` refuses a job whose task would not fit the memory it will get — the workflow's
+``memory_mb`` locally, the deployed size on AWS (:class:`Limits`) — naming the setting that raises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from functions import pricing
+from functions.errors import PlanError
+from functions.tables import Table
+from functions.workflow import BatchJob, Map, Parallel, Step, Task, Workflow
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ProbeBudget:
+    """How much a probe may look at: ``objects`` (HEADs, headers) and ``data_bytes`` read in all."""
+
+    objects: int
+    data_bytes: int
+
+
+# What submit may spend (a few dozen objects' metadata, at most 1 MiB of data) and what `shardfold plan` may.
+SUBMIT_BUDGET = ProbeBudget(objects=32, data_bytes=1 * MiB)
+PLAN_BUDGET = ProbeBudget(objects=10_000, data_bytes=256 * MiB)
+
+
+@dataclass
+class Probe:
+    """What a kind's probe learned: ``facts`` (JSON; recorded as ``jobs/<id>/probe.json``), ``notes``, and
+    ``model``, what the kind's ``loads`` needs that is not JSON (fedavg's shard plan, dpquery's noise
+    plan)."""
+
+    facts: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    model: Any = None
+
+
+@dataclass
+class TaskLoad:
+    """What ONE task of a step does: peak memory, S3 requests, estimated duration, and why.
+
+    ``total_gets``/``total_puts``, when set, are the exact counts over all of the step's tasks (tasks that
+    differ, e.g. fedavg shards); otherwise the step's counts are ``gets``/``puts`` times its tasks.
+    ``why`` says in words what the peak is made of.
+    """
+
+    peak_bytes: int
+    gets: int = 0
+    puts: int = 0
+    duration_s: float = 0.0
+    total_gets: int | None = None
+    total_puts: int | None = None
+    why: str = ""
+
+
+@dataclass
+class Loads:
+    """A kind's sizing answer: a load per Task/BatchJob step and the children of each Map step."""
+
+    items: int
+    tasks: Mapping[Step, TaskLoad]
+    map_items: Mapping[Map, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    output_bytes: int | None = None
+    details: list[Table] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The memory one step's task gets, and the setting that raises it."""
+
+    memory_mb: int
+    setting: str
+
+
+class Limits:
+    """Memory per step: the workflow's ``memory_mb`` (local backend), or the deployed sizes (AWS).
+
+    ``deployed`` is the stack's ``sizes`` output: ``{"functions": {name: {"memory_mb", ...}}, "batch":
+    {entry point: {"memory_mb", ...}}}``, each entry with a ``"config"`` naming the key that raises it.
+    """
+
+    def __init__(self, deployed: Mapping[str, Any] | None = None, kind: str = ""):
+        self.deployed = deployed
+        self.kind = kind
+
+    def __call__(self, step: Task | BatchJob) -> Limit:
+        if self.deployed is None:
+            return Limit(
+                step.memory_mb,
+                f"memory_mb of step {step.name!r} in functions/{self.kind}/workflow.py",
+            )
+        table, key = (
+            ("batch", step.entry_point) if isinstance(step, BatchJob) else ("functions", step.function)
+        )
+        entry = (self.deployed.get(table) or {}).get(key)
+        if entry is None:
+            raise PlanError(
+                f"the deployed stack has no {table} entry {key!r} (step {step.name!r}); "
+                "redeploy with `shardfold deploy`"
+            )
+        return Limit(int(entry["memory_mb"]), str(entry.get("config") or f"the deployed size of {key}"))
+
+
+@dataclass
+class StepEstimate:
+    name: str
+    function: str
+    tasks: int
+    memory_mb: int  # what the task gets: the workflow's memory_mb, or the deployed size
+    peak_mb: float  # projected peak per task
+    gets: int  # total over the step's tasks
+    puts: int
+    duration_s: float  # per task
+    gb_s: float  # Lambda GB-s billed over the step's tasks (0 for a Batch step)
+    instance_s: float = 0.0  # EC2 instance seconds over a Batch step's jobs, startup included
+    setting: str = ""  # what raises memory_mb
+    why: str = ""  # what the peak is made of
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_mb <= self.memory_mb
+
+
+@dataclass
+class Estimate:
+    kind: str
+    items: int
+    steps: list[StepEstimate]
+    transitions: int
+    cost_usd: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+    output_bytes: int | None = None
+    details: list[Table] = field(default_factory=list)
+    probe: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gets(self) -> int:
+        return sum(s.gets for s in self.steps)
+
+    @property
+    def puts(self) -> int:
+        return sum(s.puts for s in self.steps)
+
+    @property
+    def tasks(self) -> int:
+        return sum(s.tasks for s in self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(gets=self.gets, puts=self.puts, tasks=self.tasks)
+        return out
+
+    def check(self) -> Estimate:
+        """Raise :class:`PlanError` naming each step whose task would not fit the memory it gets."""
+        over = [s for s in self.steps if not s.fits]
+        if over:
+            what = "; ".join(
+                f"step {s.name!r} ({s.function}) needs ~{s.peak_mb:.0f} MiB per task but gets "
+                f"{s.memory_mb} MiB (raise it with {s.setting})"
+                for s in over
+            )
+            hint = " ".join(n for n in self.notes if n.startswith("to fit:"))
+            raise PlanError(f"plan refused: {what}." + (f" {hint}" if hint else ""))
+        return self
+
+
+def _runs(steps: tuple[Step, ...], multiplier: int, children: Mapping[Map, int]) -> list[tuple[Any, int]]:
+    """Every Task/BatchJob step with how many times it runs (Map children multiply their bodies)."""
+    out: list[tuple[Any, int]] = []
+    for step in steps:
+        if isinstance(step, Map):
+            out += _runs(step.body, multiplier * children[step], children)
+        elif isinstance(step, Parallel):
+            for branch in step.branches:
+                out += _runs(branch, multiplier, children)
+        else:
+            out.append((step, multiplier))
+    return out
+
+
+def transitions(steps: tuple[Step, ...], children: Mapping[Map, int]) -> int:
+    """State transitions billed by a Standard workflow on the happy path.
+
+    Each state entered is one transition; a Distributed Map's children are child executions billed the
+    same way, so a Map costs one plus its children times its body.
+    """
+    total = 0
+    for step in steps:
+        if isinstance(step, Map):
+            total += 1 + children[step] * transitions(step.body, children)
+        elif isinstance(step, Parallel):
+            total += 1 + sum(transitions(b, children) for b in step.branches)
+        else:
+            total += 1
+    return total
+
+
+def _join(workflow: Workflow, loads: Loads) -> None:
+    """Every Task/BatchJob step has a load and every Map its children: no step is priced by a default."""
+    missing = [
+        s.name
+        for s in workflow.walk()
+        if (isinstance(s, Map) and s not in loads.map_items)
+        or (isinstance(s, Task | BatchJob) and s not in loads.tasks)
+    ]
+    if missing:
+        raise PlanError(f"the {workflow.kind} sizing gives no load for step(s) {missing}")
+
+
+def probe(spec: Any, store_root: str, budget: ProbeBudget = PLAN_BUDGET) -> Probe:
+    """The kind's bounded look at the job's inputs."""
+    from functions import kinds
+
+    return kinds.find(spec.kind).sizing_module().probe(spec, store_root, budget)
+
+
+def estimate(
+    spec: Any,
+    store_root: str,
+    *,
+    budget: ProbeBudget = PLAN_BUDGET,
+    limits: Limits | None = None,
+    probed: Probe | None = None,
+) -> Estimate:
+    """Size and price a validated spec on its workflow; does not refuse (see :meth:`Estimate.check`)."""
+    from functions import kinds
+
+    kind = kinds.find(spec.kind)
+    workflow = kind.workflow
+    sizing = kind.sizing_module()
+    probed = probed if probed is not None else sizing.probe(spec, store_root, budget)
+    loads: Loads = sizing.loads(spec, probed)
+    _join(workflow, loads)
+    limits = limits or Limits(kind=kind.name)
+    steps: list[StepEstimate] = []
+    for task, runs in _runs(workflow.steps, 1, loads.map_items):
+        load = loads.tasks[task]
+        limit = limits(task)
+        batch = isinstance(task, BatchJob)
+        billed_s = max(load.duration_s, pricing.LAMBDA_MIN_BILLED_S)
+        steps.append(
+            StepEstimate(
+                name=task.name,
+                function=task.entry_point if batch else task.function,
+                tasks=runs,
+                memory_mb=limit.memory_mb,
+                peak_mb=load.peak_bytes / MiB,
+                gets=load.gets * runs if load.total_gets is None else load.total_gets,
+                puts=load.puts * runs if load.total_puts is None else load.total_puts,
+                duration_s=load.duration_s,
+                gb_s=0.0 if batch else limit.memory_mb / 1024 * billed_s * runs,
+                instance_s=(load.duration_s + pricing.BATCH_STARTUP_S) * runs if batch else 0.0,
+                setting=limit.setting,
+                why=load.why,
+            )
+        )
+    n_transitions = transitions(workflow.steps, loads.map_items)
+    gets = sum(s.gets for s in steps)
+    puts = sum(s.puts for s in steps) + 1  # + the submitted spec.json
+    cost = {
+        "lambda_compute": sum(s.gb_s for s in steps) * pricing.LAMBDA_USD_PER_GB_S,
+        "lambda_requests": sum(s.tasks for s in steps if not s.instance_s) * pricing.LAMBDA_USD_PER_REQUEST,
+        "s3_get": gets * pricing.S3_USD_PER_GET,
+        "s3_put": puts * pricing.S3_USD_PER_PUT,
+        "step_functions": n_transitions * pricing.SFN_USD_PER_TRANSITION,
+    }
+    if any(isinstance(t, BatchJob) for t in workflow.walk()):
+        cost["batch_gpu_instances"] = sum(s.instance_s for s in steps) / 3600 * pricing.BATCH_GPU_USD_PER_HOUR
+    cost["total"] = sum(cost.values())
+    notes = [*probed.notes, *loads.notes]
+    if loads.output_bytes is not None:
+        notes.append(
+            f"output ~{loads.output_bytes / MiB:.1f} MiB; S3 Standard storage "
+            f"${loads.output_bytes / 1024**3 * pricing.S3_USD_PER_GB_MONTH:.6f}/month (not in the total)"
+        )
+    return Estimate(
+        kind=spec.kind,
+        items=loads.items,
+        steps=steps,
+        transitions=n_transitions,
+        cost_usd=cost,
+        notes=notes,
+        output_bytes=loads.output_bytes,
+        details=list(loads.details),
+        probe=probed.facts,
+    )

@@ -1,0 +1,68 @@
+"""The fedavg spec: N client updates (safetensors) averaged into one model (GradsSharding)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from functions.specs import InputUri, OutputUri, StrictModel
+
+
+class FedAvgClient(StrictModel):
+    """One client's model update: a safetensors object and its weight (number of training examples).
+
+    Without ``weight`` the weight is read from the file's ``__metadata__["num_examples"]``.
+    """
+
+    uri: InputUri
+    weight: float | None = Field(default=None, description="> 0; default: __metadata__.num_examples")
+
+    @model_validator(mode="after")
+    def _positive_weight(self) -> FedAvgClient:
+        if self.weight is not None and not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ValueError(f"weight of {self.uri} must be a finite number > 0, got {self.weight}")
+        return self
+
+
+class FedAvgJob(StrictModel):
+    """Average N client updates (safetensors) into one model, sharded by byte range (GradsSharding)."""
+
+    kind: Literal["fedavg"] = "fedavg"
+    clients: list[FedAvgClient] = Field(min_length=1, description="summed in this order")
+    output: OutputUri | None = Field(default=None, description="default jobs/<id>/output/model.safetensors")
+    aggregator: Literal["mean", "trimmed_mean", "median"] = Field(
+        default="mean",
+        description="weighted mean (FedAvg), or coordinate-wise robust statistics (unweighted)",
+    )
+    trim_fraction: float = Field(
+        default=0.1,
+        ge=0.0,
+        lt=0.5,
+        description="trimmed_mean: share of clients cut at each end per coordinate",
+    )
+    uniform: bool = Field(default=False, description="ignore weights: plain mean, as GradsSharding does")
+    accumulate: Literal["float32", "float64"] = Field(
+        default="float32", description="accumulator of float tensors (F64 tensors always use float64)"
+    )
+    integer_policy: Literal["mean", "first", "max"] = Field(
+        default="mean",
+        description=(
+            "integer and BOOL tensors: 'mean' applies the aggregator in float64 and rounds half to even "
+            "(BOOL: a weighted majority), 'first' keeps client 0's values, 'max' the elementwise maximum"
+        ),
+    )
+    allow_nonfinite: bool = Field(default=False, description="accept NaN/Inf in updates instead of failing")
+    shards: int | None = Field(default=None, ge=1, le=10_000, description="default: chosen from model size")
+
+    @model_validator(mode="after")
+    def _distinct_clients(self) -> FedAvgJob:
+        seen: dict[str, int] = {}
+        for i, c in enumerate(self.clients):
+            if c.uri in seen:
+                raise ValueError(
+                    f"clients.{i} repeats clients.{seen[c.uri]} ({c.uri}); each update counts once"
+                )
+            seen[c.uri] = i
+        return self

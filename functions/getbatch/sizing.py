@@ -1,0 +1,170 @@
+"""Task loads of a getbatch job, from the engine's own constants (see :mod:`functions.estimate`).
+
+* **probe**: the item list (inline, or the manifest when it fits the probe's byte budget; beyond, the
+  count is extrapolated from its first bytes) and the sizes of up to ``budget.objects`` distinct objects
+  (evenly sampled), looked up on the store's shared pool. A TAR member's size is unknown before the engine
+  indexes its shard: it is bounded by the shard and assumed at most 1 MiB.
+* **loads**: a gather task holds what the GetBatch engine buffers — at most ``window`` items, where the
+  window is the engine's default (:data:`functions.store.batch.WINDOW_PER_READ` x its concurrency) but
+  never more than the part's items — times the largest item, plus its TAR fragment spooled in memory up to
+  :data:`functions.getbatch.core.SPOOL_BYTES`, plus the parsed items. plan holds the parsed request;
+  assemble the per-item status rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from functions import pricing, store
+from functions.errors import ShardfoldError
+from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
+from functions.getbatch import core
+from functions.getbatch.spec import GetBatchJob
+from functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PLAN
+from functions.store import batch
+
+# Python memory of one parsed BatchItem plus its JSON (plan and assemble hold all of them / their rows).
+ITEM_OBJECT_BYTES = 1024
+STATUS_ROW_BYTES = 400
+TAR_MEMBER_ASSUMED = 1 * MiB
+# Objects above this are written with multipart upload; each part is one PUT (functions.store).
+MULTIPART_CHUNK = 8 * MiB
+RUNTIME_BYTES = pricing.LAMBDA_BASELINE_MB * MiB
+
+
+def _items(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> tuple[list[Any], int, list[str]]:
+    """(items read, the request's item count, notes). A manifest over the byte budget is read in part."""
+    if spec.items is not None:
+        return (
+            [i.model_copy(update={"uri": core.resolve_in(i.uri, store_root)}) for i in spec.items],
+            len(spec.items),
+            [],
+        )
+    uri = core.resolve_in(spec.manifest, store_root)
+    total = store.size(uri)
+    if total <= budget.data_bytes:
+        items = core.load_items(spec, store_root)
+        return items, len(items), []
+    head = store.get(uri, 0, budget.data_bytes).decode("utf-8", errors="ignore")
+    seen = head.count('"uri"') or head.count("\n") or 1
+    n = max(seen, round(seen * total / len(head.encode())))
+    rows = [line for line in head.splitlines()[:-1] if line.strip().startswith("{")]
+    items = []
+    for line in rows:
+        try:
+            items.append(core.parse_item(json.loads(line.rstrip(",")), store_root))
+        except (ValueError, ShardfoldError):
+            continue
+    return items, n, [f"manifest of {total / MiB:,.1f} MiB: ~{n:,} items, extrapolated from its first bytes"]
+
+
+def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
+    items, n, notes = _items(spec, store_root, budget)
+    unknown = sorted({i.uri for i in items if i.length is None})
+    if len(unknown) > budget.objects:
+        step = len(unknown) / budget.objects
+        sample = [unknown[int(k * step)] for k in range(budget.objects)]
+        notes.append(
+            f"sizes probed for {len(sample):,} of {len(unknown):,} distinct objects (evenly sampled)"
+        )
+    else:
+        sample = unknown
+    try:
+        found = store.sizes(sample)
+    except ShardfoldError as exc:  # e.g. no permission on a bucket: size from the fallback, say so
+        found = {}
+        notes.append(f"object sizes unknown ({exc}); memory and time assume 1 MiB objects")
+    missing = {u for u, s in found.items() if s is None}
+    if missing:
+        how = "become __404__ placeholders" if spec.continue_on_error else "will fail the job"
+        notes.append(f"{len(missing)} object(s) not found, e.g. {min(missing)}: they {how}")
+    members = sum(1 for i in items if i.archpath)
+    if members:
+        notes.append(f"{members} TAR member(s): sizes assumed <= 1 MiB each")
+    shards = {i.uri for i in items if i.archpath is not None}
+    plain = [v for u, v in found.items() if v is not None and u not in shards]
+    fallback = int(sum(plain) / len(plain)) if plain else MiB
+
+    def item_bytes(i: Any) -> int:
+        if i.length is not None:
+            return i.length
+        if i.uri in missing:
+            return 0
+        whole = found.get(i.uri) or fallback
+        return min(whole, TAR_MEMBER_ASSUMED) if i.archpath is not None else max(whole - i.start, 0)
+
+    seen = [item_bytes(i) for i in items]
+    per_part = spec.items_per_part
+    parts = math.ceil(n / per_part)
+    part_bytes = max((sum(seen[p * per_part : (p + 1) * per_part]) for p in range(parts)), default=0)
+    mean = sum(seen) / len(seen) if seen else fallback
+    if len(seen) < n:  # the request was read in part: the rest is like what was seen
+        part_bytes = max(part_bytes, int(mean * min(per_part, n)))
+    return Probe(
+        facts={
+            "items": n,
+            "largest_item_bytes": max(seen, default=fallback),
+            "largest_part_bytes": part_bytes,
+            "total_bytes": int(sum(seen) + mean * (n - len(seen))),
+            "sizes_probed": len(found),
+            "missing": sorted(missing),
+        },
+        notes=notes,
+    )
+
+
+def loads(spec: GetBatchJob, probed: Probe) -> Loads:
+    facts = probed.facts
+    n = int(facts["items"])
+    largest = int(facts["largest_item_bytes"])
+    part_bytes = int(facts["largest_part_bytes"])
+    per_part = min(spec.items_per_part, n)
+    parts = math.ceil(n / spec.items_per_part)
+    concurrency = batch.DEFAULT_CONCURRENCY
+    window = min(batch.WINDOW_PER_READ * concurrency, per_part)
+    spool = min(part_bytes, core.SPOOL_BYTES)
+    buffered = window * largest
+    gather = TaskLoad(
+        peak_bytes=RUNTIME_BYTES + buffered + spool + per_part * ITEM_OBJECT_BYTES,
+        gets=2 + per_part,  # spec + part list + one GET per item
+        puts=1 + math.ceil(max(part_bytes, 1) / MULTIPART_CHUNK) + (2 if part_bytes > MULTIPART_CHUNK else 0),
+        duration_s=pricing.TASK_OVERHEAD_S
+        + math.ceil(per_part / concurrency) * pricing.S3_GET_LATENCY_S
+        + part_bytes / pricing.LAMBDA_NET_BYTES_PER_S,
+        why=f"{window} item(s) in the engine's window x largest {largest / MiB:.2f} MiB, a TAR fragment "
+        f"spooled in memory up to {core.SPOOL_BYTES // MiB} MiB, {per_part:,} parsed items",
+    )
+    plan = TaskLoad(
+        peak_bytes=RUNTIME_BYTES + n * ITEM_OBJECT_BYTES * 2,
+        gets=1 + (1 if spec.manifest else 0),
+        puts=parts + 1,
+        duration_s=pricing.TASK_OVERHEAD_S + (parts + 1) * pricing.S3_GET_LATENCY_S,
+        why=f"{n:,} parsed items and their part lists",
+    )
+    assemble = TaskLoad(
+        peak_bytes=RUNTIME_BYTES + n * STATUS_ROW_BYTES * 2,
+        gets=1 + parts,
+        # trailer, multipart create + one copy per fragment + complete, status, result, and a LIST to clean up
+        puts=1 + (parts + 3) + 1 + 1 + 1,
+        duration_s=pricing.TASK_OVERHEAD_S + (parts + 5) * pricing.S3_GET_LATENCY_S,
+        why=f"{n:,} status rows and their JSON Lines text",
+    )
+    notes = []
+    if buffered > 512 * MiB:
+        notes.append(
+            "to fit: give large objects byte ranges (start/length) so each item stays small, or raise the "
+            "gather function's memory"
+        )
+    if n * ITEM_OBJECT_BYTES * 2 > 512 * MiB:
+        notes.append("to fit: a request this long needs a bigger plan function; split it into several jobs")
+    return Loads(
+        items=n,
+        tasks={PLAN: plan, GATHER_PART: gather, ASSEMBLE: assemble},
+        map_items={GATHER: parts},
+        notes=notes,
+        output_bytes=int(facts["total_bytes"])
+        + n * 1024
+        + 1024,  # a 512-byte header per member (plus padding) and the trailer
+    )

@@ -1,0 +1,19 @@
+"""The inference kind's registration: a torch model over a dataset, CPU stage on Lambda, GPU on Batch."""
+
+from __future__ import annotations
+
+from functions.inference.spec import InferenceJob
+from functions.inference.workflow import WORKFLOW
+from functions.kinds import JobKind
+
+KIND = JobKind(
+    name="inference",
+    package=__package__,
+    spec=InferenceJob,
+    workflow=WORKFLOW,
+    sizing="functions.inference.sizing",
+    # the GPU workers' shards: the executors see the whole GPU stage as one step
+    progress="functions.inference.pipeline:progress",
+    # the Batch container's entry point keeps torch out of the Lambda handlers' module
+    handlers={"inference.worker": "functions.inference.worker:handler"},
+)

@@ -1,0 +1,167 @@
+"""Task loads of an inference job: shards, CPU tasks, the GPU workers, per-task memory.
+
+* **probe**: the inputs' row counts and bytes per row. Within the byte budget they are exact, as the job's
+  plan step counts them (:func:`functions.inference.plan.make_shards`: a JSONL file's lines, a Parquet
+  footer's row count); beyond it (a submit reads at most 1 MiB) a JSONL file's rows are extrapolated from
+  its first bytes and its size, and a Parquet file's footer is read. An input that is missing or unreadable
+  becomes a note: the job fails at its plan step naming it.
+* **loads**: a preprocess task holds one shard's text and its token ids (int32, at most ``max_tokens`` per
+  row) on top of the tokenizer runtime; the worker holds the model, a bounded prefetch of preprocessed
+  shards and one batch's activations; commit holds the preprocessed shards' ids and streams embeddings to
+  Parquet one shard at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from functions import pricing, store
+from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
+from functions.inference import workflow as wf
+from functions.inference.spec import InferenceJob, inference_input_format
+from functions.tables import Table
+
+RUNTIME_BYTES = 200 * MiB  # Python + pyarrow + tokenizers in a preprocess/commit task
+WORKER_RUNTIME_BYTES = 1536 * MiB  # torch + transformers + the model
+TEXT_BYTES_PER_ROW = 1024  # assumed when the inputs cannot be read
+EMBED_DIM = 384  # all-MiniLM-L6-v2; a user model's width is not known before it runs
+HIDDEN_LAYERS_LIVE = 4  # activations of a few layers live at once in inference mode
+PREFETCH_SHARDS = 2
+CPU_TOKENS_PER_S = 2_000_000  # tokenizers (Rust) on one Lambda vCPU, order of magnitude
+GPU_ROWS_PER_S = 2000  # MiniLM on one A10G, order of magnitude, for the duration estimate only
+
+
+def _input_rows(uri: str, fmt: str, head_bytes: int) -> tuple[int, int, bool]:
+    """(rows, bytes, exact) of one input, reading at most ``head_bytes`` of a JSONL file."""
+    from functions.inference.plan import jsonl_line_index, parquet_num_rows
+
+    size = store.size(uri)
+    if fmt == "parquet":
+        return parquet_num_rows(uri), size, True
+    if size <= head_bytes:
+        return len(jsonl_line_index(uri)), size, True
+    head = store.get(uri, 0, head_bytes)
+    lines = max(1, head.count(b"\n"))
+    return max(lines, round(lines * size / len(head))), size, False
+
+
+def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
+    from functions.inference.plan import resolve_in
+
+    notes: list[str] = []
+    inputs = []
+    head = max(64 * 1024, budget.data_bytes // max(1, min(len(spec.inputs), budget.objects)))
+    for i, raw in enumerate(spec.inputs[: budget.objects]):
+        try:
+            rows, size, exact = _input_rows(resolve_in(raw, store_root), inference_input_format(raw), head)
+        except Exception as exc:  # noqa: BLE001 - any unreadable input becomes a note, as in the other kinds
+            notes.append(f"inputs.{i} {raw}: {exc}: the job will fail at its plan step; rows are not known")
+            continue
+        inputs.append({"rows": rows, "bytes": size, "exact": exact})
+    if len(spec.inputs) > budget.objects:
+        notes.append(f"{budget.objects} of {len(spec.inputs)} inputs probed; the rest assumed alike")
+    if any(not x["exact"] for x in inputs):
+        notes.append("row counts of large JSONL inputs extrapolated from their first bytes")
+    return Probe(facts={"inputs": inputs, "probed": len(inputs), "of": len(spec.inputs)}, notes=notes)
+
+
+def loads(spec: InferenceJob, probed: Probe) -> Loads:
+    inputs = probed.facts["inputs"]
+    notes: list[str] = []
+    if inputs:
+        scale = probed.facts["of"] / len(inputs)
+        per_input = [x["rows"] for x in inputs]
+        n_shards = max(1, round(scale * sum(math.ceil(r / spec.shard_rows) for r in per_input)))
+        rows = round(scale * sum(per_input))
+        shard_rows = min(spec.shard_rows, max(per_input))
+        bytes_per_row = max(x["bytes"] / max(1, x["rows"]) for x in inputs)
+        shard_text = int(shard_rows * bytes_per_row)
+    else:
+        n_shards, rows, shard_rows = 1, spec.shard_rows, spec.shard_rows
+        shard_text = shard_rows * TEXT_BYTES_PER_ROW
+    shard_tokens = shard_rows * spec.max_tokens
+    pre_bytes = shard_tokens * 4 + shard_rows * 3 * 8  # input_ids int32 + offsets, row_index, ids
+    preprocess_peak = RUNTIME_BYTES + 3 * shard_text + 3 * pre_bytes  # text, encodings, npz buffer
+    batch_act = spec.batch_tokens * EMBED_DIM * 4 * HIDDEN_LAYERS_LIVE * 4  # hidden + FFN (4x) widths
+    worker_peak = WORKER_RUNTIME_BYTES + (PREFETCH_SHARDS + 1) * pre_bytes + batch_act
+    out_bytes = rows * EMBED_DIM * 4
+    commit_peak = RUNTIME_BYTES + n_shards * shard_rows * 16 + 3 * shard_rows * EMBED_DIM * 4
+    cpu_s = pricing.TASK_OVERHEAD_S + shard_tokens / CPU_TOKENS_PER_S
+    workers = max(1, min(spec.gpu_workers, n_shards))
+    gpu_s = rows / GPU_ROWS_PER_S / workers  # per worker: the shards are shared out by claims
+    plan = TaskLoad(
+        peak_bytes=RUNTIME_BYTES + 24 * rows,
+        gets=len(spec.inputs),
+        puts=2,
+        duration_s=pricing.TASK_OVERHEAD_S,
+        why=f"the line index of {rows:,} rows",
+    )
+    preprocess = TaskLoad(
+        peak_bytes=preprocess_peak,
+        gets=3,
+        puts=1,
+        duration_s=cpu_s,
+        why=f"tokenizer runtime, a shard's text ({shard_text / MiB:.1f} MiB) and its token ids, 3 copies",
+    )
+    small = TaskLoad(
+        peak_bytes=RUNTIME_BYTES, gets=1, puts=1, duration_s=pricing.TASK_OVERHEAD_S, why="runtime"
+    )
+    worker = TaskLoad(
+        peak_bytes=worker_peak,
+        gets=2 * -(-n_shards // workers) + 2,
+        puts=3 * -(-n_shards // workers),
+        duration_s=gpu_s,
+        why=f"torch and the model, {PREFETCH_SHARDS + 1} preprocessed shards, one batch's activations",
+    )
+    commit = TaskLoad(
+        peak_bytes=commit_peak,
+        gets=2 * n_shards + 2,
+        puts=3,
+        duration_s=pricing.TASK_OVERHEAD_S + out_bytes / pricing.LAMBDA_NET_BYTES_PER_S,
+        why="row ids of every shard, then one shard's embeddings at a time",
+    )
+    tasks = {
+        wf.PLAN: plan,
+        wf.PREPROCESS_SHARD: preprocess,
+        wf.CPU_DONE: small,
+        wf.INFER: worker,
+        wf.RECONCILE: TaskLoad(**{**small.__dict__, "gets": 2}),
+        wf.REPAIR_PREPROCESS_SHARD: preprocess,
+        wf.REPAIR_INFER: worker,
+        wf.COMMIT: commit,
+    }
+    # a clean run repairs nothing: the repair Map has no children (its Batch job still starts, and exits)
+    map_items = {wf.PREPROCESS: n_shards, wf.INFER_WORKERS: workers, wf.REPAIR_PREPROCESS: 0}
+    notes.append(
+        f"GPU stage: {workers} AWS Batch job(s) of 1 GPU, ~{gpu_s:,.0f} s each at ~{GPU_ROWS_PER_S} rows/s "
+        "for MiniLM "
+        f"(order of magnitude), priced as g5.xlarge on-demand (${pricing.BATCH_GPU_USD_PER_HOUR}/h) with "
+        f"~{pricing.BATCH_STARTUP_S:.0f} s of instance start per Batch job (the repair round's job too); "
+        "the default Spot compute environment usually costs far less"
+    )
+    notes.append("repair round: runs only for shards lacking a commit marker (none in a clean run)")
+    details = [
+        Table(
+            title="inference plan",
+            columns=["rows", "shards", "CPU tasks", "GPU jobs", "preprocess MiB", "worker MiB", "commit MiB"],
+            rows=[
+                [
+                    rows,
+                    n_shards,
+                    n_shards,
+                    f"{workers} Batch job(s), 1 GPU each",
+                    round(preprocess_peak / MiB),
+                    round(worker_peak / MiB),
+                    round(commit_peak / MiB),
+                ]
+            ],
+        )
+    ]
+    return Loads(
+        items=rows,
+        tasks=tasks,
+        map_items=map_items,
+        notes=notes,
+        output_bytes=out_bytes,
+        details=details,
+    )
