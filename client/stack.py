@@ -1,9 +1,15 @@
-"""Stack outputs of a deployed Shardfold: bucket, region, state machine ARNs and function names.
+"""Stack outputs of a deployed Shardfold: bucket, region, state machine ARNs, function names and sizes.
 
 ``shardfold deploy`` (:func:`deploy`: ``pulumi up`` on the program in ``infra/``, through the Pulumi CLI)
 saves them to ``.shardfold/stack.json`` (override: ``$SHARDFOLD_STACK``); the AWS backend reads them from
 there unless they are passed in. ``shardfold destroy`` (:func:`destroy`) tears the stack down and deletes
 them.
+
+:func:`deployed_sizes` reads the ``sizes`` output (``infra.program`` documents its shape; the moto stack
+gives the same): each Lambda function's memory, /tmp and timeout, each Batch job definition's vCPUs, memory,
+GPUs and attempt timeout, as deployed after the ``shardfold:*`` config overrides, with the config key that
+changes each, so a plan can be checked against what will actually run and a refusal can name the key. A
+stack deployed before the output existed lacks it: :class:`SizesMissing` says to redeploy.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +57,104 @@ def load_stack_outputs(source: dict[str, Any] | str | os.PathLike | None = None)
     if missing:
         raise StackNotFound(f"stack outputs in {where} lack {missing}; re-run `shardfold deploy`")
     return outputs
+
+
+# ---- deployed sizes ----------------------------------------------------------------------------------------
+
+
+class SizesMissing(StackNotFound):
+    """The stack outputs have no usable ``sizes`` (a stack deployed before they were exported)."""
+
+
+@dataclass(frozen=True)
+class FunctionSize:
+    """A deployed Lambda function: memory (MB), /tmp (MB), timeout (s); ``config[field]`` is the config key
+    that changes ``field`` (``'shardfold:functionMemory["getbatch.gather"]'`` for ``"memory_mb"``)."""
+
+    memory_mb: int
+    ephemeral_mb: int
+    timeout_s: int
+    config: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class BatchSize:
+    """A deployed Batch job definition: vCPUs, memory (MiB), GPUs, attempt timeout (s); ``config[field]`` is
+    the config key that changes ``field`` (``'shardfold:batchMemory["inference.worker"]'``)."""
+
+    vcpus: int
+    memory_mb: int
+    gpus: int
+    timeout_s: int
+    config: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class DeployedSizes:
+    """``functions``: ``{registered function or "dispatch": FunctionSize}``; ``batch``: ``{BatchJob entry
+    point: BatchSize}``."""
+
+    functions: Mapping[str, FunctionSize]
+    batch: Mapping[str, BatchSize]
+
+    def of(self, name: str) -> FunctionSize | BatchSize:
+        """The size of a Lambda function or, failing that, a Batch entry point ``name``; a name the stack
+        does not deploy is a :class:`SizesMissing` (the workflow changed since the last deploy)."""
+        found = self.functions.get(name) or self.batch.get(name)
+        if found is None:
+            raise SizesMissing(
+                f"the deployed stack has no function or Batch job definition {name!r} (the workflows changed "
+                "since it was deployed): redeploy with `shardfold deploy`"
+            )
+        return found
+
+
+_FUNCTION_FIELDS = ("memory_mb", "ephemeral_mb", "timeout_s")
+_BATCH_FIELDS = ("vcpus", "memory_mb", "gpus", "timeout_s")
+
+
+def deployed_sizes(outputs: Mapping[str, Any]) -> DeployedSizes:
+    """The ``sizes`` of stack outputs (as :func:`load_stack_outputs` returns them).
+
+    Example: ``deployed_sizes(load_stack_outputs()).functions["getbatch.gather"].memory_mb`` -> ``1024``.
+    Raises :class:`SizesMissing` when the outputs have no ``sizes`` or a malformed one.
+    """
+    sizes = outputs.get("sizes")
+    if sizes is None:
+        raise SizesMissing(
+            "the stack outputs do not list the deployed function sizes (the stack was deployed before "
+            "Shardfold exported them), so a plan cannot be checked against them: redeploy with "
+            "`shardfold deploy`"
+        )
+    try:
+        functions = {
+            str(name): FunctionSize(**_entry(entry, _FUNCTION_FIELDS))
+            for name, entry in sizes["functions"].items()
+        }
+        batch = {
+            str(name): BatchSize(**_entry(entry, _BATCH_FIELDS)) for name, entry in sizes["batch"].items()
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SizesMissing(
+            f"the stack outputs' sizes are malformed ({type(exc).__name__}: {exc}): redeploy with "
+            "`shardfold deploy`"
+        ) from exc
+    return DeployedSizes(functions=functions, batch=batch)
+
+
+def _entry(entry: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for f in fields:
+        value = entry[f]
+        # Pulumi's numbers are doubles: a size may come back as 1024.0.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{f} is {value!r}, not an integer")
+        values[f] = value
+    config = entry["config"]
+    values["config"] = {f: str(config[f]) for f in fields}
+    return values
 
 
 # ---- deploy / destroy: the Pulumi program in infra/, driven through the Pulumi CLI ----------------------

@@ -96,7 +96,8 @@ class Limits:
     """Memory per step: the workflow's ``memory_mb`` (local backend), or the deployed sizes (AWS).
 
     ``deployed`` is the stack's ``sizes`` output: ``{"functions": {name: {"memory_mb", ...}}, "batch":
-    {entry point: {"memory_mb", ...}}}``, each entry with a ``"config"`` naming the key that raises it.
+    {entry point: {"memory_mb", ...}}}``, each entry with ``"config": {"memory_mb": key}`` naming the
+    stack setting that raises it (``shardfold:functionMemory["getbatch.gather"]``).
     """
 
     def __init__(self, deployed: Mapping[str, Any] | None = None, kind: str = ""):
@@ -118,7 +119,8 @@ class Limits:
                 f"the deployed stack has no {table} entry {key!r} (step {step.name!r}); "
                 "redeploy with `shardfold deploy`"
             )
-        return Limit(int(entry["memory_mb"]), str(entry.get("config") or f"the deployed size of {key}"))
+        setting = (entry.get("config") or {}).get("memory_mb") or f"the deployed size of {key}"
+        return Limit(int(entry["memory_mb"]), f"`pulumi config set --path '{setting}' <MB>`")
 
 
 @dataclass

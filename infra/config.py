@@ -54,6 +54,16 @@ GPU queue (AWS Batch)
   ``instanceRoleManagedPolicy``: give instances AWS's AmazonEC2ContainerServiceforEC2Role instead of the
   stack's scoped policy (false; the managed policy has wildcard actions).
   ``runnableTimeoutSeconds``: cancel jobs stuck RUNNABLE (no capacity) after this (14400; 600..86400).
+  ``batchVcpus`` / ``batchMemory`` / ``batchGpus`` / ``batchTimeout``: ``{entry point: vCPUs | MiB | GPUs |
+  seconds}`` overrides of the GPU jobs' resources, keyed by the ``BatchJob``'s entry point
+  (``pulumi config set --path 'shardfold:batchMemory["inference.worker"]' 30000``); they size the job
+  definition and every state that submits to it. Default: the largest ``vcpus`` / ``memory_mb`` / ``gpus``
+  / ``timeout_s`` of the plan's BatchJobs running the entry point. vCPUs 1..``maxVcpus`` (a job asking more
+  never starts), memory at least 4 MiB, GPUs at least 0, the attempt timeout at least 60 s (Batch's floors).
+
+Sizes
+  The stack output ``sizes`` lists every function's and job definition's effective size and the key above
+  that changes each (:func:`size_key`), so a plan refused for memory can name what to raise.
 
 Trigger
   ``dispatchRetryAttempts``: EventBridge retries to the dispatch function (8; 0..185).
@@ -81,6 +91,22 @@ GPU_IMAGE_TYPES = ("ECS_AL2023_NVIDIA", "ECS_AL2_NVIDIA")
 LAMBDA_MEMORY_MB = (128, 10240)
 LAMBDA_TIMEOUT_S = (1, 900)
 LAMBDA_EPHEMERAL_MB = (512, 10240)
+# AWS Batch floors (MEMORY >= 4 MiB, attemptDurationSeconds >= 60); vCPUs are capped by maxVcpus instead.
+BATCH_MEMORY_MB = (4, None)
+BATCH_GPUS = (0, None)
+BATCH_TIMEOUT_S = (60, None)
+# The per-function / per-entry-point maps that set each size the ``sizes`` output reports.
+FUNCTION_SIZE_KEYS = {
+    "memory_mb": "functionMemory",
+    "ephemeral_mb": "functionEphemeralStorage",
+    "timeout_s": "functionTimeout",
+}
+BATCH_SIZE_KEYS = {
+    "vcpus": "batchVcpus",
+    "memory_mb": "batchMemory",
+    "gpus": "batchGpus",
+    "timeout_s": "batchTimeout",
+}
 DISPATCH = "dispatch"  # the key of the dispatch (bucket trigger) function in the per-function maps
 DISPATCH_MEMORY_MB = 512
 DISPATCH_TIMEOUT_S = 60
@@ -130,6 +156,10 @@ class StackConfig:
     build_worker_image: bool = True
     instance_role_managed_policy: bool = False
     runnable_timeout_seconds: int = 14400
+    batch_vcpus: Mapping[str, int] = field(default_factory=dict)
+    batch_memory: Mapping[str, int] = field(default_factory=dict)
+    batch_gpus: Mapping[str, int] = field(default_factory=dict)
+    batch_timeout: Mapping[str, int] = field(default_factory=dict)
     dispatch_retry_attempts: int = 8
     dispatch_max_event_age_seconds: int = 3600
     dlq_retention_days: int = 14
@@ -184,6 +214,10 @@ class StackConfig:
             problems.append(f"gpuImageType must be one of {GPU_IMAGE_TYPES}")
         if self.subnet_ids and not self.vpc_id and not self.security_group_ids:
             problems.append("subnetIds without securityGroupIds needs vpcId (the security group's VPC)")
+        problems += _check_map("batchVcpus", self.batch_vcpus, (1, self.max_vcpus), "maxVcpus")
+        problems += _check_map("batchMemory", self.batch_memory, BATCH_MEMORY_MB)
+        problems += _check_map("batchGpus", self.batch_gpus, BATCH_GPUS)
+        problems += _check_map("batchTimeout", self.batch_timeout, BATCH_TIMEOUT_S)
         if not 600 <= self.runnable_timeout_seconds <= 86400:
             problems.append("runnableTimeoutSeconds must be within 600..86400")
         if not 0 <= self.dispatch_retry_attempts <= 185:
@@ -200,13 +234,32 @@ class StackConfig:
         """``shardfold-<stage>``: the start of every named resource."""
         return f"shardfold-{self.stage}"
 
+    def batch_overrides(self) -> dict[str, Mapping[str, int]]:
+        """``{BatchJob field: {entry point: value}}`` of the ``batch*`` keys (``{"memory_mb": {...}}``)."""
+        return {
+            "vcpus": self.batch_vcpus,
+            "memory_mb": self.batch_memory,
+            "gpus": self.batch_gpus,
+            "timeout_s": self.batch_timeout,
+        }
 
-def _check_map(name: str, values: Mapping[str, Any], bounds: tuple[int, int]) -> list[str]:
+
+def size_key(key: str, name: str) -> str:
+    """The config key that sets one function's or entry point's size, as ``pulumi config set --path``
+    takes it: ``size_key("functionMemory", "getbatch.gather")`` is
+    ``shardfold:functionMemory["getbatch.gather"]``."""
+    return f'shardfold:{key}["{name}"]'
+
+
+def _check_map(
+    name: str, values: Mapping[str, Any], bounds: tuple[int, int | None], hi_name: str | None = None
+) -> list[str]:
     lo, hi = bounds
+    want = f"at least {lo}" if hi is None else f"within {lo}..{hi}" + (f" ({hi_name})" if hi_name else "")
     return [
-        f"{name}[{fn!r}] = {v!r} must be an integer within {lo}..{hi}"
+        f"{name}[{fn!r}] = {v!r} must be an integer {want}"
         for fn, v in values.items()
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi)
     ]
 
 
@@ -289,6 +342,10 @@ def load() -> StackConfig:
         build_worker_image=b("buildWorkerImage", defaults.build_worker_image),
         instance_role_managed_policy=b("instanceRoleManagedPolicy", defaults.instance_role_managed_policy),
         runnable_timeout_seconds=i("runnableTimeoutSeconds", defaults.runnable_timeout_seconds),
+        batch_vcpus=obj("batchVcpus"),
+        batch_memory=obj("batchMemory"),
+        batch_gpus=obj("batchGpus"),
+        batch_timeout=obj("batchTimeout"),
         dispatch_retry_attempts=i("dispatchRetryAttempts", defaults.dispatch_retry_attempts),
         dispatch_max_event_age_seconds=i(
             "dispatchMaxEventAgeSeconds", defaults.dispatch_max_event_age_seconds

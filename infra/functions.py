@@ -2,7 +2,9 @@
 
 Sizing comes from the plans: a function's memory and timeout are the largest any ``Task`` calling it asks
 for (``Task.memory_mb``/``timeout_s``), unless ``shardfold:functionMemory``/``functionTimeout`` override
-them. Packaging comes from the kind (``Workflow.lambda_package``, ``infra.package.function_packages``):
+them (``functionEphemeralStorage``: /tmp, 512 MB by default); :meth:`FunctionSpec.size` is what the
+``sizes`` stack output reports of each. Packaging comes from the kind (``Workflow.lambda_package``,
+``infra.package.function_packages``):
 
 * ``"zip"`` (most kinds, and the dispatch function): every such function runs the same zip
   (``infra.package.build_lambda_package``: the ``functions`` package and its dependencies built for Lambda's
@@ -31,7 +33,14 @@ import pulumi_aws as aws
 from functions.errors import ShardfoldError
 from functions.workflow import Task, Workflow
 from infra import iam
-from infra.config import DISPATCH, DISPATCH_MEMORY_MB, DISPATCH_TIMEOUT_S, StackConfig
+from infra.config import (
+    DISPATCH,
+    DISPATCH_MEMORY_MB,
+    DISPATCH_TIMEOUT_S,
+    FUNCTION_SIZE_KEYS,
+    StackConfig,
+    size_key,
+)
 from infra.context import Component, Context, role_name_args
 from infra.package import DISPATCH_HANDLER, function_packages
 from orchestrator.registry import lambda_handler, lambda_name
@@ -50,6 +59,16 @@ class FunctionSpec:
     timeout_s: int
     ephemeral_mb: int = LAMBDA_DEFAULT_EPHEMERAL_MB
     package: str = "zip"  # "zip" or "image" (infra.package.function_packages)
+
+    def size(self) -> dict[str, Any]:
+        """This function's entry of the ``sizes`` stack output's ``functions`` map: its deployed memory,
+        /tmp and timeout, and the config key that sets each."""
+        return {
+            "memory_mb": self.memory_mb,
+            "ephemeral_mb": self.ephemeral_mb,
+            "timeout_s": self.timeout_s,
+            "config": {fld: size_key(key, self.function) for fld, key in FUNCTION_SIZE_KEYS.items()},
+        }
 
 
 def plan_sizes(workflows: Mapping[str, Workflow]) -> dict[str, tuple[int, int]]:

@@ -12,9 +12,13 @@
   GPUs, or asking more than the environment can ever give) are cancelled after ``runnableTimeoutSeconds``.
 * **Job definitions**: one per ``BatchJob`` entry point of the workflows (named as
   ``orchestrator.asl.NamingResolver`` predicts): ``python -m functions.worker``, ``resourceRequirements``
-  from the step (VCPU, MEMORY, GPU), a job role with the workers' S3 access, logs to the stack's log group,
-  and retries: Spot reclaim (``Host EC2*``) and exit code 75 (``EX_TEMPFAIL``) are retried, anything else
-  EXITs, 3 attempts at most. With no ``BatchJob`` in any workflow there is none (nor an image build).
+  from the step (VCPU, MEMORY, GPU) and its ``timeout_s`` as the attempt duration, each replaced by
+  ``shardfold:batchVcpus``/``batchMemory``/``batchGpus``/``batchTimeout`` where set (:func:`sized_workflows`
+  applies them to the steps themselves, so the states that submit the jobs, which override the job
+  definition's resources and timeout, carry them too), a job role with the workers' S3 access, logs to the
+  stack's log group, and retries: Spot reclaim (``Host EC2*``) and exit code 75 (``EX_TEMPFAIL``) are
+  retried, anything else EXITs, 3 attempts at most. With no ``BatchJob`` in any workflow there is none
+  (nor an image build).
 * **Worker image**, in this order: ``shardfold:workerImage`` (any URI; an ECR one in this account gets pull
   access); else, when the ``pulumi-docker-build`` package is installed and ``buildWorkerImage`` is true, the
   repo's ``Dockerfile`` built for linux/amd64 and pushed to the ECR repository (pinned by digest); else
@@ -26,15 +30,18 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pulumi
 import pulumi_aws as aws
 
+from functions.errors import ShardfoldError
 from functions.worker import EXIT_TRANSIENT
-from functions.workflow import BatchJob, Workflow
+from functions.workflow import BatchJob, Map, Parallel, Step, Workflow
 from infra import iam
+from infra.config import BATCH_SIZE_KEYS, StackConfig, size_key
 from infra.context import Component, Context
 from infra.functions import base_environment, worker_statements
 from orchestrator.container import BATCH_ATTEMPTS
@@ -73,6 +80,59 @@ def batch_steps(workflows: Mapping[str, Workflow]) -> dict[str, BatchJob]:
                 )
             out[step.entry_point] = step
     return out
+
+
+def sized_workflows(workflows: Mapping[str, Workflow], cfg: StackConfig) -> dict[str, Workflow]:
+    """The workflows with the ``shardfold:batch*`` overrides applied to their BatchJob steps (every step of
+    an entry point gets the configured value). Refuses a key naming an entry point no workflow runs, and a
+    step asking more vCPUs than ``shardfold:maxVcpus`` lets the compute environment have."""
+    overrides = cfg.batch_overrides()
+    known = set(batch_steps(workflows))
+    for fld, values in overrides.items():
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ShardfoldError(
+                f"shardfold:{BATCH_SIZE_KEYS[fld]} names unknown BatchJob entry points {unknown}; "
+                f"known: {sorted(known)}"
+            )
+
+    def resize(steps: tuple[Step, ...]) -> tuple[Step, ...]:
+        out: list[Step] = []
+        for step in steps:
+            if isinstance(step, BatchJob):
+                changes = {f: v[step.entry_point] for f, v in overrides.items() if step.entry_point in v}
+                step = replace(step, **changes) if changes else step
+            elif isinstance(step, Map):
+                step = replace(step, body=resize(step.body))
+            elif isinstance(step, Parallel):
+                step = replace(step, branches=tuple(resize(b) for b in step.branches))
+            out.append(step)
+        return tuple(out)
+
+    sized = {
+        kind: replace(wf, steps=resize(wf.steps)) if any(overrides.values()) else wf
+        for kind, wf in workflows.items()
+    }
+    for entry_point, step in batch_steps(sized).items():
+        if step.vcpus > cfg.max_vcpus:
+            raise ShardfoldError(
+                f"BatchJob {entry_point!r} asks for {step.vcpus} vCPUs but the GPU compute environment has "
+                f"at most shardfold:maxVcpus = {cfg.max_vcpus}, so it would never start: raise maxVcpus or "
+                f"set {size_key('batchVcpus', entry_point)}"
+            )
+    return sized
+
+
+def batch_size(step: BatchJob) -> dict[str, Any]:
+    """One entry of the ``sizes`` stack output's ``batch`` map: the job definition's resources and attempt
+    timeout, and the config key that sets each."""
+    return {
+        "vcpus": step.vcpus,
+        "memory_mb": step.memory_mb,
+        "gpus": step.gpus,
+        "timeout_s": step.timeout_s,
+        "config": {fld: size_key(key, step.entry_point) for fld, key in BATCH_SIZE_KEYS.items()},
+    }
 
 
 def job_definition_name(prefix: str, entry_point: str) -> str:

@@ -21,7 +21,27 @@ outputs, exactly the keys the ``aws`` backend reads (``client.stack.load_stack_o
                             ``lambda_package="image"``)
 ``lambda_ecr_repository``   its ECR repository URL (absent with ``shardfold:lambdaImage`` or no such kind)
 ``log_groups``              ``{function or kind or "batch": log group name}``
+``sizes``                   the deployed size of every function and job definition, after the config
+                            overrides, with the key that changes each (below)
 ==========================  ============================================================================
+
+``sizes`` (plain values, no ARNs; the same shape from the moto twin; ``client.stack.deployed_sizes``
+reads it)::
+
+    {"functions": {"getbatch.gather": {"memory_mb": 1024, "ephemeral_mb": 512, "timeout_s": 900,
+                                       "config": {"memory_mb": 'shardfold:functionMemory["getbatch.gather"]',
+                                                  "ephemeral_mb": 'shardfold:functionEphemeralStorage[...]',
+                                                  "timeout_s": 'shardfold:functionTimeout[...]'}},
+                   ..., "dispatch": {...}},
+     "batch": {"inference.worker": {"vcpus": 4, "memory_mb": 16384, "gpus": 1, "timeout_s": 14400,
+                                    "config": {"vcpus": 'shardfold:batchVcpus["inference.worker"]',
+                                               "memory_mb": 'shardfold:batchMemory[...]',
+                                               "gpus": 'shardfold:batchGpus[...]',
+                                               "timeout_s": 'shardfold:batchTimeout[...]'}}}}
+
+``functions`` is keyed by registered function name (and ``dispatch``), ``batch`` by BatchJob entry point
+(the keys of ``batch_job_definitions``; empty when there is no job definition). Batch memory is in MiB,
+timeouts in seconds (a job definition's attempt duration).
 """
 
 from __future__ import annotations
@@ -35,7 +55,7 @@ from functions.workflow import Workflow
 from infra.config import DISPATCH, StackConfig
 from infra.context import Context
 from infra.functions import ImageCode, LambdaCode, WorkerFunctions, function_specs
-from infra.gpu import GpuQueue, batch_steps
+from infra.gpu import GpuQueue, batch_size, batch_steps, sized_workflows
 from infra.lambda_image import LambdaImage
 from infra.storage import Storage
 from infra.trigger import Trigger
@@ -74,7 +94,8 @@ class Stack:
                 "a workflow has a BatchJob (GPU) step but shardfold:batch is false; turn it on to deploy"
             )
         self.cfg = cfg
-        self.workflows = dict(workflows)
+        # The BatchJob steps as deployed (shardfold:batch* applied): job definitions and state machines alike.
+        self.workflows = sized_workflows(workflows, cfg)
         self.ctx = Context.create(cfg)
         self.specs = function_specs(self.workflows, cfg)
         code = code if code is not None else lambda_code(cfg)
@@ -125,6 +146,7 @@ class Stack:
             "dispatch_function": self.trigger.function.name,
             "dead_letter_queue": self.trigger.dlq.url,
             "log_groups": log_groups,
+            "sizes": self.sizes(),
         }
         if self.gpu is not None:
             log_groups["batch"] = self.gpu.log_group.name
@@ -138,6 +160,14 @@ class Stack:
             if self.lambda_image.repository is not None:
                 out["lambda_ecr_repository"] = self.lambda_image.repository.repository_url
         return out
+
+    def sizes(self) -> dict[str, Any]:
+        """The ``sizes`` output: every function's and job definition's effective size (module docstring)."""
+        steps = batch_steps(self.workflows) if self.gpu is not None else {}
+        return {
+            "functions": {fn: spec.size() for fn, spec in sorted(self.specs.items())},
+            "batch": {ep: batch_size(step) for ep, step in sorted(steps.items())},
+        }
 
 
 def build(

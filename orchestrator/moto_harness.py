@@ -33,6 +33,13 @@ process, so the patches below act on it directly.
 * ``RedriveExecution`` is not implemented by moto; the harness answers ``ExecutionNotRedrivable`` (a 400,
   not a 500 that clients would retry), and the executor falls back to a restart.
 
+**Outputs**: the keys the ``aws`` backend reads, in the shape ``shardfold deploy`` saves, including
+``sizes`` (:func:`stack_sizes`): what ``infra`` would deploy for the same workflows with no config
+overrides (a function: the largest ``memory_mb``/``timeout_s`` of the Tasks calling it, /tmp 512 MB; a Batch
+entry point: the largest of each resource of its BatchJobs), each naming the ``shardfold:*`` key that
+changes it on AWS. The moto functions and job definitions are created with those sizes. There is no
+dispatch function here, so ``sizes`` has no ``dispatch`` entry.
+
 One stack per process: moto's backends are process-wide, so a second ``start()`` is refused.
 """
 
@@ -58,7 +65,7 @@ import botocore.session
 from aws_lambda_powertools import Logger
 
 from functions.errors import ShardfoldError
-from functions.workflow import BatchJob, Workflow
+from functions.workflow import BatchJob, Task, Workflow
 from orchestrator.asl import StackResolver, compile_workflow
 from orchestrator.invoke import HandlerFailed, call
 from orchestrator.registry import handler_path, lambda_handler, lambda_name
@@ -66,6 +73,20 @@ from orchestrator.registry import handler_path, lambda_handler, lambda_name
 logger = Logger(service="shardfold")
 
 ACCOUNT = "123456789012"  # moto's default account
+LAMBDA_EPHEMERAL_MB = 512  # Lambda's default /tmp, which infra deploys unless configured
+# The stack config keys that change each size on AWS (infra.config's FUNCTION_SIZE_KEYS / BATCH_SIZE_KEYS;
+# the orchestrator may not import infra, and tests/test_infra.py checks the two agree).
+FUNCTION_SIZE_KEYS = {
+    "memory_mb": "functionMemory",
+    "ephemeral_mb": "functionEphemeralStorage",
+    "timeout_s": "functionTimeout",
+}
+BATCH_SIZE_KEYS = {
+    "vcpus": "batchVcpus",
+    "memory_mb": "batchMemory",
+    "gpus": "batchGpus",
+    "timeout_s": "batchTimeout",
+}
 MOTO_CONFIG = {
     "stepfunctions": {"execute_state_machine": True},
     "lambda": {"use_docker": False},
@@ -474,6 +495,34 @@ def _dummy_zip() -> bytes:
     return buf.getvalue()
 
 
+def _size_keys(keys: Mapping[str, str], name: str) -> dict[str, str]:
+    return {field: f'shardfold:{key}["{name}"]' for field, key in keys.items()}
+
+
+def stack_sizes(workflows: Mapping[str, Workflow], *, batch: bool = True) -> dict[str, Any]:
+    """The ``sizes`` output for ``workflows`` (see the module docstring; ``infra.program`` documents the
+    shape): ``{"functions": {function: {...}}, "batch": {entry point: {...}}}``, no ARNs."""
+    functions: dict[str, dict[str, Any]] = {}
+    jobs: dict[str, dict[str, Any]] = {}
+    for wf in workflows.values():
+        for step in wf.walk():
+            if isinstance(step, Task):
+                prev = functions.get(step.function, {"memory_mb": 0, "timeout_s": 0})
+                functions[step.function] = {
+                    "memory_mb": max(prev["memory_mb"], step.memory_mb),
+                    "ephemeral_mb": LAMBDA_EPHEMERAL_MB,
+                    "timeout_s": max(prev["timeout_s"], step.timeout_s),
+                    "config": _size_keys(FUNCTION_SIZE_KEYS, step.function),
+                }
+            elif isinstance(step, BatchJob) and batch:
+                prev = jobs.get(step.entry_point, {f: 0 for f in BATCH_SIZE_KEYS})
+                jobs[step.entry_point] = {
+                    **{f: max(prev[f], getattr(step, f)) for f in BATCH_SIZE_KEYS},
+                    "config": _size_keys(BATCH_SIZE_KEYS, step.entry_point),
+                }
+    return {"functions": dict(sorted(functions.items())), "batch": dict(sorted(jobs.items()))}
+
+
 def build_stack(
     workflows: Mapping[str, Workflow],
     *,
@@ -485,7 +534,7 @@ def build_stack(
 ) -> dict[str, Any]:
     """Create the stack inside a running moto (bucket, role, one Lambda function per registered function
     the workflows call, Batch queue and job definitions, one state machine per workflow from the compiled
-    ASL) and return its outputs, in the shape ``shardfold deploy`` saves."""
+    ASL) and return its outputs, in the shape ``shardfold deploy`` saves (``sizes`` included)."""
     kw = {"region_name": region, "endpoint_url": endpoint_url}
     iam, s3, lam, sfn = (boto3.client(s, **kw) for s in ("iam", "s3", "lambda", "stepfunctions"))
     trust = {
@@ -517,30 +566,28 @@ def build_stack(
         "functions": {},
         "function_names": {},
         "state_machine_arns": {},
+        "sizes": stack_sizes(workflows, batch=batch),
     }
     code = _dummy_zip()
-    batch_jobs = [s for wf in workflows.values() for s in wf.walk() if isinstance(s, BatchJob)]
-    for wf in workflows.values():
-        for step in wf.walk():
-            function = getattr(step, "function", None)
-            if not function or function in outputs["functions"]:
-                continue
-            name = lambda_name(function, stage)
-            fn = lam.create_function(
-                FunctionName=name,
-                Runtime="python3.11",
-                Role=role,
-                Handler=lambda_handler(function),
-                Code={"ZipFile": code},
-                MemorySize=step.memory_mb,
-                Timeout=step.timeout_s,
-            )
-            outputs["functions"][function] = fn["FunctionArn"]
-            outputs["function_names"][function] = name
-            with _lock:
-                _lambda_functions[name] = function
-    if batch and batch_jobs:
-        _build_batch(boto3.client("batch", **kw), role, stage, batch_jobs, outputs)
+    sizes = outputs["sizes"]
+    for function, size in sizes["functions"].items():
+        name = lambda_name(function, stage)
+        fn = lam.create_function(
+            FunctionName=name,
+            Runtime="python3.11",
+            Role=role,
+            Handler=lambda_handler(function),
+            Code={"ZipFile": code},
+            MemorySize=size["memory_mb"],
+            Timeout=size["timeout_s"],
+            EphemeralStorage={"Size": size["ephemeral_mb"]},
+        )
+        outputs["functions"][function] = fn["FunctionArn"]
+        outputs["function_names"][function] = name
+        with _lock:
+            _lambda_functions[name] = function
+    if sizes["batch"]:
+        _build_batch(boto3.client("batch", **kw), role, stage, sizes["batch"], outputs)
     resolver = StackResolver(outputs)
     for kind, wf in workflows.items():
         definition = json.dumps(compile_workflow(wf, resolver))
@@ -549,7 +596,9 @@ def build_stack(
     return outputs
 
 
-def _build_batch(client: Any, role: str, stage: str, steps: list[BatchJob], outputs: dict[str, Any]) -> None:
+def _build_batch(
+    client: Any, role: str, stage: str, sizes: Mapping[str, Mapping[str, Any]], outputs: dict[str, Any]
+) -> None:
     ce = client.create_compute_environment(
         computeEnvironmentName=f"shardfold-{stage}", type="UNMANAGED", state="ENABLED", serviceRole=role
     )
@@ -561,22 +610,24 @@ def _build_batch(client: Any, role: str, stage: str, steps: list[BatchJob], outp
     )
     outputs["batch_job_queue"] = queue["jobQueueArn"]
     outputs["batch_job_definitions"] = {}
-    for step in steps:
-        if step.entry_point in outputs["batch_job_definitions"]:
-            continue
+    for entry_point, size in sizes.items():
+        requirements = [
+            {"type": "VCPU", "value": str(size["vcpus"])},
+            {"type": "MEMORY", "value": str(size["memory_mb"])},
+        ]
+        if size["gpus"]:
+            requirements.append({"type": "GPU", "value": str(size["gpus"])})
         jd = client.register_job_definition(
-            jobDefinitionName=f"shardfold-{stage}-{step.entry_point.replace('.', '-')}",
+            jobDefinitionName=f"shardfold-{stage}-{entry_point.replace('.', '-')}",
             type="container",
             containerProperties={
                 "image": "shardfold-worker:moto",
                 "command": ["python", "-m", "functions.worker"],
-                "resourceRequirements": [
-                    {"type": "VCPU", "value": str(step.vcpus)},
-                    {"type": "MEMORY", "value": str(step.memory_mb)},
-                ],
+                "resourceRequirements": requirements,
             },
+            timeout={"attemptDurationSeconds": size["timeout_s"]},
         )
-        outputs["batch_job_definitions"][step.entry_point] = jd["jobDefinitionArn"]
+        outputs["batch_job_definitions"][entry_point] = jd["jobDefinitionArn"]
 
 
 class MotoStack:

@@ -13,6 +13,7 @@ from moto import mock_aws
 
 from client import stack as st
 from client.cli import cli
+from functions.errors import ShardfoldError
 
 OUTPUTS = {
     "backend": "aws",
@@ -31,6 +32,34 @@ OUTPUTS = {
     "batch_job_queue": "arn:aws:batch:eu-west-1:123456789012:job-queue/shardfold-prod-gpu",
     "batch_job_definitions": {},
     "dispatch_function": "shardfold-prod-dispatch",
+    "sizes": {
+        "functions": {
+            "getbatch.plan": {
+                "memory_mb": 2048,
+                "ephemeral_mb": 512,
+                "timeout_s": 300,
+                "config": {
+                    "memory_mb": 'shardfold:functionMemory["getbatch.plan"]',
+                    "ephemeral_mb": 'shardfold:functionEphemeralStorage["getbatch.plan"]',
+                    "timeout_s": 'shardfold:functionTimeout["getbatch.plan"]',
+                },
+            }
+        },
+        "batch": {
+            "inference.worker": {
+                "vcpus": 4,
+                "memory_mb": 16384,
+                "gpus": 1,
+                "timeout_s": 14400,
+                "config": {
+                    "vcpus": 'shardfold:batchVcpus["inference.worker"]',
+                    "memory_mb": 'shardfold:batchMemory["inference.worker"]',
+                    "gpus": 'shardfold:batchGpus["inference.worker"]',
+                    "timeout_s": 'shardfold:batchTimeout["inference.worker"]',
+                },
+            }
+        },
+    },
 }
 
 FAKE_PULUMI = """#!{python}
@@ -201,3 +230,40 @@ def test_save_and_remove_round_trip(tmp_path):
     assert st.load_stack_outputs(path) == OUTPUTS
     assert st.remove_stack_outputs(path) == path and st.remove_stack_outputs(path) is None
     assert Path(path).parent.is_dir()
+
+
+def test_deployed_sizes_of_the_saved_outputs(fake_pulumi):
+    with mock_aws():
+        assert invoke("deploy", "--yes").exit_code == 0
+    sizes = st.deployed_sizes(st.load_stack_outputs())
+    plan = sizes.functions["getbatch.plan"]
+    assert (plan.memory_mb, plan.ephemeral_mb, plan.timeout_s) == (2048, 512, 300)
+    assert plan.config["memory_mb"] == 'shardfold:functionMemory["getbatch.plan"]'
+    worker = sizes.of("inference.worker")
+    assert isinstance(worker, st.BatchSize) and (worker.vcpus, worker.memory_mb, worker.gpus) == (4, 16384, 1)
+    assert (
+        worker.timeout_s == 14400
+        and worker.config["memory_mb"] == 'shardfold:batchMemory["inference.worker"]'
+    )
+    with pytest.raises(
+        st.SizesMissing, match="no function or Batch job definition 'fedavg.reduce'.*shardfold deploy"
+    ):
+        sizes.of("fedavg.reduce")
+
+
+def test_a_stack_deployed_before_sizes_were_exported_is_told_to_redeploy():
+    old = {k: v for k, v in OUTPUTS.items() if k != "sizes"}
+    st.load_stack_outputs(old)  # still a usable stack for running jobs
+    with pytest.raises(st.SizesMissing, match=r"redeploy with `shardfold deploy`") as err:
+        st.deployed_sizes(old)
+    assert isinstance(err.value, ShardfoldError)
+    broken = {**OUTPUTS, "sizes": {"functions": {"getbatch.plan": {"memory_mb": "big"}}, "batch": {}}}
+    with pytest.raises(st.SizesMissing, match="sizes are malformed.*redeploy"):
+        st.deployed_sizes(broken)
+
+
+def test_sizes_read_as_pulumi_numbers():
+    # Pulumi's numbers are doubles; an integral one is a size all the same.
+    entry = dict(OUTPUTS["sizes"]["functions"]["getbatch.plan"], memory_mb=2048.0)
+    sizes = st.deployed_sizes({"sizes": {"functions": {"getbatch.plan": entry}, "batch": {}}})
+    assert sizes.functions["getbatch.plan"].memory_mb == 2048 and sizes.batch == {}

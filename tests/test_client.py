@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from client.planning import estimate_plan
+from functions.estimate import estimate
 
 from client import Client, Job
 from client.errors import JobFailed, JobNotFinished, StackNotFound
@@ -156,7 +156,7 @@ def test_plan_refuses_task_that_does_not_fit(client, root, monkeypatch):
     # the same object as byte ranges fits
     ranged = {"kind": "getbatch", "items": [{"uri": "data/huge.bin", "start": 0, "length": 1024}]}
     assert client.plan(ranged).steps
-    assert estimate_plan(parse_spec(big), store_root=root).steps  # estimating alone never refuses
+    assert estimate(parse_spec(big), store_root=root).steps  # estimating alone never refuses
 
 
 def test_failed_job_result_is_a_clear_error(client):

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
-from client.planning import estimate_plan
+from functions.estimate import estimate
 
 from client import Client
 from client.cli import cli
@@ -182,7 +182,7 @@ def test_plan_resolves_the_example_dataset_next_to_its_spec(client):
 
 def test_estimator_counts_tasks_and_reports_privacy(client):
     doc = spec_doc("data/missing.csv", noise_samples_per_task=4, cells_per_task=10)
-    report = estimate_plan(parse_spec(doc), client.store_root).check()
+    report = estimate(parse_spec(doc), client.store_root).check()
     pl = client.dpquery.plan(doc)
     steps = {s.name: s for s in report.steps}
     assert steps["measure_group"].tasks == len(pl.residual_groups(4)) > 1
@@ -212,7 +212,7 @@ def test_estimator_shows_the_largest_variances_of_a_big_workload(client):
         "dataset_id": "wide",
         "dataset_budget_rho": 1.0,
     }
-    report = estimate_plan(parse_spec(doc), client.store_root).check()
+    report = estimate(parse_spec(doc), client.store_root).check()
     title, rows = report.details[1].title, report.details[1].rows
     assert "the 20 of 79 marginals with the largest per-cell variance" in title
     assert rows[0][0] == TOTAL_NAME and len(rows) == 20  # the total count is the noisiest here
@@ -299,7 +299,7 @@ def test_noisy_runs_spend_the_ledger_and_an_over_budget_run_is_refused(client):
     assert after["spent"] == budget["spent"] and len(after["jobs"]) == 2
 
     # the estimator reads the ledger and says so before anything runs
-    report = estimate_plan(parse_spec(doc), client.store_root)
+    report = estimate(parse_spec(doc), client.store_root)
     assert any("would be refused at its plan step (BudgetExceeded)" in n for n in report.notes)
     assert "does NOT fit" in dict(report.details[0].rows)["remaining ρ"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from client.planning import estimate_plan
+from functions.estimate import estimate
 
 from client import Client, inference
 from client.cli import cli
@@ -196,7 +196,7 @@ def test_run_default_ids_are_row_numbers_across_inputs(local_client):
 def test_plan_estimate_counts_shards_and_cpu_tasks(local_client):
     key = put_corpus(local_client, "in/p.jsonl", inference_corpus(50, seed=4))
     spec = parse_spec({"kind": "inference", "inputs": [key], "field": "text", "shard_rows": 20})
-    report = estimate_plan(spec, local_client.store_root).check()
+    report = estimate(spec, local_client.store_root).check()
     assert report.items == 50
     steps = {s.name: s for s in report.steps}
     assert steps["preprocess_shard"].tasks == 3
@@ -217,7 +217,7 @@ def test_plan_estimate_counts_shards_and_cpu_tasks(local_client):
     assert table.rows[0][:3] == [50, 3, 3]
     # an unreadable input is a note, not a crash
     missing = parse_spec({"kind": "inference", "inputs": ["in/nope.jsonl"], "field": "text"})
-    notes = estimate_plan(missing, local_client.store_root).notes
+    notes = estimate(missing, local_client.store_root).notes
     assert any("nope.jsonl" in n for n in notes)
 
 

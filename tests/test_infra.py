@@ -320,6 +320,103 @@ def test_outputs_are_what_the_aws_backend_reads(stack, workflows):
     AwsExecutor(loaded, workflows)  # constructs its clients from the outputs without complaint
 
 
+def test_outputs_list_every_deployed_size_and_the_key_that_changes_it(stack, workflows):
+    from client.stack import BatchSize, deployed_sizes
+    from orchestrator import moto_harness
+
+    sizes = stack.outputs["sizes"]
+    fns = {r.inputs["name"]: r.inputs for r in stack.of("aws:lambda/function:Function")}
+    names = {**stack.outputs["function_names"], "dispatch": stack.outputs["dispatch_function"]}
+    assert set(sizes["functions"]) == set(names)
+    for function, size in sizes["functions"].items():
+        fn = fns[names[function]]
+        assert (size["memory_mb"], size["ephemeral_mb"], size["timeout_s"]) == (
+            fn["memorySize"],
+            fn["ephemeralStorage"]["size"],
+            fn["timeout"],
+        )
+    assert sizes["functions"]["dispatch"]["memory_mb"] == 512
+    assert sizes["functions"]["getbatch.gather"]["config"] == {
+        "memory_mb": 'shardfold:functionMemory["getbatch.gather"]',
+        "ephemeral_mb": 'shardfold:functionEphemeralStorage["getbatch.gather"]',
+        "timeout_s": 'shardfold:functionTimeout["getbatch.gather"]',
+    }
+    assert set(sizes["batch"]) == set(stack.outputs["batch_job_definitions"])
+    assert sizes["batch"]["toy.batch_double"] == {
+        "vcpus": 4,
+        "memory_mb": 15000,
+        "gpus": 1,
+        "timeout_s": 1800,
+        "config": {
+            "vcpus": 'shardfold:batchVcpus["toy.batch_double"]',
+            "memory_mb": 'shardfold:batchMemory["toy.batch_double"]',
+            "gpus": 'shardfold:batchGpus["toy.batch_double"]',
+            "timeout_s": 'shardfold:batchTimeout["toy.batch_double"]',
+        },
+    }
+    # what `shardfold deploy` saves (JSON) reads back through the client's accessor
+    read = deployed_sizes(json.loads(json.dumps(stack.outputs)))
+    assert read.of("getbatch.gather").memory_mb == sizes["functions"]["getbatch.gather"]["memory_mb"]
+    assert read.of("toy.batch_double") == BatchSize(
+        4, 15000, 1, 1800, sizes["batch"]["toy.batch_double"]["config"]
+    )
+    # the moto twin reports the same sizes for the same workflows (it has no dispatch function)
+    twin = moto_harness.stack_sizes(workflows)
+    assert twin == {
+        "functions": {k: v for k, v in sizes["functions"].items() if k != "dispatch"},
+        "batch": sizes["batch"],
+    }
+
+
+def test_size_overrides_show_up_in_the_sizes(custom):
+    sizes = custom.outputs["sizes"]["functions"]
+    assert sizes["getbatch.gather"]["memory_mb"] == 3008  # shardfold:functionMemory
+    assert sizes["dispatch"]["memory_mb"] == 256
+    assert sizes["getbatch.plan"]["timeout_s"] == 60  # shardfold:functionTimeout
+
+
+def test_batch_overrides_size_the_job_definition_the_states_and_the_sizes(tmp_path, monkeypatch):
+    cfg = StackConfig(
+        stage="bsize",
+        batch_vcpus={"toy.batch_double": 8},
+        batch_memory={"toy.batch_double": 30000},
+        batch_gpus={"toy.batch_double": 2},
+        batch_timeout={"toy.batch_double": 7200},
+    )
+    d = deploy(cfg, {"gputoy": gpu_workflow()}, tmp_path, monkeypatch)
+    jd = d.one("aws:batch/jobDefinition:JobDefinition").inputs
+    reqs = {r["type"]: r["value"] for r in json.loads(jd["containerProperties"])["resourceRequirements"]}
+    assert reqs == {"VCPU": "8", "MEMORY": "30000", "GPU": "2"}
+    assert jd["timeout"]["attemptDurationSeconds"] == 7200
+    # the submitting state overrides the job definition's resources, so it carries the configured ones too
+    asl = json.loads(d.one("aws:sfn/stateMachine:StateMachine").inputs["definition"])
+    params = asl["States"]["infer"]["Parameters"]
+    assert {r["Type"]: r["Value"] for r in params["ContainerOverrides"]["ResourceRequirements"]} == reqs
+    assert params["Timeout"] == {"AttemptDurationSeconds": 7200}
+    size = d.outputs["sizes"]["batch"]["toy.batch_double"]
+    assert (size["vcpus"], size["memory_mb"], size["gpus"], size["timeout_s"]) == (8, 30000, 2, 7200)
+
+
+def test_bad_batch_sizes_are_refused_with_the_key_named():
+    from infra.gpu import sized_workflows
+
+    with pytest.raises(ShardfoldError, match=r"batchVcpus\['toy.batch_double'\] = 32 .*1\.\.16 \(maxVcpus\)"):
+        StackConfig(batch_vcpus={"toy.batch_double": 32})
+    with pytest.raises(ShardfoldError, match="batchTimeout.*at least 60"):
+        StackConfig(batch_timeout={"toy.batch_double": 10})
+    with pytest.raises(ShardfoldError, match="batchMemory.*at least 4"):
+        StackConfig(batch_memory={"toy.batch_double": "lots"})
+    with pytest.raises(
+        ShardfoldError, match=r"shardfold:batchMemory names unknown BatchJob entry points \['toy.typo'\]"
+    ):
+        sized_workflows({"gputoy": gpu_workflow()}, StackConfig(batch_memory={"toy.typo": 1024}))
+    # a step asking more vCPUs than the environment may ever have would wait RUNNABLE until cancelled
+    with pytest.raises(
+        ShardfoldError, match=r'raise maxVcpus or set shardfold:batchVcpus\["toy.batch_double"\]'
+    ):
+        sized_workflows({"gputoy": gpu_workflow()}, StackConfig(max_vcpus=2))
+
+
 def cpu_kinds() -> dict:
     """The built-in kinds without a GPU (BatchJob) step: what a stack with shardfold:batch=false can run."""
     return {k: wf for k, wf in WORKFLOWS.items() if not any(isinstance(st, BatchJob) for st in wf.walk())}
@@ -336,7 +433,7 @@ def test_outputs_without_the_gpu_queue(tmp_path, monkeypatch):
 
 def test_no_batch_job_means_no_image_and_no_job_definition(tmp_path, monkeypatch):
     d = deploy(StackConfig(stage="cpuonly"), cpu_kinds(), tmp_path, monkeypatch)
-    assert d.outputs["batch_job_definitions"] == {}
+    assert d.outputs["batch_job_definitions"] == {} and d.outputs["sizes"]["batch"] == {}
     assert "worker_image" not in d.outputs
     assert not d.of("aws:batch/jobDefinition:JobDefinition")
     # the queue is still there (it costs nothing idle) for kinds that add a GPU stage later
@@ -996,6 +1093,7 @@ def test_config_keys_are_read_with_their_defaults(monkeypatch):
             "shardfold:spot": "false",
             "shardfold:maxVcpus": "64",
             "shardfold:functionMemory": '{"getbatch.gather": 2048}',
+            "shardfold:batchMemory": '{"inference.worker": 30000}',
             "shardfold:readBuckets": "datasets-a, datasets-b/images",
             "shardfold:lambdaImage": f"{ACCOUNT}.dkr.ecr.ap-southeast-2.amazonaws.com/shardfold-lambda:v2",
             "shardfold:buildLambdaImage": "false",
@@ -1009,6 +1107,7 @@ def test_config_keys_are_read_with_their_defaults(monkeypatch):
     assert cfg.stage == "my-stack" and cfg.region == "ap-southeast-2"
     assert cfg.gpu_instance_types == ("g6.xlarge", "g6.2xlarge") and cfg.spot is False and cfg.max_vcpus == 64
     assert cfg.function_memory == {"getbatch.gather": 2048}
+    assert cfg.batch_memory == {"inference.worker": 30000} and cfg.batch_vcpus == {}
     assert cfg.read_buckets == ("datasets-a", "datasets-b/images")
     assert cfg.lambda_image == f"{ACCOUNT}.dkr.ecr.ap-southeast-2.amazonaws.com/shardfold-lambda:v2"
     assert cfg.build_lambda_image is False and StackConfig().build_lambda_image is True
@@ -1039,6 +1138,8 @@ def test_main_exports_the_outputs(tmp_path, monkeypatch):
     out = exported["resolved"]
     assert out["stage"] == "main" and out["bucket"].startswith("shardfold-main-jobs")
     assert set(out["state_machine_arns"]) == set(WORKFLOWS)
+    assert set(out["sizes"]["batch"]) == set(out["batch_job_definitions"])
+    assert set(out["sizes"]["functions"]) == set(out["functions"]) | {"dispatch"}
 
 
 def test_a_policy_breaking_the_rules_stops_the_program(tmp_path, monkeypatch):

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functions.dispatch import ignore_reason, report_uris
-from functions.jobs import JOB_ID_RE, kind_of, new_job_id, resolve_relative_uris
+from functions.jobs import JOB_ID_RE, kind_of, new_job_id
+from functions.specs import parse_spec, resolve_relative
 
 kinds = st.from_regex(r"[a-z][a-z0-9]{0,11}", fullmatch=True)
 segment = st.one_of(
@@ -29,12 +30,12 @@ def test_job_ids_parse_back_and_are_execution_names(kind, when):
 @given(st.lists(segment, min_size=1, max_size=4), st.lists(segment, min_size=1, max_size=3))
 def test_relative_uris_land_beside_the_spec(base_dirs, rel):
     base = "file:///" + "/".join(base_dirs) + "/spec.json"
-    doc = {"kind": "k", "items": [{"uri": "./" + "/".join(rel), "name": "./keep-me"}], "note": "./x"}
-    out = resolve_relative_uris(doc, base)
-    assert out["items"][0]["uri"] == "file:///" + "/".join(base_dirs + rel)
-    assert out["items"][0]["name"] == "./keep-me" and out["note"] == "./x"  # only URI fields move
-    up = resolve_relative_uris({"uri": "../" * (len(base_dirs) + 3) + "z"}, base)
-    assert up["uri"] == "file:///z"  # never above the root
+    doc = {"kind": "getbatch", "items": [{"uri": "./" + "/".join(rel), "name": "./keep-me"}]}
+    out = parse_spec(doc, base_uri=base)
+    assert out.items[0].uri == "file:///" + "/".join(base_dirs + rel)
+    assert out.items[0].name == "./keep-me"  # only fields declared as URIs move
+    assert parse_spec(doc).items[0].uri == doc["items"][0]["uri"]  # no spec file: nothing to resolve against
+    assert resolve_relative("../" * (len(base_dirs) + 3) + "z", base) == "file:///z"  # never above the root
 
 
 @given(

@@ -96,6 +96,62 @@ def test_stack_outputs(stack):
     }  # ASL unchanged
 
 
+def test_stack_outputs_list_the_deployed_sizes(stack):
+    from client.stack import deployed_sizes
+
+    sizes = stack.outputs["sizes"]
+    assert set(sizes["functions"]) == set(stack.outputs["functions"])  # no dispatch function in moto
+    lam = boto3.client("lambda", region_name=stack.region)
+    for function, size in sizes["functions"].items():
+        conf = lam.get_function_configuration(FunctionName=stack.outputs["function_names"][function])
+        assert (conf["MemorySize"], conf["EphemeralStorage"]["Size"], conf["Timeout"]) == (
+            size["memory_mb"],
+            size["ephemeral_mb"],
+            size["timeout_s"],
+        )
+    assert sizes["functions"]["toy.plan"]["config"]["memory_mb"] == 'shardfold:functionMemory["toy.plan"]'
+    assert sizes["batch"] == {
+        "toy.batch_fail": {
+            "vcpus": 4,
+            "memory_mb": 16384,
+            "gpus": 0,
+            "timeout_s": 60,
+            "config": {
+                "vcpus": 'shardfold:batchVcpus["toy.batch_fail"]',
+                "memory_mb": 'shardfold:batchMemory["toy.batch_fail"]',
+                "gpus": 'shardfold:batchGpus["toy.batch_fail"]',
+                "timeout_s": 'shardfold:batchTimeout["toy.batch_fail"]',
+            },
+        }
+    }
+    batch = boto3.client("batch", region_name=stack.region)
+    arn = stack.outputs["batch_job_definitions"]["toy.batch_fail"]
+    (jd,) = batch.describe_job_definitions(jobDefinitions=[arn])["jobDefinitions"]
+    reqs = {r["type"]: r["value"] for r in jd["containerProperties"]["resourceRequirements"]}
+    assert reqs == {"VCPU": "4", "MEMORY": "16384"} and jd["timeout"]["attemptDurationSeconds"] == 60
+    assert deployed_sizes(stack.outputs).of("toy.batch_fail").timeout_s == 60
+
+
+def test_sizes_are_the_largest_any_step_asks_for():
+    flows = {
+        "sizes": Workflow(
+            "sizes",
+            (
+                Task("small", "toy.plan", memory_mb=256, timeout_s=600),
+                Task("big", "toy.plan", memory_mb=3008, timeout_s=30),
+                BatchJob("wide", "toy.batch_fail", vcpus=8, memory_mb=2048, gpus=1, timeout_s=60),
+                BatchJob("long", "toy.batch_fail", vcpus=2, memory_mb=4096, timeout_s=7200),
+            ),
+        )
+    }
+    sizes = moto_harness.stack_sizes(flows)
+    plan = sizes["functions"]["toy.plan"]
+    assert (plan["memory_mb"], plan["ephemeral_mb"], plan["timeout_s"]) == (3008, 512, 600)
+    job = sizes["batch"]["toy.batch_fail"]
+    assert (job["vcpus"], job["memory_mb"], job["gpus"], job["timeout_s"]) == (8, 4096, 1, 7200)
+    assert moto_harness.stack_sizes(flows, batch=False)["batch"] == {}
+
+
 def test_lambda_invoke_runs_the_registered_handler(stack, aws):
     lam = boto3.client("lambda", region_name=stack.region)
     root = aws.store_root
