@@ -20,8 +20,8 @@ import ml_dtypes
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from client.dpquery import marginal_name
 from functions import store
+from functions.dpquery.spec import marginal_name
 from functions.errors import ShardfoldError
 
 logger = Logger(service="shardfold")

@@ -119,7 +119,8 @@ class Limits:
                 f"the deployed stack has no {table} entry {key!r} (step {step.name!r}); "
                 "redeploy with `shardfold deploy`"
             )
-        setting = (entry.get("config") or {}).get("memory_mb") or f"the deployed size of {key}"
+        default = f'shardfold:{"batchMemory" if table == "batch" else "functionMemory"}["{key}"]'
+        setting = (entry.get("config") or {}).get("memory_mb") or default
         return Limit(int(entry["memory_mb"]), f"`pulumi config set --path '{setting}' <MB>`")
 
 

@@ -125,6 +125,8 @@ class Stack:
             code,
             bucket,
             self.state_machines.arns,
+            # the plan check of bucket-submitted jobs sizes tasks against what is deployed
+            sizes=self.sizes(),
             # S3 must be sending events before the rule is useful; the trigger comes up last.
             depends_on=[self.storage.notification],
         )

@@ -27,6 +27,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from functions.dispatch import SIZES_ENV
 from infra import iam
 from infra.context import Component, Context
 from infra.functions import FunctionSpec, LambdaCode, LambdaFunction, base_environment
@@ -89,6 +90,7 @@ class Trigger(Component):
         code: LambdaCode,
         bucket: pulumi.Output[str],
         state_machine_arns: Mapping[str, pulumi.Output[str]],
+        sizes: Mapping[str, Any],
         depends_on: list[pulumi.Resource] | None = None,
     ):
         super().__init__("Trigger", f"{ctx.cfg.name_prefix}-trigger", ctx)
@@ -106,6 +108,11 @@ class Trigger(Component):
         env["SHARDFOLD_STATE_MACHINES"] = pulumi.Output.all(*(state_machine_arns[k] for k in kinds)).apply(
             lambda arns: json.dumps(dict(zip(kinds, arns, strict=True)), sort_keys=True)
         )
+        # memory only (Lambda's environment is capped at 4 KB); the settings' names follow from the keys
+        memory = {
+            t: {k: {"memory_mb": v["memory_mb"]} for k, v in sizes[t].items()} for t in ("functions", "batch")
+        }
+        env[SIZES_ENV] = json.dumps(memory, sort_keys=True, separators=(",", ":"))
 
         def statements(partition: str, bucket_name: str, dlq_arn: str, *arns: str) -> list[dict[str, Any]]:
             return dispatch_statements(

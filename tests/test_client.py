@@ -10,12 +10,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from functions.estimate import estimate
 
 from client import Client, Job
 from client.errors import JobFailed, JobNotFinished, StackNotFound
 from functions import store
 from functions.errors import JobNotFound, PlanError, SpecError
+from functions.estimate import estimate
 from functions.getbatch.spec import GetBatchJob
 from functions.specs import parse_spec
 from functions.store.uri import join, store_root

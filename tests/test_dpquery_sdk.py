@@ -14,17 +14,18 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
-from functions.estimate import estimate
 
 from client import Client
 from client.cli import cli
 from client.demo import PEOPLE_SCHEMA, people_csv, synthetic_people
-from client.dpquery import TOTAL_NAME, marginal_name, table_to_array
+from client.dpquery import table_to_array
 from client.errors import JobFailed
 from functions import store
 from functions.dpquery import core
 from functions.dpquery.privacy import cdp_rho
+from functions.dpquery.spec import TOTAL_NAME, marginal_name
 from functions.errors import ShardfoldError, SpecError
+from functions.estimate import estimate
 from functions.kinds import WORKFLOWS
 from functions.specs import parse_spec
 from functions.store.uri import join

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from functions.estimate import estimate
 
 from client import Client, inference
 from client.cli import cli
 from client.demo import inference_corpus
 from client.errors import JobFailed
+from functions.estimate import estimate
 from functions.specs import parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
