@@ -528,7 +528,9 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                     if seen.get(path) == stamp:
                         continue
                     seen[path] = stamp
-                    report = dispatch(path.resolve().as_uri(), start, root=client.store_root)
+                    report = dispatch(
+                        path.resolve().as_uri(), start, root=client.store_root, deployed=client.deployed
+                    )
                     if "ignored" in report:
                         err.print(f"[dim]- {path.name}: ignored ({report['ignored']})[/]")
                         continue
