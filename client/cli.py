@@ -7,13 +7,11 @@ keeps its traceback.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import logging
 import os
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -387,25 +385,6 @@ def destroy_cmd(stack_name: str, outputs: str | None, yes: bool) -> None:
     out.print(f"[green]destroyed[/] stack {stack_name}" + (f"; removed {removed}" if removed else ""))
 
 
-@dataclasses.dataclass
-class FakeLambdaContext:
-    """What a Lambda handler may read from its context (Powertools' Logger reads these fields)."""
-
-    function_name: str
-    memory_limit_in_mb: int = 1024
-    invoked_function_arn: str = ""
-    aws_request_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
-    log_group_name: str = "/aws/lambda/local"
-    log_stream_name: str = "local"
-    function_version: str = "$LATEST"
-
-    def __post_init__(self) -> None:
-        self._deadline = time.monotonic() + 900
-
-    def get_remaining_time_in_millis(self) -> int:
-        return int(max(self._deadline - time.monotonic(), 0) * 1000)
-
-
 def _find_event(event: str) -> Path:
     candidates = [Path(event)]
     for base in (Path("events"), REPO_EVENTS):
@@ -416,19 +395,17 @@ def _find_event(event: str) -> Path:
     raise ShardfoldError(f"no event file {event!r} (looked in ., events/ and {REPO_EVENTS})")
 
 
-def _resolve_handler(name: str) -> Any:
-    target = EXTRA_HANDLERS.get(name)
-    if target is None and ":" in name:
-        target = name
-    if target is None:
-        from client.backends import handler_target
+def _resolve_handler(name: str) -> str:
+    """The ``module:function`` path of a registered name, an extra handler, or a path given as such."""
+    from client.backends import handler_target
+    from orchestrator.registry import import_handler
 
-        target = handler_target(name)
-    module, _, attr = target.partition(":")
+    target = EXTRA_HANDLERS.get(name) or (name if ":" in name else handler_target(name))
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
+        import_handler(target)  # a name that cannot load is the user's error, not the handler's
+    except ShardfoldError as exc:
         raise ShardfoldError(f"handler {name!r} -> {target!r} cannot be loaded: {exc}") from exc
+    return target
 
 
 def _stage_event(payload: Any, path: Path) -> Any:
@@ -463,23 +440,28 @@ def invoke(handler: str, event: str) -> None:
     """Run one handler (a registered name like getbatch.plan, or dispatch) on EVENT, a JSON file.
 
     EVENT may name a file under events/ without its extension (getbatch_plan, then getbatch_gather, then
-    getbatch_assemble step through a job by hand). Prints the handler's JSON result, or a Lambda-style
-    error object (exit 1).
+    getbatch_assemble step through a job by hand). The handler runs as the executors run it: JSON in and
+    out, the 256 KiB state limit, a Lambda context. Prints its JSON result, or a Lambda-style error object
+    (exit 1).
     """
-    fn = _resolve_handler(handler)
+    from orchestrator.invoke import HandlerFailed, call
+
+    target = _resolve_handler(handler)
     path = _find_event(event)
     try:
         payload = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ShardfoldError(f"event {path} is not JSON: {exc}") from exc
     payload = _stage_event(payload, path)
-    context = FakeLambdaContext(function_name=handler)
     try:
-        res = fn(payload, context)
-    except Exception as exc:  # report like Lambda does: the caller sees errorType/errorMessage
-        out.print_json(json.dumps({"errorType": type(exc).__name__, "errorMessage": str(exc)}))
+        res = call(target, payload, function_name=handler)  # the executors' path to a handler
+    except HandlerFailed as failure:  # reported as Lambda does; a user error's message says it all
+        payload = failure.payload()
+        if failure.user_error:
+            del payload["stackTrace"]
+        out.print_json(json.dumps(payload))
         sys.exit(1)
-    out.print_json(json.dumps(res, default=str))
+    out.print_json(json.dumps(res))
 
 
 def _watch_status_update(report_path: Path, job: Any) -> bool:

@@ -1,12 +1,53 @@
-"""What every handler shares: the logger, event validation and loading a job's spec from the store."""
+"""The task decorator every Lambda (and Batch) handler is built with, and the event they all share.
+
+A handler is a pure call wrapped in :func:`task`::
+
+    @task(GatherEvent, kind="getbatch")
+    def gather(e: GatherEvent, spec: GetBatchJob) -> dict:
+        return core.gather(spec, e.job_id, e.store_root, e.item.part)
+
+``gather`` is then ``gather(event, context=None)``: the Lambda signature that Lambda, the local executor,
+the moto harness, ``shardfold invoke`` and the Batch worker call, under the same module and name (the
+registry imports handlers by name). Each call:
+
+1. validates ``event`` into the given :class:`JobEvent` model with Powertools' parser; a bad event raises
+   :class:`SpecError` naming every field at fault;
+2. binds ``job_id``, ``step`` (the registered function name, ``<kind>.<function>`` unless given) and
+   ``task`` (the Map item's index, when the event has one) to the Powertools logger for this call only:
+   they are thread-local keys set in a copy of the caller's context, so tasks that share a process on the
+   local executor's threads never see each other's keys, and none outlive the call. With a Lambda context,
+   its keys (function name, ARN, memory, request id) are bound too: on Lambda through
+   ``Logger.inject_lambda_context`` (one invocation at a time per process), elsewhere thread-locally in
+   the same way; ``context=None`` (local calls, Batch) binds none;
+3. loads the job's spec through the per-process cache (below) and refuses a spec of another kind
+   (:class:`SpecError`);
+4. returns ``fn(event_model, spec)``.
+
+**Spec cache.** A spec is parsed once per process: the local executor's threads share one parse, a
+process-pool worker or a warm Lambda instance parses each job's spec once. Entries are keyed by
+``(spec_uri, sha256 of the stored bytes)``: specs are written once per job id and never change, but the
+object is still read on every call (as it was before the cache) so a rewritten spec is parsed again, never
+served stale. At most :data:`SPEC_CACHE_SIZE` specs are kept, least recently used first out, so a warm
+process that serves many jobs holds a bounded number. The cached spec object is shared by every call that
+reads the same spec: cores must treat it as read-only.
+"""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import contextvars
+import functools
+import hashlib
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from aws_lambda_powertools import Logger
+from aws_lambda_powertools.logging.lambda_context import build_lambda_context_model
 from aws_lambda_powertools.utilities.parser import parse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from functions import store
 from functions.errors import SpecError
@@ -14,7 +55,11 @@ from functions.specs import JobSpec, parse_spec
 
 logger = Logger(service="shardfold")
 
-M = TypeVar("M", bound=BaseModel)
+SPEC_CACHE_SIZE = 4  # specs kept per process; a 1.7 MB dpquery spec parses in ~2.4 s, so one hit pays
+
+E = TypeVar("E", bound="JobEvent")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 
 class JobEvent(BaseModel):
@@ -25,9 +70,56 @@ class JobEvent(BaseModel):
     job_id: str
     spec_uri: str
     store_root: str
+    index: int | None = Field(default=None, ge=0, description="the Map item's index (set by the Map)")
 
 
-def parse_event(event: Any, model: type[M]) -> M:
+class Handler(Protocol[R_co]):
+    """What :func:`task` returns: a Lambda handler."""
+
+    def __call__(self, event: Any, context: Any = None) -> R_co: ...
+
+
+def task(
+    event_model: type[E], *, kind: str, step: str | None = None
+) -> Callable[[Callable[[E, Any], R]], Handler[R]]:
+    """Make ``fn(event: event_model, spec) -> result`` a Lambda handler ``(event, context=None)`` for
+    ``kind`` jobs (see the module doc). ``step`` names the function in logs; default ``<kind>.<fn name>``."""
+
+    def decorate(fn: Callable[[E, Any], R]) -> Handler[R]:
+        name = step or f"{kind}.{fn.__name__}"
+
+        def run(event: Any, context: Any) -> R:
+            e = _parse_event(event, event_model)
+            keys: dict[str, Any] = {"job_id": e.job_id, "step": name}
+            if e.index is not None:
+                keys["task"] = e.index
+            if context is not None and not _on_lambda():
+                keys.update(vars(build_lambda_context_model(context)))
+            logger.thread_safe_append_keys(**keys)
+            spec = load_spec(e.spec_uri, kind)
+            return fn(e, spec)
+
+        # Powertools keeps the Lambda context keys in the logger's shared state: right on Lambda, where a
+        # process runs one invocation at a time, wrong for threads sharing a process (see _on_lambda).
+        on_lambda = logger.inject_lambda_context(run)
+
+        @functools.wraps(fn)
+        def handler(event: Any, context: Any = None) -> R:
+            entry = on_lambda if context is not None and _on_lambda() else run
+            # a copied context: the thread-local keys set in it are gone when the call returns
+            return contextvars.copy_context().run(entry, event, context)
+
+        return handler
+
+    return decorate
+
+
+def _on_lambda() -> bool:
+    """Whether this process is a Lambda runtime (which sets ``AWS_LAMBDA_RUNTIME_API``)."""
+    return "AWS_LAMBDA_RUNTIME_API" in os.environ
+
+
+def _parse_event(event: Any, model: type[E]) -> E:
     """Validate a handler's event with Powertools' parser; a bad event names every field at fault."""
     try:
         return parse(event=event, model=model)
@@ -38,9 +130,64 @@ def parse_event(event: Any, model: type[M]) -> M:
         raise SpecError(f"invalid {model.__name__}: {exc}") from exc
 
 
+class _SpecCache:
+    """Parsed specs by ``(uri, sha256)``, least recently used out; one parse per key even under threads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[tuple[str, str], JobSpec] = OrderedDict()
+        self._parsing: dict[tuple[str, str], threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def get(self, uri: str) -> JobSpec:
+        raw = store.get(uri)
+        key = (uri, hashlib.sha256(raw).hexdigest())
+        with self._lock:
+            spec = self._hit(key)
+            if spec is not None:
+                return spec
+            gate = self._parsing.setdefault(key, threading.Lock())
+        with gate:  # threads asking for the same spec wait for the first one's parse
+            with self._lock:
+                spec = self._hit(key)
+            if spec is not None:
+                return spec
+            try:
+                started = time.perf_counter()
+                spec = parse_spec(raw)  # a bad spec raises and caches nothing
+                seconds = round(time.perf_counter() - started, 3)
+                logger.debug("spec parsed", extra={"spec_uri": uri, "bytes": len(raw), "seconds": seconds})
+                with self._lock:
+                    self._entries[key] = spec
+                    while len(self._entries) > self.size:
+                        self._entries.popitem(last=False)
+            finally:
+                with self._lock:
+                    self._parsing.pop(key, None)
+        return spec
+
+    def _hit(self, key: tuple[str, str]) -> JobSpec | None:
+        spec = self._entries.get(key)
+        if spec is not None:
+            self._entries.move_to_end(key)
+        return spec
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_specs = _SpecCache(SPEC_CACHE_SIZE)
+
+
 def load_spec(spec_uri: str, kind: str) -> JobSpec:
-    """The validated spec of a job, checked to be of the kind the handler serves."""
-    spec = parse_spec(store.get(spec_uri))
+    """The validated spec of a job (parsed once per process), checked to be of the kind the caller runs."""
+    spec = _specs.get(spec_uri)
     if spec.kind != kind:
         raise SpecError(f"{spec_uri} is a {spec.kind!r} spec, but this handler runs {kind!r} jobs")
     return spec
+
+
+def clear_spec_cache() -> None:
+    """Forget every cached spec (tests; a process that wants the memory back)."""
+    _specs.clear()

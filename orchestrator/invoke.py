@@ -50,7 +50,8 @@ class HandlerFailed(Exception):
 
 @dataclass
 class LocalContext:
-    """The parts of Lambda's context object handlers and Powertools use."""
+    """The parts of Lambda's context object handlers and Powertools use; the one stand-in for it, which
+    :func:`call` passes for every backend that runs handlers outside Lambda."""
 
     function_name: str
     memory_limit_in_mb: int = 1024

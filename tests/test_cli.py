@@ -104,6 +104,27 @@ def test_invoke_handler_with_sample_event(home):
     assert bad.exit_code == 1 and "errorType" in json.loads(bad.output)
 
 
+def probe(event, context):
+    """A handler for ``invoke``: reports the context it got, or returns more than a state may hold."""
+    if event.get("big"):
+        return "x" * (300 * 1024)
+    return {"context": type(context).__name__, "function": context.function_name, "n": event["n"]}
+
+
+def test_invoke_calls_the_handler_as_the_executors_do(home, tmp_path):
+    from orchestrator.invoke import LocalContext
+
+    path = tmp_path / "event.json"
+    path.write_text(json.dumps({"n": 1}))
+    got = json.loads(invoke("invoke", f"{__name__}:probe", str(path)).output)
+    assert got == {"context": LocalContext.__name__, "function": f"{__name__}:probe", "n": 1}
+    # the 256 KiB state limit applies as on the executors; not a user error, so the trace is kept
+    path.write_text(json.dumps({"big": True}))
+    res = invoke("invoke", f"{__name__}:probe", str(path), ok=False)
+    failure = json.loads(res.output)
+    assert res.exit_code == 1 and failure["errorType"] == "States.DataLimitExceeded" and failure["stackTrace"]
+
+
 def test_watch_once(home, tmp_path):
     inbox = tmp_path / "inbox"
     inbox.mkdir()

@@ -1,4 +1,5 @@
-"""Lambda handlers of the dpquery job: validate the event, call the core, return a small dict.
+"""Lambda handlers of the dpquery job: each a :func:`~functions.runtime.task` around one core call
+that returns a small dict.
 
 No handler can switch the noise off: :func:`functions.dpquery.core.measure`'s ``noise`` keyword is a test
 seam that only tests pass (or patch in-process); no event or spec field reaches it.
@@ -6,12 +7,11 @@ seam that only tests pass (or patch in-process); no event or spec field reaches 
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, Field
 
 from functions.dpquery import core
-from functions.runtime import JobEvent, load_spec, parse_event
+from functions.dpquery.spec import DPQueryJob
+from functions.runtime import JobEvent, task
 
 
 class GroupRef(BaseModel):
@@ -24,21 +24,21 @@ class GroupEvent(JobEvent):
     item: GroupRef
 
 
-def plan(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, JobEvent)
-    return core.plan(load_spec(e.spec_uri, "dpquery"), e.job_id, e.store_root)
+@task(JobEvent, kind="dpquery")
+def plan(e: JobEvent, spec: DPQueryJob) -> dict:
+    return core.plan(spec, e.job_id, e.store_root)
 
 
-def measure(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, GroupEvent)
-    return core.measure(load_spec(e.spec_uri, "dpquery"), e.job_id, e.store_root, e.item.group)
+@task(GroupEvent, kind="dpquery")
+def measure(e: GroupEvent, spec: DPQueryJob) -> dict:
+    return core.measure(spec, e.job_id, e.store_root, e.item.group)
 
 
-def reconstruct(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, GroupEvent)
-    return core.reconstruct(load_spec(e.spec_uri, "dpquery"), e.job_id, e.store_root, e.item.group)
+@task(GroupEvent, kind="dpquery")
+def reconstruct(e: GroupEvent, spec: DPQueryJob) -> dict:
+    return core.reconstruct(spec, e.job_id, e.store_root, e.item.group)
 
 
-def finalize(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, JobEvent)
-    return core.finalize(load_spec(e.spec_uri, "dpquery"), e.job_id, e.store_root)
+@task(JobEvent, kind="dpquery")
+def finalize(e: JobEvent, spec: DPQueryJob) -> dict:
+    return core.finalize(spec, e.job_id, e.store_root)

@@ -1,13 +1,13 @@
-"""Lambda handlers of the fedavg job: validate the event, call the core, return a small dict."""
+"""Lambda handlers of the fedavg job: each a :func:`~functions.runtime.task` around one core call
+that returns a small dict."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from pydantic import BaseModel, Field
 
 from functions.fedavg import core
-from functions.runtime import JobEvent, load_spec, parse_event
+from functions.fedavg.spec import FedAvgJob
+from functions.runtime import JobEvent, task
 
 
 class ShardRef(BaseModel):
@@ -30,16 +30,16 @@ class CommitEvent(JobEvent):
     plan: PlanResult
 
 
-def plan(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, JobEvent)
-    return core.plan(load_spec(e.spec_uri, "fedavg"), e.job_id, e.store_root)
+@task(JobEvent, kind="fedavg")
+def plan(e: JobEvent, spec: FedAvgJob) -> dict:
+    return core.plan(spec, e.job_id, e.store_root)
 
 
-def aggregate(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, AggregateEvent)
-    return core.aggregate(load_spec(e.spec_uri, "fedavg"), e.job_id, e.store_root, e.item.shard)
+@task(AggregateEvent, kind="fedavg")
+def aggregate(e: AggregateEvent, spec: FedAvgJob) -> dict:
+    return core.aggregate(spec, e.job_id, e.store_root, e.item.shard)
 
 
-def commit(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, CommitEvent)
-    return core.commit(load_spec(e.spec_uri, "fedavg"), e.job_id, e.store_root, e.plan.shards)
+@task(CommitEvent, kind="fedavg")
+def commit(e: CommitEvent, spec: FedAvgJob) -> dict:
+    return core.commit(spec, e.job_id, e.store_root, e.plan.shards)

@@ -1,13 +1,13 @@
-"""Lambda handlers of the getbatch job: validate the event, call the core, return a small dict."""
+"""Lambda handlers of the getbatch job: each a :func:`~functions.runtime.task` around one core call
+that returns a small dict."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from pydantic import BaseModel, Field
 
 from functions.getbatch import core
-from functions.runtime import JobEvent, load_spec, parse_event
+from functions.getbatch.spec import GetBatchJob
+from functions.runtime import JobEvent, task
 
 
 class PartRef(BaseModel):
@@ -28,16 +28,16 @@ class AssembleEvent(JobEvent):
     plan: PlanResult
 
 
-def plan(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, JobEvent)
-    return core.plan(load_spec(e.spec_uri, "getbatch"), e.job_id, e.store_root)
+@task(JobEvent, kind="getbatch")
+def plan(e: JobEvent, spec: GetBatchJob) -> dict:
+    return core.plan(spec, e.job_id, e.store_root)
 
 
-def gather(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, GatherEvent)
-    return core.gather(load_spec(e.spec_uri, "getbatch"), e.job_id, e.store_root, e.item.part)
+@task(GatherEvent, kind="getbatch")
+def gather(e: GatherEvent, spec: GetBatchJob) -> dict:
+    return core.gather(spec, e.job_id, e.store_root, e.item.part)
 
 
-def assemble(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, AssembleEvent)
-    return core.assemble(load_spec(e.spec_uri, "getbatch"), e.job_id, e.store_root, e.plan.parts)
+@task(AssembleEvent, kind="getbatch")
+def assemble(e: AssembleEvent, spec: GetBatchJob) -> dict:
+    return core.assemble(spec, e.job_id, e.store_root, e.plan.parts)

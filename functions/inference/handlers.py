@@ -1,13 +1,13 @@
-"""Lambda handlers of the inference job (no torch here): validate the event, call the core."""
+"""Lambda handlers of the inference job (no torch here): each a :func:`~functions.runtime.task`
+around one pipeline call."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from pydantic import BaseModel, Field
 
 from functions.inference import pipeline
-from functions.runtime import JobEvent, load_spec, parse_event
+from functions.inference.spec import InferenceJob
+from functions.runtime import JobEvent, task
 
 
 class ShardRef(BaseModel):
@@ -18,26 +18,26 @@ class ShardEvent(JobEvent):
     item: ShardRef
 
 
-def plan(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, JobEvent)
-    return pipeline.plan(load_spec(e.spec_uri, "inference"), e.job_id, e.store_root)
+@task(JobEvent, kind="inference")
+def plan(e: JobEvent, spec: InferenceJob) -> dict:
+    return pipeline.plan(spec, e.job_id, e.store_root)
 
 
-def preprocess(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, ShardEvent)
-    return pipeline.preprocess(load_spec(e.spec_uri, "inference"), e.job_id, e.store_root, e.item.shard)
+@task(ShardEvent, kind="inference")
+def preprocess(e: ShardEvent, spec: InferenceJob) -> dict:
+    return pipeline.preprocess(spec, e.job_id, e.store_root, e.item.shard)
 
 
-def cpu_done(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, JobEvent)
-    return pipeline.cpu_done(load_spec(e.spec_uri, "inference"), e.job_id, e.store_root)
+@task(JobEvent, kind="inference")
+def cpu_done(e: JobEvent, spec: InferenceJob) -> dict:
+    return pipeline.cpu_done(spec, e.job_id, e.store_root)
 
 
-def reconcile(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, JobEvent)
-    return pipeline.reconcile(load_spec(e.spec_uri, "inference"), e.job_id, e.store_root)
+@task(JobEvent, kind="inference")
+def reconcile(e: JobEvent, spec: InferenceJob) -> dict:
+    return pipeline.reconcile(spec, e.job_id, e.store_root)
 
 
-def commit(event: dict[str, Any], context: Any = None) -> dict:
-    e = parse_event(event, JobEvent)
-    return pipeline.commit(load_spec(e.spec_uri, "inference"), e.job_id, e.store_root)
+@task(JobEvent, kind="inference")
+def commit(e: JobEvent, spec: InferenceJob) -> dict:
+    return pipeline.commit(spec, e.job_id, e.store_root)

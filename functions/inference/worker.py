@@ -58,7 +58,7 @@ from functions.errors import ShardfoldError
 from functions.inference import plan as layout
 from functions.inference.batcher import token_budget_batches
 from functions.inference.spec import InferenceJob
-from functions.runtime import JobEvent, load_spec, parse_event
+from functions.runtime import JobEvent, task
 
 logger = Logger(service="shardfold")
 
@@ -460,11 +460,10 @@ def attempt_of(event: dict[str, Any]) -> int:
     return 1 if "reconcile" in event else 0
 
 
-def handler(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
+@task(WorkerEvent, kind="inference", step="inference.worker")
+def handler(e: WorkerEvent, spec: InferenceJob) -> dict[str, Any]:
     """Entry point ``inference.worker`` (BatchJob steps ``infer`` and ``repair_infer``)."""
-    e = parse_event(event, WorkerEvent)
-    spec = load_spec(e.spec_uri, "inference")
-    return run_worker(spec, e.job_id, e.store_root, attempt_of(event))
+    return run_worker(spec, e.job_id, e.store_root, attempt_of(e.model_dump()))
 
 
 def main(argv: list[str] | None = None) -> int:
