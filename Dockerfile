@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# Shardfold GPU worker image (AWS Batch): `python -m functions.worker` runs the handler named in
+# Shardfold GPU worker image (AWS Batch): `python -m functions.container` runs the handler named in
 # SHARDFOLD_HANDLER on the event in SHARDFOLD_EVENT (the state machine's batch:submitJob.sync task sets both).
 #
 #   docker build --platform linux/amd64 -t shardfold-worker .
@@ -32,7 +32,7 @@ RUN pip install "torch==2.13.0"
 COPY pyproject.toml README.md ./
 COPY functions ./functions
 RUN pip install ".[inference]" \
-    && python -c "import functions.worker, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    && python -c "import functions.container, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH \
@@ -45,4 +45,4 @@ COPY --from=build /opt/venv /opt/venv
 WORKDIR /home/shardfold
 # Not root: the code and libraries stay read-only to the worker; it writes only to $HOME and /tmp.
 USER 10001:10001
-ENTRYPOINT ["python", "-m", "functions.worker"]
+ENTRYPOINT ["python", "-m", "functions.container"]

@@ -28,7 +28,7 @@ err = Console(stderr=True, highlight=False)
 BACKEND_CHOICES = click.Choice(["local", "aws", "moto"])
 REPO_EVENTS = Path(__file__).resolve().parent.parent / "events"
 # Handlers that are not workflow steps (so not in orchestrator.registry) but can be invoked like one.
-EXTRA_HANDLERS = {"dispatch": "functions.dispatch:handler"}
+EXTRA_HANDLERS = {"dispatch": "functions.trigger:handler"}
 
 
 class ShardfoldGroup(click.Group):
@@ -487,7 +487,7 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
 
     Writes <name>.status.json (job id, state) or <name>.error.json (every validation error) beside each spec.
     """
-    from functions.dispatch import REPORT_SUFFIXES, dispatch, report_uris
+    from functions.trigger import REPORT_SUFFIXES, dispatch, report_uris
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

@@ -126,9 +126,9 @@ class Task:
 @dataclass(frozen=True)
 class BatchJob:
     """Run a registered function as an AWS Batch container job (GPU stages); locally, as a child process of
-    the same container entry point (:mod:`orchestrator.container`).
+    the same container entry point (:mod:`orchestrator.local_batch`).
 
-    ``entry_point`` names the registered function the worker calls (``functions.worker``) with the state as
+    ``entry_point`` names the registered function the worker calls (``functions.container``) with the state as
     its event. Resources size the job definition; ``timeout_s`` is the attempt duration.
     """
 

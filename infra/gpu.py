@@ -11,7 +11,7 @@
 * **Job queue**: one, priority 1, on that environment; jobs stuck ``RUNNABLE`` (no capacity for the asked
   GPUs, or asking more than the environment can ever give) are cancelled after ``runnableTimeoutSeconds``.
 * **Job definitions**: one per ``BatchJob`` entry point of the workflows (named as
-  ``orchestrator.asl.NamingResolver`` predicts): ``python -m functions.worker``, ``resourceRequirements``
+  ``orchestrator.asl.NamingResolver`` predicts): ``python -m functions.container``, ``resourceRequirements``
   from the step (VCPU, MEMORY, GPU) and its ``timeout_s`` as the attempt duration, each replaced by
   ``shardfold:batchVcpus``/``batchMemory``/``batchGpus``/``batchTimeout`` where set (:func:`sized_workflows`
   applies them to the steps themselves, so the states that submit the jobs, which override the job
@@ -37,20 +37,20 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from functions.container import EXIT_TRANSIENT
 from functions.errors import ShardfoldError
-from functions.worker import EXIT_TRANSIENT
 from functions.workflow import BatchJob, Map, Parallel, Step, Workflow
 from infra import iam
 from infra.config import BATCH_SIZE_KEYS, StackConfig, size_key
 from infra.context import Component, Context
 from infra.functions import base_environment, worker_statements
-from orchestrator.container import BATCH_ATTEMPTS
+from orchestrator.local_batch import BATCH_ATTEMPTS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_DOCKERFILE = REPO_ROOT / "Dockerfile"
-WORKER_COMMAND = ["python", "-m", "functions.worker"]
+WORKER_COMMAND = ["python", "-m", "functions.container"]
 EX_TEMPFAIL = EXIT_TRANSIENT
-RETRY_ATTEMPTS = BATCH_ATTEMPTS  # the local executor follows the same table (orchestrator.container)
+RETRY_ATTEMPTS = BATCH_ATTEMPTS  # the local executor follows the same table (orchestrator.local_batch)
 RUNNABLE_REASONS = (
     "CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY",
     "MISCONFIGURATION:COMPUTE_ENVIRONMENT_MAX_RESOURCE",

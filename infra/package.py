@@ -70,7 +70,7 @@ PYPROJECT = REPO / "pyproject.toml"
 FUNCTIONS_DIR = REPO / "functions"
 BUILD_ROOT = REPO / ".shardfold" / "build"
 
-DISPATCH_HANDLER = "functions.dispatch.handler"  # the bucket trigger's Handler setting
+DISPATCH_HANDLER = "functions.trigger.handler"  # the bucket trigger's Handler setting
 LAMBDA_RUNTIME = "python3.12"  # the ``runtime`` of every Shardfold Lambda function
 LAMBDA_PYTHON_VERSION = "3.12"
 # glibc of each Python runtime's OS: python3.12 and later run on Amazon Linux 2023 (glibc 2.34), python3.11

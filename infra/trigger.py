@@ -9,7 +9,7 @@ It matches every ``.json`` key under ``jobs/``: the specs users drop (``jobs/<na
 dispatch reports beside them and the JSON records under ``jobs/<id>/`` (spec, status, manifest, result).
 EventBridge cannot say "no further ``/``" (wildcards have no character classes, and several matchers on one
 field are OR'ed), so the dispatch function drops those by key shape before reading anything
-(``functions.dispatch.ignore_reason``): a few millisecond invocations per job. The pattern still keeps
+(``functions.trigger.ignore_reason``): a few millisecond invocations per job. The pattern still keeps
 everything else (TAR fragments, parts, archives, user data: the bulk of the writes) from invoking it.
 
 Delivery: EventBridge retries the target (``dispatchRetryAttempts``, ``dispatchMaxEventAgeSeconds``) and
@@ -27,7 +27,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from functions.dispatch import SIZES_ENV
+from functions.trigger import SIZES_ENV
 from infra import iam
 from infra.context import Component, Context
 from infra.functions import FunctionSpec, LambdaCode, LambdaFunction, base_environment

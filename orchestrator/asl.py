@@ -12,7 +12,7 @@ tests run the compiled ASL there). Shapes, and why:
   manifest reference in the state), children built by ``ItemSelector`` from ``$$.Map.Item.Value``/``Index``,
   ``ResultPath: null`` so no child output ever comes back into the state.
 * BatchJob -> ``arn:aws:states:::batch:submitJob.sync``; the state travels to the container as
-  ``SHARDFOLD_EVENT`` (``States.JsonToString($)``) and ``functions.worker`` calls the handler.
+  ``SHARDFOLD_EVENT`` (``States.JsonToString($)``) and ``functions.container`` calls the handler.
 * Every step retries per its plan and catches ``States.ALL`` into a Fail state whose cause names the step
   (and the item, inside a Map), so a failed job fails cleanly with a readable error.
 """

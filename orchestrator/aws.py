@@ -30,7 +30,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from functions.errors import PlanError, ShardfoldError
 from functions.workflow import Map, Workflow, progress_steps
 from orchestrator.asl import fail_state_name
-from orchestrator.executors import (
+from orchestrator.status import (
     JobStatus,
     ProgressCallback,
     now,

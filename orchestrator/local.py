@@ -2,8 +2,8 @@
 
 * Tasks marked ``mode="thread"`` run on threads (I/O-bound), ``mode="process"`` in a process pool
   (CPU-bound; spawned workers, so no fork-with-threads hazards). A BatchJob runs as a child process of the
-  container entry point, ``python -m functions.worker``, with Batch's retry table
-  (:mod:`orchestrator.container`). Map children run on a thread pool of
+  container entry point, ``python -m functions.container``, with Batch's retry table
+  (:mod:`orchestrator.local_batch`). Map children run on a thread pool of
   ``max_concurrency`` (default: ``threads``), Parallel branches on one thread each.
 * Retries follow the plan's :class:`~functions.workflow.Retry` list with ASL semantics. User errors
   (:class:`ShardfoldError`) are never retried.
@@ -41,8 +41,10 @@ from functions.manifest import is_manifest_ref, read_manifest
 from functions.store.uri import is_file, join, local_path
 from functions.store.uri import store_root as default_store_root
 from functions.workflow import BatchJob, Map, Parallel, Step, Task, Workflow, progress_steps, selectable
-from orchestrator.container import Cancelled, run_container
-from orchestrator.executors import (
+from orchestrator.invoke import HandlerFailed, call
+from orchestrator.local_batch import Cancelled, run_container
+from orchestrator.registry import handler_path
+from orchestrator.status import (
     JobStatus,
     ProgressCallback,
     now,
@@ -50,8 +52,6 @@ from orchestrator.executors import (
     step_error,
     write_status,
 )
-from orchestrator.invoke import HandlerFailed, call
-from orchestrator.registry import handler_path
 
 logger = Logger(service="shardfold")
 

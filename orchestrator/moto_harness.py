@@ -24,7 +24,7 @@ process, so the patches below act on it directly.
   ``DescribeExecution`` of a child answer as on AWS.
 * ``batch:submitJob.sync``: moto passes the ASL's PascalCase parameters to boto3 unconverted; the harness
   converts them (and the response) with botocore's Batch model, and runs each submitted job's container
-  in-process through ``functions.worker.run`` with the job's environment, so the job succeeds or fails as
+  in-process through ``functions.container.run`` with the job's environment, so the job succeeds or fails as
   the worker does.
 * Fail states: moto refuses an ``ErrorPath`` that yields a ``States.*`` name (a caught ``States.Timeout``
   or ``States.ExceedToleratedFailureThreshold`` passed on); the harness lets it through, as AWS does.
@@ -465,7 +465,7 @@ def _patch_batch() -> None:
             job.log_stream_name = job._stream_name
             if include_start_attempt:
                 job._start_attempt()
-            from functions.worker import run as run_worker  # the container's entry point, in-process
+            from functions.container import run as run_worker  # the container's entry point, in-process
 
             try:
                 run_worker(env)
@@ -622,7 +622,7 @@ def _build_batch(
             type="container",
             containerProperties={
                 "image": "shardfold-worker:moto",
-                "command": ["python", "-m", "functions.worker"],
+                "command": ["python", "-m", "functions.container"],
                 "resourceRequirements": requirements,
             },
             timeout={"attemptDurationSeconds": size["timeout_s"]},

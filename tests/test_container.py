@@ -1,124 +1,34 @@
-"""The local stand-in for an AWS Batch container: the entry point as a child process, Batch's retry table."""
-
-from __future__ import annotations
+"""The Batch container entry point: exit codes drive the job definition's retry table."""
 
 import json
-import os
-import signal
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
-from functions.errors import ShardfoldError
+from functions import container
 from functions.store.retry import TransientError
-from orchestrator.container import BATCH_ATTEMPTS, Cancelled, run_container
-from orchestrator.invoke import HandlerFailed
-
-HERE = f"{__name__}"
-
-
-def _log(event, what):
-    with open(event["log"], "a") as fh:
-        fh.write(json.dumps({"pid": os.getpid(), "what": what}) + "\n")
 
 
 def ok(event, context):
-    _log(event, "ok")
-    Path(event["out"]).write_text(json.dumps(event["value"] * 2))
+    return {"seen": event["x"]}
 
 
 def flaky(event, context):
-    """Transient until it has been called ``event["fail_times"]`` times."""
-    _log(event, "flaky")
-    calls = len(Path(event["log"]).read_text().splitlines())
-    if calls <= event["fail_times"]:
-        raise TransientError(f"throttled (call {calls})")
+    raise TransientError("S3 answered 503", 503)
 
 
-def user_error(event, context):
-    raise ShardfoldError("field 'text' is missing in data/x.jsonl line 3")
+def broken(event, context):
+    raise ValueError("bad input")
 
 
-def crash(event, context):
-    _log(event, "crash")
-    os.kill(os.getpid(), signal.SIGKILL)
+@pytest.mark.parametrize(("handler", "code"), [("ok", 0), ("flaky", container.EXIT_TRANSIENT), ("broken", 1)])
+def test_exit_codes(monkeypatch, handler, code):
+    monkeypatch.setenv("SHARDFOLD_HANDLER", f"{__name__}:{handler}")
+    monkeypatch.setenv("SHARDFOLD_EVENT", json.dumps({"x": 1}))
+    assert container.main() == code
 
 
-def sleepy(event, context):
-    _log(event, "sleepy")
-    time.sleep(60)
-
-
-def _calls(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
-
-def _run(fn, tmp_path, cancel=None, timeout_s=60, **event):
-    event = {"log": str(tmp_path / "log.jsonl"), **event}
-    run_container(
-        f"{HERE}:{fn}", f"test.{fn}", event, timeout_s=timeout_s, cancel=cancel or threading.Event()
-    )
-
-
-def test_runs_the_entry_point_in_a_child_process(tmp_path):
-    _run("ok", tmp_path, out=str(tmp_path / "out.json"), value=21)
-    assert json.loads((tmp_path / "out.json").read_text()) == 42
-    (call,) = _calls(tmp_path / "log.jsonl")
-    assert call["pid"] != os.getpid()
-
-
-def test_exit_75_is_retried_like_the_job_definition(tmp_path):
-    _run("flaky", tmp_path, fail_times=BATCH_ATTEMPTS - 1)
-    calls = _calls(tmp_path / "log.jsonl")
-    assert len(calls) == BATCH_ATTEMPTS
-    assert len({c["pid"] for c in calls}) == BATCH_ATTEMPTS  # a fresh container each attempt
-
-
-def test_attempts_are_bounded(tmp_path):
-    with pytest.raises(HandlerFailed) as info:
-        _run("flaky", tmp_path, fail_times=BATCH_ATTEMPTS)
-    assert info.value.error == "TransientError"
-    assert f"call {BATCH_ATTEMPTS}" in info.value.message
-    assert len(_calls(tmp_path / "log.jsonl")) == BATCH_ATTEMPTS
-
-
-def test_a_user_error_fails_at_once_with_its_message(tmp_path):
-    with pytest.raises(HandlerFailed) as info:
-        _run("user_error", tmp_path)
-    assert info.value.error == "ShardfoldError" and info.value.user_error
-    assert "data/x.jsonl line 3" in info.value.message
-
-
-def test_a_killed_container_fails_naming_the_signal_and_is_not_retried(tmp_path):
-    with pytest.raises(HandlerFailed) as info:
-        _run("crash", tmp_path)
-    assert info.value.error == "Batch.JobFailed"
-    assert "SIGKILL" in info.value.message
-    assert len(_calls(tmp_path / "log.jsonl")) == 1  # exit 137 matches the table's EXIT row
-
-
-def test_attempt_duration_is_enforced(tmp_path):
-    t0 = time.monotonic()
-    with pytest.raises(HandlerFailed) as info:
-        _run("sleepy", tmp_path, timeout_s=1)
-    assert info.value.error == "States.Timeout"
-    assert time.monotonic() - t0 < 30
-
-
-def test_cancel_terminates_the_container(tmp_path):
-    cancel = threading.Event()
-    log = tmp_path / "log.jsonl"
-    threading.Thread(target=lambda: (_wait_for(log), cancel.set()), daemon=True).start()
-    with pytest.raises(Cancelled):
-        _run("sleepy", tmp_path, cancel=cancel)
-    (call,) = _calls(log)
-    with pytest.raises(ProcessLookupError):
-        os.kill(call["pid"], 0)
-
-
-def _wait_for(path: Path, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+def test_run_returns_the_result_and_names_a_bad_handler_setting():
+    env = {"SHARDFOLD_HANDLER": f"{__name__}:ok", "SHARDFOLD_EVENT": '{"x": 3}'}
+    assert container.run(env) == {"seen": 3}
+    with pytest.raises(RuntimeError, match="module:function"):
+        container.run({"SHARDFOLD_HANDLER": "nonsense"})

@@ -55,13 +55,13 @@ def final_stage(instrs: list[tuple[str, str]]) -> list[tuple[str, str]]:
 def test_entry_point_is_the_batch_worker_as_a_non_root_user(dockerfile):
     final = final_stage(dockerfile)
     entry = [args for word, args in final if word == "ENTRYPOINT"]
-    assert len(entry) == 1 and json.loads(entry[0]) == ["python", "-m", "functions.worker"]  # exec form
+    assert len(entry) == 1 and json.loads(entry[0]) == ["python", "-m", "functions.container"]  # exec form
     users = [(i, args) for i, (word, args) in enumerate(final) if word == "USER"]
     assert users, "the final stage must switch to a non-root USER"
     index, user = users[-1]
     assert user.split(":")[0] not in ("root", "0")
     assert index < next(i for i, (word, _) in enumerate(final) if word == "ENTRYPOINT")
-    worker = (REPO / "functions" / "worker.py").read_text()
+    worker = (REPO / "functions" / "container.py").read_text()
     assert "def main()" in worker and '__name__ == "__main__"' in worker
 
 
@@ -88,7 +88,7 @@ def test_no_secrets_or_local_state_are_copied(dockerfile):
     ignore = (REPO / ".dockerignore").read_text()
     for path in SECRET_PATHS:
         assert dockerignored(ignore, path), f"{path} would be in the build context"
-    for path in ["pyproject.toml", "README.md", "functions/worker.py", "functions/getbatch/core.py"]:
+    for path in ["pyproject.toml", "README.md", "functions/container.py", "functions/getbatch/core.py"]:
         assert not dockerignored(ignore, path), f"{path} is needed by the build but ignored"
 
 

@@ -84,7 +84,7 @@ def test_no_secrets_or_local_state_are_copied(dockerfile):
     assert not (REPO / "Dockerfile.lambda.dockerignore").exists()  # BuildKit would use it instead
     for path in SECRET_PATHS:
         assert dockerignored(ignore, path), f"{path} would be in the build context"
-    for path in ["pyproject.toml", "README.md", "functions/dpquery/handlers.py", "functions/dispatch.py"]:
+    for path in ["pyproject.toml", "README.md", "functions/dpquery/handlers.py", "functions/trigger.py"]:
         assert not dockerignored(ignore, path), f"{path} is needed by the build but ignored"
     for path in ["client/cli.py", "orchestrator/asl.py", "infra/program.py", "tests/test_infra.py"]:
         assert dockerignored(ignore, path), f"{path} would be in the build context"

@@ -84,7 +84,7 @@ def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, m
 
 
 def _worker_container(timeout_s: float = WAIT_S):
-    """The running ``python -m functions.worker`` child of this process (the local executor's Batch job)."""
+    """The running ``python -m functions.container`` child of this process (the local Batch job)."""
     import time
 
     import psutil
@@ -93,7 +93,7 @@ def _worker_container(timeout_s: float = WAIT_S):
     while time.monotonic() < deadline:
         for p in psutil.Process().children(recursive=True):
             try:
-                if "functions.worker" in " ".join(p.cmdline()):
+                if "functions.container" in " ".join(p.cmdline()):
                     return p
             except psutil.Error:
                 continue
@@ -105,7 +105,7 @@ def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_
     import time
 
     from functions import store
-    from functions.inference import plan as layout
+    from functions.inference import shards as layout
     from functions.inference.pipeline import worker_reports
 
     rows = inference_corpus(320, seed=5)
@@ -149,7 +149,7 @@ def test_two_workers_share_the_shards_and_survive_one_killed(local_client):
     import time
 
     from functions import store
-    from functions.inference import plan as layout
+    from functions.inference import shards as layout
     from functions.inference.pipeline import worker_reports
 
     rows = inference_corpus(320, seed=6)

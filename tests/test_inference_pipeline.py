@@ -11,7 +11,7 @@ import pytest
 from functions import store
 from functions.errors import BadInputError, SpecError
 from functions.inference import pipeline
-from functions.inference import plan as layout
+from functions.inference import shards as layout
 from functions.inference.preprocess import decode_shard, load_tokenizer
 from functions.inference.spec import InferenceJob
 from functions.specs import parse_spec

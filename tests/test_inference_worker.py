@@ -22,7 +22,7 @@ import torch
 
 from functions import store
 from functions.errors import ModelLoadError, ShardfoldError
-from functions.inference import plan as layout
+from functions.inference import shards as layout
 from functions.inference import worker as W
 from functions.inference.models import LoadedModel, load_model, minilm_dir, model_identity
 from functions.inference.preprocess import ShardRows, encode_shard, tokenize

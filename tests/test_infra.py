@@ -524,7 +524,7 @@ def test_one_function_per_handler_sized_from_the_plan(stack, workflows):
             assert fn["handler"] == lambda_handler(function)
         assert (fn["memorySize"], fn["timeout"]) == (memory, timeout)
     dispatch = fns["shardfold-test-dispatch"]
-    assert dispatch["handler"] == "functions.dispatch.handler"
+    assert dispatch["handler"] == "functions.trigger.handler"
     assert (
         json.loads(dispatch["environment"]["variables"]["SHARDFOLD_STATE_MACHINES"])
         == (stack.outputs["state_machine_arns"])
@@ -808,7 +808,7 @@ def test_gpu_compute_environment_queue_and_job_definition(stack):
     assert jd["name"] == "shardfold-test-toy-batch_double" and jd["type"] == "container"
     assert jd["platformCapabilities"] == ["EC2"]
     props = json.loads(jd["containerProperties"])
-    assert props["command"] == ["python", "-m", "functions.worker"]
+    assert props["command"] == ["python", "-m", "functions.container"]
     reqs = {r["type"]: r["value"] for r in props["resourceRequirements"]}
     assert reqs == {"GPU": "1", "VCPU": "4", "MEMORY": "15000"}
     assert props["jobRoleArn"].startswith(f"arn:aws:iam::{ACCOUNT}:role/")
@@ -1052,7 +1052,7 @@ def test_event_pattern_matches_the_sample_spec_event_and_nothing_outside_jobs():
     deleted = dict(sample, **{"detail-type": "Object Deleted"})
     assert not _matches(pattern, deleted)
     # Nested JSON under jobs/ matches (EventBridge cannot exclude it); the dispatch function ignores it.
-    from functions.dispatch import ignore_reason
+    from functions.trigger import ignore_reason
 
     for key in ("jobs/j-1/status.json", "jobs/nightly-batch.status.json"):
         assert _matches(pattern, _event("dispatch_object_created.json", key=key))

@@ -8,9 +8,9 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from functions.dispatch import ignore_reason, report_uris
 from functions.jobs import JOB_ID_RE, kind_of, new_job_id
 from functions.specs import parse_spec, resolve_relative
+from functions.trigger import ignore_reason, report_uris
 
 kinds = st.from_regex(r"[a-z][a-z0-9]{0,11}", fullmatch=True)
 segment = st.one_of(

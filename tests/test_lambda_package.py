@@ -205,7 +205,7 @@ def test_function_packages_follow_the_kinds():
     }
     assert package.function_packages({"b": imaged, "a": zipped})["toy.total"] == "image"
     assert set(package.lambda_handlers("image", {"b": imaged})) == {"toy.stamp", "toy.total"}
-    assert package.lambda_handlers(None, {"b": imaged})["dispatch"] == "functions.dispatch.handler"
+    assert package.lambda_handlers(None, {"b": imaged})["dispatch"] == "functions.trigger.handler"
     with pytest.raises(PackageError, match="package must be"):
         package.lambda_handlers("tar")
 
@@ -319,7 +319,7 @@ for function, setting in handlers.items():
 for name in ("torch", "click", "rich", "client", "orchestrator", "infra", "opendp", "pyarrow", "cvxpy",
              "scipy"):
     out["absent"][name] = importlib.util.find_spec(name) is None
-from functions.dispatch import handler
+from functions.trigger import handler
 out["dispatch"] = handler(json.load(open(sys.argv[3])), None)
 print(json.dumps(out))
 """

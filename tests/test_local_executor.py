@@ -14,10 +14,10 @@ from functions.errors import JobNotFound, PlanError, ShardfoldError
 from functions.jobs import new_job_id
 from functions.store.uri import join
 from functions.workflow import Map, Retry, Task, Workflow
-from orchestrator.executors import JobStatus
 from orchestrator.invoke import call
 from orchestrator.local import LocalExecutor
 from orchestrator.registry import register
+from orchestrator.status import JobStatus
 
 WAIT_S = 60  # a deadline for the job, not a timing assumption
 

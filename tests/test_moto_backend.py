@@ -13,9 +13,9 @@ from functions.errors import JobNotFound, PlanError, ShardfoldError
 from functions.jobs import new_job_id
 from functions.store.uri import join
 from orchestrator.aws import AwsExecutor
-from orchestrator.executors import JobStatus
 from orchestrator.local import LocalExecutor
 from orchestrator.moto_harness import MotoStack
+from orchestrator.status import JobStatus
 
 WAIT_S = 120  # a deadline, not a timing assumption
 FLOWS = {"toy": toy_workflow(batch=True), "toyparts": parts_workflow()}

@@ -15,10 +15,10 @@ from click.testing import CliRunner
 
 from client import Client
 from client.cli import cli
-from functions import dispatch as dispatch_mod
 from functions import store
-from functions.dispatch import dispatch, handler
+from functions import trigger as trigger_mod
 from functions.errors import PlanError, SpecError
+from functions.trigger import dispatch, handler
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"
 # 2 GiB in one range: the gather task would buffer it whole; ranges need no HEAD, so no data is needed
@@ -60,7 +60,7 @@ def test_sdk_cli_and_watch_refuse_alike(local, tmp_path):
 
 
 def test_sdk_and_bucket_trigger_refuse_alike_against_the_deployed_sizes(monkeypatch):
-    monkeypatch.setattr(dispatch_mod, "_sfn_clients", {})
+    monkeypatch.setattr(trigger_mod, "_sfn_clients", {})
     with Client(backend="moto") as client:
         outputs = client.executor.outputs
         with pytest.raises(PlanError) as sdk:
@@ -70,7 +70,7 @@ def test_sdk_and_bucket_trigger_refuse_alike_against_the_deployed_sizes(monkeypa
         assert """`pulumi config set --path 'shardfold:functionMemory["getbatch.gather"]' <MB>`""" in message
 
         monkeypatch.setenv("SHARDFOLD_STATE_MACHINES", json.dumps(outputs["state_machine_arns"]))
-        monkeypatch.setenv(dispatch_mod.SIZES_ENV, json.dumps(outputs["sizes"]))
+        monkeypatch.setenv(trigger_mod.SIZES_ENV, json.dumps(outputs["sizes"]))
         bucket = outputs["bucket"]
         store.put(f"s3://{bucket}/jobs/over.json", json.dumps(OVER).encode())
         event = json.loads((EVENTS / "dispatch_object_created.json").read_text())
@@ -91,7 +91,7 @@ def test_local_files_are_refused_on_the_s3_store_on_every_path(monkeypatch):
     # the functions would read their own filesystem (/proc/self/environ holds the role's credentials)
     spec = {"kind": "getbatch", "items": [{"uri": "s3://b/ok"}, {"uri": "file:///proc/self/environ"}]}
     with pytest.raises(SpecError, match=r"items\.1\.uri") as refused:
-        dispatch_mod.submit(spec, store_root="s3://bucket", start=started)
+        trigger_mod.submit(spec, store_root="s3://bucket", start=started)
     assert refused.value.errors == [
         {
             "field": "items.1.uri",

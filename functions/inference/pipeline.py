@@ -22,9 +22,9 @@ from aws_lambda_powertools import Logger
 
 from functions import store
 from functions.errors import ShardfoldError
-from functions.inference import plan as layout
-from functions.inference.plan import load_plan, plan
+from functions.inference import shards as layout
 from functions.inference.preprocess import decode_shard, encode_shard, read_shard
+from functions.inference.shards import load_plan, plan
 from functions.inference.spec import InferenceJob
 from functions.manifest import manifest_ref
 from functions.store.uri import join

@@ -26,7 +26,7 @@ import numpy as np
 
 from functions import store
 from functions.errors import BadInputError
-from functions.inference.plan import tokenizer_path
+from functions.inference.shards import tokenizer_path
 from functions.inference.spec import InferenceJob
 
 
@@ -133,7 +133,7 @@ def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
     """The shard's rows: only the row groups overlapping its row range, only the needed columns."""
     import pyarrow.parquet as pq
 
-    from functions.inference.plan import _parquet_source
+    from functions.inference.shards import _parquet_source
 
     pf = pq.ParquetFile(_parquet_source(shard["uri"]))
     names = set(pf.schema_arrow.names)

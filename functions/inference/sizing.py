@@ -1,7 +1,7 @@
 """Task loads of an inference job: shards, CPU tasks, the GPU workers, per-task memory.
 
 * **probe**: the inputs' row counts and bytes per row. Within the byte budget they are exact, as the job's
-  plan step counts them (:func:`functions.inference.plan.make_shards`: a JSONL file's lines, a Parquet
+  plan step counts them (:func:`functions.inference.shards.make_shards`: a JSONL file's lines, a Parquet
   footer's row count); beyond it (a submit reads at most 1 MiB) a JSONL file's rows are extrapolated from
   its first bytes and its size, and a Parquet file's footer is read. An input that is missing or unreadable
   becomes a note: the job fails at its plan step naming it.
@@ -33,7 +33,7 @@ GPU_ROWS_PER_S = 2000  # MiniLM on one A10G, order of magnitude, for the duratio
 
 def _input_rows(uri: str, fmt: str, head_bytes: int) -> tuple[int, int, bool]:
     """(rows, bytes, exact) of one input, reading at most ``head_bytes`` of a JSONL file."""
-    from functions.inference.plan import jsonl_line_index, parquet_num_rows
+    from functions.inference.shards import jsonl_line_index, parquet_num_rows
 
     size = store.size(uri)
     if fmt == "parquet":
@@ -46,7 +46,7 @@ def _input_rows(uri: str, fmt: str, head_bytes: int) -> tuple[int, int, bool]:
 
 
 def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
-    from functions.inference.plan import resolve_in
+    from functions.inference.shards import resolve_in
 
     notes: list[str] = []
     inputs = []

@@ -55,7 +55,7 @@ from aws_lambda_powertools import Logger
 
 from functions import store
 from functions.errors import ShardfoldError
-from functions.inference import plan as layout
+from functions.inference import shards as layout
 from functions.inference.batcher import token_budget_batches
 from functions.inference.spec import InferenceJob
 from functions.runtime import JobEvent, task
@@ -467,7 +467,7 @@ def handler(e: WorkerEvent, spec: InferenceJob) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from functions.worker import EXIT_TRANSIENT, TRANSIENT
+    from functions.container import EXIT_TRANSIENT, TRANSIENT
 
     parser = argparse.ArgumentParser(prog="python -m functions.inference.worker", description=__doc__)
     parser.add_argument("--event", help="the state as JSON (default: $SHARDFOLD_EVENT)")
@@ -492,6 +492,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from functions.worker import exit_now
+    from functions.container import exit_now
 
     exit_now(main())

@@ -1,6 +1,6 @@
 """Run a BatchJob step on this machine the way AWS Batch runs its container (local executor).
 
-The step runs as a child process of the container's entry point, ``python -m functions.worker``, with the
+The step runs as a child process of the container's entry point, ``python -m functions.container``, with the
 same environment contract (``SHARDFOLD_HANDLER``, ``SHARDFOLD_FUNCTION``, ``SHARDFOLD_EVENT``), so a local
 run exercises the code path the GPU container runs, and the worker is a real process that can be killed.
 The job definition's retry table is followed: exit code 75 (the worker's "transient fault") is retried up
@@ -28,7 +28,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 
 import functions
-from functions.worker import EXIT_TRANSIENT
+from functions.container import EXIT_TRANSIENT
 from orchestrator.invoke import HandlerFailed
 
 logger = Logger(service="shardfold")
@@ -102,7 +102,7 @@ def run_container(
         with tempfile.TemporaryDirectory(prefix="shardfold-batch-") as tmp:
             status_file = Path(tmp) / "status.json"
             env = _environment(handler_path, function, event, str(status_file))
-            proc = subprocess.Popen([sys.executable, "-m", "functions.worker"], env=env)
+            proc = subprocess.Popen([sys.executable, "-m", "functions.container"], env=env)
             logger.info(
                 "batch container started", extra={"function": function, "pid": proc.pid, "attempt": attempt}
             )

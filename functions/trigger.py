@@ -206,7 +206,7 @@ def sfn_starter(arns: dict[str, str] | None = None) -> Starter:
         payload = {"job_id": job_id, "spec_uri": spec_uri, "store_root": root}
         resp = _sfn().start_execution(stateMachineArn=table[kind], name=job_id, input=json.dumps(payload))
         arn = resp["executionArn"]
-        # the record shape of orchestrator.executors.JobStatus, so the AWS executor reads it as its own
+        # the record shape of orchestrator.status.JobStatus, so the AWS executor reads it as its own
         store.put_json(
             join(root, status_key(job_id)),
             {

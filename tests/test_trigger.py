@@ -9,12 +9,12 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from functions import dispatch as dispatch_mod
 from functions import store
-from functions.dispatch import dispatch, handler, ignore_reason
+from functions import trigger as trigger_mod
 from functions.errors import SpecError
 from functions.specs import parse_spec
 from functions.store.uri import join, store_root
+from functions.trigger import dispatch, handler, ignore_reason
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"
 GOOD = {"kind": "getbatch", "items": [{"uri": "data/a.bin"}, {"uri": "data/b.bin", "start": 2, "length": 3}]}
@@ -119,7 +119,7 @@ def test_fixed_spec_replaces_error_report(root):
 
 def test_start_refusal_is_reported(root):
     def refuse(job_id, kind, spec_uri):
-        raise dispatch_mod.ShardfoldError(f"job kind {kind!r} is not deployed here")
+        raise trigger_mod.ShardfoldError(f"job kind {kind!r} is not deployed here")
 
     report = dispatch(put_spec(root, "nodeploy.json", GOOD), refuse)
     assert "not deployed" in report["error"]
@@ -166,7 +166,7 @@ BUCKET = "shardfold-jobs-test"
 @pytest.fixture
 def aws(aws_env, monkeypatch):
     monkeypatch.setenv("AWS_REGION", "us-east-1")
-    monkeypatch.setattr(dispatch_mod, "_sfn_clients", {})
+    monkeypatch.setattr(trigger_mod, "_sfn_clients", {})
     with mock_aws():
         boto3.client("s3").create_bucket(Bucket=BUCKET)
         sfn = boto3.client("stepfunctions")
@@ -271,7 +271,7 @@ def test_dispatch_to_a_real_workflow_on_moto(tmp_path, monkeypatch):
     from orchestrator.aws import AwsExecutor
     from orchestrator.moto_harness import MotoStack
 
-    monkeypatch.setattr(dispatch_mod, "_sfn_clients", {})
+    monkeypatch.setattr(trigger_mod, "_sfn_clients", {})
     with MotoStack() as stack:
         outputs = stack.outputs
         monkeypatch.setenv("SHARDFOLD_STATE_MACHINES", json.dumps(outputs["state_machine_arns"]))

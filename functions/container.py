@@ -1,4 +1,4 @@
-"""Entry point of the AWS Batch container (GPU stages): ``python -m functions.worker``.
+"""Entry point of the AWS Batch container (GPU stages): ``python -m functions.container``.
 
 The state machine's ``batch:submitJob.sync`` task passes everything in container environment variables:
 ``SHARDFOLD_HANDLER`` (``module:function``), ``SHARDFOLD_FUNCTION`` (the registered name, for logs) and
