@@ -7,6 +7,9 @@ Contract:
   (``/proc/self/clear_refs`` 5) once the imports are done and ``.report()`` returns the peak ``VmHWM``, the
   RSS at the start and what the code in between added. Not ``wait4``/``RUSAGE_CHILDREN``: Linux folds the
   RSS a child had before ``exec`` -- its parent's, at fork -- into those (``descendants_max_rss`` says so).
+* ``TreePeak`` samples the summed PSS of this process and all its descendants (shared pages split among
+  their users, so a model mapped by several workers is not counted twice) in a thread: the peak memory of
+  a method that runs in many processes (Ray's actors, an executor's pool), sampled, so a lower bound.
 * ``Children`` runs a request in a fresh interpreter (``python SCRIPT --child REQ.json``); the child answers
   with one tagged JSON line written by ``child_main``. A time limit kills it; the reply says why it failed.
 * ``LoadWatch`` records the load averages before and after a stretch of the run, and the CPU that OTHER
@@ -132,6 +135,55 @@ class PeakRSS:
             "added_rss": peak - self.baseline if self.reset else None,  # what the measured code added
             "peak_reset": self.reset,
         }
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # gone, or not ours to read
+        pass
+    return 0
+
+
+def tree_pids(root: int | None = None) -> list[int]:
+    """``root`` (default: this process) and every process descended from it, from /proc."""
+    stats = _proc_stats()
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in stats.items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = [], [root or os.getpid()]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids.get(pid, ()))
+    return out
+
+
+class TreePeak:
+    """The largest summed PSS of this process tree seen by a thread sampling every ``interval_s``."""
+
+    def __init__(self, interval_s: float = 0.5):
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval_s: float) -> None:
+        while True:
+            self.peak = max(self.peak, sum(_pss(pid) for pid in tree_pids()))
+            self.samples += 1
+            if self._stop.wait(interval_s):
+                return
+
+    def stop(self) -> int:
+        """Stop sampling (after one last sample); the peak in bytes."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 # --------------------------------------------------------------------------------------------------------
