@@ -551,7 +551,8 @@ def run_child(children: Children, method: str, n: int, shard_rows: int, timeout_
 
 
 def fmt(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+    """``format(v, spec)``, or a dash as wide as the column for no value."""
+    return format("-", ">" + spec.split(".")[0]) if v is None else format(v, spec)
 
 
 def table(results: dict[str, dict]) -> str:
