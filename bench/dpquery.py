@@ -19,7 +19,10 @@ below, registered in ``PARTS`` and run in order (``--parts plan,measure,e2e``; d
   e2e      (added with the data path) end-to-end time for d = 20 on a 1,000,000-row dataset.
 
 The benchmark prints tables and writes JSON to bench/results/dpquery.json. It never asserts on timing:
-targets are reported as PASS/FAIL lines.
+targets are reported as PASS/FAIL lines. Children run through ``benchutil.Children`` (peak memory read
+inside them with ``benchutil.PeakRSS``). Every measurement, and the whole run, records a
+``benchutil.LoadWatch`` window: load averages and the CPU other processes used, marked NOISY above half a
+core; the plan table shows it per d, the other parts under their tables.
 
     .venv/bin/python bench/dpquery.py                      # every registered part
     .venv/bin/python bench/dpquery.py --parts plan --plan-d 10,20,50,100 --plan-repeats 3
@@ -32,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -46,10 +48,20 @@ REPO = HERE.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
-from benchutil import quiet_logs, table  # noqa: E402
+from benchutil import (  # noqa: E402
+    Children,
+    LoadWatch,
+    PeakRSS,
+    child_main,
+    load_end_line,
+    load_start_line,
+    mark,
+    quiet_logs,
+    table,
+    watched,
+)
 
 MiB = 1024 * 1024
-RESULT_TAG = "@@DPQUERY-BENCH-RESULT "
 ONE_CORE_ENV = {
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
@@ -84,24 +96,6 @@ def versions() -> dict[str, Any]:
     return out
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def pin_one_core() -> int | None:
     """Pin this process to one CPU (the first it may use); returns it, or None where unsupported."""
     try:
@@ -112,31 +106,22 @@ def pin_one_core() -> int | None:
         return None
 
 
+_children: Children | None = None  # started in main(); the child processes of this run
+
+
 def run_child(request: dict, timeout_s: float) -> dict:
-    """Run ``request`` in a fresh ``python bench/dpquery.py --child JSON`` process; its tagged result."""
-    env = {**os.environ, **ONE_CORE_ENV}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(request)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG) :])
-    return {"error": f"child exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2000:]}"}
+    """Run ``request`` in a fresh ``python bench/dpquery.py --child REQ.json`` process with one BLAS/OpenMP
+    thread (``benchutil.Children``); its result, or ``{"error": ...}`` with the child's traceback."""
+    global _children
+    if _children is None:
+        _children = Children(Path(__file__))
+    r = _children.run({**request, "op": request["child"]}, timeout_s, env_extra=ONE_CORE_ENV)
+    if r.ok:
+        return r.result
+    return {"error": r.result.get("trace") or r.note}
 
 
 CHILDREN: dict[str, Callable[[dict], dict]] = {}  # child entry points by name, for run_child
-
-
-def child_main(request_json: str) -> int:
-    req = json.loads(request_json)
-    try:
-        out = CHILDREN[req["child"]](req)
-    except Exception:  # noqa: BLE001 - the parent prints it
-        out = {"error": traceback.format_exc()}
-    sys.stdout.write(RESULT_TAG + json.dumps(out) + "\n")
-    return 0
 
 
 def synthetic_spec(d: int, n: int = 10, k: int = 3, rho: float = 0.5, loss: str = "sum_of_variances") -> dict:
@@ -166,8 +151,7 @@ def child_plan(req: dict) -> dict:
     spec = parse_spec(synthetic_spec(req["d"], req["n"], req["k"], req["rho"], req["loss"]))
     marginals = spec.marginals()
     expand_s = time.perf_counter() - t0
-    rss_before_kb = _status_kb("VmRSS")
-    can_reset = reset_peak_rss()
+    mem = PeakRSS()  # the planning's own peak, on top of the imports and the expanded workload
     times = []
     p = None
     for _ in range(req["repeats"]):
@@ -175,7 +159,7 @@ def child_plan(req: dict) -> dict:
         t = time.perf_counter()
         p = plan(spec)
         times.append(time.perf_counter() - t)
-    peak_kb = _status_kb("VmHWM")
+    peak = mem.report()
     t = time.perf_counter()
     text = json.dumps(p.to_doc())
     encode_s = time.perf_counter() - t
@@ -191,8 +175,8 @@ def child_plan(req: dict) -> dict:
         "expand_s": expand_s,
         "plan_s": min(times),
         "plan_s_all": times,
-        "peak_added_mib": (peak_kb - rss_before_kb) / 1024 if can_reset else None,
-        "peak_rss_mib": peak_kb / 1024,
+        "peak_added_mib": None if peak["added_rss"] is None else peak["added_rss"] / MiB,
+        "peak_rss_mib": peak["peak_rss"] / MiB,
         "doc_mib": len(text) / MiB,
         "doc_encode_s": encode_s,
         "doc_decode_s": decode_s,
@@ -236,9 +220,11 @@ def part_plan(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
             "loss": loss,
             "repeats": 1 if loss == "max_variance" else args.plan_repeats,
         }
-        res = run_child(req, timeout_s=args.child_timeout_s)
+        with watched(f"plan d={d} {loss}") as w:
+            res = run_child(req, timeout_s=args.child_timeout_s)
         res.setdefault("d", d)
         res.setdefault("loss", loss)
+        res["load"] = w.report()
         results.append(res)
         if "error" in res:
             print(f"  d={d} {loss}: FAILED {res['error'].strip().splitlines()[-1]}")
@@ -263,7 +249,7 @@ def part_plan(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
                 f"{s['rmse']:.4f}",
                 f"{s['max_cell_stddev']:.3f}",
                 f"{pr['epsilon_cks']:.3f}/{pr['epsilon_gaussian']:.3f}",
-                "",
+                mark(r.get("load")),
             ]
         )
     delta = results[0].get("summary", {}).get("privacy", {}).get("delta") if results else None
@@ -282,7 +268,7 @@ def part_plan(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
                 "RMSE",
                 "max sd",
                 f"eps CKS/Gauss @{delta}",
-                "",
+                "load",
             ],
             rows,
         )
@@ -454,9 +440,9 @@ def part_measure(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
         f"\n== measure: one task's group of 3-way residual sets, d = {args.measure_d}, "
         f"{args.measure_rows:,} rows (one core, best of {args.measure_rounds} interleaved rounds)"
     )
-    load = os.getloadavg()[0]
-    res = run_child(req, timeout_s=args.child_timeout_s)
-    res["load_average_before"] = load
+    with watched("measure") as w:
+        res = run_child(req, timeout_s=args.child_timeout_s)
+    res["load"] = w.report()
     doc["measure"] = res
     if "error" in res:
         print(f"  FAILED {res['error'].strip().splitlines()[-1]}")
@@ -493,7 +479,7 @@ def part_measure(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
         f"histograms alone {res['histogram_s']:.2f} s"
     )
     print(table(["path", "seconds", "samples/s/core", "x direct", ""], rows))
-    print(f"  (1-min load average before the run: {load:.2f} on {os.cpu_count()} CPUs)")
+    print(f"  (one core; {mark(res['load'])} during the run)")
     ratio = rate["step"] / rate["direct"]
     ok = ratio >= args.measure_target
     line = (
@@ -550,7 +536,7 @@ def part_e2e(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
         f"{args.e2e_k}-way marginals, local executor with {procs} processes"
     )
     marks: dict[str, float] = {}
-    load = os.getloadavg()[0]
+    watch = LoadWatch("e2e")
     with LocalExecutor(store_root=root, processes=procs, retry_delay_scale=0) as ex:
         t0 = time.perf_counter()
         job_id = _start_job(ex, root, spec_doc)
@@ -565,6 +551,7 @@ def part_e2e(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
                 break
             time.sleep(0.1)
         total_s = time.perf_counter() - t0
+    load = watch.report()
     if st.state != "SUCCEEDED":
         print(f"  FAILED: {st.error}")
         notes.append(f"e2e: {st.error}")
@@ -606,7 +593,7 @@ def part_e2e(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
         f"{report['reconstruct_tasks']} reconstruct tasks"
     )
     print(table(["step", "seconds", "ends at", ""], rows))
-    print(f"  (1-min load average before the job: {load:.2f} on {cpus} CPUs)")
+    print(f"  ({mark(load)} during the job)")
     measure_s = marks.get("measure", float("nan")) - marks.get("plan", 0.0)
     rate = report["noise_samples"] / measure_s if measure_s > 0 else float("nan")
     direct = doc.get("measure", {})
@@ -636,7 +623,7 @@ def part_e2e(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
         "generate_s": gen_s,
         "steps_end_s": marks,
         "total_s": total_s,
-        "load_average_before": load,
+        "load": load,
         "measure_samples_per_s": rate,
         "report": report,
         "observed_rmse_checked": math.sqrt(sq / cells),
@@ -669,7 +656,7 @@ PARTS: dict[str, Part] = {
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--child":
-        return child_main(sys.argv[2])
+        return child_main(CHILDREN, sys.argv[2])
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -694,12 +681,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown part(s) {unknown}; available: {list(PARTS)}")
     quiet_logs(args.verbose)
     t_start = time.perf_counter()
+    watch = LoadWatch("run")
     doc: dict[str, Any] = {
         "benchmark": "dpquery",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": vars(args),
         "environment": versions(),
-        "load_average_start": os.getloadavg(),
+        "load_average_start": list(watch.load_before),
         "parts": selected,
     }
     env = doc["environment"]
@@ -709,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         f"dpquery benchmark: parts {selected}; {env['cpus']} CPUs, {ram} RAM, "
         f"numpy {env['numpy']}, opendp {env['opendp']}"
     )
+    print(load_start_line(watch))
     notes: list[str] = []
     rc = 0
     for name in selected:
@@ -719,13 +708,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n!! part {name} failed:\n{tb}")
             notes.append(f"part {name} failed: {tb}")
             rc = 1
+    if _children is not None:
+        _children.close()
     doc["elapsed_s"] = time.perf_counter() - t_start
-    doc["load_average_end"] = os.getloadavg()
+    doc["load"] = watch.report()
+    doc["load_average_end"] = doc["load"]["load_average_after"]
     doc["notes"] = notes
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str))
-    print(f"\nwrote {out} ({doc['elapsed_s']:.0f} s)")
+    print(f"\n{load_end_line(watch)}")
+    print(f"wrote {out} ({doc['elapsed_s']:.0f} s)")
     return rc
 
 

@@ -15,7 +15,9 @@ The endpoint is ``bench/s3server.py``: an in-memory asyncio S3 server started in
 127.0.0.1, with an injected lognormal time-to-first-byte. Before the timed modes it is measured with no
 injected latency (capacity, server CPU per request); during every mode its CPU use is reported, so a
 reader can check it was never the bottleneck. Client CPU is the benchmark process's CPU time (all its
-threads, plus any child processes it started, the server excluded).
+threads, plus any child processes it started, the server excluded). Each mode's ``others`` column and the
+run's closing line come from ``benchutil.LoadWatch``: the CPU other processes used meanwhile (% of one
+core), marked NOISY above half a core, with the load averages before and after; all go to the JSON.
 
 The benchmark prints a table and writes JSON to bench/results/getbatch.json. It never asserts on timing:
 the targets are reported as pass/fail lines. Every mode has a time budget, so the run ends by itself.
@@ -57,6 +59,7 @@ if str(REPO) not in sys.path:
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from benchutil import LoadWatch, load_end_line, load_start_line  # noqa: E402
 from s3server import ServerHandle, synthetic_keys  # noqa: E402
 
 KiB = 1024
@@ -139,14 +142,6 @@ class ClientCPU:
             except psutil.Error:
                 pass
         return total
-
-
-def machine_busy() -> float:
-    """CPU seconds all processes on the machine have used (to show how busy the rest of the box was)."""
-    import psutil
-
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
 def expected_head(key: str) -> bytes:
@@ -492,6 +487,7 @@ class Row:
     server_cpu_s: float | None = None
     server_busy_pct: float | None = None
     other_busy_pct: float | None = None  # CPU used by other processes on the machine, % of one core
+    load: dict = field(default_factory=dict)  # benchutil.LoadWatch report over the timed batches
     server_requests: dict = field(default_factory=dict)
     requests_per_obj: float | None = None
     phases: dict = field(default_factory=dict)
@@ -541,7 +537,8 @@ def run_mode(
             phases.clear()
         gc.collect()
         server.call("reset_stats")
-        m0, s0, c0, t0 = machine_busy(), server.cpu_seconds(), cpu(), time.perf_counter()
+        watch = LoadWatch(row.label)
+        s0, c0, t0 = server.cpu_seconds(), cpu(), time.perf_counter()
         lat = []
         for keys in batches:
             tb = time.perf_counter()
@@ -559,7 +556,8 @@ def run_mode(
                 row.note = f"time budget {budget_s:g}s reached after {row.batches} of {len(batches)} batches"
                 break
         wall = time.perf_counter() - t0
-        c1, s1, m1 = cpu(), server.cpu_seconds(), machine_busy()
+        c1, s1 = cpu(), server.cpu_seconds()
+        row.load = watch.stop()
         stats = server.call("stats")
     except Exception as exc:
         row.status = "error"
@@ -585,7 +583,7 @@ def run_mode(
     row.lat_max_ms = max(row.batch_latencies_ms)
     row.server_cpu_s = s1 - s0
     row.server_busy_pct = 100 * row.server_cpu_s / wall
-    row.other_busy_pct = max(0.0, 100 * ((m1 - m0) - row.client_cpu_s - row.server_cpu_s) / wall)
+    row.other_busy_pct = 100 * row.load["others_cores"]  # the server is our child: not counted here
     row.server_requests = stats["counts"]
     row.requests_per_obj = sum(stats["counts"].values()) / row.objects
     if phases:
@@ -690,7 +688,11 @@ def print_table(rows: list[Row]) -> str:
         (
             "others",
             ">",
-            lambda r: _f(r.other_busy_pct, ".0f") + ("%" if r.other_busy_pct is not None else ""),
+            lambda r: (
+                _f(r.other_busy_pct, ".0f")
+                + ("%" if r.other_busy_pct is not None else "")
+                + (" NOISY" if r.load.get("noisy") else "")
+            ),
         ),
         ("vs (a)", ">", lambda r: r._vs_a if hasattr(r, "_vs_a") else ""),
         ("note", "<", lambda r: (r.note[:70] + "...") if len(r.note) > 73 else r.note),
@@ -941,10 +943,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Row] = []
     capacity: list[dict] = []
-    load_start = os.getloadavg()
+    watch = LoadWatch("run")
     print(
-        f"load average {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} on {os.cpu_count()} CPUs "
-        "(the 'others' column is CPU other processes used during each mode, % of one core)"
+        load_start_line(watch) + " (the 'others' column is CPU other processes used during each mode, % of "
+        "one core; NOISY above 50%)"
     )
     t_start = time.perf_counter()
     try:
@@ -1035,15 +1037,17 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
         },
         "environment": versions(),
-        "load_average_start": load_start,
-        "load_average_end": os.getloadavg(),
+        "load": watch.stop(),
+        "load_average_start": list(watch.load_before),
+        "load_average_end": watch.stop()["load_average_after"],
         "server_capacity": capacity,
         "results": [asdict(r) for r in rows],
         "targets": targets,
         "table": table,
     }
     out.write_text(json.dumps(doc, indent=2))
-    print(f"\nwrote {out}")
+    print(f"\n{load_end_line(watch)}")
+    print(f"wrote {out}")
     watchdog.cancel()
     return 0
 

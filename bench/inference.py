@@ -1,8 +1,11 @@
 """Inference benchmark: embed N sentences of varied length with all-MiniLM-L6-v2 on this machine's CPU
-(and its GPU when torch sees one), four ways in one run:
+(and its GPU when torch sees one), four ways in one run, every peer configured as a competent user would:
 
-  (a) sentence-transformers ``encode`` in one process -- the practical limit on this machine;
-  (b) Ray Data ``map_batches`` with the same tokenizer and model (``ray.init(num_cpus=2)``, local only);
+  (a) sentence-transformers ``encode`` in one process (it sorts the rows by length and batches 32);
+  (b) Ray Data ``map_batches`` with the same tokenizer and model: the rows sorted by length before they
+      become a dataset (``encode``'s rule, so batches hold rows of similar length), one actor per core
+      (``ray.init(num_cpus=cores)``, ``concurrency=cores``, one torch thread each), batches of 32, the
+      output put back in input order by id;
   (c) Shardfold stage-at-a-time: the same job on the same executor with a barrier, its CPU stage (every
       shard preprocessed) completing before its worker starts;
   (d) Shardfold streaming: the real job, ``Client().submit(spec)`` on the local executor;
@@ -11,14 +14,20 @@ plus recovery: the streaming job with its worker killed (SIGKILL) once half the 
 the job resumed; its total time is compared with the ideal, (d)'s time plus the shards in flight at the
 kill computed again.
 
+Every method's clock INCLUDES loading the model (and importing torch): (a) from the import of
+sentence-transformers to the last embedding; (b) from after ``ray.init`` (a running cluster) to the last
+embedding in input order, the actors' start and model load inside; (c)/(d) from submit to the committed
+Parquet, the worker's start and model load inside. (a)'s time without the load is reported beside it.
+
 Sentences are generated deterministically (a fixed vocabulary, log-normal word counts with median 20,
-seed 2026). Each method
-runs in a fresh child process, so its peak RSS (``VmHWM`` of the child, plus the largest grandchild's
-``ru_maxrss`` for methods that start processes) is its own. Reported per method: rows/s, time to first
-output (the first embeddings the method hands back: ``encode`` returns them all at the end; Ray the first
-batch from ``iter_batches``; Shardfold the first shard commit marker), peak RSS, and the padding fraction
-(padded token slots / all token slots) of the batches the method forms: for Shardfold as its workers
-counted them (the job's result), for (a) and (b) from the tokenizer's lengths and their batching rule.
+seed 2026). Each method runs in a fresh child process (``benchutil.Children``). Reported per method:
+rows/s, time to first output (``encode`` returns everything at the end; Ray the first batch from
+``iter_batches``; Shardfold the first shard commit marker), peak RSS (``VmHWM`` of the child, or of its
+largest waited-for descendant if larger), the peak summed PSS of the child's whole process tree (sampled
+every 0.5 s: Ray's actors and the executor's processes included), and the padding fraction (pad tokens /
+all token slots): for Shardfold as its workers counted them, for Ray as its actors counted them, for (a)
+from the tokenizer's lengths and ``encode``'s batching rule. Each method's row carries its load mark
+(``benchutil.LoadWatch``: the CPU other processes used meanwhile, NOISY above half a core).
 
 The benchmark never asserts on timing: the issue's targets are printed as PASS/FAIL lines. (c), (d) and
 recovery need the ``inference`` kind (functions.inference); when it cannot be imported they are skipped
@@ -37,12 +46,8 @@ import math
 import os
 import platform
 import random
-import resource
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +55,34 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from benchutil import (  # noqa: E402
+    Children,
+    LoadWatch,
+    TreePeak,
+    child_main,
+    descendants_max_rss,
+    load_end_line,
+    load_start_line,
+    mark,
+    peak_rss,
+    reset_peak,
+)
 
 RESULTS = HERE / "results" / "inference.json"
 SEED = 2026
 MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length, and the job's default truncation
 ST_BATCH = 32  # sentence-transformers encode's default batch size
-RAY_BATCH = 32
+RAY_BATCH = 32  # the same batch size as encode's: like for like
 METHODS = ("a", "b", "c", "d", "recovery")
+CLOCK = {  # what each method's time covers (every one includes loading the model)
+    "a": "import + model load + encode",
+    "b": "after ray.init: actors + load + embed",
+    "c": "submit -> Parquet, barrier",
+    "d": "submit -> Parquet",
+    "recovery": "submit -> kill -> resume -> Parquet",
+}
 LABELS = {
     "a": "(a) sentence-transformers encode",
     "b": "(b) Ray Data map_batches",
@@ -141,23 +167,15 @@ def chunks(xs: list[int], n: int) -> list[list[int]]:
 
 
 def peak_rss_mb() -> float:
-    """This process's VmHWM and the largest waited-for child's max RSS, in MB."""
-    hwm = 0.0
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) / 1024
-    except OSError:
-        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return max(hwm, kids)
+    """This process's peak RSS or the largest waited-for descendant's, whichever is larger, in MiB."""
+    return max(peak_rss(), descendants_max_rss()) / 2**20
 
 
-def reset_peak_rss() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
+def encode_order(texts: list[str]) -> list[int]:
+    """The order ``encode`` processes rows in: longest first by character count (its ``_input_length``)."""
+    import numpy as np
+
+    return np.argsort([-len(t) for t in texts]).tolist()
 
 
 def device() -> str:
@@ -170,27 +188,32 @@ def device() -> str:
 
 
 def run_a(texts: list[str], lengths: list[int]) -> dict[str, Any]:
+    """``encode`` with the model load on the clock, as Shardfold's worker has it (no warm-up)."""
+    reset_peak()
+    t0 = time.perf_counter()
     from sentence_transformers import SentenceTransformer
 
     dev = device()
     model = SentenceTransformer(str(model_dir()), device=dev)
     model.max_seq_length = MAX_TOKENS
-    model.encode(texts[:64], batch_size=ST_BATCH)  # warm-up, as every method gets
-    reset_peak_rss()
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     emb = model.encode(texts, batch_size=ST_BATCH, convert_to_numpy=True, normalize_embeddings=True)
     dt = time.perf_counter() - t0
-    # encode sorts longest-first and slices batches of batch_size
-    pad = padding_fraction(chunks(sorted(lengths, reverse=True), ST_BATCH))
+    # encode sorts longest-first by characters and slices batches of batch_size
+    order = encode_order(texts)
+    pad = padding_fraction(chunks([lengths[i] for i in order], ST_BATCH))
     return {
         "rows": len(emb),
         "seconds": dt,
+        "load_s": t1 - t0,
+        "encode_rows_per_s": len(emb) / (dt - (t1 - t0)),
         "first_output_s": dt,
         "first_output_note": "encode returns every embedding at the end",
         "padding_fraction": pad,
         "device": dev,
         "dim": int(emb.shape[1]),
         "checksum": float(abs(emb).sum()),
+        "note": f"batch_size={ST_BATCH}, default torch threads; load {t1 - t0:.1f} s of the time",
     }
 
 
@@ -198,6 +221,8 @@ def run_a(texts: list[str], lengths: list[int]) -> dict[str, Any]:
 
 
 class _RayEmbedder:
+    """The model in one Ray actor: tokenize a batch, embed it, count its real and padded token slots."""
+
     def __init__(self, path: str, threads: int):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -209,6 +234,8 @@ class _RayEmbedder:
         self.model = AutoModel.from_pretrained(path).to(self.dev).eval()
 
     def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
         torch = self.torch
         enc = self.tok(
             list(batch["text"]), padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
@@ -218,56 +245,59 @@ class _RayEmbedder:
             mask = enc["attention_mask"].unsqueeze(-1).to(out.dtype)
             pooled = (out * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return {"id": batch["id"], "embedding": pooled.cpu().numpy()}
+        am = enc["attention_mask"]
+        rows, width = am.shape
+        return {
+            "id": batch["id"],
+            "embedding": pooled.cpu().numpy(),
+            "tokens": am.sum(1).cpu().numpy(),  # real tokens per row
+            "slots": np.full(rows, width),  # the row's padded length (its batch's longest)
+        }
 
 
 def run_b(texts: list[str], lengths: list[int]) -> dict[str, Any]:
+    """Ray Data as a competent user runs it on this machine: length-sorted rows, one actor per core."""
     import numpy as np
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    cores = os.cpu_count() or 1
+    ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
-        ctx.execution_options.preserve_order = True
-        warm = ray.data.from_items([{"id": i, "text": t} for i, t in enumerate(texts[:64])])
-        warm.map_batches(
-            _RayEmbedder,
-            fn_constructor_args=(str(model_dir()), 2),
-            batch_size=RAY_BATCH,
-            concurrency=1,
-            num_cpus=1,
-        ).materialize()
-        reset_peak_rss()
+        reset_peak()
         t0 = time.perf_counter()
-        ds = ray.data.from_items([{"id": i, "text": t} for i, t in enumerate(texts)])
-        ds = ds.map_batches(
+        # sort by length as encode does, so every batch holds rows of similar length (little padding)
+        items = [{"id": i, "text": texts[i]} for i in encode_order(texts)]
+        ds = ray.data.from_items(items).map_batches(
             _RayEmbedder,
-            fn_constructor_args=(str(model_dir()), 2),
+            fn_constructor_args=(str(model_dir()), 1),
             batch_size=RAY_BATCH,
-            concurrency=1,
+            concurrency=cores,
             num_cpus=1,
         )
         first = None
-        rows = 0
-        total = 0.0
+        ids, embs, tokens, slots = [], [], 0, 0
         for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
             if first is None:
                 first = time.perf_counter() - t0
-            rows += len(b["id"])
-            total += float(np.abs(np.asarray(b["embedding"])).sum())
+            ids.append(b["id"])
+            embs.append(b["embedding"])
+            tokens += int(b["tokens"].sum())
+            slots += int(b["slots"].sum())
+        emb = np.concatenate(embs)[np.argsort(np.concatenate(ids), kind="stable")]  # back to input order
         dt = time.perf_counter() - t0
     finally:
         ray.shutdown()
-    # map_batches slices batches in input order, each padded to its own longest row
     return {
-        "rows": rows,
+        "rows": len(emb),
         "seconds": dt,
         "first_output_s": first,
-        "padding_fraction": padding_fraction(chunks(lengths, RAY_BATCH)),
+        "padding_fraction": (slots - tokens) / slots if slots else 0.0,
         "device": device(),
-        "checksum": total,
-        "note": "one actor (num_cpus=1, torch threads=2), batch_size=32, preserve_order",
+        "checksum": float(np.abs(emb).sum()),
+        "note": f"{cores} actors (num_cpus=1, torch threads=1), batch_size={RAY_BATCH}, rows length-sorted "
+        "before from_items, output reordered by id; padding as the actors counted it",
     }
 
 
@@ -336,7 +366,7 @@ def run_d(texts: list[str], lengths: list[int], shard_rows: int) -> dict[str, An
     _write_corpus(texts, corpus)
     spec = _spec(corpus.as_uri(), shard_rows)
     with Client() as client:
-        reset_peak_rss()
+        reset_peak()
         t0 = time.perf_counter()
         stop, seen = _first_marker_watch(home, t0)
         job = client.submit(spec)
@@ -388,7 +418,7 @@ def run_c(texts: list[str], lengths: list[int], shard_rows: int) -> dict[str, An
     ex = LocalExecutor(workflows={"inference": staged_workflow()})
     try:
         spec_uri, job_id = _stage_job_files(ex.store_root, spec)
-        reset_peak_rss()
+        reset_peak()
         t0, t0_wall = time.perf_counter(), time.time()
         stop, seen = _first_marker_watch(home, t0)
         ex.start(job_id, "inference", spec_uri)
@@ -487,61 +517,68 @@ def run_recovery(texts: list[str], lengths: list[int], shard_rows: int) -> dict[
 # -- driver -----------------------------------------------------------------------------------------------
 
 
-def child(method: str, n: int, shard_rows: int, out: Path) -> int:
+def child_method(req: dict) -> dict[str, Any]:
+    """One method in this fresh process (``benchutil.Children``); errors become the row's note."""
     offline_env()
-    texts = sentences(n)
+    texts = sentences(req["n"])
     lengths = token_lengths(texts)
-    fn = {"a": run_a, "b": run_b}.get(method)
+    method = req["method"]
+    tree = TreePeak()
     try:
-        if fn is not None:
-            res = fn(texts, lengths)
+        if method in ("a", "b"):
+            res = {"a": run_a, "b": run_b}[method](texts, lengths)
         else:
-            res = {"c": run_c, "d": run_d, "recovery": run_recovery}[method](texts, lengths, shard_rows)
-        res["peak_rss_mb"] = peak_rss_mb()
-        res["rows_per_s"] = res["rows"] / res["seconds"] if res.get("seconds") else None
-        res["status"] = "ok"
+            res = {"c": run_c, "d": run_d, "recovery": run_recovery}[method](
+                texts, lengths, req["shard_rows"]
+            )
     except ImportError as exc:
-        res = {"status": "skipped", "note": f"the inference kind is not importable here: {exc}"}
-    except Exception as exc:  # reported in the table, not raised: the other methods still run
-        res = {
-            "status": "error",
-            "note": f"{type(exc).__name__}: {exc}"[:500],
-            "trace": traceback.format_exc(),
-        }
-    out.write_text(json.dumps(res))
-    return 0
+        return {"status": "skipped", "note": f"not importable here: {exc}"}
+    finally:
+        tree_peak = tree.stop()
+    res["peak_rss_mb"] = peak_rss_mb()
+    res["tree_pss_peak_mb"] = tree_peak / 2**20
+    res["rows_per_s"] = res["rows"] / res["seconds"] if res.get("seconds") else None
+    res["status"] = "ok"
+    return res
 
 
-def run_child(method: str, n: int, shard_rows: int, timeout_s: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix=f"sf-bench-inf-{method}-") as tmp:
-        out = Path(tmp) / "result.json"
-        env = dict(os.environ, SHARDFOLD_HOME=str(Path(tmp) / "home"))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", method, "--n", str(n)]
-        cmd += ["--shard-rows", str(shard_rows), "--out", str(out)]
-        try:
-            proc = subprocess.run(cmd, env=env, cwd=REPO, timeout=timeout_s, capture_output=True, text=True)
-        except subprocess.TimeoutExpired:
-            return {"status": "error", "note": f"timed out after {timeout_s:.0f} s (watchdog)"}
-        if out.exists():
-            return json.loads(out.read_text())
-        return {"status": "error", "note": f"child exited {proc.returncode}: {proc.stderr[-800:]}"}
+def run_child(children: Children, method: str, n: int, shard_rows: int, timeout_s: float) -> dict[str, Any]:
+    watch = LoadWatch(method)
+    r = children.run({"op": "method", "method": method, "n": n, "shard_rows": shard_rows}, timeout_s)
+    res = r.result if r.ok else {"status": "error", "note": r.note, "trace": r.result.get("trace")}
+    res["load"] = watch.stop()
+    return res
 
 
 def fmt(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+    """``format(v, spec)``, or a dash as wide as the column for no value."""
+    return format("-", ">" + spec.split(".")[0]) if v is None else format(v, spec)
 
 
 def table(results: dict[str, dict]) -> str:
-    head = f"{'method':<36} {'rows/s':>8} {'total s':>8} {'1st out s':>9} {'peak RSS MB':>11} {'padding':>8}"
+    head = (
+        f"{'method':<36} {'clock (model load included)':<36} {'rows/s':>8} {'total s':>8} {'1st out s':>9} "
+        f"{'peak RSS MiB':>12} {'tree PSS MiB':>12} {'padding':>8}  load"
+    )
     lines = [head, "-" * len(head)]
     for m, r in results.items():
         if r.get("status") != "ok":
-            lines.append(f"{LABELS[m]:<36} {r.get('status')}: {r.get('note', '')[:160]}")
+            lines.append(
+                f"{LABELS[m]:<36} {r.get('status')}: {r.get('note', '')[:160]}  {mark(r.get('load'))}"
+            )
             continue
         lines.append(
-            f"{LABELS[m]:<36} {fmt(r.get('rows_per_s'), '8.1f')} {fmt(r.get('seconds'), '8.1f')} "
-            f"{fmt(r.get('first_output_s'), '9.2f')} {fmt(r.get('peak_rss_mb'), '11.0f')} "
-            f"{fmt(r.get('padding_fraction'), '8.3f')}"
+            f"{LABELS[m]:<36} {CLOCK[m]:<36} {fmt(r.get('rows_per_s'), '8.1f')} "
+            f"{fmt(r.get('seconds'), '8.1f')} "
+            f"{fmt(r.get('first_output_s'), '9.2f')} {fmt(r.get('peak_rss_mb'), '12.0f')} "
+            f"{fmt(r.get('tree_pss_peak_mb'), '12.0f')} {fmt(r.get('padding_fraction'), '8.3f')}  "
+            f"{mark(r.get('load'))}"
+        )
+    a = results.get("a", {})
+    if a.get("status") == "ok" and a.get("load_s") is not None:
+        lines.append(
+            f"  (a) without the model load: {a['encode_rows_per_s']:.1f} rows/s "
+            f"(import + load took {a['load_s']:.1f} s of its {a['seconds']:.1f} s)"
         )
     return "\n".join(lines)
 
@@ -603,19 +640,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-rows", type=int, default=None, help="rows per shard (default n/20, >= 100)")
     ap.add_argument("--only", default=",".join(METHODS), help="comma list of a,b,c,d,recovery")
     ap.add_argument("--timeout-s", type=float, default=900, help="watchdog per method")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results/inference.json")
+    ap.add_argument("--out", default=str(RESULTS), help="JSON output path")
     args = ap.parse_args(argv)
     n = args.n or (2000 if args.quick else 20000)
     shard_rows = args.shard_rows or max(100, n // 20)
-    if args.child:
-        return child(args.child, n, shard_rows, Path(args.out))
     only = [m.strip() for m in args.only.split(",") if m.strip()]
     bad = [m for m in only if m not in METHODS]
     if bad:
         ap.error(f"unknown methods {bad}; choose from {METHODS}")
     offline_env()
+    watch = LoadWatch("run")
+    print(load_start_line(watch))
     lengths = token_lengths(sentences(n))
     print(
         f"{n} sentences, tokens/row mean {sum(lengths) / n:.1f} (min {min(lengths)}, max {max(lengths)}), "
@@ -623,10 +659,16 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results: dict[str, dict] = {}
-    for m in only:
-        t = time.perf_counter()
-        results[m] = run_child(m, n, shard_rows, args.timeout_s)
-        print(f"  {LABELS[m]}: {results[m].get('status')} in {time.perf_counter() - t:.0f} s", flush=True)
+    children = Children(Path(__file__))
+    try:
+        for m in only:
+            t = time.perf_counter()
+            # SHARDFOLD_HOME: each method's store in the children's temp dir, removed at the end
+            children.env["SHARDFOLD_HOME"] = str(children.workdir / f"home-{m}")
+            results[m] = run_child(children, m, n, shard_rows, args.timeout_s)
+            print(f"  {LABELS[m]}: {results[m].get('status')} in {time.perf_counter() - t:.0f} s", flush=True)
+    finally:
+        children.close()
     print()
     print(table(results))
     print()
@@ -644,13 +686,19 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": {m: {k: v for k, v in r.items() if k != "trace"} for m, r in results.items()},
         "targets": tlines,
+        "load": watch.stop(),
     }
+    print()
+    print(load_end_line(watch))
     if not args.no_write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"\nwrote {RESULTS.relative_to(REPO)}")
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        sys.exit(child_main({"method": child_method}, sys.argv[2]))
     sys.exit(main())

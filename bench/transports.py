@@ -3,7 +3,9 @@
 Runs a minimal in-memory S3 stand-in (asyncio, its own process, auth ignored) so the client, not the
 server, is what gets measured, then reports objects/s and client CPU ms per object for each client, plus
 the GetBatch engine on its default (awscrt) and boto3 transports. Prints a table and writes
-bench/results/transports.json. Never asserts on time.
+bench/results/transports.json. Never asserts on time. The load averages before and after and the CPU other
+processes used during each client's run (``benchutil.LoadWatch``, NOISY above half a core) are printed and
+recorded.
 
     .venv/bin/python bench/transports.py --objects 2000 --size 10240 --concurrency 64
 """
@@ -25,6 +27,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import LoadWatch, load_end_line, load_start_line, mark  # noqa: E402
 
 BUCKET = "bench"
 
@@ -200,9 +204,11 @@ def measure(name: str, endpoint: str, keys: list[str], conc: int, server: psutil
     # Warm up (imports, connection pools) on a slice, then time the whole list.
     CLIENTS[name](endpoint, keys[: min(len(keys), 64)], conc)
     srv0 = server.cpu_times()
+    watch = LoadWatch(name)
     cpu0, t0 = time.process_time(), time.perf_counter()
     CLIENTS[name](endpoint, keys, conc)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    load = watch.stop()
     srv1 = server.cpu_times()
     srv_cpu = (srv1.user + srv1.system) - (srv0.user + srv0.system)
     return {
@@ -211,16 +217,19 @@ def measure(name: str, endpoint: str, keys: list[str], conc: int, server: psutil
         "objects_per_s": len(keys) / wall,
         "cpu_ms_per_object": 1000 * cpu / len(keys),
         "server_cpu_ms_per_object": 1000 * srv_cpu / len(keys),
+        "load": load,
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--objects", type=int, default=2000)
     ap.add_argument("--size", type=int, default=10240)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--clients", default=",".join(CLIENTS))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    watch = LoadWatch("run")
+    print(load_start_line(watch))
 
     proc, port = start_server(args.size)
     endpoint = f"http://127.0.0.1:{port}"
@@ -237,16 +246,20 @@ def main() -> None:
 
     base = next((r for r in rows if r["client"] == "boto3-threads"), None)
     print(f"{args.objects} GETs of {args.size} B, concurrency {args.concurrency}, {os.cpu_count()} CPUs")
-    print(f"{'client':<18}{'obj/s':>10}{'CPU ms/obj':>12}{'vs boto3':>10}{'server ms/obj':>15}")
+    print(f"{'client':<18}{'obj/s':>10}{'CPU ms/obj':>12}{'vs boto3':>10}{'server ms/obj':>15}  load")
     for r in rows:
         rel = f"{r['cpu_ms_per_object'] / base['cpu_ms_per_object']:.2f}x" if base else "-"
         print(
             f"{r['client']:<18}{r['objects_per_s']:>10.0f}{r['cpu_ms_per_object']:>12.3f}{rel:>10}"
-            f"{r['server_cpu_ms_per_object']:>15.3f}"
+            f"{r['server_cpu_ms_per_object']:>15.3f}  {mark(r['load'])}"
         )
+    load = watch.stop()
+    print(load_end_line(watch))
     out = Path(__file__).parent / "results" / "transports.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "python": sys.version, "rows": rows}, indent=2))
+    doc = {"args": vars(args), "python": sys.version, "rows": rows, "load": load}
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

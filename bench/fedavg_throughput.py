@@ -1,0 +1,389 @@
+"""FedAvg throughput: input bytes aggregated per second, against the machine's memory-bound limit.
+
+Measured in one run, on generated float32 updates (see ``fedavg_common``):
+
+  (limit) the fastest memory-bound kernel over in-memory float32 arrays, on ALL cores: ``np.add(a, b,
+          out=a)`` and ``np.copyto(a, b)``, the arrays cut into one slice per thread, every thread at once
+          (numpy releases the GIL there); the faster of the two, best of ``--stream-repeats``. The same
+          kernels on one thread give the single-process limit, and ``a += w*b`` on one thread (the issue's
+          original yardstick) is shown beside them.
+  (job)   the whole ``fedavg`` job on the local executor (``Client().submit(spec)``, wait; best of
+          ``--job-repeats``), with its steps also run one after another in this process and timed;
+  (task)  one shard task (its handler, in a fresh process, best of ``--core-repeats``), and
+          ``core.aggregate_into`` alone (ranged reads + the weighted sum, without the part upload).
+
+Every rate is INPUT bytes (N x the model, or one client's array for the kernels) per second. The job is
+compared with the all-core limit, single-process figures with the one-thread limit. Outputs are checked
+against a float64 reference at sampled positions. Targets (PASS/FAIL lines, official at 256 MiB and N = 32):
+the job >= 50% of the limit; the shard task >= 50% of the one-thread limit. Nothing asserts on time.
+Writes bench/results/fedavg_throughput.json (``--out``).
+
+    .venv/bin/python bench/fedavg_throughput.py            # 256 MiB, 32-client job (~1-2 min, ~8.5 GB disk)
+    .venv/bin/python bench/fedavg_throughput.py --quick    # 64 MiB model, 8-client job
+    .venv/bin/python bench/fedavg_throughput.py --model-mib 32 --job-n 4 --job-repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import mark, table, watched  # noqa: E402
+from fedavg_common import (  # noqa: E402
+    MB,
+    GiB,
+    MiB,
+    Workspace,
+    add_common_args,
+    apply_common_quick,
+    fedavg_workflow,
+    is_default_model,
+    max_rel_err,
+    mbps,
+    prepare_shard_tasks,
+    print_targets,
+    read_samples,
+    session,
+    shard_row,
+    spec_doc,
+    split_workflow,
+    target,
+)
+
+AXPY = "a += w*b"
+FAST = ("np.add(a, b, out=a)", "np.copyto(a, b)")  # the memory-bound kernels the limit is taken from
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--job-repeats", type=int, default=3, help="throughput jobs; the best counts (3)")
+    ap.add_argument("--stream-mib", type=int, default=256, help="array size of the memory limit (256)")
+    ap.add_argument("--stream-repeats", type=int, default=5, help="timed repeats per kernel (5)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="threads of the all-core limit (default: the CPU count)"
+    )
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    if args.quick:
+        args.job_repeats = min(args.job_repeats, 2)
+        args.stream_mib = min(args.stream_mib, 128)
+        args.stream_repeats = min(args.stream_repeats, 3)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the whole job
+
+
+def run_job(store_root: str, doc: dict, repeats: int, timeout_s: float) -> dict:
+    """The whole fedavg job on the local executor: ``Client().submit(spec)``, ``wait``; best of repeats.
+
+    One client (one process pool) serves every repeat, so the first run pays the pool's start."""
+    from client import Client
+    from functions import store
+    from functions.store.uri import local_path
+
+    runs = []
+    result: dict = {}
+    with Client() as cl:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            job = cl.submit(doc)
+            job.wait(progress=False, timeout_s=timeout_s)
+            t1 = time.perf_counter()
+            result = job.result()
+            runs.append(t1 - t0)
+            out_uri = result.get("output") if isinstance(result, dict) else None
+            if len(runs) < repeats and out_uri:
+                with contextlib.suppress(Exception):
+                    store.delete(out_uri)
+    out_uri = result.get("output") if isinstance(result, dict) else None
+    path = str(local_path(out_uri)) if out_uri and out_uri.startswith("file://") else None
+    return {"seconds": runs, "result": result, "output_path": path}
+
+
+def job_breakdown(store_root: str, doc: dict) -> dict:
+    """The job's steps run one after another in this process (no pool, no overlap), each timed: where a
+    job's time goes. Same handlers and events as the executor's."""
+    from orchestrator.invoke import call
+    from orchestrator.registry import handler_path
+
+    t0 = time.perf_counter()
+    events, steps, pre = prepare_shard_tasks(store_root, doc)
+    t1 = time.perf_counter()
+    shard_s = []
+    for ev in events:
+        state = dict(ev)
+        ts = time.perf_counter()
+        for st in steps:
+            res = call(
+                st["path"], state, function_name=st["function"], memory_mb=st["memory_mb"], timeout_s=900
+            )
+            state = {**state, st["name"]: res}
+        shard_s.append(time.perf_counter() - ts)
+    _pre, _map, post = split_workflow(fedavg_workflow())
+    state = {**{k: events[0][k] for k in ("job_id", "spec_uri", "store_root")}, **pre}
+    tc = time.perf_counter()
+    for task in post:
+        res = call(
+            handler_path(task.function),
+            state,
+            function_name=task.function,
+            memory_mb=task.memory_mb,
+            timeout_s=task.timeout_s,
+        )
+        state = {**state, task.name: res}
+    t3 = time.perf_counter()
+    return {"plan_s": t1 - t0, "shards_s": shard_s, "after_map_s": t3 - tc, "total_s": t3 - t0}
+
+
+# --------------------------------------------------------------------------------------------------------
+# the part
+
+
+def limits(stream: dict) -> dict[str, Any]:
+    """The all-core limit, the one-thread limit (fastest kernel each) and one thread's ``a += w*b``."""
+    out: dict[str, Any] = {}
+    if not stream.get("one_thread"):
+        return out
+    threads = stream.get("threads", 1)
+    one = {k: v["best_Bps"] for k, v in stream["one_thread"].items() if k in FAST}
+    k = max(one, key=one.__getitem__)
+    out["one"], out["one_kernel"] = one[k], k
+    out["axpy"] = stream["one_thread"][AXPY]["best_Bps"]
+    # the limit is the fastest of all: when other processes hold cores, threads can come out slower
+    cands = {f"{k}, {threads} threads": v["best_Bps"] for k, v in (stream.get("threaded") or {}).items()}
+    cands.update({f"{k}, 1 thread": v for k, v in one.items()})
+    k = max(cands, key=cands.__getitem__)
+    out["all"], out["all_kernel"] = cands[k], k
+    return out
+
+
+def throughput_part(ws: Workspace) -> list[dict]:
+    """Measure, print the tables, record ``ws.doc["throughput"]``; returns the targets."""
+    args = ws.args
+    threads = args.threads or os.cpu_count() or 1
+    part: dict[str, Any] = {}
+    ws.doc["throughput"] = part
+
+    # ---- the limit ----------------------------------------------------------------------------------
+    print(
+        f"\n== memory-bound limit: {args.stream_mib} MiB float32 arrays, best of {args.stream_repeats}, "
+        f"one thread and {threads} threads"
+    )
+    stream: dict[str, Any] = {"array_bytes": args.stream_mib * MiB, "repeats": args.stream_repeats}
+    with watched("limit", stream) as w:
+        req = {"op": "stream", "elems": args.stream_mib * MiB // 4, "repeats": args.stream_repeats}
+        run = ws.children.run({**req, "threads": threads}, timeout_s=180)
+    if run.ok:
+        stream.update(run.result)
+    else:
+        stream["note"] = run.note
+        print(f"  measurement failed: {run.note}")
+    part["stream"] = stream
+    lim = limits(stream)
+    part["limits"] = lim
+    if lim:
+        rows = []
+        for name, v in stream["one_thread"].items():
+            t = (stream.get("threaded") or {}).get(name, {})
+            rows.append(
+                [
+                    name,
+                    mbps(v["best_Bps"]),
+                    mbps(v["median_Bps"]),
+                    mbps(t.get("best_Bps")),
+                    mbps(t.get("median_Bps")),
+                    "",
+                ]
+            )
+        print(
+            table(
+                [
+                    "kernel (input bytes/s)",
+                    "1 thread best MB/s",
+                    "median",
+                    f"{threads} threads best",
+                    "median",
+                    "",
+                ],
+                rows,
+            )
+        )
+
+    # ---- the whole job ------------------------------------------------------------------------------
+    ok, _why = ws.fedavg_available()
+    n = args.job_n
+    job: dict[str, Any] = {}
+    if ok and ws.need_updates(n):
+        uris, weights = ws.uris_weights(n)
+        print(
+            f"\n== fedavg job on the local executor: N={n}, {n * ws.model_bytes / GiB:.1f} GiB in, "
+            f"{args.job_repeats} run(s)"
+        )
+        with watched("job", job) as w:
+            try:
+                job.update(
+                    run_job(ws.store_root, spec_doc(uris, weights, {}), args.job_repeats, timeout_s=600)
+                )
+                job["input_bytes"] = n * ws.model_bytes
+                job["best_Bps"] = n * ws.model_bytes / min(job["seconds"])
+            except Exception as exc:
+                job["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  job failed: {job['error']}")
+                traceback.print_exc()
+        if "error" not in job:
+            if job.get("output_path"):
+                got = read_samples(Path(job["output_path"]), ws.positions)
+                job["max_rel_err_vs_float64"] = max_rel_err(got, ws.reference(n))
+            runs = ", ".join(f"{s:.2f}" for s in job["seconds"])
+            print(f"  runs {runs} s -> best {job['best_Bps'] / MB:,.0f} MB/s of input ({w.mark()})")
+            if "max_rel_err_vs_float64" in job:
+                print(
+                    f"  output vs float64 reference at {sum(map(len, ws.positions.values()))} positions: "
+                    f"max rel err {job['max_rel_err_vs_float64']:.2e}"
+                )
+            try:
+                bd = job_breakdown(ws.store_root, spec_doc(uris, weights, {}))
+                job["breakdown"] = bd
+                sh = bd["shards_s"]
+                print(
+                    f"  the same steps one after another in this process: plan {bd['plan_s']:.2f} s, "
+                    f"{len(sh)} shard task(s) {sum(sh):.2f} s ({min(sh):.2f}-{max(sh):.2f} s each), "
+                    f"commit {bd['after_map_s']:.2f} s; total {bd['total_s']:.2f} s = "
+                    f"{n * ws.model_bytes / bd['total_s'] / MB:,.0f} MB/s"
+                )
+            except Exception as exc:
+                job["breakdown_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  breakdown failed: {job['breakdown_error']}")
+    part["job"] = job
+
+    # ---- one shard task -----------------------------------------------------------------------------
+    row: dict[str, Any] = {}
+    if ok and ws.distinct:
+        print(f"\n== one shard task of the N={n} job in a fresh process, best of {args.core_repeats}")
+        with watched("shard task", part, "shard_task_load") as w:
+            row = shard_row(ws, n, core_split=True)
+        if row.get("shard_error"):
+            print(f"  failed: {row['shard_error']}")
+    part["shard_task"] = row
+
+    # ---- the table ----------------------------------------------------------------------------------
+    la, l1, axpy = lim.get("all"), lim.get("one"), lim.get("axpy")
+
+    def vs(x: float | None, ref: float | None) -> str:
+        return f"{x / ref:.0%}" if x and ref else "-"
+
+    trows = []
+    if la:
+        trows.append(
+            [
+                f"limit: {lim['all_kernel']}",
+                mbps(la),
+                "100%",
+                vs(la, l1),
+                "in-memory arrays; the fastest memory-bound kernel measured",
+            ]
+        )
+    if l1:
+        trows.append([f"{lim['one_kernel']}, 1 thread", mbps(l1), vs(l1, la), "100%", "in-memory arrays"])
+    if axpy:
+        trows.append(
+            [f"{AXPY}, 1 thread", mbps(axpy), vs(axpy, la), vs(axpy, l1), "the issue's first yardstick"]
+        )
+    if job.get("best_Bps"):
+        b = job["best_Bps"]
+        trows.append(
+            [
+                f"fedavg job, local executor (N={n})",
+                mbps(b),
+                vs(b, la),
+                vs(b, l1),
+                f"submit -> wait, best of {len(job['seconds'])}, {os.cpu_count()} worker processes; "
+                + mark(job["load"]),
+            ]
+        )
+    sh = row.get("shard") or {}
+    if sh.get("Bps"):
+        b = sh["Bps"]
+        trows.append(
+            [
+                f"shard task (handler), 1 process (N={n}, M={row.get('shards')})",
+                mbps(b),
+                vs(b, la),
+                vs(b, l1),
+                f"fresh process, warm page cache, one shard, best of {len(sh['runs_seconds'])}"
+                + (f", {sh['cpu_s'] / sh['seconds']:.2f} cores busy" if sh.get("cpu_s") else ""),
+            ]
+        )
+        split = row.get("core_split") or {}
+        if split.get("aggregate_into_s"):
+            b = sh["input_bytes"] / split["aggregate_into_s"]
+            trows.append(
+                [
+                    "  core.aggregate_into alone (reads + sum)",
+                    mbps(b),
+                    vs(b, la),
+                    vs(b, l1),
+                    f"{split['aggregate_into_cpu_s'] / split['aggregate_into_s']:.2f} cores busy; "
+                    f"then the part upload {split['upload_s'] * 1000:.0f} ms, "
+                    f"plan load {split['load_plan_s'] * 1000:.0f} ms",
+                ]
+            )
+    print(
+        "\nThroughput (input bytes aggregated per second; the limit = the fastest memory-bound kernel on all "
+        "cores, same run)"
+    )
+    print(table(["what", "MB/s", "vs limit", "vs 1-thread limit", "note"], trows))
+    if part.get("shard_task_load"):
+        print(f"  (shard task: {mark(part['shard_task_load'])}; limit: {mark(stream.get('load'))})")
+    return throughput_targets(ws, job, sh.get("Bps"), lim)
+
+
+def throughput_targets(ws: Workspace, job: dict, task_Bps: float | None, lim: dict) -> list[dict]:
+    out: list[dict] = []
+    official = is_default_model(ws.model_bytes) and ws.args.job_n == 32
+    la, l1, axpy = lim.get("all"), lim.get("one"), lim.get("axpy")
+    name = "job throughput vs the memory-bound limit"
+    if la and job.get("best_Bps"):
+        x = job["best_Bps"] / la
+        detail = f"{job['best_Bps'] / MB:,.0f} vs {la / MB:,.0f} MB/s ({lim['all_kernel']}) = {x:.0%}"
+        target(out, name, ">= 50%", x, x >= 0.5, detail, official)
+    else:
+        target(out, name, ">= 50%", None, None, job.get("error", "not measured"), official)
+    if l1 and task_Bps:
+        x = task_Bps / l1
+        detail = f"{task_Bps / MB:,.0f} vs {l1 / MB:,.0f} MB/s ({lim['one_kernel']}, 1 thread) = {x:.0%}"
+        target(out, "shard task vs the 1-thread limit", ">= 50%", x, x >= 0.5, detail, official)
+    if axpy and job.get("best_Bps"):
+        x = job["best_Bps"] / axpy
+        detail = f"{x:.0%}: the issue's first yardstick, kept for comparison with earlier runs"
+        target(out, f"  job vs {AXPY} on one core", ">= 50%", x, x >= 0.5, detail, False)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    add_common_args(ap, "fedavg_throughput.json")
+    add_args(ap)
+    args = ap.parse_args(argv)
+    apply_common_quick(args)
+    apply_quick(args)
+    with session("fedavg_throughput", args) as ws:
+        ws.doc["targets"] = targets = throughput_part(ws)
+        print_targets(targets)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
