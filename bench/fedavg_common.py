@@ -448,18 +448,18 @@ class FedAvgUnavailable(Exception):
 
 def fedavg_workflow() -> Any:
     try:
-        from orchestrator.workflows import WORKFLOWS
+        from functions.kinds import WORKFLOWS
     except Exception as exc:  # pragma: no cover - a broken checkout
-        raise FedAvgUnavailable(f"orchestrator.workflows does not import: {exc}") from exc
+        raise FedAvgUnavailable(f"functions.kinds does not import: {exc}") from exc
     wf = WORKFLOWS.get("fedavg")
     if wf is None:
-        raise FedAvgUnavailable("no 'fedavg' workflow is registered (orchestrator/workflows/fedavg.py)")
+        raise FedAvgUnavailable("no 'fedavg' workflow is registered (functions/fedavg/workflow.py)")
     return wf
 
 
 def split_workflow(wf: Any) -> tuple[list[Any], Any, list[Any]]:
     """(tasks before the first Map, the Map, steps after it)."""
-    from orchestrator.plan import Map, Task
+    from functions.workflow import Map, Task
 
     pre: list[Any] = []
     for i, step in enumerate(wf.steps):

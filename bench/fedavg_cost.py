@@ -119,10 +119,10 @@ class CostParams:
     def transitions(self, shards: int) -> int:
         """Step Functions Standard transitions of one sharded round, counted as ``shardfold plan`` does."""
         try:
-            from client.planning import _count_transitions
+            from functions.estimate import transitions
 
             _pre, map_step, _post = split_workflow(fedavg_workflow())
-            return int(_count_transitions(fedavg_workflow().steps, {map_step.name: shards}))
+            return int(transitions(fedavg_workflow().steps, {map_step: shards}))
         except Exception:
             return 3 + shards  # plan, the Map, one per child, commit
 
@@ -408,7 +408,7 @@ def engine_settings() -> dict:
     streams = int(sizing.read_window(chunk, budget))
     mem = {}
     try:  # the memory the workflow configures for each step, where the workflow is there
-        from orchestrator.plan import Map, Task
+        from functions.workflow import Map, Task
 
         for step in fedavg_workflow().steps:
             for task in step.body if isinstance(step, Map) else (step,):
@@ -544,7 +544,7 @@ def compute_rate(ws: Workspace) -> tuple[float, str]:
 
 def cost_part(ws: Workspace) -> None:
     """The cost model, printed; recorded in ``ws.doc["cost"]``."""
-    from client import pricing
+    from functions import pricing
 
     args, doc = ws.args, ws.doc
     eng = engine_settings()

@@ -308,7 +308,7 @@ def _shardfold_imports() -> tuple[Any, Any]:
     """The client and the inference kind; raises ImportError with a note when the kind is not there."""
     import functions.inference  # noqa: F401
     from client import Client
-    from functions.specs import InferenceJob  # noqa: F401
+    from functions.inference.spec import InferenceJob  # noqa: F401
 
     return Client, functions.inference
 
@@ -392,8 +392,8 @@ def run_d(texts: list[str], lengths: list[int], shard_rows: int) -> dict[str, An
 def staged_workflow() -> Any:
     """The inference workflow with a barrier: its Parallel's branches run one after the other (every CPU
     task, then the worker), everything else unchanged: the Ray Data-staged analogue."""
-    from orchestrator.plan import Parallel, Workflow
-    from orchestrator.workflows.inference import WORKFLOW
+    from functions.inference.workflow import WORKFLOW
+    from functions.workflow import Parallel, Workflow
 
     steps: list[Any] = []
     for step in WORKFLOW.steps:
@@ -470,7 +470,7 @@ def run_recovery(texts: list[str], lengths: list[int], shard_rows: int) -> dict[
 
     Client, _ = _shardfold_imports()
     from functions import store
-    from functions.inference import plan as layout
+    from functions.inference import shards as layout
 
     home = Path(os.environ["SHARDFOLD_HOME"])
     home.mkdir(parents=True, exist_ok=True)
@@ -487,7 +487,7 @@ def run_recovery(texts: list[str], lengths: list[int], shard_rows: int) -> dict[
         while time.monotonic() < deadline and not killed:
             if len(list(home.glob("jobs/*/inference/out/*/*.done"))) >= n_shards // 2:
                 for p in psutil.Process().children(recursive=True):
-                    if "functions.worker" in " ".join(p.cmdline()):
+                    if "functions.container" in " ".join(p.cmdline()):
                         p.kill()
                         killed = {"pid": p.pid, "at_s": time.perf_counter() - t0}
             time.sleep(0.02)
