@@ -392,7 +392,7 @@ def child_measure(req: dict) -> dict:
         mz.measure_sets(sets, hist.__getitem__)
         sampling.append(time.perf_counter() - t)
         job_id = f"dpquery-20000101T000000-{r:06x}"
-        core.plan(spec, job_id, root)
+        core.prepare(spec, job_id, root)
         mz.gaussian.cache_clear()
         t = time.perf_counter()
         out = core.measure(spec, job_id, root, g)

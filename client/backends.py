@@ -72,7 +72,7 @@ def compile_asl(kind: str, *, region: str, account: str, stage: str) -> dict[str
 
 
 def handler_target(function: str) -> str:
-    """``module:function`` registered for a workflow function name such as ``getbatch.plan``."""
+    """``module:function`` registered for a workflow function name such as ``getbatch.prepare``."""
     from orchestrator.registry import handler_path
 
     return handler_path(function)

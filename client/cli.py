@@ -437,9 +437,9 @@ def _stage_event(payload: Any, path: Path) -> Any:
 @click.argument("handler")
 @click.argument("event")
 def invoke(handler: str, event: str) -> None:
-    """Run one handler (a registered name like getbatch.plan, or dispatch) on EVENT, a JSON file.
+    """Run one handler (a registered name like getbatch.prepare, or dispatch) on EVENT, a JSON file.
 
-    EVENT may name a file under events/ without its extension (getbatch_plan, then getbatch_gather, then
+    EVENT may name a file under events/ without its extension (getbatch_prepare, then getbatch_gather, then
     getbatch_assemble step through a job by hand). The handler runs as the executors run it: JSON in and
     out, the 256 KiB state limit, a Lambda context. Prints its JSON result, or a Lambda-style error object
     (exit 1).

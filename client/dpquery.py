@@ -129,7 +129,7 @@ class DPQuery:
     # -- jobs ---------------------------------------------------------------------------------------------
 
     def submit(self, spec: Any) -> Any:
-        """Start a ``dpquery`` job; returns its :class:`client.Job` at once. The job's plan step checks the
+        """Start a ``dpquery`` job; returns its :class:`client.Job` at once. The job's prepare step checks the
         dataset and reserves the budget on the ledger before anything is measured."""
         return self._client.submit(self.spec(spec))
 

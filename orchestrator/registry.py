@@ -1,4 +1,4 @@
-"""Function registry: a function name (``"getbatch.plan"``) -> its handler (``"module:function"``).
+"""Function registry: a function name (``"getbatch.prepare"``) -> its handler (``"module:function"``).
 
 Plans name functions, not callables, so the same plan drives every backend: the local executor imports
 the handler (in a worker process too: the ``module:function`` string is all it needs), the moto harness

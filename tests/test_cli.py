@@ -95,12 +95,12 @@ def test_invoke_handler_with_sample_event(home):
     out = invoke("invoke", "dispatch", "dispatch_not_a_job").output
     assert "ignored" in json.loads(out)
     # the getbatch samples step through a job by hand: plan writes the parts, gather fetches one
-    planned = json.loads(invoke("invoke", "getbatch.plan", "getbatch_plan").output)
+    planned = json.loads(invoke("invoke", "getbatch.prepare", "getbatch_prepare").output)
     assert planned["parts"] == 3 and planned["items"] == 6
     gathered = json.loads(invoke("invoke", "getbatch.gather", str(EVENTS / "getbatch_gather.json")).output)
     assert gathered["part"] == 1 and gathered["items"] == 2 and gathered["errors"] == 0
     # a registered workflow function fails like Lambda would on a bad event: errorType/errorMessage, exit 1
-    bad = invoke("invoke", "getbatch.plan", str(EVENTS / "dispatch_not_a_job.json"), ok=False)
+    bad = invoke("invoke", "getbatch.prepare", str(EVENTS / "dispatch_not_a_job.json"), ok=False)
     assert bad.exit_code == 1 and "errorType" in json.loads(bad.output)
 
 

@@ -26,22 +26,22 @@ OUTPUTS = {
         "fedavg": "arn:aws:states:eu-west-1:123456789012:stateMachine:shardfold-prod-fedavg",
     },
     "functions": {
-        "getbatch.plan": "arn:aws:lambda:eu-west-1:123456789012:function:shardfold-prod-getbatch-plan"
+        "getbatch.prepare": "arn:aws:lambda:eu-west-1:123456789012:function:shardfold-prod-getbatch-prepare"
     },
-    "function_names": {"getbatch.plan": "shardfold-prod-getbatch-plan"},
+    "function_names": {"getbatch.prepare": "shardfold-prod-getbatch-prepare"},
     "batch_job_queue": "arn:aws:batch:eu-west-1:123456789012:job-queue/shardfold-prod-gpu",
     "batch_job_definitions": {},
     "dispatch_function": "shardfold-prod-dispatch",
     "sizes": {
         "functions": {
-            "getbatch.plan": {
+            "getbatch.prepare": {
                 "memory_mb": 2048,
                 "ephemeral_mb": 512,
                 "timeout_s": 300,
                 "config": {
-                    "memory_mb": 'shardfold:functionMemory["getbatch.plan"]',
-                    "ephemeral_mb": 'shardfold:functionEphemeralStorage["getbatch.plan"]',
-                    "timeout_s": 'shardfold:functionTimeout["getbatch.plan"]',
+                    "memory_mb": 'shardfold:functionMemory["getbatch.prepare"]',
+                    "ephemeral_mb": 'shardfold:functionEphemeralStorage["getbatch.prepare"]',
+                    "timeout_s": 'shardfold:functionTimeout["getbatch.prepare"]',
                 },
             }
         },
@@ -236,9 +236,9 @@ def test_deployed_sizes_of_the_saved_outputs(fake_pulumi):
     with mock_aws():
         assert invoke("deploy", "--yes").exit_code == 0
     sizes = st.deployed_sizes(st.load_stack_outputs())
-    plan = sizes.functions["getbatch.plan"]
+    plan = sizes.functions["getbatch.prepare"]
     assert (plan.memory_mb, plan.ephemeral_mb, plan.timeout_s) == (2048, 512, 300)
-    assert plan.config["memory_mb"] == 'shardfold:functionMemory["getbatch.plan"]'
+    assert plan.config["memory_mb"] == 'shardfold:functionMemory["getbatch.prepare"]'
     worker = sizes.of("inference.worker")
     assert isinstance(worker, st.BatchSize) and (worker.vcpus, worker.memory_mb, worker.gpus) == (4, 16384, 1)
     assert (
@@ -257,13 +257,13 @@ def test_a_stack_deployed_before_sizes_were_exported_is_told_to_redeploy():
     with pytest.raises(st.SizesMissing, match=r"redeploy with `shardfold deploy`") as err:
         st.deployed_sizes(old)
     assert isinstance(err.value, ShardfoldError)
-    broken = {**OUTPUTS, "sizes": {"functions": {"getbatch.plan": {"memory_mb": "big"}}, "batch": {}}}
+    broken = {**OUTPUTS, "sizes": {"functions": {"getbatch.prepare": {"memory_mb": "big"}}, "batch": {}}}
     with pytest.raises(st.SizesMissing, match="sizes are malformed.*redeploy"):
         st.deployed_sizes(broken)
 
 
 def test_sizes_read_as_pulumi_numbers():
     # Pulumi's numbers are doubles; an integral one is a size all the same.
-    entry = dict(OUTPUTS["sizes"]["functions"]["getbatch.plan"], memory_mb=2048.0)
-    sizes = st.deployed_sizes({"sizes": {"functions": {"getbatch.plan": entry}, "batch": {}}})
-    assert sizes.functions["getbatch.plan"].memory_mb == 2048 and sizes.batch == {}
+    entry = dict(OUTPUTS["sizes"]["functions"]["getbatch.prepare"], memory_mb=2048.0)
+    sizes = st.deployed_sizes({"sizes": {"functions": {"getbatch.prepare": entry}, "batch": {}}})
+    assert sizes.functions["getbatch.prepare"].memory_mb == 2048 and sizes.batch == {}

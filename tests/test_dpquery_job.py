@@ -105,7 +105,7 @@ def run_core(root: str, doc: dict, *, noise: bool = True) -> tuple[str, dict]:
     """Every stage of a job through the pure core, in order; returns the job id and its result."""
     spec = parse_spec(doc)
     job_id = new_job_id("dpquery")
-    planned = core.plan(spec, job_id, root)
+    planned = core.prepare(spec, job_id, root)
     for item in store.get_json(planned["measure"]["uri"]):
         core.measure(spec, job_id, root, item["group"], noise=noise)
     for item in store.get_json(planned["reconstruct"]["uri"]):
@@ -192,7 +192,7 @@ def test_a_retried_measure_task_reuses_its_measurement(tmp_path, monkeypatch):
     dataset, _ = make_dataset(root)
     spec = parse_spec(spec_doc(dataset))
     job_id = new_job_id("dpquery")
-    core.plan(spec, job_id, root)
+    core.prepare(spec, job_id, root)
     first = core.measure(spec, job_id, root, 1)
     uri = core.measurement_uri(root, job_id, 1)
     blob = store.get(uri)
@@ -259,7 +259,7 @@ def test_an_over_budget_job_is_refused_before_measuring(tmp_path):
     spec = parse_spec(spec_doc(dataset, budget={"rho": 0.6}, dataset_budget_rho=None))
     job_id = new_job_id("dpquery")
     with pytest.raises(BudgetExceeded, match="exceeds the remaining budget"):
-        core.plan(spec, job_id, root)
+        core.prepare(spec, job_id, root)
     assert not store.list_uris(join(root, "jobs", job_id) + "/")
     assert ledger_types(root) == ["open", "reserve", "spend"]
     # an (epsilon, delta) budget is charged as its CKS rho
@@ -279,7 +279,7 @@ def test_racing_jobs_never_overdraw_the_ledger(tmp_path):
         spec = parse_spec(spec_doc(dataset, budget={"rho": 0.3}, dataset_budget_rho=None))
         barrier.wait()
         try:
-            core.plan(spec, new_job_id("dpquery"), root)
+            core.prepare(spec, new_job_id("dpquery"), root)
             outcomes.append("planned")
         except BudgetExceeded:
             outcomes.append("refused")

@@ -200,7 +200,7 @@ def test_estimator_counts_tasks_and_reports_privacy(client):
     assert "this job opens the ledger" in rows["dataset budget ρ"]
     assert [r[0] for r in marginals.rows] == ["sex", "sex,region", "region,age", TOTAL_NAME, "sex,member"]
     assert [r[3] for r in marginals.rows] == pytest.approx(pl.var.tolist())
-    assert any("the job will fail at its plan step" in n for n in report.notes)  # the dataset is missing
+    assert any("the job will fail at its prepare step" in n for n in report.notes)  # the dataset is missing
 
 
 def test_estimator_shows_the_largest_variances_of_a_big_workload(client):
@@ -228,7 +228,7 @@ def test_plan_cli_prints_the_privacy_and_accuracy_plan(home, tmp_path):
     for words in ("measure_group", "privacy and accuracy plan", "ε at δ = 1e-09, CKS", "exact Gaussian"):
         assert words in out
     assert "workload RMSE (per cell)" in out and "predicted error per marginal" in out
-    assert "sex,region" in out and "the job will fail at its plan step" in out
+    assert "sex,region" in out and "the job will fail at its prepare step" in out
     as_json = json.loads(invoke("plan", str(path), "--json").output)
     assert [d["title"] for d in as_json["details"]][0] == "privacy and accuracy plan"
 
@@ -301,7 +301,7 @@ def test_noisy_runs_spend_the_ledger_and_an_over_budget_run_is_refused(client):
 
     # the estimator reads the ledger and says so before anything runs
     report = estimate(parse_spec(doc), client.store_root)
-    assert any("would be refused at its plan step (BudgetExceeded)" in n for n in report.notes)
+    assert any("would be refused at its prepare step (BudgetExceeded)" in n for n in report.notes)
     assert "does NOT fit" in dict(report.details[0].rows)["remaining ρ"]
 
 

@@ -115,7 +115,7 @@ def put_clients(root: str, updates: list[dict[str, np.ndarray]], num_examples=No
 
 
 def run_job(spec: FedAvgJob, root: str, budget: Budget = TINY, job_id: str = JOB) -> dict:
-    planned = core.plan(spec, job_id, root, budget=budget)
+    planned = core.prepare(spec, job_id, root, budget=budget)
     for item in store.get_json(planned["manifest"]["uri"]):
         core.aggregate(spec, job_id, root, item["shard"])
     return core.commit(spec, job_id, root, planned["shards"])
@@ -581,7 +581,7 @@ def test_a_missing_or_bad_num_examples_names_the_client(root, num_examples, frag
     uris = put_clients(root, [good(), good()], [4, num_examples])
     spec = FedAvgJob(clients=[{"uri": u} for u in uris])
     with pytest.raises(InvalidModelFile, match=fragment) as exc:
-        core.plan(spec, JOB, root, budget=TINY)
+        core.prepare(spec, JOB, root, budget=TINY)
     assert f"client 1 ({uris[1]})" in str(exc.value) and "clients.1.weight" in str(exc.value)
     # the weight in the spec, or uniform weights, or a robust aggregator: no num_examples needed
     for kw in (
@@ -640,7 +640,7 @@ def test_overflow_of_finite_updates_says_to_accumulate_in_float64(root):
 
 def test_bad_client_uri_is_a_spec_error(root):
     with pytest.raises(SpecError, match=r"clients\.0\.uri"):
-        core.plan(FedAvgJob(clients=[{"uri": "../outside"}]), JOB, root)
+        core.prepare(FedAvgJob(clients=[{"uri": "../outside"}]), JOB, root)
 
 
 # --- plan geometry and sizing -------------------------------------------------------------------------------
@@ -709,7 +709,7 @@ def test_task_loads_count_the_reads_the_tasks_make_and_memory_is_flat_in_n(root)
     orders = [names, names[::-1]] * 3  # two layouts: the reversed clients need one read per segment
     uris = put_clients(root, updates, [1] * 6, orders)
     spec = FedAvgJob(clients=[{"uri": u} for u in uris], shards=4)
-    planned = core.plan(spec, JOB, root, budget=TINY)
+    planned = core.prepare(spec, JOB, root, budget=TINY)
     plan = core.load_plan(root, JOB)
     loads = task_loads(plan)
     reads = sum(core.aggregate(spec, JOB, root, k)["reads"] for k in range(planned["shards"]))
@@ -789,5 +789,5 @@ def test_a_model_without_data_and_a_single_client(root):
 def test_a_plan_whose_task_would_not_fit_the_function_memory_is_refused(root):
     uris = put_clients(root, [good(), good()], [1, 1])
     with pytest.raises(PlanError, match="MiB but the function has 128 MiB"):
-        core.plan(FedAvgJob(clients=[{"uri": u} for u in uris]), JOB, root, budget=Budget(memory_mb=128))
+        core.prepare(FedAvgJob(clients=[{"uri": u} for u in uris]), JOB, root, budget=Budget(memory_mb=128))
     assert not store.exists(core.plan_uri(root, JOB))

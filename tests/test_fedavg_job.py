@@ -156,14 +156,14 @@ def test_plan_reports_shards_memory_requests_and_refuses_what_does_not_fit(local
     report = local_client.plan(local_client.fedavg.spec(keys, shards=2))
     steps = {s.name: s for s in report.steps}
     assert report.kind == "fedavg" and report.items == 3
-    assert steps["aggregate_shard"].tasks == 2 and steps["plan"].tasks == steps["commit"].tasks == 1
+    assert steps["aggregate_shard"].tasks == 2 and steps["prepare"].tasks == steps["commit"].tasks == 1
     assert all(s.fits and s.peak_mb > 0 for s in report.steps)
     agg = steps["aggregate_shard"]
     assert agg.gets >= 2 * 3 and agg.puts >= 2  # at least one ranged GET per client per shard, a part each
     assert report.cost_usd["total"] > 0 and report.output_bytes > 10 * MiB
     assert any("2 shard(s)" in n for n in report.notes)
 
-    # a missing update does not stop the estimate (the job fails at its plan step, naming the client)
+    # a missing update does not stop the estimate (the job fails at its prepare step, naming the client)
     lost = local_client.plan(local_client.fedavg.spec([keys[0], "rounds/p/nope.safetensors"]))
     assert any("client 1" in n and "nope.safetensors" in n for n in lost.notes)
 
@@ -312,7 +312,7 @@ def test_cli_run_and_plan_the_example_spec(home):
 
 
 def test_cli_invoke_steps_through_a_job_by_hand(home):
-    planned = json.loads(invoke("invoke", "fedavg.plan", "fedavg_plan").output)
+    planned = json.loads(invoke("invoke", "fedavg.prepare", "fedavg_prepare").output)
     assert planned["shards"] == 1 and planned["clients"] == 3
     event = json.loads((EVENTS / "fedavg_aggregate.json").read_text())
     assert event["item"]["end"] == planned["bytes"]  # the sample matches the plan it follows

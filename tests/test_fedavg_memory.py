@@ -81,7 +81,7 @@ def run_task(model_dir: Path, n: int, aggregator: str) -> tuple[dict, int, int]:
     uris = [f"file://{model_dir / f'client-{i:03d}.safetensors'}" for i in range(n)]
     spec = FedAvgJob(clients=[{"uri": u} for u in uris], shards=1, aggregator=aggregator)
     job_id = f"fedavg-20260101T000000-{n:06x}"
-    core.plan(spec, job_id, root, budget=BUDGET)
+    core.prepare(spec, job_id, root, budget=BUDGET)
     plan = core.load_plan(root, job_id)
     predicted = task_loads(plan, on_s3=False)["aggregate"].peak_bytes - RUNTIME_BYTES
     out = subprocess.run(

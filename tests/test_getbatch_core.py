@@ -23,7 +23,7 @@ def root(tmp_path, monkeypatch):
 
 
 def run_job(spec: GetBatchJob, root: str, job_id: str = "getbatch-20260101T000000-abcdef") -> dict:
-    planned = core.plan(spec, job_id, root)
+    planned = core.prepare(spec, job_id, root)
     for part in store.get_json(planned["manifest"]["uri"]):
         core.gather(spec, job_id, root, part["part"])
     return core.assemble(spec, job_id, root, planned["parts"])
@@ -71,7 +71,7 @@ def test_missing_item_strict_fails_and_writes_no_archive(root):
     items = [{"uri": "data/obj-001.bin"}] * 3 + [{"uri": "data/nope.bin"}]
     spec = GetBatchJob(items=items, items_per_part=2)
     job_id = "getbatch-20260101T000000-000001"
-    planned = core.plan(spec, job_id, root)
+    planned = core.prepare(spec, job_id, root)
     core.gather(spec, job_id, root, 0)
     with pytest.raises(BatchItemError, match=r"item 3 \(.*nope.bin") as exc:
         core.gather(spec, job_id, root, 1)
@@ -100,7 +100,7 @@ def test_bad_manifest_item_is_named(root):
     manifest = store.uri.join(root, "requests", "bad.json")
     store.put(manifest, json.dumps([{"uri": "data/obj-001.bin"}, {"uri": "x", "start": -1}]).encode())
     with pytest.raises(SpecError, match=r"items\.1"):
-        core.plan(GetBatchJob(manifest="requests/bad.json"), "getbatch-20260101T000000-000002", root)
+        core.prepare(GetBatchJob(manifest="requests/bad.json"), "getbatch-20260101T000000-000002", root)
 
 
 def test_assemble_is_idempotent(root):

@@ -52,7 +52,7 @@ def spec_of(**kw) -> InferenceJob:
 
 
 def run_cpu(spec: InferenceJob, root: str) -> dict:
-    planned = pipeline.plan(spec, JOB, root)
+    planned = pipeline.prepare(spec, JOB, root)
     for item in store.get_json(planned["manifest"]["uri"]):
         pipeline.preprocess(spec, JOB, root, item["shard"])
     pipeline.cpu_done(spec, JOB, root)
@@ -119,10 +119,10 @@ def test_plan_is_deterministic_and_hash_tracks_config(root):
     put_jsonl(root, "in/a.jsonl", [{"text": t} for t in texts(25)])
     put_parquet(root, "in/b.parquet", pa.table({"text": texts(17, 1)}), row_group_size=5)
     spec = spec_of(inputs=["in/a.jsonl", "in/b.parquet"], shard_rows=10)
-    first = pipeline.plan(spec, JOB, root)
+    first = pipeline.prepare(spec, JOB, root)
     plan1 = store.get(layout.plan_uri(root, JOB))
     man1 = store.get(layout.manifest_uri(root, JOB))
-    second = pipeline.plan(spec, JOB, root)
+    second = pipeline.prepare(spec, JOB, root)
     assert first == second
     assert (
         store.get(layout.plan_uri(root, JOB)) == plan1 and store.get(layout.manifest_uri(root, JOB)) == man1
@@ -226,12 +226,12 @@ def test_empty_file_fails_naming_it(root):
     put_jsonl(root, "good.jsonl", [{"text": "x"}])
     store.put(store.uri.join(root, "empty.jsonl"), b"\n \n")
     with pytest.raises(BadInputError, match=r"inputs\.1 empty\.jsonl: the file is empty"):
-        pipeline.plan(spec_of(inputs=["good.jsonl", "empty.jsonl"]), JOB, root)
+        pipeline.prepare(spec_of(inputs=["good.jsonl", "empty.jsonl"]), JOB, root)
     put_parquet(root, "empty.parquet", pa.table({"text": pa.array([], pa.string())}), 10)
     with pytest.raises(BadInputError, match="empty.parquet: the file is empty"):
-        pipeline.plan(spec_of(inputs=["empty.parquet"], on_bad_row="skip"), JOB, root)
+        pipeline.prepare(spec_of(inputs=["empty.parquet"], on_bad_row="skip"), JOB, root)
     with pytest.raises(BadInputError, match="missing.jsonl: cannot read it"):
-        pipeline.plan(spec_of(inputs=["missing.jsonl"]), JOB, root)
+        pipeline.prepare(spec_of(inputs=["missing.jsonl"]), JOB, root)
 
 
 BAD_LINES = {
@@ -248,7 +248,7 @@ def test_bad_line_fails_with_file_and_line(root, at):
     line, message = BAD_LINES[at]
     put_jsonl(root, "in/bad.jsonl", [{"text": t} for t in texts(12)], raw_lines={at: line})
     spec = spec_of(inputs=["in/bad.jsonl"], shard_rows=5)
-    planned = pipeline.plan(spec, JOB, root)
+    planned = pipeline.prepare(spec, JOB, root)
     with pytest.raises(BadInputError, match="in/bad.jsonl " + message):
         for k in range(planned["shards"]):
             pipeline.preprocess(spec, JOB, root, k)
@@ -283,12 +283,12 @@ def test_skip_policy_drops_and_reports_bad_rows(root):
 def test_missing_parquet_column_and_missing_id(root):
     put_parquet(root, "p.parquet", pa.table({"body": ["a", "b"]}), 2)
     spec = spec_of(inputs=["p.parquet"])
-    pipeline.plan(spec, JOB, root)
+    pipeline.prepare(spec, JOB, root)
     with pytest.raises(BadInputError, match=r"p.parquet: no column 'text'"):
         pipeline.preprocess(spec, JOB, root, 0)
     put_jsonl(root, "a.jsonl", [{"text": "a", "id": 1}, {"text": "b"}])
     spec = spec_of(inputs=["a.jsonl"], id_field="id")
-    pipeline.plan(spec, JOB, root)
+    pipeline.prepare(spec, JOB, root)
     with pytest.raises(BadInputError, match=r"a.jsonl line 2: missing id field 'id'"):
         pipeline.preprocess(spec, JOB, root, 0)
 

@@ -266,7 +266,7 @@ def custom(tmp_path_factory, mp) -> Deployed:
         region="eu-west-1",
         lambda_architecture="x86_64",
         function_memory={"getbatch.gather": 3008, "dispatch": 256},
-        function_timeout={"getbatch.plan": 60},
+        function_timeout={"getbatch.prepare": 60},
         log_retention_days=30,
         sfn_log_level="ALL",
         tracing=True,
@@ -302,7 +302,7 @@ def test_outputs_are_what_the_aws_backend_reads(stack, workflows):
     assert set(out["state_machine_arns"]) == set(workflows)
     lambda_fns = {s.function for wf in workflows.values() for s in wf.walk() if isinstance(s, Task)}
     assert set(out["functions"]) == lambda_fns == set(out["function_names"])
-    assert out["function_names"]["getbatch.plan"] == "shardfold-test-getbatch-plan"
+    assert out["function_names"]["getbatch.prepare"] == "shardfold-test-getbatch-prepare"
     assert out["batch_job_queue"].endswith(":job-queue/shardfold-test")
     gpu_entry_points = {
         st.entry_point for wf in workflows.values() for st in wf.walk() if isinstance(st, BatchJob)
@@ -372,7 +372,7 @@ def test_size_overrides_show_up_in_the_sizes(custom):
     sizes = custom.outputs["sizes"]["functions"]
     assert sizes["getbatch.gather"]["memory_mb"] == 3008  # shardfold:functionMemory
     assert sizes["dispatch"]["memory_mb"] == 256
-    assert sizes["getbatch.plan"]["timeout_s"] == 60  # shardfold:functionTimeout
+    assert sizes["getbatch.prepare"]["timeout_s"] == 60  # shardfold:functionTimeout
 
 
 def test_batch_overrides_size_the_job_definition_the_states_and_the_sizes(tmp_path, monkeypatch):
@@ -550,7 +550,7 @@ def test_one_function_per_handler_sized_from_the_plan(stack, workflows):
 def test_function_overrides_and_architecture(custom):
     fns = {r.inputs["name"]: r.inputs for r in custom.of("aws:lambda/function:Function")}
     assert fns["shardfold-custom-getbatch-gather"]["memorySize"] == 3008
-    assert fns["shardfold-custom-getbatch-plan"]["timeout"] == 60
+    assert fns["shardfold-custom-getbatch-prepare"]["timeout"] == 60
     assert fns["shardfold-custom-dispatch"]["memorySize"] == 256
     assert all(
         f["architectures"] == ["x86_64"] and f["tracingConfig"]["mode"] == "Active" for f in fns.values()
@@ -655,8 +655,8 @@ def test_state_machine_roles_are_scoped(stack):
     by_sid = {s["Sid"]: s for s in getbatch["Statement"]}
     fns = stack.outputs["functions"]
     invoke = set(by_sid["InvokeFunctions"]["Resource"])
-    assert invoke == {fns[f] for f in ("getbatch.plan", "getbatch.gather", "getbatch.assemble")} | {
-        f"{fns[f]}:*" for f in ("getbatch.plan", "getbatch.gather", "getbatch.assemble")
+    assert invoke == {fns[f] for f in ("getbatch.prepare", "getbatch.gather", "getbatch.assemble")} | {
+        f"{fns[f]}:*" for f in ("getbatch.prepare", "getbatch.gather", "getbatch.assemble")
     }
     sm_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:shardfold-test-getbatch"
     assert by_sid["MapStartChildren"]["Resource"] == sm_arn == stack.outputs["state_machine_arns"]["getbatch"]

@@ -92,7 +92,7 @@ def test_workflow_walk_and_functions():
 def test_registry():
     assert handler_path("toy.plan").endswith(":plan")
     assert lambda_handler("toy.plan").endswith(".plan")
-    assert lambda_name("getbatch.plan", "dev") == "shardfold-dev-getbatch-plan"
+    assert lambda_name("getbatch.prepare", "dev") == "shardfold-dev-getbatch-prepare"
     with pytest.raises(PlanError, match="already registered"):
         register("toy.plan", "somewhere.else:plan")
     with pytest.raises(PlanError, match="kind.step"):

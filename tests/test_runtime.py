@@ -238,10 +238,10 @@ def test_context_none_binds_no_lambda_keys(root):
 def test_a_lambda_like_context_off_lambda_is_bound_for_the_call_only(root, monkeypatch):
     monkeypatch.delenv("AWS_LAMBDA_RUNTIME_API", raising=False)
     uri = write_spec(root, "j1", getbatch_doc())
-    context = LocalContext(function_name="getbatch.plan", memory_limit_in_mb=512)
+    context = LocalContext(function_name="getbatch.prepare", memory_limit_in_mb=512)
     assert plan(event(root, "j1", uri), context) == {"job": "j1"}
     line = seen[0]["log"]
-    assert line["function_name"] == "getbatch.plan" and line["function_memory_size"] == 512
+    assert line["function_name"] == "getbatch.prepare" and line["function_memory_size"] == 512
     assert line["function_request_id"] == context.aws_request_id
     assert not set(LAMBDA_KEYS) & set(log_line())
 
@@ -249,11 +249,11 @@ def test_a_lambda_like_context_off_lambda_is_bound_for_the_call_only(root, monke
 def test_on_lambda_the_context_goes_through_powertools_inject_lambda_context(root, monkeypatch):
     monkeypatch.setenv("AWS_LAMBDA_RUNTIME_API", "127.0.0.1:9001")
     uri = write_spec(root, "j1", getbatch_doc())
-    context = LocalContext(function_name="shardfold-prod-getbatch-plan")
+    context = LocalContext(function_name="shardfold-prod-getbatch-prepare")
     try:
         assert plan(event(root, "j1", uri), context) == {"job": "j1"}
         line = seen[0]["log"]
-        assert line["function_name"] == "shardfold-prod-getbatch-plan" and "cold_start" in line
+        assert line["function_name"] == "shardfold-prod-getbatch-prepare" and "cold_start" in line
         assert (line["job_id"], line["step"]) == ("j1", "getbatch.custom")
         assert "job_id" not in log_line()  # the task's own keys still end with the call
     finally:

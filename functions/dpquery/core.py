@@ -118,7 +118,7 @@ def _payload_offsets(pl: Plan) -> np.ndarray:
 # --- plan ---------------------------------------------------------------------------------------------------
 
 
-def plan(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
+def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
     """Plan the job, validate the dataset, reserve the budget, write the plan and the manifests.
 
     Order matters: the allocation and the dataset scan raise on bad input BEFORE the ledger is touched,

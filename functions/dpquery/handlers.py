@@ -25,8 +25,8 @@ class GroupEvent(JobEvent):
 
 
 @task(JobEvent, kind="dpquery")
-def plan(e: JobEvent, spec: DPQueryJob) -> dict:
-    return core.plan(spec, e.job_id, e.store_root)
+def prepare(e: JobEvent, spec: DPQueryJob) -> dict:
+    return core.prepare(spec, e.job_id, e.store_root)
 
 
 @task(GroupEvent, kind="dpquery")

@@ -5,7 +5,7 @@ the measure and reconstruct groups (the job's Map children), the predicted per-c
 privacy report are exactly the ones the job will use. From the store it reads only the dataset's size (one
 HEAD, for the scan time) and the dataset's budget ledger (to say whether the job fits the remaining
 budget); neither is required: a missing dataset or an unreadable ledger becomes a note, and the job itself
-would fail at its plan step, naming the cause, before any budget is spent.
+would fail at its prepare step, naming the cause, before any budget is spent.
 
 Besides the step table it returns two detail tables: the privacy and accuracy plan (ρ, ε at δ by CKS and
 by the exact Gaussian curve, workload RMSE) and the predicted per-cell error of each workload marginal
@@ -21,7 +21,14 @@ import numpy as np
 
 from functions import pricing
 from functions.dpquery.spec import DPQueryJob, marginal_name
-from functions.dpquery.workflow import FINALIZE, MEASURE, MEASURE_GROUP, PLAN, RECONSTRUCT, RECONSTRUCT_GROUP
+from functions.dpquery.workflow import (
+    FINALIZE,
+    MEASURE,
+    MEASURE_GROUP,
+    PREPARE,
+    RECONSTRUCT,
+    RECONSTRUCT_GROUP,
+)
 from functions.errors import StoreError
 from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from functions.tables import Table
@@ -74,8 +81,8 @@ def _dataset_size(spec: Any, store_root: str) -> tuple[int | None, str | None]:
     uri = resolve_in(spec.dataset, store_root)
     try:
         return store.size(uri), None
-    except StoreError as exc:  # missing, or no permission: the job's plan step would fail the same way
-        return None, f"dataset {uri}: {exc}; the job will fail at its plan step (nothing is spent)"
+    except StoreError as exc:  # missing, or no permission: the job's prepare step would fail the same way
+        return None, f"dataset {uri}: {exc}; the job will fail at its prepare step (nothing is spent)"
 
 
 def _ledger(spec: Any, store_root: str) -> tuple[Any, str | None]:
@@ -96,7 +103,7 @@ def _budget_rows(spec: Any, state: Any) -> tuple[list[list[Any]], list[str]]:
         if spec.dataset_budget_rho is None:
             return [["dataset budget", f"{spec.dataset_id!r} has no ledger yet"]], [
                 f"dataset {spec.dataset_id!r} has no budget ledger yet: the first job on it must give "
-                "'dataset_budget_rho'; this one would fail at its plan step"
+                "'dataset_budget_rho'; this one would fail at its prepare step"
             ]
         total, committed = spec.dataset_budget_rho, 0.0
         opened = " (this job opens the ledger)"
@@ -118,12 +125,12 @@ def _budget_rows(spec: Any, state: Any) -> tuple[list[list[Any]], list[str]]:
     if not fits:
         notes.append(
             f"dataset {spec.dataset_id!r} has ρ {remaining:.6g} left; this job asks for {rho:.6g} and would "
-            "be refused at its plan step (BudgetExceeded) before any measurement"
+            "be refused at its prepare step (BudgetExceeded) before any measurement"
         )
     if state.total_rho is not None and spec.dataset_budget_rho not in (None, state.total_rho):
         notes.append(
             f"dataset_budget_rho {spec.dataset_budget_rho} differs from the registered total "
-            f"{state.total_rho}; the job would fail at its plan step"
+            f"{state.total_rho}; the job would fail at its prepare step"
         )
     return rows, notes
 
@@ -298,7 +305,7 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     return Loads(
         items=pl.num_marginals,
         tasks={
-            PLAN: plan_load,
+            PREPARE: plan_load,
             MEASURE_GROUP: measure_load,
             RECONSTRUCT_GROUP: reconstruct_load,
             FINALIZE: finalize_load,

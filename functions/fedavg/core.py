@@ -331,7 +331,7 @@ def _weight(spec: FedAvgJob, metadata: dict[str, str], i: int, uri: str, needed:
         return None  # unweighted job: a missing or odd num_examples does not matter
 
 
-def plan(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None) -> dict:
+def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None) -> dict:
     """Inspect the clients, write the plan document and the shard manifest; return small references.
 
     Returns ``{"manifest": manifest_ref, "shards", "clients", "tensors", "bytes", "plan", "notes"}``. Refuses

@@ -22,17 +22,17 @@ class AggregateEvent(JobEvent):
     item: ShardRef
 
 
-class PlanResult(BaseModel):
+class PrepareResult(BaseModel):
     shards: int = Field(ge=1)
 
 
 class CommitEvent(JobEvent):
-    plan: PlanResult
+    prepare: PrepareResult
 
 
 @task(JobEvent, kind="fedavg")
-def plan(e: JobEvent, spec: FedAvgJob) -> dict:
-    return core.plan(spec, e.job_id, e.store_root)
+def prepare(e: JobEvent, spec: FedAvgJob) -> dict:
+    return core.prepare(spec, e.job_id, e.store_root)
 
 
 @task(AggregateEvent, kind="fedavg")
@@ -42,4 +42,4 @@ def aggregate(e: AggregateEvent, spec: FedAvgJob) -> dict:
 
 @task(CommitEvent, kind="fedavg")
 def commit(e: CommitEvent, spec: FedAvgJob) -> dict:
-    return core.commit(spec, e.job_id, e.store_root, e.plan.shards)
+    return core.commit(spec, e.job_id, e.store_root, e.prepare.shards)

@@ -432,7 +432,7 @@ def _upload_puts(nbytes: int) -> int:
 
 
 def task_loads(plan: Plan, on_s3: bool = True) -> dict[str, StepLoad]:
-    """Per-step loads of ``plan``: ``{"plan": ..., "aggregate": ..., "commit": ...}``.
+    """Per-step loads of ``plan``: ``{"prepare": ..., "aggregate": ..., "commit": ...}``.
 
     Exact request counts (the same chunk and read geometry the aggregate tasks use, computed per distinct
     client layout, so it costs O(chunks x layouts), not O(chunks x N)); memory from the buffers a task
@@ -528,7 +528,7 @@ def task_loads(plan: Plan, on_s3: bool = True) -> dict[str, StepLoad]:
         write_bytes=max_write,
         components=comps,
     )
-    return {"plan": plan_step, "aggregate": aggregate_step, "commit": commit_step}
+    return {"prepare": plan_step, "aggregate": aggregate_step, "commit": commit_step}
 
 
 # --- the estimate's contract (functions.estimate) ----------------------------------------------------------
@@ -557,8 +557,8 @@ def scaled(plan: Plan, n: int, shards: int | None) -> Plan:
 
 
 def probe(spec: Any, store_root: str, budget: Any) -> Any:
-    """Client headers, as the job's plan step reads them, for at most ``budget.objects`` clients (evenly
-    sampled beyond); an unreadable update becomes a note (the job fails at its plan step naming it)."""
+    """Client headers, as the job's prepare step reads them, for at most ``budget.objects`` clients (evenly
+    sampled beyond); an unreadable update becomes a note (the job fails at its prepare step naming it)."""
     from functions.errors import InvalidModelFile, StoreError
     from functions.estimate import Probe
     from functions.fedavg import core
@@ -573,7 +573,7 @@ def probe(spec: Any, store_root: str, budget: Any) -> Any:
     except (StoreError, InvalidModelFile) as exc:
         return Probe(
             facts={"clients": n, "headers_read": 0},
-            notes=[f"{exc}: the job will fail at its plan step; sizes, shards and memory are not known"],
+            notes=[f"{exc}: the job will fail at its prepare step; sizes, shards and memory are not known"],
         )
     notes = [] if k == n else [f"headers read for {k} of {n} clients (evenly sampled); the job reads all"]
     if k < n:
@@ -585,7 +585,7 @@ def probe(spec: Any, store_root: str, budget: Any) -> Any:
 def loads(spec: Any, probed: Any) -> Any:
     from functions import pricing
     from functions.estimate import Loads, TaskLoad
-    from functions.fedavg.workflow import AGGREGATE, AGGREGATE_SHARD, COMMIT, PLAN
+    from functions.fedavg.workflow import AGGREGATE, AGGREGATE_SHARD, COMMIT, PREPARE
 
     plan: Plan | None = probed.model
     if plan is None:  # unreadable: one shard, runtime memory, one read each
@@ -594,14 +594,14 @@ def loads(spec: Any, probed: Any) -> Any:
         return Loads(
             items=n,
             tasks={
-                PLAN: TaskLoad(**{**asdict(base), "gets": 1 + 3 * n, "puts": 2}),
+                PREPARE: TaskLoad(**{**asdict(base), "gets": 1 + 3 * n, "puts": 2}),
                 AGGREGATE_SHARD: TaskLoad(**{**asdict(base), "gets": 2 + n, "puts": 1}),
                 COMMIT: TaskLoad(**{**asdict(base), "gets": 4, "puts": 4}),
             },
             map_items={AGGREGATE: 1},
         )
     steps = task_loads(plan, on_s3=True)  # the requests AWS would bill
-    p, a, c = steps["plan"], steps["aggregate"], steps["commit"]
+    p, a, c = steps["prepare"], steps["aggregate"], steps["commit"]
     net = pricing.LAMBDA_NET_BYTES_PER_S
     latency = pricing.S3_GET_LATENCY_S
     n, m = plan.n_clients, plan.shards
@@ -655,7 +655,7 @@ def loads(spec: Any, probed: Any) -> Any:
         notes.append("to fit: the headers are too large for the plan function; merge small tensors")
     return Loads(
         items=n,
-        tasks={PLAN: plan_load, AGGREGATE_SHARD: aggregate_load, COMMIT: commit_load},
+        tasks={PREPARE: plan_load, AGGREGATE_SHARD: aggregate_load, COMMIT: commit_load},
         map_items={AGGREGATE: m},
         notes=notes,
         output_bytes=len(plan.header()) + plan.data_bytes,

@@ -1,8 +1,8 @@
-"""The fedavg workflow: plan → Map(aggregate one shard each) → commit (GradsSharding).
+"""The fedavg workflow: prepare → Map(aggregate one shard each) → commit (GradsSharding).
 
-The plan reads every client's safetensors header, checks them and writes the shard manifest (Distributed
-Map's ``ItemReader`` reads it on AWS); each aggregate task streams one byte range of the model from all N
-clients and writes one part; commit joins the parts server-side into one safetensors object. Only
+The prepare step reads every client's safetensors header, checks them and writes the shard manifest
+(Distributed Map's ``ItemReader`` reads it on AWS); each aggregate task streams one byte range of the model
+from all N clients and writes one part; commit joins the parts server-side into one safetensors object. Only
 references cross the control plane.
 """
 
@@ -12,8 +12,8 @@ from functions.fedavg.sizing import AGGREGATE_MEMORY_MB, COMMIT_MEMORY_MB, LAMBD
 from functions.workflow import Map, Task, Workflow
 
 # aggregate is CPU-bound once its reads overlap (a process locally; 1769 MB = one full vCPU on Lambda). Its
-# memory does not grow with N or the model size; the plan sizes shards to the 900 s timeout.
-PLAN = Task("plan", "fedavg.plan", memory_mb=PLAN_MEMORY_MB, timeout_s=300)
+# memory does not grow with N or the model size; the prepare step sizes shards to the 900 s timeout.
+PREPARE = Task("prepare", "fedavg.prepare", memory_mb=PLAN_MEMORY_MB, timeout_s=300)
 AGGREGATE_SHARD = Task(
     "aggregate_shard",
     "fedavg.aggregate",
@@ -21,11 +21,11 @@ AGGREGATE_SHARD = Task(
     memory_mb=AGGREGATE_MEMORY_MB,
     timeout_s=LAMBDA_TIMEOUT_S,
 )
-AGGREGATE = Map("aggregate", items="$.plan.manifest", body=(AGGREGATE_SHARD,))
+AGGREGATE = Map("aggregate", items="$.prepare.manifest", body=(AGGREGATE_SHARD,))
 COMMIT = Task("commit", "fedavg.commit", memory_mb=COMMIT_MEMORY_MB, timeout_s=LAMBDA_TIMEOUT_S)
 
 WORKFLOW = Workflow(
     kind="fedavg",
     comment="FedAvg: N client updates averaged shard by shard into one safetensors file",
-    steps=(PLAN, AGGREGATE, COMMIT),
+    steps=(PREPARE, AGGREGATE, COMMIT),
 )

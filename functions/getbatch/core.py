@@ -91,7 +91,7 @@ def parse_item(doc: Any, store_root: str) -> BatchItem:
     return item.model_copy(update={"uri": resolve_in(item.uri, store_root)})
 
 
-def plan(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
+def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
     """Split the request into parts and write their item lists and the part manifest."""
     items = load_items(spec, store_root)
     size = spec.items_per_part

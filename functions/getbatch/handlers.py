@@ -20,17 +20,17 @@ class GatherEvent(JobEvent):
     item: PartRef
 
 
-class PlanResult(BaseModel):
+class PrepareResult(BaseModel):
     parts: int = Field(ge=1)
 
 
 class AssembleEvent(JobEvent):
-    plan: PlanResult
+    prepare: PrepareResult
 
 
 @task(JobEvent, kind="getbatch")
-def plan(e: JobEvent, spec: GetBatchJob) -> dict:
-    return core.plan(spec, e.job_id, e.store_root)
+def prepare(e: JobEvent, spec: GetBatchJob) -> dict:
+    return core.prepare(spec, e.job_id, e.store_root)
 
 
 @task(GatherEvent, kind="getbatch")
@@ -40,4 +40,4 @@ def gather(e: GatherEvent, spec: GetBatchJob) -> dict:
 
 @task(AssembleEvent, kind="getbatch")
 def assemble(e: AssembleEvent, spec: GetBatchJob) -> dict:
-    return core.assemble(spec, e.job_id, e.store_root, e.plan.parts)
+    return core.assemble(spec, e.job_id, e.store_root, e.prepare.parts)

@@ -22,7 +22,7 @@ from functions.errors import ShardfoldError
 from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from functions.getbatch import core
 from functions.getbatch.spec import GetBatchJob
-from functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PLAN
+from functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PREPARE
 from functions.store import batch
 
 # Python memory of one parsed BatchItem plus its JSON (plan and assemble hold all of them / their rows).
@@ -161,7 +161,7 @@ def loads(spec: GetBatchJob, probed: Probe) -> Loads:
         notes.append("to fit: a request this long needs a bigger plan function; split it into several jobs")
     return Loads(
         items=n,
-        tasks={PLAN: plan, GATHER_PART: gather, ASSEMBLE: assemble},
+        tasks={PREPARE: plan, GATHER_PART: gather, ASSEMBLE: assemble},
         map_items={GATHER: parts},
         notes=notes,
         output_bytes=int(facts["total_bytes"])

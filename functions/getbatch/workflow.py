@@ -1,9 +1,9 @@
-"""The getbatch workflow: plan → Map(gather one part each) → assemble.
+"""The getbatch workflow: prepare → Map(gather one part each) → assemble.
 
-The plan writes the part list as a manifest (Distributed Map's ``ItemReader`` reads it on AWS), each gather
-task writes one TAR fragment, and assemble joins them server-side into one archive plus a per-item status
-manifest. Nothing but references crosses the control plane, so a 100,000-item request stays far below the
-256 KiB state limit.
+The prepare step writes the part list as a manifest (Distributed Map's ``ItemReader`` reads it on AWS), each
+gather task writes one TAR fragment, and assemble joins them server-side into one archive plus a per-item
+status manifest. Nothing but references crosses the control plane, so a 100,000-item request stays far below
+the 256 KiB state limit.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 from functions.workflow import Map, Task, Workflow
 
 # gather is I/O-bound (threads locally); its memory is the engine's window plus the spooled fragment.
-PLAN = Task("plan", "getbatch.plan", memory_mb=512, timeout_s=300)
+PREPARE = Task("prepare", "getbatch.prepare", memory_mb=512, timeout_s=300)
 GATHER_PART = Task("gather_part", "getbatch.gather", memory_mb=1024, timeout_s=900)
-GATHER = Map("gather", items="$.plan.manifest", body=(GATHER_PART,), max_concurrency=64)
+GATHER = Map("gather", items="$.prepare.manifest", body=(GATHER_PART,), max_concurrency=64)
 ASSEMBLE = Task("assemble", "getbatch.assemble", memory_mb=512, timeout_s=900)
 
 WORKFLOW = Workflow(
     kind="getbatch",
     comment="GetBatch: many objects fetched into one ordered TAR",
-    steps=(PLAN, GATHER, ASSEMBLE),
+    steps=(PREPARE, GATHER, ASSEMBLE),
 )

@@ -19,8 +19,8 @@ class ShardEvent(JobEvent):
 
 
 @task(JobEvent, kind="inference")
-def plan(e: JobEvent, spec: InferenceJob) -> dict:
-    return pipeline.plan(spec, e.job_id, e.store_root)
+def prepare(e: JobEvent, spec: InferenceJob) -> dict:
+    return pipeline.prepare(spec, e.job_id, e.store_root)
 
 
 @task(ShardEvent, kind="inference")

@@ -1,4 +1,4 @@
-"""Pure core of the ``inference`` job around its GPU worker: plan, preprocess, cpu_done, reconcile, commit.
+"""Pure core of the ``inference`` job around its GPU worker: prepare, preprocess, cpu_done, reconcile, commit.
 
 * **preprocess** tokenizes one shard and writes ``pre/<H>/<k>.npz`` put-if-absent; an existing shard file
   is kept (lineage: a shard's CPU task re-runs only when its file is missing).
@@ -24,14 +24,14 @@ from functions import store
 from functions.errors import ShardfoldError
 from functions.inference import shards as layout
 from functions.inference.preprocess import decode_shard, encode_shard, read_shard
-from functions.inference.shards import load_plan, plan
+from functions.inference.shards import load_plan, prepare
 from functions.inference.spec import InferenceJob
 from functions.manifest import manifest_ref
 from functions.store.uri import join
 
 logger = Logger(service="shardfold")
 
-__all__ = ["commit", "cpu_done", "missing_shards", "plan", "preprocess", "progress", "reconcile"]
+__all__ = ["commit", "cpu_done", "missing_shards", "prepare", "preprocess", "progress", "reconcile"]
 
 
 class MissingShards(ShardfoldError):

@@ -297,7 +297,7 @@ def make_shards(spec: InferenceJob, store_root: str) -> list[dict[str, Any]]:
     return shards
 
 
-def plan(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+def prepare(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     """Write ``plan.json``, the shard manifest and the worker list; return ``{manifest, workers, shards, rows,
     config_hash}``."""
     h, parts = config_hash(spec, store_root)

@@ -1,10 +1,10 @@
 """Task loads of an inference job: shards, CPU tasks, the GPU workers, per-task memory.
 
 * **probe**: the inputs' row counts and bytes per row. Within the byte budget they are exact, as the job's
-  plan step counts them (:func:`functions.inference.shards.make_shards`: a JSONL file's lines, a Parquet
+  prepare step counts them (:func:`functions.inference.shards.make_shards`: a JSONL file's lines, a Parquet
   footer's row count); beyond it (a submit reads at most 1 MiB) a JSONL file's rows are extrapolated from
   its first bytes and its size, and a Parquet file's footer is read. An input that is missing or unreadable
-  becomes a note: the job fails at its plan step naming it.
+  becomes a note: the job fails at its prepare step naming it.
 * **loads**: a preprocess task holds one shard's text and its token ids (int32, at most ``max_tokens`` per
   row) on top of the tokenizer runtime; the worker holds the model, a bounded prefetch of preprocessed
   shards and one batch's activations; commit holds the preprocessed shards' ids and streams embeddings to
@@ -55,7 +55,9 @@ def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
         try:
             rows, size, exact = _input_rows(resolve_in(raw, store_root), inference_input_format(raw), head)
         except Exception as exc:  # noqa: BLE001 - any unreadable input becomes a note, as in the other kinds
-            notes.append(f"inputs.{i} {raw}: {exc}: the job will fail at its plan step; rows are not known")
+            notes.append(
+                f"inputs.{i} {raw}: {exc}: the job will fail at its prepare step; rows are not known"
+            )
             continue
         inputs.append({"rows": rows, "bytes": size, "exact": exact})
     if len(spec.inputs) > budget.objects:
@@ -121,7 +123,7 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
         why="row ids of every shard, then one shard's embeddings at a time",
     )
     tasks = {
-        wf.PLAN: plan,
+        wf.PREPARE: plan,
         wf.PREPROCESS_SHARD: preprocess,
         wf.CPU_DONE: small,
         wf.INFER: worker,

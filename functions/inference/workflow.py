@@ -1,4 +1,4 @@
-"""The inference workflow: plan → Parallel(CPU Map + cpu_done | GPU workers) → reconcile → repair → commit.
+"""The inference workflow: prepare → Parallel(CPU Map + cpu_done | GPU workers) → reconcile → repair → commit.
 
 The CPU branch tokenizes shards (one Lambda task each) while the GPU branch's workers (``gpu_workers`` AWS
 Batch jobs, ``python -m functions.inference.worker``) claim each shard as soon as its preprocessed file
@@ -9,7 +9,7 @@ the repair worker exits at once when nothing is missing). The plan vocabulary ha
 round is a fixed pair of steps; ``commit`` fails naming any shard still missing, and resuming the job
 repeats only that.
 
-The kind deploys as container-image Lambda functions (``lambda_package="image"``): plan, preprocess and
+The kind deploys as container-image Lambda functions (``lambda_package="image"``): prepare, preprocess and
 commit read and write Parquet with pyarrow, which is image-only (infra/package.py IMAGE_ONLY).
 """
 
@@ -19,16 +19,18 @@ from functions.workflow import BatchJob, Map, Parallel, Task, Workflow
 
 WORKER = dict(entry_point="inference.worker", vcpus=4, memory_mb=16384, gpus=1, timeout_s=4 * 3600)
 
-PLAN = Task("plan", "inference.plan", memory_mb=1024, timeout_s=900)
+PREPARE = Task("prepare", "inference.prepare", memory_mb=1024, timeout_s=900)
 PREPROCESS_SHARD = Task(
     "preprocess_shard", "inference.preprocess", mode="process", memory_mb=2048, timeout_s=900
 )
-PREPROCESS = Map("preprocess", items="$.plan.manifest", body=(PREPROCESS_SHARD,), max_concurrency=64)
+PREPROCESS = Map("preprocess", items="$.prepare.manifest", body=(PREPROCESS_SHARD,), max_concurrency=64)
 CPU_DONE = Task("cpu_done", "inference.cpu_done", memory_mb=512, timeout_s=60)
 INFER = BatchJob("infer", **WORKER)
 # One Batch job per GPU worker (the spec's gpu_workers); they claim shards side by side. The stage fails only
 # when every worker failed: a lost worker's shards go to repair.
-INFER_WORKERS = Map("infer_workers", items="$.plan.workers", body=(INFER,), tolerated_failure_percentage=99)
+INFER_WORKERS = Map(
+    "infer_workers", items="$.prepare.workers", body=(INFER,), tolerated_failure_percentage=99
+)
 STAGES = Parallel("stages", branches=((PREPROCESS, CPU_DONE), (INFER_WORKERS,)))
 RECONCILE = Task("reconcile", "inference.reconcile", memory_mb=512, timeout_s=300)
 REPAIR_PREPROCESS_SHARD = Task(
@@ -44,5 +46,5 @@ WORKFLOW = Workflow(
     kind="inference",
     comment="Streaming batch inference: CPU tokenization overlapped with GPU inference",
     lambda_package="image",
-    steps=(PLAN, STAGES, RECONCILE, REPAIR_PREPROCESS, REPAIR_INFER, COMMIT),
+    steps=(PREPARE, STAGES, RECONCILE, REPAIR_PREPROCESS, REPAIR_INFER, COMMIT),
 )
