@@ -125,7 +125,9 @@ def test_plan_numbers(client):
     parts = math.ceil(N / 4)
     by_name = {s.function.rsplit(".", 1)[-1]: s for s in report.steps}
     assert report.kind == "getbatch" and report.items == N
-    assert by_name["gather"].tasks == parts and by_name["plan"].tasks == 1 and by_name["assemble"].tasks == 1
+    assert (
+        by_name["gather"].tasks == parts and by_name["prepare"].tasks == 1 and by_name["assemble"].tasks == 1
+    )
     assert by_name["gather"].gets >= N  # one GET per item at least
     assert report.gets >= N and report.puts >= parts
     assert all(s.fits and 0 < s.peak_mb <= s.memory_mb for s in report.steps)

@@ -243,7 +243,7 @@ def test_bad_input_fails_before_any_budget_is_spent(tmp_path, change, error, wor
     spec_uri = join(root, "jobs", job_id, "spec.json")
     store.put_json(spec_uri, doc)
     with pytest.raises(error) as err:
-        handlers.plan({"job_id": job_id, "spec_uri": spec_uri, "store_root": root})
+        handlers.prepare({"job_id": job_id, "spec_uri": spec_uri, "store_root": root})
     for w in words:
         assert w in str(err.value)
     if error is DatasetError and "sex" in str(err.value):

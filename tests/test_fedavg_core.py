@@ -714,7 +714,7 @@ def test_task_loads_count_the_reads_the_tasks_make_and_memory_is_flat_in_n(root)
     loads = task_loads(plan)
     reads = sum(core.aggregate(spec, JOB, root, k)["reads"] for k in range(planned["shards"]))
     assert loads["aggregate"].gets == reads + 2 * planned["shards"]
-    assert loads["aggregate"].tasks == planned["shards"] and loads["plan"].gets == 1 + 3 * 6
+    assert loads["aggregate"].tasks == planned["shards"] and loads["prepare"].gets == 1 + 3 * 6
     # memory: the mean's per-task peak does not depend on N; the robust one is bounded by robust_bytes
     small, large = (
         task_loads(core.inspect(FedAvgJob(clients=[{"uri": u} for u in uris[:k]]), JOB, root))["aggregate"]
@@ -740,9 +740,9 @@ def test_handlers_run_the_job_and_retries_are_idempotent(root, clients7):
     spec_uri = store.uri.join(root, "jobs", JOB, "spec.json")
     store.put(spec_uri, spec.model_dump_json().encode())
     state = {"job_id": JOB, "spec_uri": spec_uri, "store_root": root}
-    planned = handlers.plan(state)
+    planned = handlers.prepare(state)
     assert len(json.dumps(planned)) < 2048
-    state["plan"] = planned
+    state["prepare"] = planned
     for i, item in enumerate(store.get_json(planned["manifest"]["uri"])):
         child = {"job_id": JOB, "spec_uri": spec_uri, "store_root": root, "item": item, "index": i}
         first = handlers.aggregate(child)

@@ -623,3 +623,15 @@ def test_crt_addressing(monkeypatch, aws_env):
     local = crt_client()
     assert (local.host, local.region) == ("127.0.0.1:4566", "ap-south-1")
     assert local.address("bkt", "k/x") == ("127.0.0.1:4566", "/base/bkt/k/x")
+
+
+def test_sizes_through_crt_heads_match_boto3(crt_bucket, tmp_path, monkeypatch):
+    local = tmp_path / "here.bin"
+    local.write_bytes(b"x" * 7)
+    present = [f"s3://{crt_bucket}/{key}" for key in [*S3_OBJECTS, "shard.tar"]]
+    uris = [*present, f"s3://{crt_bucket}/nope", local.as_uri()]
+    crt = store.sizes(uris)
+    assert [crt[u] for u in present] == [len(d) for d in S3_OBJECTS.values()] + [len(SHARD)]
+    assert crt[f"s3://{crt_bucket}/nope"] is None and crt[local.as_uri()] == 7
+    monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", "boto3")
+    assert store.sizes(uris) == crt

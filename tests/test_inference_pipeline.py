@@ -398,20 +398,20 @@ def test_handlers_and_workflow(root):
     spec_uri = store.uri.join(root, "jobs", JOB, "spec.json")
     store.put(spec_uri, spec.model_dump_json().encode())
     state = {"job_id": JOB, "spec_uri": spec_uri, "store_root": root}
-    planned = handlers.plan(state)
+    planned = handlers.prepare(state)
     assert planned["shards"] == 3
     for i, item in enumerate(store.get_json(planned["manifest"]["uri"])):
         handlers.preprocess({**state, "item": item, "index": i})
     handlers.cpu_done(state)
     assert store.exists(layout.cpu_done_uri(root, JOB))
     fake_worker(root)
-    assert handlers.reconcile({**state, "plan": planned})["count"] == 0
+    assert handlers.reconcile({**state, "prepare": planned})["count"] == 0
     assert handlers.commit(state)["rows"] == 9
 
     wf = WORKFLOWS["inference"]
     assert wf.lambda_package == "image"
     assert isinstance(wf.steps[1], Parallel) and [s.name for s in wf.steps] == [
-        "plan",
+        "prepare",
         "stages",
         "reconcile",
         "repair_preprocess",

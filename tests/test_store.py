@@ -286,3 +286,25 @@ def test_s3_errors_are_translated(s3_root):
     assert isinstance(s3mod.translate(err("InvalidRange", 416), "s3://b/k", "GET"), InvalidRange)
     denied = s3mod.translate(err("AccessDenied", 403), "s3://b/k", "GET")
     assert isinstance(denied, StoreError) and "access denied" in str(denied)
+
+
+def test_writer_commits_whole_or_not_at_all(root, monkeypatch):
+    dest = store.join(root, "streamed/obj")
+    if store.is_s3(root):
+        monkeypatch.setattr(s3mod, "WRITE_PART", 5 * MiB)  # S3's smallest part: three parts and a tail
+    data = bytes(range(256)) * (64 * 1024 + 3)  # 16 MiB + 768 bytes, written in odd-sized pieces
+    with store.writer(dest) as f:
+        for i in range(0, len(data), 1_000_003):
+            f.write(data[i : i + 1_000_003])
+        assert not store.exists(dest)  # nothing is visible before the block ends
+    assert store.get(dest) == data
+    with pytest.raises(RuntimeError, match="boom"), store.writer(store.join(root, "streamed/broken")) as f:
+        f.write(data)
+        raise RuntimeError("boom")
+    assert not store.exists(store.join(root, "streamed/broken"))
+    assert store.list_uris(store.join(root, "streamed")) == [dest]  # no temporaries left behind
+    if store.is_s3(root):
+        assert not boto3.client("s3").list_multipart_uploads(Bucket="sf-test").get("Uploads")
+    with store.writer(store.join(root, "streamed/small")) as f:
+        f.write(b"tiny")
+    assert store.get(store.join(root, "streamed/small")) == b"tiny"

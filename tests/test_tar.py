@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functions.store.batch import BatchEntry
-from functions.store.tar import TAR_TRAILER, find_member, index_tar, write_tar
+from functions.store.tar import TAR_FORMAT, TAR_TRAILER, find_member, index_tar, tar_header, write_tar
 
 NAMES = st.text(
     alphabet=st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/\\\x00"),
@@ -141,3 +141,19 @@ def test_find_member_tolerates_leading_dot_slash():
     assert find_member(index, "a/b.wav") == (512, 3)
     assert find_member(index, "./c.txt") == (2048, 1)
     assert find_member(index, "nope") is None
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(
+        st.text(min_size=1, max_size=120),
+        st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=110),
+    ),
+    st.one_of(st.integers(0, 2 * 8**11), st.sampled_from([0, 511, 512, 8**11 - 1, 8**11])),
+)
+def test_the_direct_header_is_the_one_tarfile_writes(name, size):
+    # the fast path (plain ustar for short printable ASCII names) must not change a byte of the archive
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid = size, 0, 0o644, 0, 0
+    info.uname = info.gname = ""
+    assert tar_header(name, size) == info.tobuf(TAR_FORMAT, "utf-8", "surrogateescape")

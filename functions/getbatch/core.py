@@ -3,8 +3,9 @@
 * **plan** splits the request into parts of ``items_per_part`` items, writes each part's item list and a
   manifest listing the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
   through the control plane.
-* **gather** fetches one part with the GetBatch engine and writes it as a TAR *fragment* (members only, no
-  end-of-archive marker) plus its per-item status rows.
+* **gather** fetches one part with the GetBatch engine and streams it into the store as a TAR *fragment*
+  (members only, no end-of-archive marker) plus its per-item status rows; the only part of a request is
+  written as the whole archive at the output URI, with nothing left to assemble.
 * **assemble** concatenates the fragments and a TAR trailer into one archive server-side, writes the
   per-item status manifest and the job result, then removes the temporaries.
 
@@ -16,13 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from typing import Any
 
 from aws_lambda_powertools import Logger
 
 from functions import store
-from functions.errors import BatchItemError, SpecError, TooManySoftErrors
+from functions.errors import BatchItemError, ObjectNotFound, SpecError, TooManySoftErrors
 from functions.getbatch.spec import GetBatchJob
 from functions.manifest import manifest_ref
 from functions.specs import BatchItem
@@ -32,8 +32,6 @@ from functions.store.uri import join, resolve
 logger = Logger(service="shardfold")
 
 STAGE = "getbatch"
-# A gather task spills its TAR fragment to disk beyond this, so a part's memory stays O(window).
-SPOOL_BYTES = 64 * 1024 * 1024
 
 
 def job_uri(store_root: str, job_id: str, *parts: str) -> str:
@@ -101,32 +99,48 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
         chunk = items[p * size : (p + 1) * size]
         uri = job_uri(store_root, job_id, STAGE, "parts", f"{p:05d}.json")
         store.put_json(uri, [i.model_dump(exclude_none=True) for i in chunk])
-        manifest.append({"part": p, "first": p * size, "count": len(chunk)})
+        manifest.append({"part": p, "first": p * size, "count": len(chunk), "of": n_parts})
     manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
     store.put_json(manifest_uri, manifest)
     logger.info("planned getbatch", extra={"job_id": job_id, "items": len(items), "parts": n_parts})
     return {"manifest": manifest_ref(manifest_uri, n_parts), "parts": n_parts, "items": len(items)}
 
 
-def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int) -> dict:
-    """Fetch one part in request order and write its TAR fragment and status rows."""
+def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: int = 0) -> dict:
+    """Fetch one part in request order and write its TAR fragment and status rows.
+
+    The only part of a request (``parts == 1``) is written as the whole archive, trailer included, at the
+    output URI: there is nothing to assemble, so the data is written once instead of twice."""
     items = [BatchItem.model_validate(d) for d in store.get_json(_part_uri(store_root, job_id, part))]
     first = part * spec.items_per_part  # the part's first item in the whole request
+    whole = parts == 1
     entries = store.get_batch(
         items, continue_on_error=spec.continue_on_error, max_soft_errors=spec.max_soft_errors
     )
-    with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as frag:
-        try:
-            rows = write_tar(entries, frag, end_of_archive=False)
-        except BatchItemError as exc:  # name the item by its place in the user's request, not the part
-            raise BatchItemError(first + exc.index, exc.item, exc.reason) from None
-        frag.seek(0)
-        store.put_file(_fragment_uri(store_root, job_id, part), frag)
+    # The fragment streams straight into the store (a multipart upload on S3), so the task holds the
+    # engine's window and a write buffer, never the fragment.
+    target = output_uri(spec, store_root, job_id) if whole else _fragment_uri(store_root, job_id, part)
+    try:
+        with store.writer(target) as frag:
+            rows = write_tar(entries, frag, end_of_archive=whole)
+            if whole:
+                _check_soft_errors(spec, rows)  # before the archive is committed
+    except BatchItemError as exc:  # name the item by its place in the user's request, not the part
+        raise BatchItemError(first + exc.index, exc.item, exc.reason) from None
     for row in rows:
         row["index"] += first
     store.put_json(_status_uri(store_root, job_id, part), rows)
     errors = sum(1 for r in rows if r["error"])
     return {"part": part, "items": len(rows), "errors": errors, "bytes": sum(r["size"] for r in rows)}
+
+
+def _check_soft_errors(spec: GetBatchJob, rows: list[dict]) -> None:
+    failed = [r for r in rows if r["error"]]
+    if spec.max_soft_errors is not None and len(failed) > spec.max_soft_errors:
+        raise TooManySoftErrors(
+            f"{len(failed)} items failed, more than max_soft_errors={spec.max_soft_errors}; "
+            f"first: item {failed[0]['index']} ({failed[0]['error']})"
+        )
 
 
 def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dict:
@@ -137,16 +151,19 @@ def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dic
     rows: list[dict] = []
     for p in range(parts):
         rows.extend(store.get_json(_status_uri(store_root, job_id, p)))
+    _check_soft_errors(spec, rows)
     failed = [r for r in rows if r["error"]]
-    if spec.max_soft_errors is not None and len(failed) > spec.max_soft_errors:
-        raise TooManySoftErrors(
-            f"{len(failed)} items failed, more than max_soft_errors={spec.max_soft_errors}; "
-            f"first: item {failed[0]['index']} ({failed[0]['error']})"
-        )
     out = output_uri(spec, store_root, job_id)
-    trailer = job_uri(store_root, job_id, STAGE, "fragments", "trailer.tar")
-    store.put(trailer, TAR_TRAILER)
-    store.assemble([_fragment_uri(store_root, job_id, p) for p in range(parts)] + [trailer], out)
+    fragments = [_fragment_uri(store_root, job_id, p) for p in range(parts)]
+    if parts == 1 and not store.exists(fragments[0]):  # the only part's gather wrote the archive itself
+        if not store.exists(out):
+            raise ObjectNotFound(
+                f"the archive {out} that part 0 wrote is gone; resume the job to fetch it again"
+            )
+    else:
+        trailer = job_uri(store_root, job_id, STAGE, "fragments", "trailer.tar")
+        store.put(trailer, TAR_TRAILER)
+        store.assemble([*fragments, trailer], out)
     status = job_uri(store_root, job_id, "output", "status.jsonl")
     store.put(status, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
     result = {

@@ -14,6 +14,7 @@ class PartRef(BaseModel):
     part: int = Field(ge=0)
     first: int = Field(ge=0)
     count: int = Field(ge=1)
+    of: int = Field(default=0, ge=0, description="how many parts the request has (0: not said)")
 
 
 class GatherEvent(JobEvent):
@@ -35,7 +36,7 @@ def prepare(e: JobEvent, spec: GetBatchJob) -> dict:
 
 @task(GatherEvent, kind="getbatch")
 def gather(e: GatherEvent, spec: GetBatchJob) -> dict:
-    return core.gather(spec, e.job_id, e.store_root, e.item.part)
+    return core.gather(spec, e.job_id, e.store_root, e.item.part, e.item.of)
 
 
 @task(AssembleEvent, kind="getbatch")

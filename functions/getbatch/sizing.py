@@ -6,8 +6,9 @@
   indexes its shard: it is bounded by the shard and assumed at most 1 MiB.
 * **loads**: a gather task holds what the GetBatch engine buffers — at most ``window`` items, where the
   window is the engine's default (:data:`functions.store.batch.WINDOW_PER_READ` x its concurrency) but
-  never more than the part's items — times the largest item, plus its TAR fragment spooled in memory up to
-  :data:`functions.getbatch.core.SPOOL_BYTES`, plus the parsed items. plan holds the parsed request;
+  never more than the part's items — times the largest item, plus the write buffer of its TAR fragment,
+  streamed to the store in parts (:data:`functions.store.s3.WRITE_PART`, two at a time), plus the parsed
+  items. plan holds the parsed request;
   assemble the per-item status rows.
 """
 
@@ -23,7 +24,7 @@ from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from functions.getbatch import core
 from functions.getbatch.spec import GetBatchJob
 from functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PREPARE
-from functions.store import batch
+from functions.store import batch, s3
 
 # Python memory of one parsed BatchItem plus its JSON (plan and assemble hold all of them / their rows).
 ITEM_OBJECT_BYTES = 1024
@@ -124,17 +125,17 @@ def loads(spec: GetBatchJob, probed: Probe) -> Loads:
     parts = math.ceil(n / spec.items_per_part)
     concurrency = batch.DEFAULT_CONCURRENCY
     window = min(batch.WINDOW_PER_READ * concurrency, per_part)
-    spool = min(part_bytes, core.SPOOL_BYTES)
+    write_buffer = min(part_bytes, 2 * s3.WRITE_PART)  # the streamed fragment's part filling + uploading
     buffered = window * largest
     gather = TaskLoad(
-        peak_bytes=RUNTIME_BYTES + buffered + spool + per_part * ITEM_OBJECT_BYTES,
+        peak_bytes=RUNTIME_BYTES + buffered + write_buffer + per_part * ITEM_OBJECT_BYTES,
         gets=2 + per_part,  # spec + part list + one GET per item
         puts=1 + math.ceil(max(part_bytes, 1) / MULTIPART_CHUNK) + (2 if part_bytes > MULTIPART_CHUNK else 0),
         duration_s=pricing.TASK_OVERHEAD_S
         + math.ceil(per_part / concurrency) * pricing.S3_GET_LATENCY_S
         + part_bytes / pricing.LAMBDA_NET_BYTES_PER_S,
-        why=f"{window} item(s) in the engine's window x largest {largest / MiB:.2f} MiB, a TAR fragment "
-        f"spooled in memory up to {core.SPOOL_BYTES // MiB} MiB, {per_part:,} parsed items",
+        why=f"{window} item(s) in the engine's window x largest {largest / MiB:.2f} MiB, the TAR fragment's "
+        f"write buffer (up to two {s3.WRITE_PART // MiB} MiB parts), {per_part:,} parsed items",
     )
     plan = TaskLoad(
         peak_bytes=RUNTIME_BYTES + n * ITEM_OBJECT_BYTES * 2,

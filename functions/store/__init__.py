@@ -12,12 +12,12 @@ endpoint such as a moto server, honoured by boto3 and by GetBatch's CRT transpor
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 from functions.errors import ObjectNotFound, StoreError
-from functions.store import local, s3
+from functions.store import local, s3, transport
 from functions.store.batch import BatchEntry, BatchStats, BatchStream, get_batch
 from functions.store.retry import RetryPolicy, TransientError
 from functions.store.tar import write_tar
@@ -49,6 +49,7 @@ __all__ = [
     "split_s3",
     "store_root",
     "write_tar",
+    "writer",
 ]
 
 
@@ -78,6 +79,16 @@ def put_file(uri: str, fileobj: BinaryIO) -> None:
         local.put_file(local_path(uri), fileobj)
 
 
+@contextmanager
+def writer(uri: str) -> Iterator[BinaryIO]:
+    """A file to stream an object into, without holding it: it appears whole when the block exits cleanly
+    and not at all when it raises (locally a temporary file renamed into place; on S3 a multipart upload
+    holding at most two 8 MiB parts)."""
+    uri = resolve(uri)
+    with s3.writer(uri) if is_s3(uri) else local.writer(local_path(uri)) as f:
+        yield f
+
+
 def put_if_absent(uri: str, data: bytes) -> bool:
     """Write only if nothing is at ``uri``; True if this call wrote it. Safe against concurrent writers."""
     uri = resolve(uri)
@@ -103,16 +114,19 @@ def size(uri: str) -> int:
     return local.size(local_path(uri), uri)
 
 
-# One pool per process for metadata lookups, so repeated probes (every submit) reuse threads and the
-# store's connection pool instead of building both each time.
-_SIZE_THREADS = 32
-_size_pool: ThreadPoolExecutor | None = None
-_size_lock = threading.Lock()
-
-
 def sizes(uris: list[str]) -> dict[str, int | None]:
-    """The size of each object (None where there is no object), looked up concurrently."""
-    global _size_pool
+    """The size of each object (None where there is no object), looked up concurrently: S3 objects by HEADs
+    all in flight on the CRT client when it is the transport, else on the process's shared thread pool."""
+    resolved = {u: resolve(u) for u in uris}
+    on_s3 = [r for r in resolved.values() if is_s3(r)]
+    found: dict[str, int | None] = {}
+    if on_s3 and transport.s3_transport_name() == "crt":
+        try:
+            from functions.store.crt import head_sizes
+        except ImportError:  # no awscrt here: boto3 below, as GetBatch itself falls back
+            head_sizes = None
+        if head_sizes is not None:
+            found = head_sizes(on_s3)
 
     def one(uri: str) -> int | None:
         try:
@@ -120,13 +134,10 @@ def sizes(uris: list[str]) -> dict[str, int | None]:
         except ObjectNotFound:
             return None
 
-    if len(uris) <= 1:
-        return {u: one(u) for u in uris}
-    with _size_lock:
-        if _size_pool is None:
-            _size_pool = ThreadPoolExecutor(_SIZE_THREADS, thread_name_prefix="shardfold-size")
-        pool = _size_pool
-    return dict(zip(uris, pool.map(one, uris), strict=True))
+    rest = [r for r in resolved.values() if r not in found]
+    pool = transport.thread_pool("size")
+    found.update(zip(rest, pool.map(one, rest), strict=True))
+    return {u: found[r] for u, r in resolved.items()}
 
 
 def list_uris(prefix_uri: str) -> list[str]:

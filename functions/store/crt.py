@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -170,3 +171,49 @@ class CrtTransport:
             thread_pool("crt-errors").submit(done, None, TransientError(f"GET {uri}: {exc}"))
             return None
         return request.cancel
+
+
+class _Head:
+    """Callbacks of one HEAD: the object's size, or None when there is no object."""
+
+    __slots__ = ("uri", "future", "size")
+
+    def __init__(self, uri: str, future: Future):
+        self.uri, self.future, self.size = uri, future, None
+
+    def on_headers(self, status_code: int, headers: list[tuple[str, str]], **kwargs: Any) -> None:
+        for name, value in headers:
+            if name.lower() == "content-length":
+                self.size = int(value)
+
+    def on_done(self, error: BaseException | None = None, status_code: int | None = None, **kw: Any) -> None:
+        if error is None:
+            self.future.set_result(self.size)
+        elif status_code == 404:
+            self.future.set_result(None)
+        else:
+            self.future.set_exception(_error(self.uri, error, status_code, kw.get("error_body")))
+
+
+def head_sizes(uris: list[str], timeout_s: float = 120.0) -> dict[str, int | None]:
+    """Sizes of S3 objects (None: no object), every HEAD in flight at once on the process's CRT client: no
+    thread per request, a fraction of boto3's CPU per call."""
+    client = crt_client()
+    futures: dict[str, Future] = {}
+    for uri in uris:
+        future: Future = Future()
+        bucket, _, key = uri[5:].partition("/")
+        host, path = client.address(bucket, key)
+        head = _Head(uri, future)
+        try:
+            client.client.make_request(
+                type=S3RequestType.DEFAULT,
+                operation_name="HeadObject",
+                request=HttpRequest("HEAD", path, HttpHeaders([("Host", host)])),
+                on_headers=head.on_headers,
+                on_done=head.on_done,
+            )
+        except Exception as exc:  # the client is shutting down: as transient as a dropped connection
+            future.set_exception(TransientError(f"HEAD {uri}: {exc}"))
+        futures[uri] = future
+    return {uri: future.result(timeout_s) for uri, future in futures.items()}

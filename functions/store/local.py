@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -67,6 +68,23 @@ def _write_tmp(path: Path, chunks: Iterable[bytes]) -> Path:
 
 def put(path: Path, data: bytes) -> None:
     _commit(path, [data])
+
+
+@contextmanager
+def writer(path: Path) -> Iterator[BinaryIO]:
+    """A file to write ``path`` through: a temporary file beside it, renamed into place when the block
+    exits cleanly and removed when it raises, so the object appears whole or not at all."""
+    if path.is_dir():
+        raise StoreError(f"cannot write {path}: it is a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def put_file(path: Path, fileobj: BinaryIO) -> None:

@@ -11,6 +11,9 @@ import io
 import os
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 import boto3
@@ -30,6 +33,7 @@ POOL = 128  # >= any GetBatch concurrency we run, so threads never wait on (or d
 MIN_PART = 5 * 1024 * 1024  # S3's smallest multipart part (all but the last)
 MAX_COPY_PART = 5 * 1024**3  # S3's largest UploadPartCopy source range
 MAX_PARTS = 10_000
+WRITE_PART = 8 * 1024 * 1024  # a streamed write's multipart part (and what it buffers)
 
 _clients: dict[tuple, Any] = {}
 _lock = threading.Lock()
@@ -148,6 +152,98 @@ def put_file(uri: str, fileobj: BinaryIO) -> None:
         raise translate(exc, uri, "PUT") from None
     except boto3.exceptions.S3UploadFailedError as exc:
         raise StoreError(f"PUT {uri} failed: {exc}") from None
+
+
+class _StreamedUpload(io.RawIOBase):
+    """A write-only file over a multipart upload: parts of :data:`WRITE_PART` bytes, each uploaded by one
+    background thread while the next fills, so memory holds at most two parts. Nothing is visible until
+    :meth:`commit` completes the upload (a single PUT when everything fit in one part)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.bucket, self.key = split_s3(uri)
+        self.client = s3_client()
+        self.buf = bytearray()
+        self.parts: list[dict] = []
+        self.upload_id: str | None = None
+        self.pending: Future | None = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sf-s3-writer")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.buf += data
+        if len(self.buf) >= WRITE_PART:
+            self._send(bytes(self.buf))
+            self.buf = bytearray()
+        return len(data)
+
+    def _send(self, body: bytes) -> None:
+        if self.upload_id is None:
+            self.upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key)["UploadId"]
+        if self.pending is not None:
+            self.pending.result()  # at most one part in flight beside the one filling
+        number = len(self.parts) + 1
+        if number > MAX_PARTS:
+            raise StoreError(f"PUT {self.uri}: more than {MAX_PARTS} parts of {WRITE_PART} bytes")
+        self.parts.append({"PartNumber": number})
+
+        def upload() -> None:
+            resp = self.client.upload_part(
+                Bucket=self.bucket, Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=body
+            )
+            self.parts[number - 1]["ETag"] = resp["ETag"]
+
+        self.pending = self.pool.submit(upload)
+
+    def commit(self) -> None:
+        if self.upload_id is None:
+            self.client.put_object(Bucket=self.bucket, Key=self.key, Body=bytes(self.buf))
+            return
+        if self.buf:
+            self._send(bytes(self.buf))
+            self.buf = bytearray()
+        assert self.pending is not None
+        self.pending.result()
+        self.client.complete_multipart_upload(
+            Bucket=self.bucket, Key=self.key, UploadId=self.upload_id, MultipartUpload={"Parts": self.parts}
+        )
+
+    def abort(self) -> None:
+        if self.pending is not None:
+            self.pending.exception()  # wait for it; its own error is not the one to report
+        if self.upload_id is not None:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        super().close()
+
+
+@contextmanager
+def writer(uri: str) -> Iterator[BinaryIO]:
+    """A file to stream an object into: the object appears whole when the block exits cleanly, never in
+    part; an error aborts the upload."""
+    upload = _StreamedUpload(uri)
+    try:
+        yield upload  # type: ignore[misc]
+        upload.commit()
+    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS) as exc:
+        _abort_quietly(upload)
+        raise translate(exc, uri, "PUT") from None
+    except BaseException:
+        _abort_quietly(upload)
+        raise
+    finally:
+        upload.close()
+
+
+def _abort_quietly(upload: _StreamedUpload) -> None:
+    try:
+        upload.abort()
+    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS):  # the bucket's lifecycle rule aborts it later
+        logger.warning("multipart upload not aborted", extra={"uri": upload.uri})
 
 
 def put_if_absent(uri: str, data: bytes) -> bool:
