@@ -104,3 +104,52 @@ def test_local_files_are_refused_on_the_s3_store_on_every_path(monkeypatch):
     monkeypatch.setattr(store, "put_json", lambda uri, doc: written.setdefault(uri, doc))
     report = dispatch("s3://bucket/jobs/x.json", started)
     assert report["errors"] == refused.value.errors and list(written) == ["s3://bucket/jobs/x.error.json"]
+
+
+def _reads(monkeypatch) -> dict[str, int]:
+    """Count what the store is asked for: objects read (GETs) and their bytes, objects sized."""
+    seen = {"gets": 0, "bytes": 0, "sized": 0}
+    get, sizes, size = store.get, store.sizes, store.size
+
+    def counted_get(uri, start=0, length=None):
+        data = get(uri, start, length)
+        seen["gets"] += 1
+        seen["bytes"] += len(data)
+        return data
+
+    def counted_sizes(uris):
+        seen["sized"] += len(uris)
+        return sizes(uris)
+
+    def counted_size(uri):
+        seen["sized"] += 1
+        return size(uri)
+
+    monkeypatch.setattr(store, "get", counted_get)
+    monkeypatch.setattr(store, "sizes", counted_sizes)
+    monkeypatch.setattr(store, "size", counted_size)
+    return seen
+
+
+def test_submit_reads_a_bounded_probe(local, tmp_path, monkeypatch):
+    import numpy as np
+
+    from functions.estimate import SUBMIT_BUDGET
+
+    # inference: a 3 MiB JSONL is not read in full at submit (the prepare step counts its rows exactly)
+    rows = "".join(json.dumps({"text": f"sentence {i} " + "word " * 40}) + "\n" for i in range(15_000))
+    (tmp_path / "corpus.jsonl").write_text(rows)
+    # fedavg: 40 clients, of which submit reads at most 32 headers
+    for i in range(40):
+        local.fedavg.save_update({"w": np.full(4, i, np.float32)}, f"u/{i:02d}.safetensors", num_examples=1)
+    monkeypatch.setattr(local.executor, "start", lambda *a: None)  # what submit does, not the job
+
+    seen = _reads(monkeypatch)
+    local.submit({"kind": "inference", "inputs": [(tmp_path / "corpus.jsonl").as_uri()], "field": "text"})
+    assert len(rows) > 3 * SUBMIT_BUDGET.data_bytes and seen["bytes"] <= SUBMIT_BUDGET.data_bytes
+
+    seen = _reads(monkeypatch)
+    job = local.submit({"kind": "fedavg", "clients": [{"uri": f"u/{i:02d}.safetensors"} for i in range(40)]})
+    assert seen["sized"] <= SUBMIT_BUDGET.objects and seen["gets"] <= 2 * SUBMIT_BUDGET.objects
+    # what the probe learned is recorded beside the spec
+    assert store.get_json(local.uri(f"jobs/{job.job_id}/probe.json"))["headers_read"] == SUBMIT_BUDGET.objects
