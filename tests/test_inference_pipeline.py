@@ -426,7 +426,15 @@ def test_cpu_modules_import_no_torch():
     from pathlib import Path
 
     pkg = Path(pipeline.__file__).parent
-    for name in ("plan.py", "preprocess.py", "pipeline.py", "handlers.py"):
+    for name in (
+        "shards.py",
+        "preprocess.py",
+        "pipeline.py",
+        "handlers.py",
+        "sizing.py",
+        "kind.py",
+        "spec.py",
+    ):
         tree = ast.parse((pkg / name).read_text())
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
