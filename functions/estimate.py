@@ -100,16 +100,13 @@ class Limits:
     stack setting that raises it (``shardfold:functionMemory["getbatch.gather"]``).
     """
 
-    def __init__(self, deployed: Mapping[str, Any] | None = None, kind: str = ""):
+    def __init__(self, deployed: Mapping[str, Any] | None = None, workflow_file: str = "its workflow"):
         self.deployed = deployed
-        self.kind = kind
+        self.workflow_file = workflow_file
 
     def __call__(self, step: Task | BatchJob) -> Limit:
         if self.deployed is None:
-            return Limit(
-                step.memory_mb,
-                f"memory_mb of step {step.name!r} in functions/{self.kind}/workflow.py",
-            )
+            return Limit(step.memory_mb, f"memory_mb of step {step.name!r} in {self.workflow_file}")
         table, key = (
             ("batch", step.entry_point) if isinstance(step, BatchJob) else ("functions", step.function)
         )
@@ -254,7 +251,7 @@ def estimate(
     probed = probed if probed is not None else sizing.probe(spec, store_root, budget)
     loads: Loads = sizing.loads(spec, probed)
     _join(workflow, loads)
-    limits = limits or Limits(kind=kind.name)
+    limits = limits or Limits(workflow_file=kind.workflow_file)
     steps: list[StepEstimate] = []
     for task, runs in _runs(workflow.steps, 1, loads.map_items):
         load = loads.tasks[task]

@@ -18,6 +18,7 @@ unless the descriptor's ``handlers`` maps it elsewhere (e.g. a Batch container's
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pkgutil
@@ -73,6 +74,11 @@ class JobKind:
             if function.split(".", 1)[0] != self.name:
                 raise PlanError(f"kind {self.name!r}: function {function!r} must be named '{self.name}.<x>'")
 
+    @property
+    def workflow_file(self) -> str:
+        """Where the workflow's steps (and their ``memory_mb``) are written, for messages."""
+        return f"{self.package.replace('.', '/')}/workflow.py"
+
     def sizing_module(self) -> ModuleType:
         return importlib.import_module(self.sizing)
 
@@ -93,14 +99,19 @@ _lock = threading.Lock()
 _loaded: dict[str, JobKind] = {}
 
 
-def packages() -> dict[str, str]:
-    """``{kind name: package}`` of every kind: the built-in ones, then ``SHARDFOLD_KIND_PACKAGES``."""
+@functools.cache
+def _builtin() -> dict[str, str]:
     here = Path(functions.__file__).parent
-    out = {
+    return {
         m.name: f"functions.{m.name}"
         for m in pkgutil.iter_modules([str(here)])
         if m.ispkg and (here / m.name / "kind.py").is_file()
     }
+
+
+def packages() -> dict[str, str]:
+    """``{kind name: package}`` of every kind: the built-in ones, then ``SHARDFOLD_KIND_PACKAGES``."""
+    out = dict(_builtin())
     for package in filter(None, (p.strip() for p in os.environ.get(EXTRA_PACKAGES_ENV, "").split(","))):
         out.setdefault(package.rsplit(".", 1)[-1], package)
     return out

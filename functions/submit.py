@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from functions import store
+from functions import kinds, store
 from functions.errors import SpecError
 from functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
 from functions.jobs import job_key, new_job_id, spec_key
@@ -68,7 +68,8 @@ def check(
     """Everything a submission checks, writing nothing: the spec and its estimate (``shardfold plan``)."""
     spec = parse_spec(doc, base_uri=base_uri)
     check_policy(spec, store_root)
-    est = estimate(spec, store_root, budget=budget, limits=Limits(deployed, kind=spec.kind))
+    limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
+    est = estimate(spec, store_root, budget=budget, limits=limits)
     return spec, est.check()
 
 

@@ -23,7 +23,7 @@ from functions.trigger import dispatch, handler
 EVENTS = Path(__file__).resolve().parent.parent / "events"
 # 2 GiB in one range: the gather task would buffer it whole; ranges need no HEAD, so no data is needed
 OVER = {"kind": "getbatch", "items": [{"uri": "data/huge.bin", "start": 0, "length": 2 * 1024**3}]}
-REFUSAL = "plan refused: step 'gather_part' (getbatch.gather) needs ~2232 MiB per task but gets 1024 MiB"
+REFUSAL = "plan refused: step 'gather_part' (getbatch.gather) needs ~2184 MiB per task but gets 1024 MiB"
 
 
 def started(*_: str) -> str:
