@@ -153,3 +153,16 @@ def test_submit_reads_a_bounded_probe(local, tmp_path, monkeypatch):
     assert seen["sized"] <= SUBMIT_BUDGET.objects and seen["gets"] <= 2 * SUBMIT_BUDGET.objects
     # what the probe learned is recorded beside the spec
     assert store.get_json(local.uri(f"jobs/{job.job_id}/probe.json"))["headers_read"] == SUBMIT_BUDGET.objects
+
+
+def test_one_big_object_is_one_window_not_256(local, tmp_path):
+    # the estimate once multiplied the engine's window (256) by the largest item even for one item
+    (tmp_path / "big.bin").write_bytes(b"\x5a" * (5 * 1024 * 1024))
+    job = local.submit({"kind": "getbatch", "items": [{"uri": (tmp_path / "big.bin").as_uri()}]})
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    assert job.result()["bytes"] == 5 * 1024 * 1024
+    gather = {
+        s.name: s
+        for s in local.plan({"kind": "getbatch", "items": [{"uri": (tmp_path / "big.bin").as_uri()}]}).steps
+    }
+    assert gather["gather_part"].peak_mb < 200
