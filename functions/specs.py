@@ -28,6 +28,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -45,9 +46,11 @@ class StrictModel(BaseModel):
 
 @dataclass(frozen=True)
 class UriRole:
-    """Marks a spec field as an object URI that the job reads (``"input"``) or writes (``"output"``)."""
+    """Marks a spec field as an object URI that the job reads (``"input"``) or writes (``"output"``); an
+    output ``prefix`` is a folder the job writes several objects under."""
 
     role: Literal["input", "output"]
+    prefix: bool = False
 
 
 def _parent(uri: str) -> str:
@@ -82,6 +85,9 @@ def _resolve_against_spec_file(value: str, info: ValidationInfo) -> str:
 
 InputUri = Annotated[str, Field(min_length=1), UriRole("input"), AfterValidator(_resolve_against_spec_file)]
 OutputUri = Annotated[str, Field(min_length=1), UriRole("output"), AfterValidator(_resolve_against_spec_file)]
+OutputPrefix = Annotated[
+    str, Field(min_length=1), UriRole("output", prefix=True), AfterValidator(_resolve_against_spec_file)
+]
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class UriField:
     loc: tuple[str | int, ...]
     uri: str
     role: Literal["input", "output"]
+    prefix: bool = False
 
     @property
     def field(self) -> str:
@@ -102,10 +109,10 @@ def uri_fields(model: BaseModel, loc: tuple[str | int, ...] = ()) -> Iterator[Ur
     for name, info in type(model).model_fields.items():
         value = getattr(model, name)
         here = (*loc, info.alias or name)
-        role = next((m.role for m in info.metadata if isinstance(m, UriRole)), None)
+        role = next((m for m in info.metadata if isinstance(m, UriRole)), None)
         if role is not None:
             if isinstance(value, str):
-                yield UriField(here, value, role)
+                yield UriField(here, value, role.role, role.prefix)
             continue
         yield from _walk(value, info.annotation, here)
 
@@ -119,10 +126,10 @@ def _walk(value: Any, annotation: Any, loc: tuple[str | int, ...]) -> Iterator[U
     origin = get_origin(annotation)
     if origin is Annotated:
         base, *meta = get_args(annotation)
-        role = next((m.role for m in meta if isinstance(m, UriRole)), None)
+        role = next((m for m in meta if isinstance(m, UriRole)), None)
         if role is not None:
             if isinstance(value, str):
-                yield UriField(loc, value, role)
+                yield UriField(loc, value, role.role, role.prefix)
             return
         yield from _walk(value, base, loc)
     elif origin in (Union, types.UnionType):
@@ -160,6 +167,22 @@ class BatchItem(StrictModel):
         if self.length == 0 and self.start != 0:
             raise ValueError("length 0 with a non-zero start selects nothing; omit length to read to the end")
         return self
+
+    @field_validator("name", "archpath")
+    @classmethod
+    def _relative_posix_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # an archive entry name is where an extracting tool writes the file: it must stay inside the folder
+        if value is None:
+            return value
+        if "\x00" in value:
+            raise ValueError(f"{info.field_name} {value!r} contains a NUL character")
+        if value.startswith("/"):
+            raise ValueError(f"{info.field_name} {value!r} is absolute; give a relative path")
+        if ".." in value.split("/"):
+            raise ValueError(
+                f"{info.field_name} {value!r} has a '..' component; give a path inside the archive"
+            )
+        return value
 
 
 def fail(title: str, problems: list[tuple[tuple, str]], value: Any) -> None:

@@ -13,12 +13,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from functions import kinds, store
-from functions.errors import SpecError
+from functions import access, kinds, store
+from functions.errors import ShardfoldError, SpecError
 from functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
 from functions.jobs import job_key, new_job_id, spec_key
-from functions.specs import JobSpec, dump_spec, parse_spec, uri_fields
-from functions.store.uri import is_s3, join
+from functions.specs import JobSpec, UriField, dump_spec, parse_spec, uri_fields
+from functions.store.uri import join
 
 # (job_id, kind, spec_uri) -> execution id (an ARN on AWS) or None
 Starter = Callable[[str, str, str], str | None]
@@ -38,23 +38,28 @@ def probe_key(job_id: str) -> str:
 
 
 def check_policy(spec: JobSpec, store_root: str) -> None:
-    """Refuse what the submitter may not do, naming every field at fault.
-
-    On the S3 store a spec may not name local files: the functions would read their own filesystem (its
-    ``/proc``, its credentials), not the submitter's.
-    """
-    if is_s3(store_root):
-        local = [f for f in uri_fields(spec) if f.uri.startswith("file://")]
-        if local:
-            errors = [
-                {"field": f.field, "error": f"{f.uri} is a local file; the S3 store reads only s3:// objects"}
-                for f in local
-            ]
-            raise SpecError(
-                f"{len(local)} URI(s) name local files, which jobs on the S3 store cannot read "
-                f"({errors[0]['field']}: {local[0].uri}); upload them to s3:// or run with the local backend",
-                errors,
-            )
+    """Refuse what the submitter may not do (:mod:`functions.access`), naming every field at fault: local
+    files on the S3 store, outputs under the store's system prefixes, an output that is one of the inputs.
+    The tasks check the same rules again, and those of what submit cannot see (a manifest's items)."""
+    errors: list[dict[str, str]] = []
+    inputs: list[tuple[str, str]] = []
+    outputs: list[tuple[UriField, str]] = []
+    for f in uri_fields(spec):
+        try:
+            if f.role == "input":
+                inputs.append((f.field, access.input_uri(f.uri, store_root)))
+            else:
+                outputs.append((f, access.output_uri(f.uri, store_root)))
+        except ShardfoldError as exc:
+            errors.append({"field": f.field, "error": str(exc)})
+    for f, out in outputs:
+        try:
+            access.not_an_input(out, inputs, prefix=f.prefix)
+        except ShardfoldError as exc:
+            errors.append({"field": f.field, "error": str(exc)})
+    if errors:
+        summary = "; ".join(f"{e['field']}: {e['error']}" for e in errors[:10])
+        raise SpecError(f"{len(errors)} URI(s) the job may not use: {summary}", errors)
 
 
 def check(

@@ -89,7 +89,7 @@ def test_sdk_and_bucket_trigger_refuse_alike_against_the_deployed_sizes(monkeypa
 
 def test_local_files_are_refused_on_the_s3_store_on_every_path(monkeypatch):
     # the functions would read their own filesystem (/proc/self/environ holds the role's credentials)
-    spec = {"kind": "getbatch", "items": [{"uri": "s3://b/ok"}, {"uri": "file:///proc/self/environ"}]}
+    spec = {"kind": "getbatch", "items": [{"uri": "s3://bkt/ok"}, {"uri": "file:///proc/self/environ"}]}
     with pytest.raises(SpecError, match=r"items\.1\.uri") as refused:
         trigger_mod.submit(spec, store_root="s3://bucket", start=started)
     assert refused.value.errors == [

@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from aws_lambda_powertools import Logger
 
-from functions import store
+from functions import access, store
 from functions.dpquery import data, ledger, planner
 from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
@@ -47,7 +47,7 @@ from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps
 from functions.dpquery.spec import DPQueryJob
 from functions.errors import DatasetError, PlanError, StoreError
 from functions.manifest import write_manifest
-from functions.store.uri import join, resolve
+from functions.store.uri import join
 
 logger = Logger(service="shardfold")
 
@@ -61,11 +61,6 @@ COALESCE_GAP_BYTES = 1 << 20  # ranged reads of one measurement object closer th
 
 def job_uri(store_root: str, job_id: str, *parts: str) -> str:
     return join(store_root, "jobs", job_id, *parts)
-
-
-def resolve_in(uri: str, store_root: str) -> str:
-    """A URI as given, or a relative key under ``store_root``."""
-    return resolve(uri) if "://" in uri else join(store_root, uri)
 
 
 def plan_uri(store_root: str, job_id: str) -> str:
@@ -82,7 +77,7 @@ def _tables_uri(store_root: str, job_id: str, group: int) -> str:
 
 def output_prefix(spec: DPQueryJob, store_root: str, job_id: str) -> str:
     if spec.output:
-        return resolve_in(spec.output, store_root).rstrip("/")
+        return access.output_uri(spec.output, store_root, "output", job_id).rstrip("/")
     return job_uri(store_root, job_id, "output")
 
 
@@ -124,7 +119,10 @@ def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
     Order matters: the allocation and the dataset scan raise on bad input BEFORE the ledger is touched,
     and nothing is measured until the reservation is on the ledger."""
     pl = planner.plan(spec)
-    dataset = resolve_in(spec.dataset, store_root)
+    dataset = access.input_uri(spec.dataset, store_root, "dataset")
+    access.not_an_input(
+        output_prefix(spec, store_root, job_id), [("dataset", dataset)], "output", prefix=True
+    )
     fingerprint = data.scan(dataset, spec.format, spec.attributes)
     summary = ledger.reserve(store_root, spec.dataset_id, job_id, spec.rho(), spec.dataset_budget_rho)
     doc = {

@@ -75,10 +75,9 @@ def _names(spec: Any, pl: Any, j: int) -> str:
 
 
 def _dataset_size(spec: Any, store_root: str) -> tuple[int | None, str | None]:
-    from functions import store
-    from functions.dpquery.core import resolve_in
+    from functions import access, store
 
-    uri = resolve_in(spec.dataset, store_root)
+    uri = access.input_uri(spec.dataset, store_root, "dataset")
     try:
         return store.size(uri), None
     except StoreError as exc:  # missing, or no permission: the job's prepare step would fail the same way

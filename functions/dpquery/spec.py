@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from functions.specs import InputUri, OutputUri, StrictModel, fail
+from functions.specs import InputUri, OutputPrefix, StrictModel, fail
 
 DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".pq": "parquet"}
 # An attribute's domain may not exceed this many values (a range with bin width 1 over 10^9 is a mistake).
@@ -180,7 +180,7 @@ class DPQueryJob(StrictModel):
         allow_inf_nan=False,
         description="total ρ of dataset_id; required by the first job on it, fixed afterwards",
     )
-    output: OutputUri | None = Field(
+    output: OutputPrefix | None = Field(
         default=None, description="URI prefix of the tables; default jobs/<id>/output/"
     )
     noise_samples_per_task: int | None = Field(

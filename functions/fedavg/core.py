@@ -77,7 +77,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from functions import store
+from functions import access, store
 from functions.errors import (
     AggregationOverflow,
     BatchItemError,
@@ -120,7 +120,7 @@ from functions.fedavg.sizing import (
 from functions.fedavg.spec import FedAvgJob
 from functions.manifest import manifest_ref
 from functions.store.retry import TransientError
-from functions.store.uri import is_s3, join, resolve
+from functions.store.uri import is_s3, join
 
 logger = Logger(service="shardfold")
 
@@ -148,16 +148,9 @@ def part_uri(store_root: str, job_id: str, shard: int) -> str:
     return job_uri(store_root, job_id, STAGE, "parts", f"{shard:05d}.bin")
 
 
-def resolve_in(uri: str, store_root: str) -> str:
-    """A URI as given, or a relative key under ``store_root``."""
-    if "://" in uri:
-        return resolve(uri)
-    return join(store_root, uri)
-
-
 def output_uri(spec: FedAvgJob, store_root: str, job_id: str) -> str:
     if spec.output:
-        return resolve_in(spec.output, store_root)
+        return access.output_uri(spec.output, store_root, "output", job_id)
     return job_uri(store_root, job_id, "output", "model.safetensors")
 
 
@@ -168,7 +161,7 @@ def _client_uris(spec: FedAvgJob, store_root: str) -> list[str]:
     uris, errors = [], []
     for i, c in enumerate(spec.clients):
         try:
-            uris.append(resolve_in(c.uri, store_root))
+            uris.append(access.input_uri(c.uri, store_root))
         except StoreError as exc:
             errors.append({"field": f"clients.{i}.uri", "error": str(exc)})
     if errors:
@@ -214,6 +207,7 @@ def inspect(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
     budget = budget or Budget()
     uris = _client_uris(spec, store_root)
     out = output_uri(spec, store_root, job_id)
+    access.not_an_input(out, [(f"clients.{i}.uri", u) for i, u in enumerate(uris)], "output")
     if is_s3(out) != is_s3(store_root):
         raise SpecError(
             f"output {out} must be in the job's store ({store_root.split('://')[0]}://): the parts are "

@@ -20,14 +20,15 @@ import math
 from typing import Any
 
 from aws_lambda_powertools import Logger
+from pydantic import ValidationError
 
-from functions import store
-from functions.errors import BatchItemError, ObjectNotFound, SpecError, TooManySoftErrors
+from functions import access, store
+from functions.errors import BatchItemError, ObjectNotFound, SpecError, TooManySoftErrors, UnsafeKey
 from functions.getbatch.spec import GetBatchJob
 from functions.manifest import manifest_ref
 from functions.specs import BatchItem
 from functions.store.tar import TAR_TRAILER, write_tar
-from functions.store.uri import join, resolve
+from functions.store.uri import join
 
 logger = Logger(service="shardfold")
 
@@ -40,15 +41,8 @@ def job_uri(store_root: str, job_id: str, *parts: str) -> str:
 
 def output_uri(spec: GetBatchJob, store_root: str, job_id: str) -> str:
     if spec.output:
-        return resolve_in(spec.output, store_root)
+        return access.output_uri(spec.output, store_root, "output", job_id)
     return job_uri(store_root, job_id, "output", "batch.tar")
-
-
-def resolve_in(uri: str, store_root: str) -> str:
-    """A URI as given, or a relative key under ``store_root`` (the bucket on AWS, ``.shardfold/`` locally)."""
-    if "://" in uri:
-        return resolve(uri)
-    return join(store_root, uri)
 
 
 def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
@@ -57,7 +51,7 @@ def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
         raw: list[Any] = [i.model_dump(exclude_none=True) for i in spec.items]
     else:
         assert spec.manifest is not None  # the spec validator guarantees one source
-        text = store.get(resolve_in(spec.manifest, store_root)).decode("utf-8")
+        text = store.get(access.input_uri(spec.manifest, store_root, "manifest")).decode("utf-8")
         stripped = text.lstrip()
         try:
             if stripped.startswith("["):
@@ -75,23 +69,32 @@ def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
     for i, doc in enumerate(raw):
         try:
             items.append(parse_item(doc, store_root))
-        except ValueError as exc:
-            errors.append({"field": f"items.{i}", "error": str(exc).splitlines()[-1].strip()})
+        except ValidationError as exc:  # each problem at its own field: items.3.name, ...
+            errors += [
+                {"field": ".".join(map(str, (f"items.{i}", *e["loc"]))), "error": e["msg"]}
+                for e in exc.errors()
+            ]
+        except UnsafeKey as exc:
+            errors.append({"field": f"items.{i}.uri", "error": str(exc)})
     if errors:
         summary = "; ".join(f"{e['field']}: {e['error']}" for e in errors[:10])
         raise SpecError(f"{len(errors)} invalid item(s): {summary}", errors)
     return items
 
 
-def parse_item(doc: Any, store_root: str) -> BatchItem:
-    """One item of a request (a bare URI is shorthand for a whole object), its URI resolved."""
+def parse_item(doc: Any, store_root: str, field: str = "") -> BatchItem:
+    """One item of a request (a bare URI is shorthand for a whole object), its URI resolved and allowed."""
     item = BatchItem.model_validate({"uri": doc} if isinstance(doc, str) else doc)
-    return item.model_copy(update={"uri": resolve_in(item.uri, store_root)})
+    return item.model_copy(update={"uri": access.input_uri(item.uri, store_root, field)})
 
 
 def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
     """Split the request into parts and write their item lists and the part manifest."""
     items = load_items(spec, store_root)
+    inputs = [(f"items.{i}.uri", item.uri) for i, item in enumerate(items)]
+    if spec.manifest:
+        inputs.append(("manifest", access.input_uri(spec.manifest, store_root, "manifest")))
+    access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
     size = spec.items_per_part
     n_parts = math.ceil(len(items) / size)
     manifest = []

@@ -18,7 +18,7 @@ import json
 import math
 from typing import Any
 
-from functions import pricing, store
+from functions import access, pricing, store
 from functions.errors import ShardfoldError
 from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from functions.getbatch import core
@@ -38,12 +38,11 @@ RUNTIME_BYTES = pricing.LAMBDA_BASELINE_MB * MiB
 def _items(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> tuple[list[Any], int, list[str]]:
     """(items read, the request's item count, notes). A manifest over the byte budget is read in part."""
     if spec.items is not None:
-        return (
-            [i.model_copy(update={"uri": core.resolve_in(i.uri, store_root)}) for i in spec.items],
-            len(spec.items),
-            [],
-        )
-    uri = core.resolve_in(spec.manifest, store_root)
+        items = [
+            core.parse_item(i.model_dump(), store_root, f"items.{k}.uri") for k, i in enumerate(spec.items)
+        ]
+        return items, len(items), []
+    uri = access.input_uri(spec.manifest, store_root, "manifest")
     total = store.size(uri)
     if total <= budget.data_bytes:
         items = core.load_items(spec, store_root)

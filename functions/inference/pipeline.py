@@ -24,7 +24,7 @@ from functions import store
 from functions.errors import ShardfoldError
 from functions.inference import shards as layout
 from functions.inference.preprocess import decode_shard, encode_shard, read_shard
-from functions.inference.shards import load_plan, prepare
+from functions.inference.shards import load_plan, output_uri, prepare
 from functions.inference.spec import InferenceJob
 from functions.manifest import manifest_ref
 from functions.store.uri import join
@@ -36,12 +36,6 @@ __all__ = ["commit", "cpu_done", "missing_shards", "prepare", "preprocess", "pro
 
 class MissingShards(ShardfoldError):
     """Commit found shards without a commit marker after the repair round."""
-
-
-def output_uri(spec: InferenceJob, store_root: str, job_id: str) -> str:
-    if spec.output:
-        return layout.resolve_in(spec.output, store_root)
-    return join(store_root, "jobs", job_id, "output", "embeddings.parquet")
 
 
 def preprocess(spec: InferenceJob, job_id: str, store_root: str, shard: int) -> dict[str, Any]:

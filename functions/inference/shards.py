@@ -27,11 +27,11 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from functions import store
+from functions import access, store
 from functions.errors import BadInputError, SpecError
 from functions.inference.spec import InferenceJob, inference_input_format
 from functions.manifest import manifest_ref
-from functions.store.uri import join, resolve
+from functions.store.uri import join
 
 logger = Logger(service="shardfold")
 
@@ -43,11 +43,6 @@ PLAN_FORMAT = 1
 
 
 # ---------------------------------------------------------------------------------------------- layout
-
-
-def resolve_in(uri: str, store_root: str) -> str:
-    """A URI as given, or a relative key under ``store_root``."""
-    return resolve(uri) if "://" in uri else join(store_root, uri)
 
 
 def job_root(store_root: str, job_id: str) -> str:
@@ -163,7 +158,7 @@ def config_hash(spec: InferenceJob, store_root: str) -> tuple[str, dict[str, Any
         model_id = MINILM_ID
         weights = file_sha256(mdir / "model.safetensors")
     else:
-        uri = resolve_in(spec.model.torchscript, store_root)
+        uri = access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
         model_id = f"torchscript:{spec.model.input}"
         try:
             weights = hashlib.sha256(store.get(uri)).hexdigest()
@@ -264,7 +259,7 @@ def make_shards(spec: InferenceJob, store_root: str) -> list[dict[str, Any]]:
     shards: list[dict[str, Any]] = []
     row_offset = 0
     for i, raw in enumerate(spec.inputs):
-        uri = resolve_in(raw, store_root)
+        uri = access.input_uri(raw, store_root, f"inputs.{i}")
         fmt = inference_input_format(raw)
         try:
             if fmt == "jsonl":
@@ -297,9 +292,21 @@ def make_shards(spec: InferenceJob, store_root: str) -> list[dict[str, Any]]:
     return shards
 
 
+def output_uri(spec: InferenceJob, store_root: str, job_id: str) -> str:
+    if spec.output:
+        return access.output_uri(spec.output, store_root, "output", job_id)
+    return join(store_root, "jobs", job_id, "output", "embeddings.parquet")
+
+
 def prepare(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     """Write ``plan.json``, the shard manifest and the worker list; return ``{manifest, workers, shards, rows,
     config_hash}``."""
+    inputs = [
+        (f"inputs.{i}", access.input_uri(u, store_root, f"inputs.{i}")) for i, u in enumerate(spec.inputs)
+    ]
+    if not isinstance(spec.model, str):
+        inputs.append(("model.torchscript", access.input_uri(spec.model.torchscript, store_root)))
+    access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
     h, parts = config_hash(spec, store_root)
     shards = make_shards(spec, store_root)
     rows = sum(s["rows"] for s in shards)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from functions import pricing, store
+from functions import access, pricing, store
 from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from functions.inference import workflow as wf
 from functions.inference.spec import InferenceJob, inference_input_format
@@ -46,14 +46,13 @@ def _input_rows(uri: str, fmt: str, head_bytes: int) -> tuple[int, int, bool]:
 
 
 def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
-    from functions.inference.shards import resolve_in
-
     notes: list[str] = []
     inputs = []
     head = max(64 * 1024, budget.data_bytes // max(1, min(len(spec.inputs), budget.objects)))
     for i, raw in enumerate(spec.inputs[: budget.objects]):
         try:
-            rows, size, exact = _input_rows(resolve_in(raw, store_root), inference_input_format(raw), head)
+            uri = access.input_uri(raw, store_root, f"inputs.{i}")
+            rows, size, exact = _input_rows(uri, inference_input_format(raw), head)
         except Exception as exc:  # noqa: BLE001 - any unreadable input becomes a note, as in the other kinds
             notes.append(
                 f"inputs.{i} {raw}: {exc}: the job will fail at its prepare step; rows are not known"

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from functions import store
+from functions import access, store
 from functions.errors import ShardfoldError
 from functions.inference import shards as layout
 from functions.inference.batcher import token_budget_batches
@@ -450,7 +450,7 @@ def _process(
 def _resolved_model(spec: InferenceJob, store_root: str) -> Any:
     if spec.model == "minilm":
         return "minilm"
-    return {"torchscript": layout.resolve_in(spec.model.torchscript, store_root)}
+    return {"torchscript": access.input_uri(spec.model.torchscript, store_root, "model.torchscript")}
 
 
 def attempt_of(event: dict[str, Any]) -> int:

@@ -38,9 +38,12 @@ def is_file(uri: str) -> bool:
 
 
 def check_key(key: str, what: str = "key") -> None:
-    """Refuse a ``..`` segment anywhere: it would escape the directory or prefix the caller meant."""
+    """Refuse a ``..`` segment anywhere (it would escape the directory or prefix the caller meant) and a NUL
+    (a filesystem or an archive would cut the name there)."""
     if ".." in key.split("/"):
         raise UnsafeKey(f"{what} {key!r} contains a '..' segment; give a path without '..'")
+    if "\x00" in key:
+        raise UnsafeKey(f"{what} {key!r} contains a NUL character")
 
 
 def resolve(uri_or_key: str, root: str | None = None) -> str:

@@ -1,0 +1,128 @@
+"""What a job may read and write (functions.access), at submit and again in the tasks."""
+
+from __future__ import annotations
+
+import json
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from functions import access, store
+from functions.errors import ShardfoldError, SpecError, UnsafeKey
+from functions.getbatch import core as getbatch
+from functions.getbatch.spec import GetBatchJob
+from functions.specs import parse_spec
+from functions.submit import check_policy
+
+S3_ROOT = "s3://jobs-bucket"
+LOCAL_ROOT = "file:///srv/store"
+
+
+@pytest.mark.parametrize("root", [S3_ROOT, LOCAL_ROOT])
+@pytest.mark.parametrize(
+    "output",
+    ["ledger/survey/entries/00000001.json", "ledger", "jobs/other-job/result.json", "jobs/x.json"],
+)
+def test_outputs_never_target_system_prefixes(root, output):
+    with pytest.raises(UnsafeKey, match="system prefix"):
+        access.output_uri(output, root, "output")
+    full = store.join(root, output)  # the same place named by its full URI
+    with pytest.raises(UnsafeKey, match="system prefix"):
+        access.output_uri(full, root, "output")
+
+
+def test_a_job_writes_its_own_output_folder_and_anywhere_else():
+    assert access.output_uri("results/a.tar", S3_ROOT) == f"{S3_ROOT}/results/a.tar"
+    assert access.output_uri("s3://other-bucket/ledger/x", S3_ROOT)  # another bucket's ledger/ is not ours
+    own = "jobs/getbatch-20260101T000000-abcdef/output/batch.tar"
+    assert access.output_uri(own, S3_ROOT, job_id="getbatch-20260101T000000-abcdef")
+    with pytest.raises(UnsafeKey):  # before the job has an id (submit), jobs/ is closed
+        access.output_uri(own, S3_ROOT)
+    # a local path that walks back into the store's ledger is the ledger
+    with pytest.raises(UnsafeKey, match="ledger/"):
+        access.output_uri("file:///srv/store/data/./x/../../ledger/d/e.json".replace("/../", "/"), LOCAL_ROOT)
+    assert access.store_key("file:///srv/store//ledger/d", LOCAL_ROOT) == "ledger/d"
+    assert access.store_key("file:///srv/storefront/x", LOCAL_ROOT) is None
+
+
+def test_local_files_only_on_the_local_store():
+    for uri in ("file:///proc/self/environ", "file:///tmp/out.tar"):
+        with pytest.raises(UnsafeKey, match="local file"):
+            access.input_uri(uri, S3_ROOT, "items.0.uri")
+        with pytest.raises(UnsafeKey, match="local file"):
+            access.output_uri(uri, S3_ROOT, "output")
+    assert access.input_uri("file:///proc/self/environ", LOCAL_ROOT) == "file:///proc/self/environ"
+
+
+def test_keys_with_nul_or_dotdot_are_refused():
+    for bad in ("a/\x00b", "a/../b", "../b"):
+        with pytest.raises(UnsafeKey):
+            access.input_uri(bad, S3_ROOT)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"kind": "getbatch", "items": [{"uri": "data/a.bin"}, {"uri": "out/a.tar"}], "output": "out/a.tar"},
+        {"kind": "fedavg", "clients": [{"uri": "u/1.safetensors"}], "output": "u/1.safetensors"},
+        {"kind": "inference", "inputs": ["t/x.jsonl"], "field": "text", "output": "t/x.jsonl"},
+        {
+            "kind": "dpquery",
+            "dataset": "d/people.csv",
+            "schema": [{"name": "sex", "categories": ["f", "m"]}],
+            "workload": [{"attributes": ["sex"]}],
+            "budget": {"rho": 0.1},
+            "dataset_id": "people",
+            "dataset_budget_rho": 1,
+            "output": "d",  # a prefix holding the dataset: the tables would land beside (and over) it
+        },
+    ],
+    ids=["getbatch", "fedavg", "inference", "dpquery"],
+)
+def test_an_output_is_never_one_of_the_inputs(spec):
+    with pytest.raises(SpecError, match="may not overwrite what it reads") as refused:
+        check_policy(parse_spec(spec), LOCAL_ROOT)
+    assert refused.value.errors[0]["field"] == "output"
+
+
+def test_submit_names_every_bad_uri():
+    spec = parse_spec(
+        {"kind": "getbatch", "items": [{"uri": "file:///etc/passwd"}], "output": "ledger/x/entries/1.json"}
+    )
+    with pytest.raises(SpecError) as refused:
+        check_policy(spec, S3_ROOT)
+    assert [e["field"] for e in refused.value.errors] == ["items.0.uri", "output"]
+
+
+@pytest.mark.parametrize("name", ["../../x", "/etc/evil", "a/../../../y", "a\x00b"])
+@pytest.mark.parametrize("field", ["name", "archpath"])
+def test_archive_names_stay_inside_the_archive(name, field):
+    with pytest.raises(SpecError, match=rf"items\.0\.{field}"):
+        parse_spec({"kind": "getbatch", "items": [{"uri": "data/a.bin", field: name}]})
+
+
+def test_the_prepare_task_checks_a_manifests_items_again(aws_env):
+    # submit cannot see inside a manifest: the task that reads it holds its items to the same rules
+    with mock_aws():
+        boto3.client("s3").create_bucket(Bucket="jobs-bucket")
+        items = [{"uri": "s3://jobs-bucket/data/a.bin"}, {"uri": "file:///proc/self/environ"}]
+        store.put(f"{S3_ROOT}/requests/m.json", json.dumps(items).encode())
+        spec = GetBatchJob(manifest="requests/m.json")
+        check_policy(spec, S3_ROOT)  # the spec itself is fine
+        with pytest.raises(ShardfoldError, match=r"items\.1\.uri.*local file"):
+            getbatch.prepare(spec, "getbatch-20260101T000000-abcdef", S3_ROOT)
+        bad_name = [{"uri": "s3://jobs-bucket/data/a.bin", "name": "../../etc/cron.d/x"}]
+        store.put(f"{S3_ROOT}/requests/n.json", json.dumps(bad_name).encode())
+        with pytest.raises(SpecError, match=r"items\.0.*'\.\.' component"):
+            getbatch.prepare(
+                GetBatchJob(manifest="requests/n.json"), "getbatch-20260101T000000-abcdef", S3_ROOT
+            )
+        # an output equal to an item named only in the manifest is refused by the task too
+        store.put(f"{S3_ROOT}/requests/o.json", json.dumps([{"uri": "results/x.tar"}]).encode())
+        with pytest.raises(UnsafeKey, match="may not overwrite"):
+            getbatch.prepare(
+                GetBatchJob(manifest="requests/o.json", output="results/x.tar"),
+                "getbatch-20260101T000000-abcdef",
+                S3_ROOT,
+            )
