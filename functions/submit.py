@@ -9,6 +9,7 @@ added here holds on every path; the tasks check again what they rely on.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,19 @@ from functions.store.uri import join
 
 # (job_id, kind, spec_uri) -> execution id (an ARN on AWS) or None
 Starter = Callable[[str, str, str], str | None]
+# An inline spec larger than this is refused before it is parsed: the bucket trigger (512 MB) would need
+# ~30x its size to parse it. Large requests belong in a manifest the tasks stream.
+MAX_SPEC_BYTES = 4 * 1024 * 1024
+
+
+class SpecTooLarge(SpecError):
+    def __init__(self, size: int):
+        msg = (
+            f"the spec is {size:,} bytes, more than the {MAX_SPEC_BYTES:,} an inline spec may have; put "
+            "long lists in a manifest (getbatch: 'manifest', a JSON Lines object of items) and submit a "
+            "small spec that names it"
+        )
+        super().__init__(msg, [{"field": "<spec>", "error": msg}])
 
 
 @dataclass
@@ -71,6 +85,8 @@ def check(
     budget: ProbeBudget = PLAN_BUDGET,
 ) -> tuple[JobSpec, Estimate]:
     """Everything a submission checks, writing nothing: the spec and its estimate (``shardfold plan``)."""
+    if isinstance(doc, bytes | str) and len(doc) > MAX_SPEC_BYTES:
+        raise SpecTooLarge(len(doc))
     spec = parse_spec(doc, base_uri=base_uri)
     check_policy(spec, store_root)
     limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
@@ -89,9 +105,12 @@ def submit(
     """Check ``doc``, record it under a new job id and start it; :class:`SpecError`/``PlanError`` refuse it
     before anything is written."""
     spec, est = check(doc, store_root=store_root, base_uri=base_uri, deployed=deployed, budget=SUBMIT_BUDGET)
+    text = json.dumps(dump_spec(spec), sort_keys=True).encode()
+    if len(text) > MAX_SPEC_BYTES:  # a dict from the SDK is held to the same limit as a file
+        raise SpecTooLarge(len(text))
     job_id = new_job_id(spec.kind)
     spec_uri = join(store_root, spec_key(job_id))
     store.put_json(join(store_root, probe_key(job_id)), est.probe)
-    store.put_json(spec_uri, dump_spec(spec))
+    store.put(spec_uri, text)
     execution = start(job_id, spec.kind, spec_uri)
     return Submitted(job_id, spec.kind, spec_uri, execution, est)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote_plus
@@ -32,7 +33,7 @@ from functions.errors import ObjectNotFound, ShardfoldError, SpecError
 from functions.jobs import status_key
 from functions.specs import load_document
 from functions.store.uri import is_s3, join, split_s3, store_root
-from functions.submit import Starter, submit
+from functions.submit import MAX_SPEC_BYTES, SpecTooLarge, Starter, submit
 
 logger = Logger(service="shardfold")
 
@@ -40,6 +41,8 @@ logger = Logger(service="shardfold")
 SIZES_ENV = "SHARDFOLD_SIZES"
 
 REPORT_SUFFIXES = (".status.json", ".error.json")
+# A claim older than this belongs to a delivery that died (the dispatch function's timeout is 60 s).
+CLAIM_TTL_S = 120.0
 _JOB_SPEC_KEY = re.compile(r"^jobs/[^/]+\.json$")
 
 
@@ -106,6 +109,9 @@ def dispatch(
     status_uri, error_uri = report_uris(spec_uri)
 
     try:
+        size = store.size(spec_uri)
+        if size > MAX_SPEC_BYTES:  # refused unread: the function's memory is no place for it
+            return _report_error(spec_uri, error_uri, SpecTooLarge(size), f"size:{size}")
         raw = store.get(spec_uri)
     except ObjectNotFound as exc:
         # deleted between the event and now: nothing to report beside, and nothing to start
@@ -114,15 +120,21 @@ def dispatch(
     digest = hashlib.sha256(raw).hexdigest()
 
     # EventBridge delivers at least once: the same spec bytes already dispatched -> the same job.
-    if store.exists(status_uri):
-        previous = store.get_json(status_uri)
-        if previous.get("spec_sha256") == digest:
-            logger.info("duplicate event", extra={"spec_uri": spec_uri, "job_id": previous.get("job_id")})
-            return previous
+    previous = _previous(status_uri, digest)
+    if previous is not None:
+        return previous
+    # Two deliveries at once: the first to claim these bytes dispatches them; the other reports that. A claim
+    # left by a delivery that died before its report expires, so a retry of the event still starts the job.
+    claim = f"{spec_uri[: -len('.json')]}.{digest[:16]}.claim"
+    if not _claim(claim):
+        return _previous(status_uri, digest) or {
+            "duplicate": f"{spec_uri} is being dispatched by another delivery"
+        }
 
     try:
         job = submit(load_document(raw), store_root=root, start=start, base_uri=spec_uri, deployed=deployed)
     except ShardfoldError as exc:
+        store.delete(claim)  # the same bytes dropped again get the same complaint, not "being dispatched"
         return _report_error(spec_uri, error_uri, exc, digest)
 
     report = {
@@ -140,6 +152,31 @@ def dispatch(
         store.delete(error_uri)
     logger.info("dispatched", extra={"job_id": job.job_id, "kind": job.kind, "spec_uri": spec_uri})
     return report
+
+
+def _previous(status_uri: str, digest: str) -> dict[str, Any] | None:
+    """The report of the job these spec bytes already started, if any."""
+    if store.exists(status_uri):
+        previous = store.get_json(status_uri)
+        if previous.get("spec_sha256") == digest:
+            logger.info("duplicate event", extra={"status_uri": status_uri, "job_id": previous.get("job_id")})
+            return previous
+    return None
+
+
+def _claim(claim_uri: str) -> bool:
+    """Claim a spec's bytes for this delivery (put-if-absent); an expired claim is taken over once."""
+    body = json.dumps({"claimed_at": time.time()}).encode()
+    if store.put_if_absent(claim_uri, body):
+        return True
+    try:
+        age = time.time() - float(store.get_json(claim_uri)["claimed_at"])
+    except (ObjectNotFound, KeyError, TypeError, ValueError):
+        age = CLAIM_TTL_S
+    if age < CLAIM_TTL_S:
+        return False
+    store.delete(claim_uri)
+    return store.put_if_absent(claim_uri, body)
 
 
 def _report_error(spec_uri: str, error_uri: str, exc: ShardfoldError, digest: str) -> dict[str, Any]:

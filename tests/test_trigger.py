@@ -79,6 +79,66 @@ def test_duplicate_delivery_does_not_start_twice(root):
     assert third["job_id"] != first["job_id"] and len(start.calls) == 2
 
 
+def test_concurrent_deliveries_of_one_event_start_one_job(root):
+    # two copies of one bucket event, both past the "already dispatched?" check before either reports
+    import threading
+
+    gate = threading.Barrier(2)
+    calls: list[str] = []
+
+    def slow_start(job_id: str, kind: str, spec_uri: str) -> str:
+        calls.append(job_id)
+        return "exec"
+
+    real_exists = store.exists
+
+    def exists(uri: str) -> bool:
+        if uri.endswith("twice.status.json"):
+            gate.wait(timeout=10)  # both deliveries look for a report at the same moment
+        return real_exists(uri)
+
+    uri = put_spec(root, "twice.json", GOOD)
+    reports: list[dict] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(store, "exists", exists)
+        threads = [
+            threading.Thread(target=lambda: reports.append(dispatch(uri, slow_start))) for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert len(calls) == 1, reports
+    assert sorted("job_id" in r for r in reports) == [False, True] or all(
+        r.get("job_id") == calls[0] for r in reports
+    )
+
+
+def test_a_claim_left_by_a_dead_delivery_expires(root, monkeypatch):
+    start = Starter()
+    uri = put_spec(root, "retry.json", GOOD)
+    raw = store.get(uri)
+    import hashlib
+
+    claim = join(root, "jobs", f"retry.{hashlib.sha256(raw).hexdigest()[:16]}.claim")
+    store.put(claim, json.dumps({"claimed_at": 0}).encode())  # a delivery that died long ago
+    report = dispatch(uri, start)
+    assert report["state"] == "RUNNING" and len(start.calls) == 1
+    store.put(claim, json.dumps({"claimed_at": __import__("time").time()}).encode())
+    store.delete(join(root, "jobs", "retry.status.json"))
+    assert "duplicate" in dispatch(uri, start) and len(start.calls) == 1  # a live claim: someone else has it
+
+
+def test_oversized_inline_spec_is_refused_unread(root, monkeypatch):
+    monkeypatch.setattr(trigger_mod, "MAX_SPEC_BYTES", 1000)
+    read = []
+    monkeypatch.setattr(store, "get", lambda *a, **k: read.append(a) or b"")
+    start = Starter()
+    uri = put_spec(root, "huge.json", {**GOOD, "items": [{"uri": f"data/{i}.bin"} for i in range(100)]})
+    report = dispatch(uri, start)
+    assert "manifest" in report["error"] and not read and not start.calls
+
+
 def test_invalid_spec_reports_every_error_and_starts_nothing(root):
     start = Starter()
     uri = put_spec(root, "bad.json", BAD)
