@@ -1,18 +1,17 @@
 """An aggregate task's peak memory does not grow with the number of clients.
 
-Each shard task runs in a fresh ``python -c`` subprocess (the way a Lambda function would), on the same
-16 MiB model for N = 2, 16 and 64 clients (hard links of one file, so the page cache serves them all). The
-growth of the peak resident size (VmHWM, reset after the imports) across the task, and the tracemalloc peak,
-must be the same for N = 64 as for N = 2 within a small tolerance (median: N = 16 vs 64, once its N x chunk
-matrix has reached its budget), and within what ``task_loads`` predicts. Memory, not time: a legitimate
-assertion. Linux only (``/proc/self/clear_refs``).
+Each shard task runs in a fresh interpreter (``tests/memchild.py`` through ``bench/benchutil``'s
+``Children``, as in tests/test_memory.py), the way a Lambda function would, on the same 16 MiB model for
+N = 2, 16 and 64 clients (hard links of one file, so the page cache serves them all). The growth of the peak
+resident size (VmHWM, reset after the imports) across the task, and the tracemalloc peak, must be the same
+for N = 64 as for N = 2 within a small tolerance (median: N = 16 vs 64, once its N x chunk matrix has reached
+its budget), and within what ``task_loads`` predicts. Memory, not time: a legitimate assertion. Linux only
+(``/proc/self/clear_refs``).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,32 +23,27 @@ from functions import store
 from functions.fedavg import core
 from functions.fedavg.sizing import RUNTIME_BYTES, Budget, MiB, task_loads
 from functions.fedavg.spec import FedAvgJob
+from functions.specs import dump_spec
+from functions.store.uri import join
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+sys.path.insert(0, str(REPO / "bench"))
+import benchutil  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc"),
+]
 MODEL_MIB = 16
 
-TASK = """
-import json, sys, tracemalloc
-from functions.fedavg import core
-from functions.fedavg.spec import FedAvgJob
 
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-spec = FedAvgJob.model_validate_json(sys.argv[1])
-job_id, root = sys.argv[2], sys.argv[3]
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset the peak resident size (VmHWM) to the current one: imports are not the task
-before = status("VmRSS:")
-tracemalloc.start()
-stats = core.aggregate(spec, job_id, root, 0)
-traced = tracemalloc.get_traced_memory()[1]
-tracemalloc.stop()
-peak = status("VmHWM:")
-print(json.dumps({"rss_growth": peak - before, "rss": peak, "traced": traced, **stats}))
-"""
+@pytest.fixture(scope="module")
+def children():
+    kids = benchutil.Children(
+        Path(__file__).with_name("memchild.py"), env={**os.environ, "POWERTOOLS_LOG_LEVEL": "WARNING"}
+    )
+    yield kids
+    kids.close()
 
 
 @pytest.fixture(scope="module")
@@ -74,26 +68,34 @@ def model_file(tmp_path_factory):
 BUDGET = Budget(chunk_bytes=MiB, inflight_bytes=8 * MiB, robust_bytes=16 * MiB)
 
 
-def run_task(model_dir: Path, n: int, aggregator: str) -> tuple[dict, int, int]:
+def run_task(children, model_dir: Path, n: int, aggregator: str) -> tuple[dict, int, int]:
     """Plan here, run shard 0 in a fresh interpreter; (its stats, predicted buffer bytes, data bytes)."""
-    env = {**os.environ, "POWERTOOLS_LOG_LEVEL": "WARNING"}
     root = store.uri.store_root()
     uris = [f"file://{model_dir / f'client-{i:03d}.safetensors'}" for i in range(n)]
     spec = FedAvgJob(clients=[{"uri": u} for u in uris], shards=1, aggregator=aggregator)
     job_id = f"fedavg-20260101T000000-{n:06x}"
-    core.prepare(spec, job_id, root, budget=BUDGET)
+    spec_uri = join(root, "jobs", job_id, "spec.json")
+    store.put_json(spec_uri, dump_spec(spec))
+    planned = core.prepare(spec, job_id, root, budget=BUDGET)
     plan = core.load_plan(root, job_id)
     predicted = task_loads(plan, on_s3=False)["aggregate"].peak_bytes - RUNTIME_BYTES
-    out = subprocess.run(
-        [sys.executable, "-c", TASK, spec.model_dump_json(), job_id, root],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1]), predicted, plan.data_bytes
+    item = store.get_json(planned["manifest"]["uri"])[0]
+    event = {"job_id": job_id, "spec_uri": spec_uri, "store_root": root, "item": item, "index": 0}
+    req = {
+        "op": "task",
+        "imports": ["functions.fedavg.kind"],
+        "handler": "functions.fedavg.handlers:aggregate",
+        "event": event,
+        "tracemalloc": True,
+    }
+    run = children.run(req, timeout_s=120)
+    assert run.ok, run.note
+    stats = {
+        **run.result["result"],
+        "rss_growth": run.result["added_rss"],
+        "traced": run.result["traced_peak"],
+    }
+    return stats, predicted, plan.data_bytes
 
 
 @pytest.mark.parametrize(
@@ -105,9 +107,9 @@ def run_task(model_dir: Path, n: int, aggregator: str) -> tuple[dict, int, int]:
         ("median", (16, 64)),
     ],
 )
-def test_shard_task_peak_memory_is_flat_in_n(model_file, tmp_path, monkeypatch, aggregator, ns):
+def test_shard_task_peak_memory_is_flat_in_n(children, model_file, tmp_path, monkeypatch, aggregator, ns):
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
-    runs = {n: run_task(model_file, n, aggregator) for n in ns}
+    runs = {n: run_task(children, model_file, n, aggregator) for n in ns}
     for n, (stats, predicted, data_bytes) in runs.items():
         assert stats["read_bytes"] == n * data_bytes  # it did read all N clients' whole model
         # within what the plan predicts for the task's buffers (runtime excluded)

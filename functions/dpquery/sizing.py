@@ -34,8 +34,12 @@ from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from functions.tables import Table
 
 # --- memory model (per task; what one function holds at its peak) -------------------------------------------
-# Python + numpy + pyarrow + OpenDP loaded: 150 MiB measured (ru_maxrss after importing functions.dpquery.*).
+# Python + numpy + pyarrow (with pandas, which pyarrow loads to convert arrays): 138 MiB measured after
+# importing functions.dpquery.* and pyarrow's CSV and Parquet modules (tests/test_memory.py).
 RUNTIME_BYTES = 160 * MiB
+# A measure task also imports OpenDP's sampler through ``opendp.prelude``, which loads OpenDP's extras and
+# what they import where installed (scipy, scikit-learn): 240 MiB measured, as above (tests/test_memory.py).
+MEASURE_RUNTIME_BYTES = 256 * MiB
 # One streaming pass over the dataset's columns: pyarrow's CSV reader keeps a few 8 MiB blocks in flight with
 # their decoded columns (~100 MiB measured), Parquet one record batch of 2^17 rows (~60 MiB measured), and on
 # S3 an 8 MiB read buffer.
@@ -47,6 +51,10 @@ PLAN_BYTES_PER_PAIR = 128
 RECON_BYTES_PER_CELL = 48
 # The plan document once loaded in a task: its JSON text, the decoded arrays and their copies.
 PLAN_DOC_FACTOR = 3
+# What writing the first Arrow table to Parquet takes on top of the arrays: pyarrow's memory pool (mimalloc)
+# and the writer's buffers (~10 MiB measured; a reconstruct task measured 11-19 MiB above its runtime with
+# tables of a few thousand cells; tests/test_memory.py).
+ARROW_WRITE_BYTES = 16 * MiB
 
 # --- duration model (assumed per-core rates, measured on a dev box; bench/dpquery.py measures them) ---------
 SAMPLER_SAMPLES_PER_S = 19_000  # OpenDP 0.16 float-vector make_gaussian, one core
@@ -226,6 +234,8 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         + PLAN_S_PER_PAIR * pairs
         + scan_s
         + (4 + ledger_entries) * latency,
+        why=f"the noise plan ({pairs:,} marginal-subset pairs) and its document, one streaming scan of the "
+        f"{fmt} dataset",
     )
 
     # measure: per group, the histograms of its residual sets, their residuals and the noisy payload
@@ -233,10 +243,14 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     hist_bytes = max(8 * float(res_cells[s:t].sum()) for s, t in mgroups)
     samples = [int(pl.noise_count[s:t].sum()) for s, t in mgroups]
     measure_load = TaskLoad(
-        peak_bytes=int(RUNTIME_BYTES + plan_doc_bytes + SCAN_BYTES[fmt] + hist_bytes + 24 * max(samples)),
+        peak_bytes=int(
+            MEASURE_RUNTIME_BYTES + plan_doc_bytes + SCAN_BYTES[fmt] + hist_bytes + 24 * max(samples)
+        ),
         gets=scan_gets + 2,  # + the plan document, + the put-if-absent check on the measurement
         puts=1,
         duration_s=pricing.TASK_OVERHEAD_S + scan_s + max(samples) / SAMPLER_SAMPLES_PER_S + 3 * latency,
+        why=f"OpenDP's runtime, the plan document, one streaming scan of the {fmt} dataset, the group's "
+        f"histograms ({hist_bytes / MiB:,.1f} MiB) and up to {max(samples):,} noise samples",
     )
 
     # reconstruct: per group, the measurements it needs and its largest marginal's table
@@ -264,12 +278,14 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     n_r = len(rgroups)
     recon_puts = pl.num_marginals + json_tables + n_r
     reconstruct_load = TaskLoad(
-        peak_bytes=int(RUNTIME_BYTES + plan_doc_bytes + peak),
+        peak_bytes=int(RUNTIME_BYTES + plan_doc_bytes + ARROW_WRITE_BYTES + peak),
         gets=-(-recon_gets // n_r),
         puts=-(-recon_puts // n_r),
         duration_s=pricing.TASK_OVERHEAD_S + worst_s,
         total_gets=recon_gets,
         total_puts=recon_puts,
+        why="the plan document, the group's measured residuals, its largest marginal's table and the "
+        "Parquet writer",
     )
 
     # finalize: the measurements' trailers, the ledger's spend entry, the tables index and the result
@@ -278,6 +294,7 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         gets=2 + len(mgroups) + n_r + 1 + ledger_entries + 1,
         puts=3,
         duration_s=pricing.TASK_OVERHEAD_S + (6 + ledger_entries) * latency,
+        why="the plan document, every measurement's trailer and every table's index entry",
     )
 
     output_bytes = int(

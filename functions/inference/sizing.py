@@ -7,26 +7,44 @@
   becomes a note: the job fails at its prepare step naming it.
 * **loads**: a preprocess task holds one shard's text and its token ids (int32, at most ``max_tokens`` per
   row) on top of the tokenizer runtime; the worker holds the model, a bounded prefetch of preprocessed
-  shards and one batch's activations; commit holds the preprocessed shards' ids and streams embeddings to
-  Parquet one shard at a time.
+  shards and, on a CPU, one batch's activations; commit holds the preprocessed shards' ids and streams
+  embeddings to Parquet one shard at a time.
+
+The worker's host memory depends on where it runs (the probe's ``worker_device``): on AWS (an ``s3://``
+store) it is a Batch job with a GPU, locally it is this machine's GPU if it has one, else its CPU. On a GPU
+the CUDA context takes host memory and the activations live on the device; on a CPU the activations are
+host memory, under the worker's CPU token budget (:data:`functions.inference.worker.CPU_BATCH_TOKENS`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 from functions import access, pricing, store
 from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from functions.inference import workflow as wf
 from functions.inference.spec import InferenceJob, inference_input_format
+from functions.inference.worker import CPU_BATCH_TOKENS, PREFETCH
+from functions.store.uri import is_s3
 from functions.tables import Table
 
 RUNTIME_BYTES = 200 * MiB  # Python + pyarrow + tokenizers in a preprocess/commit task
-WORKER_RUNTIME_BYTES = 1536 * MiB  # torch + transformers + the model
+# prepare (JSONL inputs), cpu_done and reconcile import neither pyarrow nor tokenizers: the bare runtime
+# (65 MiB measured without boto3; tests/test_memory.py)
+BASE_RUNTIME_BYTES = pricing.LAMBDA_BASELINE_MB * MiB
+# torch + transformers + MiniLM loaded on the host: 470 MiB measured on a CPU (tests/test_memory.py)
+WORKER_RUNTIME_BYTES = 512 * MiB
+# What a GPU worker's process adds on the host: the CUDA context and the kernels of cuBLAS/cuDNN (assumed,
+# not measured here; the activations themselves live on the device).
+CUDA_HOST_BYTES = 1024 * MiB
+# A CPU worker's activations and what the allocator keeps of them, per token of its batch budget: ~210 MiB
+# measured above the loaded model for MiniLM's 2,048-token CPU batches of mixed lengths (tests/test_memory.py)
+CPU_BYTES_PER_BATCH_TOKEN = 112 * 1024
 TEXT_BYTES_PER_ROW = 1024  # assumed when the inputs cannot be read
 EMBED_DIM = 384  # all-MiniLM-L6-v2; a user model's width is not known before it runs
-HIDDEN_LAYERS_LIVE = 4  # activations of a few layers live at once in inference mode
-PREFETCH_SHARDS = 2
+PREFETCH_SHARDS = PREFETCH  # claimed shards read ahead of the one being embedded
 CPU_TOKENS_PER_S = 2_000_000  # tokenizers (Rust) on one Lambda vCPU, order of magnitude
 GPU_ROWS_PER_S = 2000  # MiniLM on one A10G, order of magnitude, for the duration estimate only
 
@@ -63,7 +81,25 @@ def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
         notes.append(f"{budget.objects} of {len(spec.inputs)} inputs probed; the rest assumed alike")
     if any(not x["exact"] for x in inputs):
         notes.append("row counts of large JSONL inputs extrapolated from their first bytes")
-    return Probe(facts={"inputs": inputs, "probed": len(inputs), "of": len(spec.inputs)}, notes=notes)
+    facts = {
+        "inputs": inputs,
+        "probed": len(inputs),
+        "of": len(spec.inputs),
+        "worker_device": worker_device(store_root),
+    }
+    return Probe(facts=facts, notes=notes)
+
+
+def worker_device(store_root: str) -> str:
+    """Where the GPU stage's worker will run: ``"cuda"`` on AWS (an ``s3://`` store: a Batch job with one
+    GPU) or on a machine with a visible NVIDIA GPU (the worker uses cuda when torch sees one), else
+    ``"cpu"``. Read without torch, which the Lambda package does not have."""
+    if is_s3(store_root):
+        return "cuda"
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return "cpu"
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return "cuda" if gpus.is_dir() and any(gpus.iterdir()) else "cpu"
 
 
 def loads(spec: InferenceJob, probed: Probe) -> Loads:
@@ -83,15 +119,31 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
     shard_tokens = shard_rows * spec.max_tokens
     pre_bytes = shard_tokens * 4 + shard_rows * 3 * 8  # input_ids int32 + offsets, row_index, ids
     preprocess_peak = RUNTIME_BYTES + 3 * shard_text + 3 * pre_bytes  # text, encodings, npz buffer
-    batch_act = spec.batch_tokens * EMBED_DIM * 4 * HIDDEN_LAYERS_LIVE * 4  # hidden + FFN (4x) widths
-    worker_peak = WORKER_RUNTIME_BYTES + (PREFETCH_SHARDS + 1) * pre_bytes + batch_act
+    device = probed.facts.get("worker_device", "cuda")
+    embeddings = 3 * shard_rows * EMBED_DIM * 4  # one shard's output, its .npy buffer and bytes
+    held = (PREFETCH_SHARDS + 1) * pre_bytes + embeddings
+    if device == "cpu":
+        budget = min(spec.batch_tokens, CPU_BATCH_TOKENS)
+        worker_peak = WORKER_RUNTIME_BYTES + held + budget * CPU_BYTES_PER_BATCH_TOKEN
+        worker_why = (
+            f"CPU worker: torch, transformers and the model, {PREFETCH_SHARDS + 1} preprocessed shards, "
+            f"one {budget:,}-token batch's activations"
+        )
+    else:
+        worker_peak = WORKER_RUNTIME_BYTES + CUDA_HOST_BYTES + held
+        worker_why = (
+            f"GPU worker (host memory): torch, transformers and the model, the CUDA context, "
+            f"{PREFETCH_SHARDS + 1} preprocessed shards (activations live on the GPU)"
+        )
     out_bytes = rows * EMBED_DIM * 4
     commit_peak = RUNTIME_BYTES + n_shards * shard_rows * 16 + 3 * shard_rows * EMBED_DIM * 4
     cpu_s = pricing.TASK_OVERHEAD_S + shard_tokens / CPU_TOKENS_PER_S
     workers = max(1, min(spec.gpu_workers, n_shards))
     gpu_s = rows / GPU_ROWS_PER_S / workers  # per worker: the shards are shared out by claims
+    # pyarrow is imported only to read Parquet inputs' footers
+    parquet = any(inference_input_format(u) == "parquet" for u in spec.inputs)
     plan = TaskLoad(
-        peak_bytes=RUNTIME_BYTES + 24 * rows,
+        peak_bytes=(RUNTIME_BYTES if parquet else BASE_RUNTIME_BYTES) + 24 * rows,
         gets=len(spec.inputs),
         puts=2,
         duration_s=pricing.TASK_OVERHEAD_S,
@@ -112,7 +164,7 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
         gets=2 * -(-n_shards // workers) + 2,
         puts=3 * -(-n_shards // workers),
         duration_s=gpu_s,
-        why=f"torch and the model, {PREFETCH_SHARDS + 1} preprocessed shards, one batch's activations",
+        why=worker_why,
     )
     commit = TaskLoad(
         peak_bytes=commit_peak,

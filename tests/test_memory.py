@@ -1,0 +1,311 @@
+"""Every task type's projected peak memory against a measurement, for every built-in kind.
+
+Each measured task runs in a fresh interpreter (``tests/memchild.py``, started by ``bench/benchutil``'s
+``Children``): the child imports the task's modules (its handler, its kind, and what the task would import
+on first use), reads its resident size — the *runtime baseline*: that process, having done no work —
+resets the kernel's peak (``benchutil.PeakRSS``) and calls the handler with the event the workflow would
+give it. The projection is what ``shardfold plan`` prints (:func:`functions.estimate.estimate`, from each
+kind's ``sizing.loads``). For every case::
+
+    measured peak  <=  projected  <=  2 x measured peak + runtime baseline
+
+Left: the plan never lets a task run out of memory; right: it refuses no job that fits with room to spare.
+A projection outside is a wrong model, fixed in the kind's ``sizing.py``, never here. Every kind runs on a
+small and a larger input in a temporary local store; the tasks that are not measured (the other parts,
+shards and groups a later step needs) run in this process. Linux only (``/proc/self/clear_refs``).
+
+``pytest -s tests/test_memory.py`` prints every case as one table when the module ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from functions import store
+from functions.estimate import estimate
+from functions.jobs import new_job_id
+from functions.specs import dump_spec, parse_spec
+from functions.store.uri import join
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import benchutil  # noqa: E402
+
+MiB = 1 << 20
+CHILD = Path(__file__).with_name("memchild.py")
+CHILD_TIMEOUT_S = 300  # a deadline, not a timing assumption
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc"),
+]
+
+# What tasks import on first use, imported before the baseline is read: pyarrow's readers and writers (and
+# pandas, which pyarrow loads, where installed, to convert numpy arrays); OpenDP's sampler (its prelude
+# loads OpenDP's extras); torch, transformers and the BERT code the MiniLM model runs on.
+ARROW = ("pyarrow.parquet", "pyarrow.csv", "pandas")
+OPENDP = (*ARROW, "opendp.prelude")
+TORCH = ("torch", "transformers", "transformers.models.bert.modeling_bert")
+
+ROWS: list[list[str]] = []  # every case, printed as one table when the module ends
+
+
+@pytest.fixture(scope="module")
+def children():
+    kids = benchutil.Children(CHILD, env={**os.environ, "POWERTOOLS_LOG_LEVEL": "WARNING"})
+    yield kids
+    kids.close()
+    headers = ["kind", "task", "input", "measured MiB", "projected MiB", "baseline MiB", "ratio"]
+    print("\n" + benchutil.table(headers, ROWS, right={3, 4, 5, 6}))
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    return store.uri.store_root()
+
+
+@dataclass
+class Job:
+    """A job written to a temporary store (its spec at ``jobs/<id>/spec.json``) and its estimate."""
+
+    label: str
+    root: str
+    job_id: str
+    spec: Any
+    steps: dict[str, Any]  # step name -> functions.estimate.StepEstimate
+    failures: list[str] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, root: str, doc: dict[str, Any], label: str) -> Job:
+        spec = parse_spec(doc)
+        job_id = new_job_id(spec.kind)
+        store.put_json(join(root, "jobs", job_id, "spec.json"), dump_spec(spec))
+        steps = {s.name: s for s in estimate(spec, root).steps}
+        return cls(label=label, root=root, job_id=job_id, spec=spec, steps=steps)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    def event(self, **extra: Any) -> dict[str, Any]:
+        spec_uri = join(self.root, "jobs", self.job_id, "spec.json")
+        return {"job_id": self.job_id, "spec_uri": spec_uri, "store_root": self.root, **extra}
+
+    def measure(
+        self, children, step: str, handler: str, event: dict[str, Any], imports: tuple[str, ...] = ()
+    ) -> Any:
+        """Run ``handler(event)`` in a fresh child; record the case and check it against the projection.
+        Returns the handler's result."""
+        req = {
+            "op": "task",
+            "imports": [f"functions.{self.kind}.kind", *imports],
+            "handler": handler,
+            "event": event,
+        }
+        run = children.run(req, CHILD_TIMEOUT_S)
+        assert run.ok, f"{self.kind} {step} ({self.label}): {run.note}"
+        peak, base = run.result["peak_rss"], run.result["baseline_rss"]
+        projected = self.steps[step].peak_mb * MiB
+        ROWS.append(
+            [
+                self.kind,
+                step,
+                self.label,
+                f"{peak / MiB:.0f}",
+                f"{projected / MiB:.0f}",
+                f"{base / MiB:.0f}",
+                f"{projected / peak:.2f}",
+            ]
+        )
+        if not peak <= projected <= 2 * peak + base:
+            self.failures.append(
+                f"{self.kind} {step} ({self.label}): measured {peak / MiB:.1f} MiB over a runtime of "
+                f"{base / MiB:.1f} MiB, projected {projected / MiB:.1f} MiB ({self.steps[step].why}); "
+                f"imported during the task: {run.result['late_imports']}"
+            )
+        return run.result["result"]
+
+    def check(self) -> None:
+        assert not self.failures, "\n".join(self.failures)
+
+
+# --- getbatch -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("count", "size"), [(1, 5 * MiB), (2000, 10 * 1024)], ids=["1x5MiB", "2000x10KiB"])
+def test_getbatch(children, root, count, size):
+    rng = np.random.default_rng(0)
+    uris = [join(root, "data", f"obj-{i:05d}.bin") for i in range(count)]
+    for uri in uris:
+        store.put(uri, rng.bytes(size))
+    label = f"{count:,} x {size / MiB:g} MiB" if size >= MiB else f"{count:,} x {size // 1024} KiB"
+    job = Job.create(root, {"kind": "getbatch", "items": [{"uri": u} for u in uris]}, label)
+    h = "functions.getbatch.handlers"
+    planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
+    parts = store.get_json(planned["manifest"]["uri"])
+    assert len(parts) == planned["parts"] == 1
+    job.measure(children, "gather_part", f"{h}:gather", job.event(item=parts[0], index=0))
+    result = job.measure(children, "assemble", f"{h}:assemble", job.event(prepare=planned))
+    assert result["items"] == count and result["bytes"] == count * size
+    job.check()
+
+
+# --- fedavg -------------------------------------------------------------------------------------------------
+
+FEDAVG_SMALL = {"w": ((256, 512), "float32"), "b": ((512,), "float32"), "steps": ((), "int64")}
+FEDAVG_LARGE = {  # ~26 MiB per update, a bfloat16 tensor among float32 ones
+    "fc1.weight": ((2048, 3072), "float32"),
+    "fc1.bias": ((3072,), "float32"),
+    "fc2.weight": ((1024, 1024), "bfloat16"),
+    "bn.num_batches_tracked": ((), "int64"),
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "clients", "aggregator", "label"),
+    [
+        (FEDAVG_SMALL, 3, "mean", "3 clients x 0.5 MiB, mean"),
+        (FEDAVG_LARGE, 16, "mean", "16 clients x 26 MiB, mean"),
+        (FEDAVG_LARGE, 16, "median", "16 clients x 26 MiB, median"),
+    ],
+    ids=["small-mean", "large-mean", "large-median"],
+)
+def test_fedavg(children, root, model, clients, aggregator, label):
+    import ml_dtypes
+
+    from client import Client
+    from client.demo import fedavg_updates
+    from functions.fedavg import handlers
+
+    model = {k: (s, ml_dtypes.bfloat16 if d == "bfloat16" else np.dtype(d)) for k, (s, d) in model.items()}
+    # two distinct updates; the other clients are hard links of them (the page cache serves them all)
+    with Client() as c:
+        saved = [
+            c.fedavg.save_update(t, f"data/client-{i:03d}.safetensors", num_examples=n)
+            for i, (t, n) in enumerate(fedavg_updates(model, 2))
+        ]
+    uris = list(saved)
+    for i in range(2, clients):
+        path = store.uri.local_path(saved[0]).with_name(f"client-{i:03d}.safetensors")
+        os.link(store.uri.local_path(saved[i % 2]), path)
+        uris.append(path.as_uri())
+    doc = {"kind": "fedavg", "clients": [{"uri": u} for u in uris], "aggregator": aggregator}
+    job = Job.create(root, doc, label)
+    h = "functions.fedavg.handlers"
+    planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
+    shards = store.get_json(planned["manifest"]["uri"])
+    stats = job.measure(children, "aggregate_shard", f"{h}:aggregate", job.event(item=shards[0], index=0))
+    assert stats["reads"] >= clients
+    for k, item in enumerate(shards[1:], 1):
+        handlers.aggregate(job.event(item=item, index=k))
+    result = job.measure(children, "commit", f"{h}:commit", job.event(prepare=planned))
+    assert result["clients"] == clients
+    job.check()
+
+
+# --- dpquery ------------------------------------------------------------------------------------------------
+
+
+def dpquery_small(root: str) -> tuple[dict, str]:
+    from test_dpquery_job import make_dataset, spec_doc
+
+    uri, _ = make_dataset(root, rows=4000)
+    return spec_doc(uri), "4,000 rows Parquet, 3 marginals"
+
+
+def dpquery_large(root: str) -> tuple[dict, str]:
+    from client.demo import PEOPLE_SCHEMA, people_csv, synthetic_people
+
+    schema = [dict(a) for a in PEOPLE_SCHEMA]
+    schema[0] = {"name": "age", "range": [18, 89]}  # 72 ages: 3-way marginals of up to 4,032 cells
+    uri = join(root, "data", "people.csv")
+    store.put(uri, people_csv(synthetic_people(200_000), [a["name"] for a in schema]))
+    doc = {
+        "kind": "dpquery",
+        "dataset": uri,
+        "schema": schema,
+        "workload": {"all_marginals_up_to": 3},
+        "budget": {"rho": 0.5},
+        "dataset_id": "people",
+        "dataset_budget_rho": 1.0,
+    }
+    return doc, "200,000 rows CSV, all <=3-way of 6"
+
+
+@pytest.mark.parametrize("make", [dpquery_small, dpquery_large], ids=["small", "large"])
+def test_dpquery(children, root, make):
+    from functions.dpquery import handlers
+
+    doc, label = make(root)
+    job = Job.create(root, doc, label)
+    h = "functions.dpquery.handlers"
+    planned = job.measure(children, "prepare", f"{h}:prepare", job.event(), imports=ARROW)
+
+    groups = store.get_json(planned["measure"]["uri"])
+    big = max(range(len(groups)), key=lambda g: groups[g]["samples"])
+    event = job.event(item=groups[big], index=big)
+    job.measure(children, "measure_group", f"{h}:measure", event, imports=OPENDP)
+    for g, item in enumerate(groups):
+        if g != big:
+            handlers.measure(job.event(item=item, index=g))
+
+    groups = store.get_json(planned["reconstruct"]["uri"])
+    big = max(range(len(groups)), key=lambda g: groups[g]["cells"])
+    event = job.event(item=groups[big], index=big)
+    job.measure(children, "reconstruct_group", f"{h}:reconstruct", event, imports=ARROW)
+    for g, item in enumerate(groups):
+        if g != big:
+            handlers.reconstruct(job.event(item=item, index=g))
+
+    result = job.measure(children, "finalize", f"{h}:finalize", job.event())
+    assert result["marginals"] == planned["marginals"]
+    job.check()
+
+
+# --- inference ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rows", "shard_rows", "words", "label"),
+    [(40, 40, (5, 30), "40 short rows, 1 shard"), (32, 16, (150, 250), "32 rows of 256 tokens, 2 shards")],
+    ids=["small", "large"],
+)
+def test_inference(children, root, rows, shard_rows, words, label):
+    from client.demo import inference_corpus
+    from functions.inference import handlers
+
+    corpus = inference_corpus(rows, seed=1, min_words=words[0], max_words=words[1])
+    uri = join(root, "data", "corpus.jsonl")
+    store.put(uri, "".join(json.dumps(r) + "\n" for r in corpus).encode())
+    doc = {
+        "kind": "inference",
+        "inputs": [uri],
+        "field": "text",
+        "id_field": "id",
+        "model": "minilm",
+        "shard_rows": shard_rows,
+    }
+    job = Job.create(root, doc, label)
+    h = "functions.inference.handlers"
+    planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
+    shards = store.get_json(planned["manifest"]["uri"])
+    event = job.event(item=shards[0], index=0)
+    job.measure(children, "preprocess_shard", f"{h}:preprocess", event, imports=("tokenizers",))
+    for k, item in enumerate(shards[1:], 1):
+        handlers.preprocess(job.event(item=item, index=k))
+    handlers.cpu_done(job.event())
+    # the GPU worker (the BatchJob step "infer"), on this machine's device: the CPU without a GPU
+    summary = job.measure(children, "infer", "functions.inference.worker:handler", job.event(), imports=TORCH)
+    assert summary["rows"] == rows and summary["shards"] == len(shards)
+    result = job.measure(children, "commit", f"{h}:commit", job.event(), imports=ARROW)
+    assert result["rows"] == rows
+    job.check()
