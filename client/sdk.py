@@ -120,20 +120,32 @@ class Client:
         """The deployed sizes the plan check uses (the stack's ``sizes`` output); None locally."""
         return getattr(self.executor, "deployed_sizes", None)
 
+    @property
+    def writable(self) -> tuple[str, ...] | None:
+        """Where the deployment lets jobs write outputs (the stack's ``output_prefixes``); None locally."""
+        return getattr(self.executor, "output_prefixes", None)
+
     def plan(self, spec: SpecInput) -> Estimate:
         """Dry run: steps, task counts, per-task memory, request counts and a cost estimate. Runs nothing.
 
         Raises :class:`PlanError` when a task would not fit the memory it gets.
         """
         doc, base = load_spec_document(spec)
-        return check(doc, store_root=self.store_root, base_uri=base, deployed=self.deployed)[1]
+        return check(
+            doc, store_root=self.store_root, base_uri=base, deployed=self.deployed, writable=self.writable
+        )[1]
 
     def submit(self, spec: SpecInput) -> Job:
         """Validate ``spec``, check its plan, record it and start it; returns the :class:`Job` at once."""
         _refuse_in_a_bootstrapping_worker()
         doc, base = load_spec_document(spec)
         job = submit(
-            doc, store_root=self.store_root, start=self._start, base_uri=base, deployed=self.deployed
+            doc,
+            store_root=self.store_root,
+            start=self._start,
+            base_uri=base,
+            deployed=self.deployed,
+            writable=self.writable,
         )
         logger.info("job submitted", extra={"job_id": job.job_id, "kind": job.kind, "backend": self.backend})
         return Job(self, job.job_id, job.kind)

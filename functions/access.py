@@ -10,6 +10,9 @@ behind submit's back is held to the same rules).
 * **System prefixes** of the store are never outputs: ``ledger/`` (the dpquery budget ledgers) and
   ``jobs/`` (submitted specs, every job's spec, status, journal and scratch). The one exception is the job's
   own ``jobs/<id>/output/`` folder, where the defaults point.
+* **A deployment's output prefixes**: on AWS the workers' roles may write outputs only under the stack's
+  ``outputPrefixes`` (``results/`` by default; the functions get them in ``SHARDFOLD_OUTPUT_PREFIXES``, the
+  SDK from the stack outputs), so an output elsewhere in the bucket is refused before it could fail.
 * **An output is never one of the job's own inputs** (nor, for an output prefix, above one of them): a
   job must not destroy what it reads.
 * Keys never hold ``..`` segments or NUL characters (:mod:`functions.store.uri`).
@@ -17,6 +20,7 @@ behind submit's back is held to the same rules).
 
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Iterable
 
@@ -24,6 +28,16 @@ from functions.errors import UnsafeKey
 from functions.store.uri import FILE, S3, is_file, is_s3, join, resolve, split_s3
 
 SYSTEM_PREFIXES = ("ledger/", "jobs/")
+OUTPUT_PREFIXES_ENV = "SHARDFOLD_OUTPUT_PREFIXES"
+
+
+def deployed_output_prefixes() -> tuple[str, ...] | None:
+    """The deployment's output prefixes (``SHARDFOLD_OUTPUT_PREFIXES``, comma-separated), or None when
+    not deployed (anywhere outside the system prefixes)."""
+    raw = os.environ.get(OUTPUT_PREFIXES_ENV)
+    if raw is None:
+        return None
+    return tuple(p.strip().strip("/") + "/" for p in raw.split(",") if p.strip().strip("/"))
 
 
 def _full(uri: str, store_root: str) -> str:
@@ -62,23 +76,41 @@ def store_key(uri: str, store_root: str) -> str | None:
     return None
 
 
-def output_uri(uri: str, store_root: str, field: str = "", job_id: str | None = None) -> str:
+def output_uri(
+    uri: str,
+    store_root: str,
+    field: str = "",
+    job_id: str | None = None,
+    writable: tuple[str, ...] | None = None,
+) -> str:
     """The full URI of something a job writes; :class:`UnsafeKey` naming ``field`` when it may not.
 
     ``job_id`` is the job's own id (a task knows it; submit does not yet): its ``jobs/<id>/output/``
-    folder is then allowed."""
+    folder is then allowed. ``writable``: the deployment's output prefixes on the S3 store (default: from
+    the environment, as the deployed functions have them)."""
     full = _full(uri, store_root)
     if is_s3(store_root) and is_file(full):
         raise UnsafeKey(f"{_where(field)}{uri} is a local file; the S3 store writes only s3:// objects")
     key = store_key(full, store_root)
-    if key is not None:
-        own = f"jobs/{job_id}/output/" if job_id else None
-        reserved = next((p for p in SYSTEM_PREFIXES if key.startswith(p) or key == p.rstrip("/")), None)
-        if reserved and not (own and key.startswith(own)):
-            raise UnsafeKey(
-                f"{_where(field)}{uri} is under the store's system prefix {reserved} (budget ledgers, job "
-                "specs, status and scratch); write outputs elsewhere, e.g. results/"
-            )
+    if key is None:
+        return full
+    own = f"jobs/{job_id}/output/" if job_id else None
+    if own and key.startswith(own):
+        return full
+    reserved = next((p for p in SYSTEM_PREFIXES if key.startswith(p) or key == p.rstrip("/")), None)
+    if reserved:
+        raise UnsafeKey(
+            f"{_where(field)}{uri} is under the store's system prefix {reserved} (budget ledgers, job "
+            "specs, status and scratch); write outputs elsewhere, e.g. results/"
+        )
+    if writable is None and is_s3(store_root):
+        writable = deployed_output_prefixes()
+    if writable is not None and not any(key.startswith(p) for p in writable):
+        raise UnsafeKey(
+            f"{_where(field)}{uri} is outside the folders this deployment lets jobs write "
+            f"({', '.join(writable) or 'none'}); write under one of them, or add the folder to the stack's "
+            "shardfold:outputPrefixes"
+        )
     return full
 
 

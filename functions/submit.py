@@ -51,7 +51,7 @@ def probe_key(job_id: str) -> str:
     return job_key(job_id, "probe.json")
 
 
-def check_policy(spec: JobSpec, store_root: str) -> None:
+def check_policy(spec: JobSpec, store_root: str, writable: tuple[str, ...] | None = None) -> None:
     """Refuse what the submitter may not do (:mod:`functions.access`), naming every field at fault: local
     files on the S3 store, outputs under the store's system prefixes, an output that is one of the inputs.
     The tasks check the same rules again, and those of what submit cannot see (a manifest's items)."""
@@ -63,7 +63,7 @@ def check_policy(spec: JobSpec, store_root: str) -> None:
             if f.role == "input":
                 inputs.append((f.field, access.input_uri(f.uri, store_root)))
             else:
-                outputs.append((f, access.output_uri(f.uri, store_root)))
+                outputs.append((f, access.output_uri(f.uri, store_root, writable=writable)))
         except ShardfoldError as exc:
             errors.append({"field": f.field, "error": str(exc)})
     for f, out in outputs:
@@ -82,13 +82,14 @@ def check(
     store_root: str,
     base_uri: str | None = None,
     deployed: Mapping[str, Any] | None = None,
+    writable: tuple[str, ...] | None = None,
     budget: ProbeBudget = PLAN_BUDGET,
 ) -> tuple[JobSpec, Estimate]:
     """Everything a submission checks, writing nothing: the spec and its estimate (``shardfold plan``)."""
     if isinstance(doc, bytes | str) and len(doc) > MAX_SPEC_BYTES:
         raise SpecTooLarge(len(doc))
     spec = parse_spec(doc, base_uri=base_uri)
-    check_policy(spec, store_root)
+    check_policy(spec, store_root, writable)
     limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
     est = estimate(spec, store_root, budget=budget, limits=limits)
     return spec, est.check()
@@ -101,10 +102,18 @@ def submit(
     start: Starter,
     base_uri: str | None = None,
     deployed: Mapping[str, Any] | None = None,
+    writable: tuple[str, ...] | None = None,
 ) -> Submitted:
     """Check ``doc``, record it under a new job id and start it; :class:`SpecError`/``PlanError`` refuse it
     before anything is written."""
-    spec, est = check(doc, store_root=store_root, base_uri=base_uri, deployed=deployed, budget=SUBMIT_BUDGET)
+    spec, est = check(
+        doc,
+        store_root=store_root,
+        base_uri=base_uri,
+        deployed=deployed,
+        writable=writable,
+        budget=SUBMIT_BUDGET,
+    )
     text = json.dumps(dump_spec(spec), sort_keys=True).encode()
     if len(text) > MAX_SPEC_BYTES:  # a dict from the SDK is held to the same limit as a file
         raise SpecTooLarge(len(text))

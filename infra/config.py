@@ -38,6 +38,9 @@ Bucket
   ``tempExpirationDays``: objects under ``tmp/`` expire after this (7).
   ``abortIncompleteUploadDays``: incomplete multipart uploads are aborted after this (2).
   ``jobsExpirationDays``: everything under ``jobs/`` (specs, reports, results) expires after this (0: never).
+  ``outputPrefixes``: where in the job bucket jobs may write their outputs besides their own
+  ``jobs/<id>/output/`` (``["results/"]``); the workers' roles may write only there, under ``jobs/`` and
+  ``tmp/``, and only the dpquery functions under ``ledger/``.
   ``readBuckets`` / ``writeBuckets``: other buckets (``bucket`` or ``bucket/prefix``) the workers may read /
   read and write (``[]``).
 
@@ -142,6 +145,7 @@ class StackConfig:
     temp_expiration_days: int = 7
     abort_incomplete_upload_days: int = 2
     jobs_expiration_days: int = 0
+    output_prefixes: tuple[str, ...] = ("results/",)
     read_buckets: tuple[str, ...] = ()
     write_buckets: tuple[str, ...] = ()
     batch: bool = True
@@ -201,6 +205,13 @@ class StackConfig:
                 problems.append(f"{name} must be >= 1")
         if self.jobs_expiration_days < 0:
             problems.append("jobsExpirationDays must be >= 0 (0: never)")
+        for prefix in self.output_prefixes:
+            key = prefix.strip("/")
+            if not key or ".." in key.split("/") or key.split("/")[0] in ("jobs", "ledger") or "*" in key:
+                problems.append(
+                    f"outputPrefixes entry {prefix!r} must be a folder of the job bucket outside jobs/ and "
+                    "ledger/, e.g. results/ (no '..', no wildcards)"
+                )
         problems += _check_map("functionMemory", self.function_memory, LAMBDA_MEMORY_MB)
         problems += _check_map("functionTimeout", self.function_timeout, LAMBDA_TIMEOUT_S)
         problems += _check_map(
@@ -328,6 +339,7 @@ def load() -> StackConfig:
         temp_expiration_days=i("tempExpirationDays", defaults.temp_expiration_days),
         abort_incomplete_upload_days=i("abortIncompleteUploadDays", defaults.abort_incomplete_upload_days),
         jobs_expiration_days=i("jobsExpirationDays", defaults.jobs_expiration_days),
+        output_prefixes=lst("outputPrefixes", defaults.output_prefixes),
         read_buckets=lst("readBuckets", ()),
         write_buckets=lst("writeBuckets", ()),
         batch=b("batch", defaults.batch),

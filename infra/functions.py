@@ -30,6 +30,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from functions.access import OUTPUT_PREFIXES_ENV
 from functions.errors import ShardfoldError
 from functions.workflow import Task, Workflow
 from infra import iam
@@ -119,16 +120,38 @@ def function_specs(workflows: Mapping[str, Workflow], cfg: StackConfig) -> dict[
     return specs
 
 
-def data_refs(cfg: StackConfig, bucket: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """``(read_refs, write_refs)`` of ``(bucket, prefix)`` a worker may read / write."""
-    write = [(bucket, "")] + [iam.parse_bucket_ref(r) for r in cfg.write_buckets]
-    read = [iam.parse_bucket_ref(r) for r in cfg.read_buckets]
+# What every worker writes in the job bucket: its job's folder and scratch. Outputs go under the configured
+# outputPrefixes besides; the budget ledgers only by the functions that keep them.
+WORKER_PREFIXES = ("jobs", "tmp")
+LEDGER_PREFIX = "ledger"
+
+
+def data_refs(
+    cfg: StackConfig, bucket: str, *, ledger: bool = False
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """``(read_refs, write_refs)`` of ``(bucket, prefix)`` a worker may read / write: the whole job bucket
+    and ``readBuckets`` to read; ``jobs/``, ``tmp/``, the ``outputPrefixes`` (and ``ledger/`` for a
+    function that keeps the budget ledgers) and ``writeBuckets`` to write."""
+    own = [
+        *WORKER_PREFIXES,
+        *(p.strip("/") for p in cfg.output_prefixes),
+        *([LEDGER_PREFIX] if ledger else []),
+    ]
+    write = [(bucket, p) for p in own] + [iam.parse_bucket_ref(r) for r in cfg.write_buckets]
+    read = [(bucket, "")] + [iam.parse_bucket_ref(r) for r in cfg.read_buckets]
     return read, write
 
 
-def worker_statements(cfg: StackConfig, partition: str, bucket: str) -> list[dict[str, Any]]:
+def keeps_ledger(function: str) -> bool:
+    """Whether a workflow function writes the dpquery budget ledgers (``ledger/``)."""
+    return function.split(".", 1)[0] == "dpquery"
+
+
+def worker_statements(
+    cfg: StackConfig, partition: str, bucket: str, *, ledger: bool = False
+) -> list[dict[str, Any]]:
     """S3 (and KMS, tracing) statements of a worker: a Lambda task or the Batch container."""
-    read, write = data_refs(cfg, bucket)
+    read, write = data_refs(cfg, bucket, ledger=ledger)
     statements = iam.s3_statements(partition, write, write=True, sid="Write")
     statements += iam.s3_statements(partition, read, write=False, sid="Read")
     key = iam.kms_statement(cfg.kms_key_arn)
@@ -296,6 +319,8 @@ def base_environment(cfg: StackConfig, bucket: pulumi.Output[str]) -> dict[str, 
         "SHARDFOLD_STAGE": cfg.stage,
         # Handlers take their store root from the workflow input; this is the default for anything else.
         "SHARDFOLD_HOME": bucket.apply(lambda b: f"s3://{b}"),
+        # where jobs may write outputs: the tasks hold a spec to it as submit did (functions.access)
+        OUTPUT_PREFIXES_ENV: ",".join(cfg.output_prefixes),
     }
 
 
@@ -317,13 +342,14 @@ class WorkerFunctions(Component):
         cfg = ctx.cfg
         env = base_environment(cfg, bucket)
 
-        def statements(partition: str, bucket_name: str) -> list[dict[str, Any]]:
-            return worker_statements(cfg, partition, bucket_name)
-
         self.functions: dict[str, LambdaFunction] = {}
         for function, spec in specs.items():
             if function == DISPATCH:
                 continue
+
+            def statements(partition: str, bucket_name: str, _ledger: bool = keeps_ledger(function)) -> Any:
+                return worker_statements(cfg, partition, bucket_name, ledger=_ledger)
+
             if spec.package == "image" and image is None:
                 raise ShardfoldError(f"{function} deploys as a container image, but no image was given")
             self.functions[function] = LambdaFunction(

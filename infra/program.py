@@ -23,6 +23,7 @@ outputs, exactly the keys the ``aws`` backend reads (``client.stack.load_stack_o
 ``log_groups``              ``{function or kind or "batch": log group name}``
 ``sizes``                   the deployed size of every function and job definition, after the config
                             overrides, with the key that changes each (below)
+``output_prefixes``         the folders of the bucket jobs may write outputs under (``outputPrefixes``)
 ==========================  ============================================================================
 
 ``sizes`` (plain values, no ARNs; the same shape from the moto twin; ``client.stack.deployed_sizes``
@@ -149,6 +150,7 @@ class Stack:
             "dead_letter_queue": self.trigger.dlq.url,
             "log_groups": log_groups,
             "sizes": self.sizes(),
+            "output_prefixes": list(self.cfg.output_prefixes),
         }
         if self.gpu is not None:
             log_groups["batch"] = self.gpu.log_group.name

@@ -93,6 +93,10 @@ class AwsExecutor:
         self.state_machine_arns: dict[str, str] = dict(outputs["state_machine_arns"])
         # what each function and Batch job was deployed with: the plan check sizes tasks against it
         self.deployed_sizes: dict[str, Any] | None = outputs.get("sizes")
+        prefixes = outputs.get("output_prefixes")
+        self.output_prefixes: tuple[str, ...] | None = (
+            tuple(p.strip("/") + "/" for p in prefixes) if prefixes is not None else None
+        )
         # moto answers in milliseconds; AWS state transitions take a while, so poll it gently.
         self.poll_s = poll_s if poll_s is not None else (0.1 if self.backend == "moto" else 2.0)
         session = session or boto3.session.Session()

@@ -72,6 +72,9 @@ from orchestrator.registry import handler_path, lambda_handler, lambda_name
 
 logger = Logger(service="shardfold")
 
+# The stack config's default shardfold:outputPrefixes (infra.config, which orchestrator may not import)
+OUTPUT_PREFIXES = ("results/",)
+
 ACCOUNT = "123456789012"  # moto's default account
 LAMBDA_EPHEMERAL_MB = 512  # Lambda's default /tmp, which infra deploys unless configured
 # The stack config keys that change each size on AWS (infra.config's FUNCTION_SIZE_KEYS / BATCH_SIZE_KEYS;
@@ -567,6 +570,7 @@ def build_stack(
         "function_names": {},
         "state_machine_arns": {},
         "sizes": stack_sizes(workflows, batch=batch),
+        "output_prefixes": list(OUTPUT_PREFIXES),
     }
     code = _dummy_zip()
     sizes = outputs["sizes"]

@@ -568,6 +568,9 @@ def test_bad_config_is_refused_with_the_key_named(tmp_path, monkeypatch):
         StackConfig(function_memory={"getbatch.gather": 20000})
     with pytest.raises(ShardfoldError, match="stage"):
         StackConfig(stage="Has_Upper")
+    for prefix in ("ledger/", "jobs/x", "", "a/../b", "res*"):  # never a system prefix, nothing vague
+        with pytest.raises(ShardfoldError, match="outputPrefixes"):
+            StackConfig(output_prefixes=(prefix,))
     from infra.functions import function_specs
 
     with pytest.raises(ShardfoldError, match="unknown functions"):
@@ -741,7 +744,16 @@ def test_worker_roles_reach_the_bucket_and_only_the_configured_buckets(stack, cu
     docs = dict(stack.policies())
     bucket = stack.outputs["bucket"]
     gather = {s["Sid"]: s for s in docs["shardfold-test-getbatch-gather-policy.policy"]["Statement"]}
-    assert gather["WriteObjects"]["Resource"] == f"arn:aws:s3:::{bucket}/*"
+    # writes: the job's folders, scratch and the output prefixes, never ledger/; reads: the whole bucket
+    assert set(_as_list(gather["WriteObjects"]["Resource"])) == {
+        f"arn:aws:s3:::{bucket}/{p}/*" for p in ("jobs", "tmp", "results")
+    }
+    assert gather["ReadObjects"]["Resource"] == f"arn:aws:s3:::{bucket}/*"
+    measure = {s["Sid"]: s for s in docs["shardfold-test-dpquery-measure-policy.policy"]["Statement"]}
+    assert f"arn:aws:s3:::{bucket}/ledger/*" in _as_list(measure["WriteObjects"]["Resource"])
+    for name, doc in docs.items():  # only the dpquery functions keep the budget ledgers
+        if "dpquery" not in name:
+            assert f"{bucket}/ledger" not in json.dumps(doc), name
     assert gather["WriteObjects"]["Action"] == [
         "s3:AbortMultipartUpload",
         "s3:DeleteObject",
@@ -752,19 +764,19 @@ def test_worker_roles_reach_the_bucket_and_only_the_configured_buckets(stack, cu
     assert gather["Logs"]["Resource"] == (
         f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:/aws/lambda/shardfold-test-getbatch-gather:*"
     )
-    assert set(gather) == {"Logs", "WriteObjects", "WriteList"}
+    assert set(gather) == {"Logs", "WriteObjects", "WriteList", "ReadObjects", "ReadList"}
 
     cdocs = dict(custom.policies())
     c = {s["Sid"]: s for s in cdocs["shardfold-custom-getbatch-gather-policy.policy"]["Statement"]}
     assert set(c["WriteObjects"]["Resource"]) == {
-        "arn:aws:s3:::my-shardfold-bucket/*",
+        *(f"arn:aws:s3:::my-shardfold-bucket/{p}/*" for p in ("jobs", "tmp", "results")),
         "arn:aws:s3:::results-bucket/*",
     }
     assert c["ReadObjects"] == {
         "Sid": "ReadObjects",
         "Effect": "Allow",
         "Action": ["s3:GetObject"],
-        "Resource": "arn:aws:s3:::public-datasets/imagenet/*",
+        "Resource": ["arn:aws:s3:::my-shardfold-bucket/*", "arn:aws:s3:::public-datasets/imagenet/*"],
     }
     assert c["BucketKey"]["Resource"] == f"arn:aws:kms:{REGION}:{ACCOUNT}:key/1234abcd"
     assert "XRay" in c

@@ -99,11 +99,31 @@ def test_local_files_are_refused_on_the_s3_store_on_every_path(monkeypatch):
         }
     ]
     monkeypatch.setattr(store, "get", lambda uri: json.dumps(spec).encode())
+    monkeypatch.setattr(store, "size", lambda uri: len(json.dumps(spec)))
     monkeypatch.setattr(store, "exists", lambda uri: False)
+    monkeypatch.setattr(store, "put_if_absent", lambda uri, data: True)
+    monkeypatch.setattr(store, "delete", lambda uri: None)
     written = {}
     monkeypatch.setattr(store, "put_json", lambda uri, doc: written.setdefault(uri, doc))
     report = dispatch("s3://bucket/jobs/x.json", started)
     assert report["errors"] == refused.value.errors and list(written) == ["s3://bucket/jobs/x.error.json"]
+
+
+def test_outputs_only_where_the_deployment_lets_jobs_write(monkeypatch):
+    # the SDK knows the stack's output prefixes; the deployed functions have them in their environment
+    spec = {"kind": "getbatch", "items": [{"uri": "data/a.bin"}], "output": "elsewhere/a.tar"}
+    with pytest.raises(SpecError, match=r"outputPrefixes") as refused:
+        trigger_mod.submit(spec, store_root="s3://bucket", start=started, writable=("results/",))
+    assert refused.value.errors[0]["field"] == "output"
+    monkeypatch.setenv("SHARDFOLD_OUTPUT_PREFIXES", "results/,exports")
+    with pytest.raises(SpecError, match=r"results/, exports/"):
+        trigger_mod.submit(spec, store_root="s3://bucket", start=started)
+    ok = {**spec, "output": "exports/a.tar"}
+    from functions.specs import parse_spec
+    from functions.submit import check_policy
+
+    check_policy(parse_spec(ok), "s3://bucket")  # allowed by the environment
+    check_policy(parse_spec(spec), "file:///srv/store")  # locally the user's machine: anywhere
 
 
 def _reads(monkeypatch) -> dict[str, int]:
