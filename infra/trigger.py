@@ -21,7 +21,7 @@ re-drop the spec (or replay the message) to retry.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pulumi
@@ -30,7 +30,7 @@ import pulumi_aws as aws
 from functions.trigger import SIZES_ENV
 from infra import iam
 from infra.context import Component, Context
-from infra.functions import FunctionSpec, LambdaCode, LambdaFunction, base_environment
+from infra.functions import FunctionSpec, LambdaCode, LambdaFunction, base_environment, data_refs
 
 SPEC_KEY_WILDCARD = "jobs/*.json"
 LAMBDA_ASYNC_RETRIES = 2
@@ -49,15 +49,24 @@ def event_pattern(bucket: str) -> dict[str, Any]:
 
 
 def dispatch_statements(
-    partition: str, bucket: str, *, state_machine_arns: list[str], dlq_arn: str, kms_key_arn: str | None
+    partition: str,
+    bucket: str,
+    *,
+    state_machine_arns: list[str],
+    dlq_arn: str,
+    kms_key_arn: str | None,
+    read_refs: Sequence[tuple[str, str]] = (),
 ) -> list[dict[str, Any]]:
     """The dispatch function reads specs and writes reports and job records under ``jobs/``, starts the
-    deployed state machines, and sends its failed events to the DLQ."""
+    deployed state machines, and sends its failed events to the DLQ. It reads what the workers read
+    (``read_refs``): submit's probe sizes a job from its inputs before starting it."""
     b = iam.bucket_arn(partition, bucket)
     out = [
         iam.statement(["s3:GetObject", "s3:PutObject", "s3:DeleteObject"], f"{b}/jobs/*", sid="JobObjects"),
         # HEAD of a missing report must answer 404, not 403.
         iam.statement(["s3:ListBucket"], b, sid="JobList"),
+        # submit's probe sizes a job from its inputs before starting it: read what the workers read
+        *iam.s3_statements(partition, read_refs, write=False, sid="Read"),
         iam.statement(["states:StartExecution"], sorted(state_machine_arns), sid="StartJobs"),
         iam.statement(["sqs:SendMessage"], dlq_arn, sid="FailedEvents"),
     ]
@@ -121,6 +130,7 @@ class Trigger(Component):
                 state_machine_arns=list(arns),
                 dlq_arn=dlq_arn,
                 kms_key_arn=cfg.kms_key_arn,
+                read_refs=data_refs(cfg, bucket_name)[0],
             )
 
         self.function = LambdaFunction(

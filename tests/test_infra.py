@@ -785,6 +785,8 @@ def test_worker_roles_reach_the_bucket_and_only_the_configured_buckets(stack, cu
 
     dispatch = {s["Sid"]: s for s in docs["shardfold-test-dispatch-policy.policy"]["Statement"]}
     assert dispatch["JobObjects"]["Resource"] == f"arn:aws:s3:::{bucket}/jobs/*"
+    # the plan check sizes inputs before a job starts: the trigger reads what the workers read, writes none
+    assert dispatch["ReadObjects"] == {**gather["ReadObjects"]}
     assert set(_as_list(dispatch["StartJobs"]["Resource"])) == set(
         stack.outputs["state_machine_arns"].values()
     )
