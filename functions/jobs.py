@@ -40,3 +40,9 @@ def status_key(job_id: str) -> str:
 
 def result_key(job_id: str) -> str:
     return job_key(job_id, "result.json")
+
+
+def scratch_key(job_id: str, kind: str) -> str:
+    """The prefix of a job's scratch objects (``jobs/<id>/<kind>/``: part lists, fragments, shards): removed
+    once the job has its result, and by ``shardfold clean``."""
+    return job_key(job_id, kind) + "/"

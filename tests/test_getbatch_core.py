@@ -114,3 +114,14 @@ def test_assemble_is_idempotent(root):
     first = run_job(spec, root, job_id)
     again = core.assemble(spec, job_id, root, 2)
     assert again == first
+
+
+def test_assemble_removes_the_scratch_and_a_retried_assemble_too(root):
+    job_id = "getbatch-20260101T000000-0000aa"
+    spec = GetBatchJob(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in range(6)], items_per_part=2)
+    result = run_job(spec, root, job_id)
+    scratch = core.job_uri(root, job_id, "getbatch") + "/"
+    assert not store.list_uris(scratch)  # part lists, fragments, status rows
+    assert store.get(result["status"]).count(b"\n") == 6  # what the user needs stays
+    store.put(scratch + "fragments/00001.tar", b"left over by a crash after the result")
+    assert core.assemble(spec, job_id, root, 3) == result and not store.list_uris(scratch)

@@ -101,12 +101,14 @@ def _worker_container(timeout_s: float = WAIT_S):
     raise AssertionError("no worker container started")
 
 
-def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_client):
+def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_client, monkeypatch):
     import time
 
     from functions import store
     from functions.inference import shards as layout
     from functions.inference.pipeline import worker_reports
+
+    monkeypatch.setattr(store, "delete_prefix", lambda prefix: 0)  # keep the scratch to see who did what
 
     rows = inference_corpus(320, seed=5)
     key = put_corpus(local_client, "corpora/kill.jsonl", rows)
@@ -145,12 +147,14 @@ def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_
     np.testing.assert_allclose(emb, clean_emb, atol=1e-6)
 
 
-def test_two_workers_share_the_shards_and_survive_one_killed(local_client):
+def test_two_workers_share_the_shards_and_survive_one_killed(local_client, monkeypatch):
     import time
 
     from functions import store
     from functions.inference import shards as layout
     from functions.inference.pipeline import worker_reports
+
+    monkeypatch.setattr(store, "delete_prefix", lambda prefix: 0)  # keep the scratch to see who did what
 
     rows = inference_corpus(320, seed=6)
     key = put_corpus(local_client, "corpora/two.jsonl", rows)

@@ -338,14 +338,18 @@ def test_reconcile_lists_exactly_the_shards_without_markers(root):
         pipeline.commit(spec, JOB, root)
 
 
-def test_lineage_recomputes_only_the_lost_shard(root, monkeypatch):
+def test_lineage_recomputes_only_the_lost_shard(root, tmp_path, monkeypatch):
     put_jsonl(root, "a.jsonl", [{"text": t} for t in texts(30)])
     spec = spec_of(inputs=["a.jsonl"], shard_rows=5)
+    # the output of a clean run, in a store of its own (commit removes the job's scratch)
+    clean = store.uri.join(f"file://{tmp_path}", "clean")
+    store.put(store.uri.join(clean, "a.jsonl"), store.get(store.uri.join(root, "a.jsonl")))
+    run_cpu(spec, clean)
+    fake_worker(clean)
+    first = read_output(pipeline.commit(spec, JOB, clean))
     run_cpu(spec, root)
     fake_worker(root)
-    first = read_output(pipeline.commit(spec, JOB, root))
     h = layout.load_plan(root, JOB)["config_hash"]
-    store.delete(store.uri.join(root, "jobs", JOB, "result.json"))
 
     # one output marker lost: only that shard is listed, and its CPU task is a no-op
     store.delete(layout.done_uri(root, JOB, h, 3))
@@ -476,3 +480,17 @@ def test_a_shard_whose_rows_are_all_skipped(root):
     result = pipeline.commit(spec, JOB, root)
     assert (result["rows"], result["skipped"], result["dim"]) == (3, 2, DIM)
     assert read_output(result).column("id").to_pylist() == [0, 1, 4]
+
+
+def test_commit_removes_the_scratch_and_a_retried_commit_too(root):
+    put_jsonl(root, "a.jsonl", [{"text": t} for t in texts(12)])
+    spec = spec_of(inputs=["a.jsonl"], shard_rows=5)
+    run_cpu(spec, root)
+    fake_worker(root)
+    result = pipeline.commit(spec, JOB, root)
+    assert not store.list_uris(layout.job_root(root, JOB) + "/")  # shards, markers, claims, reports
+    assert read_output(result).num_rows == 12 and pipeline.progress(root, JOB)["embedded_shards"]["done"] == 3
+    # a crash between the result and the cleanup: the retried commit keeps the result and cleans up
+    store.put(store.uri.join(layout.job_root(root, JOB), "pre", "x.npz"), b"left over")
+    assert pipeline.commit(spec, JOB, root) == result
+    assert not store.list_uris(layout.job_root(root, JOB) + "/")

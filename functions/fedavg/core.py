@@ -118,6 +118,7 @@ from functions.fedavg.sizing import (
     task_loads,
 )
 from functions.fedavg.spec import FedAvgJob
+from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
 from functions.store.retry import TransientError
 from functions.store.uri import is_s3, join
@@ -532,7 +533,8 @@ def _nonfinite_error(plan: Plan, client: int, tensor: str, element: int) -> NonF
 def commit(spec: FedAvgJob, job_id: str, store_root: str, shards: int) -> dict:
     """Assemble the parts into the output, write ``jobs/<id>/result.json``, remove the temporaries."""
     result_uri = job_uri(store_root, job_id, "result.json")
-    if store.exists(result_uri):  # a retried commit after success: the committed result stands
+    if store.exists(result_uri):  # a retried commit after success: the result stands, scratch goes
+        store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))
         return store.get_json(result_uri)
     p = load_plan(store_root, job_id)
     if shards != p.shards:
@@ -563,5 +565,5 @@ def commit(spec: FedAvgJob, job_id: str, store_root: str, shards: int) -> dict:
         "notes": p.notes,
     }
     store.put_json(result_uri, result)
-    store.delete_prefix(job_uri(store_root, job_id, STAGE) + "/")
+    store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))
     return result

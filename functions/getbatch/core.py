@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from functions import access, store
 from functions.errors import BatchItemError, ObjectNotFound, SpecError, TooManySoftErrors, UnsafeKey
 from functions.getbatch.spec import GetBatchJob
+from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
 from functions.specs import BatchItem
 from functions.store.tar import TAR_TRAILER, write_tar
@@ -149,7 +150,8 @@ def _check_soft_errors(spec: GetBatchJob, rows: list[dict]) -> None:
 def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dict:
     """Join the fragments into the archive, write the status manifest and the result, clean up."""
     result_uri = job_uri(store_root, job_id, "result.json")
-    if store.exists(result_uri):  # a retried assemble after success: the committed result stands
+    if store.exists(result_uri):  # a retried assemble after success: the result stands, scratch goes
+        store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))
         return store.get_json(result_uri)
     rows: list[dict] = []
     for p in range(parts):
@@ -180,7 +182,7 @@ def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dic
         "parts": parts,
     }
     store.put_json(result_uri, result)
-    store.delete_prefix(job_uri(store_root, job_id, STAGE, "fragments") + "/")
+    store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))  # part lists, fragments, status rows
     return result
 
 

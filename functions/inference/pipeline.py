@@ -24,8 +24,9 @@ from functions import store
 from functions.errors import ShardfoldError
 from functions.inference import shards as layout
 from functions.inference.preprocess import decode_shard, encode_shard, read_shard
-from functions.inference.shards import load_plan, output_uri, prepare
+from functions.inference.shards import STAGE, load_plan, output_uri, prepare
 from functions.inference.spec import InferenceJob
+from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
 from functions.store.uri import join
 
@@ -75,7 +76,12 @@ def missing_shards(store_root: str, job_id: str, p: dict[str, Any]) -> list[int]
 
 def progress(store_root: str, job_id: str) -> dict[str, dict[str, int]]:
     """Shards embedded so far (commit markers) of the planned shards: the GPU workers' progress, which an
-    executor sees only as one running step. Empty until the plan exists."""
+    executor sees only as one running step. Empty until the plan exists; from the result once the job has
+    it (its scratch, the markers included, is gone then)."""
+    result_uri = join(store_root, "jobs", job_id, "result.json")
+    if store.exists(result_uri):
+        shards = int(store.get_json(result_uri)["shards"])
+        return {"embedded_shards": {"done": shards, "total": shards}}
     if not store.exists(layout.plan_uri(store_root, job_id)):
         return {}
     p = load_plan(store_root, job_id)
@@ -127,7 +133,8 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     result_uri = join(store_root, "jobs", job_id, "result.json")
-    if store.exists(result_uri):  # a retried commit after success: the committed result stands
+    if store.exists(result_uri):  # a retried commit after success: the result stands, scratch goes
+        store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))
         return store.get_json(result_uri)
     p = load_plan(store_root, job_id)
     h = p["config_hash"]
@@ -199,5 +206,7 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
         **_batching_summary(workers),
     }
     store.put_json(result_uri, result)
+    # the preprocessed and embedded shards, claims and worker reports (the manifest holds the reports)
+    store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))
     logger.info("committed inference", extra={k: v for k, v in result.items() if k != "job_id"})
     return result
