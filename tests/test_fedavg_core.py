@@ -31,6 +31,7 @@ from functions.fedavg import core, handlers, kernels
 from functions.fedavg.layout import DTYPES, Tensor
 from functions.fedavg.sizing import Budget, Geometry, MiB, Segment, choose_shards, task_loads
 from functions.fedavg.spec import FedAvgJob
+from functions.specs import parse_spec
 
 JOB = "fedavg-20260101T000000-abcdef"
 TINY = Budget(min_shard_bytes=1, chunk_bytes=56, robust_bytes=4096, min_robust_chunk=8)
@@ -822,6 +823,45 @@ def test_allow_nonfinite_allows_only_where_an_input_was_not_finite(root):
     uris = put_clients(root, ups)
     got = load(run_job(spec, root, job_id="fedavg-20260101T000000-000009")["output"])["a"]
     assert np.isnan(got[3, 1]) and np.isfinite(np.delete(got.ravel(), 13)).all()
+
+
+@pytest.mark.parametrize(
+    "first, again",
+    [
+        ("c.safetensors", "./c.safetensors"),
+        ("./c.safetensors", "c.safetensors"),
+        ("c.safetensors", "r//../c.safetensors"),
+        ("r/c.safetensors", "r//c.safetensors"),
+        ("a/../c.safetensors", "./c.safetensors"),
+        ("FILE/c.safetensors", "FILE//./c.safetensors"),
+    ],
+)
+def test_one_client_spelled_two_ways_is_refused_naming_both_fields(root, first, again):
+    """It used to be planned as two clients (the same update counted twice)."""
+    home = root.removeprefix("file://")
+    first, again = (u.replace("FILE", f"file://{home}") for u in (first, again))
+    other = put_clients(root, [good()], [1])[0]
+    doc = {"kind": "fedavg", "clients": [{"uri": first}, {"uri": other}, {"uri": again}]}
+    with pytest.raises(
+        SpecError, match=r"clients\.2 repeats clients\.0 \(.*c\.safetensors\); each update"
+    ) as exc:
+        parse_spec(doc)
+    assert [e["field"] for e in exc.value.errors] == ["clients.2.uri"]
+    with pytest.raises(ValueError, match=r"clients\.2 repeats clients\.0"):
+        FedAvgJob(clients=doc["clients"])
+
+
+def test_client_uris_are_kept_in_normal_form_and_read_once(root):
+    uris = put_clients(root, [good(np.random.default_rng(i)) for i in range(2)], [1, 3])
+    keys = [u.removeprefix(root + "/") for u in uris]  # round/client-000.safetensors, ...
+    spec = FedAvgJob(clients=[{"uri": "./" + keys[0]}, {"uri": "x/..//" + keys[1].replace("/", "/./")}])
+    assert [c.uri for c in spec.clients] == keys
+    assert [c.uri for c in core.inspect(spec, JOB, root, budget=TINY).clients] == uris
+    spec = parse_spec(
+        {"kind": "fedavg", "clients": [{"uri": "./" + keys[0]}, {"uri": keys[1]}]},
+        base_uri=root + "/spec.json",
+    )
+    assert [c.uri for c in spec.clients] == [uris[0], keys[1]]  # ./ beside the spec file, as before
 
 
 def test_bad_client_uri_is_a_spec_error(root):
