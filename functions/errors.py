@@ -68,7 +68,18 @@ class NonFiniteUpdate(InvalidModelFile):
     """A client's update holds NaN or Inf (set ``allow_nonfinite`` to aggregate it anyway)."""
 
 
-class AggregationOverflow(ShardfoldError):
+class NonFiniteAggregate(ShardfoldError):
+    """An aggregate came out NaN or Inf although the inputs there were finite (or NaN/Inf inputs were not
+    allowed): the job fails rather than write it. ``tensor`` names the tensor, ``element`` the first flat
+    element at fault."""
+
+    def __init__(self, message: str, tensor: str | None = None, element: int | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+        self.element = element
+
+
+class AggregationOverflow(NonFiniteAggregate):
     """A weighted sum left the accumulator's finite range although every input was finite."""
 
 

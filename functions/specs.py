@@ -10,6 +10,9 @@ job reads it) or :data:`OutputUri` (the job writes it). From that metadata alone
 
 * a ``./x`` or ``../x`` value in a spec *file* resolves against the file's own location, so a spec can
   travel with its data (``events/getbatch.json`` + ``events/data/``): :func:`parse_spec` with ``base_uri``;
+* every value is kept in normal form (:func:`functions.store.uri.normalise`): a key under the store root
+  without ``./``, ``//`` or ``a/..`` (``./c``, ``.//c`` and ``a/../c`` are all ``c``), a ``file://`` path
+  without ``//`` or ``/./``, so one object has one name and :func:`repeated_uris` finds a repeat by string;
 * :func:`uri_fields` lists a spec's URIs with their field path and role (what the job reads and writes).
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import json
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -79,8 +82,12 @@ def resolve_relative(value: str, base_uri: str) -> str:
 
 
 def _resolve_against_spec_file(value: str, info: ValidationInfo) -> str:
+    """``value`` resolved against the spec file (if any), in normal form."""
+    # Imported here: functions.store's package imports boto3, which parsing a spec does not otherwise need.
+    from functions.store.uri import normalise
+
     base = (info.context or {}).get("base_uri")
-    return resolve_relative(value, base) if base else value
+    return normalise(resolve_relative(value, base) if base else value)
 
 
 InputUri = Annotated[str, Field(min_length=1), UriRole("input"), AfterValidator(_resolve_against_spec_file)]
@@ -88,6 +95,21 @@ OutputUri = Annotated[str, Field(min_length=1), UriRole("output"), AfterValidato
 OutputPrefix = Annotated[
     str, Field(min_length=1), UriRole("output", prefix=True), AfterValidator(_resolve_against_spec_file)
 ]
+
+
+def repeated_uris(uris: Sequence[str]) -> list[tuple[int, int]]:
+    """``(i, j)`` for every ``uris[i]`` that names the same object as an earlier ``uris[j]`` (the first),
+    compared in normal form (:func:`functions.store.uri.normalise`): ``./c``, ``c`` and ``a/../c`` are one.
+    Kinds whose inputs must be distinct (fedavg's clients, inference's inputs) refuse these by field."""
+    from functions.store.uri import normalise
+
+    first: dict[str, int] = {}
+    repeats = []
+    for i, uri in enumerate(uris):
+        j = first.setdefault(normalise(uri), i)
+        if j != i:
+            repeats.append((i, j))
+    return repeats
 
 
 @dataclass(frozen=True)

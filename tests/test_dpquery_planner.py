@@ -22,6 +22,7 @@ from functions.dpquery.planner import (
     plan,
 )
 from functions.dpquery.privacy import (
+    MAX_RHO,
     cdp_delta,
     cdp_eps,
     cdp_rho,
@@ -380,6 +381,28 @@ def test_plan_parts_errors_name_the_field():
         plan(domains=[2, 3], workload=[], rho=1.0)
 
 
+@pytest.mark.parametrize("rho", [1e308, 5e307, 1e100, MAX_RHO * 1.01, math.inf, math.nan])
+def test_a_rho_beyond_the_largest_budget_is_a_clear_error(rho):
+    """ρ = 1e308 used to fail as "internal: the allocation costs … nan" (2ρ overflows), 1e100 as a bare
+    OverflowError in the ε report."""
+    with pytest.raises(SpecError, match=r"rho: must be a number > 0 and at most 1e\+06") as err:
+        plan(domains=[2, 3], workload=[(0,), (0, 1)], rho=rho)
+    assert {e["field"] for e in err.value.errors} == {"rho"}
+    if math.isfinite(rho):
+        with pytest.raises(SpecError, match=r"budget\.rho: .*rho .* is more than 1e\+06") as err:
+            parse_spec(dict(SPEC, budget={"rho": rho}))
+        assert {e["field"] for e in err.value.errors} == {"budget.rho"}
+
+
+def test_the_largest_budget_plans_and_reports():
+    p = plan(domains=[2, 3, 4], workload=[(0,), (0, 1), (1, 2)], rho=MAX_RHO)
+    report = p.summary()["privacy"]
+    assert all(math.isfinite(v) for k, v in report.items() if isinstance(v, float)), report
+    assert math.isfinite(float(p.sigma2.min())) and float(p.sigma2.min()) > 0
+    spec = parse_spec(dict(SPEC, budget={"epsilon": MAX_RHO, "delta": 0.5}))
+    assert 0 < spec.rho() <= MAX_RHO and plan(spec).rho == spec.rho()
+
+
 SPEC = {
     "kind": "dpquery",
     "dataset": "s3://bucket/people.csv",
@@ -438,6 +461,8 @@ def fields_of(doc) -> set[str]:
         ({"budget": {"epsilon": 1, "delta": 0}}, "budget.delta"),
         ({"budget": {"epsilon": 1, "delta": 1}}, "budget.delta"),
         ({"budget": {"epsilon": 0, "delta": 1e-6}}, "budget.epsilon"),
+        ({"budget": {"epsilon": 1e308, "delta": 1e-6}}, "budget.epsilon"),
+        ({"budget": {"rho": 1e308}}, "budget.rho"),
         ({"budget": {"epsilon": 1}}, "budget"),
         ({"budget": {"rho": 1, "epsilon": 1, "delta": 1e-6}}, "budget"),
         ({"budget": {"rho": 1.0}, "dataset_budget_rho": 0.5}, "budget.rho"),

@@ -21,6 +21,7 @@ from functions import store
 from functions.errors import (
     AggregationOverflow,
     InvalidModelFile,
+    NonFiniteAggregate,
     NonFiniteUpdate,
     ObjectNotFound,
     PlanError,
@@ -30,6 +31,7 @@ from functions.fedavg import core, handlers, kernels
 from functions.fedavg.layout import DTYPES, Tensor
 from functions.fedavg.sizing import Budget, Geometry, MiB, Segment, choose_shards, task_loads
 from functions.fedavg.spec import FedAvgJob
+from functions.specs import parse_spec
 
 JOB = "fedavg-20260101T000000-abcdef"
 TINY = Budget(min_shard_bytes=1, chunk_bytes=56, robust_bytes=4096, min_robust_chunk=8)
@@ -636,6 +638,230 @@ def test_overflow_of_finite_updates_says_to_accumulate_in_float64(root):
         )["output"]
     )
     assert got["a"].tolist() == [np.float32(3e38)] * 4
+
+
+# --- weights far from 1, and aggregates that are not finite ------------------------------------------------
+
+WEIGHT_MAGNITUDES = [
+    5e-324,
+    1e-300,
+    1e-200,
+    1e-100,
+    1e-50,
+    1e-40,
+    1e-20,
+    1.0,
+    1e20,
+    1e40,
+    1e100,
+    1e200,
+    1e300,
+]
+
+
+def float_updates(n: int, seed: int = 5) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "f32": rng.standard_normal((9, 7)).astype(np.float32),
+            "f64": rng.standard_normal(11),
+            "f16": rng.standard_normal(6).astype(np.float16),
+            "bf16": rng.standard_normal(5).astype(BF16),
+        }
+        for _ in range(n)
+    ]
+
+
+def assert_float64_mean(got: dict, updates: list, weights: list[float], accumulate: str) -> None:
+    """``got`` is the weighted mean computed in float64 (weights relative to the largest), to within the
+    output's rounding plus the accumulator's rounding of N terms."""
+    w = np.array(weights) / max(weights)
+    for name, out in got.items():
+        assert np.isfinite(out.astype(np.float64)).all(), name
+        xs = [u[name].astype(np.float64) for u in updates]
+        want = sum(wi * x for wi, x in zip(w, xs, strict=True)) / w.sum()
+        acc = np.float64 if (accumulate == "float64" or out.dtype == np.float64) else np.float32
+        atol = 4 * len(xs) * np.finfo(acc).eps * max(float(np.abs(x).max()) for x in xs)
+        rtol = float(ml_dtypes.finfo(out.dtype).eps)
+        np.testing.assert_allclose(out.astype(np.float64), want, rtol=rtol, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("accumulate", ["float32", "float64"])
+@pytest.mark.parametrize("magnitude", WEIGHT_MAGNITUDES)
+def test_weights_from_5e_324_to_1e300_give_the_float64_mean(root, magnitude, accumulate):
+    """Weights are scaled in float64 before the cast to the accumulator: 1e-50 in float32 used to be 0, and
+    the model all NaN."""
+    updates = float_updates(4)
+    weights = [magnitude * r for r in (1, 2, 3, 5)]  # exact multiples: even 5e-324 = 2^-1074 keeps the ratios
+    uris = put_clients(root, updates)
+    spec = FedAvgJob(clients=client_specs(uris, weights, range(4)), accumulate=accumulate, shards=2)
+    result = run_job(spec, root)
+    assert result["total_weight"] == math.fsum(weights)
+    assert_float64_mean(load(result["output"]), updates, weights, accumulate)
+
+
+@pytest.mark.parametrize("accumulate", ["float32", "float64"])
+def test_weights_of_every_magnitude_in_one_round(root, accumulate):
+    updates = float_updates(5, seed=6)
+    weights = [5e-324, 1e-300, 1.0, 3e299, 1e300]
+    uris = put_clients(root, updates)
+    spec = FedAvgJob(clients=client_specs(uris, weights, range(5)), accumulate=accumulate)
+    assert_float64_mean(load(run_job(spec, root)["output"]), updates, weights, accumulate)
+
+
+@pytest.mark.parametrize("accumulate", ["float32", "float64"])
+@pytest.mark.parametrize("k", [-1072, -700, -100, -65, 65, 100, 700, 1000])
+def test_weights_scaled_by_a_power_of_two_give_identical_bits(root, k, accumulate):
+    """Only the weights' ratios matter, and scaling by 2^k is exact: every dtype (integers, BOOL's majority
+    too) comes out bit for bit as with the weights 1..7, which are used as given."""
+    rng = np.random.default_rng(8)
+    updates = [model(rng) for _ in range(7)]
+    plain = [float(w) for w in range(1, 8)]
+    uris = put_clients(root, updates)
+    want = load(
+        run_job(FedAvgJob(clients=client_specs(uris, plain, range(7)), accumulate=accumulate), root)["output"]
+    )
+    assert all(same_bits(want[k_], v) for k_, v in reference(updates, plain, accumulate=accumulate).items())
+    scaled = [math.ldexp(w, k) for w in plain]
+    spec = FedAvgJob(clients=client_specs(uris, scaled, range(7)), accumulate=accumulate)
+    got = load(run_job(spec, root, job_id="fedavg-20260101T000000-000008")["output"])
+    assert all(same_bits(got[name], want[name]) for name in want)
+
+
+def test_kernels_weight_scale_and_total():
+    assert kernels.weight_scale([float(w) for w in range(1, 1001)]) == 0  # ordinary weights: as given
+    assert kernels.weight_scale([2.0**-64, 1e-30]) == kernels.weight_scale([2.0**64]) == 0
+    for weights in ([1e-50, 3e-51], [5e-324], [1e300, 1.0], [1e308, 1e-308], [2.0**65]):
+        k = kernels.weight_scale(weights)
+        assert k != 0 and 1.0 <= math.ldexp(max(weights), k) < 2.0
+    assert kernels.weight_scale([5e-324]) == 1074
+    assert kernels.weight_total([1.0, 2.0, 0.1]) == math.fsum([1.0, 2.0, 0.1])
+    assert kernels.weight_total([1e308, 5e307]) == 1.5e308  # math.fsum raises OverflowError on its way there
+    assert kernels.weight_total([1e308, 1e308]) == math.inf
+    assert kernels.weight_total([5e-324] * 3) == 1.5e-323
+
+
+def test_kernels_first_nonfinite_scans_block_by_block():
+    flags = np.empty(4, np.bool_)
+    for dtype in (np.float32, np.float64, np.float16, BF16, ml_dtypes.float8_e4m3fn):
+        x = np.zeros(11, dtype)
+        assert kernels.first_nonfinite(x, flags) is None
+        x[9] = np.nan
+        assert kernels.first_nonfinite(x, flags) == 9, dtype
+    assert kernels.first_nonfinite(np.array([1.0, np.inf, np.nan]), flags) == 1
+
+
+def test_weights_totalling_beyond_float64_are_a_spec_error_naming_the_field(root):
+    updates = float_updates(2)
+    uris = put_clients(root, updates)
+    spec = FedAvgJob(clients=client_specs(uris, [1e308, 1e308], range(2)))
+    with pytest.raises(SpecError, match=r"clients\.0\.weight = 1e\+308.*only their ratios matter") as exc:
+        core.prepare(spec, JOB, root)
+    assert exc.value.errors[0]["field"] == "clients.0.weight"
+    uris = put_clients(root, updates, ["1e308", "1.5e308"])
+    with pytest.raises(SpecError, match=r"client 1 \(.*\) __metadata__\.num_examples = 1\.5e\+308"):
+        core.prepare(FedAvgJob(clients=[{"uri": u} for u in uris]), JOB, root)
+    assert not store.exists(core.plan_uri(root, JOB))
+    # a total within range works, however large (math.fsum alone overflowed on the way to 1.5e308)
+    spec = FedAvgJob(clients=client_specs(uris, [1e308, 5e307], range(2)))
+    result = run_job(spec, root)
+    assert result["total_weight"] == 1.5e308
+    assert_float64_mean(load(result["output"]), updates, [1e308, 5e307], "float32")
+
+
+def test_a_nonfinite_aggregate_fails_naming_the_tensor_even_without_the_weight_scale(root, monkeypatch):
+    """The output check is the safety net: with the weights cast as given (the old way), 1e-50 in float32 is
+    0, the mean 0/0; the task fails instead of writing NaN."""
+    monkeypatch.setattr(kernels, "weight_scale", lambda weights: 0)
+    uris = put_clients(root, [good(np.random.default_rng(i)) for i in range(3)])
+    spec = FedAvgJob(clients=client_specs(uris, [1e-50, 2e-50, 3e-50], range(3)))
+    with pytest.raises(
+        NonFiniteAggregate, match=r"tensor 'a': the mean is NaN or Inf at flat element 0"
+    ) as exc:
+        run_job(spec, root)
+    assert exc.value.tensor == "a" and exc.value.element == 0
+    assert not store.exists(core.output_uri(spec, root, JOB))
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean"])
+def test_a_robust_aggregate_that_overflows_fails_even_when_nonfinite_is_allowed(root, aggregator):
+    """(3e38 + 3e38) / 2 is Inf in float32: it used to be written, and the job succeeded."""
+    big = {"a": np.full(4, 3e38, np.float32), "b": np.arange(3, dtype=np.int64)}
+    uris = put_clients(root, [big, big], [1, 1])
+    extra = {"trim_fraction": 0.0} if aggregator == "trimmed_mean" else {}
+    for allow in (False, True):
+        spec = FedAvgJob(
+            clients=[{"uri": u} for u in uris], aggregator=aggregator, allow_nonfinite=allow, **extra
+        )
+        with pytest.raises(NonFiniteAggregate, match="tensor 'a'.*accumulate='float64'") as exc:
+            run_job(spec, root)
+        assert exc.value.tensor == "a" and not store.exists(core.output_uri(spec, root, JOB))
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], aggregator=aggregator, accumulate="float64", **extra)
+    assert load(run_job(spec, root)["output"])["a"].tolist() == [np.float32(3e38)] * 4
+
+
+def test_allow_nonfinite_allows_only_where_an_input_was_not_finite(root):
+    """NaN in at element 13 may come out (allowed), but element 0, where every update is finite and the
+    weighted sum is Inf + -Inf = NaN, fails the job; without the overflow the same round succeeds."""
+    ups = [good(np.random.default_rng(i)) for i in range(3)]
+    ups[1]["a"][3, 1] = np.nan
+    for u, v in zip(ups, [3e38, 3e38, -3e38], strict=True):
+        u["a"][0, 0] = v
+    uris = put_clients(root, ups)
+    weights = [1.0, 1.0, 2.0]  # -3e38 * 2 is -Inf in float32
+    spec = FedAvgJob(clients=client_specs(uris, weights, range(3)), allow_nonfinite=True, shards=2)
+    with pytest.raises(
+        NonFiniteAggregate, match="tensor 'a': the mean is NaN or Inf at flat element 0 "
+    ) as exc:
+        run_job(spec, root, budget=Budget(min_shard_bytes=1, chunk_bytes=12))
+    assert not isinstance(exc.value, NonFiniteUpdate) and exc.value.element == 0
+    strict = FedAvgJob(clients=client_specs(uris, weights, range(3)))
+    with pytest.raises(NonFiniteUpdate, match="client 1 .*tensor 'a'"):  # the NaN input is named first
+        run_job(strict, root)
+    for u in ups:
+        u["a"][0, 0] = 1.0
+    uris = put_clients(root, ups)
+    got = load(run_job(spec, root, job_id="fedavg-20260101T000000-000009")["output"])["a"]
+    assert np.isnan(got[3, 1]) and np.isfinite(np.delete(got.ravel(), 13)).all()
+
+
+@pytest.mark.parametrize(
+    "first, again",
+    [
+        ("c.safetensors", "./c.safetensors"),
+        ("./c.safetensors", "c.safetensors"),
+        ("c.safetensors", "r//../c.safetensors"),
+        ("r/c.safetensors", "r//c.safetensors"),
+        ("a/../c.safetensors", "./c.safetensors"),
+        ("FILE/c.safetensors", "FILE//./c.safetensors"),
+    ],
+)
+def test_one_client_spelled_two_ways_is_refused_naming_both_fields(root, first, again):
+    """It used to be planned as two clients (the same update counted twice)."""
+    home = root.removeprefix("file://")
+    first, again = (u.replace("FILE", f"file://{home}") for u in (first, again))
+    other = put_clients(root, [good()], [1])[0]
+    doc = {"kind": "fedavg", "clients": [{"uri": first}, {"uri": other}, {"uri": again}]}
+    with pytest.raises(
+        SpecError, match=r"clients\.2 repeats clients\.0 \(.*c\.safetensors\); each update"
+    ) as exc:
+        parse_spec(doc)
+    assert [e["field"] for e in exc.value.errors] == ["clients.2.uri"]
+    with pytest.raises(ValueError, match=r"clients\.2 repeats clients\.0"):
+        FedAvgJob(clients=doc["clients"])
+
+
+def test_client_uris_are_kept_in_normal_form_and_read_once(root):
+    uris = put_clients(root, [good(np.random.default_rng(i)) for i in range(2)], [1, 3])
+    keys = [u.removeprefix(root + "/") for u in uris]  # round/client-000.safetensors, ...
+    spec = FedAvgJob(clients=[{"uri": "./" + keys[0]}, {"uri": "x/..//" + keys[1].replace("/", "/./")}])
+    assert [c.uri for c in spec.clients] == keys
+    assert [c.uri for c in core.inspect(spec, JOB, root, budget=TINY).clients] == uris
+    spec = parse_spec(
+        {"kind": "fedavg", "clients": [{"uri": "./" + keys[0]}, {"uri": keys[1]}]},
+        base_uri=root + "/spec.json",
+    )
+    assert [c.uri for c in spec.clients] == [uris[0], keys[1]]  # ./ beside the spec file, as before
 
 
 def test_bad_client_uri_is_a_spec_error(root):

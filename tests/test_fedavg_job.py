@@ -151,6 +151,38 @@ def test_missing_client_fails_the_job_naming_it_and_writes_no_output(moto_client
     assert not store.exists(moto_client.uri("models/never.safetensors"))
 
 
+@pytest.mark.parametrize("accumulate", ["float32", "float64"])
+def test_a_round_with_tiny_weights_succeeds_with_a_finite_model(local_client, accumulate):
+    """Weights of 1e-50 (float32 casts them to 0) used to give an all-NaN model and SUCCEEDED."""
+    updates = fedavg_updates(SMALL, 3, seed=7)
+    keys = save_all(local_client, "rounds/tiny", updates)
+    weights = [1e-50 * (i + 1) for i in range(3)]
+    result = local_client.fedavg.run(list(zip(keys, weights, strict=True)), accumulate=accumulate)
+    got = local_client.fedavg.load(result["output"])
+    w = np.array(weights) / max(weights)
+    for name in ("w", "b"):
+        assert np.isfinite(got[name].astype(np.float64)).all(), name
+        xs = [u[name].astype(np.float64) for u, _ in updates]
+        want = sum(wi * x for wi, x in zip(w, xs, strict=True)) / w.sum()
+        np.testing.assert_allclose(got[name].astype(np.float64), want, rtol=1e-2, atol=1e-6, err_msg=name)
+
+
+def test_a_round_whose_mean_is_nan_fails_naming_the_tensor(local_client):
+    """Finite updates whose float32 weighted sum is Inf + -Inf = NaN: with allow_nonfinite (which admits
+    NaN/Inf *updates*) the NaN model used to be written and the job SUCCEEDED."""
+    updates = fedavg_updates(SMALL, 3, seed=8)
+    for (tensors, _), v in zip(updates, [3e38, 3e38, -3e38], strict=True):
+        tensors["w"][2, 3] = v
+    keys = save_all(local_client, "rounds/nan", updates)
+    job = local_client.fedavg.submit(
+        list(zip(keys, [1, 1, 2], strict=True)), output="models/nan.safetensors", allow_nonfinite=True
+    )
+    status = job.wait(progress=False, timeout_s=WAIT_S)
+    assert status.state == "FAILED"
+    assert "tensor 'w'" in status.error and "NaN or Inf at flat element 15" in status.error, status.error
+    assert not store.exists(local_client.uri("models/nan.safetensors"))
+
+
 def test_plan_reports_shards_memory_requests_and_refuses_what_does_not_fit(local_client, monkeypatch):
     keys = save_all(local_client, "rounds/p", fedavg_updates(MODEL, 3, seed=1))
     report = local_client.plan(local_client.fedavg.spec(keys, shards=2))

@@ -106,6 +106,10 @@ def test_spec_defaults_and_errors():
         spec_of(inputs=["a.csv"])
     with pytest.raises(SpecError, match="repeats"):
         spec_of(inputs=["a.jsonl", "a.jsonl"])
+    # the same object spelled differently is the same input
+    with pytest.raises(SpecError, match=r"inputs\.2 repeats inputs\.0 \(d/a\.jsonl\).*inputs\.3 repeats inp"):
+        spec_of(inputs=["d/a.jsonl", "b.jsonl", "./d//a.jsonl", "x/../d/./a.jsonl"])
+    assert spec_of(inputs=["./d//a.jsonl", "x/../b.jsonl"]).inputs == ["d/a.jsonl", "b.jsonl"]
     with pytest.raises(SpecError, match="batch_tokens"):
         spec_of(inputs=["a.jsonl"], max_tokens=512, batch_tokens=100)
     t = spec_of(inputs=["a.jsonl"], model={"torchscript": "m.pt"})

@@ -56,6 +56,32 @@ def test_resolve_keeps_uris_and_confines_keys(local_root):
         store.resolve("gs://bucket/key")
 
 
+def test_normalise_gives_one_spelling_per_object():
+    for given, want in [
+        ("c", "c"),
+        ("./c", "c"),
+        (".//c", "c"),
+        ("a//b/./c/", "a/b/c/"),
+        ("a/../c", "c"),
+        ("x//y/../../c", "c"),
+        ("file:///d//e/./f", "file:///d/e/f"),
+        ("file:///d/", "file:///d/"),
+        # left as given, for resolve() to refuse or to name literally
+        ("file:///d/x/../f", "file:///d/x/../f"),
+        ("file:///d/./x/../f", "file:///d/x/../f"),
+        ("../c", "../c"),
+        ("a/../../c", "a/../../c"),
+        ("/etc/passwd", "/etc/passwd"),
+        (".", "."),
+        ("", ""),
+        ("s3://b/a//./c", "s3://b/a//./c"),  # S3 keys are literal: a//c and a/c are two objects
+    ]:
+        assert urimod.normalise(given) == want, given
+        assert urimod.normalise(want) == want, want
+    with pytest.raises(UnsafeKey):
+        store.resolve(urimod.normalise("a/../../c"))
+
+
 def test_join_split_and_names(local_root):
     assert store.join("s3://b/x/", "/y/", "z") == "s3://b/x/y/z"
     with pytest.raises(UnsafeKey):

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps
+from functions.dpquery.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
 from functions.errors import PlanError, SpecError
 
 DOC_VERSION = 1
@@ -393,8 +393,8 @@ def _check_parts(n, workload, rho, loss, names) -> tuple[list[tuple[int, ...]], 
     elif np.any(n < 2):
         j = int(np.argmax(n < 2))
         errors.append({"field": f"domains.{j}", "error": f"domain size {int(n[j])}; at least 2 needed"})
-    if not (rho > 0 and math.isfinite(rho)):
-        errors.append({"field": "rho", "error": f"must be a finite number > 0, got {rho}"})
+    if not (0 < rho <= MAX_RHO):
+        errors.append({"field": "rho", "error": f"must be a number > 0 and at most {MAX_RHO:g}, got {rho}"})
     if loss not in LOSSES:
         errors.append({"field": "loss", "error": f"{loss!r}; expected one of {list(LOSSES)}"})
     if names is not None and len(names) != n.size:

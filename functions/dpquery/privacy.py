@@ -20,6 +20,10 @@ from __future__ import annotations
 import math
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+# The largest ρ (and ε) a job may spend. Far beyond any privacy worth accounting (ε ~ ρ), and the noise
+# plan and the ε reports are float64 arithmetic checked up to it (2ρ overflows near 9e307; the analytic
+# Gaussian's tail series near 1e77).
+MAX_RHO = 1e6
 
 
 def _check_rho(rho: float) -> None:

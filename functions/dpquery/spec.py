@@ -7,8 +7,18 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from functions.dpquery.privacy import MAX_RHO, cdp_rho
 from functions.specs import InputUri, OutputPrefix, StrictModel, fail
 
 DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".pq": "parquet"}
@@ -126,6 +136,16 @@ class DPBudget(StrictModel):
     epsilon: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     delta: float | None = Field(default=None, gt=0, lt=1)
 
+    @field_validator("rho", "epsilon")
+    @classmethod
+    def _not_beyond_any_privacy(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and value > MAX_RHO:
+            raise ValueError(
+                f"{info.field_name} {value:g} is more than {MAX_RHO:g}, the largest budget a job may spend: "
+                "a budget that large leaves no privacy to account for; give a smaller one"
+            )
+        return value
+
     @model_validator(mode="after")
     def _one_budget(self) -> DPBudget:
         if (self.rho is None) == (self.epsilon is None):
@@ -138,8 +158,6 @@ class DPBudget(StrictModel):
         """The budget as ρ-zCDP (what the ledger counts)."""
         if self.rho is not None:
             return self.rho
-        from functions.dpquery.privacy import cdp_rho
-
         return cdp_rho(self.epsilon, self.delta)
 
     def report_delta(self) -> float:

@@ -25,7 +25,9 @@ with the same tensors (names, dtypes, shapes) whose values are the clients' aggr
   order, elementwise (never a reordering reduction), then ``acc / W`` and a round-to-nearest-even cast to the
   tensor's dtype. ``W`` is ``math.fsum`` of the weights, cast to the accumulator dtype. ``uniform``: all
   weights 1 and ``W = N`` (GradsSharding's plain mean). For float32 inputs this is bit for bit Flower's
-  ``aggregate()`` (``reduce(np.add, [x * n]) / sum(n)``).
+  ``aggregate()`` (``reduce(np.add, [x * n]) / sum(n)``). Weights far from 1 (any finite positive weight
+  works, 5e-324 to 1e308) are first scaled in float64 by a power of two, which changes no ratio and
+  keeps their float32 casts away from 0 and Inf (:func:`functions.fedavg.kernels.weight_scale`).
 * ``median``: per coordinate, the middle value (odd N) or the mean of the two middle values (even N).
 * ``trimmed_mean``: per coordinate, drop ``k = floor(trim_fraction * N)`` lowest and highest values and
   average the rest (summed in sorted order). Both robust aggregators are unweighted and need all N values of
@@ -55,8 +57,11 @@ prefix, header over 100 MB, header not a JSON object, unknown dtype, offsets tha
 disagree with dtype x shape), truncated or followed by stray bytes, tensors unlike client 0's, a missing,
 non-numeric or non-positive ``num_examples`` when the weight is needed (:class:`InvalidModelFile`); NaN or
 Inf in an update (:class:`NonFiniteUpdate`, found while aggregating, unless ``allow_nonfinite``); a weighted
-sum that overflows its accumulator although every input is finite (:class:`AggregationOverflow`). A failed
-aggregate never reaches commit, so no output object is written.
+sum that overflows its accumulator although every input is finite (:class:`AggregationOverflow`); weights
+whose total exceeds float64 (:class:`SpecError`). Every chunk's result is checked finite before it is written
+(:class:`NonFiniteAggregate`, naming the tensor and element: e.g. a float32 median of two values near 3e38),
+with ``allow_nonfinite`` too, unless an input at that element was itself NaN or Inf. A failed aggregate never
+reaches commit, so no output object is written.
 
 Weights are needed only by the weighted mean (``aggregator="mean"`` without ``uniform``); otherwise a
 client's weight is recorded when known and the output's ``num_examples`` is their total if all are known.
@@ -83,6 +88,7 @@ from functions.errors import (
     BatchItemError,
     InvalidModelFile,
     InvalidRange,
+    NonFiniteAggregate,
     NonFiniteUpdate,
     ObjectNotFound,
     PlanError,
@@ -273,7 +279,7 @@ def _inspect(spec: FedAvgJob, job_id: str, uris: list[str], out: str, sizes: _Si
     # Weights last: a broken file is reported as broken before its metadata is judged.
     weights = [_weight(spec, metadata[i], i, uris[i], weight_needed) for i in range(n)]
     clients = [ClientRef(c.uri, w, c.data_start, c.layout) for c, w in zip(clients, weights, strict=True)]
-    total = math.fsum(weights) if all(w is not None for w in weights) else None  # type: ignore[arg-type]
+    total = _total_weight(spec, weights, uris) if all(w is not None for w in weights) else None
     # Only inputs and options go into the header, so the same round gives the same bytes in any job.
     out_meta = {"format": first.metadata.get("format", DEFAULT_FORMAT)}
     out_meta["shardfold_aggregator"] = spec.aggregator + (" (uniform)" if spec.uniform else "")
@@ -306,6 +312,25 @@ def _inspect(spec: FedAvgJob, job_id: str, uris: list[str], out: str, sizes: _Si
     plan.read_window = read_window(plan.chunk_bytes, budget)
     plan.notes = list(choice.notes)
     return plan
+
+
+def _total_weight(spec: FedAvgJob, weights: list[float], uris: list[str]) -> float:
+    """The weights' total (``math.fsum``); a :class:`SpecError` naming the largest weight's field when the
+    total is beyond float64 (each weight is finite, but N of them near 1e308 are not)."""
+    total = kernels.weight_total(weights)
+    if math.isfinite(total):
+        return total
+    i = max(range(len(weights)), key=weights.__getitem__)
+    field = (
+        f"clients.{i}.weight"
+        if spec.clients[i].weight is not None
+        else f"{where(i, uris[i])} __metadata__.num_examples"
+    )
+    raise SpecError(
+        f"the clients' weights add up to more than float64 holds (~1.8e308; the largest is {field} = "
+        f"{weights[i]!r}); divide them all by one factor: only their ratios matter",
+        [{"field": field, "error": "the weights' total overflows float64"}],
+    )
 
 
 def _header_of(client: ClientRef, data_bytes: int) -> FileHeader:
@@ -473,6 +498,8 @@ def aggregate_into(plan: Plan, shard: int, out: BinaryIO) -> dict:
                             values = red.finish()
                         except kernels.NonFinite as exc:
                             raise _nonfinite(plan, chunk, j, exc) from None
+                        if red.nonfinite is not None:  # never written unless allowed
+                            _check_nonfinite_output(plan, chunk, j, red.nonfinite)
                         written += out.write(values.view(np.uint8))
                         del values
                     reducers = []
@@ -491,6 +518,19 @@ def aggregate_into(plan: Plan, shard: int, out: BinaryIO) -> dict:
     }
 
 
+def _piece_inputs(plan: Plan, chunk: _Chunk, j: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Re-read piece ``j`` of ``chunk`` from every client, in client order: ``(client, values)``, one client's
+    values at a time (for the error paths: the reducers no longer hold their inputs)."""
+    seg = chunk.segs[j]
+    t = plan.tensors[seg.tensor]
+    for i, c in enumerate(plan.clients):
+        for r in chunk.layout_runs[c.layout]:
+            for jj, off in r.pieces:
+                if jj == j:
+                    data = store.get(c.uri, c.data_start + r.start + off, seg.count * t.dt.itemsize)
+                    yield i, np.frombuffer(data, dtype=t.dt.np)
+
+
 def _nonfinite(plan: Plan, chunk: _Chunk, j: int, exc: kernels.NonFinite) -> ShardfoldError:
     """The error for a non-finite piece: name the first client holding NaN/Inf there (re-reading the chunk
     for a weighted sum, whose inputs are gone), or report an overflow."""
@@ -498,21 +538,46 @@ def _nonfinite(plan: Plan, chunk: _Chunk, j: int, exc: kernels.NonFinite) -> Sha
     t = plan.tensors[seg.tensor]
     if exc.client is not None:
         return _nonfinite_error(plan, exc.client, t.name, seg.first + exc.element)
-    for i, c in enumerate(plan.clients):
-        for r in chunk.layout_runs[c.layout]:
-            for jj, off in r.pieces:
-                if jj != j:
-                    continue
-                data = store.get(c.uri, c.data_start + r.start + off, seg.count * t.dt.itemsize)
-                x = np.frombuffer(data, dtype=t.dt.np)
-                bad = np.flatnonzero(~np.isfinite(x))
-                if bad.size:
-                    return _nonfinite_error(plan, i, t.name, seg.first + int(bad[0]))
+    for i, x in _piece_inputs(plan, chunk, j):
+        bad = np.flatnonzero(~np.isfinite(x))
+        if bad.size:
+            return _nonfinite_error(plan, i, t.name, seg.first + int(bad[0]))
     acc = plan.rules()[seg.tensor].acc
+    element = seg.first + exc.element
     return AggregationOverflow(
-        f"tensor {t.name!r}: the weighted sum overflows {acc} at element {seg.first + exc.element} "
+        f"tensor {t.name!r}: the weighted sum overflows {acc} at element {element} "
         "although every update is finite; set accumulate='float64', or scale the weights down (only their "
-        "ratios matter)"
+        "ratios matter)",
+        tensor=t.name,
+        element=element,
+    )
+
+
+def _check_nonfinite_output(plan: Plan, chunk: _Chunk, j: int, bad: np.ndarray) -> None:
+    """Raise :class:`NonFiniteAggregate` for piece ``j``'s non-finite output elements ``bad`` (a mask), unless
+    the job allows NaN/Inf and an input at each of those elements was itself NaN or Inf."""
+    seg = chunk.segs[j]
+    t = plan.tensors[seg.tensor]
+    if plan.allow_nonfinite:
+        unexplained = bad.copy()
+        for _, x in _piece_inputs(plan, chunk, j):
+            unexplained &= np.isfinite(x)
+            if not unexplained.any():
+                return
+    else:
+        unexplained = bad
+    element = seg.first + int(np.argmax(unexplained))
+    rule = plan.rules()[seg.tensor]
+    hint = (
+        "; accumulate='float64' may avoid it"
+        if rule.acc == kernels.F32 and plan.accumulate == "float32"
+        else ""
+    )
+    raise NonFiniteAggregate(
+        f"tensor {t.name!r}: the {plan.aggregator} is NaN or Inf at flat element {element} although every "
+        f"update there is finite ({rule.acc} arithmetic); no output was written{hint}",
+        tensor=t.name,
+        element=element,
     )
 
 

@@ -11,11 +11,22 @@ Formulas (``acc`` is the accumulator dtype, ``w_i`` the weights and ``W`` their 
 
 * mean: ``acc = w_0*x_0``, then ``acc = acc + w_i*x_i`` for i = 1..N-1, then ``acc / W`` (true division)
   and a cast to the output dtype (round to nearest even). Uniform weights: ``w_i = 1``, ``W = N``.
+  **Weight scale.** Only the ratios of the weights matter, but a weight cast to ``acc`` as given may underflow
+  to 0 (1e-50 in float32: ``0/0`` = NaN everywhere) or overflow. So the weights and ``W`` are first scaled in
+  float64 by one power of two (:func:`weight_scale`): none when the largest weight lies in
+  :data:`WEIGHT_RANGE` (ordinary weights, e.g. example counts: bit for bit the unscaled formula, Flower's),
+  else the one that brings the largest into [1, 2). A power of two is exact, so the mean is the same
+  number; only weights below ~2^-126 (float32) lose bits, and next to the largest their terms are noise.
 * median: values sorted per coordinate (``np.sort``); odd N: the middle one; even N: ``(lo + hi) / 2``.
 * trimmed_mean: sorted per coordinate, ``k`` values dropped at each end, the rest summed in sorted order
   and divided by ``N - 2k``.
 * integer rules round the float64 result half to even (``np.rint``) before the cast; ``first`` copies
   client 0; ``max`` is an elementwise maximum in the tensor's own dtype.
+
+**Output check.** Every mean and robust reducer checks its result finite before the cast to the tensor's
+dtype (block by block, in a shared scratch, so no chunk-sized temporary) and records where it is not in
+``Reducer.nonfinite``; the caller decides (a non-finite aggregate is an error unless ``allow_nonfinite`` and
+the inputs there were not finite).
 
 Memory: a mean reducer holds ``count`` accumulator elements (plus the shared block scratch); a robust one
 holds all N clients' values for its piece, ``N x count`` accumulator elements.
@@ -38,6 +49,32 @@ BLOCK = 1 << 16  # elements per inner step of the weighted sum: scratch stays in
 ALIGN = 64
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
+# Weights whose largest lies here are used as given (the plain formula's bits, Flower's): cast to float32 the
+# largest weight and the total (any N < 2^63) stay normal and finite. Outside it they are scaled.
+WEIGHT_RANGE = (2.0**-64, 2.0**64)
+
+
+def weight_scale(weights: list[float]) -> int:
+    """The power of two ``k`` the weights are multiplied by (``math.ldexp(w, k)``, exact) before any cast
+    to an accumulator: 0 when the largest lies in :data:`WEIGHT_RANGE`, else the one that brings it into
+    [1, 2)."""
+    top = max(weights, default=1.0)
+    if WEIGHT_RANGE[0] <= top <= WEIGHT_RANGE[1]:
+        return 0
+    return 1 - math.frexp(top)[1]  # top = m * 2**e with 0.5 <= m < 1
+
+
+def weight_total(weights: list[float]) -> float:
+    """``sum(weights)`` correctly rounded (``math.fsum``), ``inf`` when it exceeds float64's range (where
+    ``math.fsum`` raises OverflowError)."""
+    try:
+        return math.fsum(weights)
+    except OverflowError:
+        k = weight_scale(weights)
+        try:
+            return math.ldexp(math.fsum(math.ldexp(w, k) for w in weights), -k)
+        except OverflowError:
+            return math.inf
 
 
 @dataclass(frozen=True)
@@ -145,11 +182,16 @@ class Params:
     trim: int = 0
 
     def __post_init__(self) -> None:
-        self._w = {F32: [np.float32(w) for w in self.weights], F64: [np.float64(w) for w in self.weights]}
-        self._total_w = {F32: np.float32(self.total), F64: np.float64(self.total)}
+        # Scaled in float64 before the cast (see the module docstring): a power of two, so exact.
+        k = weight_scale(self.weights)
+        weights = [math.ldexp(w, k) for w in self.weights]
+        total = math.ldexp(self.total, k)
+        self._w = {F32: [np.float32(w) for w in weights], F64: [np.float64(w) for w in weights]}
+        self._total_w = {F32: np.float32(total), F64: np.float64(total)}
         n = self.n_clients
         self._total_u = {F32: np.float32(n), F64: np.float64(n)}
         self.scratch = {F32: np.empty(BLOCK, F32), F64: np.empty(BLOCK, F64)}
+        self.flags = np.empty(BLOCK, np.bool_)  # the output check's per-block scratch
 
     def w(self, acc: np.dtype, client: int) -> np.floating:
         return self._w[acc][client]
@@ -164,14 +206,32 @@ def _as_input(rule: Rule, x: np.ndarray) -> np.ndarray:
     return x
 
 
+def first_nonfinite(values: np.ndarray, flags: np.ndarray) -> int | None:
+    """The index of the first NaN or Inf in the 1-d ``values`` (any float dtype, ml_dtypes' too), or None;
+    checked ``flags.size`` elements at a time into the bool scratch ``flags``."""
+    step = flags.size
+    for lo in range(0, values.size, step):
+        part = values[lo : lo + step]
+        ok = flags[: part.size]
+        np.isfinite(part, out=ok)
+        if not ok.all():
+            return lo + int(np.argmin(ok))
+    return None
+
+
 class Reducer:
-    """Base: ``add`` each client's values in client order, then ``finish``."""
+    """Base: ``add`` each client's values in client order, then ``finish``.
+
+    After ``finish``, ``nonfinite`` is None when every output value is finite, else a bool mask of the
+    output elements that are NaN or Inf (for an integer tensor: whose float result was, before the cast).
+    """
 
     def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
         self.rule = rule
         self.count = count
         self.params = params
         self.out = arena.take(rule.out, (count,)) if rule.out != rule.acc else None
+        self.nonfinite: np.ndarray | None = None
 
     def add(self, client: int, x: np.ndarray) -> None:
         raise NotImplementedError
@@ -180,7 +240,12 @@ class Reducer:
         raise NotImplementedError
 
     def _emit(self, values: np.ndarray) -> np.ndarray:
-        """``values`` (accumulator dtype) as the output dtype, rounded half to even for integer rules."""
+        """``values`` (accumulator dtype) checked finite, then as the output dtype, rounded half to even for
+        integer rules. The check is on ``values``: float32/64 are fast to check, and a cast to an integer
+        would hide a NaN; the cast of a finite result to a float tensor's own dtype cannot overflow, as a
+        mean or order statistic lies within the range of its inputs."""
+        if first_nonfinite(values, self.params.flags) is not None:
+            self.nonfinite = ~np.isfinite(values)  # rare: only a result about to fail (or allowed)
         if self.rule.rint:
             np.rint(values, out=values)
         if self.out is None:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from functions.specs import InputUri, OutputUri, StrictModel
+from functions.specs import InputUri, OutputUri, StrictModel, fail, repeated_uris
 
 
 class FedAvgClient(StrictModel):
@@ -58,11 +58,17 @@ class FedAvgJob(StrictModel):
 
     @model_validator(mode="after")
     def _distinct_clients(self) -> FedAvgJob:
-        seen: dict[str, int] = {}
-        for i, c in enumerate(self.clients):
-            if c.uri in seen:
-                raise ValueError(
-                    f"clients.{i} repeats clients.{seen[c.uri]} ({c.uri}); each update counts once"
-                )
-            seen[c.uri] = i
+        repeats = repeated_uris([c.uri for c in self.clients])
+        if repeats:
+            fail(
+                "FedAvgJob",
+                [
+                    (
+                        ("clients", i, "uri"),
+                        f"clients.{i} repeats clients.{j} ({self.clients[i].uri}); each update counts once",
+                    )
+                    for i, j in repeats
+                ],
+                self.clients[repeats[0][0]].uri,
+            )
         return self

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from functions.specs import InputUri, OutputUri, StrictModel
+from functions.specs import InputUri, OutputUri, StrictModel, repeated_uris
 
 INFERENCE_FORMATS = {
     ".jsonl": "jsonl",
@@ -64,13 +64,9 @@ class InferenceJob(StrictModel):
             for i, u in enumerate(value)
             if inference_input_format(u) is None
         ]
+        problems += [f"inputs.{i} repeats inputs.{j} ({value[i]})" for i, j in repeated_uris(value)]
         if problems:
             raise ValueError("; ".join(problems))
-        seen: dict[str, int] = {}
-        for i, u in enumerate(value):
-            if u in seen:
-                raise ValueError(f"inputs.{i} repeats inputs.{seen[u]} ({u})")
-            seen[u] = i
         return value
 
     @model_validator(mode="after")

@@ -74,6 +74,42 @@ def resolve(uri_or_key: str, root: str | None = None) -> str:
     return join(root or store_root(), uri_or_key)
 
 
+def normalise(uri_or_key: str) -> str:
+    """The one spelling of a URI or store key that a spec keeps, so that one object has one name:
+
+    * a key relative to the store root: empty and ``.`` segments dropped and ``x/..`` pairs cancelled, so
+      ``./c``, ``.//c`` and ``a/../c`` are all ``c``; a key whose ``..`` would climb above the root (or an
+      absolute or empty one) is left as given, for :func:`resolve` to refuse;
+    * a ``file://`` path: empty and ``.`` segments dropped; a ``..`` stays (through a symbolic link
+      ``a/../c`` need not be ``c``), and :func:`resolve` refuses it;
+    * ``s3://`` URIs and anything else: unchanged (S3 keys are literal: ``a//c`` and ``a/c`` are two objects).
+
+    A trailing ``/`` (a prefix) is kept. Idempotent.
+    """
+    if uri_or_key.startswith(FILE):
+        path = uri_or_key[len(FILE) :]
+        if not path.startswith("/"):
+            return uri_or_key
+        kept = [seg for seg in path.split("/") if seg not in ("", ".")]
+        tail = "/" if path.endswith("/") and kept else ""
+        return FILE + "/" + "/".join(kept) + tail
+    if "://" in uri_or_key or uri_or_key.startswith("/") or not uri_or_key:
+        return uri_or_key
+    kept = []
+    for seg in uri_or_key.split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if not kept:
+                return uri_or_key  # above the root: resolve() refuses it as given
+            kept.pop()
+            continue
+        kept.append(seg)
+    if not kept:
+        return uri_or_key
+    return "/".join(kept) + ("/" if uri_or_key.endswith("/") else "")
+
+
 def join(base_uri: str, *parts: str) -> str:
     """Join key parts onto a URI with single slashes; parts may not contain ``..`` segments."""
     out = base_uri.rstrip("/")
