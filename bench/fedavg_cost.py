@@ -429,7 +429,7 @@ def engine_settings() -> dict:
 
 
 def _synthetic_plan(sizing: Any, model_bytes: int, n: int, budget_overrides: dict | None = None) -> Any:
-    """A fedavg Plan for an N-client float32 model of ``model_bytes`` (one tensor per 64 MiB, every client
+    """A fedavg ShardPlan for an N-client float32 model of ``model_bytes`` (a tensor per 64 MiB, every client
     laid out like client 0), built with the planner's own shard and chunk rules."""
     from functions.fedavg.layout import Tensor
 
@@ -446,7 +446,7 @@ def _synthetic_plan(sizing: Any, model_bytes: int, n: int, budget_overrides: dic
     bounds = sizing.Geometry(tensors).shard_bounds(choice.shards)
     chunk = sizing.chunk_bytes_for("mean", n, tensors, budget)
     clients = [sizing.ClientRef(f"s3://b/c{c}", 1.0, header, 0) for c in range(n)]
-    return sizing.Plan(
+    return sizing.ShardPlan(
         job_id="fedavg-bench",
         output="s3://b/out",
         tensors=tensors,

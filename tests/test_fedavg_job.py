@@ -130,25 +130,25 @@ def test_sdk_run_with_relative_keys_and_weights_on_moto(moto_client):
     keys = save_all(moto_client, "rounds/2", updates)
     result = moto_client.fedavg.run(
         [keys[0], (keys[1], 2.5), {"uri": keys[2]}, {"uri": keys[3], "weight": 1}],
-        output="models/round-2.safetensors",
+        output="results/round-2.safetensors",
         integer_policy="first",
     )
-    assert result["output"] == moto_client.uri("models/round-2.safetensors")
+    assert result["output"] == moto_client.uri("results/round-2.safetensors")
     assert result["clients"] == 4 and result["shards"] == 1
     weights = [updates[0][1], 2.5, updates[2][1], 1]
     want = fedavg_reference([u for u, _ in updates], weights)
     want["steps"] = updates[0][0]["steps"]  # integer_policy="first": client 0's value
-    assert_tensors_equal(moto_client.fedavg.load("models/round-2.safetensors"), want)
+    assert_tensors_equal(moto_client.fedavg.load("results/round-2.safetensors"), want)
 
 
 def test_missing_client_fails_the_job_naming_it_and_writes_no_output(moto_client):
     keys = save_all(moto_client, "rounds/3", fedavg_updates(SMALL, 2, seed=5))
     missing = "rounds/3/client-gone.safetensors"
-    job = moto_client.fedavg.submit([keys[0], missing, keys[1]], output="models/never.safetensors")
+    job = moto_client.fedavg.submit([keys[0], missing, keys[1]], output="results/never.safetensors")
     status = job.wait(progress=False, timeout_s=WAIT_S)
     assert status.state == "FAILED"
     assert "client 1" in status.error and "client-gone.safetensors" in status.error
-    assert not store.exists(moto_client.uri("models/never.safetensors"))
+    assert not store.exists(moto_client.uri("results/never.safetensors"))
 
 
 @pytest.mark.parametrize("accumulate", ["float32", "float64"])

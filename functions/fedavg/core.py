@@ -114,9 +114,9 @@ from functions.fedavg.sizing import (
     Budget,
     ClientRef,
     Geometry,
-    Plan,
     RunRead,
     Segment,
+    ShardPlan,
     choose_shards,
     chunk_bytes_for,
     read_window,
@@ -204,7 +204,7 @@ class _Sizes:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def inspect(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None) -> Plan:
+def inspect(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None) -> ShardPlan:
     """Read and check every client's header and size, resolve weights, choose shards; write nothing.
 
     Requests: 2 ranged GETs and 1 HEAD per client. Memory: client 0's parsed header plus one other at a
@@ -227,7 +227,9 @@ def inspect(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
         sizes.close()
 
 
-def _inspect(spec: FedAvgJob, job_id: str, uris: list[str], out: str, sizes: _Sizes, budget: Budget) -> Plan:
+def _inspect(
+    spec: FedAvgJob, job_id: str, uris: list[str], out: str, sizes: _Sizes, budget: Budget
+) -> ShardPlan:
     n = len(uris)
 
     lengths: list[int] = []
@@ -287,7 +289,7 @@ def _inspect(spec: FedAvgJob, job_id: str, uris: list[str], out: str, sizes: _Si
     if total is not None:
         out_meta["num_examples"] = format_number(total)
     tensors = order
-    plan = Plan(
+    plan = ShardPlan(
         job_id=job_id,
         output=out,
         tensors=tensors,
@@ -383,8 +385,8 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
     }
 
 
-def load_plan(store_root: str, job_id: str) -> Plan:
-    return Plan.from_doc(store.get_json(plan_uri(store_root, job_id)))
+def load_plan(store_root: str, job_id: str) -> ShardPlan:
+    return ShardPlan.from_doc(store.get_json(plan_uri(store_root, job_id)))
 
 
 # --- aggregate ----------------------------------------------------------------------------------------------
@@ -437,7 +439,7 @@ def one_malloc_arena() -> None:
         pass
 
 
-def aggregate_into(plan: Plan, shard: int, out: BinaryIO) -> dict:
+def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
     """Write shard ``shard``'s part (the header first for shard 0) to the binary file ``out``."""
     one_malloc_arena()
     start, end = plan.shard_range(shard)
@@ -518,7 +520,7 @@ def aggregate_into(plan: Plan, shard: int, out: BinaryIO) -> dict:
     }
 
 
-def _piece_inputs(plan: Plan, chunk: _Chunk, j: int) -> Iterator[tuple[int, np.ndarray]]:
+def _piece_inputs(plan: ShardPlan, chunk: _Chunk, j: int) -> Iterator[tuple[int, np.ndarray]]:
     """Re-read piece ``j`` of ``chunk`` from every client, in client order: ``(client, values)``, one client's
     values at a time (for the error paths: the reducers no longer hold their inputs)."""
     seg = chunk.segs[j]
@@ -531,7 +533,7 @@ def _piece_inputs(plan: Plan, chunk: _Chunk, j: int) -> Iterator[tuple[int, np.n
                     yield i, np.frombuffer(data, dtype=t.dt.np)
 
 
-def _nonfinite(plan: Plan, chunk: _Chunk, j: int, exc: kernels.NonFinite) -> ShardfoldError:
+def _nonfinite(plan: ShardPlan, chunk: _Chunk, j: int, exc: kernels.NonFinite) -> ShardfoldError:
     """The error for a non-finite piece: name the first client holding NaN/Inf there (re-reading the chunk
     for a weighted sum, whose inputs are gone), or report an overflow."""
     seg = chunk.segs[j]
@@ -553,7 +555,7 @@ def _nonfinite(plan: Plan, chunk: _Chunk, j: int, exc: kernels.NonFinite) -> Sha
     )
 
 
-def _check_nonfinite_output(plan: Plan, chunk: _Chunk, j: int, bad: np.ndarray) -> None:
+def _check_nonfinite_output(plan: ShardPlan, chunk: _Chunk, j: int, bad: np.ndarray) -> None:
     """Raise :class:`NonFiniteAggregate` for piece ``j``'s non-finite output elements ``bad`` (a mask), unless
     the job allows NaN/Inf and an input at each of those elements was itself NaN or Inf."""
     seg = chunk.segs[j]
@@ -581,7 +583,7 @@ def _check_nonfinite_output(plan: Plan, chunk: _Chunk, j: int, bad: np.ndarray) 
     )
 
 
-def _nonfinite_error(plan: Plan, client: int, tensor: str, element: int) -> NonFiniteUpdate:
+def _nonfinite_error(plan: ShardPlan, client: int, tensor: str, element: int) -> NonFiniteUpdate:
     uri = plan.clients[client].uri
     return NonFiniteUpdate(
         f"{where(client, uri)}: tensor {tensor!r} holds NaN or Inf (first at flat element {element}); fix "

@@ -1,7 +1,7 @@
-"""Plan geometry and sizing for fedavg: the plan document, shards, chunks, reads and per-task loads.
+"""Shard plan and sizing for fedavg: the shard plan document, shards, chunks, reads and per-task loads.
 
 Everything here is pure (no store access): the SDK's ``shardfold plan`` estimator and the benchmark call
-:func:`task_loads` on a :class:`Plan` that :func:`functions.fedavg.core.inspect` built from the headers.
+:func:`task_loads` on a :class:`ShardPlan` that :func:`functions.fedavg.core.inspect` built from the headers.
 
 **Byte space.** The output's data buffer is the concatenation of the tensors in client 0's data order.
 A shard is a byte range ``[bounds[k], bounds[k+1])`` of it; a chunk is a sub-range of a shard; both end on
@@ -100,11 +100,11 @@ class ClientRef:
     uri: str
     weight: float | None  # the resolved weight (None when the job does not use weights and none was found)
     data_start: int  # 8 + its header length
-    layout: int  # index into Plan.layouts
+    layout: int  # index into ShardPlan.layouts
 
 
 @dataclass
-class Plan:
+class ShardPlan:
     """The plan document (``jobs/<id>/fedavg/plan.json``): everything an aggregate task needs.
 
     ``layouts[j][t]`` is where tensor ``t`` (output order) begins in the data buffer of clients whose
@@ -201,7 +201,7 @@ class Plan:
         return doc
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> Plan:
+    def from_doc(cls, doc: dict[str, Any]) -> ShardPlan:
         doc = dict(doc)
         if doc.get("version") != 1:
             raise PlanError(f"plan document version {doc.get('version')!r} is not supported (expected 1)")
@@ -431,7 +431,7 @@ def _upload_puts(nbytes: int) -> int:
     return 2 + math.ceil(nbytes / MULTIPART_CHUNK)
 
 
-def task_loads(plan: Plan, on_s3: bool = True) -> dict[str, StepLoad]:
+def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
     """Per-step loads of ``plan``: ``{"prepare": ..., "aggregate": ..., "commit": ...}``.
 
     Exact request counts (the same chunk and read geometry the aggregate tasks use, computed per distinct
@@ -540,12 +540,12 @@ def _fmt_mib(n: float) -> str:
     return f"{n / MiB:,.1f} MiB" if n >= 0.1 * MiB else f"{n / 1024:,.1f} KiB"
 
 
-def scaled(plan: Plan, n: int, shards: int | None) -> Plan:
+def scaled(plan: ShardPlan, n: int, shards: int | None) -> ShardPlan:
     """``plan`` (built from a sample of the clients) sized for ``n`` clients: the sample's layouts repeat,
     and the shard count and chunk follow the rules for ``n``."""
     k = plan.n_clients
     clients = [plan.clients[i * k // n] for i in range(n)]
-    out = Plan(**{f.name: getattr(plan, f.name) for f in fields(Plan)})
+    out = ShardPlan(**{f.name: getattr(plan, f.name) for f in fields(ShardPlan)})
     out.clients = clients
     choice = choose_shards(plan.data_bytes, n, len(plan.header()), plan.budget, shards)
     out.bounds = Geometry(plan.tensors).shard_bounds(choice.shards)
@@ -587,7 +587,7 @@ def loads(spec: Any, probed: Any) -> Any:
     from functions.estimate import Loads, TaskLoad
     from functions.fedavg.workflow import AGGREGATE, AGGREGATE_SHARD, COMMIT, PREPARE
 
-    plan: Plan | None = probed.model
+    plan: ShardPlan | None = probed.model
     if plan is None:  # unreadable: one shard, runtime memory, one read each
         n = len(spec.clients)
         base = TaskLoad(peak_bytes=RUNTIME_BYTES, duration_s=pricing.TASK_OVERHEAD_S, why="runtime only")
