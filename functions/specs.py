@@ -35,9 +35,12 @@ from functions.errors import SpecError
 
 
 class StrictModel(BaseModel):
-    """Unknown fields are errors: a typo in a spec must not be silently ignored."""
+    """Unknown fields are errors: a typo in a spec must not be silently ignored. Values are not coerced
+    (pydantic's strict mode): ``"2"`` is not a number and ``1`` is not ``true``; an integer is still a
+    valid float. A spec comes from JSON, so a tuple field must accept a JSON list: give it
+    ``Field(strict=False)`` with strict element types (``tuple[StrictInt, StrictInt]``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # --- URI fields --------------------------------------------------------------------------------------------
