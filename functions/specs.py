@@ -185,12 +185,49 @@ def fail(title: str, problems: list[tuple[tuple, str]], value: Any) -> None:
 JobSpec = StrictModel
 
 
-def _describe(err: ValidationError) -> list[dict]:
+_JSON_TYPES = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    list: "a list",
+    dict: "an object",
+    type(None): "null",
+}
+
+
+def json_type(value: Any) -> str:
+    """What a decoded JSON value is, in a spec author's words: "a string", "an integer", "a list"..."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def error_text(e: Any) -> str:
+    """One pydantic error entry as a sentence: its message, and for a wrong type what was given (a spec is
+    JSON, so "a string" rather than "str"; never pydantic's documentation URL)."""
+    msg = e["msg"]
+    if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        msg = "Input should be an object"
+    if e["type"].endswith("_type") or e["type"] == "literal_error":
+        value = e.get("input")
+        what = _JSON_TYPES.get(type(value))
+        if what is not None:
+            shown = json.dumps(value) if not isinstance(value, list | dict) else ""
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            msg += f" (got {what}{' ' + shown if shown and value is not None else ''})"
+    return msg
+
+
+def describe_errors(err: ValidationError, prefix: str = "") -> list[dict]:
+    """``[{"field", "error"}]``: each problem with the dotted path of its field (under ``prefix``)."""
     out = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<spec>"
-        out.append({"field": loc, "error": e["msg"]})
+        loc = ".".join(str(p) for p in (*((prefix,) if prefix else ()), *e["loc"])) or "<spec>"
+        out.append({"field": loc, "error": error_text(e)})
     return out
+
+
+def _describe(err: ValidationError) -> list[dict]:
+    return describe_errors(err)
 
 
 def load_document(doc: dict | str | bytes) -> dict:
