@@ -310,10 +310,10 @@ def _without_union_labels(model: Any, loc: tuple) -> tuple[tuple, tuple | None, 
     out: list = []
     ann, union_at, whole = model, None, False
     for i, seg in enumerate(loc):
-        options = _shapes(ann) if ann is not None else None
-        if options is not None and isinstance(seg, str):
-            ann = next((o for o in options if _labelled(o, seg)), None)
-            union_at, whole = tuple(out), i == len(loc) - 1
+        options = (_shapes(ann) if ann is not None else None) or []
+        shape = next((o for o in options if isinstance(seg, str) and _labelled(o, seg)), None)
+        if shape is not None:  # a label (a validator's own loc, e.g. from fail(), has none)
+            ann, union_at, whole = shape, tuple(out), i == len(loc) - 1
             continue
         out.append(seg)
         ann = _child(ann, seg) if ann is not None else None
