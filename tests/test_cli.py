@@ -297,3 +297,39 @@ def test_progress_bars_print_step_names_literally():
     with ProgressView("job", console=console) as view:
         view.update(SimpleNamespace(steps={m: {"done": 1, "total": 2} for m in MARKUP}))
     shows_literally(buf.getvalue())
+
+
+# --- an S3 endpoint that does not answer --------------------------------------------------------------------
+
+
+@pytest.fixture
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("transport", ["crt", "boto3"])
+@pytest.mark.parametrize("home_on_s3", [False, True], ids=["local-store", "s3-store"])
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_unreachable_s3_endpoint_is_one_line_naming_it(
+    home, tmp_path, monkeypatch, closed_port, transport, home_on_s3, verb
+):
+    endpoint = f"http://127.0.0.1:{closed_port}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", transport)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # boto3 fails at the first refusal, not after 5 backoffs
+    for var, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    if home_on_s3:
+        monkeypatch.setenv("SHARDFOLD_HOME", "s3://shardfold-jobs")
+    path = tmp_path / "s3.json"
+    path.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "s3://inputs/a.bin"}]}))
+    res = invoke(verb, str(path), ok=False)
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert lines[0].startswith(f"error: cannot reach the S3 endpoint {endpoint} (AWS_ENDPOINT_URL_S3)")
+    assert "s3://inputs/a.bin" in lines[0] and "check that AWS_ENDPOINT_URL_S3" in lines[0]
