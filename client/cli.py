@@ -2,6 +2,10 @@
 
 Errors a user can cause (:class:`ShardfoldError`) print one red line and exit 1; anything else is a bug and
 keeps its traceback.
+
+Rich reads ``[...]`` in a printed string as markup. Our own styling is markup; every piece of text that came
+from a user or the store (spec fields, error messages, URIs, job ids, result values, file names, table
+cells) goes through :func:`_t` first, so ``[/]`` or ``[link=...]`` in it prints as written.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import click
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from functions.errors import ShardfoldError
@@ -31,6 +36,11 @@ REPO_EVENTS = Path(__file__).resolve().parent.parent / "events"
 EXTRA_HANDLERS = {"dispatch": "functions.trigger:handler"}
 
 
+def _t(value: Any) -> str:
+    """``value`` as text that rich prints literally (its ``[`` never opens markup)."""
+    return escape(str(value))
+
+
 class ShardfoldGroup(click.Group):
     """Turns user errors into one red line and exit code 1, with no traceback."""
 
@@ -38,7 +48,7 @@ class ShardfoldGroup(click.Group):
         try:
             return super().invoke(ctx)
         except ShardfoldError as exc:
-            err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+            err.print(f"[bold red]error:[/] {_t(exc)}", soft_wrap=True)
             ctx.exit(1)
 
 
@@ -84,12 +94,12 @@ def _fmt_cell(v: Any) -> str:
 
 
 def _kv_table(title: str, data: dict[str, Any]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=_t(title), show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     for k, v in data.items():
         table.add_row(
-            str(k), _fmt_bytes(v) if k == "bytes" else json.dumps(v) if isinstance(v, dict | list) else str(v)
+            _t(k), _t(_fmt_bytes(v) if k == "bytes" else json.dumps(v) if isinstance(v, dict | list) else v)
         )
     return table
 
@@ -117,12 +127,12 @@ def _status_dict(status: Any) -> dict[str, Any]:
 
 def _print_table(table: Any) -> None:
     """A :class:`functions.tables.Table` (a kind's plan details or result table); numeric columns right."""
-    extra = Table(title=table.title, title_justify="left", box=box.SIMPLE_HEAD)
+    extra = Table(title=_t(table.title), title_justify="left", box=box.SIMPLE_HEAD)
     for i, col in enumerate(table.columns):
         numeric = all(isinstance(row[i], int | float) and not isinstance(row[i], bool) for row in table.rows)
-        extra.add_column(col, justify="right" if numeric else "left", overflow="fold")
+        extra.add_column(_t(col), justify="right" if numeric else "left", overflow="fold")
     for row in table.rows:
-        extra.add_row(*(_fmt_cell(v) for v in row))
+        extra.add_row(*(_t(_fmt_cell(v)) for v in row))
     out.print(extra)
 
 
@@ -139,13 +149,13 @@ def _print_result(result: dict[str, Any]) -> None:
     for table in view.tables:
         _print_table(table)
     for note in view.notes:
-        out.print(note, soft_wrap=True)
+        out.print(_t(note), soft_wrap=True)
 
 
 def _wait_and_report(job: Any) -> None:
     status = job.wait(progress=True, console=err)
     style = _state_style(status.state)
-    out.print(f"job [bold]{job.job_id}[/] [{style}]{status.state}[/]")
+    out.print(f"job [bold]{_t(job.job_id)}[/] [{style}]{_t(status.state)}[/]")
     if status.state != "SUCCEEDED":
         from client.errors import JobFailed
 
@@ -177,7 +187,7 @@ def run(spec: str, backend: str, stack: str | None, no_wait: bool) -> None:
     """Submit the job in SPEC (a JSON file), show progress and print its result."""
     with _client(backend, stack) as client:
         job = client.submit(Path(spec))
-        out.print(f"submitted [bold]{job.job_id}[/] ({job.kind}) on {backend}")
+        out.print(f"submitted [bold]{_t(job.job_id)}[/] ({_t(job.kind)}) on {backend}")
         if no_wait:
             if backend == "moto":
                 err.print("[yellow]note:[/] moto state lives in this process; waiting anyway")
@@ -200,7 +210,7 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
         out.print_json(json.dumps(report.to_dict()))
         return
     table = Table(
-        title=f"plan: {report.kind}, {report.items:,} items", title_justify="left", box=box.SIMPLE_HEAD
+        title=f"plan: {_t(report.kind)}, {report.items:,} items", title_justify="left", box=box.SIMPLE_HEAD
     )
     for col, just in [
         ("step", "left"),
@@ -215,7 +225,7 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
     for s in report.steps:
         mem = f"{s.peak_mb:,.0f}/{s.memory_mb:,}"
         table.add_row(
-            s.name,
+            _t(s.name),
             f"{s.tasks:,}",
             mem if s.fits else f"[red]{mem}[/]",
             f"{s.gets:,}",
@@ -228,16 +238,16 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
     cost.add_column("component")
     cost.add_column("USD (us-east-1)", justify="right")
     for k, v in report.cost_usd.items():
-        cost.add_row(f"[bold]{k}[/]" if k == "total" else k, f"{v:.6f}")
+        cost.add_row(f"[bold]{_t(k)}[/]" if k == "total" else _t(k), f"{v:.6f}")
     out.print(cost)
     out.print(f"state transitions: {report.transitions:,}")
     for detail in report.details:  # kind-specific tables (e.g. dpquery's privacy and accuracy plan)
         _print_table(detail)
     for s in report.steps:  # the estimator's reasons: what each task's peak is made of
         if s.why:
-            out.print(f"[dim]- {s.name} peak: {s.why}[/]")
+            out.print(f"[dim]- {_t(s.name)} peak: {_t(s.why)}[/]")
     for note in report.notes:
-        out.print(f"[dim]- {note}[/]")
+        out.print(f"[dim]- {_t(note)}[/]")
 
 
 @cli.command()
@@ -260,14 +270,15 @@ def jobs(backend: str, stack: str | None) -> None:
     with _client(backend, stack) as client:
         statuses = client.jobs()
     if not statuses:
-        out.print(f"no jobs on the {backend} backend")
+        out.print(f"no jobs on the {_t(backend)} backend")
         return
-    table = Table(title=f"jobs ({backend})", title_justify="left")
+    table = Table(title=f"jobs ({_t(backend)})", title_justify="left")
     for col in ("job id", "kind", "state", "steps", "error"):
         table.add_column(col)
     for st in sorted(statuses, key=lambda s: s.job_id):
         style = _state_style(st.state)
-        table.add_row(st.job_id, st.kind, f"[{style}]{st.state}[/]", _steps_text(st.steps), st.error or "")
+        state = f"[{style}]{_t(st.state)}[/]"
+        table.add_row(_t(st.job_id), _t(st.kind), state, _t(_steps_text(st.steps)), _t(st.error or ""))
     out.print(table)
 
 
@@ -292,7 +303,7 @@ def cancel(job_id: str, backend: str, stack: str | None) -> None:
     """Stop a running job; what it already committed stays readable."""
     with _client(backend, stack) as client:
         client.job(job_id).cancel()
-    out.print(f"cancelled [bold]{job_id}[/]")
+    out.print(f"cancelled [bold]{_t(job_id)}[/]")
 
 
 @cli.command()
@@ -303,7 +314,7 @@ def resume(job_id: str, backend: str, stack: str | None, no_wait: bool) -> None:
     """Re-run the unfinished tasks of a failed or cancelled job."""
     with _client(backend, stack) as client:
         job = client.job(job_id).resume()
-        out.print(f"resumed [bold]{job_id}[/]")
+        out.print(f"resumed [bold]{_t(job_id)}[/]")
         if not no_wait:
             _wait_and_report(job)
 
@@ -352,14 +363,16 @@ def deploy_cmd(stack_name: str, outputs: str | None, yes: bool) -> None:
     from client import stack as st
 
     ident = st.check_deploy_prerequisites()
-    out.print(f"deploying stack [bold]{stack_name}[/] to AWS account {ident['Account']} ({ident['Arn']})")
+    account = f"{_t(ident['Account'])} ({_t(ident['Arn'])})"
+    out.print(f"deploying stack [bold]{_t(stack_name)}[/] to AWS account {account}")
     path = st.deploy(stack_name, yes=yes, path=outputs)
     saved = st.load_stack_outputs(path)
+    workflows = ", ".join(sorted(saved["state_machine_arns"]))
     out.print(
-        f"[green]deployed[/] stack {stack_name}: bucket {saved['bucket']}, "
-        f"{len(saved['state_machine_arns'])} workflows ({', '.join(sorted(saved['state_machine_arns']))})"
+        f"[green]deployed[/] stack {_t(stack_name)}: bucket {_t(saved['bucket'])}, "
+        f"{len(saved['state_machine_arns'])} workflows ({_t(workflows)})"
     )
-    out.print(f"stack outputs saved to {path}; run jobs with `shardfold run SPEC --backend aws`")
+    out.print(f"stack outputs saved to {_t(path)}; run jobs with `shardfold run SPEC --backend aws`")
 
 
 @cli.command("destroy")
@@ -382,7 +395,7 @@ def destroy_cmd(stack_name: str, outputs: str | None, yes: bool) -> None:
             err=True,
         )
     removed = st.destroy(stack_name, path=outputs)
-    out.print(f"[green]destroyed[/] stack {stack_name}" + (f"; removed {removed}" if removed else ""))
+    out.print(f"[green]destroyed[/] stack {_t(stack_name)}" + (f"; removed {_t(removed)}" if removed else ""))
 
 
 def _find_event(event: str) -> Path:
@@ -500,7 +513,7 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
             return f"{backend}:{job_id}"
 
         if not once:
-            out.print(f"watching {root.resolve()} for job specs (Ctrl-C to stop)")
+            out.print(f"watching {_t(root.resolve())} for job specs (Ctrl-C to stop)")
         try:
             while True:
                 for path in sorted(root.glob("*.json")):
@@ -510,18 +523,25 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                     if seen.get(path) == stamp:
                         continue
                     seen[path] = stamp
-                    report = dispatch(
-                        path.resolve().as_uri(), start, root=client.store_root, deployed=client.deployed
-                    )
+                    name = _t(path.name)
+                    try:
+                        report = dispatch(
+                            path.resolve().as_uri(), start, root=client.store_root, deployed=client.deployed
+                        )
+                    except ShardfoldError as exc:  # e.g. the store did not answer: report, keep watching
+                        err.print(f"[red]✗[/] {name}: {_t(exc)} (save it again to retry)", soft_wrap=True)
+                        continue
                     if "ignored" in report:
-                        err.print(f"[dim]- {path.name}: ignored ({report['ignored']})[/]")
+                        err.print(f"[dim]- {name}: ignored ({_t(report['ignored'])})[/]")
                         continue
                     if "errors" in report:
-                        err.print(f"[red]✗[/] {path.name}: {len(report['errors'])} error(s)")
+                        err.print(f"[red]✗[/] {name}: {len(report['errors'])} error(s)")
                         for e in report["errors"]:
-                            err.print(f"    {e['field']}: {e['error']}")
+                            err.print(f"    {_t(e['field'])}: {_t(e['error'])}", soft_wrap=True)
                         continue
-                    out.print(f"[green]→[/] {path.name}: job [bold]{report['job_id']}[/] ({report['kind']})")
+                    out.print(
+                        f"[green]→[/] {name}: job [bold]{_t(report['job_id'])}[/] ({_t(report['kind'])})"
+                    )
                     status_path = Path(report_uris(str(path.resolve()))[0])
                     running[status_path] = client.job(report["job_id"])
                 for status_path, job in list(running.items()):
@@ -529,7 +549,7 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                         job.wait(progress=False)
                     if _watch_status_update(status_path, job):
                         state = job.status().state
-                        out.print(f"  {job.job_id} [{_state_style(state)}]{state}[/]")
+                        out.print(f"  {_t(job.job_id)} [{_state_style(state)}]{_t(state)}[/]")
                         del running[status_path]
                 if once:
                     return
@@ -560,7 +580,7 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
     rows = []
     with _client("local") as client:
         for kind in selected:
-            out.print(f"[bold]{kind}[/]: generating its inputs and running the job")
+            out.print(f"[bold]{_t(kind)}[/]: generating its inputs and running the job")
             rows.append(
                 DEMOS[kind](client, items=n_items, wait=lambda job: job.wait(progress=progress, console=err))
             )
@@ -585,10 +605,10 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
         table.add_column(col, justify=just, no_wrap=True)
     for r in rows:
         table.add_row(
-            r.kind,
-            f"[{_state_style(r.state)}]{r.state}[/]",
-            f"{r.items:,} {r.items_label}",
-            f"{r.parts} {r.parts_label}",
+            _t(r.kind),
+            f"[{_state_style(r.state)}]{_t(r.state)}[/]",
+            _t(f"{r.items:,} {r.items_label}"),
+            _t(f"{r.parts} {r.parts_label}"),
             _fmt_bytes(r.bytes),
             str(r.errors),
             f"{r.seconds:.2f}",
@@ -597,8 +617,8 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
     out.print(table)
     for r in rows:
         for check in r.checks:
-            out.print(f"[green]✓[/] {r.kind}: {check}")
-        out.print(f"  {r.kind} job {r.job_id}: `shardfold result {r.job_id}`", soft_wrap=True)
+            out.print(f"[green]✓[/] {_t(r.kind)}: {_t(check)}")
+        out.print(f"  {_t(r.kind)} job {_t(r.job_id)}: `shardfold result {_t(r.job_id)}`", soft_wrap=True)
 
 
 def main() -> None:

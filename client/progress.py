@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -54,5 +55,6 @@ class ProgressView:
         for step, value in (getattr(status, "steps", None) or {}).items():
             done, total = _counts(value)
             if step not in self._tasks:
-                self._tasks[step] = self._progress.add_task(step, total=total)
+                # the description is rendered as markup: a step name prints as written
+                self._tasks[step] = self._progress.add_task(escape(str(step)), total=total)
             self._progress.update(self._tasks[step], completed=done, total=total)

@@ -25,6 +25,12 @@ class InvalidRange(StoreError):
     """A byte range lies outside the object (HTTP 416) or is malformed."""
 
 
+class StoreUnreachable(StoreError):
+    """The S3 endpoint did not answer (connection refused, unknown host, timeout) while a
+    job was being checked or submitted. The message names the endpoint, where its address came from and
+    what to check. (Inside a running job the same failure stays a transient error, which tasks retry.)"""
+
+
 class UnsafeKey(StoreError):
     """A local key tried to leave the store root (``..`` or an absolute path)."""
 

@@ -39,9 +39,12 @@ from functions.errors import SpecError
 
 
 class StrictModel(BaseModel):
-    """Unknown fields are errors: a typo in a spec must not be silently ignored."""
+    """Unknown fields are errors: a typo in a spec must not be silently ignored. Values are not coerced
+    (pydantic's strict mode): ``"2"`` is not a number and ``1`` is not ``true``; an integer is still a
+    valid float. A spec comes from JSON, so a tuple field must accept a JSON list: give it
+    ``Field(strict=False)`` with strict element types (``tuple[StrictInt, StrictInt]``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # --- URI fields --------------------------------------------------------------------------------------------
@@ -227,12 +230,143 @@ def fail(title: str, problems: list[tuple[tuple, str]], value: Any) -> None:
 JobSpec = StrictModel
 
 
-def _describe(err: ValidationError) -> list[dict]:
-    out = []
+_JSON_TYPES = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    list: "a list",
+    dict: "an object",
+    type(None): "null",
+}
+
+
+def json_type(value: Any) -> str:
+    """What a decoded JSON value is, in a spec author's words: "a string", "an integer", "a list"..."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _message(e: Any) -> str:
+    if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return "Input should be an object"
+    return e["msg"]
+
+
+def error_text(e: Any, msg: str | None = None) -> str:
+    """One pydantic error entry as a sentence: its message, and for a wrong type what was given (a spec is
+    JSON, so "a string" rather than "str"; never pydantic's documentation URL)."""
+    msg = msg or _message(e)
+    if e["type"].endswith("_type") or e["type"] == "literal_error":
+        value = e.get("input")
+        what = _JSON_TYPES.get(type(value))
+        if what is not None:
+            shown = json.dumps(value) if not isinstance(value, list | dict) else ""
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            msg += f" (got {what}{' ' + shown if shown and value is not None else ''})"
+    return msg
+
+
+def describe_errors(err: ValidationError, prefix: str = "", model: Any = None) -> list[dict]:
+    """``[{"field", "error"}]``: each problem with the dotted path of its field (under ``prefix``).
+
+    With the ``model`` that was validated, a field that may take one of several shapes (``workload``: a
+    list or a generator) is named by its own path, without pydantic's label of each shape, and only the
+    shape the value has is reported on: "workload.3.weight: ...", not also "workload: should be an
+    object" from the shape it does not have."""
+    found = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<spec>"
-        out.append({"field": loc, "error": e["msg"]})
+        loc, union_at, whole = _without_union_labels(model, e["loc"]) if model else (e["loc"], None, False)
+        found.append((loc, union_at, whole and _is_shape_error(e), e))
+    deeper = {u for _, u, mismatch, _ in found if u is not None and not mismatch}
+    out: list[dict] = []
+    shapes: dict[str, tuple[int, Any, list[str]]] = {}  # field -> (its entry, first error, shapes it has not)
+    for loc, union_at, mismatch, e in found:
+        if mismatch and union_at in deeper:  # the value has another shape, whose own errors are reported
+            continue
+        field = ".".join(str(p) for p in (*((prefix,) if prefix else ()), *loc)) or "<spec>"
+        if mismatch:  # a value of none of the shapes: one entry listing them all
+            if field in shapes:
+                shapes[field][2].append(_message(e).removeprefix("Input should be "))
+                continue
+            shapes[field] = (len(out), e, [_message(e)])
+        out.append({"field": field, "error": error_text(e)})
+    for i, e, wanted in shapes.values():
+        out[i]["error"] = error_text(e, " or ".join(wanted))
     return out
+
+
+def _is_shape_error(e: Any) -> bool:
+    return e["type"].endswith("_type") or e["type"] == "literal_error"
+
+
+def _unwrap(ann: Any) -> Any:
+    """``ann`` without ``Annotated`` and without ``| None``."""
+    while True:
+        origin = get_origin(ann)
+        if origin is Annotated:
+            ann = get_args(ann)[0]
+        elif origin in (Union, types.UnionType):
+            options = [a for a in get_args(ann) if a is not type(None)]
+            if len(options) != 1:
+                return ann
+            ann = options[0]
+        else:
+            return ann
+
+
+def _shapes(ann: Any) -> list | None:
+    """The options of a union of two or more shapes (pydantic labels each in an error's loc), else None."""
+    ann = _unwrap(ann)
+    if get_origin(ann) in (Union, types.UnionType):
+        return [a for a in get_args(ann) if a is not type(None)]
+    return None
+
+
+def _labelled(option: Any, label: str) -> bool:
+    """Whether pydantic's ``label`` for a union option (``DPMarginalGenerator``, ``list[DPMarginal]``,
+    ``literal['minilm']``, ``str``) names ``option``."""
+    option = _unwrap(option)
+    if isinstance(option, type) and get_origin(option) is None:
+        return label == option.__name__
+    origin = get_origin(option)
+    name = getattr(origin, "__name__", None) or str(origin).rsplit(".", 1)[-1]
+    return label.lower().startswith(name.lower() + "[")
+
+
+def _child(ann: Any, seg: str | int) -> Any:
+    ann = _unwrap(ann)
+    if isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(seg, str):
+        for name, info in ann.model_fields.items():
+            if seg in (name, info.alias):
+                return info.annotation
+        return None
+    origin = get_origin(ann)
+    if origin is list and isinstance(seg, int):
+        return get_args(ann)[0]
+    if origin is tuple and isinstance(seg, int):
+        args = get_args(ann)
+        return args[seg] if seg < len(args) else None
+    return None
+
+
+def _without_union_labels(model: Any, loc: tuple) -> tuple[tuple, tuple | None, bool]:
+    """(``loc`` without union labels, the path of the last union in it, whether the error is about the
+    union's value as a whole)."""
+    out: list = []
+    ann, union_at, whole = model, None, False
+    for i, seg in enumerate(loc):
+        options = (_shapes(ann) if ann is not None else None) or []
+        shape = next((o for o in options if isinstance(seg, str) and _labelled(o, seg)), None)
+        if shape is not None:  # a label (a validator's own loc, e.g. from fail(), has none)
+            ann, union_at, whole = shape, tuple(out), i == len(loc) - 1
+            continue
+        out.append(seg)
+        ann = _child(ann, seg) if ann is not None else None
+    return tuple(out), union_at, whole
+
+
+def _describe(err: ValidationError, model: Any = None) -> list[dict]:
+    return describe_errors(err, model=model)
 
 
 def load_document(doc: dict | str | bytes) -> dict:
@@ -262,7 +396,7 @@ def parse_spec(doc: dict | str | bytes, *, base_uri: str | None = None) -> JobSp
     try:
         return kind.spec.model_validate(doc, context={"base_uri": base_uri} if base_uri else None)
     except ValidationError as exc:
-        errors = _describe(exc)
+        errors = _describe(exc, kind.spec)
         summary = "; ".join(f"{e['field']}: {e['error']}" for e in errors)
         raise SpecError(f"invalid {kind.name} spec: {summary}", errors) from exc
 

@@ -85,13 +85,16 @@ def check(
     writable: tuple[str, ...] | None = None,
     budget: ProbeBudget = PLAN_BUDGET,
 ) -> tuple[JobSpec, Estimate]:
-    """Everything a submission checks, writing nothing: the spec and its estimate (``shardfold plan``)."""
+    """Everything a submission checks, writing nothing: the spec and its estimate (``shardfold plan``).
+
+    An S3 endpoint that does not answer is :class:`StoreUnreachable`, naming the endpoint."""
     if isinstance(doc, bytes | str) and len(doc) > MAX_SPEC_BYTES:
         raise SpecTooLarge(len(doc))
     spec = parse_spec(doc, base_uri=base_uri)
     check_policy(spec, store_root, writable)
     limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
-    est = estimate(spec, store_root, budget=budget, limits=limits)
+    with store.endpoint_errors():
+        est = estimate(spec, store_root, budget=budget, limits=limits)
     return spec, est.check()
 
 
@@ -105,7 +108,7 @@ def submit(
     writable: tuple[str, ...] | None = None,
 ) -> Submitted:
     """Check ``doc``, record it under a new job id and start it; :class:`SpecError`/``PlanError`` refuse it
-    before anything is written."""
+    before anything is written, :class:`StoreUnreachable` says the S3 endpoint did not answer."""
     spec, est = check(
         doc,
         store_root=store_root,
@@ -119,7 +122,8 @@ def submit(
         raise SpecTooLarge(len(text))
     job_id = new_job_id(spec.kind)
     spec_uri = join(store_root, spec_key(job_id))
-    store.put_json(join(store_root, probe_key(job_id)), est.probe)
-    store.put(spec_uri, text)
+    with store.endpoint_errors():
+        store.put_json(join(store_root, probe_key(job_id)), est.probe)
+        store.put(spec_uri, text)
     execution = start(job_id, spec.kind, spec_uri)
     return Submitted(job_id, spec.kind, spec_uri, execution, est)

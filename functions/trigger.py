@@ -29,7 +29,7 @@ from aws_lambda_powertools.utilities.parser.models import S3EventNotificationEve
 from pydantic import ValidationError
 
 from functions import store
-from functions.errors import ObjectNotFound, ShardfoldError, SpecError
+from functions.errors import ObjectNotFound, ShardfoldError, SpecError, StoreUnreachable
 from functions.jobs import status_key
 from functions.specs import load_document
 from functions.store.uri import is_s3, join, split_s3, store_root
@@ -133,6 +133,8 @@ def dispatch(
 
     try:
         job = submit(load_document(raw), store_root=root, start=start, base_uri=spec_uri, deployed=deployed)
+    except StoreUnreachable:  # not the spec's fault: raise, so the event is retried (Lambda's async retry)
+        raise
     except ShardfoldError as exc:
         store.delete(claim)  # the same bytes dropped again get the same complaint, not "being dispatched"
         return _report_error(spec_uri, error_uri, exc, digest)

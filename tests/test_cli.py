@@ -176,3 +176,160 @@ def test_failed_job_exits_nonzero(home, tmp_path):
     path.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "data/not-there.bin"}]}))
     res = invoke("run", str(path), ok=False)
     assert res.exit_code == 1 and "not-there.bin" in res.output and "resume" in res.output
+
+
+# --- user text prints as written (rich markup is escaped) ---------------------------------------------------
+
+# Each would be markup to rich: a closing tag with nothing open (MarkupError), a hyperlink, a style.
+MARKUP = ("[/]", "[link=http://x]y[/link]", "[bold]")
+
+
+def shows_literally(output: str) -> None:
+    for text in MARKUP:
+        assert text in output, f"{text!r} not printed as written in:\n{output}"
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # no cell wraps a marker across lines
+
+
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_spec_fields_named_with_markup_print_literally(home, tmp_path, wide, verb):
+    path = tmp_path / "fields.json"
+    path.write_text(
+        json.dumps({"kind": "getbatch", "items": [{"uri": "data/obj-1.bin"}], **{m: 1 for m in MARKUP}})
+    )
+    res = invoke(verb, str(path), ok=False)
+    assert res.exit_code == 1 and "Traceback" not in res.output and "MarkupError" not in res.output
+    assert "Extra inputs are not permitted" in res.output
+    shows_literally(res.output)
+
+
+def test_job_errors_with_markup_print_literally_in_run_status_and_jobs(home, tmp_path, wide):
+    member = "".join(MARKUP)
+    path = tmp_path / "member.json"
+    tar = EVENTS / "data" / "shard-000.tar"
+    path.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": tar.as_uri(), "archpath": member}]}))
+    res = invoke("run", str(path), ok=False)
+    assert res.exit_code == 1 and "FAILED" in res.output and "Traceback" not in res.output
+    shows_literally(res.output)
+    job_id = job_id_in(res.output)
+    shows_literally(invoke("status", job_id).output)
+    shows_literally(invoke("jobs").output)
+
+
+def test_dpquery_names_with_markup_print_literally_in_plan_run_and_result(home, tmp_path, wide):
+    # attribute names are the dataset's column names: they head the plan's tables and name each marginal
+    rows = [",".join(MARKUP)] + [",".join("ab"[(i >> k) & 1] for k in range(3)) for i in range(64)]
+    (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+    spec = {
+        "kind": "dpquery",
+        "dataset": "./d.csv",
+        "schema": [{"name": m, "categories": ["a", "b"]} for m in MARKUP],
+        "workload": {"all_marginals_up_to": 1},
+        "budget": {"rho": 0.5},
+        "dataset_id": "markup",
+        "dataset_budget_rho": 1.0,
+    }
+    path = tmp_path / "dp.json"
+    path.write_text(json.dumps(spec))
+    shows_literally(invoke("plan", str(path)).output)
+    out = invoke("run", str(path)).output
+    shows_literally(out.split("SUCCEEDED", 1)[1])  # the result, not the echo of the submission
+    job_id = next(w for w in out.split() if w.startswith("dpquery-"))
+    shows_literally(invoke("result", job_id).output)
+
+
+def test_watch_prints_markup_in_errors_literally_and_keeps_going(home, tmp_path, wide):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "a-bad.json").write_text(
+        json.dumps({"kind": "getbatch", "items": [{"uri": "data/obj-1.bin"}], **{m: 1 for m in MARKUP}})
+    )
+    (inbox / "b-good.json").write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "data/obj-2.bin"}]}))
+    res = invoke("watch", str(inbox), "--once")
+    shows_literally(res.output)
+    assert json.loads((inbox / "b-good.status.json").read_text())["state"] == "SUCCEEDED"
+    errors = json.loads((inbox / "a-bad.error.json").read_text())["errors"]
+    assert {e["field"] for e in errors} == set(MARKUP)
+
+
+def test_watch_loop_survives_a_spec_with_markup(home, tmp_path, monkeypatch):
+    # without --once: the bad spec is reported on the first poll, a spec dropped later still starts a job,
+    # and a restart (which sees the bad spec again) does not crash either
+    import client.cli as cli_module
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "bad.json").write_text(json.dumps({"kind": "getbatch", "[/]": 1, "[bold]": 2}))
+    polls = []
+
+    class Clock:
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            polls.append(seconds)
+            if len(polls) == 1:
+                (inbox / "good.json").write_text(
+                    json.dumps({"kind": "getbatch", "items": [{"uri": "data/obj-3.bin"}]})
+                )
+            elif len(polls) == 3:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "time", Clock)
+    out = invoke("watch", str(inbox), "--interval", "0").output
+    assert "[/]" in out and "[bold]" in out and "good.json: job" in out and "stopped" in out
+    assert (inbox / "good.status.json").exists()
+    polls.clear()
+    out = invoke("watch", str(inbox), "--interval", "0").output  # restarted: reports bad.json again
+    assert "[/]" in out and "stopped" in out
+
+
+def test_progress_bars_print_step_names_literally():
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from client.progress import ProgressView
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=200, force_terminal=False)
+    with ProgressView("job", console=console) as view:
+        view.update(SimpleNamespace(steps={m: {"done": 1, "total": 2} for m in MARKUP}))
+    shows_literally(buf.getvalue())
+
+
+# --- an S3 endpoint that does not answer --------------------------------------------------------------------
+
+
+@pytest.fixture
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("transport", ["crt", "boto3"])
+@pytest.mark.parametrize("home_on_s3", [False, True], ids=["local-store", "s3-store"])
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_unreachable_s3_endpoint_is_one_line_naming_it(
+    home, tmp_path, monkeypatch, closed_port, transport, home_on_s3, verb
+):
+    endpoint = f"http://127.0.0.1:{closed_port}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", transport)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # boto3 fails at the first refusal, not after 5 backoffs
+    for var, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    if home_on_s3:
+        monkeypatch.setenv("SHARDFOLD_HOME", "s3://shardfold-jobs")
+    path = tmp_path / "s3.json"
+    path.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "s3://inputs/a.bin"}]}))
+    res = invoke(verb, str(path), ok=False)
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert lines[0].startswith(f"error: cannot reach the S3 endpoint {endpoint} (AWS_ENDPOINT_URL_S3)")
+    assert "s3://inputs/a.bin" in lines[0] and "check that AWS_ENDPOINT_URL_S3" in lines[0]

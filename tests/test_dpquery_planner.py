@@ -454,7 +454,7 @@ def fields_of(doc) -> set[str]:
         ({"workload": {"all_marginals_up_to": 2, "attributes": ["shoe"]}}, "workload.attributes.0"),
         ({"workload": [{"attributes": ["sex", "sex"]}]}, "workload.0.attributes"),
         ({"workload": [{"attributes": ["sex"]}, {"attributes": ["sex"]}]}, "workload.1.attributes"),
-        ({"workload": [{"attributes": ["sex"], "weight": 0}]}, "workload.list[DPMarginal].0.weight"),
+        ({"workload": [{"attributes": ["sex"], "weight": 0}]}, "workload.0.weight"),
         ({"workload": {"all_marginals_up_to": 4, "attributes": None}}, None),
         ({"budget": {"rho": 0}}, "budget.rho"),
         ({"budget": {"rho": -1}}, "budget.rho"),

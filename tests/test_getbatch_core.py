@@ -108,6 +108,46 @@ def test_bad_manifest_item_is_named(root):
         core.prepare(GetBatchJob(manifest="requests/bad.json"), "getbatch-20260101T000000-000002", root)
 
 
+def test_manifest_that_is_not_utf8_names_the_manifest_and_line(root):
+    manifest = store.uri.join(root, "requests", "latin1.jsonl")
+    store.put(manifest, b'"data/obj-001.bin"\n"data/caf\xe9.bin"\n')
+    with pytest.raises(SpecError, match=r"manifest requests/latin1\.jsonl, line 2: not UTF-8") as info:
+        core.load_items(GetBatchJob(manifest="requests/latin1.jsonl"), root)
+    assert info.value.errors[0]["field"] == "manifest"
+
+
+def test_manifest_line_that_is_not_json_is_named(root):
+    manifest = store.uri.join(root, "requests", "r.jsonl")
+    store.put(manifest, b'"data/obj-001.bin"\n\n{"uri": "data/obj-002.bin",\n')
+    with pytest.raises(SpecError, match=r"r\.jsonl, line 3: not a JSON value"):
+        core.load_items(GetBatchJob(manifest="requests/r.jsonl"), root)
+
+
+@pytest.mark.parametrize(
+    "bad, field, says",
+    [
+        (7, "items.1", "an item is a URI string or an object"),
+        (["data/obj-002.bin"], "items.1", "got a list"),
+        ({"uri": 5}, "items.1.uri", "valid string (got an integer 5)"),
+        ({"uri": "data/obj-002.bin", "start": "2"}, "items.1.start", 'valid integer (got a string "2")'),
+        ({"uri": "data/obj-002.bin", "length": 1.5}, "items.1.length", "valid integer"),
+    ],
+)
+@pytest.mark.parametrize("form", ["array", "jsonl"])
+def test_manifest_item_of_the_wrong_type_is_named(root, bad, field, says, form):
+    docs = ["data/obj-001.bin", bad]
+    text = json.dumps(docs) if form == "array" else "".join(json.dumps(d) + "\n" for d in docs)
+    store.put(store.uri.join(root, "requests", "m"), text.encode())
+    with pytest.raises(SpecError) as info:
+        core.load_items(GetBatchJob(manifest="requests/m"), root)
+    (err,) = info.value.errors
+    assert err["field"] == field and says in err["error"]
+    assert "pydantic" not in str(info.value) and "BatchItem" not in str(info.value)
+    assert str(info.value).startswith("manifest requests/m: 1 invalid item(s)")
+    if form == "jsonl":
+        assert "(manifest line 2)" in err["error"]
+
+
 def test_assemble_is_idempotent(root):
     spec = GetBatchJob(items=[{"uri": "data/obj-001.bin"}, {"uri": "data/obj-002.bin"}], items_per_part=1)
     job_id = "getbatch-20260101T000000-000003"

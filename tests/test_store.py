@@ -314,6 +314,40 @@ def test_s3_errors_are_translated(s3_root):
     assert isinstance(denied, StoreError) and "access denied" in str(denied)
 
 
+def test_network_errors_are_transient_in_tasks_and_one_named_line_at_submit(aws_env, monkeypatch):
+    import socket
+
+    from functions.errors import StoreUnreachable
+    from functions.store.retry import TransientError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    assert s3mod.s3_client().meta.config.retries["total_max_attempts"] == 1
+    for call in (
+        lambda: store.exists("s3://sf-bucket/k"),
+        lambda: store.list_uris("s3://sf-bucket/p/"),
+        lambda: store.delete("s3://sf-bucket/k"),
+    ):
+        with pytest.raises(TransientError):  # a task retries it (its class name is in the retry policy)
+            call()
+    with pytest.raises(StoreUnreachable) as info, store.endpoint_errors():
+        store.size("s3://sf-bucket/k")
+    assert str(info.value).startswith(
+        f"cannot reach the S3 endpoint http://127.0.0.1:{port} (AWS_ENDPOINT_URL_S3)"
+    )
+    assert "\n" not in str(info.value) and str(info.value).endswith("an S3 service is running there")
+    # an error with an HTTP status (throttling) is not "unreachable": it stays as it was
+    with pytest.raises(TransientError), store.endpoint_errors():
+        raise TransientError("GET s3://sf-bucket/k: SlowDown", 503)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    assert s3mod.endpoint() == ("https://s3.eu-west-1.amazonaws.com", "AWS's endpoint for AWS_REGION")
+    assert "AWS_REGION" in str(s3mod.unreachable(TransientError("HEAD s3://sf-bucket/k: refused")))
+
+
 def test_writer_commits_whole_or_not_at_all(root, monkeypatch):
     dest = store.join(root, "streamed/obj")
     if store.is_s3(root):

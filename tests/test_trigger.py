@@ -11,7 +11,7 @@ from moto import mock_aws
 
 from functions import store
 from functions import trigger as trigger_mod
-from functions.errors import SpecError
+from functions.errors import SpecError, StoreUnreachable
 from functions.specs import parse_spec
 from functions.store.uri import join, store_root
 from functions.trigger import dispatch, handler, ignore_reason
@@ -183,6 +183,24 @@ def test_start_refusal_is_reported(root):
 
     report = dispatch(put_spec(root, "nodeploy.json", GOOD), refuse)
     assert "not deployed" in report["error"]
+
+
+def test_unreachable_store_is_raised_for_a_retry_not_reported(root, monkeypatch):
+    # not the spec's fault: Lambda's async retry (or watch's next save) tries again; no error report
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    start = Starter()
+    uri = put_spec(root, "s3.json", {"kind": "getbatch", "items": [{"uri": "s3://inputs/a.bin"}]})
+    with pytest.raises(StoreUnreachable, match=f"cannot reach the S3 endpoint http://127.0.0.1:{port}"):
+        dispatch(uri, start)
+    assert start.calls == [] and not store.exists(join(root, "jobs", "s3.error.json"))
 
 
 @pytest.mark.parametrize(

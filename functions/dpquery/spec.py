@@ -53,7 +53,10 @@ class DPAttribute(StrictModel):
     categories: list[StrictStr | StrictBool | StrictInt] | None = Field(
         default=None, description="the domain's values, in output order"
     )
-    range: tuple[StrictInt, StrictInt] | None = Field(default=None, description="[lo, hi], both inclusive")
+    # a JSON list [lo, hi]: strict mode would take only a Python tuple, so the field is lax, its ints strict
+    range: tuple[StrictInt, StrictInt] | None = Field(
+        default=None, strict=False, description="[lo, hi], both inclusive"
+    )
     bin_width: StrictInt | None = Field(default=None, ge=1, description="with range; default 1")
 
     @model_validator(mode="after")

@@ -23,11 +23,18 @@ from aws_lambda_powertools import Logger
 from pydantic import ValidationError
 
 from functions import access, store
-from functions.errors import BatchItemError, ObjectNotFound, SpecError, TooManySoftErrors, UnsafeKey
+from functions.errors import (
+    BatchItemError,
+    ObjectNotFound,
+    ShardfoldError,
+    SpecError,
+    TooManySoftErrors,
+    UnsafeKey,
+)
 from functions.getbatch.spec import GetBatchJob
 from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
-from functions.specs import BatchItem
+from functions.specs import BatchItem, describe_errors, json_type
 from functions.store.tar import TAR_TRAILER, write_tar
 from functions.store.uri import join
 
@@ -47,44 +54,86 @@ def output_uri(spec: GetBatchJob, store_root: str, job_id: str) -> str:
 
 
 def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
-    """The request's items, from the spec or from its manifest (a JSON array or JSON Lines of items)."""
+    """The request's items, from the spec or from its manifest (a JSON array or JSON Lines of items).
+
+    Every bad item is reported (up to ten in the message, all in ``SpecError.errors``) by its index in the
+    request, ``items.<i>`` with the field at fault, and for a JSON Lines manifest by its line too."""
+    lines: list[int] | None = None
     if spec.items is not None:
         raw: list[Any] = [i.model_dump(exclude_none=True) for i in spec.items]
     else:
         assert spec.manifest is not None  # the spec validator guarantees one source
-        text = store.get(access.input_uri(spec.manifest, store_root, "manifest")).decode("utf-8")
-        stripped = text.lstrip()
-        try:
-            if stripped.startswith("["):
-                raw = json.loads(text)
-            else:
-                raw = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise SpecError(
-                f"manifest {spec.manifest}: not a JSON array or JSON Lines of items ({exc})"
-            ) from exc
-        if not raw:
-            raise SpecError(f"manifest {spec.manifest} lists no items")
+        raw, lines = _read_manifest(spec.manifest, store_root)
     items = []
     errors = []
     for i, doc in enumerate(raw):
+        where = f" (manifest line {lines[i]})" if lines is not None else ""
         try:
             items.append(parse_item(doc, store_root))
-        except ValidationError as exc:  # each problem at its own field: items.3.name, ...
+        except ValidationError as exc:
             errors += [
-                {"field": ".".join(map(str, (f"items.{i}", *e["loc"]))), "error": e["msg"]}
-                for e in exc.errors()
+                {"field": e["field"], "error": e["error"] + where}
+                for e in describe_errors(exc, prefix=f"items.{i}")
             ]
         except UnsafeKey as exc:
-            errors.append({"field": f"items.{i}.uri", "error": str(exc)})
+            errors.append({"field": f"items.{i}.uri", "error": str(exc) + where})
+        except (ValueError, ShardfoldError) as exc:
+            errors.append({"field": f"items.{i}", "error": str(exc) + where})
     if errors:
         summary = "; ".join(f"{e['field']}: {e['error']}" for e in errors[:10])
-        raise SpecError(f"{len(errors)} invalid item(s): {summary}", errors)
+        source = f"manifest {spec.manifest}: " if spec.manifest is not None else ""
+        raise SpecError(f"{source}{len(errors)} invalid item(s): {summary}", errors)
     return items
+
+
+def _read_manifest(manifest: str, store_root: str) -> tuple[list[Any], list[int] | None]:
+    """(items, their line numbers for JSON Lines, else None) of a manifest; :class:`SpecError` naming the
+    manifest and the line when it is not UTF-8 or not JSON."""
+    data = store.get(access.input_uri(manifest, store_root, "manifest"))
+
+    def refuse(line: int, what: str) -> SpecError:
+        return SpecError(f"manifest {manifest}, line {line}: {what}", [{"field": "manifest", "error": what}])
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise refuse(
+            line,
+            f"not UTF-8 text (byte {exc.start} of the file: {exc.reason}); "
+            "a manifest is a JSON array or JSON Lines, saved as UTF-8",
+        ) from None
+    if text.lstrip().startswith("["):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise refuse(exc.lineno, f"not a JSON array of items ({exc.msg}, column {exc.colno})") from None
+        if not raw:
+            raise SpecError(f"manifest {manifest} lists no items", [{"field": "manifest", "error": "empty"}])
+        return raw, None
+    raw, lines = [], []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            raw.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise refuse(
+                n, f"not a JSON value ({exc.msg}, column {exc.colno}); JSON Lines holds one item per line"
+            ) from None
+        lines.append(n)
+    if not raw:
+        raise SpecError(f"manifest {manifest} lists no items", [{"field": "manifest", "error": "empty"}])
+    return raw, lines
 
 
 def parse_item(doc: Any, store_root: str, field: str = "") -> BatchItem:
     """One item of a request (a bare URI is shorthand for a whole object), its URI resolved and allowed."""
+    if not isinstance(doc, str | dict):
+        raise ValueError(
+            f'an item is a URI string or an object {{"uri": ..., "start", "length", "archpath", '
+            f'"name"}}, got {json_type(doc)}'
+        )
     item = BatchItem.model_validate({"uri": doc} if isinstance(doc, str) else doc)
     return item.model_copy(update={"uri": access.input_uri(item.uri, store_root, field)})
 

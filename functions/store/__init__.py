@@ -6,7 +6,8 @@ ranges :class:`InvalidRange`, keys that would leave the root :class:`UnsafeKey`.
 
 Environment: ``SHARDFOLD_HOME`` (store root), ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (an S3
 endpoint such as a moto server, honoured by boto3 and by GetBatch's CRT transport), ``AWS_REGION``,
-``SHARDFOLD_S3_TRANSPORT`` (``crt`` default, or ``boto3``: the client GetBatch reads S3 with).
+``SHARDFOLD_S3_TRANSPORT`` (``crt`` default, or ``boto3``: the client GetBatch reads S3 with),
+``AWS_MAX_ATTEMPTS`` (attempts per boto3 request, default 6: the first and 5 retries).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "assemble",
     "delete",
     "delete_prefix",
+    "endpoint_errors",
     "exists",
     "get",
     "get_batch",
@@ -138,6 +140,20 @@ def sizes(uris: list[str]) -> dict[str, int | None]:
     pool = transport.thread_pool("size")
     found.update(zip(rest, pool.map(one, rest), strict=True))
     return {u: found[r] for u, r in resolved.items()}
+
+
+@contextmanager
+def endpoint_errors() -> Iterator[None]:
+    """Where a person waits for the answer (submit, plan): an S3 endpoint that does not answer at all, after
+    the client's own retries, raises :class:`StoreUnreachable`, one line naming the endpoint and what to
+    check, instead of a transient error or a botocore traceback. Tasks do not use it: they retry."""
+    try:
+        yield
+    except Exception as exc:
+        named = s3.unreachable(exc)
+        if named is None or named is exc:
+            raise
+        raise named from None
 
 
 def list_uris(prefix_uri: str) -> list[str]:

@@ -85,7 +85,9 @@ def crt_client() -> _Client:
     return client
 
 
-def _error(uri: str, exc: BaseException | None, status: int | None, body: bytes | None) -> BaseException:
+def _error(
+    uri: str, exc: BaseException | None, status: int | None, body: bytes | None, op: str = "GET"
+) -> BaseException:
     text = (body or b"")[:512].decode("utf-8", "replace")
     code = text.partition("<Code>")[2].partition("</Code>")[0]
     if status == 404:
@@ -95,12 +97,12 @@ def _error(uri: str, exc: BaseException | None, status: int | None, body: bytes 
         size = text.partition("<ActualObjectSize>")[2].partition("</ActualObjectSize>")[0] or "?"
         return InvalidRange(f"{uri}: requested range is outside the object ({size} bytes)")
     if status is None and "CREDENTIALS" in str(getattr(exc, "name", "")):
-        return StoreError(f"GET {uri}: no usable AWS credentials ({exc}); configure credentials or a role")
+        return StoreError(f"{op} {uri}: no usable AWS credentials ({exc}); configure credentials or a role")
     if status is None or status in TRANSIENT_STATUS or code == "SlowDown":
-        return TransientError(f"GET {uri}: {code or status or exc}", status)
+        return TransientError(f"{op} {uri}: {code or status or exc}", status)
     if status == 403:
-        return StoreError(f"GET {uri}: access denied ({code}); check the credentials and the bucket policy")
-    return StoreError(f"GET {uri} failed: HTTP {status} {code}")
+        return StoreError(f"{op} {uri}: access denied ({code}); check the credentials and the bucket policy")
+    return StoreError(f"{op} {uri} failed: HTTP {status} {code}")
 
 
 class _Get:
@@ -192,7 +194,7 @@ class _Head:
         elif status_code == 404:
             self.future.set_result(None)
         else:
-            self.future.set_exception(_error(self.uri, error, status_code, kw.get("error_body")))
+            self.future.set_exception(_error(self.uri, error, status_code, kw.get("error_body"), "HEAD"))
 
 
 def head_sizes(uris: list[str], timeout_s: float = 120.0) -> dict[str, int | None]:
@@ -216,4 +218,8 @@ def head_sizes(uris: list[str], timeout_s: float = 120.0) -> dict[str, int | Non
         except Exception as exc:  # the client is shutting down: as transient as a dropped connection
             future.set_exception(TransientError(f"HEAD {uri}: {exc}"))
         futures[uri] = future
-    return {uri: future.result(timeout_s) for uri, future in futures.items()}
+    try:
+        return {uri: future.result(timeout_s) for uri, future in futures.items()}
+    except TimeoutError:  # an endpoint that swallows requests: as transient as a dropped connection
+        late = next(u for u, f in futures.items() if not f.done())
+        raise TransientError(f"HEAD {late}: no answer in {timeout_s:g} s") from None

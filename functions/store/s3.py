@@ -22,7 +22,7 @@ import botocore.exceptions
 from aws_lambda_powertools import Logger
 from botocore.config import Config
 
-from functions.errors import InvalidRange, ObjectNotFound, StoreError
+from functions.errors import InvalidRange, ObjectNotFound, StoreError, StoreUnreachable
 from functions.store.local import check_range
 from functions.store.retry import TRANSIENT_CODES, TRANSIENT_STATUS, TransientError
 from functions.store.uri import split_s3
@@ -43,6 +43,12 @@ _NETWORK_ERRORS = (
     botocore.exceptions.HTTPClientError,
     botocore.exceptions.ResponseStreamingError,
 )
+# What every call translates: S3's answers, no answer at all, and no credentials to sign with.
+_BOTO_ERRORS = (
+    botocore.exceptions.ClientError,
+    *_NETWORK_ERRORS,
+    botocore.exceptions.NoCredentialsError,
+)
 
 
 def _env_key() -> tuple:
@@ -52,7 +58,30 @@ def _env_key() -> tuple:
         env.get("AWS_ENDPOINT_URL_S3"),
         env.get("AWS_ENDPOINT_URL"),
         env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+        env.get("AWS_MAX_ATTEMPTS"),
     )
+
+
+def _retry_config() -> dict[str, Any]:
+    """Standard retries: boto3's own ``AWS_MAX_ATTEMPTS`` (attempts in all, the first included) when set,
+    which an explicit client config would otherwise override; else 5 retries after the first attempt."""
+    raw = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    if raw.isdigit() and int(raw) >= 1:
+        return {"mode": "standard", "total_max_attempts": int(raw)}
+    return {"mode": "standard", "max_attempts": 5}
+
+
+def endpoint() -> tuple[str, str]:
+    """(the S3 endpoint requests go to, where that came from): ``AWS_ENDPOINT_URL_S3``,
+    ``AWS_ENDPOINT_URL``, or AWS's regional endpoint for ``AWS_REGION`` / ``AWS_DEFAULT_REGION``."""
+    env = os.environ
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if env.get(var):
+            return env[var], var
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        return f"https://s3.{region}.amazonaws.com", "AWS's endpoint for AWS_REGION"
+    return "https://s3.us-east-1.amazonaws.com", "AWS's default endpoint; no AWS_REGION set"
 
 
 def s3_client(retries: bool = True) -> Any:
@@ -64,7 +93,7 @@ def s3_client(retries: bool = True) -> Any:
         with _lock:
             client = _clients.get(key)
             if client is None:
-                retry = {"mode": "standard", "max_attempts": 5} if retries else {"total_max_attempts": 1}
+                retry = _retry_config() if retries else {"total_max_attempts": 1}
                 config = Config(max_pool_connections=POOL, retries=retry, tcp_keepalive=True)
                 client = boto3.session.Session().client("s3", config=config)
                 _clients[key] = client
@@ -81,6 +110,11 @@ def translate(exc: Exception, uri: str, op: str) -> Exception:
     """A botocore exception as the store's error for ``uri``."""
     if isinstance(exc, _NETWORK_ERRORS):
         return TransientError(f"{op} {uri}: {exc}")
+    if isinstance(exc, botocore.exceptions.NoCredentialsError):
+        return StoreError(
+            f"{op} {uri}: no AWS credentials found; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE or a role"
+        )
     if not isinstance(exc, botocore.exceptions.ClientError):
         return exc
     code, status = _code_status(exc)
@@ -95,6 +129,25 @@ def translate(exc: Exception, uri: str, op: str) -> Exception:
     if status == 403 or code == "AccessDenied":
         return StoreError(f"{op} {uri}: access denied; check the credentials and the bucket policy")
     return StoreError(f"{op} {uri} failed: {code or status}: {exc}")
+
+
+def unreachable(exc: BaseException) -> StoreUnreachable | None:
+    """``exc`` as one line naming the S3 endpoint and what to check, when it says the endpoint did not
+    answer at all (a connection-level :class:`TransientError`, status unknown, or a botocore network
+    error); else None. For callers where a person waits (submit, plan), not for tasks, which retry."""
+    if isinstance(exc, StoreUnreachable):
+        return exc
+    if isinstance(exc, _NETWORK_ERRORS):
+        exc = TransientError(str(exc))
+    if not isinstance(exc, TransientError) or exc.status is not None:
+        return None
+    url, source = endpoint()
+    if source.startswith("AWS_ENDPOINT_URL"):
+        check = f"check that {source} is the right address and that an S3 service is running there"
+    else:
+        check = "check the network (DNS, proxy, VPC endpoint) and AWS_REGION"
+    reason = " ".join(str(exc).split()).rstrip(".")
+    return StoreUnreachable(f"cannot reach the S3 endpoint {url} ({source}): {reason}; {check}")
 
 
 def range_header(start: int, length: int | None) -> str | None:
@@ -126,7 +179,7 @@ def get(uri: str, start: int = 0, length: int | None = None, client: Any = None)
         kw = {"Range": rng} if (rng := range_header(start, length)) else {}
         resp = client.get_object(Bucket=bucket, Key=key, **kw)
         data = resp["Body"].read()
-    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS) as exc:
+    except _BOTO_ERRORS as exc:
         raise translate(exc, uri, "GET") from None
     return check_body(uri, data, start, length, resp.get("ContentRange"))
 
@@ -139,7 +192,7 @@ def put(uri: str, data: bytes) -> None:
             client.put_object(Bucket=bucket, Key=key, Body=data)
         else:  # beyond one PUT's limit: s3transfer's multipart upload (still all-or-nothing on S3)
             client.upload_fileobj(io.BytesIO(data), bucket, key)
-    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS) as exc:
+    except _BOTO_ERRORS as exc:
         raise translate(exc, uri, "PUT") from None
 
 
@@ -148,7 +201,7 @@ def put_file(uri: str, fileobj: BinaryIO) -> None:
     bucket, key = split_s3(uri)
     try:
         s3_client().upload_fileobj(fileobj, bucket, key)
-    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS) as exc:
+    except _BOTO_ERRORS as exc:
         raise translate(exc, uri, "PUT") from None
     except boto3.exceptions.S3UploadFailedError as exc:
         raise StoreError(f"PUT {uri} failed: {exc}") from None
@@ -229,7 +282,7 @@ def writer(uri: str) -> Iterator[BinaryIO]:
     try:
         yield upload  # type: ignore[misc]
         upload.commit()
-    except (botocore.exceptions.ClientError, *_NETWORK_ERRORS) as exc:
+    except _BOTO_ERRORS as exc:
         _abort_quietly(upload)
         raise translate(exc, uri, "PUT") from None
     except BaseException:
@@ -262,6 +315,8 @@ def put_if_absent(uri: str, data: bytes) -> bool:
                 time.sleep(0.05 * 2**attempt)
                 continue
             raise translate(exc, uri, "PUT") from None
+        except _BOTO_ERRORS as exc:
+            raise translate(exc, uri, "PUT") from None
     raise StoreError(f"put_if_absent {uri}: kept conflicting with concurrent writers; retry later")
 
 
@@ -274,6 +329,8 @@ def head_size(uri: str) -> int | None:
         if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
             return None
         raise translate(exc, uri, "HEAD") from None
+    except _BOTO_ERRORS as exc:
+        raise translate(exc, uri, "HEAD") from None
 
 
 def list_uris(prefix_uri: str) -> list[str]:
@@ -282,7 +339,7 @@ def list_uris(prefix_uri: str) -> list[str]:
     try:
         for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             out.extend(f"s3://{bucket}/{o['Key']}" for o in page.get("Contents", ()))
-    except botocore.exceptions.ClientError as exc:
+    except _BOTO_ERRORS as exc:
         raise translate(exc, prefix_uri, "LIST") from None
     return sorted(out)
 
@@ -291,7 +348,7 @@ def delete(uri: str) -> None:
     bucket, key = split_s3(uri)
     try:
         s3_client().delete_object(Bucket=bucket, Key=key)
-    except botocore.exceptions.ClientError as exc:
+    except _BOTO_ERRORS as exc:
         raise translate(exc, uri, "DELETE") from None
 
 
