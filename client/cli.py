@@ -320,6 +320,17 @@ def resume(job_id: str, backend: str, stack: str | None, no_wait: bool) -> None:
 
 
 @cli.command()
+@backend_option
+@click.option("--older-than", "older_than", type=float, default=0.0, help="only jobs ended at least DAYS ago")
+@click.option("--failed", is_flag=True, help="FAILED and CANCELLED jobs too (they can no longer be resumed)")
+def clean(backend: str, stack: str | None, older_than: float, failed: bool) -> None:
+    """Remove ended jobs' scratch objects and journals; specs, status, results and outputs stay."""
+    with _client(backend, stack) as client:
+        cleaned = client.clean(older_than * 86400, failed=failed)
+    out.print(f"cleaned {len(cleaned)} job(s)" + "".join(f"\n  {_t(j)}" for j in cleaned))
+
+
+@cli.command()
 @click.argument("kind")
 @click.option("--region", default="us-east-1", show_default=True, help="region in the placeholder ARNs")
 @click.option("--account", default="123456789012", show_default=True, help="account in the placeholder ARNs")

@@ -167,6 +167,29 @@ class Client:
         """Every job's :class:`JobStatus` on this backend, as the executor reports them."""
         return list(self.executor.jobs())
 
+    def clean(self, older_than_s: float = 0.0, *, failed: bool = False) -> list[str]:
+        """Remove the scratch objects and the journal of ended jobs; returns their ids.
+
+        A SUCCEEDED job keeps its spec, status, result and outputs. ``failed=True`` cleans FAILED and
+        CANCELLED jobs too, which can then no longer be resumed. ``older_than_s``: only jobs that ended at
+        least that long ago."""
+        import datetime as dt
+
+        from functions.jobs import job_key, scratch_key
+
+        states = {"SUCCEEDED", "FAILED", "CANCELLED"} if failed else {"SUCCEEDED"}
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than_s)
+        cleaned = []
+        for st in self.jobs():
+            if st.state not in states or not st.ended_at:
+                continue
+            if dt.datetime.fromisoformat(st.ended_at) > cutoff:
+                continue
+            for prefix in (scratch_key(st.job_id, st.kind), job_key(st.job_id, "journal") + "/"):
+                store.delete_prefix(self.uri(prefix))
+            cleaned.append(st.job_id)
+        return cleaned
+
     # -- direct helpers -----------------------------------------------------------------------------------
 
     @property

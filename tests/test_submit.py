@@ -186,3 +186,19 @@ def test_one_big_object_is_one_window_not_256(local, tmp_path):
         for s in local.plan({"kind": "getbatch", "items": [{"uri": (tmp_path / "big.bin").as_uri()}]}).steps
     }
     assert gather["gather_part"].peak_mb < 200
+
+
+def test_clean_removes_scratch_and_journals_of_ended_jobs(local, tmp_path, monkeypatch):
+    (tmp_path / "a.bin").write_bytes(b"a" * 100)
+    ok = local.submit({"kind": "getbatch", "items": [{"uri": (tmp_path / "a.bin").as_uri()}]})
+    bad = local.submit({"kind": "getbatch", "items": [{"uri": (tmp_path / "missing.bin").as_uri()}]})
+    assert ok.wait(progress=False).state == "SUCCEEDED" and bad.wait(progress=False).state == "FAILED"
+    folder = tmp_path / "store" / "jobs"
+    assert (folder / ok.job_id / "journal").exists() and (folder / bad.job_id / "getbatch").exists()
+    assert local.clean(older_than_s=3600) == []  # both ended just now
+    assert local.clean() == [ok.job_id]  # a FAILED job keeps what resume needs unless asked
+    assert not (folder / ok.job_id / "journal").exists() and ok.result()["items"] == 1
+    assert store.exists(ok.result()["archive"])
+    run = CliRunner().invoke(cli, ["clean", "--failed"])
+    assert run.exit_code == 0 and bad.job_id in run.output
+    assert not (folder / bad.job_id / "getbatch").exists() and (folder / bad.job_id / "spec.json").exists()
