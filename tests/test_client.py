@@ -288,7 +288,7 @@ def test_aws_backend_refuses_local_files_before_anything_runs(root, tmp_path, mo
     with Client(backend="aws", stack=tmp_path / "stack.json") as c:
         assert c.store_root == "s3://shardfold-example"
         monkeypatch.setattr(c.executor, "start", lambda *a: pytest.fail("must not start"))
-        local = {"kind": "getbatch", "items": [{"uri": "s3://b/k"}, {"uri": (tmp_path / "x.bin").as_uri()}]}
+        local = {"kind": "getbatch", "items": [{"uri": "s3://bkt/k"}, {"uri": (tmp_path / "x.bin").as_uri()}]}
         with pytest.raises(SpecError, match="local file") as exc:
             c.submit(local)
         assert [e["field"] for e in exc.value.errors] == ["items.1.uri"]
