@@ -1,6 +1,19 @@
-"""Fixtures shared across the suite."""
+"""Fixtures shared across the suite, and the test processes' environment.
+
+``OMP_NUM_THREADS=1`` unless already set, here, before any test module imports torch or numpy, so every
+process the tests start inherits it (the local executor's spawned workers, the local Batch containers).
+The suite runs jobs whose worker processes (inference containers, process-pool tasks) run side by side
+with each other and with the test process; with OpenMP's default of one thread per core they oversubscribe
+the cores and spin-wait for each other. On a loaded 2-core machine it halved the whole suite's wall time
+(10:38 to 5:21, load average about 4.5) and cut the inference containers' CPU from 194 s to 87 s. No test
+depends on the thread count: embeddings are compared with tolerances, between runs in the same environment.
+"""
+
+import os
 
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

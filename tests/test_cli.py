@@ -49,6 +49,7 @@ def job_id_in(output: str) -> str:
     return next(w for w in output.split() if w.startswith("getbatch-"))
 
 
+@pytest.mark.slow
 def test_run_sample_spec_from_events(home):
     # the shipped example runs on a fresh checkout: its data lives in events/data/
     out = invoke("run", str(EVENTS / "getbatch.json")).output
@@ -63,6 +64,7 @@ def test_run_sample_spec_from_events(home):
     assert datas[2] == b"second sample of the shard\n"
 
 
+@pytest.mark.slow
 def test_run_no_wait_then_status_jobs_result_cancel_resume(home, tmp_path):
     out = invoke("run", str(spec_file(tmp_path)), "--no-wait").output
     job_id = job_id_in(out)
@@ -125,6 +127,7 @@ def test_invoke_calls_the_handler_as_the_executors_do(home, tmp_path):
     assert res.exit_code == 1 and failure["errorType"] == "States.DataLimitExceeded" and failure["stackTrace"]
 
 
+@pytest.mark.slow
 def test_watch_once(home, tmp_path):
     inbox = tmp_path / "inbox"
     inbox.mkdir()
@@ -151,6 +154,7 @@ def test_watch_once(home, tmp_path):
     assert json.loads((inbox / "good.status.json").read_text())["job_id"] == status["job_id"]
 
 
+@pytest.mark.slow
 def test_demo_small(home):
     out = invoke("demo", "--items", "24", "--no-progress").output
     assert "getbatch" in out and "yes" in out and "SUCCEEDED" in out
@@ -171,6 +175,7 @@ def test_user_errors_are_one_red_line(home, tmp_path):
     assert res.exit_code == 1 and "nosuchkind" in res.output
 
 
+@pytest.mark.slow
 def test_failed_job_exits_nonzero(home, tmp_path):
     path = tmp_path / "missing.json"
     path.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "data/not-there.bin"}]}))

@@ -15,6 +15,8 @@ from client import stack as st
 from client.cli import cli
 from functions.errors import ShardfoldError
 
+pytestmark = pytest.mark.slow
+
 OUTPUTS = {
     "backend": "aws",
     "account": "123456789012",

@@ -52,6 +52,7 @@ def job_dirs(root: str) -> list[str]:
     return [u for u in store.list_uris(join(root, "jobs") + "/")] if store.exists(join(root, "jobs")) else []
 
 
+@pytest.mark.slow
 def test_submit_wait_result(client, root):
     job = client.submit(spec(items_per_part=7))
     assert isinstance(job, Job) and job.kind == "getbatch" and job.job_id.startswith("getbatch-")
@@ -68,6 +69,7 @@ def test_submit_wait_result(client, root):
     assert client.job(job.job_id).result() == result
 
 
+@pytest.mark.slow
 def test_wait_with_progress_bars(client):
     from rich.console import Console
 
@@ -80,6 +82,7 @@ def test_wait_with_progress_bars(client):
         assert step in drawn
 
 
+@pytest.mark.slow
 def test_submit_accepts_model_json_text_and_file(client, tmp_path):
     model = GetBatchJob.model_validate(spec(3))
     assert client.submit(model).wait(progress=False).state == "SUCCEEDED"
@@ -161,6 +164,7 @@ def test_plan_refuses_task_that_does_not_fit(client, root, monkeypatch):
     assert estimate(parse_spec(big), store_root=root).steps  # estimating alone never refuses
 
 
+@pytest.mark.slow
 def test_failed_job_result_is_a_clear_error(client):
     job = client.submit(
         {"kind": "getbatch", "items": [{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}]}
@@ -171,6 +175,7 @@ def test_failed_job_result_is_a_clear_error(client):
         job.result()
 
 
+@pytest.mark.slow
 def test_continue_on_error_job(client):
     job = client.submit(
         {
@@ -186,6 +191,7 @@ def test_continue_on_error_job(client):
     assert names[1].startswith("__404__/")
 
 
+@pytest.mark.slow
 def test_jobs_status_and_unknown_job(client):
     a = client.submit(spec(3))
     b = client.submit(spec(4))
@@ -200,6 +206,7 @@ def test_jobs_status_and_unknown_job(client):
         client.job("getbatch-20000101T000000-000000")
 
 
+@pytest.mark.slow
 def test_result_before_the_end_and_cancel(client, monkeypatch):
     # hold every gather task on an event so the job is provably still running
     from functions.getbatch import core
@@ -258,6 +265,7 @@ def moto_client(tmp_path, monkeypatch):
         yield c
 
 
+@pytest.mark.slow
 def test_moto_backend_submit_wait_result(moto_client):
     c = moto_client
     assert c.store_root.startswith("s3://")

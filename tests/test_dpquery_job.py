@@ -315,6 +315,7 @@ def no_noise(monkeypatch):
     monkeypatch.setattr(core, "measure", functools.partial(core.measure, noise=False))
 
 
+@pytest.mark.slow
 def test_local_and_moto_executors_agree(moto_client, tmp_path, monkeypatch):
     """Noise on: both backends produce the same tables (names, labels, cells, variances), the same ρ spent
     (the maps are deterministic) and charge their ledger once."""
@@ -347,6 +348,7 @@ def test_local_and_moto_executors_agree(moto_client, tmp_path, monkeypatch):
     assert ledger_types(root, "people-noisy") == ["open", "reserve", "spend"]
 
 
+@pytest.mark.slow
 def test_both_executors_are_exact_with_the_noise_seam(moto_client, tmp_path, monkeypatch):
     """The seam is a keyword of the core that handlers never pass; the test patches the core in-process,
     which reaches moto's in-process Lambda dispatch and the local executor's threads."""
@@ -367,6 +369,7 @@ def test_both_executors_are_exact_with_the_noise_seam(moto_client, tmp_path, mon
     assert_exact(store.get_json(join(root, "jobs", local_job, "result.json")), idx)
 
 
+@pytest.mark.slow
 def test_a_bad_dataset_fails_the_job_on_moto_without_touching_the_ledger(moto_client):
     bucket = moto_client.store_root
     dataset, _ = make_dataset(bucket, name="short.parquet")

@@ -236,6 +236,7 @@ def test_plan_cli_prints_the_privacy_and_accuracy_plan(home, tmp_path):
 # --- run, tables, arrays, budget ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_run_is_exact_with_the_noise_seam_and_loads_as_tables_and_arrays(client, monkeypatch):
     thread_mode(client)
     monkeypatch.setattr(core, "measure", functools.partial(core.measure, noise=False))
@@ -272,6 +273,7 @@ def test_run_is_exact_with_the_noise_seam_and_loads_as_tables_and_arrays(client,
     assert client.dpquery.std_errors(result)["sex"] == pytest.approx(result["tables"][0]["std_error"])
 
 
+@pytest.mark.slow
 def test_noisy_runs_spend_the_ledger_and_an_over_budget_run_is_refused(client):
     """Real OpenDP noise (measure in processes): estimates within 7 standard errors of the truth, and the
     ledger, read through client.dpquery.budget, charges every job once."""
@@ -342,6 +344,7 @@ def test_example_data_is_the_generators_output():
     assert (EVENTS / "data" / "dpquery" / "people.csv").read_bytes() == want
 
 
+@pytest.mark.slow
 def test_cli_runs_the_example_twice_and_plans_it(home):
     outs = [invoke("run", str(EVENTS / "dpquery.json")).output for _ in range(2)]
     for out in outs:

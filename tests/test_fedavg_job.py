@@ -98,6 +98,7 @@ def assert_tensors_equal(got: dict, want: dict) -> None:
 # --- the job end to end -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_local_and_moto_executors_give_the_identical_model(moto_client, tmp_path, monkeypatch):
     updates = fedavg_updates(MODEL, 3, seed=11)
     keys = save_all(moto_client, "rounds/1", updates)  # relative keys: under the moto bucket
@@ -125,6 +126,7 @@ def test_local_and_moto_executors_give_the_identical_model(moto_client, tmp_path
     assert not [u for u in left if "/fedavg/" in u]
 
 
+@pytest.mark.slow
 def test_sdk_run_with_relative_keys_and_weights_on_moto(moto_client):
     updates = fedavg_updates(SMALL, 4, seed=3)
     keys = save_all(moto_client, "rounds/2", updates)
@@ -141,6 +143,7 @@ def test_sdk_run_with_relative_keys_and_weights_on_moto(moto_client):
     assert_tensors_equal(moto_client.fedavg.load("results/round-2.safetensors"), want)
 
 
+@pytest.mark.slow
 def test_missing_client_fails_the_job_naming_it_and_writes_no_output(moto_client):
     keys = save_all(moto_client, "rounds/3", fedavg_updates(SMALL, 2, seed=5))
     missing = "rounds/3/client-gone.safetensors"
@@ -246,6 +249,7 @@ def test_save_update_and_load_round_trip_numpy(local_client):
         decode_update(b"\x00" * 16)
 
 
+@pytest.mark.slow
 def test_save_update_and_load_round_trip_torch_state_dict(local_client):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
@@ -322,6 +326,7 @@ def test_shipped_sample_updates():
         assert header["__metadata__"] == {"num_examples": str(n)}
 
 
+@pytest.mark.slow
 def test_cli_run_and_plan_the_example_spec(home):
     out = invoke("run", str(EVENTS / "fedavg.json")).output
     assert "SUCCEEDED" in out

@@ -538,6 +538,7 @@ def _check(stream, expected) -> None:
     assert got == expected
 
 
+@pytest.mark.slow
 def test_s3_with_boto3_transport(aws_env, monkeypatch):
     monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", "boto3")
     with mock_aws():
@@ -567,6 +568,7 @@ def crt_bucket(moto_server, aws_env, monkeypatch, request):
     return bucket
 
 
+@pytest.mark.slow
 def test_s3_with_crt_transport(crt_bucket):
     from functions.store.crt import CrtTransport
 
@@ -598,6 +600,7 @@ class Flaky:
         return self.inner.fetch(uri, start, length, done)
 
 
+@pytest.mark.slow
 def test_s3_crt_injected_throttling_is_retried(crt_bucket):
     request, expected = _s3_request(crt_bucket)
     flaky = Flaky(transport_mod.default_transport(), [f"s3://{crt_bucket}/dir/o{i}" for i in (0, 3, 5, 7)])
@@ -606,6 +609,7 @@ def test_s3_crt_injected_throttling_is_retried(crt_bucket):
     assert flaky.failed == 4 and stream.stats.retries == 4
 
 
+@pytest.mark.slow
 def test_store_get_on_moto_server(crt_bucket):
     """The plain store calls honour the same endpoint variable (boto3 reads it)."""
     assert store.get(f"s3://{crt_bucket}/dir/o2", 3, 5) == obj(2)[3:8]

@@ -17,6 +17,8 @@ from functions.jobs import new_job_id
 from functions.store.uri import join
 from orchestrator.local import LocalExecutor
 
+pytestmark = pytest.mark.slow
+
 WAIT_S = 180  # a deadline, not a timing assumption
 
 

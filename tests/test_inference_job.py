@@ -57,6 +57,7 @@ def put_corpus(client: Client, key: str, rows: list[dict]) -> str:
 # --- the job end to end -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, monkeypatch):
     rows = inference_corpus(ROWS, seed=3)
     key = put_corpus(moto_client, "corpora/a.jsonl", rows)  # relative key: under the moto bucket
@@ -101,6 +102,7 @@ def _worker_container(timeout_s: float = WAIT_S):
     raise AssertionError("no worker container started")
 
 
+@pytest.mark.slow
 def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_client, monkeypatch):
     import time
 
@@ -147,6 +149,7 @@ def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_
     np.testing.assert_allclose(emb, clean_emb, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_workers_share_the_shards_and_survive_one_killed(local_client, monkeypatch):
     import time
 
@@ -185,6 +188,7 @@ def test_two_workers_share_the_shards_and_survive_one_killed(local_client, monke
     np.testing.assert_allclose(emb, clean_emb, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_run_default_ids_are_row_numbers_across_inputs(local_client):
     a = put_corpus(local_client, "in/a.jsonl", inference_corpus(5, seed=1))
     b = put_corpus(local_client, "in/b.jsonl", inference_corpus(4, seed=2))
@@ -228,6 +232,7 @@ def test_plan_estimate_counts_shards_and_cpu_tasks(local_client):
 # --- the shipped example and the CLI ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_plan_and_run_the_shipped_example(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("COLUMNS", "200")
@@ -254,6 +259,7 @@ def test_cli_plan_and_run_the_shipped_example(tmp_path, monkeypatch):
 # --- bad input through the job ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_missing_field_fails_naming_file_and_line(local_client):
     # the failing CPU task leaves cpu_failed.json, so the GPU worker stops at once instead of waiting
     rows = inference_corpus(6, seed=8)
@@ -265,6 +271,7 @@ def test_missing_field_fails_naming_file_and_line(local_client):
     assert "missing.jsonl" in msg and "line 4" in msg and "'text'" in msg
 
 
+@pytest.mark.slow
 def test_skip_policy_drops_bad_rows_and_reports_them(local_client):
     rows = inference_corpus(6, seed=8)
     rows[3] = {"id": rows[3]["id"], "body": "no text field here"}

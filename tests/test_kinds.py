@@ -104,6 +104,7 @@ def tally(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
+@pytest.mark.slow
 def test_a_kind_in_its_own_package_runs_everywhere(tally):
     assert (
         "tally" in kinds.names() and kinds.find("tally").handler_path("tally.count") == "tally.handlers:count"

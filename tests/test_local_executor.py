@@ -19,6 +19,8 @@ from orchestrator.local import LocalExecutor
 from orchestrator.registry import register
 from orchestrator.status import JobStatus
 
+pytestmark = pytest.mark.slow
+
 WAIT_S = 60  # a deadline for the job, not a timing assumption
 
 

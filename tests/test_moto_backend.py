@@ -17,6 +17,8 @@ from orchestrator.local import LocalExecutor
 from orchestrator.moto_harness import MotoStack
 from orchestrator.status import JobStatus
 
+pytestmark = pytest.mark.slow
+
 WAIT_S = 120  # a deadline, not a timing assumption
 FLOWS = {"toy": toy_workflow(batch=True), "toyparts": parts_workflow()}
 

@@ -20,6 +20,8 @@ from orchestrator.local import LocalExecutor
 from orchestrator.moto_harness import MotoStack
 from orchestrator.registry import register
 
+pytestmark = pytest.mark.slow
+
 WAIT_S = 120
 
 

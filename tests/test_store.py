@@ -29,7 +29,7 @@ def s3_root(aws_env):
         yield "s3://sf-test"
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
 def root(request):
     return request.getfixturevalue(f"{request.param}_root")
 
@@ -248,6 +248,7 @@ def _multipart_calls(monkeypatch) -> dict[str, int]:
     return calls
 
 
+@pytest.mark.slow
 def test_assemble_on_s3_copies_big_parts_server_side(s3_root, monkeypatch):
     sizes = [5 * MiB, 5 * MiB + 7, 1000]
     parts = [store.join(s3_root, f"big{i}") for i in range(len(sizes))]
@@ -260,6 +261,7 @@ def test_assemble_on_s3_copies_big_parts_server_side(s3_root, monkeypatch):
     assert calls == {"upload_part_copy": 3, "upload_part": 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sizes",
     [
@@ -295,6 +297,7 @@ def test_s3_client_is_cached_per_process_and_endpoint(aws_env, monkeypatch):
     assert a.meta.config.max_pool_connections >= 64
 
 
+@pytest.mark.slow
 def test_s3_errors_are_translated(s3_root):
     with pytest.raises(ObjectNotFound, match="bucket"):
         store.get("s3://no-such-bucket/x")

@@ -59,6 +59,7 @@ def test_sdk_cli_and_watch_refuse_alike(local, tmp_path):
     assert not (tmp_path / "store" / "jobs").exists() or not any((tmp_path / "store" / "jobs").iterdir())
 
 
+@pytest.mark.slow
 def test_sdk_and_bucket_trigger_refuse_alike_against_the_deployed_sizes(monkeypatch):
     monkeypatch.setattr(trigger_mod, "_sfn_clients", {})
     with Client(backend="moto") as client:

@@ -268,6 +268,7 @@ def s3_json(aws, key: str) -> dict:
     return json.loads(aws["s3"].get_object(Bucket=BUCKET, Key=key)["Body"].read())
 
 
+@pytest.mark.slow
 def test_handler_starts_state_machine(aws):
     aws["s3"].put_object(Bucket=BUCKET, Key="jobs/nightly.json", Body=json.dumps(GOOD).encode())
     report = handler(event_for("jobs/nightly.json"), None)
@@ -285,6 +286,7 @@ def test_handler_starts_state_machine(aws):
     assert status["execution_arn"] == report["execution"] and status["backend"] == "aws"
 
 
+@pytest.mark.slow
 def test_handler_url_decodes_keys(aws):
     aws["s3"].put_object(Bucket=BUCKET, Key="jobs/my spec.json", Body=json.dumps(GOOD).encode())
     report = handler(event_for("jobs/my+spec.json"), None)
@@ -292,6 +294,7 @@ def test_handler_url_decodes_keys(aws):
     assert s3_json(aws, "jobs/my spec.status.json")["job_id"] == report["job_id"]
 
 
+@pytest.mark.slow
 def test_handler_reports_invalid_spec_on_s3(aws):
     aws["s3"].put_object(Bucket=BUCKET, Key="jobs/bad.json", Body=json.dumps(BAD).encode())
     report = handler(event_for("jobs/bad.json"), None)
@@ -302,6 +305,7 @@ def test_handler_reports_invalid_spec_on_s3(aws):
     assert aws["sfn"].list_executions(stateMachineArn=aws["arn"])["executions"] == []
 
 
+@pytest.mark.slow
 def test_handler_reports_non_json_on_s3(aws):
     aws["s3"].put_object(Bucket=BUCKET, Key="jobs/junk.json", Body=b"kind: getbatch")
     report = handler(event_for("jobs/junk.json"), None)
@@ -309,6 +313,7 @@ def test_handler_reports_non_json_on_s3(aws):
     assert "error" in s3_json(aws, "jobs/junk.error.json")
 
 
+@pytest.mark.slow
 def test_handler_kind_not_deployed(aws, monkeypatch):
     monkeypatch.setenv("SHARDFOLD_STATE_MACHINES", "{}")
     aws["s3"].put_object(Bucket=BUCKET, Key="jobs/n.json", Body=json.dumps(GOOD).encode())
@@ -316,6 +321,7 @@ def test_handler_kind_not_deployed(aws, monkeypatch):
     assert "not deployed" in report["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "key",
     [
@@ -343,6 +349,7 @@ def test_sample_events():
     assert exc.value.errors
 
 
+@pytest.mark.slow
 def test_dispatch_to_a_real_workflow_on_moto(tmp_path, monkeypatch):
     # end to end: a spec dropped in the bucket runs the compiled getbatch state machine (moto harness),
     # and the AWS executor reads the job the trigger started like one it started itself
