@@ -176,6 +176,7 @@ def test_submit_reads_a_bounded_probe(local, tmp_path, monkeypatch):
     assert store.get_json(local.uri(f"jobs/{job.job_id}/probe.json"))["headers_read"] == SUBMIT_BUDGET.objects
 
 
+@pytest.mark.slow
 def test_one_big_object_is_one_window_not_256(local, tmp_path):
     # the estimate once multiplied the engine's window (256) by the largest item even for one item
     (tmp_path / "big.bin").write_bytes(b"\x5a" * (5 * 1024 * 1024))
@@ -189,6 +190,7 @@ def test_one_big_object_is_one_window_not_256(local, tmp_path):
     assert gather["gather_part"].peak_mb < 200
 
 
+@pytest.mark.slow
 def test_clean_removes_scratch_and_journals_of_ended_jobs(local, tmp_path, monkeypatch):
     (tmp_path / "a.bin").write_bytes(b"a" * 100)
     ok = local.submit({"kind": "getbatch", "items": [{"uri": (tmp_path / "a.bin").as_uri()}]})
