@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,13 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# `make test` is the whole suite, what .ci/run runs; `make test-fast` skips the tests marked slow (moto,
+# end-to-end and memory tests), for the edit loop.
 test: lint
 	$(BIN)/python -m pytest
+
+test-fast: lint
+	$(BIN)/python -m pytest -m "not slow"
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/getbatch.py
