@@ -19,6 +19,7 @@ shards and groups a later step needs) run in this process. Linux only (``/proc/s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -51,7 +52,7 @@ pytestmark = [
 # What tasks import on first use, imported before the baseline is read: pyarrow's readers and writers (and
 # pandas, which pyarrow loads, where installed, to convert numpy arrays); OpenDP's sampler (its prelude
 # loads OpenDP's extras); torch, transformers and the BERT code the MiniLM model runs on.
-ARROW = ("pyarrow.parquet", "pyarrow.csv", "pandas")
+ARROW = ("pyarrow.parquet", "pyarrow.csv", *(("pandas",) if importlib.util.find_spec("pandas") else ()))
 OPENDP = (*ARROW, "opendp.prelude")
 TORCH = ("torch", "transformers", "transformers.models.bert.modeling_bert")
 
