@@ -7,6 +7,11 @@ with each other and with the test process; with OpenMP's default of one thread p
 the cores and spin-wait for each other. On a loaded 2-core machine it halved the whole suite's wall time
 (10:38 to 5:21, load average about 4.5) and cut the inference containers' CPU from 194 s to 87 s. No test
 depends on the thread count: embeddings are compared with tolerances, between runs in the same environment.
+
+Under pytest-xdist, no inherited ``COLUMNS``/``LINES``: the readline that pytest imports exports
+``COLUMNS=80`` and ``LINES=24`` into the C environment, xdist's workers start with them, and rich fixes a
+console's width from ``COLUMNS`` when the console is made (``client/cli.py`` makes its consoles at import),
+so the tests that set ``COLUMNS`` for wide tables would get 80 columns.
 """
 
 import os
@@ -14,6 +19,9 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 
 @pytest.fixture
