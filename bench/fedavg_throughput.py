@@ -43,17 +43,15 @@ from fedavg_common import (  # noqa: E402
     Workspace,
     add_common_args,
     apply_common_quick,
-    fedavg_workflow,
     is_default_model,
+    job_breakdown,
     max_rel_err,
     mbps,
-    prepare_shard_tasks,
     print_targets,
     read_samples,
     session,
     shard_row,
     spec_doc,
-    split_workflow,
     target,
 )
 
@@ -106,41 +104,6 @@ def run_job(store_root: str, doc: dict, repeats: int, timeout_s: float) -> dict:
     out_uri = result.get("output") if isinstance(result, dict) else None
     path = str(local_path(out_uri)) if out_uri and out_uri.startswith("file://") else None
     return {"seconds": runs, "result": result, "output_path": path}
-
-
-def job_breakdown(store_root: str, doc: dict) -> dict:
-    """The job's steps run one after another in this process (no pool, no overlap), each timed: where a
-    job's time goes. Same handlers and events as the executor's."""
-    from orchestrator.invoke import call
-    from orchestrator.registry import handler_path
-
-    t0 = time.perf_counter()
-    events, steps, pre = prepare_shard_tasks(store_root, doc)
-    t1 = time.perf_counter()
-    shard_s = []
-    for ev in events:
-        state = dict(ev)
-        ts = time.perf_counter()
-        for st in steps:
-            res = call(
-                st["path"], state, function_name=st["function"], memory_mb=st["memory_mb"], timeout_s=900
-            )
-            state = {**state, st["name"]: res}
-        shard_s.append(time.perf_counter() - ts)
-    _pre, _map, post = split_workflow(fedavg_workflow())
-    state = {**{k: events[0][k] for k in ("job_id", "spec_uri", "store_root")}, **pre}
-    tc = time.perf_counter()
-    for task in post:
-        res = call(
-            handler_path(task.function),
-            state,
-            function_name=task.function,
-            memory_mb=task.memory_mb,
-            timeout_s=task.timeout_s,
-        )
-        state = {**state, task.name: res}
-    t3 = time.perf_counter()
-    return {"plan_s": t1 - t0, "shards_s": shard_s, "after_map_s": t3 - tc, "total_s": t3 - t0}
 
 
 # --------------------------------------------------------------------------------------------------------
