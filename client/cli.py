@@ -537,7 +537,11 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                     name = _t(path.name)
                     try:
                         report = dispatch(
-                            path.resolve().as_uri(), start, root=client.store_root, deployed=client.deployed
+                            path.resolve().as_uri(),
+                            start,
+                            root=client.store_root,
+                            deployed=client.deployed,
+                            writable=client.writable,
                         )
                     except ShardfoldError as exc:  # e.g. the store did not answer: report, keep watching
                         err.print(f"[red]✗[/] {name}: {_t(exc)} (save it again to retry)", soft_wrap=True)

@@ -92,7 +92,12 @@ def _now() -> str:
 
 
 def dispatch(
-    spec_uri: str, start: Starter, *, root: str | None = None, deployed: Mapping[str, Any] | None = None
+    spec_uri: str,
+    start: Starter,
+    *,
+    root: str | None = None,
+    deployed: Mapping[str, Any] | None = None,
+    writable: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Validate the spec at ``spec_uri`` and start its job; return the report written beside it.
 
@@ -132,7 +137,14 @@ def dispatch(
         }
 
     try:
-        job = submit(load_document(raw), store_root=root, start=start, base_uri=spec_uri, deployed=deployed)
+        job = submit(
+            load_document(raw),
+            store_root=root,
+            start=start,
+            base_uri=spec_uri,
+            deployed=deployed,
+            writable=writable,
+        )
     except StoreUnreachable:  # not the spec's fault: raise, so the event is retried (Lambda's async retry)
         raise
     except ShardfoldError as exc:

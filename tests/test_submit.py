@@ -205,3 +205,16 @@ def test_clean_removes_scratch_and_journals_of_ended_jobs(local, tmp_path, monke
     run = CliRunner().invoke(cli, ["clean", "--failed"])
     assert run.exit_code == 0 and bad.job_id in run.output
     assert not (folder / bad.job_id / "getbatch").exists() and (folder / bad.job_id / "spec.json").exists()
+
+
+@pytest.mark.slow
+def test_watch_on_the_s3_store_holds_outputs_to_the_deployment(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    drop = tmp_path / "drop"
+    drop.mkdir()
+    spec = {"kind": "getbatch", "items": [{"uri": "data/a.bin"}], "output": "elsewhere/a.tar"}
+    (drop / "out.json").write_text(json.dumps(spec))
+    watched = CliRunner().invoke(cli, ["watch", str(drop), "--once", "--backend", "moto"])
+    assert watched.exit_code == 0, watched.output
+    report = json.loads((drop / "out.error.json").read_text())
+    assert report["errors"][0]["field"] == "output" and "outputPrefixes" in report["error"]
