@@ -26,10 +26,8 @@ Writes bench/results/fedavg_throughput.json (``--out``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from fedavg_common import (  # noqa: E402
     mbps,
     print_targets,
     read_samples,
+    run_job,
     session,
     shard_row,
     spec_doc,
@@ -73,37 +72,6 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.job_repeats = min(args.job_repeats, 2)
         args.stream_mib = min(args.stream_mib, 128)
         args.stream_repeats = min(args.stream_repeats, 3)
-
-
-# --------------------------------------------------------------------------------------------------------
-# the whole job
-
-
-def run_job(store_root: str, doc: dict, repeats: int, timeout_s: float) -> dict:
-    """The whole fedavg job on the local executor: ``Client().submit(spec)``, ``wait``; best of repeats.
-
-    One client (one process pool) serves every repeat, so the first run pays the pool's start."""
-    from client import Client
-    from functions import store
-    from functions.store.uri import local_path
-
-    runs = []
-    result: dict = {}
-    with Client() as cl:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            job = cl.submit(doc)
-            job.wait(progress=False, timeout_s=timeout_s)
-            t1 = time.perf_counter()
-            result = job.result()
-            runs.append(t1 - t0)
-            out_uri = result.get("output") if isinstance(result, dict) else None
-            if len(runs) < repeats and out_uri:
-                with contextlib.suppress(Exception):
-                    store.delete(out_uri)
-    out_uri = result.get("output") if isinstance(result, dict) else None
-    path = str(local_path(out_uri)) if out_uri and out_uri.startswith("file://") else None
-    return {"seconds": runs, "result": result, "output_path": path}
 
 
 # --------------------------------------------------------------------------------------------------------
