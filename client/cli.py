@@ -541,7 +541,7 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                             start,
                             root=client.store_root,
                             deployed=client.deployed,
-                            writable=client.writable,
+                            grants=client.grants,
                         )
                     except ShardfoldError as exc:  # e.g. the store did not answer: report, keep watching
                         err.print(f"[red]✗[/] {name}: {_t(exc)} (save it again to retry)", soft_wrap=True)

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from client.errors import BackendError, JobFailed, JobNotFinished
 from functions import kinds, store
+from functions.access import Grants
 from functions.errors import JobNotFound, ShardfoldError, SpecError
 from functions.estimate import Estimate
 from functions.jobs import kind_of, result_key, spec_key
@@ -121,9 +122,9 @@ class Client:
         return getattr(self.executor, "deployed_sizes", None)
 
     @property
-    def writable(self) -> tuple[str, ...] | None:
-        """Where the deployment lets jobs write outputs (the stack's ``output_prefixes``); None locally."""
-        return getattr(self.executor, "output_prefixes", None)
+    def grants(self) -> Grants | None:
+        """What the deployment lets jobs read and write (from the stack outputs); None locally."""
+        return getattr(self.executor, "grants", None)
 
     def plan(self, spec: SpecInput) -> Estimate:
         """Dry run: steps, task counts, per-task memory, request counts and a cost estimate. Runs nothing.
@@ -132,7 +133,7 @@ class Client:
         """
         doc, base = load_spec_document(spec)
         return check(
-            doc, store_root=self.store_root, base_uri=base, deployed=self.deployed, writable=self.writable
+            doc, store_root=self.store_root, base_uri=base, deployed=self.deployed, grants=self.grants
         )[1]
 
     def submit(self, spec: SpecInput) -> Job:
@@ -145,7 +146,7 @@ class Client:
             start=self._start,
             base_uri=base,
             deployed=self.deployed,
-            writable=self.writable,
+            grants=self.grants,
         )
         logger.info("job submitted", extra={"job_id": job.job_id, "kind": job.kind, "backend": self.backend})
         return Job(self, job.job_id, job.kind)

@@ -10,34 +10,114 @@ behind submit's back is held to the same rules).
 * **System prefixes** of the store are never outputs: ``ledger/`` (the dpquery budget ledgers) and
   ``jobs/`` (submitted specs, every job's spec, status, journal and scratch). The one exception is the job's
   own ``jobs/<id>/output/`` folder, where the defaults point.
-* **A deployment's output prefixes**: on AWS the workers' roles may write outputs only under the stack's
-  ``outputPrefixes`` (``results/`` by default; the functions get them in ``SHARDFOLD_OUTPUT_PREFIXES``, the
-  SDK from the stack outputs), so an output elsewhere in the bucket is refused before it could fail.
+* **A deployment's grants** (:class:`Grants`): on AWS the workers' roles may write outputs only under the
+  stack's ``outputPrefixes`` (``results/`` by default), read other buckets only where ``readBuckets`` or
+  ``writeBuckets`` names them and write other buckets only where ``writeBuckets`` does. The functions get
+  the grants in their environment, the SDK from the stack outputs; a URI outside them is refused naming the
+  config key, before a task could fail on an AccessDenied.
 * **An output is never one of the job's own inputs** (nor, for an output prefix, above one of them): a
   job must not destroy what it reads.
-* Keys never hold ``..`` segments or NUL characters (:mod:`functions.store.uri`).
+* Keys never hold ``..`` segments or NUL characters (:mod:`functions.store.uri`), and on the local store a
+  key never leads out of the store root through a symbolic link (data elsewhere is named by its own
+  ``file://`` URI). Two URIs that reach the same file through links are one object.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from functions.errors import UnsafeKey
 from functions.store.uri import FILE, S3, is_file, is_s3, join, resolve, split_s3
 
 SYSTEM_PREFIXES = ("ledger/", "jobs/")
 OUTPUT_PREFIXES_ENV = "SHARDFOLD_OUTPUT_PREFIXES"
+READ_BUCKETS_ENV = "SHARDFOLD_READ_BUCKETS"
+WRITE_BUCKETS_ENV = "SHARDFOLD_WRITE_BUCKETS"
 
 
-def deployed_output_prefixes() -> tuple[str, ...] | None:
-    """The deployment's output prefixes (``SHARDFOLD_OUTPUT_PREFIXES``, comma-separated), or None when
-    not deployed (anywhere outside the system prefixes)."""
-    raw = os.environ.get(OUTPUT_PREFIXES_ENV)
-    if raw is None:
-        return None
-    return tuple(p.strip().strip("/") + "/" for p in raw.split(",") if p.strip().strip("/"))
+def parse_bucket_ref(ref: str) -> tuple[str, str]:
+    """``"bucket"``, ``"bucket/prefix"`` or ``"s3://bucket/prefix"`` -> ``(bucket, prefix)``."""
+    ref = ref.removeprefix("s3://").strip("/")
+    bucket, _, prefix = ref.partition("/")
+    if not bucket or "*" in bucket:
+        raise UnsafeKey(f"bucket reference {ref!r} must name a bucket (optionally bucket/prefix)")
+    return bucket, prefix.strip("/")
+
+
+def _in_ref(bucket: str, key: str, ref: str) -> bool:
+    b, prefix = parse_bucket_ref(ref)
+    return b == bucket and (not prefix or key == prefix or key.startswith(prefix + "/"))
+
+
+def _split_list(raw: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
+@dataclass(frozen=True)
+class Grants:
+    """What a deployment lets its jobs touch besides their own folders: ``output_prefixes`` of the job
+    bucket, other buckets (``bucket`` or ``bucket/prefix``) to read and to write. Mirrors the stack config
+    (``outputPrefixes``, ``readBuckets``, ``writeBuckets``) and the workers' IAM policy built from it."""
+
+    output_prefixes: tuple[str, ...] = ("results/",)
+    read_buckets: tuple[str, ...] = ()
+    write_buckets: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        folders = tuple(p.strip().strip("/") + "/" for p in self.output_prefixes if p.strip().strip("/"))
+        object.__setattr__(self, "output_prefixes", folders)
+        for ref in (*self.read_buckets, *self.write_buckets):
+            parse_bucket_ref(ref)
+
+    @classmethod
+    def from_env(cls) -> Grants | None:
+        """The deployed functions' grants (``SHARDFOLD_OUTPUT_PREFIXES`` etc.), or None when not deployed."""
+        raw = os.environ.get(OUTPUT_PREFIXES_ENV)
+        if raw is None:
+            return None
+        return cls(
+            _split_list(raw),
+            _split_list(os.environ.get(READ_BUCKETS_ENV, "")),
+            _split_list(os.environ.get(WRITE_BUCKETS_ENV, "")),
+        )
+
+    @classmethod
+    def from_outputs(cls, outputs: Mapping[str, Any]) -> Grants | None:
+        """The grants in a stack's outputs, or None for a stack that exports none."""
+        if outputs.get("output_prefixes") is None:
+            return None
+        return cls(
+            tuple(outputs["output_prefixes"]),
+            tuple(outputs.get("read_buckets") or ()),
+            tuple(outputs.get("write_buckets") or ()),
+        )
+
+    def env(self) -> dict[str, str]:
+        """The environment that carries these grants to the functions (:meth:`from_env` reads it back)."""
+        return {
+            OUTPUT_PREFIXES_ENV: ",".join(self.output_prefixes),
+            READ_BUCKETS_ENV: ",".join(self.read_buckets),
+            WRITE_BUCKETS_ENV: ",".join(self.write_buckets),
+        }
+
+    def may_read(self, bucket: str, key: str) -> bool:
+        """Whether a job may read ``bucket/key`` of a bucket other than the job bucket."""
+        return any(_in_ref(bucket, key, r) for r in (*self.read_buckets, *self.write_buckets))
+
+    def may_write(self, bucket: str, key: str) -> bool:
+        """Whether a job may write ``bucket/key`` of a bucket other than the job bucket."""
+        return any(_in_ref(bucket, key, r) for r in self.write_buckets)
+
+
+def _grants(grants: Grants | None, store_root: str) -> Grants | None:
+    """The grants that hold for ``store_root``: the given ones, else the deployment's (on an S3 store)."""
+    if grants is None and is_s3(store_root):
+        return Grants.from_env()
+    return grants
 
 
 def _full(uri: str, store_root: str) -> str:
@@ -49,11 +129,44 @@ def _where(field: str) -> str:
     return f"{field}: " if field else ""
 
 
-def input_uri(uri: str, store_root: str, field: str = "") -> str:
-    """The full URI of something a job reads; :class:`UnsafeKey` naming ``field`` when it may not."""
+def _stays_inside(full: str, store_root: str, uri: str, field: str) -> None:
+    """On the local store, refuse a path under the root that a symbolic link takes outside it."""
+    if not (is_file(full) and is_file(store_root)):
+        return
+    path, root = posixpath.normpath(full[len(FILE) :]), posixpath.normpath(store_root[len(FILE) :])
+    if not path.startswith(root + "/"):
+        return  # a file:// path elsewhere: the user's own machine
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if real != real_root and not real.startswith(real_root + "/"):
+        raise UnsafeKey(
+            f"{_where(field)}{uri} leads out of the store root through a symbolic link (to {real}); name data "
+            "outside the store by its own file:// URI"
+        )
+
+
+def _other_bucket(full: str, store_root: str) -> tuple[str, str] | None:
+    """``(bucket, key)`` of an s3:// URI in a bucket other than the S3 store's, else None."""
+    if not (is_s3(full) and is_s3(store_root)):
+        return None
+    bucket, key = split_s3(full)
+    return (bucket, key) if bucket != split_s3(store_root)[0] else None
+
+
+def input_uri(uri: str, store_root: str, field: str = "", grants: Grants | None = None) -> str:
+    """The full URI of something a job reads; :class:`UnsafeKey` naming ``field`` when it may not.
+
+    ``grants``: the deployment's (default: from the environment, as the deployed functions have them)."""
     full = _full(uri, store_root)
     if is_s3(store_root) and is_file(full):
         raise UnsafeKey(f"{_where(field)}{uri} is a local file; the S3 store reads only s3:// objects")
+    _stays_inside(full, store_root, uri, field)
+    other = _other_bucket(full, store_root)
+    grants = _grants(grants, store_root)
+    if other is not None and grants is not None and not grants.may_read(*other):
+        raise UnsafeKey(
+            f"{_where(field)}{uri} is in bucket {other[0]}, which this deployment does not let jobs read; "
+            "add it to the stack's shardfold:readBuckets (bucket or bucket/prefix)"
+        )
     return full
 
 
@@ -81,16 +194,24 @@ def output_uri(
     store_root: str,
     field: str = "",
     job_id: str | None = None,
-    writable: tuple[str, ...] | None = None,
+    grants: Grants | None = None,
 ) -> str:
     """The full URI of something a job writes; :class:`UnsafeKey` naming ``field`` when it may not.
 
     ``job_id`` is the job's own id (a task knows it; submit does not yet): its ``jobs/<id>/output/``
-    folder is then allowed. ``writable``: the deployment's output prefixes on the S3 store (default: from
-    the environment, as the deployed functions have them)."""
+    folder is then allowed. ``grants``: the deployment's (default: from the environment, as the deployed
+    functions have them)."""
     full = _full(uri, store_root)
     if is_s3(store_root) and is_file(full):
         raise UnsafeKey(f"{_where(field)}{uri} is a local file; the S3 store writes only s3:// objects")
+    _stays_inside(full, store_root, uri, field)
+    grants = _grants(grants, store_root)
+    other = _other_bucket(full, store_root)
+    if other is not None and grants is not None and not grants.may_write(*other):
+        raise UnsafeKey(
+            f"{_where(field)}{uri} is in bucket {other[0]}, which this deployment does not let jobs write; "
+            "write under the job bucket's outputPrefixes, or add it to the stack's shardfold:writeBuckets"
+        )
     key = store_key(full, store_root)
     if key is None:
         return full
@@ -103,26 +224,29 @@ def output_uri(
             f"{_where(field)}{uri} is under the store's system prefix {reserved} (budget ledgers, job "
             "specs, status and scratch); write outputs elsewhere, e.g. results/"
         )
-    if writable is None and is_s3(store_root):
-        writable = deployed_output_prefixes()
-    if writable is not None and not any(key.startswith(p) for p in writable):
+    if grants is not None and not any(key.startswith(p) for p in grants.output_prefixes):
         raise UnsafeKey(
             f"{_where(field)}{uri} is outside the folders this deployment lets jobs write "
-            f"({', '.join(writable) or 'none'}); write under one of them, or add the folder to the stack's "
-            "shardfold:outputPrefixes"
+            f"({', '.join(grants.output_prefixes) or 'none'}); write under one of them, or add the folder to "
+            "the stack's shardfold:outputPrefixes"
         )
     return full
 
 
+def _real(uri: str) -> str:
+    """A file:// URI's path with symbolic links resolved (what the filesystem will open)."""
+    return os.path.realpath(uri[len(FILE) :])
+
+
 def _same_object(a: str, b: str) -> bool:
     if is_file(a) and is_file(b):
-        return posixpath.normpath(a[len(FILE) :]) == posixpath.normpath(b[len(FILE) :])
+        return _real(a) == _real(b)
     return a == b
 
 
 def _under(prefix: str, uri: str) -> bool:
     if is_file(prefix) and is_file(uri):
-        p, u = posixpath.normpath(prefix[len(FILE) :]), posixpath.normpath(uri[len(FILE) :])
+        p, u = _real(prefix), _real(uri)
     elif prefix.startswith(S3) and uri.startswith(S3):
         p, u = prefix.rstrip("/"), uri
     else:

@@ -51,7 +51,7 @@ def probe_key(job_id: str) -> str:
     return job_key(job_id, "probe.json")
 
 
-def check_policy(spec: JobSpec, store_root: str, writable: tuple[str, ...] | None = None) -> None:
+def check_policy(spec: JobSpec, store_root: str, grants: access.Grants | None = None) -> None:
     """Refuse what the submitter may not do (:mod:`functions.access`), naming every field at fault: local
     files on the S3 store, outputs under the store's system prefixes, an output that is one of the inputs.
     The tasks check the same rules again, and those of what submit cannot see (a manifest's items)."""
@@ -61,9 +61,9 @@ def check_policy(spec: JobSpec, store_root: str, writable: tuple[str, ...] | Non
     for f in uri_fields(spec):
         try:
             if f.role == "input":
-                inputs.append((f.field, access.input_uri(f.uri, store_root)))
+                inputs.append((f.field, access.input_uri(f.uri, store_root, grants=grants)))
             else:
-                outputs.append((f, access.output_uri(f.uri, store_root, writable=writable)))
+                outputs.append((f, access.output_uri(f.uri, store_root, grants=grants)))
         except ShardfoldError as exc:
             errors.append({"field": f.field, "error": str(exc)})
     for f, out in outputs:
@@ -82,7 +82,7 @@ def check(
     store_root: str,
     base_uri: str | None = None,
     deployed: Mapping[str, Any] | None = None,
-    writable: tuple[str, ...] | None = None,
+    grants: access.Grants | None = None,
     budget: ProbeBudget = PLAN_BUDGET,
 ) -> tuple[JobSpec, Estimate]:
     """Everything a submission checks, writing nothing: the spec and its estimate (``shardfold plan``).
@@ -91,7 +91,7 @@ def check(
     if isinstance(doc, bytes | str) and len(doc) > MAX_SPEC_BYTES:
         raise SpecTooLarge(len(doc))
     spec = parse_spec(doc, base_uri=base_uri)
-    check_policy(spec, store_root, writable)
+    check_policy(spec, store_root, grants)
     limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
     with store.endpoint_errors():
         est = estimate(spec, store_root, budget=budget, limits=limits)
@@ -105,7 +105,7 @@ def submit(
     start: Starter,
     base_uri: str | None = None,
     deployed: Mapping[str, Any] | None = None,
-    writable: tuple[str, ...] | None = None,
+    grants: access.Grants | None = None,
 ) -> Submitted:
     """Check ``doc``, record it under a new job id and start it; :class:`SpecError`/``PlanError`` refuse it
     before anything is written, :class:`StoreUnreachable` says the S3 endpoint did not answer."""
@@ -114,7 +114,7 @@ def submit(
         store_root=store_root,
         base_uri=base_uri,
         deployed=deployed,
-        writable=writable,
+        grants=grants,
         budget=SUBMIT_BUDGET,
     )
     text = json.dumps(dump_spec(spec), sort_keys=True).encode()

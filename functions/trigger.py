@@ -28,7 +28,7 @@ from aws_lambda_powertools.utilities.parser import parse
 from aws_lambda_powertools.utilities.parser.models import S3EventNotificationEventBridgeModel
 from pydantic import ValidationError
 
-from functions import store
+from functions import access, store
 from functions.errors import ObjectNotFound, ShardfoldError, SpecError, StoreUnreachable
 from functions.jobs import status_key
 from functions.specs import load_document
@@ -97,7 +97,7 @@ def dispatch(
     *,
     root: str | None = None,
     deployed: Mapping[str, Any] | None = None,
-    writable: tuple[str, ...] | None = None,
+    grants: access.Grants | None = None,
 ) -> dict[str, Any]:
     """Validate the spec at ``spec_uri`` and start its job; return the report written beside it.
 
@@ -143,7 +143,7 @@ def dispatch(
             start=start,
             base_uri=spec_uri,
             deployed=deployed,
-            writable=writable,
+            grants=grants,
         )
     except StoreUnreachable:  # not the spec's fault: raise, so the event is retried (Lambda's async retry)
         raise

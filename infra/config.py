@@ -42,7 +42,7 @@ Bucket
   ``jobs/<id>/output/`` (``["results/"]``); the workers' roles may write only there, under ``jobs/`` and
   ``tmp/``, and only the dpquery functions under ``ledger/``.
   ``readBuckets`` / ``writeBuckets``: other buckets (``bucket`` or ``bucket/prefix``) the workers may read /
-  read and write (``[]``).
+  read and write (``[]``). Submit and every task refuse a spec URI outside them, naming the key to add.
 
 GPU queue (AWS Batch)
   ``batch``: create the GPU queue, ECR repository and job definitions (true).
@@ -81,6 +81,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from functions.access import Grants
 from functions.errors import ShardfoldError
 
 ARCHITECTURES = ("arm64", "x86_64")
@@ -244,6 +245,10 @@ class StackConfig:
     def name_prefix(self) -> str:
         """``shardfold-<stage>``: the start of every named resource."""
         return f"shardfold-{self.stage}"
+
+    def grants(self) -> Grants:
+        """What the workers' IAM policy lets jobs touch, as submit and the tasks check it."""
+        return Grants(self.output_prefixes, self.read_buckets, self.write_buckets)
 
     def batch_overrides(self) -> dict[str, Mapping[str, int]]:
         """``{BatchJob field: {entry point: value}}`` of the ``batch*`` keys (``{"memory_mb": {...}}``)."""

@@ -30,7 +30,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from functions.access import OUTPUT_PREFIXES_ENV
+from functions.access import parse_bucket_ref
 from functions.errors import ShardfoldError
 from functions.workflow import Task, Workflow
 from infra import iam
@@ -137,8 +137,8 @@ def data_refs(
         *(p.strip("/") for p in cfg.output_prefixes),
         *([LEDGER_PREFIX] if ledger else []),
     ]
-    write = [(bucket, p) for p in own] + [iam.parse_bucket_ref(r) for r in cfg.write_buckets]
-    read = [(bucket, "")] + [iam.parse_bucket_ref(r) for r in cfg.read_buckets]
+    write = [(bucket, p) for p in own] + [parse_bucket_ref(r) for r in cfg.write_buckets]
+    read = [(bucket, "")] + [parse_bucket_ref(r) for r in cfg.read_buckets]
     return read, write
 
 
@@ -319,8 +319,8 @@ def base_environment(cfg: StackConfig, bucket: pulumi.Output[str]) -> dict[str, 
         "SHARDFOLD_STAGE": cfg.stage,
         # Handlers take their store root from the workflow input; this is the default for anything else.
         "SHARDFOLD_HOME": bucket.apply(lambda b: f"s3://{b}"),
-        # where jobs may write outputs: the tasks hold a spec to it as submit did (functions.access)
-        OUTPUT_PREFIXES_ENV: ",".join(cfg.output_prefixes),
+        # what jobs may read and write: the tasks hold a spec to it as submit did (functions.access)
+        **cfg.grants().env(),
     }
 
 

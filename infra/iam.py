@@ -140,15 +140,6 @@ def bucket_arn(partition: str, bucket: str) -> str:
     return f"arn:{partition}:s3:::{bucket}"
 
 
-def parse_bucket_ref(ref: str) -> tuple[str, str]:
-    """``"bucket"``, ``"bucket/prefix"`` or ``"s3://bucket/prefix"`` -> ``(bucket, prefix)``."""
-    ref = ref.removeprefix("s3://").strip("/")
-    bucket, _, prefix = ref.partition("/")
-    if not bucket or "*" in bucket:
-        raise ShardfoldError(f"bucket reference {ref!r} must name a bucket (optionally bucket/prefix)")
-    return bucket, prefix.strip("/")
-
-
 def s3_statements(
     partition: str,
     refs: Iterable[tuple[str, str]],

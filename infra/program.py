@@ -24,6 +24,8 @@ outputs, exactly the keys the ``aws`` backend reads (``client.stack.load_stack_o
 ``sizes``                   the deployed size of every function and job definition, after the config
                             overrides, with the key that changes each (below)
 ``output_prefixes``         the folders of the bucket jobs may write outputs under (``outputPrefixes``)
+``read_buckets``            other buckets (or bucket/prefix) jobs may read (``readBuckets``)
+``write_buckets``           other buckets (or bucket/prefix) jobs may read and write (``writeBuckets``)
 ==========================  ============================================================================
 
 ``sizes`` (plain values, no ARNs; the same shape from the moto twin; ``client.stack.deployed_sizes``
@@ -151,6 +153,8 @@ class Stack:
             "log_groups": log_groups,
             "sizes": self.sizes(),
             "output_prefixes": list(self.cfg.output_prefixes),
+            "read_buckets": list(self.cfg.read_buckets),
+            "write_buckets": list(self.cfg.write_buckets),
         }
         if self.gpu is not None:
             log_groups["batch"] = self.gpu.log_group.name

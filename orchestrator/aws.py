@@ -27,6 +27,7 @@ from aws_lambda_powertools import Logger
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from functions.access import Grants
 from functions.errors import PlanError, ShardfoldError
 from functions.workflow import Map, Workflow, progress_steps
 from orchestrator.asl import fail_state_name
@@ -93,10 +94,8 @@ class AwsExecutor:
         self.state_machine_arns: dict[str, str] = dict(outputs["state_machine_arns"])
         # what each function and Batch job was deployed with: the plan check sizes tasks against it
         self.deployed_sizes: dict[str, Any] | None = outputs.get("sizes")
-        prefixes = outputs.get("output_prefixes")
-        self.output_prefixes: tuple[str, ...] | None = (
-            tuple(p.strip("/") + "/" for p in prefixes) if prefixes is not None else None
-        )
+        # what the deployment lets jobs read and write: submit holds a spec to it (functions.access)
+        self.grants: Grants | None = Grants.from_outputs(outputs)
         # moto answers in milliseconds; AWS state transitions take a while, so poll it gently.
         self.poll_s = poll_s if poll_s is not None else (0.1 if self.backend == "moto" else 2.0)
         session = session or boto3.session.Session()

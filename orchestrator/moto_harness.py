@@ -64,6 +64,7 @@ import boto3
 import botocore.session
 from aws_lambda_powertools import Logger
 
+from functions.access import Grants
 from functions.errors import ShardfoldError
 from functions.workflow import BatchJob, Task, Workflow
 from orchestrator.asl import StackResolver, compile_workflow
@@ -72,8 +73,8 @@ from orchestrator.registry import handler_path, lambda_handler, lambda_name
 
 logger = Logger(service="shardfold")
 
-# The stack config's default shardfold:outputPrefixes (infra.config, which orchestrator may not import)
-OUTPUT_PREFIXES = ("results/",)
+# The stack config's default grants (outputPrefixes results/, no other buckets), as the functions get them
+GRANTS = Grants()
 
 ACCOUNT = "123456789012"  # moto's default account
 LAMBDA_EPHEMERAL_MB = 512  # Lambda's default /tmp, which infra deploys unless configured
@@ -570,7 +571,9 @@ def build_stack(
         "function_names": {},
         "state_machine_arns": {},
         "sizes": stack_sizes(workflows, batch=batch),
-        "output_prefixes": list(OUTPUT_PREFIXES),
+        "output_prefixes": list(GRANTS.output_prefixes),
+        "read_buckets": list(GRANTS.read_buckets),
+        "write_buckets": list(GRANTS.write_buckets),
     }
     code = _dummy_zip()
     sizes = outputs["sizes"]
@@ -699,6 +702,7 @@ class MotoStack:
                 "AWS_SESSION_TOKEN": None,
                 "AWS_REGION": self.region,
                 "AWS_DEFAULT_REGION": self.region,
+                **GRANTS.env(),  # the deployed functions' grants: the tasks check them as on AWS
             }
         )
         self._post("/moto-api/reset", {})

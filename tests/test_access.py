@@ -55,6 +55,32 @@ def test_local_files_only_on_the_local_store():
     assert access.input_uri("file:///proc/self/environ", LOCAL_ROOT) == "file:///proc/self/environ"
 
 
+def test_no_symbolic_link_leads_out_of_the_local_store(tmp_path):
+    root = tmp_path / "store"
+    (root / "data").mkdir(parents=True)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"s")
+    (root / "data" / "a.bin").write_bytes(b"a")
+    (root / "results").symlink_to(outside)  # a link planted in the store
+    (root / "data" / "alias.bin").symlink_to(root / "data" / "a.bin")  # a link inside the store
+    store_root = f"file://{root}"
+    for rel in ("results/secret", "results/new.tar"):
+        with pytest.raises(UnsafeKey, match="symbolic link") as err:
+            access.output_uri(rel, store_root, "output")
+        assert str(err.value).startswith("output: ")
+    with pytest.raises(UnsafeKey, match="symbolic link"):
+        access.input_uri("results/secret", store_root, "items.0.uri")
+    # named by its own file:// URI, data outside the store is the user's to read; links inside are fine
+    assert access.input_uri(f"file://{outside}/secret", store_root) == f"file://{outside}/secret"
+    assert access.input_uri("data/alias.bin", store_root).endswith("data/alias.bin")
+    # an output that reaches an input through a link is that input
+    with pytest.raises(UnsafeKey, match="may not overwrite"):
+        access.not_an_input(
+            access.output_uri("data/alias.bin", store_root), [("items.0.uri", f"{store_root}/data/a.bin")]
+        )
+
+
 def test_keys_with_nul_or_dotdot_are_refused():
     for bad in ("a/\x00b", "a/../b", "../b"):
         with pytest.raises(UnsafeKey):

@@ -15,9 +15,10 @@ from click.testing import CliRunner
 
 from client import Client
 from client.cli import cli
-from functions import store
+from functions import access, store
 from functions import trigger as trigger_mod
-from functions.errors import PlanError, SpecError
+from functions.access import Grants
+from functions.errors import PlanError, SpecError, UnsafeKey
 from functions.trigger import dispatch, handler
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"
@@ -110,11 +111,44 @@ def test_local_files_are_refused_on_the_s3_store_on_every_path(monkeypatch):
     assert report["errors"] == refused.value.errors and list(written) == ["s3://bucket/jobs/x.error.json"]
 
 
+def test_other_buckets_only_where_the_deployment_grants_them(monkeypatch):
+    # readBuckets lets jobs read (a prefix of) another bucket; writeBuckets read and write; nothing else
+    grants = Grants(("results/",), read_buckets=("datasets/public",), write_buckets=("exports",))
+
+    def refused(spec: dict) -> list[dict]:
+        with pytest.raises(SpecError) as err:
+            trigger_mod.submit(spec, store_root="s3://bucket", start=started, grants=grants)
+        return err.value.errors
+
+    ok = [
+        {"kind": "getbatch", "items": [{"uri": "s3://datasets/public/a.bin"}], "output": "results/a.tar"},
+        {"kind": "getbatch", "items": [{"uri": "s3://exports/a.bin"}], "output": "s3://exports/out/a.tar"},
+        {"kind": "getbatch", "items": [{"uri": "s3://bucket/data/a.bin"}], "output": "results/a.tar"},
+    ]
+    from functions.specs import parse_spec
+    from functions.submit import check_policy
+
+    for spec in ok:
+        check_policy(parse_spec(spec), "s3://bucket", grants)
+    read = refused({"kind": "getbatch", "items": [{"uri": "s3://datasets/private/a.bin"}]})
+    assert read[0]["field"] == "items.0.uri" and "shardfold:readBuckets" in read[0]["error"]
+    wrote = refused({"kind": "getbatch", "items": [{"uri": "data/a"}], "output": "s3://datasets/public/x.tar"})
+    assert wrote[0]["field"] == "output" and "shardfold:writeBuckets" in wrote[0]["error"]
+    # the tasks hold a spec to the grants in their environment, as deployed
+    monkeypatch.setenv("SHARDFOLD_OUTPUT_PREFIXES", "results/")
+    monkeypatch.setenv("SHARDFOLD_READ_BUCKETS", "datasets/public")
+    assert access.input_uri("s3://datasets/public/a", "s3://bucket") == "s3://datasets/public/a"
+    with pytest.raises(UnsafeKey, match="readBuckets"):
+        access.input_uri("s3://datasets/other/a", "s3://bucket", "items.0.uri")
+    # locally the user's own credentials decide: any bucket
+    assert access.input_uri("s3://datasets/other/a", "file:///srv/store") == "s3://datasets/other/a"
+
+
 def test_outputs_only_where_the_deployment_lets_jobs_write(monkeypatch):
     # the SDK knows the stack's output prefixes; the deployed functions have them in their environment
     spec = {"kind": "getbatch", "items": [{"uri": "data/a.bin"}], "output": "elsewhere/a.tar"}
     with pytest.raises(SpecError, match=r"outputPrefixes") as refused:
-        trigger_mod.submit(spec, store_root="s3://bucket", start=started, writable=("results/",))
+        trigger_mod.submit(spec, store_root="s3://bucket", start=started, grants=Grants(("results/",)))
     assert refused.value.errors[0]["field"] == "output"
     monkeypatch.setenv("SHARDFOLD_OUTPUT_PREFIXES", "results/,exports")
     with pytest.raises(SpecError, match=r"results/, exports/"):
