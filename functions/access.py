@@ -139,8 +139,8 @@ def _stays_inside(full: str, store_root: str, uri: str, field: str) -> None:
     real, real_root = os.path.realpath(path), os.path.realpath(root)
     if real != real_root and not real.startswith(real_root + "/"):
         raise UnsafeKey(
-            f"{_where(field)}{uri} leads out of the store root through a symbolic link (to {real}); name data "
-            "outside the store by its own file:// URI"
+            f"{_where(field)}{uri} leads out of the store root through a symbolic link (to {real}); name "
+            "data outside the store by its own file:// URI"
         )
 
 
