@@ -154,6 +154,41 @@ def test_csv_parse_errors_withhold_the_row(tmp_path):
     assert SECRET not in str(err.value)
 
 
+def test_a_line_longer_than_a_block_is_read_not_called_malformed(tmp_path, monkeypatch):
+    # blocks of 1 KiB, growing to 64 KiB: a 20 KB line after 500 rows restarts the read with larger blocks,
+    # and the rows already counted are skipped, never counted twice
+    monkeypatch.setattr(data, "CSV_BLOCK_BYTES", 1024)
+    monkeypatch.setattr(data, "HEADER_BLOCK_BYTES", 64)
+    rows = [f"{'xyz'[i % 3]},{i % 4},{i % 30}" for i in range(1000)]
+    path = tmp_path / "long.csv"
+    path.write_text(
+        "a,b,c,note\n" + "\n".join(r + ("," + "n" * 20_000 if i == 500 else ",") for i, r in enumerate(rows))
+    )
+    got = [b for b in data.record_batches(f"file://{path}", "csv", ["a", "c"])]
+    assert sum(b.num_rows for b in got) == 1000
+    assert pa.Table.from_batches(got).column("c").to_pylist() == [str(i % 30) for i in range(1000)]
+    monkeypatch.setattr(data, "MAX_CSV_BLOCK_BYTES", 4096)  # a line over the cap: a clear error, no row
+    with pytest.raises(DatasetError, match="no line over") as err:
+        list(data.record_batches(f"file://{path}", "csv", ["a", "c"]))
+    assert "nnnn" not in str(err.value)
+
+
+def test_a_wide_csv_header_is_read_without_inferring_every_column(tmp_path):
+    # 10^5 columns (a 600 KB header, longer than the first read): the names come from the csv module
+    names = ["a", "b", "c"] + [f"x{i}" for i in range(100_000)]
+    path = tmp_path / "wide.csv"
+    path.write_text(",".join(names) + "\n" + "x,1,20," + ",".join("0" for _ in range(100_000)) + "\n")
+    assert data.column_names(f"file://{path}", "csv") == names
+    assert data.scan(f"file://{path}", "csv", attrs_abc()) is not None
+    quoted = tmp_path / "quoted.csv"
+    quoted.write_text('"a","b ""two""","c\nd"\n1,2,3\n')  # quotes and a newline inside a name
+    assert data.column_names(f"file://{quoted}", "csv") == ["a", 'b "two"', "c\nd"]
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(DatasetError, match="empty"):
+        data.column_names(f"file://{empty}", "csv")
+
+
 def test_missing_dataset(tmp_path):
     with pytest.raises(Exception, match="does not exist"):
         data.scan(f"file://{tmp_path}/nope.csv", "csv", attrs_abc())

@@ -132,7 +132,9 @@ def test_other_buckets_only_where_the_deployment_grants_them(monkeypatch):
         check_policy(parse_spec(spec), "s3://bucket", grants)
     read = refused({"kind": "getbatch", "items": [{"uri": "s3://datasets/private/a.bin"}]})
     assert read[0]["field"] == "items.0.uri" and "shardfold:readBuckets" in read[0]["error"]
-    wrote = refused({"kind": "getbatch", "items": [{"uri": "data/a"}], "output": "s3://datasets/public/x.tar"})
+    wrote = refused(
+        {"kind": "getbatch", "items": [{"uri": "data/a"}], "output": "s3://datasets/public/x.tar"}
+    )
     assert wrote[0]["field"] == "output" and "shardfold:writeBuckets" in wrote[0]["error"]
     # the tasks hold a spec to the grants in their environment, as deployed
     monkeypatch.setenv("SHARDFOLD_OUTPUT_PREFIXES", "results/")

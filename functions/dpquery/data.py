@@ -25,6 +25,8 @@ are never passed on: a parse failure becomes a :class:`DatasetError` without the
 
 from __future__ import annotations
 
+import codecs
+import csv
 import io
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,9 +42,13 @@ from functions.dpquery.spec import DPAttribute
 from functions.errors import DatasetError, ObjectNotFound, PlanError
 from functions.store.uri import is_s3, local_path
 
-# Rows per Parquet record batch, and bytes per CSV block: bound the memory of one step of a scan.
+# Rows per Parquet record batch, and bytes per CSV block: bound the memory of one step of a scan. A block
+# holds whole lines, so a file whose longest line (or header) is longer is read again with blocks 4x as
+# large, up to MAX_CSV_BLOCK_BYTES (a valid CSV with a 50 MB line or 10^6 columns is still read).
 BATCH_ROWS = 1 << 17
 CSV_BLOCK_BYTES = 8 << 20
+HEADER_BLOCK_BYTES = 1 << 16
+MAX_CSV_BLOCK_BYTES = 64 << 20
 # S3 reads are buffered in chunks of this size (one ranged GET each).
 READ_CHUNK_BYTES = 8 << 20
 # A dense histogram larger than this is refused (the planner bounds marginal sizes far below it).
@@ -103,24 +109,61 @@ def _open(uri: str):
         raise ObjectNotFound(f"dataset {uri} does not exist; check the spec's 'dataset' URI") from None
 
 
+def _block_too_small(exc: BaseException) -> bool:
+    """pyarrow's CSV reader failed because a line (or the header) is longer than its block."""
+    text = str(exc)
+    return "straddl" in text or "cannot infer number of columns" in text
+
+
+def _csv_reader(f, block: int, **convert: object) -> tuple[pcsv.CSVStreamingReader, int]:
+    """Open a CSV stream on ``f`` (at its start) with blocks of at least ``block`` bytes, growing them until
+    the header fits; ``(reader, block size used)``."""
+    while True:
+        try:
+            reader = pcsv.open_csv(
+                f,
+                read_options=pcsv.ReadOptions(block_size=block, use_threads=False),
+                convert_options=pcsv.ConvertOptions(**convert),
+            )
+            return reader, block
+        except pa.ArrowInvalid as exc:
+            if not _block_too_small(exc) or block >= MAX_CSV_BLOCK_BYTES:
+                raise
+            block = min(block * 4, MAX_CSV_BLOCK_BYTES)
+            f.seek(0)
+
+
+def _csv_header(f) -> list[str]:
+    """The CSV's header row, read with the csv module from a prefix of the file that grows until it holds
+    the whole row: pyarrow would infer a type for every column (52 s and 8.5 GB for 10^6 columns)."""
+    size = HEADER_BLOCK_BYTES
+    while True:
+        f.seek(0)
+        head = f.read(size)
+        at_end = len(head) < size
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=at_end).removeprefix("\ufeff")
+        lines = io.StringIO(text, newline="")
+        row = next(csv.reader(lines), None)
+        if row is None:
+            raise DatasetError("the CSV file is empty; it needs a header row naming its columns")
+        if lines.read() or at_end:
+            return row
+        if size >= MAX_CSV_BLOCK_BYTES:
+            raise DatasetError(f"the CSV header row is longer than {MAX_CSV_BLOCK_BYTES >> 20} MiB")
+        size *= 4
+
+
 def column_names(uri: str, fmt: str) -> list[str]:
     """The dataset's column names (the CSV header row, or the Parquet schema)."""
     with _open(uri) as f:
         try:
             if fmt == "parquet":
                 return list(pq.ParquetFile(f).schema_arrow.names)
-            reader = pcsv.open_csv(
-                f,
-                read_options=pcsv.ReadOptions(block_size=1 << 16),
-                convert_options=pcsv.ConvertOptions(
-                    column_types={},
-                    strings_can_be_null=True,
-                    # inference is irrelevant here: only the names are used
-                ),
-            )
-            return list(reader.schema.names)
-        except (pa.ArrowException, OSError) as exc:
+            return _csv_header(f)
+        except (pa.ArrowException, OSError, UnicodeDecodeError, csv.Error) as exc:
             raise _opaque(uri, fmt, exc) from None
+        except DatasetError as exc:
+            raise DatasetError(f"dataset {uri}: {exc}") from None
 
 
 def _opaque(uri: str, fmt: str, exc: BaseException) -> DatasetError:
@@ -129,7 +172,12 @@ def _opaque(uri: str, fmt: str, exc: BaseException) -> DatasetError:
     return DatasetError(
         f"dataset {uri} could not be read as {fmt.upper()} ({kind}; details withheld because they may "
         f"contain data). Check that the file is a valid {fmt.upper()} file"
-        + (" with a header row and the same number of fields on every line" if fmt == "csv" else "")
+        + (
+            " with a header row, the same number of fields on every line and no line over "
+            f"{MAX_CSV_BLOCK_BYTES >> 20} MiB"
+            if fmt == "csv"
+            else ""
+        )
     )
 
 
@@ -149,28 +197,44 @@ def record_batches(uri: str, fmt: str, columns: Sequence[str]) -> Iterator[pa.Re
     try:
         if fmt == "parquet":
             pf = pq.ParquetFile(f)
-            iterator = pf.iter_batches(batch_size=BATCH_ROWS, columns=list(columns), use_threads=False)
-        else:
-            iterator = pcsv.open_csv(
-                f,
-                read_options=pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES, use_threads=False),
-                convert_options=pcsv.ConvertOptions(
-                    include_columns=list(columns),
-                    column_types={c: pa.string() for c in columns},
-                    strings_can_be_null=True,
-                    quoted_strings_can_be_null=False,
-                ),
-            )
-        while True:
+            batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=list(columns), use_threads=False)
             try:
-                batch = next(iterator)
-            except StopIteration:
-                return
+                yield from batches
             except (pa.ArrowException, OSError) as exc:
                 raise _opaque(uri, fmt, exc) from None
-            yield batch
+        else:
+            yield from _csv_batches(uri, f, columns)
     finally:
         f.close()
+
+
+def _csv_batches(uri: str, f, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
+    """The CSV's record batches. A line longer than the block restarts the read with larger blocks and
+    skips the rows already produced (a CSV reads to the same rows in the same order every time)."""
+    convert = {
+        "include_columns": list(columns),
+        "column_types": {c: pa.string() for c in columns},
+        "strings_can_be_null": True,
+        "quoted_strings_can_be_null": False,
+    }
+    block, produced = CSV_BLOCK_BYTES, 0
+    while True:
+        seen = 0
+        try:
+            reader, block = _csv_reader(f, block, **convert)
+            for batch in reader:
+                skip = min(max(produced - seen, 0), batch.num_rows)
+                seen += batch.num_rows
+                if skip < batch.num_rows:
+                    produced += batch.num_rows - skip
+                    yield batch.slice(skip) if skip else batch
+            return
+        except (pa.ArrowException, OSError) as exc:
+            if isinstance(exc, pa.ArrowInvalid) and _block_too_small(exc) and block < MAX_CSV_BLOCK_BYTES:
+                block = min(block * 4, MAX_CSV_BLOCK_BYTES)
+                f.seek(0)
+                continue
+            raise _opaque(uri, "csv", exc) from None
 
 
 # --- domains ------------------------------------------------------------------------------------------------
