@@ -131,11 +131,9 @@ def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
 
 def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
     """The shard's rows: only the row groups overlapping its row range, only the needed columns."""
-    import pyarrow.parquet as pq
+    from functions.inference.shards import open_parquet, parquet_errors
 
-    from functions.inference.shards import _parquet_source
-
-    pf = pq.ParquetFile(_parquet_source(shard["uri"]))
+    pf = open_parquet(shard["uri"], shard["input"])
     names = set(pf.schema_arrow.names)
     columns = [spec.field] + ([spec.id_field] if spec.id_field else [])
     for c in columns:
@@ -149,7 +147,8 @@ def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
             groups.append(g)
             first = pos if first is None else first
         pos += n
-    table = pf.read_row_groups(groups, columns=columns).slice(start - (first or 0), shard["rows"])
+    with parquet_errors(shard["input"]):
+        table = pf.read_row_groups(groups, columns=columns).slice(start - (first or 0), shard["rows"])
     texts = table.column(spec.field).to_pylist()
     ids = table.column(spec.id_field).to_pylist() if spec.id_field else [None] * len(texts)
     rows = _Rows(spec, shard)

@@ -22,6 +22,8 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -203,10 +205,29 @@ def jsonl_line_index(uri: str) -> list[tuple[int, int, int]]:
     return rows
 
 
-def parquet_num_rows(uri: str) -> int:
+@contextmanager
+def parquet_errors(where: str) -> Iterator[None]:
+    """pyarrow's failures on a bad Parquet input as one :class:`BadInputError` naming the input."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as exc:
+        reason = str(exc).split(". ")[0].strip().rstrip(".")
+        raise BadInputError(f"{where}: not a readable Parquet file ({reason})") from None
+
+
+def open_parquet(uri: str, where: str):
+    """The Parquet file at ``uri`` (a ``pyarrow.parquet.ParquetFile``); a bad file raises
+    :class:`BadInputError` naming ``where``."""
     import pyarrow.parquet as pq
 
-    return pq.ParquetFile(_parquet_source(uri)).metadata.num_rows
+    with parquet_errors(where):
+        return pq.ParquetFile(_parquet_source(uri))
+
+
+def parquet_num_rows(uri: str, where: str = "") -> int:
+    return open_parquet(uri, where or uri).metadata.num_rows
 
 
 class RangedReader(io.RawIOBase):
@@ -266,7 +287,7 @@ def make_shards(spec: InferenceJob, store_root: str) -> list[dict[str, Any]]:
                 lines = jsonl_line_index(uri)
                 n = len(lines)
             else:
-                n = parquet_num_rows(uri)
+                n = parquet_num_rows(uri, f"inputs.{i} {raw}")
         except BadInputError:
             raise
         except Exception as exc:
