@@ -1,0 +1,26 @@
+"""The adversarial suite's backends: one client per backend, seeded (see :mod:`probekit`)."""
+
+from __future__ import annotations
+
+import pytest
+from probekit import Env, seed
+
+from client import Client
+
+
+@pytest.fixture(scope="module", params=["local", "moto"])
+def env(request, tmp_path_factory):
+    home = tmp_path_factory.mktemp(f"adversarial-{request.param}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDFOLD_HOME", str(home / "store"))
+        if request.param == "moto":
+            for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+                mp.delenv(var, raising=False)
+            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            mp.setenv("SHARDFOLD_S3_TRANSPORT", "boto3")  # in-process moto answers botocore only
+        with Client(backend=request.param) as client:
+            e = Env(request.param, client, client.store_root, home)
+            seed(e)
+            yield e
