@@ -127,3 +127,13 @@ class ModelLoadError(ShardfoldError):
     def __init__(self, message: str, uri: str | None = None):
         super().__init__(message)
         self.uri = uri
+
+
+class InputChanged(StoreError):
+    """An input object changed after the job was planned: replaced, rewritten or resized since the plan
+    recorded its pin (size and ETag on S3; size, mtime and inode locally). The job fails without retries,
+    naming ``uri``; nothing read from the new object is used. Submit a new job to use the new content."""
+
+    def __init__(self, message: str, uri: str | None = None):
+        super().__init__(message)
+        self.uri = uri

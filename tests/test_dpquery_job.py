@@ -380,3 +380,20 @@ def test_a_bad_dataset_fails_the_job_on_moto_without_touching_the_ledger(moto_cl
     assert status.state == "FAILED"
     assert "DatasetError" in status.error and "'age'" in status.error
     assert ledger_types(bucket, "people-bad") == []
+
+
+def test_a_dataset_replaced_after_the_plan_fails_measure_naming_it(tmp_path):
+    """The same bytes written again (a new file: same size, new inode and mtime) after the plan: a size
+    check alone passed it; the pin refuses it, before anything is measured."""
+    from functions.errors import InputChanged
+
+    root = f"file://{tmp_path}"
+    dataset, _ = make_dataset(root)
+    spec = parse_spec(spec_doc(dataset))
+    job_id = new_job_id("dpquery")
+    core.prepare(spec, job_id, root)
+    core.measure(spec, job_id, root, 0)  # unchanged: measured
+    store.put(dataset, store.get(dataset))
+    with pytest.raises(InputChanged, match=f"{dataset} changed since the job was planned"):
+        core.measure(spec, job_id, root, 1)
+    assert not store.exists(core.measurement_uri(root, job_id, 1))

@@ -358,3 +358,39 @@ def test_cli_invoke_steps_through_a_job_by_hand(home):
     committed = json.loads(invoke("invoke", "fedavg.commit", "fedavg_commit").output)
     assert committed["clients"] == 3 and committed["output"].endswith("output/model.safetensors")
     assert local_path(committed["output"]).stat().st_size == committed["bytes"]
+
+
+# --- inputs pinned at plan ----------------------------------------------------------------------------------
+
+
+def replace_after_prepare(monkeypatch, key_uri: str, data: bytes) -> None:
+    """Let the job plan, then put ``data`` at ``key_uri`` before any aggregate task reads it."""
+    from functions.fedavg import core
+
+    real = core.prepare
+
+    def prepare_then_change(*args, **kwargs):
+        out = real(*args, **kwargs)
+        store.put(key_uri, data)
+        return out
+
+    monkeypatch.setattr(core, "prepare", prepare_then_change)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("moto", marks=pytest.mark.slow)])
+def test_a_client_replaced_after_the_plan_fails_the_job_naming_it(backend, request, monkeypatch):
+    """A client replaced after plan used to be read at the planned offsets (its header 333 bytes longer:
+    values near 1e34) and the job SUCCEEDED. Here the new file is even the same size: only the pin (ETag, or
+    inode and mtime) tells, and the job fails naming the client."""
+    client = request.getfixturevalue(f"{backend}_client")
+    updates = fedavg_updates(SMALL, 3, seed=11)
+    keys = save_all(client, f"rounds/pin-{backend}", updates)
+    other = encode_update(fedavg_updates(SMALL, 1, seed=12)[0][0], updates[1][1])
+    assert len(other) == store.size(client.uri(keys[1])) and other != store.get(client.uri(keys[1]))
+    replace_after_prepare(monkeypatch, client.uri(keys[1]), other)
+    job = client.fedavg.submit(keys, output=f"results/pin-{backend}.safetensors")
+    status = job.wait(progress=False, timeout_s=WAIT_S)
+    assert status.state == "FAILED", status.error
+    assert "InputChanged" in status.error or "changed since the job was planned" in status.error
+    assert "client 1" in status.error and keys[1] in status.error, status.error
+    assert not store.exists(client.uri(f"results/pin-{backend}.safetensors"))

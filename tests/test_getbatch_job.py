@@ -107,3 +107,45 @@ def test_state_payloads_stay_small_for_100k_items(tmp_path):
     result = store.get_json(join(root, "jobs", job_id, "result.json"))
     assert result["items"] == 100_000 and result["parts"] == 20
     assert len(json.dumps(result)) < 1024
+
+
+# --- inputs pinned at plan ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_client(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    with Client() as c:
+        yield c
+
+
+@pytest.mark.parametrize("backend", ["local", "moto"])
+@pytest.mark.parametrize("changed", ["obj-03.bin", "shard.tar"])
+def test_an_item_replaced_after_the_plan_fails_the_job_naming_it(
+    backend, changed, moto_client, local_client, monkeypatch
+):
+    """An object replaced (same size, new bytes) between plan and gather fails the job naming it, even with
+    continue_on_error: a changed input is never a placeholder. A TAR shard's member index is pinned too."""
+    from functions.getbatch import core
+
+    client = moto_client if backend == "moto" else local_client
+    items = request(client.store_root)
+    target = join(client.store_root, "data", changed)
+    old = store.get(target)
+    new = old.replace(b"a.txt" * 50, b"A.TXT" * 50) if changed == "shard.tar" else bytes([99]) * len(old)
+    assert len(new) == len(old) and new != old
+    real = core.prepare
+
+    def prepare_then_change(*args, **kwargs):
+        out = real(*args, **kwargs)
+        store.put(target, new)
+        return out
+
+    monkeypatch.setattr(core, "prepare", prepare_then_change)
+    spec = {"kind": "getbatch", "items": items, "items_per_part": 4, "continue_on_error": True}
+    job = client.submit(spec)
+    status = job.wait(progress=False, timeout_s=WAIT_S)
+    assert status.state == "FAILED", status.error
+    assert "changed since the job was planned" in status.error and target in status.error, status.error
+    monkeypatch.setattr(core, "prepare", real)
+    assert client.submit(spec).wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"  # a new plan

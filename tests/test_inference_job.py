@@ -297,3 +297,73 @@ def test_bad_gpu_workers_is_a_spec_error_naming_the_field(workers):
 
     with pytest.raises(SpecError, match="gpu_workers"):
         parse_spec({"kind": "inference", "inputs": ["a.jsonl"], "field": "text", "gpu_workers": workers})
+
+
+# --- inputs pinned at plan ----------------------------------------------------------------------------------
+
+
+def change_after_prepare(monkeypatch, uri: str, data: bytes) -> None:
+    """Let the job plan its shards (byte ranges), then put ``data`` at ``uri`` before any shard is read."""
+    from functions import store
+    from functions.inference import pipeline
+
+    real = pipeline.prepare
+
+    def prepare_then_change(*args, **kwargs):
+        out = real(*args, **kwargs)
+        store.put(uri, data)
+        return out
+
+    monkeypatch.setattr(pipeline, "prepare", prepare_then_change)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "moto"])
+def test_an_input_replaced_after_the_plan_fails_the_job_naming_it(backend, request, monkeypatch):
+    """A JSONL input replaced by one of the same size (a row's text reversed) after the plan: the shards'
+    byte ranges still parse, so without the pin the job would embed the new text and succeed."""
+    client = request.getfixturevalue(f"{backend}_client")
+    rows = inference_corpus(8, seed=9)
+    key = put_corpus(client, f"pin/{backend}.jsonl", rows)
+    changed = [dict(r) for r in rows]
+    changed[5]["text"] = changed[5]["text"][::-1]
+    new = corpus_bytes(changed)
+    assert len(new) == len(corpus_bytes(rows)) and new != corpus_bytes(rows)
+    change_after_prepare(monkeypatch, client.uri(key), new)
+    spec = {"kind": "inference", "inputs": [key], "field": "text", "id_field": "id", "shard_rows": 4}
+    job = client.submit(spec)
+    status = job.wait(progress=False, timeout_s=WAIT_S)
+    assert status.state == "FAILED", status.error
+    if backend == "moto":
+        # moto's interpreter reports the workers' Map (each worker stops on the CPU stage's failure) with its
+        # own error; the CPU stage's error, which the workers saw, is in cpu_failed.json
+        from functions import store
+        from functions.inference.shards import cpu_failed_uri
+
+        msg = store.get_json(cpu_failed_uri(client.store_root, job.job_id))["error"]
+    else:
+        msg = status.error
+    assert "changed since the job was planned" in msg and client.uri(key) in msg, msg
+
+
+@pytest.mark.slow
+def test_a_parquet_input_replaced_after_the_plan_fails_the_job_naming_it(local_client, monkeypatch):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from functions import store
+
+    def parquet(rows: list[dict]) -> bytes:
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buf, row_group_size=4)
+        return buf.getvalue()
+
+    rows = inference_corpus(8, seed=10)
+    uri = local_client.uri("pin/in.parquet")
+    store.put(uri, parquet(rows))
+    change_after_prepare(monkeypatch, uri, parquet(list(reversed(rows))))
+    with pytest.raises(JobFailed) as err:
+        inference.run("pin/in.parquet", field="text", id_field="id", shard_rows=4, client=local_client)
+    assert "changed since the job was planned" in str(err.value) and uri in str(err.value), str(err.value)

@@ -474,9 +474,9 @@ def test_parquet_over_ranged_reads(root, monkeypatch):
     reads = []
     real_get = store.get
 
-    def get(u, start=0, length=None):
+    def get(u, start=0, length=None, pin=None):
         reads.append((start, length))
-        return real_get(u, start, length)
+        return real_get(u, start, length, pin)
 
     monkeypatch.setattr(store, "get", get)
     r = layout.RangedReader(uri)

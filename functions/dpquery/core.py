@@ -123,13 +123,18 @@ def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
     access.not_an_input(
         output_prefix(spec, store_root, job_id), [("dataset", dataset)], "output", prefix=True
     )
+    # pinned before the scan, so a dataset changed during it fails the measure steps (None: the scan names
+    # the missing dataset)
+    pin = store.pins([dataset])[dataset]
     fingerprint = data.scan(dataset, spec.format, spec.attributes)
+    pin = pin or store.pin(dataset)
     summary = ledger.reserve(store_root, spec.dataset_id, job_id, spec.rho(), spec.dataset_budget_rho)
     doc = {
         "job_id": job_id,
         "dataset": dataset,
         "format": spec.format,
         "dataset_bytes": fingerprint["bytes"],
+        "dataset_pin": pin.to_doc(),
         "measure_groups": [list(g) for g in pl.residual_groups(spec.noise_samples_per_task)],
         "reconstruct_groups": [list(g) for g in pl.marginal_groups(spec.cells_per_task)],
         "plan": pl.to_doc(),
@@ -195,7 +200,9 @@ def measure(
         logger.info("measurement exists; reused", extra={"job_id": job_id, "group": group})
         return _measure_result(group, meta, reused=True)
     dataset = doc["dataset"]
-    if store.size(dataset) != doc["dataset_bytes"]:
+    if "dataset_pin" in doc:  # size and ETag, or size, mtime and inode: InputChanged naming the dataset
+        store.verify(dataset, store.Pin(**doc["dataset_pin"]))
+    elif store.size(dataset) != doc["dataset_bytes"]:  # a plan written before inputs were pinned
         raise DatasetError(f"dataset {dataset} changed since the job was planned; submit a new job")
     sigma2 = pl.sigma2
     rho_s = pl.rho_s

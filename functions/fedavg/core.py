@@ -75,7 +75,6 @@ import math
 import tempfile
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -86,6 +85,7 @@ from functions import access, store
 from functions.errors import (
     AggregationOverflow,
     BatchItemError,
+    InputChanged,
     InvalidModelFile,
     InvalidRange,
     NonFiniteAggregate,
@@ -126,13 +126,13 @@ from functions.fedavg.sizing import (
 from functions.fedavg.spec import FedAvgJob
 from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
+from functions.store.pinning import Pin
 from functions.store.retry import TransientError
 from functions.store.uri import is_s3, join
 
 logger = Logger(service="shardfold")
 
 STAGE = "fedavg"
-HEAD_THREADS = 32
 DEFAULT_FORMAT = "pt"  # __metadata__["format"] when client 0's file has none (what transformers expects)
 
 
@@ -181,6 +181,8 @@ def _batch_error(exc: BatchItemError, uris: list[str], what: str) -> ShardfoldEr
     """A GetBatch failure as an error naming the client (the item index is the client's)."""
     i, uri = exc.index, uris[exc.index] if exc.index < len(uris) else exc.item
     cause = exc.__cause__
+    if isinstance(cause, InputChanged):
+        return InputChanged(f"{where(i, uri)}: {cause}", uri=uri)
     if isinstance(cause, ObjectNotFound):
         return ObjectNotFound(f"{where(i, uri)}: no object at {uri}")
     if isinstance(cause, InvalidRange):
@@ -190,25 +192,13 @@ def _batch_error(exc: BatchItemError, uris: list[str], what: str) -> ShardfoldEr
     return StoreError(f"{where(i, uri)}: {exc.reason}")
 
 
-class _Sizes:
-    """Object sizes (HEAD / stat), fetched concurrently from construction on; read in client order."""
-
-    def __init__(self, uris: list[str]):
-        self.pool = ThreadPoolExecutor(min(HEAD_THREADS, len(uris)), thread_name_prefix="sf-fedavg-head")
-        self.futures = [self.pool.submit(store.size, u) for u in uris]
-
-    def get(self, i: int) -> int:
-        return self.futures[i].result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
 def inspect(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None) -> ShardPlan:
     """Read and check every client's header and size, resolve weights, choose shards; write nothing.
 
-    Requests: 2 ranged GETs and 1 HEAD per client. Memory: client 0's parsed header plus one other at a
-    time, and one offset list per distinct layout. ``budget`` defaults to :class:`Budget()` (the deployed
+    Requests: 1 HEAD (the client's pin: size and ETag, or size, mtime and inode) then 2 ranged GETs per
+    client, the GETs pinned, so the plan describes exactly the objects the aggregate tasks will read (they
+    refuse any other: :class:`InputChanged`). Memory: client 0's parsed header plus one other at a time,
+    and one offset list per distinct layout. ``budget`` defaults to :class:`Budget()` (the deployed
     functions); tests pass small ones.
     """
     budget = budget or Budget()
@@ -220,21 +210,25 @@ def inspect(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
             f"output {out} must be in the job's store ({store_root.split('://')[0]}://): the parts are "
             "assembled into it server-side"
         )
-    sizes = _Sizes(uris)  # the HEADs run while the headers are read
-    try:
-        return _inspect(spec, job_id, uris, out, sizes, budget)
-    finally:
-        sizes.close()
+    found = store.pins(uris)  # all in flight at once (the CRT client, or the shared thread pool)
+    pins: list[Pin] = []
+    for i, u in enumerate(uris):
+        if (p := found[u]) is None:
+            raise ObjectNotFound(f"{where(i, u)}: no object at {u}")
+        pins.append(p)
+    return _inspect(spec, job_id, uris, out, pins, budget)
 
 
 def _inspect(
-    spec: FedAvgJob, job_id: str, uris: list[str], out: str, sizes: _Sizes, budget: Budget
+    spec: FedAvgJob, job_id: str, uris: list[str], out: str, pins: list[Pin], budget: Budget
 ) -> ShardPlan:
     n = len(uris)
+    pinned = dict(zip(uris, pins, strict=True))
 
     lengths: list[int] = []
+    prefixes = [{"uri": u, "start": 0, "length": PREFIX_BYTES} for u in uris]
     try:
-        with store.get_batch([{"uri": u, "start": 0, "length": PREFIX_BYTES} for u in uris]) as stream:
+        with store.get_batch(prefixes, pins=pinned) as stream:
             for entry in stream:
                 lengths.append(parse_length_prefix(entry.data, entry.index, uris[entry.index]))
     except BatchItemError as exc:
@@ -248,7 +242,7 @@ def _inspect(
     data_bytes = 0
     items = [{"uri": u, "start": PREFIX_BYTES, "length": n_} for u, n_ in zip(uris, lengths, strict=True)]
     try:
-        with store.get_batch(items) as stream:
+        with store.get_batch(items, pins=pinned) as stream:
             for entry in stream:
                 i, uri = entry.index, uris[entry.index]
                 header = parse_header(entry.data, i, uri)
@@ -260,7 +254,7 @@ def _inspect(
                     check_like_first(first, header, i, uri)
                 key = tuple(header.tensors[t.name].begin for t in order)
                 layout = layouts.setdefault(key, len(layouts))
-                clients.append(ClientRef(uri, None, header.data_start, layout))
+                clients.append(ClientRef(uri, None, header.data_start, layout, pins[i]))
                 metadata.append(header.metadata)
     except BatchItemError as exc:
         i = exc.index
@@ -272,15 +266,13 @@ def _inspect(
         ) from None
     assert first is not None
     for i in range(n):
-        try:
-            size = sizes.get(i)
-        except ObjectNotFound:
-            raise ObjectNotFound(f"{where(i, uris[i])}: no object at {uris[i]}") from None
-        check_object_size(_header_of(clients[i], data_bytes), size, i, uris[i])
+        check_object_size(_header_of(clients[i], data_bytes), pins[i].size, i, uris[i])
 
     # Weights last: a broken file is reported as broken before its metadata is judged.
     weights = [_weight(spec, metadata[i], i, uris[i], weight_needed) for i in range(n)]
-    clients = [ClientRef(c.uri, w, c.data_start, c.layout) for c, w in zip(clients, weights, strict=True)]
+    clients = [
+        ClientRef(c.uri, w, c.data_start, c.layout, c.pin) for c, w in zip(clients, weights, strict=True)
+    ]
     total = _total_weight(spec, weights, uris) if all(w is not None for w in weights) else None
     # Only inputs and options go into the header, so the same round gives the same bytes in any job.
     out_meta = {"format": first.metadata.get("format", DEFAULT_FORMAT)}
@@ -475,7 +467,8 @@ def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
     reads = read_bytes = 0
     current: _Chunk | None = None
     reducers: list[kernels.Reducer] = []
-    stream = store.get_batch(items(), window=plan.read_window, concurrency=plan.read_window)
+    pins = {c.uri: c.pin for c in plan.clients if c.pin is not None}
+    stream = store.get_batch(items(), window=plan.read_window, concurrency=plan.read_window, pins=pins)
     try:
         # Overflow and NaN arithmetic is detected on the results (or allowed), not warned about.
         with stream, np.errstate(over="ignore", invalid="ignore"):
@@ -529,7 +522,7 @@ def _piece_inputs(plan: ShardPlan, chunk: _Chunk, j: int) -> Iterator[tuple[int,
         for r in chunk.layout_runs[c.layout]:
             for jj, off in r.pieces:
                 if jj == j:
-                    data = store.get(c.uri, c.data_start + r.start + off, seg.count * t.dt.itemsize)
+                    data = store.get(c.uri, c.data_start + r.start + off, seg.count * t.dt.itemsize, c.pin)
                     yield i, np.frombuffer(data, dtype=t.dt.np)
 
 

@@ -41,6 +41,7 @@ from typing import Any
 from functions.errors import PlanError
 from functions.fedavg import kernels
 from functions.fedavg.layout import Tensor, encode_header
+from functions.store.pinning import Pin
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every multipart part but the last
@@ -101,6 +102,7 @@ class ClientRef:
     weight: float | None  # the resolved weight (None when the job does not use weights and none was found)
     data_start: int  # 8 + its header length
     layout: int  # index into ShardPlan.layouts
+    pin: Pin | None = None  # the object read at plan time; the aggregate tasks read only that one
 
 
 @dataclass
@@ -197,7 +199,10 @@ class ShardPlan:
     def to_doc(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["tensors"] = [[t.name, t.dtype, list(t.shape), t.begin, t.end] for t in self.tensors]
-        doc["clients"] = [[c.uri, c.weight, c.data_start, c.layout] for c in self.clients]
+        doc["clients"] = [
+            [c.uri, c.weight, c.data_start, c.layout, *([c.pin.to_doc()] if c.pin else [])]
+            for c in self.clients
+        ]
         return doc
 
     @classmethod
@@ -206,7 +211,9 @@ class ShardPlan:
         if doc.get("version") != 1:
             raise PlanError(f"plan document version {doc.get('version')!r} is not supported (expected 1)")
         doc["tensors"] = [Tensor(n, d, tuple(s), b, e) for n, d, s, b, e in doc["tensors"]]
-        doc["clients"] = [ClientRef(u, w, s, j) for u, w, s, j in doc["clients"]]
+        doc["clients"] = [
+            ClientRef(*c[:4], Pin.from_doc(c[4]) if len(c) > 4 else None) for c in doc["clients"]
+        ]
         doc["budget"] = Budget.from_doc(doc.get("budget"))
         return cls(**doc)
 

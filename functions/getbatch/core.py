@@ -2,10 +2,13 @@
 
 * **plan** splits the request into parts of ``items_per_part`` items, writes each part's item list and a
   manifest listing the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
-  through the control plane.
+  through the control plane. Every object the request names is pinned (one HEAD or stat per distinct
+  object, all in flight at once) and each part records the pins of its objects.
 * **gather** fetches one part with the GetBatch engine and streams it into the store as a TAR *fragment*
-  (members only, no end-of-archive marker) plus its per-item status rows; the only part of a request is
-  written as the whole archive at the output URI, with nothing left to assemble.
+  (members only, no end-of-archive marker) plus its per-item status rows; every read carries its object's
+  pin, so an object changed since the plan fails the job (:class:`InputChanged`, never a placeholder);
+  the only part of a request is written as the whole archive at the output URI, with nothing left to
+  assemble.
 * **assemble** concatenates the fragments and a TAR trailer into one archive server-side, writes the
   per-item status manifest and the job result, then removes the temporaries.
 
@@ -25,6 +28,7 @@ from pydantic import ValidationError
 from functions import access, store
 from functions.errors import (
     BatchItemError,
+    InputChanged,
     ObjectNotFound,
     ShardfoldError,
     SpecError,
@@ -145,13 +149,15 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
     if spec.manifest:
         inputs.append(("manifest", access.input_uri(spec.manifest, store_root, "manifest")))
     access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
+    pins = store.pins(list(dict.fromkeys(item.uri for item in items)))  # None: missing (a soft error later)
     size = spec.items_per_part
     n_parts = math.ceil(len(items) / size)
     manifest = []
     for p in range(n_parts):
         chunk = items[p * size : (p + 1) * size]
         uri = job_uri(store_root, job_id, STAGE, "parts", f"{p:05d}.json")
-        store.put_json(uri, [i.model_dump(exclude_none=True) for i in chunk])
+        part_pins = {i.uri: pin.to_doc() for i in chunk if (pin := pins[i.uri]) is not None}
+        store.put_json(uri, {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins})
         manifest.append({"part": p, "first": p * size, "count": len(chunk), "of": n_parts})
     manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
     store.put_json(manifest_uri, manifest)
@@ -164,11 +170,15 @@ def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: in
 
     The only part of a request (``parts == 1``) is written as the whole archive, trailer included, at the
     output URI: there is nothing to assemble, so the data is written once instead of twice."""
-    items = [BatchItem.model_validate(d) for d in store.get_json(_part_uri(store_root, job_id, part))]
+    doc = store.get_json(_part_uri(store_root, job_id, part))
+    if isinstance(doc, list):  # a part list written before inputs were pinned
+        doc = {"items": doc, "pins": {}}
+    items = [BatchItem.model_validate(d) for d in doc["items"]]
+    pins = {uri: store.Pin(**pin) for uri, pin in doc["pins"].items()}
     first = part * spec.items_per_part  # the part's first item in the whole request
     whole = parts == 1
     entries = store.get_batch(
-        items, continue_on_error=spec.continue_on_error, max_soft_errors=spec.max_soft_errors
+        items, continue_on_error=spec.continue_on_error, max_soft_errors=spec.max_soft_errors, pins=pins
     )
     # The fragment streams straight into the store (a multipart upload on S3), so the task holds the
     # engine's window and a write buffer, never the fragment.
@@ -179,6 +189,8 @@ def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: in
             if whole:
                 _check_soft_errors(spec, rows)  # before the archive is committed
     except BatchItemError as exc:  # name the item by its place in the user's request, not the part
+        if isinstance(exc.__cause__, InputChanged):
+            raise InputChanged(f"item {first + exc.index}: {exc.__cause__}", uri=exc.__cause__.uri) from None
         raise BatchItemError(first + exc.index, exc.item, exc.reason) from None
     for row in rows:
         row["index"] += first

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from functions import store
-from functions.errors import ModelLoadError
+from functions.errors import InputChanged, ModelLoadError
 
 # transformers resolves its names lazily on first import, and two threads importing it at once can see a
 # half-initialised module ("cannot import name 'AutoModel'"): workers sharing a process (the moto harness
@@ -120,8 +120,9 @@ class LoadedModel:
         return self._dim
 
 
-def load_model(spec_model: Any, device: Any = None) -> LoadedModel:
-    """Load the spec's model onto ``device`` (default: cuda if available, else cpu), in eval mode."""
+def load_model(spec_model: Any, device: Any = None, pin: Any = None) -> LoadedModel:
+    """Load the spec's model onto ``device`` (default: cuda if available, else cpu), in eval mode. ``pin``:
+    the user model's :class:`~functions.store.Pin` from the plan (:class:`InputChanged` if it changed)."""
     import torch
 
     if device is None:
@@ -130,7 +131,7 @@ def load_model(spec_model: Any, device: Any = None) -> LoadedModel:
     uri = spec_model_uri(spec_model)
     if uri is None:
         return _load_minilm(device)
-    return _load_user(uri, device)
+    return _load_user(uri, device, pin)
 
 
 def _load_minilm(device: Any) -> LoadedModel:
@@ -159,11 +160,13 @@ def _load_minilm(device: Any) -> LoadedModel:
     return loaded
 
 
-def _load_user(uri: str, device: Any) -> LoadedModel:
+def _load_user(uri: str, device: Any, pin: Any = None) -> LoadedModel:
     import torch
 
     try:
-        data = store.get(uri)
+        data = store.get(uri, pin=pin)
+    except InputChanged:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"cannot read the model file {uri}: {exc}", uri=uri) from exc
     with tempfile.TemporaryDirectory(prefix="shardfold-model-") as tmp:

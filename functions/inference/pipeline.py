@@ -48,7 +48,7 @@ def preprocess(spec: InferenceJob, job_id: str, store_root: str, shard: int) -> 
         return {"shard": shard, "cached": True}
     entry = p["shards"][shard]
     try:
-        rows = read_shard(spec, entry)
+        rows = read_shard(spec, entry, layout.plan_pin(p, entry["uri"]))
     except ShardfoldError as exc:
         # The GPU worker polls for shards; tell it the CPU stage failed so it stops instead of waiting.
         store.put_if_absent(

@@ -28,6 +28,7 @@ from functions import store
 from functions.errors import BadInputError
 from functions.inference.shards import tokenizer_path
 from functions.inference.spec import InferenceJob
+from functions.store.pinning import Pin
 
 
 @dataclass
@@ -99,9 +100,10 @@ class _Rows:
         self.out.row_index.append(row_index)
 
 
-def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
-    """The shard's rows from its byte range (one ranged read: memory is bounded by the shard)."""
-    data = store.get(shard["uri"], shard["byte_start"], shard["byte_end"] - shard["byte_start"])
+def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
+    """The shard's rows from its byte range (one ranged read: memory is bounded by the shard), of the
+    pinned object only when given its ``pin``."""
+    data = store.get(shard["uri"], shard["byte_start"], shard["byte_end"] - shard["byte_start"], pin)
     rows = _Rows(spec, shard)
     line_no, row_index = shard["first_line"], shard["row_offset"]
     for raw in data.split(b"\n"):
@@ -129,11 +131,11 @@ def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
     return rows.out
 
 
-def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
+def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
     """The shard's rows: only the row groups overlapping its row range, only the needed columns."""
     from functions.inference.shards import open_parquet, parquet_errors
 
-    pf = open_parquet(shard["uri"], shard["input"])
+    pf = open_parquet(shard["uri"], shard["input"], pin)
     names = set(pf.schema_arrow.names)
     columns = [spec.field] + ([spec.id_field] if spec.id_field else [])
     for c in columns:
@@ -157,10 +159,11 @@ def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
     return rows.out
 
 
-def read_shard(spec: InferenceJob, shard: dict[str, Any]) -> ShardRows:
+def read_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
+    """The shard's rows; given the input's ``pin``, :class:`InputChanged` if it changed since the plan."""
     if shard["format"] == "jsonl":
-        return read_jsonl_shard(spec, shard)
-    return read_parquet_shard(spec, shard)
+        return read_jsonl_shard(spec, shard, pin)
+    return read_parquet_shard(spec, shard, pin)
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -30,9 +30,10 @@ from typing import Any
 from aws_lambda_powertools import Logger
 
 from functions import access, store
-from functions.errors import BadInputError, SpecError
+from functions.errors import BadInputError, InputChanged, SpecError
 from functions.inference.spec import InferenceJob, inference_input_format
 from functions.manifest import manifest_ref
+from functions.store.pinning import Pin, check_local
 from functions.store.uri import join
 
 logger = Logger(service="shardfold")
@@ -152,8 +153,11 @@ def tokenizer_path() -> Path:
     return minilm_dir() / "tokenizer.json"
 
 
-def config_hash(spec: InferenceJob, store_root: str) -> tuple[str, dict[str, Any]]:
-    """``(H, parts)``: H is the first 16 hex digits of the SHA-256 of the parts that decide the output."""
+def config_hash(
+    spec: InferenceJob, store_root: str, pins: dict[str, Pin] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """``(H, parts)``: H is the first 16 hex digits of the SHA-256 of the parts that decide the output.
+    ``pins``: a user model is read only as pinned (:class:`InputChanged` otherwise)."""
     mdir = minilm_dir()
     tok = {name: file_sha256(mdir / name) for name in TOKENIZER_FILES if (mdir / name).exists()}
     if spec.model == "minilm":
@@ -163,7 +167,9 @@ def config_hash(spec: InferenceJob, store_root: str) -> tuple[str, dict[str, Any
         uri = access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
         model_id = f"torchscript:{spec.model.input}"
         try:
-            weights = hashlib.sha256(store.get(uri)).hexdigest()
+            weights = hashlib.sha256(store.get(uri, pin=(pins or {}).get(uri))).hexdigest()
+        except InputChanged:
+            raise
         except Exception as exc:  # ObjectNotFound and friends: name the spec field
             raise SpecError(f"model.torchscript {spec.model.torchscript}: cannot read it ({exc})") from exc
     parts = {
@@ -180,14 +186,15 @@ def config_hash(spec: InferenceJob, store_root: str) -> tuple[str, dict[str, Any
 # ---------------------------------------------------------------------------------------------- rows
 
 
-def jsonl_line_index(uri: str) -> list[tuple[int, int, int]]:
+def jsonl_line_index(uri: str, pin: Pin | None = None) -> list[tuple[int, int, int]]:
     """``(byte_start, byte_end, line_number)`` of every non-blank line of a JSONL object (1-based lines,
-    end excludes the newline), scanning it in ranged reads of :data:`READ_CHUNK` bytes."""
-    total = store.size(uri)
+    end excludes the newline), scanning it in ranged reads of :data:`READ_CHUNK` bytes (of the pinned
+    object only, given a ``pin``)."""
+    total = store.size(uri) if pin is None else pin.size
     rows: list[tuple[int, int, int]] = []
     pos, line_no, line_start, blank = 0, 1, 0, True
     while pos < total:
-        chunk = store.get(uri, pos, min(READ_CHUNK, total - pos))
+        chunk = store.get(uri, pos, min(READ_CHUNK, total - pos), pin)
         i = 0
         while True:
             j = chunk.find(b"\n", i)
@@ -217,25 +224,41 @@ def parquet_errors(where: str) -> Iterator[None]:
         raise BadInputError(f"{where}: not a readable Parquet file ({reason})") from None
 
 
-def open_parquet(uri: str, where: str):
-    """The Parquet file at ``uri`` (a ``pyarrow.parquet.ParquetFile``); a bad file raises
-    :class:`BadInputError` naming ``where``."""
+def open_parquet(uri: str, where: str, pin: Pin | None = None):
+    """The Parquet file at ``uri`` (a ``pyarrow.parquet.ParquetFile``), read as ``pin`` pinned it; a bad
+    file raises :class:`BadInputError` naming ``where``."""
     import pyarrow.parquet as pq
 
-    with parquet_errors(where):
-        return pq.ParquetFile(_parquet_source(uri))
+    source = _parquet_source(uri, pin)  # an open file closes when the ParquetFile goes
+    try:
+        with parquet_errors(where):
+            return pq.ParquetFile(source)
+    except BaseException:
+        if not isinstance(source, str):
+            source.close()
+        raise
 
 
-def parquet_num_rows(uri: str, where: str = "") -> int:
-    return open_parquet(uri, where or uri).metadata.num_rows
+def parquet_num_rows(uri: str, where: str = "", pin: Pin | None = None) -> int:
+    import pyarrow.parquet as pq
+
+    source = _parquet_source(uri, pin)
+    try:
+        with parquet_errors(where or uri):
+            return pq.ParquetFile(source).metadata.num_rows
+    finally:
+        if not isinstance(source, str):
+            source.close()
 
 
 class RangedReader(io.RawIOBase):
     """A seekable read-only file over a store object, every read a ranged GET: pyarrow reads a Parquet
-    footer and the row groups it needs, so a task's memory is bounded by its shard, not by the file."""
+    footer and the row groups it needs, so a task's memory is bounded by its shard, not by the file. Given a
+    ``pin``, every read is of the pinned object only."""
 
-    def __init__(self, uri: str):
-        self.uri, self.pos, self.length = uri, 0, store.size(uri)
+    def __init__(self, uri: str, pin: Pin | None = None):
+        self.uri, self.pos, self.pin = uri, 0, pin
+        self.length = store.size(uri) if pin is None else pin.size
 
     def readable(self) -> bool:
         return True
@@ -255,7 +278,7 @@ class RangedReader(io.RawIOBase):
         end = self.length if size is None or size < 0 else min(self.length, self.pos + size)
         if end <= self.pos:
             return b""
-        data = store.get(self.uri, self.pos, end - self.pos)
+        data = store.get(self.uri, self.pos, end - self.pos, self.pin)
         self.pos += len(data)
         return data
 
@@ -265,30 +288,44 @@ class RangedReader(io.RawIOBase):
         return len(data)
 
 
-def _parquet_source(uri: str):
-    """A file path for local objects, else a :class:`RangedReader` (pyarrow reads only what it needs)."""
+def _parquet_source(uri: str, pin: Pin | None = None):
+    """A file path for local objects, else a :class:`RangedReader` (pyarrow reads only what it needs). With
+    a ``pin``, a local object is opened here and checked (``fstat``) before pyarrow reads that open file."""
     if uri.startswith("file://"):
-        return uri[len("file://") :]
-    return RangedReader(uri)
+        path = uri[len("file://") :]
+        if pin is None:
+            return path
+        f = open(path, "rb")  # noqa: SIM115 - pyarrow reads it; it closes when the ParquetFile goes
+        try:
+            check_local(uri, pin, os.fstat(f.fileno()))
+        except BaseException:
+            f.close()
+            raise
+        return f
+    return RangedReader(uri, pin)
 
 
 # ---------------------------------------------------------------------------------------------- plan
 
 
-def make_shards(spec: InferenceJob, store_root: str) -> list[dict[str, Any]]:
-    """The deterministic shard list over every input's rows, in input order."""
+def make_shards(
+    spec: InferenceJob, store_root: str, pins: dict[str, Pin] | None = None
+) -> list[dict[str, Any]]:
+    """The deterministic shard list over every input's rows, in input order (reading each input as
+    ``pins`` pinned it, when given)."""
     shards: list[dict[str, Any]] = []
     row_offset = 0
     for i, raw in enumerate(spec.inputs):
         uri = access.input_uri(raw, store_root, f"inputs.{i}")
         fmt = inference_input_format(raw)
         try:
+            pin = (pins or {}).get(uri)
             if fmt == "jsonl":
-                lines = jsonl_line_index(uri)
+                lines = jsonl_line_index(uri, pin)
                 n = len(lines)
             else:
-                n = parquet_num_rows(uri, f"inputs.{i} {raw}")
-        except BadInputError:
+                n = parquet_num_rows(uri, f"inputs.{i} {raw}", pin)
+        except (BadInputError, InputChanged):
             raise
         except Exception as exc:
             raise BadInputError(f"inputs.{i} {raw}: cannot read it: {exc}") from exc
@@ -328,13 +365,15 @@ def prepare(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     if not isinstance(spec.model, str):
         inputs.append(("model.torchscript", access.input_uri(spec.model.torchscript, store_root)))
     access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
-    h, parts = config_hash(spec, store_root)
-    shards = make_shards(spec, store_root)
+    # Every input and the user's model pinned first: the plan, and every later read, is of these objects.
+    found = store.pins([uri for _, uri in inputs])
+    pins = {uri: pin for uri, pin in found.items() if pin is not None}  # a missing one fails just below
+    h, parts = config_hash(spec, store_root, pins)
+    shards = make_shards(spec, store_root, pins)
     rows = sum(s["rows"] for s in shards)
-    store.put_json(
-        plan_uri(store_root, job_id),
-        {"format": PLAN_FORMAT, "config_hash": h, "config": parts, "rows": rows, "shards": shards},
-    )
+    plan = {"format": PLAN_FORMAT, "config_hash": h, "config": parts, "rows": rows, "shards": shards}
+    plan["pins"] = {uri: pin.to_doc() for uri, pin in pins.items()}
+    store.put_json(plan_uri(store_root, job_id), plan)
     m_uri = manifest_uri(store_root, job_id)
     store.put_json(m_uri, [{"shard": s["shard"]} for s in shards])
     # more workers than shards would only start GPU instances that find nothing to claim
@@ -353,3 +392,8 @@ def prepare(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
 
 def load_plan(store_root: str, job_id: str) -> dict[str, Any]:
     return store.get_json(plan_uri(store_root, job_id))
+
+
+def plan_pin(plan: dict[str, Any], uri: str) -> Pin | None:
+    """The pin ``prepare`` recorded for ``uri`` (None in a plan written before inputs were pinned)."""
+    return Pin.from_doc(plan.get("pins", {}).get(uri))

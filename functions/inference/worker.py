@@ -255,7 +255,9 @@ def run_worker(
     if model is None:
         from functions.inference.models import load_model
 
-        model = load_model(_resolved_model(spec, store_root), device)
+        resolved = _resolved_model(spec, store_root)
+        pin = None if resolved == "minilm" else layout.plan_pin(plan, resolved["torchscript"])
+        model = load_model(resolved, device, pin)
     stats.device = str(getattr(model, "device", "cpu"))
     if stats.device.startswith("cpu"):
         # On a CPU, batches past ~2k tokens run slower per token (activations and attention scores fall out

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 from functions.errors import ObjectNotFound, StoreError
 from functions.store import local, s3, transport
 from functions.store.batch import BatchEntry, BatchStats, BatchStream, get_batch
+from functions.store.pinning import Pin, changed
 from functions.store.retry import RetryPolicy, TransientError
 from functions.store.tar import write_tar
 from functions.store.uri import is_s3, join, local_path, resolve, split_s3, store_root
@@ -28,6 +29,7 @@ __all__ = [
     "BatchEntry",
     "BatchStats",
     "BatchStream",
+    "Pin",
     "RetryPolicy",
     "TransientError",
     "assemble",
@@ -41,6 +43,8 @@ __all__ = [
     "is_s3",
     "join",
     "list_uris",
+    "pin",
+    "pins",
     "put",
     "put_file",
     "put_if_absent",
@@ -50,17 +54,20 @@ __all__ = [
     "sizes",
     "split_s3",
     "store_root",
+    "verify",
     "write_tar",
     "writer",
 ]
 
 
-def get(uri: str, start: int = 0, length: int | None = None) -> bytes:
-    """The object's bytes, or ``length`` bytes from ``start`` (``None``: to the end)."""
+def get(uri: str, start: int = 0, length: int | None = None, pin: Pin | None = None) -> bytes:
+    """The object's bytes, or ``length`` bytes from ``start`` (``None``: to the end). With a ``pin`` (from
+    :func:`pin`), only the pinned object's: :class:`InputChanged` if it changed since, checked in the same
+    request (S3 ``If-Match``; locally ``fstat`` of the opened file)."""
     uri = resolve(uri)
     if is_s3(uri):
-        return s3.get(uri, start, length)
-    return local.get(local_path(uri), uri, start, length)
+        return s3.get(uri, start, length, pin=pin)
+    return local.get(local_path(uri), uri, start, length, pin)
 
 
 def put(uri: str, data: bytes) -> None:
@@ -117,29 +124,48 @@ def size(uri: str) -> int:
 
 
 def sizes(uris: list[str]) -> dict[str, int | None]:
-    """The size of each object (None where there is no object), looked up concurrently: S3 objects by HEADs
+    """The size of each object (None where there is no object), looked up concurrently (see :func:`pins`)."""
+    return {u: None if p is None else p.size for u, p in pins(uris).items()}
+
+
+def pin(uri: str) -> Pin:
+    """What the object is now (size and ETag on S3; size, mtime_ns and inode locally), for later reads to
+    check against (:func:`get`'s and :func:`get_batch`'s ``pin``/``pins``)."""
+    found = pins([uri])[uri]
+    if found is None:
+        raise ObjectNotFound(f"no object at {resolve(uri)}")
+    return found
+
+
+def pins(uris: list[str]) -> dict[str, Pin | None]:
+    """The pin of each object (None where there is no object), looked up concurrently: S3 objects by HEADs
     all in flight on the CRT client when it is the transport, else on the process's shared thread pool."""
     resolved = {u: resolve(u) for u in uris}
-    on_s3 = [r for r in resolved.values() if is_s3(r)]
-    found: dict[str, int | None] = {}
+    on_s3 = list(dict.fromkeys(r for r in resolved.values() if is_s3(r)))
+    found: dict[str, Pin | None] = {}
     if on_s3 and transport.s3_transport_name() == "crt":
         try:
-            from functions.store.crt import head_sizes
+            from functions.store.crt import head_pins
         except ImportError:  # no awscrt here: boto3 below, as GetBatch itself falls back
-            head_sizes = None
-        if head_sizes is not None:
-            found = head_sizes(on_s3)
+            head_pins = None
+        if head_pins is not None:
+            found = head_pins(on_s3)
 
-    def one(uri: str) -> int | None:
-        try:
-            return size(uri)
-        except ObjectNotFound:
-            return None
+    def one(uri: str) -> Pin | None:
+        return s3.head_pin(uri) if is_s3(uri) else local.pin(local_path(uri), uri)
 
-    rest = [r for r in resolved.values() if r not in found]
+    rest = list(dict.fromkeys(r for r in resolved.values() if r not in found))
     pool = transport.thread_pool("size")
     found.update(zip(rest, pool.map(one, rest), strict=True))
     return {u: found[r] for u, r in resolved.items()}
+
+
+def verify(uri: str, pinned: Pin) -> None:
+    """Raise :class:`InputChanged` if the object is no longer the one ``pinned`` describes (one HEAD or
+    stat): for inputs read by code that cannot take a pin (e.g. a library opening the file itself)."""
+    now = pins([uri])[uri]
+    if now != pinned:
+        raise changed(resolve(uri), pinned, now)
 
 
 @contextmanager

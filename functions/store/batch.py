@@ -14,7 +14,9 @@ Faults:
   ``continue_on_error`` the entry becomes a zero-byte ``__404__/<name>`` placeholder carrying the error
   (aborting with :class:`TooManySoftErrors` past ``max_soft_errors``); without it,
   :class:`BatchItemError` names the item and the stream ends. Anything else (retries exhausted, access
-  denied) is a hard error: always :class:`BatchItemError`.
+  denied) is a hard error: always :class:`BatchItemError`. So is an object that changed since it was
+  pinned (``pins``: its :class:`InputChanged` is the item error's cause); the check rides on each read
+  (S3 ``If-Match``, local ``fstat``), never an extra request.
 Errors come out in request order: once item k fails, reads after it are abandoned, the entries before it
 are yielded, then the error is raised, so it always names the first failing item and nothing after it is
 ever yielded. :class:`TooManySoftErrors` aborts at once.
@@ -28,7 +30,7 @@ import queue
 import tarfile
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -47,6 +49,7 @@ from functions.errors import (
 )
 from functions.specs import BatchItem
 from functions.store.local import check_range
+from functions.store.pinning import Pin
 from functions.store.retry import RetryPolicy, TransientError
 from functions.store.tar import INDEX_BLOCK, find_member, index_tar
 from functions.store.transport import Transport, default_transport, fetch_blocking, thread_pool
@@ -174,6 +177,7 @@ def get_batch(
     hedge_after: float | None = None,
     transport: Transport | None = None,
     retry: RetryPolicy | None = None,
+    pins: Mapping[str, Pin] | None = None,
 ) -> BatchStream:
     """Fetch ``items`` and yield one :class:`BatchEntry` per item, in request order (duplicates allowed).
 
@@ -182,7 +186,9 @@ def get_batch(
     consumer (default ``2 x concurrency``); memory is bounded by ``window x largest item``.
     ``hedge_after``: seconds before a slow read is duplicated (default adaptive; ``math.inf`` disables).
     ``transport``: how reads are made (default: ``file://`` on threads, ``s3://`` per
-    ``SHARDFOLD_S3_TRANSPORT``). ``retry``: backoff for throttling and 5xx.
+    ``SHARDFOLD_S3_TRANSPORT``). ``retry``: backoff for throttling and 5xx. ``pins``: resolved URI ->
+    :class:`Pin` recorded at plan time; reads of those objects (TAR index scans included) fail the item
+    with :class:`InputChanged` if the object changed since.
     """
     concurrency = concurrency or DEFAULT_CONCURRENCY
     window = window or WINDOW_PER_READ * concurrency
@@ -199,6 +205,7 @@ def get_batch(
         hedge_after=hedge_after,
         transport=transport or default_transport(),
         retry=retry or RetryPolicy(),
+        pins=pins,
     )
     return BatchStream(engine)
 
@@ -215,6 +222,7 @@ class _Engine:
         hedge_after: float | None,
         transport: Transport,
         retry: RetryPolicy,
+        pins: Mapping[str, Pin] | None = None,
     ):
         self.items = items
         self.continue_on_error = continue_on_error
@@ -224,6 +232,7 @@ class _Engine:
         self.hedge_after = hedge_after
         self.transport = transport
         self.retry = retry
+        self.pins = pins or None
         self.stats = BatchStats(window=window, concurrency=concurrency)
         self.root = store_root()
         self.events: queue.SimpleQueue = queue.SimpleQueue()
@@ -385,12 +394,13 @@ class _Engine:
     def _read_block(self, uri: str, offset: int) -> bytes:
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
+                pin = self.pins.get(uri) if self.pins else None
                 try:
-                    return fetch_blocking(self.transport, uri, offset, INDEX_BLOCK)
+                    return fetch_blocking(self.transport, uri, offset, INDEX_BLOCK, pin)
                 except InvalidRange:
                     pass  # the block runs past the end: read what is left
                 try:
-                    return fetch_blocking(self.transport, uri, offset, None)
+                    return fetch_blocking(self.transport, uri, offset, None, pin)
                 except InvalidRange:
                     return b""  # past the end
             except TransientError:
@@ -414,7 +424,11 @@ class _Engine:
         def done(data: bytes | None, exc: BaseException | None) -> None:
             put((index, attempt, data, exc))
 
-        cancel = self.transport.fetch(slot.uri, start, length, done)
+        pin = self.pins.get(slot.uri) if self.pins else None
+        if pin is None:
+            cancel = self.transport.fetch(slot.uri, start, length, done)
+        else:
+            cancel = self.transport.fetch(slot.uri, start, length, done, pin)
         slot.outstanding[attempt] = (now, cancel)
         self.in_flight += 1
         stats = self.stats

@@ -25,6 +25,7 @@ from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
 from awscrt.s3 import S3Client, S3RequestTlsMode, S3RequestType, S3RetryConfig, S3RetryMode
 
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
+from functions.store.pinning import Pin, changed
 from functions.store.retry import TRANSIENT_STATUS, TransientError
 from functions.store.s3 import check_body, range_header
 from functions.store.transport import Boto3Transport as _Boto3
@@ -86,10 +87,17 @@ def crt_client() -> _Client:
 
 
 def _error(
-    uri: str, exc: BaseException | None, status: int | None, body: bytes | None, op: str = "GET"
+    uri: str,
+    exc: BaseException | None,
+    status: int | None,
+    body: bytes | None,
+    op: str = "GET",
+    pin: Pin | None = None,
 ) -> BaseException:
     text = (body or b"")[:512].decode("utf-8", "replace")
     code = text.partition("<Code>")[2].partition("</Code>")[0]
+    if status == 412 and pin is not None:
+        return changed(uri, pin, f"not ETag {pin.etag} (S3 refused If-Match)")
     if status == 404:
         what = "bucket" if code == "NoSuchBucket" else "object"
         return ObjectNotFound(f"no {what} at {uri} ({code or 404})")
@@ -108,10 +116,10 @@ def _error(
 class _Get:
     """Callbacks of one GET."""
 
-    __slots__ = ("uri", "start", "length", "done", "chunks", "content_range")
+    __slots__ = ("uri", "start", "length", "done", "chunks", "content_range", "pin")
 
-    def __init__(self, uri: str, start: int, length: int | None, done: Done):
-        self.uri, self.start, self.length, self.done = uri, start, length, done
+    def __init__(self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None):
+        self.uri, self.start, self.length, self.done, self.pin = uri, start, length, done, pin
         self.chunks: list[bytes] = []
         self.content_range: str | None = None
 
@@ -133,7 +141,7 @@ class _Get:
         **kwargs: Any,
     ) -> None:
         if error is not None:
-            self.done(None, _error(self.uri, error, status_code, error_body))
+            self.done(None, _error(self.uri, error, status_code, error_body, pin=self.pin))
             return
         chunks = self.chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -152,15 +160,19 @@ class CrtTransport:
         self._client = crt_client()
         self._fallback = _Boto3()
 
-    def fetch(self, uri: str, start: int, length: int | None, done: Done) -> Cancel | None:
+    def fetch(
+        self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None
+    ) -> Cancel | None:
         if length == 0:  # a zero-byte read still needs the object to exist: a HEAD, rare enough for boto3
-            return self._fallback.fetch(uri, start, length, done)
+            return self._fallback.fetch(uri, start, length, done, pin)
         bucket, _, key = uri[5:].partition("/")
         host, path = self._client.address(bucket, key)
         headers = [("Host", host)]
         if rng := range_header(start, length):
             headers.append(("Range", rng))
-        get = _Get(uri, start, length, done)
+        if pin is not None and pin.etag:
+            headers.append(("If-Match", pin.etag))
+        get = _Get(uri, start, length, done, pin)
         try:
             request = self._client.client.make_request(
                 type=S3RequestType.GET_OBJECT,
@@ -176,21 +188,24 @@ class CrtTransport:
 
 
 class _Head:
-    """Callbacks of one HEAD: the object's size, or None when there is no object."""
+    """Callbacks of one HEAD: the object's pin (size, ETag), or None when there is no object."""
 
-    __slots__ = ("uri", "future", "size")
+    __slots__ = ("uri", "future", "size", "etag")
 
     def __init__(self, uri: str, future: Future):
-        self.uri, self.future, self.size = uri, future, None
+        self.uri, self.future, self.size, self.etag = uri, future, 0, None
 
     def on_headers(self, status_code: int, headers: list[tuple[str, str]], **kwargs: Any) -> None:
         for name, value in headers:
-            if name.lower() == "content-length":
+            lower = name.lower()
+            if lower == "content-length":
                 self.size = int(value)
+            elif lower == "etag":
+                self.etag = value
 
     def on_done(self, error: BaseException | None = None, status_code: int | None = None, **kw: Any) -> None:
         if error is None:
-            self.future.set_result(self.size)
+            self.future.set_result(Pin(self.size, etag=self.etag))
         elif status_code == 404:
             self.future.set_result(None)
         else:
@@ -198,8 +213,13 @@ class _Head:
 
 
 def head_sizes(uris: list[str], timeout_s: float = 120.0) -> dict[str, int | None]:
-    """Sizes of S3 objects (None: no object), every HEAD in flight at once on the process's CRT client: no
-    thread per request, a fraction of boto3's CPU per call."""
+    """Sizes of S3 objects (None: no object); see :func:`head_pins`."""
+    return {u: None if p is None else p.size for u, p in head_pins(uris, timeout_s).items()}
+
+
+def head_pins(uris: list[str], timeout_s: float = 120.0) -> dict[str, Pin | None]:
+    """Pins (size, ETag) of S3 objects (None: no object), every HEAD in flight at once on the process's CRT
+    client: no thread per request, a fraction of boto3's CPU per call."""
     client = crt_client()
     futures: dict[str, Future] = {}
     for uri in uris:

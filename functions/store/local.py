@@ -8,6 +8,7 @@ to its name, which fails if the name exists: race-free between processes, and ne
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
+from functions.store.pinning import Pin, check_local, local_pin
 
 # Temporary files carry this prefix so listings skip objects that are still being written.
 TMP_PREFIX = ".sf-tmp-"
@@ -40,12 +42,19 @@ def check_range(uri: str, size: int, start: int, length: int | None) -> None:
         )
 
 
-def get(path: Path, uri: str, start: int = 0, length: int | None = None) -> bytes:
+def get(path: Path, uri: str, start: int = 0, length: int | None = None, pin: Pin | None = None) -> bytes:
+    """``length`` bytes at ``start``; with a ``pin``, only from the very file it pinned (:class:`InputChanged`
+    otherwise: the opened file's size, mtime and inode are compared before reading)."""
     try:
         with open(path, "rb") as f:
-            if start == 0 and length is None:
+            if pin is not None:
+                st = os.fstat(f.fileno())
+                check_local(uri, pin, st)
+                size = st.st_size
+            elif start == 0 and length is None:
                 return f.read()
-            size = os.fstat(f.fileno()).st_size
+            else:
+                size = os.fstat(f.fileno()).st_size
             check_range(uri, size, start, length)
             f.seek(start)
             return f.read(size - start if length is None else length)
@@ -125,6 +134,15 @@ def size(path: Path, uri: str) -> int:
     if not path.is_file():
         raise ObjectNotFound(f"no object at {uri} (it is a directory)")
     return st.st_size
+
+
+def pin(path: Path, uri: str) -> Pin | None:
+    """The file's pin (size, mtime_ns, inode), or None when there is no file."""
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return local_pin(st) if stat.S_ISREG(st.st_mode) else None
 
 
 def _walk(prefix: str) -> Iterable[Path]:

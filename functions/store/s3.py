@@ -24,6 +24,7 @@ from botocore.config import Config
 
 from functions.errors import InvalidRange, ObjectNotFound, StoreError, StoreUnreachable
 from functions.store.local import check_range
+from functions.store.pinning import Pin, changed
 from functions.store.retry import TRANSIENT_CODES, TRANSIENT_STATUS, TransientError
 from functions.store.uri import split_s3
 
@@ -169,17 +170,25 @@ def check_body(uri: str, data: bytes, start: int, length: int | None, content_ra
     return data
 
 
-def get(uri: str, start: int = 0, length: int | None = None, client: Any = None) -> bytes:
+def get(
+    uri: str, start: int = 0, length: int | None = None, client: Any = None, pin: Pin | None = None
+) -> bytes:
+    """``length`` bytes at ``start``; with a ``pin``, only from the object it pinned: the request carries
+    ``If-Match: <ETag>`` and S3's 412 becomes :class:`InputChanged`."""
     bucket, key = split_s3(uri)
     client = client or s3_client()
+    kw: dict[str, str] = {"IfMatch": pin.etag} if pin is not None and pin.etag else {}
     try:
         if length == 0:
-            check_range(uri, client.head_object(Bucket=bucket, Key=key)["ContentLength"], start, 0)
+            check_range(uri, client.head_object(Bucket=bucket, Key=key, **kw)["ContentLength"], start, 0)
             return b""
-        kw = {"Range": rng} if (rng := range_header(start, length)) else {}
+        if rng := range_header(start, length):
+            kw["Range"] = rng
         resp = client.get_object(Bucket=bucket, Key=key, **kw)
         data = resp["Body"].read()
     except _BOTO_ERRORS as exc:
+        if pin is not None and _precondition_failed(exc):
+            raise changed(uri, pin, head_pin(uri)) from None
         raise translate(exc, uri, "GET") from None
     return check_body(uri, data, start, length, resp.get("ContentRange"))
 
@@ -320,10 +329,24 @@ def put_if_absent(uri: str, data: bytes) -> bool:
     raise StoreError(f"put_if_absent {uri}: kept conflicting with concurrent writers; retry later")
 
 
+def _precondition_failed(exc: Exception) -> bool:
+    if not isinstance(exc, botocore.exceptions.ClientError):
+        return False
+    code, status = _code_status(exc)
+    return code == "PreconditionFailed" or status == 412
+
+
 def head_size(uri: str) -> int | None:
+    found = head_pin(uri)
+    return None if found is None else found.size
+
+
+def head_pin(uri: str) -> Pin | None:
+    """The object's size and ETag (one HEAD), or None when there is no object."""
     bucket, key = split_s3(uri)
     try:
-        return int(s3_client().head_object(Bucket=bucket, Key=key)["ContentLength"])
+        resp = s3_client().head_object(Bucket=bucket, Key=key)
+        return Pin(int(resp["ContentLength"]), etag=resp["ETag"])
     except botocore.exceptions.ClientError as exc:
         code, status = _code_status(exc)
         if status == 404 or code in ("404", "NoSuchKey", "NotFound"):

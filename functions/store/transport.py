@@ -22,6 +22,7 @@ from typing import Protocol
 from aws_lambda_powertools import Logger
 
 from functions.store import local, s3
+from functions.store.pinning import Pin
 from functions.store.uri import FILE, S3
 
 logger = Logger(service="shardfold")
@@ -33,11 +34,15 @@ THREADS = 128  # per-process pool ceiling; threads start on demand, the engine b
 
 
 class Transport(Protocol):
-    def fetch(self, uri: str, start: int, length: int | None, done: Done) -> Cancel | None:
+    def fetch(
+        self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None
+    ) -> Cancel | None:
         """Start reading ``length`` bytes (``None``: to the end) at ``start`` of the object at ``uri``.
 
         Call ``done(data, None)`` or ``done(None, error)`` exactly once, from any thread. Return a
         function that abandons the read (used when a hedged duplicate already answered), or ``None``.
+        With a ``pin`` (the engine passes one only when it has one), read only the object it pinned and
+        report :class:`InputChanged` otherwise, in the same request (``If-Match``, ``fstat``).
         """
         ...
 
@@ -62,13 +67,15 @@ class _ThreadTransport:
 
     name = "threads"
 
-    def _read(self, uri: str, start: int, length: int | None) -> bytes:
+    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None) -> bytes:
         raise NotImplementedError
 
-    def fetch(self, uri: str, start: int, length: int | None, done: Done) -> Cancel | None:
+    def fetch(
+        self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None
+    ) -> Cancel | None:
         def run() -> None:
             try:
-                data = self._read(uri, start, length)
+                data = self._read(uri, start, length, pin)
             except BaseException as exc:  # reported, not raised: this runs on a pool thread
                 done(None, exc)
                 return
@@ -82,8 +89,8 @@ class LocalTransport(_ThreadTransport):
 
     name = "local"
 
-    def _read(self, uri: str, start: int, length: int | None) -> bytes:
-        return local.get(Path(uri[len(FILE) :]), uri, start, length)
+    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None) -> bytes:
+        return local.get(Path(uri[len(FILE) :]), uri, start, length, pin)
 
 
 class Boto3Transport(_ThreadTransport):
@@ -92,8 +99,8 @@ class Boto3Transport(_ThreadTransport):
 
     name = "boto3"
 
-    def _read(self, uri: str, start: int, length: int | None) -> bytes:
-        return s3.get(uri, start, length, client=s3.s3_client(retries=False))
+    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None) -> bytes:
+        return s3.get(uri, start, length, client=s3.s3_client(retries=False), pin=pin)
 
 
 class RoutingTransport:
@@ -109,10 +116,13 @@ class RoutingTransport:
             self._s3 = s3_transport()
         return self._s3
 
-    def fetch(self, uri: str, start: int, length: int | None, done: Done) -> Cancel | None:
-        if uri.startswith(S3):
-            return self.s3.fetch(uri, start, length, done)
-        return self._local.fetch(uri, start, length, done)
+    def fetch(
+        self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None
+    ) -> Cancel | None:
+        target = self.s3 if uri.startswith(S3) else self._local
+        if pin is None:  # transports written before pins need not take one
+            return target.fetch(uri, start, length, done)
+        return target.fetch(uri, start, length, done, pin)
 
 
 def s3_transport_name() -> str:
@@ -138,7 +148,9 @@ def default_transport() -> Transport:
     return RoutingTransport()
 
 
-def fetch_blocking(transport: Transport, uri: str, start: int, length: int | None) -> bytes:
+def fetch_blocking(
+    transport: Transport, uri: str, start: int, length: int | None, pin: Pin | None = None
+) -> bytes:
     """One read through a transport, waiting for the answer (for the rare sequential reads, e.g. TAR
     index scans)."""
     finished = threading.Event()
@@ -148,7 +160,10 @@ def fetch_blocking(transport: Transport, uri: str, start: int, length: int | Non
         box[0], box[1] = data, exc
         finished.set()
 
-    transport.fetch(uri, start, length, done)
+    if pin is None:
+        transport.fetch(uri, start, length, done)
+    else:
+        transport.fetch(uri, start, length, done, pin)
     finished.wait()
     if box[1] is not None:
         raise box[1]
