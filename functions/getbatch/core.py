@@ -2,8 +2,10 @@
 
 * **plan** splits the request into parts of ``items_per_part`` items, writes each part's item list and a
   manifest listing the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
-  through the control plane. Every object the request names is pinned (one HEAD or stat per distinct
-  object, all in flight at once) and each part records the pins of its objects.
+  through the control plane. Every object read more than once — named by several items (ranges of one
+  object), or a TAR shard (its index, then its members) — is pinned (one HEAD or stat each, all in flight
+  at once) and each part records the pins of its objects, so one job never mixes two versions of an object.
+  An object read once needs no pin: its one GET is one version, whenever the plan was made.
 * **gather** fetches one part with the GetBatch engine and streams it into the store as a TAR *fragment*
   (members only, no end-of-archive marker) plus its per-item status rows; every read carries its object's
   pin, so an object changed since the plan fails the job (:class:`InputChanged`, never a placeholder);
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from typing import Any
 
 from aws_lambda_powertools import Logger
@@ -149,14 +152,17 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
     if spec.manifest:
         inputs.append(("manifest", access.input_uri(spec.manifest, store_root, "manifest")))
     access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
-    pins = store.pins(list(dict.fromkeys(item.uri for item in items)))  # None: missing (a soft error later)
+    reads = Counter(item.uri for item in items)
+    shards = {item.uri for item in items if item.archpath is not None}
+    shared = [u for u, n in reads.items() if n > 1 or u in shards]
+    pins = store.pins(shared)  # None: missing (a soft error later)
     size = spec.items_per_part
     n_parts = math.ceil(len(items) / size)
     manifest = []
     for p in range(n_parts):
         chunk = items[p * size : (p + 1) * size]
         uri = job_uri(store_root, job_id, STAGE, "parts", f"{p:05d}.json")
-        part_pins = {i.uri: pin.to_doc() for i in chunk if (pin := pins[i.uri]) is not None}
+        part_pins = {i.uri: pin.to_doc() for i in chunk if (pin := pins.get(i.uri)) is not None}
         store.put_json(uri, {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins})
         manifest.append({"part": p, "first": p * size, "count": len(chunk), "of": n_parts})
     manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
