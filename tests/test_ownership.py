@@ -455,3 +455,51 @@ def test_the_lifeline_runs_a_module_as_main_and_ends_it_with_its_parent(tmp_path
     except psutil.NoSuchProcess:
         return  # already gone
     assert_all_gone([child])
+
+
+# --- the AWS backend: the execution is the owner --------------------------------------------------------
+
+SM_ARN = "arn:aws:states:us-east-1:123456789012:stateMachine:shardfold-toy"
+EXEC_ARN = "arn:aws:states:us-east-1:123456789012:execution:shardfold-toy:job-1"
+
+
+class FakeSfn:
+    """What resume asks Step Functions: DescribeExecution answers ``statuses`` in turn; RedriveExecution is
+    refused; StartExecution of the restart finds another client's execution of that name."""
+
+    def __init__(self, *statuses: str):
+        self.statuses = list(statuses)
+
+    def describe_execution(self, executionArn: str) -> dict:
+        status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        return {"status": status, "input": "{}"}
+
+    def redrive_execution(self, executionArn: str) -> None:
+        from botocore.exceptions import ClientError
+
+        raise ClientError({"Error": {"Code": "ExecutionNotRedrivable", "Message": "no"}}, "RedriveExecution")
+
+    def start_execution(self, **kwargs) -> dict:
+        from botocore.exceptions import ClientError
+
+        raise ClientError({"Error": {"Code": "ExecutionAlreadyExists", "Message": "no"}}, "StartExecution")
+
+
+@pytest.mark.parametrize(
+    "statuses, running_in",
+    [
+        (("RUNNING",), EXEC_ARN),  # still running
+        (("FAILED", "RUNNING"), EXEC_ARN),  # another client redrove it between our look and our redrive
+        (("FAILED", "FAILED"), EXEC_ARN + "-r1"),  # another client restarted it as job-1-r1 just now
+    ],
+)
+def test_aws_resume_is_refused_while_an_execution_runs_the_job(root, statuses, running_in):
+    from functions.errors import ShardfoldError
+    from orchestrator.aws import AwsExecutor
+
+    ex = AwsExecutor.__new__(AwsExecutor)  # no AWS: only what resume touches
+    ex.store_root, ex.state_machine_arns, ex._sfn = root, {"toy": SM_ARN}, FakeSfn(*statuses)
+    write_status(root, JobStatus(job_id="job-1", kind="toy", state="FAILED", execution_arn=EXEC_ARN))
+    with pytest.raises(ShardfoldError, match=rf"job-1 is still running in execution {running_in};"):
+        ex.resume("job-1")
+    assert read_status(root, "job-1")["state"] == "FAILED"
