@@ -263,6 +263,7 @@ class Lease:
         self.store_root, self.job_id, self.me, self.lease_s = store_root, job_id, me, lease_s
         self.on_lost = on_lost
         self._stop = threading.Event()
+        self._renewing = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"shardfold-lease-{job_id}", daemon=True)
 
     def start(self) -> Lease:
@@ -270,15 +271,21 @@ class Lease:
         return self
 
     def stop(self) -> None:
+        """No renewal after this returns (one in flight is waited for, so it cannot undo a release)."""
         self._stop.set()
+        with self._renewing:
+            pass
 
     def _loop(self) -> None:
         while not self._stop.wait(self.lease_s / 4):
-            try:
-                other = renew(self.store_root, self.job_id, self.me, self.lease_s)
-            except Exception as exc:  # the store is full or unreachable: try again next tick
-                logger.warning("lease renewal failed", extra={"job_id": self.job_id, "error": repr(exc)})
-                continue
+            with self._renewing:
+                if self._stop.is_set():
+                    return
+                try:
+                    other = renew(self.store_root, self.job_id, self.me, self.lease_s)
+                except Exception as exc:  # the store is full or unreachable: try again next tick
+                    logger.warning("lease renewal failed", extra={"job_id": self.job_id, "error": repr(exc)})
+                    continue
             if other is not None and not self._stop.is_set():
                 logger.error("job taken over", extra={"job_id": self.job_id, "owner": other.describe()})
                 if self.on_lost is not None:

@@ -149,6 +149,20 @@ def test_an_owner_whose_lease_lapsed_learns_it_was_taken_over(root):
     assert ownership.current(root, "j").token == new.token and not ownership.current(root, "j").released
 
 
+def test_the_lease_is_renewed_until_stopped_and_never_after_a_release(root):
+    me = ownership.claim(root, "j", lease_s=0.04)
+    first = me.lease_until
+    lease = ownership.Lease(root, "j", me, lease_s=0.04).start()
+    deadline = time.monotonic() + WAIT_S
+    while ownership.current(root, "j").lease_until == first:
+        assert time.monotonic() < deadline, "the lease was never renewed"
+        time.sleep(0.01)
+    lease.stop()
+    ownership.release(root, "j", me)
+    time.sleep(0.2)  # several renewal periods: none may undo the release
+    assert ownership.current(root, "j").released
+
+
 # --- the executor -----------------------------------------------------------------------------------------
 
 
