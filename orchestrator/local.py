@@ -215,9 +215,13 @@ class LocalExecutor:
                 return
             workflow = self._workflow(record["kind"])
             me = ownership.claim(self.store_root, job_id, self.lease_s)
+            record = read_status(self.store_root, job_id)  # again: the previous owner may have ended it
+            if record.get("state") == "SUCCEEDED":
+                ownership.release(self.store_root, job_id, me)
+                logger.info("nothing to resume", extra={"job_id": job_id})
+                return
 
             def new_run() -> _Run:
-                record = read_status(self.store_root, job_id)  # again: the previous owner may have ended it
                 if store.exists(self._uri(job_id, "cancel")):
                     store.delete(self._uri(job_id, "cancel"))
                 return self._new_run(
