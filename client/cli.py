@@ -3,6 +3,10 @@
 Errors a user can cause (:class:`ShardfoldError`) print one red line and exit 1; anything else is a bug and
 keeps its traceback.
 
+SIGTERM, SIGHUP and SIGINT (Ctrl-C) end the command at once: the local jobs it runs are recorded INTERRUPTED
+and their worker processes killed (:meth:`client.sdk.Client.interrupt`), it prints the command that resumes
+each, and exits with 128 + the signal number without waiting for handler threads.
+
 Rich reads ``[...]`` in a printed string as markup. Our own styling is markup; every piece of text that came
 from a user or the store (spec fields, error messages, URIs, job ids, result values, file names, table
 cells) goes through :func:`_t` first, so ``[/]`` or ``[link=...]`` in it prints as written.
@@ -14,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,6 +41,21 @@ REPO_EVENTS = Path(__file__).resolve().parent.parent / "events"
 EXTRA_HANDLERS = {"dispatch": "functions.trigger:handler"}
 
 
+_CLIENTS: list[Any] = []  # the clients this command made, for the jobs an interrupt stopped
+_STOPPED_BY: list[int] = []  # the signal that interrupted this command, once one has
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, SIGHUP or SIGINT arrived; raised in the main thread so every ``with`` block unwinds."""
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _STOPPED_BY:  # already stopping: let the clean-up finish
+        return
+    _STOPPED_BY.append(signum)
+    raise Interrupted(signal.Signals(signum).name)
+
+
 def _t(value: Any) -> str:
     """``value`` as text that rich prints literally (its ``[`` never opens markup)."""
     return escape(str(value))
@@ -50,6 +70,17 @@ class ShardfoldGroup(click.Group):
         except ShardfoldError as exc:
             err.print(f"[bold red]error:[/] {_t(exc)}", soft_wrap=True)
             ctx.exit(1)
+        except KeyboardInterrupt as exc:
+            why = str(exc) or "SIGINT"
+            stopped = [job_id for client in _CLIENTS for job_id in client.interrupted]
+            err.print(f"[yellow]interrupted[/] ({_t(why)})", soft_wrap=True)
+            for job_id in stopped:
+                err.print(
+                    f"job [bold]{_t(job_id)}[/] INTERRUPTED; resume with: shardfold resume {_t(job_id)}",
+                    soft_wrap=True,
+                )
+            signum = _STOPPED_BY[0] if _STOPPED_BY else signal.SIGINT
+            ctx.exit(128 + int(signum))
 
 
 def backend_option(f: Any) -> Any:
@@ -73,7 +104,9 @@ def backend_option(f: Any) -> Any:
 def _client(backend: str, stack: str | None = None) -> Any:
     from client import Client
 
-    return Client(backend=backend, stack=stack)
+    client = Client(backend=backend, stack=stack)
+    _CLIENTS.append(client)
+    return client
 
 
 def _fmt_bytes(n: int | float | None) -> str:
@@ -105,9 +138,13 @@ def _kv_table(title: str, data: dict[str, Any]) -> Table:
 
 
 def _state_style(state: str) -> str:
-    return {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan"}.get(
-        state, "white"
-    )
+    return {
+        "SUCCEEDED": "green",
+        "FAILED": "red",
+        "CANCELLED": "yellow",
+        "RUNNING": "cyan",
+        "INTERRUPTED": "magenta",
+    }.get(state, "white")
 
 
 def _steps_text(steps: dict[str, Any] | None) -> str:
@@ -570,6 +607,10 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                     return
                 time.sleep(interval)
         except KeyboardInterrupt:
+            for job_id in client.interrupt("shardfold watch stopped"):
+                err.print(
+                    f"job [bold]{_t(job_id)}[/] INTERRUPTED; resume with: shardfold resume {_t(job_id)}"
+                )
             out.print("stopped")
 
 
@@ -638,7 +679,18 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
 
 def main() -> None:
     """Console-script entry point (``shardfold``)."""
-    cli(prog_name="shardfold")
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, _on_signal)
+    try:
+        cli(prog_name="shardfold")
+    except SystemExit as exc:
+        if not _STOPPED_BY:
+            raise
+        # interrupted: the jobs are recorded and their workers killed; a handler thread still blocked in
+        # a task would hold up the interpreter's exit, so leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.code if isinstance(exc.code, int) else 1)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ class Client:
             raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.backend = backend
         self._closers: list[Any] = []
+        self.interrupted: list[str] = []  # jobs :meth:`interrupt` stopped
         self._fedavg: Any = None
         self._dpquery: Any = None
         from client import backends  # deferred: pulls in orchestrator (and moto for backend="moto")
@@ -104,10 +105,23 @@ class Client:
             closer = self._closers.pop()
             closer()
 
+    def interrupt(self, reason: str = "the client was interrupted") -> list[str]:
+        """Stop the jobs this client's process is running, now (local backend: their worker processes are
+        killed and they are recorded INTERRUPTED, for ``resume`` to continue). Jobs on AWS run on; this
+        process only stops watching them. Returns the ids of the jobs stopped."""
+        stop = getattr(self.executor, "interrupt", None)
+        stopped = list(stop(reason)) if callable(stop) else []
+        self.interrupted += stopped
+        return stopped
+
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # Ctrl-C (or a signal the CLI turns into KeyboardInterrupt) ends this process's jobs and their
+        # worker processes, rather than waiting for them in close()
+        if isinstance(exc, KeyboardInterrupt):
+            self.interrupt(f"{type(exc).__name__}: {exc}" if str(exc) else "KeyboardInterrupt")
         self.close()
 
     # -- jobs ---------------------------------------------------------------------------------------------
@@ -312,7 +326,7 @@ class Job:
         """The job's result summary (``jobs/<id>/result.json``), once it SUCCEEDED."""
         status = self.status()
         state = status.state
-        if state in ("FAILED", "CANCELLED"):
+        if state in ("FAILED", "CANCELLED", "INTERRUPTED"):
             hint = f"; fix the cause and run `shardfold resume {self.job_id}`" if state == "FAILED" else ""
             raise JobFailed(f"job {self.job_id} {state.lower()}: {status.error or 'no error recorded'}{hint}")
         if state != "SUCCEEDED":

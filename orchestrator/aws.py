@@ -12,6 +12,9 @@ Takes the stack outputs (``client.stack``; the moto harness builds the same dict
 * cancel: ``StopExecution`` and ``TerminateJob`` for the job's Batch jobs (their names start with the id).
 * resume: ``RedriveExecution`` (re-runs only what failed); where that is refused (or unsupported, as in
   moto) a fresh execution ``<job_id>-r<n>`` restarts it, and the tasks' idempotent writes skip done work.
+  The execution is the job's owner: resume is refused, naming the execution, while it runs, also when
+  another client redrove or restarted it a moment before (Step Functions refuses a second execution of
+  the same name, so of two restarts one wins).
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ def _entered_state(events: dict[int, dict[str, Any]], event: dict[str, Any]) -> 
         event = events.get(event.get("previousEventId", 0))  # type: ignore[assignment]
         seen += 1
     return None
+
+
+def _still_running(job_id: str, execution_arn: str) -> ShardfoldError:
+    return ShardfoldError(
+        f"job {job_id} is still running in execution {execution_arn}; wait for it "
+        f"(`shardfold status {job_id}`) or cancel it (`shardfold cancel {job_id}`)"
+    )
 
 
 def map_run_label(map_run_arn: str) -> str:
@@ -201,11 +211,14 @@ class AwsExecutor:
         arn = old.execution_arn
         desc = self._sfn.describe_execution(executionArn=arn)
         if desc["status"] in ("RUNNING", "PENDING_REDRIVE"):
-            raise ShardfoldError(f"job {job_id} is still running; wait for it or cancel it first")
+            # the execution is the job's owner on AWS (Step Functions refuses a second one of the same name)
+            raise _still_running(job_id, arn)
         try:
             self._sfn.redrive_execution(executionArn=arn)
             logger.info("job redriven", extra={"job_id": job_id, "execution_arn": arn})
         except (ClientError, BotoCoreError) as exc:
+            if self._sfn.describe_execution(executionArn=arn)["status"] in ("RUNNING", "PENDING_REDRIVE"):
+                raise _still_running(job_id, arn) from exc  # another client redrove it just now
             arn = self._restart(job_id, old.kind, arn, desc["input"], exc)
         status = JobStatus(
             **{**old.to_record(), "state": "RUNNING", "error": None, "ended_at": None, "execution_arn": arn}
@@ -328,7 +341,15 @@ class AwsExecutor:
         m = re.fullmatch(rf"{re.escape(job_id)}-r(\d+)", name)
         n = int(m.group(1)) + 1 if m else 1
         sm_arn = self.state_machine_arns[kind]
-        resp = self._sfn.start_execution(stateMachineArn=sm_arn, name=f"{job_id}-r{n}", input=execution_input)
+        try:
+            resp = self._sfn.start_execution(
+                stateMachineArn=sm_arn, name=f"{job_id}-r{n}", input=execution_input
+            )
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "ExecutionAlreadyExists":
+                raise
+            other = f"{sm_arn.replace(':stateMachine:', ':execution:')}:{job_id}-r{n}"
+            raise _still_running(job_id, other) from exc  # another client restarted it just now
         logger.info(
             "job restarted (redrive unavailable)",
             extra={"job_id": job_id, "execution_arn": resp["executionArn"], "redrive_error": str(why)[:300]},

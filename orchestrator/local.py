@@ -13,6 +13,13 @@
 * :meth:`cancel` sets a flag and writes ``jobs/<id>/cancel`` (so another process's ``shardfold cancel``
   works too); it is checked between tasks and during retry back-off, and the job ends CANCELLED.
 * ``jobs/<id>/status.json`` is kept current (at most every ``status_interval_s`` while running).
+* The process running a job owns it (:mod:`orchestrator.owner`): ``start`` and ``resume`` claim
+  ``jobs/<id>/owner.json`` atomically and a lease thread renews it, so a second ``resume`` of a running
+  job is refused naming the owner, and a job whose owner died reads as INTERRUPTED, not RUNNING.
+  :meth:`interrupt` (``shardfold run`` stopped by a signal) kills the worker processes and records
+  INTERRUPTED; workers of a process killed outright end by themselves (:mod:`orchestrator.lifeline`).
+* A final status that cannot be written (disk full) ends the run FAILED in memory, naming why, so
+  :meth:`wait` returns rather than blocking on a record that never changes.
 
 A failed task fails the job with an error naming the step, the Map item and the handler's message; what
 earlier tasks committed stays in the store.
@@ -27,7 +34,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +48,9 @@ from functions.manifest import is_manifest_ref, read_manifest
 from functions.store.uri import is_file, join, local_path
 from functions.store.uri import store_root as default_store_root
 from functions.workflow import BatchJob, Map, Parallel, Step, Task, Workflow, progress_steps, selectable
+from orchestrator import owner as ownership
 from orchestrator.invoke import HandlerFailed, call
+from orchestrator.lifeline import pool_worker_init
 from orchestrator.local_batch import Cancelled, run_container
 from orchestrator.registry import handler_path
 from orchestrator.status import (
@@ -49,6 +58,8 @@ from orchestrator.status import (
     ProgressCallback,
     now,
     read_status,
+    resume_hint,
+    status_uri,
     step_error,
     write_status,
 )
@@ -79,6 +90,11 @@ class _Run:
     last_status_write: float = 0.0
     write_lock: threading.Lock = field(default_factory=threading.Lock)
     max_state_bytes: int = 0
+    owner: ownership.Owner | None = None
+    lease: ownership.Lease | None = None
+    lost_to: ownership.Owner | None = None  # another process took the job over (this one's lease lapsed)
+    ended: bool = False  # the final record is written (or not ours to write): no status write after it
+    children: set = field(default_factory=set)  # running Batch container processes
 
     def snapshot(self) -> JobStatus:
         with self.cond:
@@ -113,6 +129,7 @@ class LocalExecutor:
         processes: int | None = None,
         retry_delay_scale: float = 1.0,
         status_interval_s: float = 0.5,
+        lease_s: float = ownership.LEASE_S,
     ):
         if workflows is None:
             from functions.kinds import WORKFLOWS
@@ -124,9 +141,11 @@ class LocalExecutor:
         self.processes = processes or os.cpu_count() or 2
         self.retry_delay_scale = retry_delay_scale
         self.status_interval_s = status_interval_s
+        self.lease_s = lease_s
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
         self._pool: cf.ProcessPoolExecutor | None = None
+        self._interrupted: str | None = None
 
     # --- executor interface ----------------------------------------------------------------------------
 
@@ -136,15 +155,15 @@ class LocalExecutor:
         with self._lock:
             if job_id in self._runs or store.exists(self._uri(job_id, "status.json")):
                 raise ShardfoldError(f"job {job_id} already exists; use resume to continue it")
-            run = self._new_run(job_id, workflow, spec_uri, started_at=now())
-            self._runs[job_id] = run
+            me = ownership.claim(self.store_root, job_id, self.lease_s)
+            run = self._adopt(job_id, me, lambda: self._new_run(job_id, workflow, spec_uri, started_at=now()))
         self._launch(run)
 
     def status(self, job_id: str) -> JobStatus:
         run = self._runs.get(job_id)
         if run is not None:
             return run.snapshot()
-        return JobStatus.from_record(read_status(self.store_root, job_id))
+        return self._reconciled(JobStatus.from_record(read_status(self.store_root, job_id)))
 
     def wait(
         self, job_id: str, on_progress: ProgressCallback | None = None, timeout_s: float | None = None
@@ -170,9 +189,14 @@ class LocalExecutor:
                 return snap
 
     def cancel(self, job_id: str) -> None:
-        """Ask the job to stop; it ends CANCELLED once the tasks now running return."""
+        """Ask the job to stop; it ends CANCELLED once the tasks now running return. An INTERRUPTED job
+        (nothing runs it) is recorded CANCELLED at once."""
         run = self._runs.get(job_id)
-        if self.status(job_id).finished:  # (JobNotFound for an unknown id)
+        current = self.status(job_id)  # (JobNotFound for an unknown id)
+        if current.state == "INTERRUPTED" and run is None:
+            self._cancel_interrupted(current)
+            return
+        if current.finished:
             return
         store.put(self._uri(job_id, "cancel"), now().encode())
         if run is not None:
@@ -180,20 +204,31 @@ class LocalExecutor:
             self._notify(run)
 
     def resume(self, job_id: str) -> None:
-        """Re-run only the unfinished steps of a failed, cancelled or interrupted job (in the background)."""
+        """Re-run only the unfinished steps of a failed, cancelled or interrupted job (in the background).
+
+        Refused (:class:`~orchestrator.owner.JobOwned`, naming the host and pid) while a live process, this
+        one included, runs the job."""
         with self._lock:
-            old = self._runs.get(job_id)
-            if old is not None and not old.snapshot().finished:
-                raise ShardfoldError(f"job {job_id} is still running; wait for it or cancel it first")
             record = read_status(self.store_root, job_id)
             if record.get("state") == "SUCCEEDED":
                 logger.info("nothing to resume", extra={"job_id": job_id})
                 return
             workflow = self._workflow(record["kind"])
-            if store.exists(self._uri(job_id, "cancel")):
-                store.delete(self._uri(job_id, "cancel"))
-            run = self._new_run(job_id, workflow, record["spec_uri"], started_at=record.get("started_at"))
-            self._runs[job_id] = run
+            me = ownership.claim(self.store_root, job_id, self.lease_s)
+            record = read_status(self.store_root, job_id)  # again: the previous owner may have ended it
+            if record.get("state") == "SUCCEEDED":
+                ownership.release(self.store_root, job_id, me)
+                logger.info("nothing to resume", extra={"job_id": job_id})
+                return
+
+            def new_run() -> _Run:
+                if store.exists(self._uri(job_id, "cancel")):
+                    store.delete(self._uri(job_id, "cancel"))
+                return self._new_run(
+                    job_id, workflow, record["spec_uri"], started_at=record.get("started_at")
+                )
+
+            run = self._adopt(job_id, me, new_run)
         logger.info("resuming", extra={"job_id": job_id, "finished_steps": len(run.done)})
         self._launch(run)
 
@@ -206,6 +241,35 @@ class LocalExecutor:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+    def interrupt(self, reason: str) -> list[str]:
+        """Stop every job this executor is running, now: kill its worker processes (the pool's and the
+        Batch containers), record each job INTERRUPTED (naming ``reason`` and the command that resumes it)
+        and let it go, so ``shardfold resume`` can continue it at once. For a process about to exit
+        (``shardfold run`` got SIGTERM or Ctrl-C); the executor runs nothing after it. Returns the job ids."""
+        self._interrupted = reason
+        runs = [run for run in list(self._runs.values()) if not run.snapshot().finished]
+        for run in runs:
+            run.cancel.set()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                _kill(proc)
+            pool.shutdown(wait=False, cancel_futures=True)
+        for run in runs:
+            for proc in list(run.children):
+                _kill(proc)
+        stopped = []
+        for run in runs:
+            job_id = run.status.job_id
+            final = run.snapshot()
+            final.state, final.ended_at = "INTERRUPTED", now()
+            final.error = f"interrupted ({reason}); {resume_hint(job_id)}"
+            if self._end(run, final):
+                stopped.append(job_id)
+        logger.warning("jobs interrupted", extra={"job_ids": stopped, "reason": reason})
+        return stopped
 
     def __enter__(self) -> LocalExecutor:
         return self
@@ -266,8 +330,37 @@ class LocalExecutor:
     def _marker_uri(journal: str, key: str) -> str:
         return f"{journal}/{key}.json"
 
+    def _adopt(self, job_id: str, me: ownership.Owner, new_run: Callable[[], _Run]) -> _Run:
+        """The run ``new_run()`` builds, owned by ``me``; the claim is let go if that fails."""
+        try:
+            run = new_run()
+        except BaseException:
+            ownership.release(self.store_root, job_id, me)
+            raise
+        run.owner = me
+        self._runs[job_id] = run
+        return run
+
     def _launch(self, run: _Run) -> None:
-        self._write_status(run, force=True)
+        job_id = run.status.job_id
+        try:
+            self._write_status(run, force=True)
+        except BaseException:
+            with self._lock:
+                self._runs.pop(job_id, None)
+            if run.owner is not None:
+                ownership.release(self.store_root, job_id, run.owner)
+            raise
+        if run.owner is not None:
+
+            def lost(other: ownership.Owner) -> None:
+                run.lost_to = other
+                run.cancel.set()
+                self._notify(run)
+
+            run.lease = ownership.Lease(
+                self.store_root, job_id, run.owner, self.lease_s, on_lost=lost
+            ).start()
         run.thread = threading.Thread(
             target=self._run_job, args=(run,), name=f"shardfold-{run.status.job_id}", daemon=True
         )
@@ -293,16 +386,24 @@ class LocalExecutor:
         job_id = run.status.job_id
         logger.info("job start", extra={"job_id": job_id, "kind": run.workflow.kind})
         try:
-            self._run_steps(run, run.workflow.steps, dict(run.input), (), None)
-        except _Cancelled:
-            self._finish(run, "CANCELLED", None)
-        except _StepFailed as exc:
-            self._finish(run, "FAILED", str(exc))
-        except Exception as exc:  # an executor bug must still end the job, not leave it RUNNING
-            logger.exception("executor error", extra={"job_id": job_id})
-            self._finish(run, "FAILED", f"executor error: {type(exc).__name__}: {exc}")
-        else:
-            self._finish(run, "SUCCEEDED", None)
+            try:
+                self._run_steps(run, run.workflow.steps, dict(run.input), (), None)
+            except _Cancelled:
+                self._finish(run, "CANCELLED", None)
+            except _StepFailed as exc:
+                self._finish(run, "FAILED", str(exc))
+            except Exception as exc:  # an executor bug must still end the job, not leave it RUNNING
+                logger.exception("executor error", extra={"job_id": job_id})
+                self._finish(run, "FAILED", f"executor error: {type(exc).__name__}: {exc}")
+            else:
+                self._finish(run, "SUCCEEDED", None)
+        finally:
+            if not run.snapshot().finished:  # _finish itself broke: waiters must still wake
+                with run.cond:
+                    run.status.state, run.status.ended_at = "FAILED", now()
+                    run.status.error = f"the executor could not end the job; {resume_hint(job_id)}"
+                    run.version += 1
+                    run.cond.notify_all()
 
     def _run_steps(
         self,
@@ -364,7 +465,14 @@ class LocalExecutor:
         while True:
             try:
                 if isinstance(step, BatchJob):
-                    return run_container(path, function, state, timeout_s=step.timeout_s, cancel=run.cancel)
+                    return run_container(
+                        path,
+                        function,
+                        state,
+                        timeout_s=step.timeout_s,
+                        cancel=run.cancel,
+                        children=run.children,
+                    )
                 return self._invoke(step, path, function, state)
             except Cancelled:
                 raise _Cancelled from None
@@ -399,6 +507,8 @@ class LocalExecutor:
         kwargs = {"function_name": function, "memory_mb": step.memory_mb, "timeout_s": step.timeout_s}
         if step.mode == "thread":
             return call(path, state, **kwargs)
+        if self._interrupted is not None:
+            raise _Cancelled
         try:
             return self._process_pool().submit(call, path, state, **kwargs).result()
         except cf.process.BrokenProcessPool:
@@ -413,7 +523,13 @@ class LocalExecutor:
             if self._pool is None:
                 # spawn, not fork: the executor runs threads, and forking a threaded process can deadlock.
                 ctx = multiprocessing.get_context("spawn")
-                self._pool = cf.ProcessPoolExecutor(max_workers=self.processes, mp_context=ctx)
+                # each worker exits once this process is gone, even if it is killed outright
+                self._pool = cf.ProcessPoolExecutor(
+                    max_workers=self.processes,
+                    mp_context=ctx,
+                    initializer=pool_worker_init,
+                    initargs=(os.getpid(),),
+                )
             return self._pool
 
     def _run_map(
@@ -568,23 +684,79 @@ class LocalExecutor:
     def _finish(self, run: _Run, state: str, error: str | None) -> None:
         final = run.snapshot()
         final.state, final.error, final.ended_at = state, error, now()  # type: ignore[assignment]
+        if run.lost_to is not None:
+            final.state = "FAILED"
+            final.error = f"{run.lost_to.describe()} took the job over; this process stopped running it"
+        if self._end(run, final):
+            log = logger.info if final.state == "SUCCEEDED" else logger.warning
+            log("job end", extra={"job_id": final.job_id, "state": final.state, "error": final.error})
+
+    def _end(self, run: _Run, final: JobStatus) -> bool:
+        """Record ``final`` (unless another process took the job over), let the job go, wake the waiters.
+
+        Once only: False when the run had already ended. A record that cannot be written (disk full, store
+        unreachable) ends the run FAILED in memory, naming why; the record then still says RUNNING, and
+        once this process exits it reads as INTERRUPTED."""
+        job_id = final.job_id
         with run.write_lock:  # the record is final before any waiter can see the job as ended
-            write_status(self.store_root, final)
+            if run.ended:
+                return False
+            run.ended = True
+            if run.lost_to is None:
+                try:
+                    write_status(self.store_root, final)
+                except Exception as exc:
+                    logger.exception("final status not written", extra={"job_id": job_id})
+                    final.error = (
+                        f"the job ended {final.state}"
+                        + (f" ({final.error})" if final.error else "")
+                        + f" but its status could not be recorded at {status_uri(self.store_root, job_id)}: "
+                        f"{type(exc).__name__}: {exc}; make the store writable (disk full?), then "
+                        + resume_hint(job_id)
+                    )
+                    final.state = "FAILED"
             run.last_status_write = time.monotonic()
+        if run.lease is not None:
+            run.lease.stop()
+        if run.owner is not None and run.lost_to is None:
+            try:
+                ownership.release(self.store_root, job_id, run.owner)
+            except Exception as exc:  # the job reads as INTERRUPTED once this process is gone
+                logger.warning("job not released", extra={"job_id": job_id, "error": repr(exc)})
         with run.cond:
             run.status = final
             run.version += 1
             run.cond.notify_all()
-        log = logger.info if state == "SUCCEEDED" else logger.warning
-        log("job end", extra={"job_id": run.status.job_id, "state": state, "error": error})
+        return True
 
     def _write_status(self, run: _Run, force: bool = False) -> None:
         with run.write_lock:  # serialised, so an older snapshot never lands after a newer one
+            if run.ended or run.lost_to is not None:  # the final record is written, or not ours to write
+                return
             t = time.monotonic()
             if not force and t - run.last_status_write < self.status_interval_s:
                 return
             run.last_status_write = t
             write_status(self.store_root, run.snapshot())
+
+    def _reconciled(self, status: JobStatus) -> JobStatus:
+        """A record read from the store, as it stands: RUNNING whose owner is gone is INTERRUPTED."""
+        if status.state not in ("PENDING", "RUNNING"):
+            return status
+        why = ownership.interrupted(self.store_root, status.job_id)
+        if why is not None:
+            status.state = "INTERRUPTED"
+            status.error = f"{why}; {resume_hint(status.job_id)}"
+        return status
+
+    def _cancel_interrupted(self, status: JobStatus) -> None:
+        """Record CANCELLED for a job no process runs (claiming it first, so none starts meanwhile)."""
+        me = ownership.claim(self.store_root, status.job_id, self.lease_s)
+        try:
+            status.state, status.error, status.ended_at = "CANCELLED", None, now()
+            write_status(self.store_root, status)
+        finally:
+            ownership.release(self.store_root, status.job_id, me)
 
     def _poll_record(
         self, job_id: str, on_progress: ProgressCallback | None, deadline: float | None
@@ -592,10 +764,18 @@ class LocalExecutor:
         """Wait for a job another process runs, by polling its status record."""
         last = None
         while True:
-            snap = JobStatus.from_record(read_status(self.store_root, job_id))
+            snap = self._reconciled(JobStatus.from_record(read_status(self.store_root, job_id)))
             if on_progress is not None and snap != last:
                 on_progress(snap)
             last = snap
             if snap.finished or (deadline is not None and time.monotonic() >= deadline):
                 return snap
             time.sleep(0.2)  # polling another process's record; there is no event to wait on
+
+
+def _kill(proc: Any) -> None:
+    """SIGKILL a worker process (a ``multiprocessing.Process`` or a ``subprocess.Popen``) if it still runs."""
+    try:
+        proc.kill()
+    except (OSError, ValueError, AttributeError):  # gone already, or closed
+        pass

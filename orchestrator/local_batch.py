@@ -8,6 +8,11 @@ to :data:`BATCH_ATTEMPTS` attempts in all; any other exit fails the job, as does
 ``timeout_s`` (Batch's attempt duration, which Batch does not retry). A death by signal (``kill -9``, the
 out-of-memory killer) is exit 137 in a container, which the table does not retry either.
 
+The child is started through :mod:`orchestrator.lifeline` (``python -m orchestrator.lifeline
+functions.container``), so it dies with this process even when this process is killed outright; ``children``
+(a set the caller owns) holds the running child so the caller can kill it at once
+(:meth:`orchestrator.local.LocalExecutor.interrupt`).
+
 The child writes why it failed to ``SHARDFOLD_STATUS_FILE`` (Batch's status reason), so the failure names
 the handler's error and message; its log lines go to this process's stdout and stderr.
 """
@@ -30,6 +35,7 @@ from aws_lambda_powertools import Logger
 import functions
 from functions.container import EXIT_TRANSIENT
 from orchestrator.invoke import HandlerFailed
+from orchestrator.lifeline import PARENT_ENV, child_command
 
 logger = Logger(service="shardfold")
 
@@ -54,6 +60,7 @@ def _environment(handler_path: str, function: str, event: dict[str, Any], status
         SHARDFOLD_EVENT=json.dumps(event),
         SHARDFOLD_STATUS_FILE=status_file,
     )
+    env[PARENT_ENV] = str(os.getpid())
     return env
 
 
@@ -83,6 +90,25 @@ def _failure(returncode: int, status_file: Path, function: str, pid: int) -> Han
     return HandlerFailed("Batch.JobFailed", f"the container running {function} exited with code {returncode}")
 
 
+def _wait(
+    proc: subprocess.Popen, function: str, timeout_s: float, cancel: threading.Event, poll_s: float
+) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.wait(poll_s)
+        except subprocess.TimeoutExpired:
+            pass
+        if cancel.is_set():
+            _stop(proc)
+            raise Cancelled(function)
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise HandlerFailed(
+                "States.Timeout", f"{function} ran past its attempt duration of {timeout_s:.0f} s"
+            )
+
+
 def run_container(
     handler_path: str,
     function: str,
@@ -92,6 +118,7 @@ def run_container(
     cancel: threading.Event,
     attempts: int = BATCH_ATTEMPTS,
     poll_s: float = 0.2,
+    children: set[subprocess.Popen] | None = None,
 ) -> None:
     """Run the container entry point on ``event`` until it succeeds, fails for good, or is cancelled.
 
@@ -102,25 +129,17 @@ def run_container(
         with tempfile.TemporaryDirectory(prefix="shardfold-batch-") as tmp:
             status_file = Path(tmp) / "status.json"
             env = _environment(handler_path, function, event, str(status_file))
-            proc = subprocess.Popen([sys.executable, "-m", "functions.container"], env=env)
+            proc = subprocess.Popen(child_command("functions.container"), env=env)
+            if children is not None:
+                children.add(proc)
             logger.info(
                 "batch container started", extra={"function": function, "pid": proc.pid, "attempt": attempt}
             )
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    code = proc.wait(poll_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if cancel.is_set():
-                    _stop(proc)
-                    raise Cancelled(function)
-                if time.monotonic() > deadline:
-                    _stop(proc)
-                    raise HandlerFailed(
-                        "States.Timeout", f"{function} ran past its attempt duration of {timeout_s:.0f} s"
-                    )
+            try:
+                code = _wait(proc, function, timeout_s, cancel, poll_s)
+            finally:
+                if children is not None:
+                    children.discard(proc)
             if code == 0:
                 return
             failure = _failure(code, status_file, function, proc.pid)

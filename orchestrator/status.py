@@ -4,6 +4,12 @@
 ``{job_id, kind, backend, state, started_at, ended_at, error, steps, spec_uri, execution_arn?}``. The
 local executor keeps it current while it runs; the AWS executor writes it on start and whenever it
 observes a change, so ``status`` works from any process.
+
+States: PENDING, RUNNING, then SUCCEEDED, FAILED or CANCELLED; or INTERRUPTED: the process running a local
+job ended before the job did (killed, or stopped with SIGTERM/Ctrl-C), so nothing runs it any more and
+``shardfold resume`` continues it. A job's owner process records INTERRUPTED itself when it is stopped;
+when it is killed outright the record still says RUNNING and the executor reports INTERRUPTED on reading
+it (:mod:`orchestrator.owner`).
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from functions.errors import JobNotFound, ObjectNotFound
 from functions.jobs import status_key
 from functions.store.uri import join
 
-JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
+JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "INTERRUPTED"]
 # Step Functions prefixes a States.Runtime cause with where it happened; our Fail states already say so.
 _DECORATION = re.compile(
     r"^An error occurred while executing the state '[^']*' \(entered at the event id #\d+\)\. "
 )
 TERMINAL: frozenset[str] = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+# Nothing runs the job: it ended, or (INTERRUPTED) its process did; waiting on it would never end.
+STOPPED: frozenset[str] = TERMINAL | {"INTERRUPTED"}
 
 
 @dataclass
@@ -45,7 +53,8 @@ class JobStatus:
 
     @property
     def finished(self) -> bool:
-        return self.state in TERMINAL
+        """Nothing runs the job any more: it ended (SUCCEEDED, FAILED, CANCELLED) or was INTERRUPTED."""
+        return self.state in STOPPED
 
     def to_record(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +92,10 @@ class Executor(Protocol):
 
 def now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def resume_hint(job_id: str) -> str:
+    return f"resume with: shardfold resume {job_id}"
 
 
 def step_error(step: str, index: int | None, error: str, message: str) -> str:
