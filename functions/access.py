@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -136,12 +137,22 @@ def _stays_inside(full: str, store_root: str, uri: str, field: str) -> None:
     path, root = posixpath.normpath(full[len(FILE) :]), posixpath.normpath(store_root[len(FILE) :])
     if not path.startswith(root + "/"):
         return  # a file:// path elsewhere: the user's own machine
-    real, real_root = os.path.realpath(path), os.path.realpath(root)
-    if real != real_root and not real.startswith(real_root + "/"):
-        raise UnsafeKey(
-            f"{_where(field)}{uri} leads out of the store root through a symbolic link (to {real}); name "
-            "data outside the store by its own file:// URI"
-        )
+    # one lstat per component below the root (a request names thousands of paths); only a link resolves
+    at = root
+    for part in path[len(root) + 1 :].split("/"):
+        at += "/" + part
+        try:
+            if not stat.S_ISLNK(os.lstat(at).st_mode):
+                continue
+        except OSError:
+            return  # not there (yet): nothing below it can be a link
+        real, real_root = os.path.realpath(path), os.path.realpath(root)
+        if real != real_root and not real.startswith(real_root + "/"):
+            raise UnsafeKey(
+                f"{_where(field)}{uri} leads out of the store root through a symbolic link (to {real}); "
+                "name data outside the store by its own file:// URI"
+            )
+        return
 
 
 def _other_bucket(full: str, store_root: str) -> tuple[str, str] | None:

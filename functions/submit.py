@@ -76,6 +76,15 @@ def check_policy(spec: JobSpec, store_root: str, grants: access.Grants | None = 
         raise SpecError(f"{len(errors)} URI(s) the job may not use: {summary}", errors)
 
 
+def _document_bytes(doc: Any) -> int | None:
+    """The size of a spec document as JSON text (None for a parsed model: measured once dumped)."""
+    if isinstance(doc, bytes | str):
+        return len(doc)
+    if isinstance(doc, Mapping):
+        return len(json.dumps(doc, default=str).encode())
+    return None
+
+
 def check(
     doc: Any,
     *,
@@ -88,8 +97,9 @@ def check(
     """Everything a submission checks, writing nothing: the spec and its estimate (``shardfold plan``).
 
     An S3 endpoint that does not answer is :class:`StoreUnreachable`, naming the endpoint."""
-    if isinstance(doc, bytes | str) and len(doc) > MAX_SPEC_BYTES:
-        raise SpecTooLarge(len(doc))
+    size = _document_bytes(doc)
+    if size is not None and size > MAX_SPEC_BYTES:  # refused before the work of parsing and checking it
+        raise SpecTooLarge(size)
     spec = parse_spec(doc, base_uri=base_uri)
     check_policy(spec, store_root, grants)
     limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)

@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from probekit import Env, seed
 
 from client import Client
 
 
+def pytest_collection_modifyitems(config, items):
+    """A probe runs only on the backends it applies to (``Probe.backends``: a local file is the user's own
+    on the local store, a refusal on S3): the other pairings are deselected, not skipped."""
+    keep, drop = [], []
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.parent != here:
+            keep.append(item)
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        probe, backend = params.get("probe"), params.get("env")
+        (drop if probe is not None and backend not in probe.backends else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="module", params=["local", "moto"])
 def env(request, tmp_path_factory):
+    """A seeded client on each backend."""
     home = tmp_path_factory.mktemp(f"adversarial-{request.param}")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SHARDFOLD_HOME", str(home / "store"))
