@@ -9,6 +9,12 @@ A probe's ``expect``:
 * ``Fails(pattern)``: submit accepts (it cannot see inside a manifest or a file), the job ends FAILED;
 * ``Clear(pattern)``: either of the two;
 * ``Safe(check)``: the job succeeds and ``check(env, result)`` holds.
+
+The probes that need a job stopped halfway live beside the code they exercise: inputs changed after the plan
+(``tests/test_pinning.py`` and each kind's job tests, local and moto), two resumes at once, kill -9 and a
+failing final status write (``tests/test_ownership.py``), Rich markup in spec fields (``tests/test_cli.py``),
+duplicate bucket events and oversized specs in the trigger (``tests/test_trigger.py``), and scratch left by
+a crash after the result (each kind's core tests).
 """
 
 from __future__ import annotations
