@@ -14,7 +14,7 @@ The probes that need a job stopped halfway live beside the code they exercise: i
 (``tests/test_pinning.py`` and each kind's job tests, local and moto), two resumes at once, kill -9 and a
 failing final status write (``tests/test_ownership.py``), Rich markup in spec fields (``tests/test_cli.py``),
 duplicate bucket events and oversized specs in the trigger (``tests/test_trigger.py``), and scratch left by
-a crash after the result (each kind's core tests).
+a crash after the result (``tests/test_getbatch_core.py``; ``shardfold clean``: ``tests/test_submit.py``).
 """
 
 from __future__ import annotations
