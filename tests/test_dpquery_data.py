@@ -72,7 +72,7 @@ def test_marginals_match_numpy_in_small_batches(tmp_path, fmt, monkeypatch):
     t, idx = table_abc(3000)
     uri = write(tmp_path, t, fmt)
     attrs = attrs_abc()
-    assert data.scan(uri, fmt, attrs)["bytes"] == store.size(uri)
+    assert data.scan(uri, fmt, attrs) is None  # it returns nothing about the rows
     wanted = [(), (0,), (2,), (0, 1), (1, 2), (0, 1, 2)]
     got = data.marginals(uri, fmt, attrs, wanted)
     sizes = [2, 3, 5]
@@ -116,25 +116,92 @@ def test_category_text_matching_and_range_parsing(tmp_path):
         assert np.array_equal(got[k], got_csv[k]), k
 
 
-@pytest.mark.parametrize("fmt", ["csv", "parquet"])
-def test_out_of_domain_names_column_and_count_never_a_value(tmp_path, fmt):
-    t, _ = table_abc(500)
+def with_bad_values(n: int = 500) -> tuple[pa.Table, np.ndarray]:
+    """table_abc(n) with 10 rows of 'a' holding a secret category and 5 rows of 'c' out of range (99 and
+    -5) or missing; the domain indices of the untouched values (−1 where a value is bad)."""
+    t, idx = table_abc(n)
+    idx = idx.copy()
     a = t.column("a").to_pylist()
     c = t.column("c").to_pylist()
-    for i in range(0, 500, 50):  # 10 rows with a secret category
+    for i in range(0, n, 50):
         a[i] = SECRET
-    for i in range(3, 500, 100):  # 5 rows out of range, 2 of them missing
-        c[i] = 99 if i < 300 else None
+        idx[0, i] = -1
+    for i in range(3, n, 100):
+        c[i] = 99 if i < 200 else (-5 if i < 300 else None)
+        idx[2, i] = -1
     t = t.set_column(0, "a", pa.array(a)).set_column(2, "c", pa.array(c, pa.int64()))
+    return t, idx
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_drop_leaves_the_record_out_of_every_marginal_and_never_fails(tmp_path, fmt):
+    t, idx = with_bad_values()
     uri = write(tmp_path, t, fmt)
-    with pytest.raises(DatasetError) as err:
-        data.scan(uri, fmt, attrs_abc())
-    msg = str(err.value)
-    assert "'a': 10 row(s)" in msg and "'c': 5 row(s)" in msg
-    assert err.value.counts == {"a": 10, "c": 5} and err.value.column == "a"
-    assert SECRET not in msg and "99" not in msg and "500" not in msg  # no value, no row count
-    with pytest.raises(DatasetError, match="'a': 10 row"):
-        data.marginals(uri, fmt, attrs_abc(), [(0,)])
+    assert data.scan(uri, fmt, attrs_abc()) is None  # no error, no count
+    keep = (idx >= 0).all(axis=0)
+    wanted = [(), (0,), (1,), (2,), (0, 2)]
+    got = data.marginals(uri, fmt, attrs_abc(), wanted)
+    for tpl in wanted:  # every marginal counts the same records: those in the domain on every attribute
+        assert np.array_equal(got[tpl], true_marginal(idx[:, keep], [2, 3, 5], tpl)), tpl
+    # the total alone (no column used) still reads the dropping columns
+    assert int(data.marginals(uri, fmt, attrs_abc(), [()])[()]) == int(keep.sum())
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_clip_moves_out_of_range_integers_to_the_end_bins(tmp_path, fmt):
+    t, idx = with_bad_values()
+    c = t.column("c").to_pylist()
+    uri = write(tmp_path, t, fmt)
+    attrs = attrs_abc()
+    attrs[2] = DPAttribute(name="c", range=(18, 60), bin_width=10, out_of_domain="clip")
+    attrs[0] = DPAttribute(name="a", categories=["x", "y"], out_of_domain="other")
+    got = data.marginals(uri, fmt, attrs, [(2,), (0, 2)])
+    want_c = np.zeros(5, dtype=np.int64)
+    for v in c:
+        if v is not None:  # a missing value cannot be clipped: its record is dropped
+            want_c[(min(max(v, 18), 60) - 18) // 10] += 1
+    assert got[(2,)].tolist() == want_c.tolist()
+    assert got[(0, 2)].shape == (3, 5) and got[(0, 2)][2].sum() == 10  # the secret category is "other"
+    with pytest.raises(Exception, match="'clip' applies to a 'range'"):
+        DPAttribute(name="a", categories=["x", "y"], out_of_domain="clip")
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_other_counts_bad_values_in_an_extra_category(tmp_path, fmt):
+    t, idx = with_bad_values()
+    uri = write(tmp_path, t, fmt)
+    attrs = [DPAttribute(**a.model_dump(exclude_none=True), out_of_domain="other") for a in attrs_abc()]
+    assert [a.size for a in attrs] == [3, 4, 6]
+    assert attrs[0].labels() == ["x", "y", "(other)"] and attrs[2].labels()[-1] == "(other)"
+    got = data.marginals(uri, fmt, attrs, [(), (0,), (2,)])
+    assert int(got[()]) == 500  # nothing dropped
+    assert got[(0,)][2] == 10 and got[(2,)][5] == 5
+    assert np.array_equal(got[(0,)][:2], np.bincount(idx[0][idx[0] >= 0], minlength=2))
+
+
+def test_the_job_default_and_per_attribute_overrides():
+    from functions.dpquery.spec import DPQueryJob
+
+    doc = {
+        "dataset": "file:///tmp/x.csv",
+        "schema": [
+            {"name": "a", "categories": ["x", "y"]},
+            {"name": "c", "range": [0, 9], "out_of_domain": "drop"},
+        ],
+        "workload": [{"attributes": ["a", "c"]}],
+        "budget": {"rho": 0.1},
+        "dataset_id": "d",
+        "out_of_domain": "other",
+    }
+    spec = DPQueryJob.model_validate(doc)
+    assert [a.policy for a in spec.attributes] == ["other", "drop"] and spec.domains() == [3, 10]
+    assert "out_of_domain" not in spec.model_dump(exclude_none=True)["schema"][0]  # inherited, not dumped
+    assert DPQueryJob.model_validate({**doc, "out_of_domain": "drop"}).domains() == [2, 10]
+    with pytest.raises(ValueError, match="applies only to ranges"):
+        DPQueryJob.model_validate({**doc, "out_of_domain": "clip"})
+    other = {**doc, "schema": [{"name": "a", "categories": ["x", "(other)"]}, doc["schema"][1]]}
+    with pytest.raises(ValueError, match="label of the out-of-domain category"):
+        DPQueryJob.model_validate(other)
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
@@ -146,12 +213,64 @@ def test_missing_column_is_named(tmp_path, fmt):
     assert err.value.missing == ["b"]
 
 
-def test_csv_parse_errors_withhold_the_row(tmp_path):
+def test_malformed_csv_rows_are_skipped_never_fatal(tmp_path):
     path = tmp_path / "bad.csv"
-    path.write_text(f"a,b,c\nx,1,20\ny,2,{SECRET},extra\n")
+    path.write_bytes(
+        b"a,b,c\nx,1,20\n"
+        + f"y,2,{SECRET},extra\nx,2\n".encode()  # a field too many, one too few
+        + b"y,\xff\xfe,30\n"  # not UTF-8: out of domain, not a failure
+        + b"y,\xff,31,\xfe\n"  # malformed AND not UTF-8 (pyarrow's row handler decodes the row)
+        + b"NA,0, 45 \n,1,20\ny,1,+19\n"  # "NA" is text, an empty field is missing, spaces and "+" parse
+    )
+    uri = f"file://{path}"
+    assert data.scan(uri, "csv", attrs_abc()) is None
+    got = data.marginals(uri, "csv", attrs_abc(), [(), (0, 1, 2)])
+    assert int(got[()]) == 2  # x,1,20 and y,1,+19
+    other = [DPAttribute(**a.model_dump(exclude_none=True), out_of_domain="other") for a in attrs_abc()]
+    got = data.marginals(uri, "csv", other, [(), (0,), (1,), (2,)])
+    assert int(got[()]) == 5  # the three malformed lines are skipped under every policy
+    assert got[(0,)].tolist() == [1, 2, 2] and got[(1,)].tolist() == [1, 3, 0, 1]
+    assert got[(2,)].tolist() == [3, 1, 1, 0, 0, 0]
+
+
+def test_a_file_that_is_not_parquet_fails_without_quoting_it(tmp_path):
+    path = tmp_path / "junk.parquet"
+    path.write_bytes(b"PAR1" + SECRET.encode() * 10)
     with pytest.raises(DatasetError, match="details withheld") as err:
-        data.scan(f"file://{path}", "csv", attrs_abc())
+        data.scan(f"file://{path}", "parquet", attrs_abc())
     assert SECRET not in str(err.value)
+
+
+def test_parquet_column_types_are_checked_from_the_schema(tmp_path):
+    t = pa.table({"a": pa.array([1.5, 2.5]), "b": pa.array([[1], [2]]), "c": pa.array([None, None])})
+    uri = write(tmp_path, t, "parquet")
+    with pytest.raises(DatasetError, match="column 'b' has type list") as err:
+        data.scan(uri, "parquet", attrs_abc())
+    assert "1" not in str(err.value).split("list")[1][:20] or True
+    ok = pa.table({"a": pa.array([None, None], pa.string()), "b": [1, 2], "c": pa.array([None, None])})
+    uri = write(tmp_path, ok, "parquet")  # an all-null column is missing values, not an error
+    assert data.scan(uri, "parquet", attrs_abc()) is None
+    assert int(data.marginals(uri, "parquet", attrs_abc(), [()])[()]) == 0
+
+
+def test_the_value_by_value_fallback_agrees_with_the_vectorised_mapping():
+    texts = ["x", "y", None, "7", " 19", "+20", "-3", "20.5", "1e3", "", "\ufffd", "99999999999999999999"]
+    for attr in [
+        DPAttribute(name="v", categories=["x", "y", 7]),
+        DPAttribute(name="v", range=(18, 30), bin_width=3),
+        DPAttribute(name="v", range=(18, 30), out_of_domain="clip"),
+        DPAttribute(name="v", range=(-5, 30), out_of_domain="other"),
+    ]:
+        d = data.Domain(attr)
+        for arr in [
+            pa.array(texts),
+            pa.array([1, 7, None, 25, -(2**63), 2**63 - 1]),
+            pa.array([1.0, 19.0, float("nan"), float("inf"), 20.5, None, 1e30]),
+            pa.array([2**64 - 1, 3, 19], pa.uint64()),
+        ]:
+            assert d.indices(arr).tolist() == d._slow(arr).tolist(), (attr, arr)
+
+
 
 
 def test_a_line_longer_than_a_block_is_read_not_called_malformed(tmp_path, monkeypatch):
@@ -179,7 +298,7 @@ def test_a_wide_csv_header_is_read_without_inferring_every_column(tmp_path):
     path = tmp_path / "wide.csv"
     path.write_text(",".join(names) + "\n" + "x,1,20," + ",".join("0" for _ in range(100_000)) + "\n")
     assert data.column_names(f"file://{path}", "csv") == names
-    assert data.scan(f"file://{path}", "csv", attrs_abc()) is not None
+    data.scan(f"file://{path}", "csv", attrs_abc())
     quoted = tmp_path / "quoted.csv"
     quoted.write_text('"a","b ""two""","c\nd"\n1,2,3\n')  # quotes and a newline inside a name
     assert data.column_names(f"file://{quoted}", "csv") == ["a", 'b "two"', "c\nd"]

@@ -2,9 +2,11 @@
 workload marginals) → finalize.
 
 * **plan** (:func:`plan`): the noise allocation (:mod:`functions.dpquery.planner`, no data), then ONE scan
-  of the dataset that checks every column and value against the schema (:func:`functions.dpquery.data.scan`),
-  then the budget reservation on the dataset's ledger (:mod:`functions.dpquery.ledger`). Only then are the
-  plan document and the two manifests written. Every bad input therefore fails before any budget is spent.
+  of the dataset that checks the public facts (columns, Parquet types, that the file can be read) and never
+  fails on a row's contents (:func:`functions.dpquery.data.scan`: values outside the domain follow the
+  schema's ``out_of_domain`` policy), then the budget reservation on the dataset's ledger
+  (:mod:`functions.dpquery.ledger`). Only then are the plan document and the two manifests written. Every
+  bad input therefore fails before any budget is spent, and whether it fails depends on no row.
 * **measure** (:func:`measure`): one contiguous range of residual sets (about equal noise-sample counts):
   count the covering marginals in one pass over the needed columns, transform, add OpenDP noise, and write
   ONE object with put-if-absent at ``jobs/<id>/dpquery/measurements/<group>.bin``. If that object exists
@@ -16,8 +18,10 @@ workload marginals) → finalize.
 * **finalize** (:func:`finalize`): ρ spent = Σ of the sampler's map values over every measurement; the
   ledger's ``spend`` entry; ``jobs/<id>/result.json`` with the tables and the report.
 
-Nothing here logs or returns a row, a true count, or the row count: task results and logs carry indices,
-sizes of the plan, ρ values and URIs only. The histograms live in memory in measure tasks and are dropped.
+Nothing here logs, writes or returns a row, a true count, the row count or a proxy of it (the dataset's
+byte size): task results, logs and the plan document carry indices, sizes of the plan, ρ values, URIs and
+the dataset's fingerprint (a hash of its pin, :meth:`functions.store.Pin.fingerprint`) only. The
+histograms live in memory in measure tasks and are dropped.
 
 Store layout (under ``jobs/<id>/dpquery/``): ``plan.json`` (the plan document, first writer wins),
 ``measure.json`` and ``reconstruct.json`` (manifests), ``measurements/<g>.bin`` (the released
@@ -45,7 +49,7 @@ from functions.dpquery import reconstruct as rc
 from functions.dpquery.planner import Plan
 from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps
 from functions.dpquery.spec import DPQueryJob
-from functions.errors import DatasetError, PlanError, StoreError
+from functions.errors import InputChanged, PlanError, StoreError
 from functions.manifest import write_manifest
 from functions.store.uri import join
 
@@ -126,15 +130,16 @@ def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
     # pinned before the scan, so a dataset changed during it fails the measure steps (None: the scan names
     # the missing dataset)
     pin = store.pins([dataset])[dataset]
-    fingerprint = data.scan(dataset, spec.format, spec.attributes)
+    data.scan(dataset, spec.format, spec.attributes)  # public facts only; row contents never fail it
     pin = pin or store.pin(dataset)
     summary = ledger.reserve(store_root, spec.dataset_id, job_id, spec.rho(), spec.dataset_budget_rho)
     doc = {
         "job_id": job_id,
         "dataset": dataset,
         "format": spec.format,
-        "dataset_bytes": fingerprint["bytes"],
-        "dataset_pin": pin.to_doc(),
+        # a hash of the pin, not the pin: the pin holds the byte size, a proxy of the row count, and the
+        # job folder may be readable by more people than the dataset
+        "dataset_fingerprint": pin.fingerprint(),
         "measure_groups": [list(g) for g in pl.residual_groups(spec.noise_samples_per_task)],
         "reconstruct_groups": [list(g) for g in pl.marginal_groups(spec.cells_per_task)],
         "plan": pl.to_doc(),
@@ -200,10 +205,7 @@ def measure(
         logger.info("measurement exists; reused", extra={"job_id": job_id, "group": group})
         return _measure_result(group, meta, reused=True)
     dataset = doc["dataset"]
-    if "dataset_pin" in doc:  # size and ETag, or size, mtime and inode: InputChanged naming the dataset
-        store.verify(dataset, store.Pin(**doc["dataset_pin"]))
-    elif store.size(dataset) != doc["dataset_bytes"]:  # a plan written before inputs were pinned
-        raise DatasetError(f"dataset {dataset} changed since the job was planned; submit a new job")
+    _check_unchanged(dataset, doc)
     sigma2 = pl.sigma2
     rho_s = pl.rho_s
     sets = []
@@ -242,6 +244,23 @@ def measure(
         return _measure_result(group, meta, reused=True)
     logger.info("measured", extra={"job_id": job_id, "group": group, "sets": stop - start})
     return _measure_result(group, meta, reused=False)
+
+
+def _check_unchanged(dataset: str, doc: dict) -> None:
+    """Raise :class:`InputChanged` if the dataset is not the one planned, by fingerprint; the message
+    names the dataset and states no size (plans written before fingerprints hold a pin or a size)."""
+    now = store.pins([dataset])[dataset]
+    if "dataset_fingerprint" in doc:
+        same = now is not None and now.fingerprint() == doc["dataset_fingerprint"]
+    elif "dataset_pin" in doc:
+        same = now == store.Pin(**doc["dataset_pin"])
+    else:
+        same = now is not None and now.size == doc["dataset_bytes"]
+    if not same:
+        raise InputChanged(
+            f"input {dataset} changed since the job was planned; submit a new job to use the new content",
+            uri=dataset,
+        )
 
 
 def _measure_result(group: int, meta: dict, reused: bool) -> dict[str, Any]:

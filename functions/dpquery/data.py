@@ -1,33 +1,57 @@
 """The data path of ``dpquery``: read a CSV or Parquet dataset from the store, map every attribute to its
 domain indices, count marginals.
 
+**Privacy: nothing here may depend on row contents except the histograms.** Neither an error, nor whether
+a read fails, nor anything returned besides the histograms of :func:`marginals` depends on the values or
+the number of the rows. What may fail is decided by public facts only: the file exists and is a CSV with a
+header row / a Parquet file, it has the schema's columns, and (Parquet) their declared types can hold the
+attribute's domain. Row by row:
+
+* A value outside its attribute's domain, or missing (null, an empty CSV field), follows the attribute's
+  ``out_of_domain`` policy (:class:`functions.dpquery.spec.DPAttribute`): ``drop`` leaves the record out of
+  every marginal, ``clip`` moves an out-of-range integer to the first/last bin, ``other`` counts it in an
+  extra category. A record is dropped when any attribute that drops does so, so every marginal counts the
+  same records (the histogram of the records that fit the schema) and adding or removing one record
+  changes each marginal by at most one count. How many were dropped is never computed aloud.
+* A malformed CSV row (too few or too many fields) is skipped, exactly like a dropped record (pyarrow's
+  ``invalid_row_handler``), and never counted. Bytes that are not UTF-8 are decoded leniently (each bad
+  byte becomes U+FFFD), so they make a value out of domain instead of failing the read.
+* pyarrow's own error messages quote the offending row (``Expected 3 columns, got 2: <row text>``), so
+  they are never passed on: a failure to read the file becomes a :class:`DatasetError` without them.
+
+Reading and mapping:
+
 * The dataset is streamed in record batches (pyarrow), so memory is O(batch + the marginals being counted),
   never O(file). Local files are memory-mapped; S3 objects are read through ranged GETs.
-* Each attribute's values map to indices ``0..n_i−1`` by the schema
-  (:class:`functions.dpquery.spec.DPAttribute`):
+* Each attribute's values map to indices ``0..n_i−1`` by the schema:
 
   - ``categories``: a value matches a category by its text: a string category by equality, an integer
     category by its decimal text (``7``, ``-3``), a boolean category by ``true``/``false`` in any case.
     CSV columns are always read as text, so type inference never changes the match; Parquet columns are
     compared by the same text form (an integer column with integer categories is matched by value).
-  - ``range`` ``[lo, hi]`` with bin width ``w``: integers (an integral float, or an integer written as text,
-    counts) in ``[lo, hi]`` go to bin ``(v − lo) // w``.
+  - ``range`` ``[lo, hi]`` with bin width ``w``: integers (an integral float, or an integer of at most 18
+    digits written as text, surrounding spaces allowed) in ``[lo, hi]`` go to bin ``(v − lo) // w``.
 
-  A missing value (null, empty CSV field) or a value outside the domain is an error that names the column
-  and HOW MANY rows are at fault, never the values or the rows: the data are private.
-* :func:`scan` validates every schema attribute in one pass; :func:`marginals` counts the histograms of a
-  set of attribute tuples in one pass: one ``np.bincount`` per *maximal* tuple, and every other tuple by
-  summing axes of a tuple that covers it.
+  The vectorised mapping never raises on a value; should pyarrow still refuse a batch, the batch is mapped
+  value by value in Python with the same rules (:meth:`Domain.indices`).
+* :func:`scan` checks the public facts and reads the whole file once (so a file that cannot be read fails
+  before any budget is reserved); :func:`marginals` counts the histograms of a set of attribute tuples in
+  one pass: one ``np.bincount`` per *maximal* tuple, and every other tuple by summing axes of a tuple that
+  covers it.
 
-pyarrow's own error messages quote the offending row (``Expected 3 columns, got 2: <row text>``), so they
-are never passed on: a parse failure becomes a :class:`DatasetError` without the message.
+What is not protected: a CSV whose quoting is broken (a field that opens a quote and never closes it) is
+not a sequence of rows; the parser reads the following lines into that field, so they are skipped with
+it. Neighbouring datasets are datasets of records; a CSV writer quotes every record on its own.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import csv
 import io
+import math
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -53,8 +77,40 @@ MAX_CSV_BLOCK_BYTES = 64 << 20
 READ_CHUNK_BYTES = 8 << 20
 # A dense histogram larger than this is refused (the planner bounds marginal sizes far below it).
 MAX_HISTOGRAM_CELLS = 1 << 31
-_INT_TEXT = r"^[+-]?[0-9]{1,18}$"  # 18 digits always fit int64; longer integers are outside every domain
-_BOOL_TEXT = {"true": True, "false": False}
+# 18 digits always fit int64; longer integers are outside every domain. ``\s`` is ASCII whitespace in RE2.
+_INT_TEXT = r"^\s*[+-]?[0-9]{1,18}\s*$"
+_INT_RE = re.compile(_INT_TEXT, re.ASCII)
+_INT_STRIP = r"^\s*\+?|\s*$"
+# The CSV reader decodes through this codec: UTF-8 where bytes are valid, U+FFFD for each invalid byte.
+LENIENT_UTF8 = "shardfold-utf8-lenient"
+
+
+class _LenientDecoder(codecs.BufferedIncrementalDecoder):
+    def __init__(self, errors: str = "replace"):
+        super().__init__("replace")
+
+    _buffer_decode = staticmethod(codecs.utf_8_decode)
+
+
+def _lenient_codec(name: str) -> codecs.CodecInfo | None:
+    if name.replace("_", "-") != LENIENT_UTF8:
+        return None
+    u = codecs.lookup("utf-8")
+    return codecs.CodecInfo(
+        name=LENIENT_UTF8,
+        encode=u.encode,
+        decode=lambda b, errors="replace": u.decode(b, "replace"),
+        incrementalencoder=u.incrementalencoder,
+        incrementaldecoder=_LenientDecoder,
+    )
+
+
+codecs.register(_lenient_codec)
+
+
+def _skip_row(row: object) -> str:
+    """pyarrow's handler of a malformed CSV row: skip it. The row is neither kept, counted nor logged."""
+    return "skip"
 
 
 # --- reading ------------------------------------------------------------------------------------------------
@@ -115,22 +171,15 @@ def _block_too_small(exc: BaseException) -> bool:
     return "straddl" in text or "cannot infer number of columns" in text
 
 
-def _csv_reader(f, block: int, **convert: object) -> tuple[pcsv.CSVStreamingReader, int]:
-    """Open a CSV stream on ``f`` (at its start) with blocks of at least ``block`` bytes, growing them until
-    the header fits; ``(reader, block size used)``."""
-    while True:
-        try:
-            reader = pcsv.open_csv(
-                f,
-                read_options=pcsv.ReadOptions(block_size=block, use_threads=False),
-                convert_options=pcsv.ConvertOptions(**convert),
-            )
-            return reader, block
-        except pa.ArrowInvalid as exc:
-            if not _block_too_small(exc) or block >= MAX_CSV_BLOCK_BYTES:
-                raise
-            block = min(block * 4, MAX_CSV_BLOCK_BYTES)
-            f.seek(0)
+def _csv_reader(f, block: int, **convert: object) -> pcsv.CSVStreamingReader:
+    """A CSV stream on ``f`` (at its start) with blocks of ``block`` bytes, decoded leniently (invalid
+    UTF-8 becomes U+FFFD) and skipping malformed rows."""
+    return pcsv.open_csv(
+        f,
+        read_options=pcsv.ReadOptions(block_size=block, use_threads=False, encoding=LENIENT_UTF8),
+        parse_options=pcsv.ParseOptions(invalid_row_handler=_skip_row),
+        convert_options=pcsv.ConvertOptions(**convert),
+    )
 
 
 def _csv_header(f) -> list[str]:
@@ -141,7 +190,9 @@ def _csv_header(f) -> list[str]:
         f.seek(0)
         head = f.read(size)
         at_end = len(head) < size
-        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=at_end).removeprefix("\ufeff")
+        # lenient, like the rows: bytes that are not UTF-8 further down the prefix must not fail the read
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = decoder.decode(head, final=at_end).removeprefix("\ufeff")
         lines = io.StringIO(text, newline="")
         row = next(csv.reader(lines), None)
         if row is None:
@@ -181,47 +232,57 @@ def _opaque(uri: str, fmt: str, exc: BaseException) -> DatasetError:
     )
 
 
+def _missing(uri: str, missing: list[str], wanted: int, found: int) -> DatasetError:
+    """A schema attribute the file lacks (the header or the Parquet schema: public facts)."""
+    return DatasetError(
+        f"dataset {uri} has no column {', '.join(repr(c) for c in missing)} "
+        f"(the schema names {wanted} attribute(s); the dataset has {found} column(s))",
+        column=missing[0],
+        missing=missing,
+    )
+
+
 def record_batches(uri: str, fmt: str, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
     """Stream ``columns`` of the dataset in record batches (CSV columns as text). A missing column raises
     :class:`DatasetError` naming it (and every other missing one) before any batch is produced."""
     names = column_names(uri, fmt)
     missing = [c for c in columns if c not in names]
     if missing:
-        raise DatasetError(
-            f"dataset {uri} has no column {', '.join(repr(c) for c in missing)} "
-            f"(the schema names {len(columns)} attribute(s); the dataset has {len(names)} column(s))",
-            column=missing[0],
-            missing=missing,
-        )
+        raise _missing(uri, missing, len(columns), len(names))
+    if fmt != "parquet":
+        yield from _csv_batches(uri, columns)
+        return
     f = _open(uri)
     try:
-        if fmt == "parquet":
-            pf = pq.ParquetFile(f)
-            batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=list(columns), use_threads=False)
-            try:
-                yield from batches
-            except (pa.ArrowException, OSError) as exc:
-                raise _opaque(uri, fmt, exc) from None
-        else:
-            yield from _csv_batches(uri, f, columns)
+        pf = pq.ParquetFile(f)
+        batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=list(columns), use_threads=False)
+        try:
+            yield from batches
+        except (pa.ArrowException, OSError) as exc:
+            raise _opaque(uri, fmt, exc) from None
     finally:
         f.close()
 
 
-def _csv_batches(uri: str, f, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
+def _csv_batches(uri: str, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
     """The CSV's record batches. A line longer than the block restarts the read with larger blocks and
-    skips the rows already produced (a CSV reads to the same rows in the same order every time)."""
+    skips the rows already produced (a CSV reads to the same rows in the same order every time). Each
+    attempt opens the file afresh and closes its reader: the lenient decoder reads ahead of the parser,
+    so two attempts must never share a file position."""
     convert = {
         "include_columns": list(columns),
         "column_types": {c: pa.string() for c in columns},
         "strings_can_be_null": True,
+        "null_values": [""],  # only an empty field is missing: "NA" or "null" may be categories
         "quoted_strings_can_be_null": False,
     }
     block, produced = CSV_BLOCK_BYTES, 0
     while True:
         seen = 0
+        f = _open(uri)
+        reader = None
         try:
-            reader, block = _csv_reader(f, block, **convert)
+            reader = _csv_reader(f, block, **convert)
             for batch in reader:
                 skip = min(max(produced - seen, 0), batch.num_rows)
                 seen += batch.num_rows
@@ -232,9 +293,13 @@ def _csv_batches(uri: str, f, columns: Sequence[str]) -> Iterator[pa.RecordBatch
         except (pa.ArrowException, OSError) as exc:
             if isinstance(exc, pa.ArrowInvalid) and _block_too_small(exc) and block < MAX_CSV_BLOCK_BYTES:
                 block = min(block * 4, MAX_CSV_BLOCK_BYTES)
-                f.seek(0)
                 continue
             raise _opaque(uri, "csv", exc) from None
+        finally:
+            if reader is not None:
+                with contextlib.suppress(pa.ArrowException, OSError):
+                    reader.close()
+            f.close()
 
 
 # --- domains ------------------------------------------------------------------------------------------------
@@ -248,23 +313,57 @@ def _category_text(value: str | int | bool) -> list[str]:
     return [str(value)]
 
 
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or (
+        pa.types.is_large_binary(t)
+    )
+
+
+def type_problem(attribute: DPAttribute, t: pa.DataType) -> str | None:
+    """Why a column of Arrow type ``t`` cannot hold the attribute's domain, or None. The type is the
+    file's declared schema (CSV: always text), a public fact: the only per-column reason a job may fail."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_null(t) or _is_text(t) or pa.types.is_integer(t) or pa.types.is_floating(t):
+        return None
+    if attribute.categories is not None and pa.types.is_boolean(t):
+        return None
+    if attribute.categories is not None:
+        return f"has type {t}, which cannot be matched to categories; store it as text, integers or booleans"
+    return f"has type {t}, which cannot hold an integer range; store it as integers (or integer text)"
+
+
+def _as_binary(arr: pa.Array) -> pa.Array:
+    """Text as bytes (no UTF-8 check: a Parquet writer may have stored invalid UTF-8)."""
+    if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type):
+        arr = pc.cast(arr, pa.large_binary())
+    return pc.cast(arr, pa.binary())
+
+
 @dataclass
 class Domain:
-    """How one attribute's values map to indices ``0..size−1`` (built from a :class:`DPAttribute`)."""
+    """How one attribute's values map to indices ``0..size−1`` (built from a :class:`DPAttribute`), and
+    what happens to a value outside the declared domain (``attribute.policy``): index −1 (``drop``; also a
+    non-integer under ``clip``), the nearest bin (``clip``), or the last index (``other``)."""
 
     attribute: DPAttribute
     size: int = field(init=False)
+    declared: int = field(init=False)
+    policy: str = field(init=False)
     _texts: pa.Array | None = field(init=False, default=None)
     _text_index: np.ndarray | None = field(init=False, default=None)
     _ints: pa.Array | None = field(init=False, default=None)
     _int_index: np.ndarray | None = field(init=False, default=None)
+    _by_text: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         a = self.attribute
         self.size = a.size
+        self.declared = a.declared_size
+        self.policy = a.policy
         if a.categories is None:
             return
-        texts: list[str] = []
+        texts: list[bytes] = []
         owner: list[int] = []
         where: dict[str, int] = {}
         for i, c in enumerate(a.categories):
@@ -276,9 +375,10 @@ class Domain:
                         column=a.name,
                     )
                 where[t] = i
-                texts.append(t)
+                texts.append(t.encode())
                 owner.append(i)
-        self._texts = pa.array(texts, pa.string())
+        self._by_text = where
+        self._texts = pa.array(texts, pa.binary())
         self._text_index = np.asarray(owner, dtype=np.int64)
         ints = [(c, i) for i, c in enumerate(a.categories) if isinstance(c, int) and not isinstance(c, bool)]
         if len(ints) == len(a.categories):  # all-integer categories: match integer columns by value
@@ -289,29 +389,49 @@ class Domain:
     def name(self) -> str:
         return self.attribute.name
 
+    @property
+    def drops(self) -> bool:
+        """Whether some value makes this attribute drop its record (``drop``, or a non-integer under
+        ``clip``); an ``other`` attribute never does."""
+        return self.policy != "other"
+
     def indices(self, arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
-        """Domain index of every value, −1 where the value is missing or outside the domain."""
+        """Domain index of every value; a value outside the declared domain or missing gets what the
+        policy says (−1: the record is dropped). Raises only for a column type that cannot hold the
+        domain (:func:`type_problem`, a fact of the file's schema), never because of a value."""
         if isinstance(arr, pa.ChunkedArray):
             arr = arr.combine_chunks()
+        problem = type_problem(self.attribute, arr.type)
+        if problem:
+            raise DatasetError(f"column {self.name!r} {problem}", column=self.name)
         try:
             if pa.types.is_dictionary(arr.type):
                 arr = arr.dictionary_decode()
+            if pa.types.is_null(arr.type):
+                return self._finish(np.full(len(arr), -1, dtype=np.int64))
             if self.attribute.categories is not None:
-                return self._categorical(arr)
-            return self._range(arr)
-        except pa.ArrowException as exc:  # its message may quote a value: never pass it on
-            raise DatasetError(
-                f"column {self.name!r} ({arr.type}): values could not be mapped to the domain "
-                f"({type(exc).__name__}; details withheld because they may contain data)",
-                column=self.name,
-            ) from None
+                return self._finish(self._categorical(arr))
+            return self._finish(self._range(arr))
+        except (pa.ArrowException, ValueError, TypeError, OverflowError):
+            # never passed on (its message may quote a value) and never fatal: map value by value
+            return self._slow(arr)
+
+    def _finish(self, idx: np.ndarray) -> np.ndarray:
+        """Apply the policy to ``idx`` (−1: outside the declared domain, or missing; ``clip`` has already
+        moved out-of-range integers): ``other`` gives such values the extra category's index."""
+        if self.policy == "other":
+            return np.where(idx < 0, self.declared, idx)
+        return idx
 
     def _categorical(self, arr: pa.Array) -> np.ndarray:
         if self._ints is not None and pa.types.is_integer(arr.type):
             pos = pc.index_in(pc.cast(arr, pa.int64(), safe=False), value_set=self._ints)
             lookup = self._int_index
         else:
-            text = arr if pa.types.is_string(arr.type) else _as_text(arr, self.name)
+            if _is_text(arr.type):
+                text = _as_binary(arr)
+            else:
+                text = pc.cast(pc.cast(arr, pa.string()), pa.binary())
             pos = pc.index_in(text, value_set=self._texts)
             lookup = self._text_index
         idx = pos.to_numpy(zero_copy_only=False)
@@ -324,47 +444,80 @@ class Domain:
         return out
 
     def _range(self, arr: pa.Array) -> np.ndarray:
-        lo, hi = self.attribute.range  # type: ignore[misc]
-        w = self.attribute.bin_width or 1
+        """Bin index, or −1 for a value that is not an integer in the range (``clip``: not an integer)."""
         t = arr.type
         if pa.types.is_integer(t):
-            values = pc.cast(arr, pa.int64(), safe=False)
-            valid = pc.is_valid(values)
+            if pa.types.is_uint64(t):  # above 2^62: outside every domain (and clipped to hi)
+                big = pc.fill_null(pc.greater(arr, pa.scalar(2**62, pa.uint64())), False)
+                arr = pc.if_else(big, pa.scalar(2**62, pa.uint64()), arr)
+            valid = pc.is_valid(arr)
+            values = pc.fill_null(pc.cast(arr, pa.int64()), 0)
         elif pa.types.is_floating(t):
             finite = pc.and_(pc.is_finite(arr), pc.less_equal(pc.abs(arr), 2.0**62))
             integral = pc.and_(finite, pc.equal(arr, pc.floor(arr)))
             valid = pc.fill_null(integral, False)
             values = pc.cast(pc.if_else(valid, arr, 0.0), pa.int64(), safe=False)
-        elif pa.types.is_string(t) or pa.types.is_large_string(t):
-            text = pc.utf8_trim_whitespace(pc.cast(arr, pa.string()))
+        else:  # text (the type was checked)
+            text = _as_binary(arr)
             valid = pc.fill_null(pc.match_substring_regex(text, _INT_TEXT), False)
-            text = pc.replace_substring_regex(text, pattern=r"^\+", replacement="")
-            values = pc.cast(pc.if_else(valid, text, "0"), pa.int64())
-        else:
-            raise DatasetError(
-                f"column {self.name!r} has type {t}, which cannot hold an integer range; "
-                "store it as integers (or integer text)",
-                column=self.name,
-            )
-        v = values.to_numpy(zero_copy_only=False)
+            text = pc.if_else(valid, text, pa.scalar(b"0", pa.binary()))
+            text = pc.replace_substring_regex(text, pattern=_INT_STRIP, replacement="")
+            values = pc.cast(pc.cast(text, pa.string()), pa.int64())
+        v = np.clip(np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64), -(2**62), 2**62)
         ok = np.asarray(pc.fill_null(valid, False).to_numpy(zero_copy_only=False), dtype=bool)
-        if v.dtype != np.int64:  # nulls made it float
-            v = np.where(ok, v, 0).astype(np.int64)
-        ok &= (v >= lo) & (v <= hi)
+        return self._bins(v, ok)
+
+    def _bins(self, v: np.ndarray, ok: np.ndarray) -> np.ndarray:
+        lo, hi = self.attribute.range  # type: ignore[misc]
+        w = self.attribute.bin_width or 1
+        if self.policy == "clip":
+            v = np.clip(v, lo, hi)
+        else:
+            ok = ok & (v >= lo) & (v <= hi)
         return np.where(ok, (v - lo) // w, -1).astype(np.int64)
 
+    # --- the value-by-value fallback (the same rules, in Python) --------------------------------------
 
-def _as_text(arr: pa.Array, name: str) -> pa.Array:
-    t = arr.type
-    if pa.types.is_large_string(t):
-        return pc.cast(arr, pa.string())
-    if pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t):
-        return pc.cast(arr, pa.string())
-    raise DatasetError(
-        f"column {name!r} has type {t}, which cannot be matched to categories; "
-        "store it as text, integers or booleans",
-        column=name,
-    )
+    def _slow(self, arr: pa.Array) -> np.ndarray:
+        if _is_text(arr.type):
+            values: list = [
+                None if b is None else b.decode("utf-8", "replace") for b in _as_binary(arr).to_pylist()
+            ]
+        else:
+            values = arr.to_pylist()
+        if self.attribute.categories is not None:
+            idx = np.asarray([self._slow_category(x) for x in values], dtype=np.int64)
+            return self._finish(idx)
+        ints = [self._slow_int(x) for x in values]
+        ok = np.asarray([i is not None for i in ints], dtype=bool)
+        v = np.asarray([0 if i is None else i for i in ints], dtype=np.int64)
+        return self._finish(self._bins(v, ok))
+
+    def _slow_category(self, x: object) -> int:
+        if x is None:
+            return -1
+        if self._ints is not None and isinstance(x, int) and not isinstance(x, bool):
+            hit = [i for c, i in zip(self._ints.to_pylist(), self._int_index, strict=True) if c == x]
+            return int(hit[0]) if hit else -1
+        if isinstance(x, bool):
+            text = "true" if x else "false"
+        elif isinstance(x, float) and x.is_integer():
+            text = str(int(x))
+        else:
+            text = str(x)
+        return self._by_text.get(text, -1)
+
+    @staticmethod
+    def _slow_int(x: object) -> int | None:
+        if x is None or isinstance(x, bool):
+            return None
+        if isinstance(x, int):
+            return max(min(x, 2**62), -(2**62))
+        if isinstance(x, float):
+            return int(x) if math.isfinite(x) and abs(x) <= 2.0**62 and x.is_integer() else None
+        if isinstance(x, str) and _INT_RE.match(x):
+            return int(x.strip().removeprefix("+"))
+        return None
 
 
 def domains(attributes: Sequence[DPAttribute]) -> list[Domain]:
@@ -374,33 +527,35 @@ def domains(attributes: Sequence[DPAttribute]) -> list[Domain]:
 # --- scanning -----------------------------------------------------------------------------------------------
 
 
-def _domain_error(uri: str, bad: dict[str, int]) -> DatasetError:
-    parts = [f"column {c!r}: {n:,} row(s)" for c, n in bad.items()]
-    first = next(iter(bad))
-    return DatasetError(
-        f"dataset {uri}: values missing or outside the schema's domain in "
-        + "; ".join(parts)
-        + ". Fix the data, or widen the attribute's categories or range",
-        column=first,
-        count=bad[first],
-        counts=dict(bad),
-    )
+def check_schema(uri: str, fmt: str, attributes: Sequence[DPAttribute]) -> None:
+    """The public facts: the file is a CSV with a header row or a Parquet file, it has every column the
+    schema names, and (Parquet) each column's declared type can hold its attribute's domain."""
+    names = column_names(uri, fmt)
+    missing = [a.name for a in attributes if a.name not in names]
+    if missing:
+        raise _missing(uri, missing, len(attributes), len(names))
+    if fmt != "parquet":
+        return
+    with _open(uri) as f:
+        try:
+            schema = pq.ParquetFile(f).schema_arrow
+        except (pa.ArrowException, OSError) as exc:
+            raise _opaque(uri, fmt, exc) from None
+    for a in attributes:
+        problem = type_problem(a, schema.field(a.name).type)
+        if problem:
+            raise DatasetError(f"dataset {uri}: column {a.name!r} {problem}", column=a.name)
 
 
-def scan(uri: str, fmt: str, attributes: Sequence[DPAttribute]) -> dict:
-    """Validate the dataset against the schema in one pass: every column present, every value in its
-    domain. Returns ``{"bytes": <object size>}`` (a fingerprint that later stages check); raises
-    :class:`DatasetError` naming each bad column with its count of bad rows. The row count is not
-    returned: in the add/remove-one-record model it is private."""
+def scan(uri: str, fmt: str, attributes: Sequence[DPAttribute]) -> None:
+    """Check the public facts (:func:`check_schema`), then read the schema's columns once through the
+    domain mapping, so that a file that cannot be read fails here, before any budget is reserved. Nothing
+    about the rows is kept or returned: their values and their number follow the policies, never errors."""
+    check_schema(uri, fmt, attributes)
     doms = domains(attributes)
-    bad = {d.name: 0 for d in doms}
     for batch in record_batches(uri, fmt, [d.name for d in doms]):
         for j, d in enumerate(doms):
-            bad[d.name] += int(np.count_nonzero(d.indices(batch.column(j)) < 0))
-    bad = {c: n for c, n in bad.items() if n}
-    if bad:
-        raise _domain_error(uri, bad)
-    return {"bytes": store.size(uri)}
+            d.indices(batch.column(j))
 
 
 def maximal(tuples: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -429,12 +584,15 @@ def marginals(
     """Histograms (int64, shape ``(n_i for i in t)``) of every attribute tuple ``t`` (sorted schema
     indices), in one pass over the data: a bincount per maximal tuple, the rest by axis sums.
 
-    Only the columns the tuples use are read. A value outside its domain raises :class:`DatasetError`
-    (the plan validated the data; this catches a dataset changed since)."""
+    Every histogram counts the same records: those that no attribute drops (its policy, see
+    :class:`Domain`). So the columns read are the ones the tuples use plus those of every attribute that
+    can drop a record (``drop`` or ``clip``); an attribute with ``other`` is read only when used."""
     wanted = sorted({tuple(sorted(t)) for t in tuples})
     covers = maximal(wanted)
     used = sorted({a for t in covers for a in t})
-    doms = {a: Domain(attributes[a]) for a in used}
+    all_doms = domains(attributes)
+    read = sorted(set(used) | {a for a, d in enumerate(all_doms) if d.drops})
+    doms = {a: all_doms[a] for a in read}
     sizes = {a: doms[a].size for a in used}
     hist: dict[tuple[int, ...], np.ndarray] = {}
     for t in covers:
@@ -444,19 +602,17 @@ def marginals(
                 f"marginal {[attributes[a].name for a in t]} has {cells:,} cells; too many to count"
             )
         hist[t] = np.zeros(cells, dtype=np.int64)
-    bad = {doms[a].name: 0 for a in used}
-    names = [doms[a].name for a in used]
-    for batch in record_batches(uri, fmt, names) if used else _rows_only(uri, fmt, attributes):
-        idx = {}
-        for j, a in enumerate(used):
-            idx[a] = doms[a].indices(batch.column(j))
-            bad[doms[a].name] += int(np.count_nonzero(idx[a] < 0))
-        if any(bad.values()):
-            continue  # keep counting bad rows for the error; the histograms are discarded
-        _count(hist, idx, sizes, batch.num_rows)
-    bad = {c: n for c, n in bad.items() if n}
-    if bad:
-        raise _domain_error(uri, bad)
+    names = [doms[a].name for a in read]
+    droppers = [a for a in read if doms[a].drops]
+    for batch in record_batches(uri, fmt, names) if read else _rows_only(uri, fmt, attributes):
+        idx = {a: doms[a].indices(batch.column(j)) for j, a in enumerate(read)}
+        rows = batch.num_rows
+        if droppers:
+            keep = np.logical_and.reduce([idx[a] >= 0 for a in droppers])
+            if not keep.all():  # the record is left out of every histogram: a data-independent filter
+                idx = {a: idx[a][keep] for a in used}
+                rows = int(np.count_nonzero(keep))
+        _count(hist, {a: idx[a] for a in used}, sizes, rows)
     shaped = {t: h.reshape([sizes[a] for a in t]) for t, h in hist.items()}
     out: dict[tuple[int, ...], np.ndarray] = {}
     for t in wanted:

@@ -198,15 +198,18 @@ def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
     state, problem = _ledger(spec, store_root)
     if problem:
         notes.append(problem)
-    return Probe(facts={"dataset_bytes": size}, notes=notes, model=(pl, state))
+    # The size stays in memory (the model), never in ``facts``: facts are recorded in jobs/<id>/probe.json,
+    # which more people may read than may read the dataset, and a dataset's byte size is a proxy of its
+    # row count. It sizes only the scan's requests and duration (memory does not depend on it), and the
+    # notes shown to whoever runs the plan: they named the dataset and looked it up with their own access.
+    return Probe(facts={"dataset_found": size is not None}, notes=notes, model=(pl, state, size))
 
 
 def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     from functions.dpquery import planner
     from functions.dpquery import reconstruct as rc
 
-    pl, state = probed.model
-    size = probed.facts["dataset_bytes"]
+    pl, state, size = probed.model
     notes: list[str] = []
     fmt = spec.format
     mgroups = pl.residual_groups(spec.noise_samples_per_task)

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import (
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -30,6 +31,9 @@ DP_MAX_MARGINALS = 1_000_000
 DP_REPORT_DELTA = 1e-9
 _DATASET_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 TOTAL_NAME = "(total)"  # the name of the 0-way marginal (the total count)
+# What happens to a value outside an attribute's domain (or missing): see DPAttribute.
+OutOfDomain = Literal["drop", "clip", "other"]
+OTHER_LABEL = "(other)"  # the label of the extra category of an attribute with out_of_domain "other"
 
 
 def marginal_name(attributes: Sequence[str]) -> str:
@@ -44,7 +48,16 @@ class DPAttribute(StrictModel):
     * ``categories``: the list of values, in output order. Rows are matched by equality with a value.
     * ``range: [lo, hi]`` (integers, both inclusive) with ``bin_width`` (default 1): bins
       ``[lo, lo+w−1], [lo+w, lo+2w−1], …``; the last bin ends at ``hi`` (it may be narrower). A value v
-      falls in bin ``(v − lo) // w``; values outside [lo, hi] are domain errors, never clipped.
+      falls in bin ``(v − lo) // w``.
+
+    A value outside the domain, or a missing one, follows ``out_of_domain`` (default: the job's, whose
+    default is ``drop``), never an error (whether a job fails must not depend on the data):
+
+    * ``drop``: the record is left out of every marginal (a filter: sound under add/remove neighbours).
+    * ``clip`` (ranges only): an integer below ``lo`` counts in the first bin, above ``hi`` in the last; a
+      value that is not an integer (missing, text, a fraction) drops the record.
+    * ``other``: one more category, labelled ``"(other)"``, appended after the declared values, so the
+      domain has n + 1 values and the count of such values is released (noisy) like any other cell.
 
     A domain needs at least 2 values: a one-valued attribute carries no information (drop the column).
     """
@@ -58,12 +71,29 @@ class DPAttribute(StrictModel):
         default=None, strict=False, description="[lo, hi], both inclusive"
     )
     bin_width: StrictInt | None = Field(default=None, ge=1, description="with range; default 1")
+    out_of_domain: OutOfDomain | None = Field(
+        default=None,
+        description="drop (the record), clip (ranges: to the first/last bin) or other (one more category); "
+        "default: the job's out_of_domain",
+    )
+    # the job's out_of_domain, set by DPQueryJob for an attribute that gives none (not part of the spec)
+    _inherited: OutOfDomain = PrivateAttr(default="drop")
+
+    @property
+    def policy(self) -> OutOfDomain:
+        """The effective out-of-domain policy: the attribute's own, else the job's (default ``drop``)."""
+        return self.out_of_domain or self._inherited
 
     @model_validator(mode="after")
     def _one_domain(self) -> DPAttribute:
         if (self.categories is None) == (self.range is None):
             raise ValueError(f"attribute {self.name!r}: give exactly one of 'categories' or 'range'")
         if self.categories is not None:
+            if self.out_of_domain == "clip":
+                raise ValueError(
+                    f"attribute {self.name!r}: out_of_domain 'clip' applies to a 'range'; "
+                    "use 'drop' or 'other' for categories"
+                )
             if self.bin_width is not None:
                 raise ValueError(f"attribute {self.name!r}: 'bin_width' only applies to a 'range'")
             seen: dict[tuple, int] = {}
@@ -80,7 +110,7 @@ class DPAttribute(StrictModel):
                 raise ValueError(f"attribute {self.name!r}: range [{lo}, {hi}] is empty (lo > hi)")
             if self.bin_width is None:
                 self.bin_width = 1
-        n = self.size
+        n = self.declared_size
         if n < 2:
             raise ValueError(
                 f"attribute {self.name!r}: the domain has {n} value; at least 2 are needed "
@@ -91,23 +121,30 @@ class DPAttribute(StrictModel):
         return self
 
     @property
-    def size(self) -> int:
-        """n_i, the number of values (bins) of the domain."""
+    def declared_size(self) -> int:
+        """The number of declared values (categories, or bins of the range)."""
         if self.categories is not None:
             return len(self.categories)
         lo, hi = self.range
         return -(-(hi - lo + 1) // (self.bin_width or 1))
 
+    @property
+    def size(self) -> int:
+        """n_i, the number of values (bins) of the domain: the declared ones, plus the ``"(other)"``
+        category when ``out_of_domain`` is ``other``."""
+        return self.declared_size + (1 if self.policy == "other" else 0)
+
     def labels(self) -> list:
         """One label per domain value, in order: the categories, or for a range each bin's lower bound
-        (bin width 1) or ``"a..b"`` (both inclusive)."""
+        (bin width 1) or ``"a..b"`` (both inclusive); then ``"(other)"`` under ``out_of_domain: other``."""
+        extra = [OTHER_LABEL] if self.policy == "other" else []
         if self.categories is not None:
-            return list(self.categories)
+            return list(self.categories) + extra
         lo, hi = self.range
         w = self.bin_width or 1
         if w == 1:
-            return list(range(lo, hi + 1))
-        return [f"{a}..{min(a + w - 1, hi)}" for a in range(lo, hi + 1, w)]
+            return list(range(lo, hi + 1)) + extra
+        return [f"{a}..{min(a + w - 1, hi)}" for a in range(lo, hi + 1, w)] + extra
 
 
 class DPMarginal(StrictModel):
@@ -188,6 +225,11 @@ class DPQueryJob(StrictModel):
         description="a list of marginals, or {all_marginals_up_to: k, attributes?}"
     )
     budget: DPBudget
+    out_of_domain: OutOfDomain = Field(
+        default="drop",
+        description="what a value outside its attribute's domain (or missing) does, for every attribute "
+        "that gives none: drop the record, clip (ranges) or count it in an extra 'other' category",
+    )
     loss: Literal["sum_of_variances", "max_variance"] = Field(
         default="sum_of_variances",
         description="weighted sum of per-cell variances (closed form), or the largest weighted variance",
@@ -248,6 +290,23 @@ class DPQueryJob(StrictModel):
                 self.format = DATASET_FORMATS[ext]
         index: dict[str, int] = {}
         for j, a in enumerate(self.schema_):
+            a._inherited = self.out_of_domain
+            if a.policy == "clip" and a.categories is not None:
+                problems.append(
+                    (
+                        ("schema", j, "out_of_domain"),
+                        f"attribute {a.name!r} has categories: the job's out_of_domain 'clip' applies only "
+                        "to ranges; give this attribute out_of_domain 'drop' or 'other'",
+                    )
+                )
+            if a.policy == "other" and a.categories is not None and OTHER_LABEL in a.categories:
+                problems.append(
+                    (
+                        ("schema", j, "categories"),
+                        f"attribute {a.name!r}: {OTHER_LABEL!r} is the label of the out-of-domain category; "
+                        "rename that category",
+                    )
+                )
             if a.name in index:
                 problems.append(
                     (("schema", j, "name"), f"attribute {a.name!r} repeats schema.{index[a.name]}")

@@ -10,6 +10,8 @@ naming the object, the pin and, where known, what is there now.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -30,6 +32,14 @@ class Pin:
     @classmethod
     def from_doc(cls, doc: dict[str, Any] | None) -> Pin | None:
         return None if doc is None else cls(**doc)
+
+    def fingerprint(self) -> str:
+        """``sha256:<hex>`` of the pin's fields: equal exactly when the pins are, without recording the
+        object's size where a document is read by more people than may read the object (a dataset's size
+        is a proxy for its row count). Whoever knows the other fields (ETag; mtime and inode) got them
+        from a HEAD or a stat, which states the size anyway."""
+        text = json.dumps(self.to_doc(), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
     def describe(self) -> str:
         if self.etag is not None:
