@@ -137,7 +137,7 @@ class DPQuery:
         """Submit a ``dpquery`` job, wait for it and return its result: ``tables`` (one entry per workload
         marginal: ``attributes``, ``cells``, ``variance``, ``std_error``, ``parquet``, ``json`` for small
         ones), ``report`` (ρ spent, ε by CKS and exact Gaussian, predicted RMSE...), ``ledger``.
-        Raises :class:`client.errors.JobFailed` if the job fails (over budget, a value outside its domain,
+        Raises :class:`client.errors.JobFailed` if the job fails (over budget, a column the dataset lacks,
         ...), naming the cause."""
         job = self.submit(spec)
         job.wait(progress=progress, timeout_s=timeout_s)

@@ -90,9 +90,11 @@ class AggregationOverflow(NonFiniteAggregate):
 
 
 class DatasetError(ShardfoldError):
-    """A dataset does not match its schema: a missing column, or values missing or outside an attribute's
-    domain. The message names the column(s) and how many rows are at fault, never a value or a row (the
-    data are private). ``column`` is the first column at fault, ``count`` its number of bad rows."""
+    """A dataset does not match its schema by a public fact: it cannot be read as its format, it lacks a
+    column, or a column's declared type cannot hold the attribute. The message names the file, column or
+    type, never a value, a row or a count of rows (the data are private; values outside a domain are not
+    errors in ``dpquery``). ``column`` is the first column at fault, ``missing`` the absent ones;
+    ``count``/``counts`` are kept for callers and left empty by ``dpquery``."""
 
     def __init__(
         self,

@@ -20,7 +20,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functions import store
 from functions.dpquery import data, ledger, planner
 from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
@@ -244,9 +243,8 @@ def test_a_file_that_is_not_parquet_fails_without_quoting_it(tmp_path):
 def test_parquet_column_types_are_checked_from_the_schema(tmp_path):
     t = pa.table({"a": pa.array([1.5, 2.5]), "b": pa.array([[1], [2]]), "c": pa.array([None, None])})
     uri = write(tmp_path, t, "parquet")
-    with pytest.raises(DatasetError, match="column 'b' has type list") as err:
+    with pytest.raises(DatasetError, match="column 'b' has type list"):
         data.scan(uri, "parquet", attrs_abc())
-    assert "1" not in str(err.value).split("list")[1][:20] or True
     ok = pa.table({"a": pa.array([None, None], pa.string()), "b": [1, 2], "c": pa.array([None, None])})
     uri = write(tmp_path, ok, "parquet")  # an all-null column is missing values, not an error
     assert data.scan(uri, "parquet", attrs_abc()) is None
@@ -269,8 +267,6 @@ def test_the_value_by_value_fallback_agrees_with_the_vectorised_mapping():
             pa.array([2**64 - 1, 3, 19], pa.uint64()),
         ]:
             assert d.indices(arr).tolist() == d._slow(arr).tolist(), (attr, arr)
-
-
 
 
 def test_a_line_longer_than_a_block_is_read_not_called_malformed(tmp_path, monkeypatch):

@@ -225,7 +225,7 @@ def test_a_retried_measure_task_reuses_its_measurement(tmp_path, monkeypatch):
     "change, error, words",
     [
         ({"schema": [{"name": "height", "range": [0, 3]}]}, DatasetError, ["no column 'height'"]),
-        ({"schema": [{"name": "tags", "categories": ["a", "b"]}]}, DatasetError, ["'tags'", "list<item"]),
+        ({"schema": [{"name": "tags", "categories": ["a", "b"]}]}, DatasetError, ["'tags'", "has type list"]),
         ({"workload": [{"attributes": ["sex", "income"]}]}, SpecError, ["unknown attribute 'income'"]),
         ({"workload": []}, SpecError, ["workload is empty"]),
         ({"budget": {"rho": 0}}, SpecError, ["budget.rho"]),

@@ -314,8 +314,11 @@ def _category_text(value: str | int | bool) -> list[str]:
 
 
 def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or (
-        pa.types.is_large_binary(t)
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or (pa.types.is_large_binary(t))
     )
 
 

@@ -290,6 +290,10 @@ def dp_bad_row(env: Env) -> dict[str, Any]:
     return {**dp()(env), "dataset": "data/dpquery/bad.csv", "dataset_id": "adversarial-bad"}
 
 
+def dp_result_quotes_no_row(env: Env, result: dict[str, Any]) -> None:
+    assert SECRET not in json.dumps(result)
+
+
 DPQUERY = [
     Probe(
         "local file as the dataset",
@@ -302,7 +306,7 @@ DPQUERY = [
     ),
     Probe("rho as a string", dp(budget={"rho": "0.1"}), Refused("budget.rho", "number")),
     Probe("rho of 1e308", dp(budget={"rho": 1e308}), Refused("budget.rho", "")),
-    Probe("a malformed row quotes no data", dp_bad_row, Clear("details withheld")),
+    Probe("a malformed row is skipped, never fatal", dp_bad_row, Safe(dp_result_quotes_no_row)),
 ]
 
 
