@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from functions import store
 from functions.dpquery.spec import DPAttribute
+from functions.dpquery.unit import ContributionBound
 from functions.errors import DatasetError, ObjectNotFound, PlanError
 from functions.store.uri import is_s3, local_path
 
@@ -425,12 +426,18 @@ def marginals(
     fmt: str,
     attributes: Sequence[DPAttribute],
     tuples: Sequence[tuple[int, ...]],
+    *,
+    unit: ContributionBound | None = None,
 ) -> dict[tuple[int, ...], np.ndarray]:
     """Histograms (int64, shape ``(n_i for i in t)``) of every attribute tuple ``t`` (sorted schema
     indices), in one pass over the data: a bincount per maximal tuple, the rest by axis sums.
 
     Only the columns the tuples use are read. A value outside its domain raises :class:`DatasetError`
-    (the plan validated the data; this catches a dataset changed since)."""
+    (the plan validated the data; this catches a dataset changed since).
+
+    ``unit`` (a privacy unit, :class:`functions.dpquery.unit.ContributionBound`): a first pass over its id
+    column chooses at most k rows per person (data-independently), and the counting pass counts only
+    those rows."""
     wanted = sorted({tuple(sorted(t)) for t in tuples})
     covers = maximal(wanted)
     used = sorted({a for t in covers for a in t})
@@ -446,14 +453,25 @@ def marginals(
         hist[t] = np.zeros(cells, dtype=np.int64)
     bad = {doms[a].name: 0 for a in used}
     names = [doms[a].name for a in used]
-    for batch in record_batches(uri, fmt, names) if used else _rows_only(uri, fmt, attributes):
+    if unit is not None:
+        for batch in record_batches(uri, fmt, [unit.id_column]):
+            unit.count(batch.column(0))
+        unit.finish()
+        read = names + ([unit.id_column] if unit.id_column not in names else [])
+        batches = record_batches(uri, fmt, read)
+    else:
+        batches = record_batches(uri, fmt, names) if used else _rows_only(uri, fmt, attributes)
+    for batch in batches:
         idx = {}
         for j, a in enumerate(used):
             idx[a] = doms[a].indices(batch.column(j))
             bad[doms[a].name] += int(np.count_nonzero(idx[a] < 0))
+        keep = unit.keep(batch.column(unit.id_column)) if unit is not None else None
         if any(bad.values()):
             continue  # keep counting bad rows for the error; the histograms are discarded
-        _count(hist, idx, sizes, batch.num_rows)
+        if keep is not None:
+            idx = {a: v[keep] for a, v in idx.items()}
+        _count(hist, idx, sizes, batch.num_rows if keep is None else int(np.count_nonzero(keep)))
     bad = {c: n for c, n in bad.items() if n}
     if bad:
         raise _domain_error(uri, bad)
