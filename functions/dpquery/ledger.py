@@ -92,9 +92,9 @@ def index_uri(store_root: str, fingerprint: str) -> str:
 def identify(uri: str, fmt: str, pin: Any = None) -> dict[str, Any]:
     """The dataset's identity: URI, size, pin (ETag / mtime+inode) and the sha256 of its bytes (streamed),
     plus ``rows_at_most``, an upper bound on its rows that the prepare step checks against the spec's
-    public row bound: for CSV the number of line breaks (every row but maybe the last ends with one; a
-    quoted field may hold more), for Parquet the row count in its footer. Private: never returned to the
-    submitter."""
+    public row bound: for CSV the number of line breaks (every line but maybe the last ends with one, the
+    header is a line, and a quoted field may hold more), for Parquet the row count in its footer.
+    Private: never returned to the submitter."""
     from functions.store.uri import is_s3, local_path
 
     h = hashlib.sha256()
@@ -102,10 +102,13 @@ def identify(uri: str, fmt: str, pin: Any = None) -> dict[str, Any]:
     prev_cr = False
     size = 0
 
+    last = b""
+
     def feed(chunk: bytes) -> None:
-        nonlocal breaks, prev_cr, size
+        nonlocal breaks, prev_cr, size, last
         h.update(chunk)
         size += len(chunk)
+        last = chunk[-1:] or last
         if fmt == "csv" and chunk:
             # line breaks: \n, \r\n, or a lone \r (a \r\n split across chunks is counted once)
             breaks += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
@@ -129,8 +132,8 @@ def identify(uri: str, fmt: str, pin: Any = None) -> dict[str, Any]:
             import pyarrow.parquet as pq
 
             rows = int(pq.ParquetFile(f).metadata.num_rows)
-    else:
-        rows = breaks + 1
+    else:  # lines: the breaks, plus one if the last line has none; one line is the header
+        rows = max(0, breaks - (1 if last in (b"\n", b"\r") else 0))
     ident: dict[str, Any] = {"uri": uri, "bytes": size, "fingerprint": "sha256:" + h.hexdigest()}
     if pin is not None:
         ident["pin"] = pin.to_doc()
@@ -253,8 +256,8 @@ def _claim(store_root: str, dataset_id: str, version: str | None, job_id: str, i
         return
     if owner.get("dataset_id") == dataset_id:
         raise SpecError(
-            f"the content of {identity['uri']} is already {_version_text(owner.get('version'))} of dataset_id "
-            f"{dataset_id!r}; name that version instead of registering it again",
+            f"the content of {identity['uri']} is already {_version_text(owner.get('version'))} of "
+            f"dataset_id {dataset_id!r}; name that version instead of registering it again",
             [{"field": "dataset_version", "error": "the same content is another version"}],
         )
     raise SpecError(

@@ -31,14 +31,14 @@ Allocation (``loss``):
   may exceed the ideal q_S/(2σ_S²) by a rounding term, and the slack keeps the sum of the maps within ρ.
 
 **Charged sensitivity** (``log_q``). p_S is the squared L2 sensitivity of the exact transform for one row.
-The plan charges q_S = Δ_S² = p_S·(k + 2·η_S·N)² instead (:func:`functions.dpquery.measure.charged_sensitivity`
-has the derivation): k, the privacy unit's rows per person (:mod:`functions.dpquery.unit`: a person moves
-x_S by at most k unit vectors, so E_S x_S by at most k·√p_S), and 2·η_S·N, the worst-case float64 rounding
-of the transform on data of at most N rows. Privacy uses q_S (ρ_S = q_S/(2σ_S²), Σ_S q_S/σ_S² = 2ρ);
-accuracy keeps p_S (Var_A = Σ σ_S² p_S ∏ 1/n_i² is geometry). The closed form is the same with q_S as the
-privacy coefficient: σ_S² = √(q_S/v_S)·Σ_T √(q_T v_T)/(2ρ), so with k rows per person every σ_S grows by
-about k at the same ρ (exactly k when the rounding is not charged). Bare plans (no spec) charge neither
-unless ``unit_rows``/``rows_bound`` are given.
+The plan charges q_S = Δ_S² = p_S·(k + 2·η_S·N)² instead
+(:func:`functions.dpquery.measure.charged_sensitivity` has the derivation): k, the privacy unit's rows per
+person (:mod:`functions.dpquery.unit`: a person moves x_S by at most k unit vectors, so E_S x_S by at most
+k·√p_S), and 2·η_S·N, the worst-case float64 rounding of the transform on data of at most N rows. Privacy
+uses q_S (ρ_S = q_S/(2σ_S²), Σ_S q_S/σ_S² = 2ρ); accuracy keeps p_S (Var_A = Σ σ_S² p_S ∏ 1/n_i² is
+geometry). The closed form is the same with q_S as the privacy coefficient: σ_S² = √(q_S/v_S)·Σ_T √(q_T
+v_T)/(2ρ), so with k rows per person every σ_S grows by about k at the same ρ (exactly k when the rounding
+is not charged). Bare plans (no spec) charge neither unless ``unit_rows``/``rows_bound`` are given.
 
 **Fan-out** helpers: :meth:`Plan.residual_groups` cuts the residual sets into contiguous index ranges of
 roughly equal noise-sample counts (measure tasks); :meth:`Plan.marginal_groups` cuts the workload into

@@ -157,8 +157,9 @@ def unit_report(privacy_unit, unit_rows: int, rows_bound: int | None) -> dict:
             "rows_per_unit": int(unit_rows),
             "rows_bound": rows_bound,
             "rounding": (
-                "charged: the L2 sensitivity of each residual set is sqrt(p_S)*(k + 2*eta_S*N), with k the rows "
-                "per unit, N the public row bound and eta_S the worst-case float64 rounding of the transform"
+                "charged: the L2 sensitivity of each residual set is sqrt(p_S)*(k + 2*eta_S*N), with k the "
+                "rows per unit, N the public row bound and eta_S the worst-case float64 rounding of the "
+                "transform"
                 if rows_bound is not None
                 else "not charged (a plan written before the rounding was charged)"
             ),
