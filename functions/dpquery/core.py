@@ -47,9 +47,10 @@ from functions.dpquery import data, ledger, planner
 from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
 from functions.dpquery.planner import Plan
-from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps
+from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps, unit_report
 from functions.dpquery.spec import DPQueryJob
-from functions.errors import InputChanged, PlanError, StoreError
+from functions.dpquery.unit import ContributionBound, job_seed
+from functions.errors import DatasetError, InputChanged, PlanError, StoreError
 from functions.manifest import write_manifest
 from functions.store.uri import join
 
@@ -132,7 +133,20 @@ def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
     pin = store.pins([dataset])[dataset]
     data.scan(dataset, spec.format, spec.attributes)  # public facts only; row contents never fail it
     pin = pin or store.pin(dataset)
-    summary = ledger.reserve(store_root, spec.dataset_id, job_id, spec.rho(), spec.dataset_budget_rho)
+    if spec.privacy_unit is not None:  # the id column exists and its type holds ids
+        _check_unit(spec, dataset, job_id)
+    identity = ledger.identify(dataset, spec.format, pin)
+    store.verify(dataset, pin)  # the bytes fingerprinted are the bytes pinned (and scanned)
+    _check_rows_bound(spec, dataset, identity)
+    summary = ledger.reserve(
+        store_root,
+        spec.dataset_id,
+        job_id,
+        spec.rho(),
+        spec.dataset_budget_rho,
+        identity=identity,
+        version=spec.dataset_version,
+    )
     doc = {
         "job_id": job_id,
         "dataset": dataset,
@@ -183,6 +197,35 @@ def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
     }
 
 
+def _bound(spec: DPQueryJob, job_id: str) -> ContributionBound | None:
+    """The job's contribution bounding (None: one row is one person), seeded from the job id."""
+    u = spec.privacy_unit
+    return None if u is None else ContributionBound(u.id_column, u.max_rows, job_seed(job_id))
+
+
+def _check_unit(spec: DPQueryJob, dataset: str, job_id: str) -> None:
+    """Pass 1 of the contribution bounding at plan time: the id column is present and readable as ids (its
+    type: a public fact), before any budget is reserved. Rows without an id are never counted, never an
+    error."""
+    bound = _bound(spec, job_id)
+    for batch in data.record_batches(dataset, spec.format, [bound.id_column]):
+        bound.count(batch.column(0))
+    bound.finish()
+
+
+def _check_rows_bound(spec: DPQueryJob, dataset: str, identity: dict) -> None:
+    """Refuse (before the ledger) a dataset that may hold more rows than the public bound N the rounding
+    is charged for. The message states the bound, never the count."""
+    bound = spec.rows_bound()
+    if identity["rows_at_most"] > bound:
+        raise DatasetError(
+            f"dataset {dataset} may hold more than {bound:,} rows, the public row bound "
+            f"({'max_rows_total' if spec.max_rows_total is not None else 'the default of max_rows_total'}) "
+            "for which the rounding of the transform is charged; give a larger 'max_rows_total' (at most "
+            "2^53). Nothing was reserved"
+        )
+
+
 # --- measure ------------------------------------------------------------------------------------------------
 
 
@@ -218,9 +261,13 @@ def measure(
                 sizes=tuple(int(pl.domains[a]) for a in attrs),
                 scale=math.sqrt(float(sigma2[k])),
                 rho_planned=float(rho_s[k]),
+                unit_rows=pl.unit_rows,
+                rows_bound=pl.rows_bound,
             )
         )
-    hist = data.marginals(dataset, doc["format"], spec.attributes, [s.attrs for s in sets])
+    hist = data.marginals(
+        dataset, doc["format"], spec.attributes, [s.attrs for s in sets], unit=_bound(spec, job_id)
+    )
     values, records = mz.measure_sets(sets, hist.__getitem__, noise=noise)
     del hist
     if values.size * 8 != payload_bytes:
@@ -399,7 +446,7 @@ def finalize(spec: DPQueryJob, job_id: str, store_root: str) -> dict[str, Any]:
             "epsilon_cks holds for any rho-zCDP mechanism (Canonne-Kamath-Steinke); epsilon_gaussian is the "
             "exact curve of this release as one Gaussian mechanism (continuous-noise analysis, this job only)"
         ),
-        "neighbouring": "add or remove one record",
+        **unit_report(spec.privacy_unit, pl.unit_rows, pl.rows_bound),
         "samplers": sorted(samplers),
         "loss": pl.loss,
         "residual_sets": pl.num_residuals,

@@ -63,6 +63,7 @@ import pyarrow.parquet as pq
 
 from functions import store
 from functions.dpquery.spec import DPAttribute
+from functions.dpquery.unit import ContributionBound
 from functions.errors import DatasetError, ObjectNotFound, PlanError
 from functions.store.uri import is_s3, local_path
 
@@ -583,13 +584,19 @@ def marginals(
     fmt: str,
     attributes: Sequence[DPAttribute],
     tuples: Sequence[tuple[int, ...]],
+    *,
+    unit: ContributionBound | None = None,
 ) -> dict[tuple[int, ...], np.ndarray]:
     """Histograms (int64, shape ``(n_i for i in t)``) of every attribute tuple ``t`` (sorted schema
     indices), in one pass over the data: a bincount per maximal tuple, the rest by axis sums.
 
     Every histogram counts the same records: those that no attribute drops (its policy, see
     :class:`Domain`). So the columns read are the ones the tuples use plus those of every attribute that
-    can drop a record (``drop`` or ``clip``); an attribute with ``other`` is read only when used."""
+    can drop a record (``drop`` or ``clip``); an attribute with ``other`` is read only when used.
+
+    ``unit`` (a privacy unit, :class:`functions.dpquery.unit.ContributionBound`): a first pass over its id
+    column chooses at most k rows per person (data-independently), and the counting pass counts only
+    those rows."""
     wanted = sorted({tuple(sorted(t)) for t in tuples})
     covers = maximal(wanted)
     used = sorted({a for t in covers for a in t})
@@ -607,14 +614,24 @@ def marginals(
         hist[t] = np.zeros(cells, dtype=np.int64)
     names = [doms[a].name for a in read]
     droppers = [a for a in read if doms[a].drops]
-    for batch in record_batches(uri, fmt, names) if read else _rows_only(uri, fmt, attributes):
+    if unit is not None:
+        for batch in record_batches(uri, fmt, [unit.id_column]):
+            unit.count(batch.column(0))
+        unit.finish()
+        columns = names + ([unit.id_column] if unit.id_column not in names else [])
+        batches = record_batches(uri, fmt, columns)
+    else:
+        batches = record_batches(uri, fmt, names) if read else _rows_only(uri, fmt, attributes)
+    for batch in batches:
         idx = {a: doms[a].indices(batch.column(j)) for j, a in enumerate(read)}
         rows = batch.num_rows
+        keep = unit.keep(batch.column(unit.id_column)) if unit is not None else None
         if droppers:
-            keep = np.logical_and.reduce([idx[a] >= 0 for a in droppers])
-            if not keep.all():  # the record is left out of every histogram: a data-independent filter
-                idx = {a: idx[a][keep] for a in used}
-                rows = int(np.count_nonzero(keep))
+            kept = np.logical_and.reduce([idx[a] >= 0 for a in droppers])
+            keep = kept if keep is None else keep & kept
+        if keep is not None and not keep.all():  # left out of every histogram: a data-independent filter
+            idx = {a: idx[a][keep] for a in used}
+            rows = int(np.count_nonzero(keep))
         _count(hist, {a: idx[a] for a in used}, sizes, rows)
     shaped = {t: h.reshape([sizes[a] for a in t]) for t, h in hist.items()}
     out: dict[tuple[int, ...], np.ndarray] = {}

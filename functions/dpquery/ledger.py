@@ -25,11 +25,39 @@ noise may have been drawn; a reservation is never released automatically).
 
 Composition: zCDP composes by addition, so the ledger sums ρ; the (ε, δ) statement for the dataset as a
 whole is the CKS conversion of that sum (:func:`functions.dpquery.privacy.cdp_eps`).
+
+**The ledger is bound to the data** (so the same data under a new id cannot open a fresh budget).
+
+* The identity of a dataset (:func:`identify`) is its URI, its size, its S3 ETag (or local mtime/inode),
+  and a **content fingerprint**: ``sha256:<hex>`` of the object's bytes, streamed (one extra read of the
+  dataset at plan time, locally and on S3 alike). The ETag is recorded but not used to decide sameness: a
+  multipart upload's ETag depends on the part size, and an SSE-KMS object's is not an MD5 at all, so the
+  same bytes uploaded twice can have two ETags (and a re-upload would otherwise open a fresh budget).
+* The ``open`` entry records the identity and the ``version`` (the spec's ``dataset_version``, null by
+  default); a ``bind`` entry binds a further version of the same dataset id (or, for a ledger opened
+  before binding existed, its first one). Versions of one id share its ledger and total budget: a new
+  version of a dataset is mostly the same people.
+* A fingerprint index, ``ledger/_by-fingerprint/<hex>.json`` (put-if-absent, never rewritten: the first
+  id to bind a content owns it; ``_`` cannot start a dataset id), maps a content to its (dataset id,
+  version). It is claimed BEFORE the ledger entry that binds the content, so two ids racing for the same
+  bytes cannot both bind them.
+* Refusals (:class:`functions.errors.SpecError`, before any reservation): the content is registered under
+  another dataset id (or another version of this one); or this (id, version) is bound to other content. A
+  message names ids, versions and the URI the ledger was opened from; never the fingerprint, a size, a
+  count or a value. (The refusal itself tells the submitter whether the bytes they supplied are
+  byte-identical to a registered dataset: that needs the whole file, byte for byte, and is documented in
+  the README.)
+* Sameness is byte identity: a re-encoded, re-sorted or edited copy is different content. The binding
+  stops re-registering the same object or a copy of it, not a derived dataset.
+* The fingerprint is as sensitive as the data (it confirms a guess of the whole file), so it lives only
+  under ``ledger/`` (a system prefix no spec may write or name) and never appears in a result, a log or
+  an error.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -41,6 +69,8 @@ from functions.store.uri import join
 
 MAX_ATTEMPTS = 200  # optimistic-append attempts before giving up (each lost race means progress elsewhere)
 _SEQ_DIGITS = 8
+HASH_CHUNK_BYTES = 8 << 20  # the fingerprint streams the dataset in reads of this size
+INDEX = "_by-fingerprint"  # ledger/_by-fingerprint/<hex>.json; "_" cannot start a dataset id
 
 
 def ledger_uri(store_root: str, dataset_id: str) -> str:
@@ -55,12 +85,78 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
+def index_uri(store_root: str, fingerprint: str) -> str:
+    return join(store_root, "ledger", INDEX, fingerprint.split(":", 1)[-1] + ".json")
+
+
+def identify(uri: str, fmt: str, pin: Any = None) -> dict[str, Any]:
+    """The dataset's identity: URI, size, pin (ETag / mtime+inode) and the sha256 of its bytes (streamed),
+    plus ``rows_at_most``, an upper bound on its rows that the prepare step checks against the spec's
+    public row bound: for CSV the number of line breaks (every line but maybe the last ends with one, the
+    header is a line, and a quoted field may hold more), for Parquet the row count in its footer.
+    Private: never returned to the submitter."""
+    from functions.store.uri import is_s3, local_path
+
+    h = hashlib.sha256()
+    breaks = 0
+    prev_cr = False
+    size = 0
+
+    last = b""
+
+    def feed(chunk: bytes) -> None:
+        nonlocal breaks, prev_cr, size, last
+        h.update(chunk)
+        size += len(chunk)
+        last = chunk[-1:] or last
+        if fmt == "csv" and chunk:
+            # line breaks: \n, \r\n, or a lone \r (a \r\n split across chunks is counted once)
+            breaks += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+            if prev_cr and chunk[:1] == b"\n":
+                breaks -= 1
+            prev_cr = chunk[-1:] == b"\r"
+
+    resolved = store.resolve(uri)
+    if is_s3(resolved):
+        total = store.size(resolved)
+        for start in range(0, total, HASH_CHUNK_BYTES):
+            feed(store.get(resolved, start, min(HASH_CHUNK_BYTES, total - start)))
+    else:
+        with open(local_path(resolved), "rb") as f:
+            while chunk := f.read(HASH_CHUNK_BYTES):
+                feed(chunk)
+    if fmt == "parquet":
+        from functions.dpquery import data
+
+        with data._open(uri) as f:
+            import pyarrow.parquet as pq
+
+            rows = int(pq.ParquetFile(f).metadata.num_rows)
+    else:  # lines: the breaks, plus one if the last line has none; one line is the header
+        rows = max(0, breaks - (1 if last in (b"\n", b"\r") else 0))
+    ident: dict[str, Any] = {"uri": uri, "bytes": size, "fingerprint": "sha256:" + h.hexdigest()}
+    if pin is not None:
+        ident["pin"] = pin.to_doc()
+    ident["rows_at_most"] = rows
+    return ident
+
+
+def _public(identity: dict[str, Any]) -> dict[str, Any]:
+    """What a ledger entry records of an identity (not the row bound: that is a function of the rows)."""
+    return {k: v for k, v in identity.items() if k != "rows_at_most"}
+
+
+def _version_text(version: str | None) -> str:
+    return f"version {version!r}" if version is not None else "its initial version"
+
+
 @dataclass
 class LedgerState:
     """The ledger folded: total, per-job reservations and spends, and the next sequence number."""
 
     dataset_id: str
     total_rho: float | None = None
+    bindings: dict[str | None, dict[str, Any]] = field(default_factory=dict)  # version -> identity
     reserved: dict[str, float] = field(default_factory=dict)
     spent: dict[str, float] = field(default_factory=dict)
     entries: list[dict[str, Any]] = field(default_factory=list)
@@ -84,6 +180,7 @@ class LedgerState:
             "remaining_rho": self.remaining(),
             "jobs": len(self.reserved),
             "entries": len(self.entries),
+            "versions": [v for v in self.bindings],
         }
 
 
@@ -105,6 +202,10 @@ def _fold(state: LedgerState, entry: dict[str, Any]) -> None:
     kind = entry.get("type")
     if kind == "open":
         state.total_rho = float(entry["total_rho"])
+        if entry.get("dataset") is not None:
+            state.bindings[entry.get("version")] = entry["dataset"]
+    elif kind == "bind":
+        state.bindings.setdefault(entry.get("version"), entry["dataset"])
     elif kind == "reserve":
         state.reserved[entry["job_id"]] = float(entry["rho"])
     elif kind == "spend":
@@ -117,21 +218,78 @@ def _append(store_root: str, dataset_id: str, seq: int, entry: dict[str, Any]) -
     return store.put_if_absent(_entry_uri(store_root, dataset_id, seq), body)
 
 
+def _check_binding(state: LedgerState, identity: dict[str, Any], version: str | None) -> bool:
+    """Raise if this (id, version) is bound to other content, or the content is another version of this
+    id; True when the version still needs binding."""
+    fp = identity["fingerprint"]
+    bound = state.bindings.get(version)
+    if bound is not None:
+        if bound["fingerprint"] != fp:
+            raise SpecError(
+                f"dataset_id {state.dataset_id!r} ({_version_text(version)}) is bound to other content, "
+                f"registered from {bound.get('uri')}; the content of {identity['uri']} is not the same. Use "
+                "the data it was registered with; for a deliberately new version of the same dataset set "
+                "'dataset_version' (versions share the dataset's budget); unrelated data needs its own "
+                "dataset_id",
+                [{"field": "dataset_id", "error": "bound to other content"}],
+            )
+        return False
+    for other, b in state.bindings.items():
+        if b["fingerprint"] == fp:
+            raise SpecError(
+                f"the content of {identity['uri']} is already {_version_text(other)} of dataset_id "
+                f"{state.dataset_id!r}; name that version (dataset_version: "
+                f"{json.dumps(other)}) instead of registering it again",
+                [{"field": "dataset_version", "error": "the same content is another version"}],
+            )
+    return True
+
+
+def _claim(store_root: str, dataset_id: str, version: str | None, job_id: str, identity: dict) -> None:
+    """Claim the content's fingerprint for (dataset_id, version), or raise if another id owns it."""
+    uri = index_uri(store_root, identity["fingerprint"])
+    body = {"dataset_id": dataset_id, "version": version, "job_id": job_id, "time": _now()}
+    if store.put_if_absent(uri, json.dumps(body, sort_keys=True).encode()):
+        return
+    owner = store.get_json(uri)
+    if (owner.get("dataset_id"), owner.get("version")) == (dataset_id, version):
+        return
+    if owner.get("dataset_id") == dataset_id:
+        raise SpecError(
+            f"the content of {identity['uri']} is already {_version_text(owner.get('version'))} of "
+            f"dataset_id {dataset_id!r}; name that version instead of registering it again",
+            [{"field": "dataset_version", "error": "the same content is another version"}],
+        )
+    raise SpecError(
+        f"the content of {identity['uri']} is already registered under dataset_id {owner.get('dataset_id')!r}"
+        f" ({_version_text(owner.get('version'))}); a dataset's budget is not reopened under a new id. Use "
+        f"dataset_id {owner.get('dataset_id')!r}",
+        [{"field": "dataset_id", "error": "the same content is registered under another dataset_id"}],
+    )
+
+
 def reserve(
     store_root: str,
     dataset_id: str,
     job_id: str,
     rho: float,
     total_rho: float | None = None,
+    identity: dict[str, Any] | None = None,
+    version: str | None = None,
 ) -> dict[str, Any]:
     """Reserve ``rho`` for ``job_id`` on the dataset's ledger, opening the ledger with ``total_rho`` if
     it has none. Raises :class:`BudgetExceeded` if the dataset's total would be exceeded, and
     :class:`SpecError` if ``total_rho`` is missing for a new ledger or differs from the registered one.
-    Returns the ledger summary after the reservation (the same on a retry)."""
+    Returns the ledger summary after the reservation (the same on a retry).
+
+    With ``identity`` (:func:`identify`) the ledger is bound to the data (module docstring): the content
+    must be the one bound to ``(dataset_id, version)``, or a content no other id (or version) has bound,
+    which this call then binds. Without it (unit tests of the budget logic) no binding is checked."""
     if not (rho > 0 and math.isfinite(rho)):
         raise SpecError(f"budget: rho must be a finite number > 0, got {rho}")
     for _ in range(MAX_ATTEMPTS):
         state = read(store_root, dataset_id)
+        need_bind = identity is not None and _check_binding(state, identity, version)
         if state.total_rho is None:
             if total_rho is None:
                 raise SpecError(
@@ -142,6 +300,9 @@ def reserve(
             if not (total_rho > 0 and math.isfinite(total_rho)):
                 raise SpecError(f"dataset_budget_rho must be a finite number > 0, got {total_rho}")
             entry = {"type": "open", "total_rho": float(total_rho), "job_id": job_id, "time": _now()}
+            if identity is not None:
+                _claim(store_root, dataset_id, version, job_id, identity)
+                entry.update(dataset=_public(identity), version=version)
             _append(store_root, dataset_id, 0, entry)  # lost race: someone else opened it; re-read
             continue
         if total_rho is not None and float(total_rho) != state.total_rho:
@@ -150,6 +311,17 @@ def reserve(
                 f"dataset {dataset_id!r}; a dataset's total never changes (omit the field or give the total)",
                 [{"field": "dataset_budget_rho", "error": f"registered total is {state.total_rho}"}],
             )
+        if need_bind:
+            _claim(store_root, dataset_id, version, job_id, identity)
+            entry = {
+                "type": "bind",
+                "dataset": _public(identity),
+                "version": version,
+                "job_id": job_id,
+                "time": _now(),
+            }
+            _append(store_root, dataset_id, state.next_seq, entry)  # won or lost: re-read and re-check
+            continue
         if job_id in state.reserved:
             if state.reserved[job_id] != float(rho):
                 raise ShardfoldError(

@@ -28,7 +28,17 @@ Allocation (``loss``):
   σ_S², Var_A is > 0. :attr:`Plan.sigma2`, :attr:`Plan.rho_s`, :attr:`Plan.var` give linear values.
 * Counts are exact int64: :attr:`Plan.noise_count` (∏(n_i−1) over S), :attr:`Plan.cells` (∏ n_i over A).
 * The plan spends ``rho_planned`` = ρ·(1 − RHO_SLACK), not ρ: a floating-point-safe sampler's own privacy map
-  may exceed the ideal p_S/(2σ_S²) by a rounding term, and the slack keeps the sum of the maps within ρ.
+  may exceed the ideal q_S/(2σ_S²) by a rounding term, and the slack keeps the sum of the maps within ρ.
+
+**Charged sensitivity** (``log_q``). p_S is the squared L2 sensitivity of the exact transform for one row.
+The plan charges q_S = Δ_S² = p_S·(k + 2·η_S·N)² instead
+(:func:`functions.dpquery.measure.charged_sensitivity` has the derivation): k, the privacy unit's rows per
+person (:mod:`functions.dpquery.unit`: a person moves x_S by at most k unit vectors, so E_S x_S by at most
+k·√p_S), and 2·η_S·N, the worst-case float64 rounding of the transform on data of at most N rows. Privacy
+uses q_S (ρ_S = q_S/(2σ_S²), Σ_S q_S/σ_S² = 2ρ); accuracy keeps p_S (Var_A = Σ σ_S² p_S ∏ 1/n_i² is
+geometry). The closed form is the same with q_S as the privacy coefficient: σ_S² = √(q_S/v_S)·Σ_T √(q_T
+v_T)/(2ρ), so with k rows per person every σ_S grows by about k at the same ρ (exactly k when the rounding
+is not charged). Bare plans (no spec) charge neither unless ``unit_rows``/``rows_bound`` are given.
 
 **Fan-out** helpers: :meth:`Plan.residual_groups` cuts the residual sets into contiguous index ranges of
 roughly equal noise-sample counts (measure tasks); :meth:`Plan.marginal_groups` cuts the workload into
@@ -51,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from functions.dpquery.measure import charge_factor, log1p_gamma
 from functions.dpquery.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
 from functions.errors import PlanError, SpecError
 
@@ -67,6 +78,8 @@ MAX_SUBSET_PAIRS = 50_000_000
 DEFAULT_SAMPLES_PER_TASK = 2_000_000
 DEFAULT_CELLS_PER_TASK = 20_000_000
 DEFAULT_REPORT_DELTA = 1e-9
+# The largest public row bound N: counts up to 2^53 are exact in float64 (the transform's input).
+MAX_ROWS_BOUND = 2**53
 LOSSES = ("sum_of_variances", "max_variance")
 
 
@@ -146,6 +159,7 @@ class Plan:
     res_ptr: np.ndarray  # (|C|+1,) int64
     res_attrs: np.ndarray  # (Σ|S|,) int32
     log_p: np.ndarray  # (|C|,) float64
+    log_q: np.ndarray  # (|C|,) float64, the charged squared sensitivity (privacy coefficient)
     log_v: np.ndarray  # (|C|,) float64, weighted sum-of-variance coefficients
     log_sigma2: np.ndarray  # (|C|,) float64
     noise_count: np.ndarray  # (|C|,) int64, ∏_{i∈S}(n_i−1)
@@ -158,6 +172,8 @@ class Plan:
     sub_ptr: np.ndarray  # (|W|+1,) int64, CSR over sub_idx
     sub_idx: np.ndarray  # (Σ 2^|A|,) int32 (int64 beyond 2^31 residual sets): S ⊆ A, ascending
     solver: dict[str, Any] = field(default_factory=dict)  # max_variance: cvxpy status, solver, time
+    unit_rows: int = 1  # k: rows one person may contribute (the privacy unit; 1 = a row is a person)
+    rows_bound: int | None = None  # N: the public bound on rows counted (None: rounding not charged)
 
     # ---- sizes and accessors ------------------------------------------------------------------------
     @property
@@ -196,9 +212,14 @@ class Plan:
         return np.exp(self.log_p)
 
     @property
+    def q(self) -> np.ndarray:
+        """q_S = Δ_S² = p_S·(k + 2η_S·N)²: the squared sensitivity charged for S (privacy unit, rounding)."""
+        return np.exp(self.log_q)
+
+    @property
     def rho_s(self) -> np.ndarray:
-        """ρ_S = p_S / (2σ_S²), the zCDP cost of measuring S (Σ_S ρ_S = rho_planned)."""
-        return np.exp(self.log_p - self.log_sigma2 - math.log(2.0))
+        """ρ_S = q_S / (2σ_S²), the zCDP cost of measuring S (Σ_S ρ_S = rho_planned)."""
+        return np.exp(self.log_q - self.log_sigma2 - math.log(2.0))
 
     @property
     def var(self) -> np.ndarray:
@@ -236,8 +257,8 @@ class Plan:
         return int(self.noise_count.sum())
 
     def privacy_cost(self) -> float:
-        """Σ_S p_S/σ_S², which the allocation makes equal to 2·rho_planned."""
-        return math.exp(_lse(self.log_p - self.log_sigma2))
+        """Σ_S q_S/σ_S², which the allocation makes equal to 2·rho_planned."""
+        return math.exp(_lse(self.log_q - self.log_sigma2))
 
     def privacy_report(self) -> dict[str, Any]:
         """ρ, its per-residual split, and ε at ``delta`` by CKS, by the exact Gaussian curve, and the
@@ -253,7 +274,10 @@ class Plan:
             "epsilon_cks": cdp_eps(rho, self.delta),
             "epsilon_gaussian": gaussian_eps(rho, self.delta),
             "epsilon_simple": simple_eps(rho, self.delta),
-            "neighbouring": "add or remove one record",
+            "neighbouring": neighbouring(self.unit_rows),
+            "unit_rows": self.unit_rows,
+            "rows_bound": self.rows_bound,
+            "max_sensitivity_factor": float(np.max(np.exp(0.5 * (self.log_q - self.log_p)))),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -311,6 +335,7 @@ class Plan:
         "res_ptr",
         "res_attrs",
         "log_p",
+        "log_q",
         "log_v",
         "log_sigma2",
         "noise_count",
@@ -333,6 +358,8 @@ class Plan:
             "loss": self.loss,
             "delta": self.delta,
             "solver": self.solver,
+            "unit_rows": self.unit_rows,
+            "rows_bound": self.rows_bound,
             "summary": self.summary(),
             "arrays": {name: _encode(getattr(self, name)) for name in self._ARRAYS},
         }
@@ -341,7 +368,9 @@ class Plan:
     def from_doc(cls, doc: dict[str, Any]) -> Plan:
         if doc.get("version") != DOC_VERSION:
             raise PlanError(f"plan document version {doc.get('version')!r}; this code reads {DOC_VERSION}")
-        arrays = {name: _decode(doc["arrays"][name]) for name in cls._ARRAYS}
+        # a plan written before the charged sensitivity (log_q) charged p_S itself
+        arrays = {name: _decode(doc["arrays"][name]) for name in cls._ARRAYS if name in doc["arrays"]}
+        arrays.setdefault("log_q", arrays["log_p"].copy())
         return cls(
             names=doc["names"],
             rho=float(doc["rho"]),
@@ -349,6 +378,8 @@ class Plan:
             loss=doc["loss"],
             delta=float(doc["delta"]),
             solver=dict(doc.get("solver") or {}),
+            unit_rows=int(doc.get("unit_rows", 1)),
+            rows_bound=None if doc.get("rows_bound") is None else int(doc["rows_bound"]),
             **arrays,
         )
 
@@ -366,11 +397,19 @@ def plan(
     loss: str | None = None,
     names: list[str] | None = None,
     delta: float | None = None,
+    unit_rows: int | None = None,
+    rows_bound: int | None = None,
 ) -> Plan:
     """Plan a job: ``plan(spec)`` for a :class:`functions.dpquery.spec.DPQueryJob`, or from bare parts,
     ``plan(domains=[n_0, …], workload=[(attrs, weight) | attrs, …], rho=ρ, loss=…)`` with attrs tuples
-    of attribute indices. Keyword arguments given with a spec override it (e.g. ``rho``)."""
+    of attribute indices. Keyword arguments given with a spec override it (e.g. ``rho``).
+
+    ``unit_rows`` (k) and ``rows_bound`` (N) set the charged sensitivity (module docstring); a spec gives
+    its privacy unit's ``max_rows`` (default 1) and its ``max_rows_total`` (default
+    :data:`functions.dpquery.spec.DEFAULT_MAX_ROWS_TOTAL`)."""
     if spec is not None:
+        unit_rows = spec.unit_rows() if unit_rows is None else unit_rows
+        rows_bound = spec.rows_bound() if rows_bound is None else rows_bound
         domains = spec.domains() if domains is None else domains
         workload = spec.marginals() if workload is None else workload
         rho = spec.rho() if rho is None else rho
@@ -383,7 +422,19 @@ def plan(
     delta = DEFAULT_REPORT_DELTA if delta is None else float(delta)
     n = np.asarray(domains, dtype=np.int64)
     marginals, weights = _check_parts(n, workload, float(rho), loss, names)
-    return _plan(n, marginals, weights, float(rho), loss, names, delta)
+    unit_rows = 1 if unit_rows is None else int(unit_rows)
+    if unit_rows < 1:
+        raise SpecError(f"unit_rows must be >= 1, got {unit_rows}")
+    if rows_bound is not None and not (1 <= int(rows_bound) <= MAX_ROWS_BOUND):
+        raise SpecError(f"rows_bound must lie in [1, 2^53], got {rows_bound}")
+    return _plan(n, marginals, weights, float(rho), loss, names, delta, unit_rows, rows_bound)
+
+
+def neighbouring(unit_rows: int) -> str:
+    """The neighbouring relation in words (the privacy report's ``neighbouring``)."""
+    if unit_rows == 1:
+        return "add or remove one record"
+    return f"add or remove one person (privacy unit: at most {unit_rows} rows per person are counted)"
 
 
 def _check_parts(n, workload, rho, loss, names) -> tuple[list[tuple[int, ...]], np.ndarray]:
@@ -429,7 +480,7 @@ def _check_parts(n, workload, rho, loss, names) -> tuple[list[tuple[int, ...]], 
     return marginals, np.asarray(weights, dtype=np.float64)
 
 
-def _plan(n, marginals, weights, rho, loss, names, delta) -> Plan:
+def _plan(n, marginals, weights, rho, loss, names, delta, unit_rows=1, rows_bound=None) -> Plan:
     d = int(n.size)
     m = len(marginals)
     sizes = np.fromiter((len(a) for a in marginals), dtype=np.int64, count=m)
@@ -518,6 +569,10 @@ def _plan(n, marginals, weights, rho, loss, names, delta) -> Plan:
     res_attrs = uniq_rows[col < uniq_size[:, None]].astype(np.int32)  # row-major: each set in order
 
     log_p = log_pfac_ext[uniq_rows].sum(axis=1)
+    # charged sensitivity: q_S = p_S·c_S², c_S = k + 2·η_S·N (privacy unit and transform rounding)
+    log_gamma_ext = np.append(log1p_gamma(n), 0.0)
+    c_s = charge_factor(log_gamma_ext[uniq_rows].sum(axis=1), unit_rows, rows_bound)
+    log_q = log_p + 2.0 * np.log(c_s)
     noise_count = np.prod(n1_ext[uniq_rows], axis=1)
     # v_S = ∏_{i∈S} n_i(n_i−1) · Σ_{A⊇S} w_A/cells_A  (see the module docstring)
     log_v = log_nn1_ext[uniq_rows].sum(axis=1) + _grouped_lse(log_a[pair_marg[order]], starts)
@@ -529,12 +584,12 @@ def _plan(n, marginals, weights, rho, loss, names, delta) -> Plan:
     two_rho = 2.0 * rho_planned
     solver: dict[str, Any] = {}
     # closed form for sum_of_variances (also the starting point and scaling of max_variance)
-    half = 0.5 * (log_p + log_v)
+    half = 0.5 * (log_q + log_v)
     log_g = _lse(half)
-    log_sigma2 = 0.5 * (log_p - log_v) + log_g - math.log(two_rho)
+    log_sigma2 = 0.5 * (log_q - log_v) + log_g - math.log(two_rho)
     if loss == "max_variance":
         log_sigma2, solver = _max_variance(
-            log_sigma2, log_p, log_n_sum_s, res_of_pair, pair_marg, cells_log, weights, two_rho
+            log_sigma2, log_p, log_n_sum_s, res_of_pair, pair_marg, cells_log, weights, two_rho, log_q
         )
 
     # per-cell variance: Var_A = cells_A^{-2} Σ_{S⊆A} σ_S² p_S ∏_{i∈S} n_i²  (pairs are A-major)
@@ -559,6 +614,7 @@ def _plan(n, marginals, weights, rho, loss, names, delta) -> Plan:
         res_ptr=res_ptr,
         res_attrs=res_attrs,
         log_p=log_p,
+        log_q=log_q,
         log_v=log_v,
         log_sigma2=log_sigma2,
         noise_count=noise_count.astype(np.int64),
@@ -570,10 +626,12 @@ def _plan(n, marginals, weights, rho, loss, names, delta) -> Plan:
         sub_ptr=sub_ptr,
         sub_idx=sub_idx,
         solver=solver,
+        unit_rows=int(unit_rows),
+        rows_bound=None if rows_bound is None else int(rows_bound),
     )
     cost = result.privacy_cost()
     if not abs(cost - two_rho) <= PRIVACY_CHECK_RTOL * two_rho:
-        raise PlanError(f"internal: the allocation costs Σ p_S/σ_S² = {cost!r}, not 2ρ = {two_rho!r}")
+        raise PlanError(f"internal: the allocation costs Σ q_S/σ_S² = {cost!r}, not 2ρ = {two_rho!r}")
     return result
 
 
@@ -583,10 +641,13 @@ def _label(attrs: tuple[int, ...], names: list[str] | None) -> str:
     return "(" + ", ".join(names[i] for i in attrs) + ")"
 
 
-def _max_variance(log_sigma2_0, log_p, log_n_sum_s, res_of_pair, pair_marg, cells_log, weights, two_rho):
-    """min_u max_A w_A Var_A(u) subject to Σ p_S/u_S = 2ρ, as the convex program
-    min Σ q_S/t_S s.t. M t ≤ 1, in the variables t = u/u⁰ (u⁰: the closed-form sum-of-variances solution),
-    with q_S = p_S/u⁰_S and M_{A,S} = w_A p_S ∏_{A∖S} 1/n_i² u⁰_S. Rescaling its optimum to cost 2ρ gives
+def _max_variance(
+    log_sigma2_0, log_p, log_n_sum_s, res_of_pair, pair_marg, cells_log, weights, two_rho, log_q=None
+):
+    """min_u max_A w_A Var_A(u) subject to Σ q_S/u_S = 2ρ (q_S: the charged squared sensitivity; p_S when
+    ``log_q`` is None), as the convex program
+    min Σ r_S/t_S s.t. M t ≤ 1, in the variables t = u/u⁰ (u⁰: the closed-form sum-of-variances solution),
+    with r_S = q_S/u⁰_S and M_{A,S} = w_A p_S ∏_{A∖S} 1/n_i² u⁰_S. Rescaling its optimum to cost 2ρ gives
     the allocation (dp-query.md §2.4; the objective is P*/(2ρ), not P*·2ρ)."""
     import time
 
@@ -598,9 +659,11 @@ def _max_variance(log_sigma2_0, log_p, log_n_sum_s, res_of_pair, pair_marg, cell
             "loss 'max_variance' needs cvxpy (pip install cvxpy); 'sum_of_variances' does not"
         ) from exc
 
+    if log_q is None:
+        log_q = log_p
     c = log_p.size
     m = cells_log.size
-    q = np.exp(log_p - log_sigma2_0)
+    q = np.exp(log_q - log_sigma2_0)
     q = q / q.sum()
     log_m = np.log(weights)[pair_marg] + (log_p + 2.0 * log_n_sum_s + log_sigma2_0)[res_of_pair]
     log_m -= 2.0 * cells_log[pair_marg]
@@ -629,7 +692,7 @@ def _max_variance(log_sigma2_0, log_p, log_n_sum_s, res_of_pair, pair_marg, cell
     tv = np.maximum(np.asarray(t.value, dtype=np.float64), 1e-300)
     log_u = log_sigma2_0 + np.log(tv)
     # scale so that Σ p_S/u_S = 2ρ exactly
-    log_cost = _lse(log_p - log_u)
+    log_cost = _lse(log_q - log_u)
     log_u = log_u + log_cost - math.log(two_rho)
     return log_u, {
         "solver": problem.solver_stats.solver_name,

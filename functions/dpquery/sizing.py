@@ -66,6 +66,13 @@ OUTPUT_BYTES_PER_CELL = 12  # Parquet: float64 estimate (noisy: incompressible) 
 TABLE_OVERHEAD_BYTES = 2048  # Parquet footer and schema metadata per table
 JSON_BYTES_PER_CELL = 40
 READ_CHUNK_BYTES = 8 * MiB  # the data path's ranged-GET size on S3 (functions.dpquery.data)
+# The ledger's content fingerprint: sha256 of every byte of the dataset at plan time (one more read).
+HASH_BYTES_PER_S = 400 * MiB
+# A privacy unit (functions.dpquery.unit) keeps a dict entry, a row count and a 64-bit key per DISTINCT id in
+# every task that counts (plan: one pass over the id column; measure: two), and 8·k bytes per person with
+# more than k rows. The number of distinct ids is data, unknown to the plan: it is stated, not added to the
+# peak; size the function memory for it (10^6 ids ≈ 200 MB).
+UNIT_BYTES_PER_ID = 200
 
 MAX_MARGINAL_ROWS = 20  # rows of the per-marginal table; beyond, the largest per-cell variances
 
@@ -158,6 +165,12 @@ def privacy_rows(spec: Any, pl: Any) -> list[list[Any]]:
             f"{rep['epsilon_gaussian']:.6g} (this release as one Gaussian mechanism, this job alone)",
         ],
         ["neighbouring datasets", rep["neighbouring"]],
+        [
+            "sensitivity charged",
+            f"{rep['unit_rows']} row(s) per unit, transform rounding for at most {rep['rows_bound']:,} rows"
+            if rep["rows_bound"] is not None
+            else f"{rep['unit_rows']} row(s) per unit, rounding not charged",
+        ],
         ["loss", pl.loss + (f" ({pl.solver.get('solver')}, {pl.solver.get('status')})" if pl.solver else "")],
         ["workload", f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} cells"],
         ["residual sets", f"{pl.num_residuals:,} ({pl.total_noise_samples:,} noise samples)"],
@@ -229,16 +242,20 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     ledger_entries = len(state.entries) if state is not None else 0
 
     # plan: allocate, scan once, reserve on the ledger, write the plan document and two manifests
+    unit_scans = 1 if spec.privacy_unit is not None else 0  # the id column, at plan and again in measure
     plan_load = TaskLoad(
         peak_bytes=RUNTIME_BYTES + PLAN_BYTES_PER_PAIR * pairs + plan_doc_bytes + SCAN_BYTES[fmt],
-        gets=scan_gets + 1 + ledger_entries,  # + the ledger's LIST and entries
-        puts=4 + (1 if state is not None and state.total_rho is None else 0),
+        # + the fingerprint's reads, the ledger's LIST and entries, the fingerprint index
+        gets=(2 + unit_scans) * scan_gets + 2 + ledger_entries,
+        puts=4 + (1 if state is not None and state.total_rho is None else 0) + 1,
         duration_s=pricing.TASK_OVERHEAD_S
         + PLAN_S_PER_PAIR * pairs
-        + scan_s
-        + (4 + ledger_entries) * latency,
+        + (1 + unit_scans) * scan_s
+        + data_bytes / HASH_BYTES_PER_S
+        + (5 + ledger_entries) * latency,
         why=f"the noise plan ({pairs:,} marginal-subset pairs) and its document, one streaming scan of the "
-        f"{fmt} dataset",
+        f"{fmt} dataset, and its sha256 for the ledger"
+        + (" and one scan of the privacy unit's id column (+ its ids, see notes)" if unit_scans else ""),
     )
 
     # measure: per group, the histograms of its residual sets, their residuals and the noisy payload
@@ -249,9 +266,12 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         peak_bytes=int(
             MEASURE_RUNTIME_BYTES + plan_doc_bytes + SCAN_BYTES[fmt] + hist_bytes + 24 * max(samples)
         ),
-        gets=scan_gets + 2,  # + the plan document, + the put-if-absent check on the measurement
+        gets=(1 + unit_scans) * scan_gets + 2,  # + the plan document, + the measurement's check
         puts=1,
-        duration_s=pricing.TASK_OVERHEAD_S + scan_s + max(samples) / SAMPLER_SAMPLES_PER_S + 3 * latency,
+        duration_s=pricing.TASK_OVERHEAD_S
+        + (1 + unit_scans) * scan_s
+        + max(samples) / SAMPLER_SAMPLES_PER_S
+        + 3 * latency,
         why=f"OpenDP's runtime, the plan document, one streaming scan of the {fmt} dataset, the group's "
         f"histograms ({hist_bytes / MiB:,.1f} MiB) and up to {max(samples):,} noise samples",
     )
@@ -316,6 +336,12 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         *notes,
         *budget_notes,
     ]
+    if spec.privacy_unit is not None:
+        notes.append(
+            f"privacy unit: at most {spec.privacy_unit.max_rows} row(s) per {spec.privacy_unit.id_column!r}; "
+            f"plan and measure tasks also hold about {UNIT_BYTES_PER_ID} bytes per distinct id (not in the "
+            "peaks above: the number of ids is data the plan does not read)"
+        )
     title, rows = marginal_rows(spec, pl)
     details = [
         Table("privacy and accuracy plan", ["quantity", "value"], privacy_rows(spec, pl) + budget_rows),

@@ -34,6 +34,12 @@ TOTAL_NAME = "(total)"  # the name of the 0-way marginal (the total count)
 # What happens to a value outside an attribute's domain (or missing): see DPAttribute.
 OutOfDomain = Literal["drop", "clip", "other"]
 OTHER_LABEL = "(other)"  # the label of the extra category of an attribute with out_of_domain "other"
+# The public bound on the rows counted (``max_rows_total``) when a spec gives none: the float64 rounding of
+# the residual transform is charged for this many rows (functions.dpquery.measure), and prepare refuses a
+# dataset that may hold more. 2^32 costs a relative ~1e-5 in sensitivity at 10-valued 3-way sets.
+DEFAULT_MAX_ROWS_TOTAL = 2**32
+MAX_ROWS_TOTAL = 2**53  # counts above 2^53 are not exact in float64
+MAX_UNIT_ROWS = 1_000_000
 
 
 def marginal_name(attributes: Sequence[str]) -> str:
@@ -204,6 +210,16 @@ class DPBudget(StrictModel):
         return self.delta if self.delta is not None else DP_REPORT_DELTA
 
 
+class DPPrivacyUnit(StrictModel):
+    """Who is protected: a person is a distinct value of ``id_column``, and at most ``max_rows`` (k) of
+    their rows are counted, chosen data-independently from the job's seed (:mod:`functions.dpquery.unit`).
+    Neighbouring datasets then differ by one person, and every measurement's sensitivity is k times the
+    one-row value (charged in full: the noise std grows by k at the same ρ)."""
+
+    id_column: str = Field(min_length=1, description="the column that identifies a person")
+    max_rows: StrictInt = Field(ge=1, le=MAX_UNIT_ROWS, description="k: rows counted per person at most")
+
+
 class DPQueryJob(StrictModel):
     """Answer a workload of marginals of a dataset under zCDP (ResidualPlanner), with per-cell error bars.
 
@@ -242,6 +258,22 @@ class DPQueryJob(StrictModel):
         gt=0,
         allow_inf_nan=False,
         description="total ρ of dataset_id; required by the first job on it, fixed afterwards",
+    )
+    dataset_version: str | None = Field(
+        default=None,
+        pattern=_DATASET_ID,
+        description="a deliberately new version of dataset_id's data (shares its budget); default: the "
+        "content the ledger was opened with",
+    )
+    privacy_unit: DPPrivacyUnit | None = Field(
+        default=None, description="{id_column, max_rows}: protect persons of up to k rows; default one row"
+    )
+    max_rows_total: StrictInt | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_ROWS_TOTAL,
+        description="public upper bound on the dataset's rows (the transform's rounding is charged for it); "
+        f"default {DEFAULT_MAX_ROWS_TOTAL}",
     )
     output: OutputPrefix | None = Field(
         default=None, description="URI prefix of the tables; default jobs/<id>/output/"
@@ -406,3 +438,11 @@ class DPQueryJob(StrictModel):
     def rho(self) -> float:
         """The job's budget as ρ-zCDP."""
         return self.budget.zcdp_rho()
+
+    def unit_rows(self) -> int:
+        """k: rows one person may contribute (1 without a privacy unit)."""
+        return self.privacy_unit.max_rows if self.privacy_unit is not None else 1
+
+    def rows_bound(self) -> int:
+        """N: the public bound on the rows counted (``max_rows_total`` or its default)."""
+        return self.max_rows_total if self.max_rows_total is not None else DEFAULT_MAX_ROWS_TOTAL
