@@ -9,11 +9,14 @@ A release from the SDK::
     tables = client.dpquery.tables(result)     # {"sex,region": pyarrow.Table, ...}
     arrays = client.dpquery.arrays(result)     # {"sex,region": (ndarray, {"sex": [...], "region": [...]})}
     client.dpquery.budget("people")            # the dataset's ledger: total, spent, remaining, jobs
+    ms = client.dpquery.measurements(result)   # the noisy residual measurements, for Private-PGM (to_mbi)
+    client.dpquery.covariance(result, "sex", "sex,region")  # correlated errors of two tables
 
 Marginals are named by their attribute names in schema order joined with ``,`` (``"sex,region"``);
 the total count (a marginal of no attribute) is ``"(total)"``. Every estimate has the same per-cell
-variance within its marginal: :meth:`DPQuery.std_errors`, ``result["tables"][i]["std_error"]``, and the
-``variance``/``std_error`` keys of each Parquet file's schema metadata.
+variance within its marginal: :meth:`DPQuery.std_errors`, ``result["tables"][i]["std_error"]``, the
+``std_error`` and ``variance`` columns of every table, and the same keys of each Parquet file's schema
+metadata (which also names the mechanism, ρ, the privacy unit and the dataset's fingerprint).
 
 Nothing here reads the dataset: :meth:`DPQuery.plan` is the pure planner, and the tables are the job's
 released (noisy) output.
