@@ -9,11 +9,14 @@ A release from the SDK::
     tables = client.dpquery.tables(result)     # {"sex,region": pyarrow.Table, ...}
     arrays = client.dpquery.arrays(result)     # {"sex,region": (ndarray, {"sex": [...], "region": [...]})}
     client.dpquery.budget("people")            # the dataset's ledger: total, spent, remaining, jobs
+    ms = client.dpquery.measurements(result)   # the noisy residual measurements, for Private-PGM (to_mbi)
+    client.dpquery.covariance(result, "sex", "sex,region")  # correlated errors of two tables
 
 Marginals are named by their attribute names in schema order joined with ``,`` (``"sex,region"``);
 the total count (a marginal of no attribute) is ``"(total)"``. Every estimate has the same per-cell
-variance within its marginal: :meth:`DPQuery.std_errors`, ``result["tables"][i]["std_error"]``, and the
-``variance``/``std_error`` keys of each Parquet file's schema metadata.
+variance within its marginal: :meth:`DPQuery.std_errors`, ``result["tables"][i]["std_error"]``, the
+``std_error`` and ``variance`` columns of every table, and the same keys of each Parquet file's schema
+metadata (which also names the mechanism, ρ, the privacy unit and the dataset's fingerprint).
 
 Nothing here reads the dataset: :meth:`DPQuery.plan` is the pure planner, and the tables are the job's
 released (noisy) output.
@@ -21,7 +24,9 @@ released (noisy) output.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -33,7 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from functions import store
-from functions.dpquery.spec import DPQueryJob, marginal_name
+from functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name
 from functions.errors import ShardfoldError, SpecError
 
 LEDGER_REPORT_DELTA = 1e-9  # δ at which budget() states the dataset's ε (CKS) by default
@@ -56,10 +61,28 @@ def _dataset_id_pattern() -> str:
     return r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # pragma: no cover - the spec always sets one
 
 
-def table_to_array(tbl: pa.Table, attributes: Sequence[str]) -> LabelledArray:
+def table_layout(tbl: pa.Table) -> tuple[list[str], str]:
+    """(attribute columns, estimate column) of a released table, from its schema metadata (``attributes``,
+    ``value_column``); for a table without them, every column but the last, and the last."""
+    meta = tbl.schema.metadata or {}
+    names = tbl.column_names
+    if b"attributes" in meta:
+        attributes = list(json.loads(meta[b"attributes"]))
+        value = meta.get(b"value_column")
+        return attributes, value.decode() if value else names[len(attributes)]
+    return names[:-1], names[-1]
+
+
+def table_to_array(tbl: pa.Table, attributes: Sequence[str] | None = None) -> LabelledArray:
     """A marginal's table (one row per cell, C order: the last attribute varies fastest) as a dense array
-    with its labels. The shape comes from the table itself (each attribute's distinct labels)."""
-    value_col = tbl.column_names[len(attributes)]
+    with its labels. The shape comes from the table itself (each attribute's distinct labels).
+    ``attributes`` default to those the table's metadata names."""
+    if attributes is None:
+        attributes, value_col = table_layout(tbl)
+    else:
+        meta = tbl.schema.metadata or {}
+        value = meta.get(b"value_column")
+        value_col = value.decode() if value else tbl.column_names[len(attributes)]
     values = tbl.column(value_col).to_numpy().astype(np.float64, copy=False)
     if not attributes:
         return LabelledArray(values.reshape(()), {})
@@ -75,6 +98,132 @@ def table_to_array(tbl: pa.Table, attributes: Sequence[str]) -> LabelledArray:
         stride //= n
         labels[name] = tbl.column(name).slice(0, n * stride).to_pylist()[::stride]
     return LabelledArray(values.reshape(shape), labels)
+
+
+# --- export of the noisy measurements -----------------------------------------------------------------------
+
+MEASUREMENTS_MAX_SAMPLES = 50_000_000  # measurements() refuses more (400 MB of float64) unless told otherwise
+DENSE_QUERY_MAX_ENTRIES = 4_000_000  # ResidualMeasurement.matrix() refuses a larger dense query
+
+
+def _helmert(x: Any, axis: int, xp: Any) -> Any:
+    """E_n x along ``axis`` (n = that axis's length), E_n the (n−1)×n Helmert contrasts of
+    :func:`functions.dpquery.measure.contrasts`: row k (1-based) is (1, …, 1, −k, 0, …)/√(k(k+1)) with k
+    ones. O(n) per fibre by a cumulative sum; ``xp`` is numpy or jax.numpy."""
+    x = xp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    k = np.arange(1, n, dtype=np.float64)
+    y = (xp.cumsum(x, axis=-1)[..., : n - 1] - k * x[..., 1:]) / np.sqrt(k * (k + 1.0))
+    return xp.moveaxis(y, -1, axis)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KroneckerQuery:
+    """The linear query of a residual set S: y = (⊗_{i∈S} E_{n_i}) x_S on the marginal x_S (axes in
+    ``attributes`` order, C order when flattened), E_n the Helmert contrasts (orthonormal rows orthogonal
+    to 1). Applied mode-wise, never as a dense matrix.
+
+    Call it on a numpy array of the marginal (flat or shaped), or on a Private-PGM (``mbi``) ``Factor``
+    over the clique (any axis order; jax arrays, traceable under ``jax.jit``): this is the ``query`` of
+    ``mbi.LinearMeasurement``. ``op_norm_sq`` (= 1: the rows are orthonormal) lets mbi bound the loss's
+    Lipschitz constant without power iteration. Hashing is by identity, as mbi's own ``WeightedQuery``
+    (jax treats the query as static)."""
+
+    attributes: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def factors(self) -> list[np.ndarray]:
+        """The Kronecker factors E_{n_i} ((n_i−1)×n_i, read-only), one per attribute, in order."""
+        from functions.dpquery.measure import contrasts
+
+        return [contrasts(n) for n in self.sizes]
+
+    def __call__(self, x: Any) -> Any:
+        if hasattr(x, "domain") and hasattr(x, "values"):  # an mbi Factor
+            import jax.numpy as jnp
+
+            if tuple(x.domain.attributes) != self.attributes:
+                x = x.transpose(self.attributes)
+            values, xp = x.values, jnp
+        else:
+            values, xp = np.asarray(x, dtype=np.float64).reshape(self.sizes), np
+        for axis in range(len(self.sizes)):
+            values = _helmert(values, axis, xp)
+        return values.reshape(-1)
+
+    def op_norm_sq(self) -> float:
+        return 1.0
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualMeasurement:
+    """One released residual measurement: ``noisy_measurement`` = ``query(x_clique)`` + N(0, stddev² I).
+
+    The fields ``noisy_measurement``, ``clique``, ``stddev`` and ``query`` are the arguments of Private-PGM's
+    ``mbi.LinearMeasurement`` (:meth:`to_mbi` builds one); ``factors`` are the query's Kronecker factors
+    and :meth:`matrix` their dense product (small sets only). ``clique`` is () for the total count, whose
+    query is the identity on the total. Independent across sets (each set's noise is drawn separately)."""
+
+    index: int  # the residual set's index in the plan
+    clique: tuple[str, ...]  # attribute names, in schema order
+    attrs: tuple[int, ...]  # their schema indices
+    sizes: tuple[int, ...]  # their domain sizes
+    noisy_measurement: np.ndarray  # (∏(n_i − 1),) float64
+    stddev: float  # σ_S, the noise's standard deviation (per entry, i.i.d.)
+    rho: float  # the sampler's privacy-map value for this set (0 with noise disabled)
+    query: KroneckerQuery
+
+    @property
+    def factors(self) -> list[np.ndarray]:
+        return self.query.factors
+
+    def matrix(self) -> np.ndarray:
+        """The query as a dense (∏(n_i−1)) × (∏n_i) matrix, ⊗ of :attr:`factors` (refused when large)."""
+        rows, cols = math.prod(n - 1 for n in self.sizes), math.prod(self.sizes)
+        if rows * cols > DENSE_QUERY_MAX_ENTRIES:
+            raise ShardfoldError(
+                f"the query of residual set {self.clique} is {rows:,} x {cols:,}; at most "
+                f"{DENSE_QUERY_MAX_ENTRIES:,} entries are formed densely (call the query instead)"
+            )
+        out = np.ones((1, 1))
+        for f in self.factors:
+            out = np.kron(out, f)
+        return out
+
+    def to_mbi(self) -> Any:
+        """This measurement as an ``mbi.LinearMeasurement`` (needs Private-PGM, ``pip install mbi``). The
+        total's uses mbi's identity query, so mbi's own total estimate (``known_total``) picks it up."""
+        import mbi
+
+        query: Any = mbi.DatavectorQuery() if not self.clique else self.query
+        return mbi.LinearMeasurement(
+            np.asarray(self.noisy_measurement, dtype=np.float64), self.clique, float(self.stddev), query=query
+        )
+
+
+def to_mbi(measurements: Sequence[ResidualMeasurement]) -> tuple[Any, list[Any]]:
+    """(``mbi.Domain``, [``mbi.LinearMeasurement``]) of a release's measurements, for Private-PGM::
+
+        domain, ms = to_mbi(client.dpquery.measurements(result))
+        model = mbi.estimation.MirrorDescent().estimate(domain, ms, iters=2000)
+        model.project(("sex", "region")).datavector()
+
+    The domain holds the measured attributes (every attribute of a workload marginal)."""
+    import mbi
+
+    axes: dict[int, tuple[str, int]] = {}
+    for m in measurements:
+        for i, name, n in zip(m.attrs, m.clique, m.sizes, strict=True):
+            axes[i] = (name, n)
+    order = [axes[i] for i in sorted(axes)]  # schema order
+    return mbi.Domain([a for a, _ in order], [n for _, n in order]), [m.to_mbi() for m in measurements]
 
 
 class DPQuery:
@@ -184,8 +333,10 @@ class DPQuery:
         self, result: Any, marginals: Iterable[str | Sequence[str]] | None = None
     ) -> dict[str, pa.Table]:
         """The released marginals as pyarrow tables, keyed by marginal name (see :func:`marginal_name`):
-        one column per attribute (its labels) then ``estimate``; the per-cell ``variance`` and
-        ``std_error`` are in the schema metadata. ``marginals`` loads only those: names, or attributes in
+        one column per attribute (its labels; a range attribute ``x`` also has ``x_lo``, ``x_hi``, its
+        bin's bounds, both inclusive), then ``estimate``, ``std_error`` and ``variance`` (per cell; the same
+        in every cell of a marginal). The schema metadata names the release (``mechanism``, ``rho``,
+        ``privacy_unit``, ``dataset_fingerprint``). ``marginals`` loads only those: names, or attributes in
         any order (``"region, sex"`` or ``["region", "sex"]``)."""
         out: dict[str, pa.Table] = {}
         for e in self._select(result, marginals):
@@ -199,12 +350,117 @@ class DPQuery:
         axis per attribute in schema order (the total count is a 0-d array)."""
         out: dict[str, LabelledArray] = {}
         for name, tbl in self.tables(result, marginals).items():
-            out[name] = table_to_array(tbl, tbl.column_names[:-1])  # the label columns, then the estimate
+            out[name] = table_to_array(tbl)  # the attributes and estimate column its metadata names
         return out
 
     def std_errors(self, result: Any) -> dict[str, float]:
         """{marginal name: per-cell standard error} (every cell of a marginal has the same variance)."""
         return {marginal_name(e["attributes"]): float(e["std_error"]) for e in self.entries(result)}
+
+    # -- downstream inference: the measurements and the covariance of the estimates -----------------------
+
+    def _job_plan(self, result: Any) -> tuple[str, dict, Any]:
+        from functions.dpquery import core
+
+        job_id = self._result(result)["job_id"]
+        doc, pl = core.load_plan(self._client.store_root, job_id)
+        return job_id, doc, pl
+
+    def measurements(
+        self, result: Any, max_samples: int | None = MEASUREMENTS_MAX_SAMPLES
+    ) -> list[ResidualMeasurement]:
+        """The release's noisy measurements, one :class:`ResidualMeasurement` per residual set (in plan
+        order; the first is the total count): its attributes (``clique``), the noisy vector, its σ
+        (``stddev``) and its linear query (``query``, with Kronecker ``factors``), i.e. the arguments of
+        Private-PGM's ``mbi.LinearMeasurement`` (see :func:`to_mbi`). Post-processing of released output:
+        no privacy cost. Every workload marginal's estimate is a linear function of these (the job's own
+        reconstruction); a downstream tool may combine them differently.
+
+        Reads every measurement object of the job (8 bytes per noise sample: ``result["report"]
+        ["noise_samples"]``); refused above ``max_samples`` samples (None: no limit)."""
+        from functions.dpquery import core
+        from functions.dpquery import measure as mz
+
+        job_id, doc, pl = self._job_plan(result)
+        total = pl.total_noise_samples
+        if max_samples is not None and total > max_samples:
+            raise ShardfoldError(
+                f"job {job_id} released {total:,} noise samples; measurements() reads at most "
+                f"{max_samples:,} (pass max_samples=None to read them all)"
+            )
+        names = pl.names or [f"a{i}" for i in range(int(pl.domains.size))]
+        offsets = np.zeros(pl.num_residuals + 1, dtype=np.int64)
+        np.cumsum(pl.noise_count, out=offsets[1:])
+        out: list[ResidualMeasurement] = []
+        for g, (start, stop) in enumerate(doc["measure_groups"]):
+            raw = store.get(core.measurement_uri(self._client.store_root, job_id, g))
+            payload = 8 * int(offsets[stop] - offsets[start])
+            values = mz.decode_values(raw[:payload])
+            meta = mz.decode_trailer(raw[payload:])
+            for index, scale, _d_in, rho in meta["sets"]:
+                k = int(index)
+                attrs = pl.residual(k)
+                sizes = tuple(int(pl.domains[a]) for a in attrs)
+                clique = tuple(names[a] for a in attrs)
+                lo = int(offsets[k] - offsets[start])
+                out.append(
+                    ResidualMeasurement(
+                        index=k,
+                        clique=clique,
+                        attrs=attrs,
+                        sizes=sizes,
+                        noisy_measurement=values[lo : lo + int(pl.noise_count[k])],
+                        stddev=float(scale),
+                        rho=float(rho),
+                        query=KroneckerQuery(clique, sizes),
+                    )
+                )
+        if [m.index for m in out] != list(range(pl.num_residuals)):
+            raise ShardfoldError(f"job {job_id}: its measurements do not cover the plan's residual sets")
+        return out
+
+    to_mbi = staticmethod(to_mbi)
+
+    def covariance(
+        self, release: Any, a: str | Sequence[str], b: str | Sequence[str] | None = None
+    ) -> np.ndarray:
+        """Cov(x̂_A, x̂_B) of two released marginals: a cells_A × cells_B matrix, rows and columns in the
+        tables' cell order (C order; ``b`` defaults to ``a``, whose diagonal is its per-cell variance).
+        Marginals built from shared residual measurements have correlated errors (a 2-way marginal's
+        cells and a 1-way marginal of one of its attributes, say); this is what a downstream analysis
+        summing cells across tables needs. Data-independent: from the plan alone.
+
+        ``release`` is a result, a :class:`client.Job` or job id, or a plan (:meth:`plan`: before running);
+        ``a``, ``b`` name workload marginals as in :meth:`tables`. For small releases: refused above
+        :data:`functions.dpquery.reconstruct.COVARIANCE_MAX_ENTRIES` entries (4,000,000)."""
+        from functions.dpquery import reconstruct as rc
+        from functions.dpquery.planner import Plan
+
+        pl = release if isinstance(release, Plan) else self._job_plan(release)[2]
+        names = pl.names or [f"a{i}" for i in range(int(pl.domains.size))]
+        workload = {frozenset(pl.marginal(j)): pl.marginal(j) for j in range(pl.num_marginals)}
+
+        def attrs_of(m: str | Sequence[str]) -> tuple[int, ...]:
+            wanted = m.split(",") if isinstance(m, str) else list(m)
+            key = frozenset(names.index(w.strip()) if w.strip() in names else -1 for w in wanted if w.strip())
+            if m == TOTAL_NAME:
+                key = frozenset()
+            if key not in workload:
+                have = sorted(marginal_name([names[i] for i in x]) for x in workload.values())
+                raise ShardfoldError(f"marginal {m!r} is not in this release; it has {', '.join(have)}")
+            return workload[key]
+
+        aa = attrs_of(a)
+        bb = aa if b is None else attrs_of(b)
+        both = set(aa) & set(bb)
+        sigma2 = pl.sigma2
+        sets = {
+            pl.residual(k): float(sigma2[k]) for k in range(pl.num_residuals) if set(pl.residual(k)) <= both
+        }
+        try:
+            return rc.covariance(sets, [int(n) for n in pl.domains], aa, bb)
+        except ValueError as exc:
+            raise ShardfoldError(str(exc)) from exc
 
     # -- the budget ledger --------------------------------------------------------------------------------
 

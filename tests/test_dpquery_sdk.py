@@ -248,11 +248,12 @@ def test_run_is_exact_with_the_noise_seam_and_loads_as_tables_and_arrays(client,
     tables = client.dpquery.tables(result)
     assert list(tables) == ["sex", "sex,region", "region,age", TOTAL_NAME, "sex,member"]
     t = tables["sex,region"]
-    assert t.column_names == ["sex", "region", "estimate"]
+    assert t.column_names == ["sex", "region", "estimate", "std_error", "variance"]
     assert t.column("sex").to_pylist() == ["f"] * 3 + ["m"] * 3 and t.column("region").type == pa.int64()
     meta = t.schema.metadata
     assert float(meta[b"variance"]) == pytest.approx(result["tables"][1]["variance"])
     assert tables["region,age"].column("age").to_pylist()[:4] == AGE_LABELS
+    assert tables["region,age"].column_names[:4] == ["region", "age", "age_lo", "age_hi"]
 
     arrays = client.dpquery.arrays(result)
     for entry in result["tables"]:

@@ -361,6 +361,8 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
     attributes = spec.attributes
     prefix = output_prefix(spec, store_root, job_id)
     var = pl.var
+    release = rc.release_info(doc, pl.rho, pl.delta, spec)
+    release_meta = rc.parquet_metadata(release)
     entries = []
     for j in range(start, stop):
         attrs = pl.marginal(j)
@@ -374,7 +376,8 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
             names,
             [attributes[a].labels() for a in attrs],
             v,
-            {"job_id": job_id, "attributes": json.dumps(names), "marginal": str(j)},
+            {**release_meta, "job_id": job_id, "attributes": json.dumps(names), "marginal": str(j)},
+            [rc.attribute_bounds(attributes[a]) for a in attrs],
         )
         stem = rc.file_stem(j, names)
         buf = io.BytesIO()
@@ -392,7 +395,7 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
         }
         if estimate.size <= rc.JSON_MAX_CELLS:
             json_uri = f"{prefix}/{stem}.json"
-            store.put_json(json_uri, rc.json_doc(tbl, v, names))
+            store.put_json(json_uri, rc.json_doc(tbl, v, names, release))
             entry["json"] = json_uri
         entries.append(entry)
     store.put_json(_tables_uri(store_root, job_id, group), entries)
@@ -467,6 +470,7 @@ def finalize(spec: DPQueryJob, job_id: str, store_root: str) -> dict[str, Any]:
         "output": prefix,
         "tables_index": index_uri,
         "report": report,
+        "release": rc.release_info(doc, pl.rho, delta, spec),
         "ledger": ledger_summary,
     }
     if len(tables) <= INLINE_TABLES_MAX:

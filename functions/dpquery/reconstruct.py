@@ -7,14 +7,32 @@ gets E_{n_i}ᵀ along each of its axes, then is broadcast over the attributes of
 unbiased, and every cell has the variance the plan predicts (:attr:`Plan.var`). Pure post-processing of
 released measurements: no privacy cost, re-runnable.
 
-Tables (:func:`table`): one column per attribute of A (its labels: the categories, or each bin's lower bound
-for a width-1 range, or ``"a..b"``), in schema order, plus ``estimate`` (float64). Parquet carries the
-per-cell variance and standard error in its schema metadata; small marginals also get a JSON rendering
-(:func:`json_doc`).
+Tables (:func:`table`), one row per cell in C order (the last attribute varies fastest):
+
+* one column per attribute of A, in schema order, holding its labels: the categories; for a range, each
+  bin's lower bound (bin width 1) or ``"a..b"``;
+* for every range attribute ``x``, two int64 columns ``x_lo`` and ``x_hi``, right after its label column:
+  the bin's bounds, **both inclusive** (as the spec's ``range``), so ``x_lo <= v AND v <= x_hi`` selects
+  the values of the bin (a width-1 range has ``x_lo = x_hi``);
+* ``estimate`` (float64), then ``std_error`` and ``variance`` (float64, the same in every cell of a
+  marginal: they come from the plan, never from the data; ``variance = std_error²`` up to rounding).
+
+A generated name that an attribute already has gets trailing underscores (:func:`column_names`). The
+Parquet schema metadata repeats ``variance`` and ``std_error`` and names the release
+(:func:`release_info`): ``mechanism``, ``rho``, ``privacy_unit``, ``dataset_fingerprint``, ``dataset_id``;
+and the layout: ``attributes`` (JSON list), ``value_column``. Small marginals also get a JSON rendering
+(:func:`json_doc`) that carries the same ``release`` object.
+
+**Covariance** (:func:`covariance`): marginals reconstructed from shared residual measurements have
+correlated errors. Cov(x̂_A, x̂_B) = Σ_{S⊆A∩B} σ_S² ⊗_{i∈A∪B} M_i, with M_i = I − J/n_i for i ∈ S,
+J/n_i² for i ∈ (A∩B)∖S, the column 1/n_i for i ∈ A∖B and the row 1ᵀ/n_i for i ∈ B∖A: a dense
+cells_A × cells_B matrix, refused above :data:`COVARIANCE_MAX_ENTRIES` entries.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -26,6 +44,8 @@ from functions.dpquery.measure import contrasts
 
 JSON_MAX_CELLS = 1000  # marginals up to this many cells also get a JSON table
 VALUE_COLUMN = "estimate"
+STD_ERROR_COLUMN = "std_error"
+VARIANCE_COLUMN = "variance"
 
 
 def reconstruct(
@@ -78,45 +98,197 @@ def _label_array(labels: list) -> pa.Array:
 
 def value_column(names: Sequence[str]) -> str:
     """``estimate``, or with trailing underscores if an attribute already has that name."""
-    col = VALUE_COLUMN
-    while col in names:
+    return _unique(VALUE_COLUMN, set(names))
+
+
+def _unique(col: str, taken: set[str]) -> str:
+    while col in taken:
         col += "_"
+    taken.add(col)
     return col
 
 
+def column_names(names: Sequence[str], ranged: Sequence[bool]) -> dict[str, object]:
+    """The table's generated column names, unique against the attribute names (and each other):
+    ``{"estimate", "std_error", "variance", "bounds": {attribute: (lo, hi)}}`` (bounds for range
+    attributes only)."""
+    taken = set(names)
+    out: dict[str, object] = {"estimate": value_column(names)}
+    taken.add(out["estimate"])
+    bounds = {}
+    for name, r in zip(names, ranged, strict=True):
+        if r:
+            bounds[name] = (_unique(f"{name}_lo", taken), _unique(f"{name}_hi", taken))
+    out["std_error"] = _unique(STD_ERROR_COLUMN, taken)
+    out["variance"] = _unique(VARIANCE_COLUMN, taken)
+    out["bounds"] = bounds
+    return out
+
+
+def bin_bounds(lo: int, hi: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each bin's first and last value (both inclusive) of ``range: [lo, hi]`` with ``bin_width``."""
+    first = np.arange(lo, hi + 1, width, dtype=np.int64)
+    return first, np.minimum(first + (width - 1), hi)
+
+
+def attribute_bounds(attribute) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`bin_bounds` of a spec attribute with a ``range``; None for categories."""
+    rng = getattr(attribute, "range", None)
+    if rng is None:
+        return None
+    return bin_bounds(int(rng[0]), int(rng[1]), int(getattr(attribute, "bin_width", None) or 1))
+
+
 def table(
-    estimate: np.ndarray, names: Sequence[str], labels: Sequence[list], var: float, meta: dict[str, str]
+    estimate: np.ndarray,
+    names: Sequence[str],
+    labels: Sequence[list],
+    var: float,
+    meta: dict[str, str],
+    bounds: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> pa.Table:
-    """The marginal as a table: one row per cell (C order), attribute label columns then the estimate."""
+    """The marginal as a table: one row per cell (C order): attribute label columns (each range
+    attribute's followed by its bin bounds ``<name>_lo``, ``<name>_hi``, inclusive), then ``estimate``,
+    ``std_error``, ``variance``. ``bounds[k]`` is :func:`bin_bounds` of attribute k, or None."""
     shape = estimate.shape
+    bounds = list(bounds) if bounds is not None else [None] * len(names)
+    colnames = column_names(names, [b is not None for b in bounds])
     cols: dict[str, pa.Array] = {}
     cells = int(estimate.size)
     inner = cells
-    for name, labs, n in zip(names, labels, shape, strict=True):
+    for name, labs, n, bnd in zip(names, labels, shape, bounds, strict=True):
         inner //= n  # axis k's label repeats for every cell of the later axes, C order
-        idx = np.tile(np.repeat(np.arange(n, dtype=np.int32), inner), cells // (n * inner))
-        cols[name] = _label_array(list(labs)).take(pa.array(idx))
+        idx = pa.array(np.tile(np.repeat(np.arange(n, dtype=np.int32), inner), cells // (n * inner)))
+        cols[name] = _label_array(list(labs)).take(idx)
+        if bnd is not None:
+            lo_col, hi_col = colnames["bounds"][name]
+            cols[lo_col] = pa.array(bnd[0], pa.int64()).take(idx)
+            cols[hi_col] = pa.array(bnd[1], pa.int64()).take(idx)
         del idx
-    cols[value_column(names)] = pa.array(estimate.reshape(-1), pa.float64())
+    std = math.sqrt(float(var))
+    cols[colnames["estimate"]] = pa.array(estimate.reshape(-1), pa.float64())
+    cols[colnames["std_error"]] = pa.array(np.full(cells, std), pa.float64())
+    cols[colnames["variance"]] = pa.array(np.full(cells, float(var)), pa.float64())
     metadata = {
         **meta,
         "variance": repr(float(var)),
-        "std_error": repr(math.sqrt(float(var))),
+        "std_error": repr(std),
+        "value_column": colnames["estimate"],
     }
     return pa.table(cols).replace_schema_metadata({k: str(v) for k, v in metadata.items()})
 
 
-def json_doc(tbl: pa.Table, var: float, attributes: Sequence[str]) -> dict:
-    """A small marginal as JSON: ``columns`` and ``rows`` (attribute labels, then the estimate)."""
-    columns = tbl.column_names
+def json_doc(tbl: pa.Table, var: float, attributes: Sequence[str], release: dict | None = None) -> dict:
+    """A small marginal as JSON: ``columns`` and ``rows`` (attribute labels and bin bounds, then the
+    estimate; the per-cell ``variance`` and ``std_error`` are given once), and the ``release``."""
+    meta = tbl.schema.metadata or {}
+    value = (meta.get(b"value_column") or VALUE_COLUMN.encode()).decode()
+    columns = tbl.column_names[: tbl.column_names.index(value) + 1]
     rows = [list(r) for r in zip(*(tbl.column(c).to_pylist() for c in columns), strict=True)]
-    return {
+    out = {
         "attributes": list(attributes),
         "columns": columns,
         "rows": rows,
         "variance": float(var),
         "std_error": math.sqrt(float(var)),
     }
+    if release is not None:
+        out["release"] = release
+    return out
+
+
+# --- the release's description ------------------------------------------------------------------------------
+
+MECHANISM = "gaussian, zCDP"
+DEFAULT_PRIVACY_UNIT = "one row"
+
+
+def privacy_unit(spec) -> str:
+    """The spec's privacy unit as text (``privacy_unit`` if the spec has one, else ``"one row"``)."""
+    unit = getattr(spec, "privacy_unit", None)
+    if unit is None:
+        return DEFAULT_PRIVACY_UNIT
+    if isinstance(unit, str):
+        return unit
+    if hasattr(unit, "model_dump"):
+        unit = unit.model_dump(mode="json", exclude_none=True)
+    return json.dumps(unit, sort_keys=True, default=str)
+
+
+def dataset_fingerprint(plan_doc: dict) -> str | None:
+    """A digest that identifies the dataset version the release was computed from, or None.
+
+    A ``dataset_fingerprint`` string in the plan document is used as it is; otherwise the SHA-256 of the
+    dataset URI and its pin (``dataset_pin``: size and ETag, or size, mtime and inode), so the file's
+    size, which depends on the data, is never published in clear."""
+    fp = plan_doc.get("dataset_fingerprint")
+    if isinstance(fp, str) and fp:
+        return fp
+    basis = fp if isinstance(fp, dict) and fp else plan_doc.get("dataset_pin")
+    if not basis:
+        return None
+    text = json.dumps({"dataset": plan_doc.get("dataset"), "pin": basis}, sort_keys=True, default=str)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def release_info(plan_doc: dict, rho: float, delta: float, spec) -> dict:
+    """What a released table says about how it was made (JSON-safe; the Parquet metadata gets each value as
+    text). ``rho`` is the job's budget: the guarantee of the whole release."""
+    return {
+        "mechanism": MECHANISM,
+        "rho": float(rho),
+        "delta": float(delta),
+        "privacy_unit": privacy_unit(spec),
+        "dataset_id": getattr(spec, "dataset_id", None),
+        "dataset_fingerprint": dataset_fingerprint(plan_doc),
+    }
+
+
+def parquet_metadata(release: dict) -> dict[str, str]:
+    """:func:`release_info` as Parquet key-value metadata (text; absent values omitted)."""
+    return {k: (v if isinstance(v, str) else repr(v)) for k, v in release.items() if v is not None}
+
+
+# --- covariance of reconstructed marginals ------------------------------------------------------------------
+
+COVARIANCE_MAX_ENTRIES = 4_000_000  # cells_A × cells_B: 32 MB of float64
+
+
+def covariance(
+    sigma2: dict[tuple[int, ...], float], domains: Sequence[int], a: Sequence[int], b: Sequence[int]
+) -> np.ndarray:
+    """Cov(x̂_A, x̂_B): the cells_A × cells_B matrix (cells in C order) of the noise covariance between two
+    reconstructed marginals (sorted attribute tuples ``a``, ``b``; ``a == b`` gives Cov(x̂_A), whose
+    diagonal is :func:`variance`). ``sigma2`` maps every residual set S ⊆ A∩B to σ_S² (others are
+    ignored). Refused above :data:`COVARIANCE_MAX_ENTRIES` entries."""
+    a, b = tuple(int(i) for i in a), tuple(int(i) for i in b)
+    cells_a = math.prod(int(domains[i]) for i in a)
+    cells_b = math.prod(int(domains[i]) for i in b)
+    if cells_a * cells_b > COVARIANCE_MAX_ENTRIES:
+        raise ValueError(
+            f"the covariance of marginals {a} and {b} has {cells_a:,} x {cells_b:,} entries; at most "
+            f"{COVARIANCE_MAX_ENTRIES:,} are computed (use smaller marginals)"
+        )
+    union = sorted(set(a) | set(b))
+    both = set(a) & set(b)
+    out = np.zeros((cells_a, cells_b), dtype=np.float64)
+    for s, s2 in sigma2.items():
+        if not set(s) <= both:
+            continue
+        m = np.ones((1, 1))
+        for i in union:
+            n = int(domains[i])
+            if i in s:
+                f = np.eye(n) - 1.0 / n
+            elif i in both:
+                f = np.full((n, n), 1.0 / (n * n))
+            elif i in a:
+                f = np.full((n, 1), 1.0 / n)
+            else:
+                f = np.full((1, n), 1.0 / n)
+            m = np.kron(m, f)
+        out += float(s2) * m
+    return out
 
 
 def file_stem(j: int, names: Sequence[str]) -> str:

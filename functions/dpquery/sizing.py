@@ -46,9 +46,10 @@ MEASURE_RUNTIME_BYTES = 256 * MiB
 SCAN_BYTES = {"csv": 128 * MiB, "parquet": 64 * MiB}
 # Planning holds about this much per (marginal, subset) pair (97-108 B measured at d = 50, 100, <=3-way).
 PLAN_BYTES_PER_PAIR = 128
-# A reconstructed marginal: the estimate and its temporaries (float64), the table's label columns and the
-# Parquet buffer, per cell (plus 16 bytes per attribute for its label column).
-RECON_BYTES_PER_CELL = 48
+# A reconstructed marginal: the estimate and its temporaries (float64), the table's label columns, its
+# std_error and variance columns (float64 each) and the Parquet buffer, per cell (plus 16 bytes per attribute
+# for its label column, and as much again for each of a range attribute's lo/hi columns: counted for all).
+RECON_BYTES_PER_CELL = 64
 # The plan document once loaded in a task: its JSON text, the decoded arrays and their copies.
 PLAN_DOC_FACTOR = 3
 # What writing the first Arrow table to Parquet takes on top of the arrays: pyarrow's memory pool (mimalloc)
@@ -292,7 +293,7 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         peak = max(
             peak,
             16 * float(pl.noise_count[needed].sum())
-            + float(cells[biggest]) * (RECON_BYTES_PER_CELL + 16 * int(sizes[s + biggest])),
+            + float(cells[biggest]) * (RECON_BYTES_PER_CELL + 48 * int(sizes[s + biggest])),
         )
         work = (
             float(np.sum(cells * terms[s:t])) * RECON_S_PER_CELL_TERM + float(cells.sum()) * TABLE_S_PER_CELL
