@@ -142,8 +142,10 @@ def identify(uri: str, fmt: str, pin: Any = None) -> dict[str, Any]:
 
 
 def _public(identity: dict[str, Any]) -> dict[str, Any]:
-    """What a ledger entry records of an identity (not the row bound: that is a function of the rows)."""
-    return {k: v for k, v in identity.items() if k != "rows_at_most"}
+    """What a ledger entry records of an identity: the URI and the content fingerprint. Not the size, the
+    pin (a local pin holds the size) or the row bound: they are functions of the rows, and a ledger is read
+    by everyone who may run jobs on the dataset."""
+    return {k: identity[k] for k in ("uri", "fingerprint")}
 
 
 def _version_text(version: str | None) -> str:
