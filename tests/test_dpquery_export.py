@@ -345,3 +345,16 @@ def test_private_pgm_fits_the_exported_measurements(client):
     # what the exported measurements add: a model that answers marginals outside the workload
     age_sex = np.asarray(model.project(("age", "sex")).datavector(flatten=False))
     assert age_sex.shape == (8, 2) and np.all(age_sex >= 0)
+
+
+def test_the_other_cell_of_a_range_has_no_bin_bounds():
+    """Under out_of_domain "other" a range attribute gets one more cell after its bins: null bounds."""
+    from functions.dpquery.spec import DPAttribute
+
+    attr = DPAttribute.model_validate(
+        {"name": "age", "range": [0, 3], "bin_width": 2, "out_of_domain": "other"}
+    )
+    lo, hi = rc.attribute_bounds(attr)
+    assert lo == [0, 2, None] and hi == [1, 3, None] and len(lo) == len(attr.labels())
+    tbl = rc.table(np.arange(3.0), ["age"], [attr.labels()], 1.0, {}, [(lo, hi)])
+    assert tbl.column("age_lo").to_pylist() == [0, 2, None] and tbl.column("age").to_pylist()[-1] == "(other)"

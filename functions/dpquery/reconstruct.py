@@ -131,12 +131,16 @@ def bin_bounds(lo: int, hi: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     return first, np.minimum(first + (width - 1), hi)
 
 
-def attribute_bounds(attribute) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`bin_bounds` of a spec attribute with a ``range``; None for categories."""
+def attribute_bounds(attribute) -> tuple[np.ndarray | list, np.ndarray | list] | None:
+    """:func:`bin_bounds` of a spec attribute with a ``range`` (null bounds for its ``"(other)"`` cell under
+    ``out_of_domain: other``); None for categories."""
     rng = getattr(attribute, "range", None)
     if rng is None:
         return None
-    return bin_bounds(int(rng[0]), int(rng[1]), int(getattr(attribute, "bin_width", None) or 1))
+    lo, hi = bin_bounds(int(rng[0]), int(rng[1]), int(getattr(attribute, "bin_width", None) or 1))
+    if getattr(attribute, "policy", None) == "other":  # the "(other)" cell after the bins has no bounds
+        return [*lo.tolist(), None], [*hi.tolist(), None]
+    return lo, hi
 
 
 def table(
