@@ -36,7 +36,7 @@ reads it)::
                                                   "ephemeral_mb": 'shardfold:functionEphemeralStorage[...]',
                                                   "timeout_s": 'shardfold:functionTimeout[...]'}},
                    ..., "dispatch": {...}},
-     "batch": {"inference.worker": {"vcpus": 4, "memory_mb": 16384, "gpus": 1, "timeout_s": 14400,
+     "batch": {"inference.worker": {"vcpus": 4, "memory_mb": 15000, "gpus": 1, "timeout_s": 14400,
                                     "config": {"vcpus": 'shardfold:batchVcpus["inference.worker"]',
                                                "memory_mb": 'shardfold:batchMemory[...]',
                                                "gpus": 'shardfold:batchGpus[...]',

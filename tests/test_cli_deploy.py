@@ -50,7 +50,7 @@ OUTPUTS = {
         "batch": {
             "inference.worker": {
                 "vcpus": 4,
-                "memory_mb": 16384,
+                "memory_mb": 15000,
                 "gpus": 1,
                 "timeout_s": 14400,
                 "config": {
@@ -242,7 +242,7 @@ def test_deployed_sizes_of_the_saved_outputs(fake_pulumi):
     assert (plan.memory_mb, plan.ephemeral_mb, plan.timeout_s) == (2048, 512, 300)
     assert plan.config["memory_mb"] == 'shardfold:functionMemory["getbatch.prepare"]'
     worker = sizes.of("inference.worker")
-    assert isinstance(worker, st.BatchSize) and (worker.vcpus, worker.memory_mb, worker.gpus) == (4, 16384, 1)
+    assert isinstance(worker, st.BatchSize) and (worker.vcpus, worker.memory_mb, worker.gpus) == (4, 15000, 1)
     assert (
         worker.timeout_s == 14400
         and worker.config["memory_mb"] == 'shardfold:batchMemory["inference.worker"]'
