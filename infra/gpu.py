@@ -39,13 +39,12 @@ import pulumi_aws as aws
 
 from functions.container import EXIT_TRANSIENT
 from functions.errors import ShardfoldError
-from functions.workflow import BatchJob, Map, Parallel, Step, Workflow
+from functions.workflow import BATCH_ATTEMPTS, BatchJob, Map, Parallel, Step, Workflow
 from infra import iam
 from infra.config import BATCH_SIZE_KEYS, StackConfig, size_key
 from infra.context import Component, Context
 from infra.functions import base_environment, worker_statements
 from infra.instances import placement_problem
-from orchestrator.local_batch import BATCH_ATTEMPTS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_DOCKERFILE = REPO_ROOT / "Dockerfile"

@@ -25,7 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from functions.errors import PlanError
-from functions.workflow import BatchJob, Map, Parallel, Retry, Step, Task, Workflow, selectable
+from functions.workflow import (
+    BATCH_ATTEMPTS,
+    BatchJob,
+    Map,
+    Parallel,
+    Retry,
+    Step,
+    Task,
+    Workflow,
+    selectable,
+)
 from orchestrator.registry import handler_path, lambda_name
 
 BATCH_SYNC = "arn:aws:states:::batch:submitJob.sync"
@@ -122,6 +132,7 @@ class _Compiler:
             state: dict[str, Any] = {
                 "Type": "Task",
                 "Resource": self.resolver.function_arn(step.function),
+                "TimeoutSeconds": lambda_state_timeout(step),
                 "ResultPath": f"$.{step.name}",
             }
         elif isinstance(step, BatchJob):
@@ -129,6 +140,7 @@ class _Compiler:
                 "Type": "Task",
                 "Resource": BATCH_SYNC,
                 "Parameters": self.batch_parameters(step, in_map),
+                "TimeoutSeconds": batch_state_timeout(step),
                 "ResultPath": None,
             }
         elif isinstance(step, Map):
@@ -224,6 +236,23 @@ class _Compiler:
             },
             "Timeout": {"AttemptDurationSeconds": step.timeout_s},
         }
+
+
+# A Lambda state outlives its function by this much: the function's own timeout ends a slow invocation first
+# and names it (Sandbox.Timedout); the state's guards one whose answer never comes back.
+LAMBDA_STATE_MARGIN_S = 60
+# A Batch state waits for a place (the queue cancels a job RUNNABLE longer than runnableTimeoutSeconds, at
+# most 86,400 s) and then for every attempt, each bounded by its AttemptDurationSeconds plus its start-up.
+BATCH_RUNNABLE_MAX_S = 86_400
+BATCH_STARTUP_S = 600
+
+
+def lambda_state_timeout(step: Task) -> int:
+    return step.timeout_s + LAMBDA_STATE_MARGIN_S
+
+
+def batch_state_timeout(step: BatchJob) -> int:
+    return BATCH_RUNNABLE_MAX_S + BATCH_ATTEMPTS * (step.timeout_s + BATCH_STARTUP_S)
 
 
 def retry_entry(r: Retry) -> dict[str, Any]:

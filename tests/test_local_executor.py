@@ -83,6 +83,23 @@ def test_transient_errors_are_retried(root):
     assert store.get_json(join(root, "jobs", job_id, "result.json"))["sum"] == squares(5)
 
 
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_task_past_its_timeout_fails_as_on_lambda(root, mode):
+    """Lambda ends an invocation at the function's timeout and Step Functions reports Sandbox.Timedout;
+    the local executor does the same for a task past its timeout_s (a process-mode worker is killed)."""
+    wf = Workflow(kind="toy", steps=(Task("nap", "toy.nap", mode=mode, timeout_s=1),))
+    with make(root, wf) as ex:
+        job_id, status = run(ex, root, nap_s=30)
+    assert status.state == "FAILED"
+    assert (
+        status.error
+        == "step nap failed: Sandbox.Timedout: toy.nap ran past its timeout of 1 s (the step's timeout_s)"
+    )
+    with make(root, wf) as ex:
+        job_id, status = run(ex, root, nap_s=0)
+    assert status.state == "SUCCEEDED", status.error
+
+
 def test_retries_run_out(root):
     with make(root) as ex:
         job_id, status = run(ex, root, n=5, transient={"2": 9})

@@ -12,6 +12,7 @@ from toyflow import parts_workflow, toy_workflow
 from functions.errors import PlanError
 from functions.kinds import WORKFLOWS
 from functions.workflow import (
+    BATCH_ATTEMPTS,
     DEFAULT_TASK_RETRY,
     LAMBDA_THROTTLED,
     LAMBDA_TRANSIENT,
@@ -24,7 +25,10 @@ from functions.workflow import (
 )
 from orchestrator import asl as asl_mod
 from orchestrator.asl import (
+    BATCH_RUNNABLE_MAX_S,
+    BATCH_STARTUP_S,
     BATCH_SYNC,
+    LAMBDA_STATE_MARGIN_S,
     S3_GET_OBJECT,
     NamingResolver,
     StackResolver,
@@ -126,6 +130,8 @@ def test_task_state_shape():
     assert throttle["ErrorEquals"] == list(LAMBDA_THROTTLED)
     assert throttle["JitterStrategy"] == "FULL" and throttle["MaxDelaySeconds"] == 30
     assert plan["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "plan-failed"}]
+    # the function's own timeout fires first (Sandbox.Timedout); the state's guards a lost invocation
+    assert plan["TimeoutSeconds"] == 900 + LAMBDA_STATE_MARGIN_S
     fail = asl["States"]["plan-failed"]
     assert fail == {
         "Type": "Fail",
@@ -193,6 +199,10 @@ def test_batch_job_state():
     assert env["SHARDFOLD_EVENT"]["Value.$"] == "States.JsonToString($)"
     assert env["SHARDFOLD_HANDLER"]["Value"] == handler_path("toy.batch_double")
     assert params["Timeout"] == {"AttemptDurationSeconds": 600}
+    # the state waits for a place and every attempt, never forever
+    assert state["TimeoutSeconds"] == BATCH_RUNNABLE_MAX_S + BATCH_ATTEMPTS * (600 + BATCH_STARTUP_S)
+    # Step Functions names the Batch API errors it does not model Batch.AWSBatchException (hyp3#911)
+    assert "Batch.AWSBatchException" in state["Retry"][0]["ErrorEquals"]
     assert state["ResultPath"] is None
     with pytest.raises(PlanError, match="no Lambda function"):
         compile_workflow(wf, StackResolver({"functions": {}}))
