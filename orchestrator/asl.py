@@ -156,13 +156,18 @@ class _Compiler:
         return state
 
     def fail(self, step: Step, in_map: bool) -> dict[str, Any]:
+        # The error is the project's own name (a Fail state may not pass on a States.* name: LocalStack
+        # refuses it); the caught error's name goes into the cause, where the executors read it back.
         if isinstance(step, Parallel):
-            cause = "$.error.Cause"  # a branch's own Fail state already named the step and item
+            cause = "$.error.Cause"  # a branch's own Fail state already named the step, item and error
         elif in_map:
-            cause = f"States.Format('step {step.name} (item {{}}) failed: {{}}', $.index, $.error.Cause)"
+            cause = (
+                f"States.Format('step {step.name} (item {{}}) failed: {{}}: {{}}', $.index, $.error.Error, "
+                "$.error.Cause)"
+            )
         else:
-            cause = f"States.Format('step {step.name} failed: {{}}', $.error.Cause)"
-        return {"Type": "Fail", "ErrorPath": "$.error.Error", "CausePath": cause}
+            cause = f"States.Format('step {step.name} failed: {{}}: {{}}', $.error.Error, $.error.Cause)"
+        return {"Type": "Fail", "Error": STEP_FAILED, "CausePath": cause}
 
     def map_state(self, step: Map) -> dict[str, Any]:
         states, start = self.chain(step.body, in_map=True)
@@ -238,6 +243,8 @@ class _Compiler:
         }
 
 
+# The error of every Fail state (the failed step's own error name is the start of its cause).
+STEP_FAILED = "Shardfold.StepFailed"
 # A Lambda state outlives its function by this much: the function's own timeout ends a slow invocation first
 # and names it (Sandbox.Timedout); the state's guards one whose answer never comes back.
 LAMBDA_STATE_MARGIN_S = 60

@@ -313,7 +313,7 @@ class AwsExecutor:
         cause = desc.get("cause") or ""
         if desc["status"] == "TIMED_OUT":
             return f"the execution timed out ({error})"
-        if error == THRESHOLD_ERROR:
+        if error == THRESHOLD_ERROR or f"failed: {THRESHOLD_ERROR}" in cause:  # a Map's children failed
             child = self._first_failed_child(arn)
             if child is not None:
                 return child

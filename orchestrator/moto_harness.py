@@ -26,8 +26,6 @@ process, so the patches below act on it directly.
   converts them (and the response) with botocore's Batch model, and runs each submitted job's container
   in-process through ``functions.container.run`` with the job's environment, so the job succeeds or fails as
   the worker does.
-* Fail states: moto refuses an ``ErrorPath`` that yields a ``States.*`` name (a caught ``States.Timeout``
-  or ``States.ExceedToleratedFailureThreshold`` passed on); the harness lets it through, as AWS does.
 * JSONPath: moto wraps the value of a definite path through an array index (``$[1].stamp``) in a list;
   the harness returns the node itself, as AWS does (our Parallel ``ResultSelector`` relies on it).
 * ``RedriveExecution`` is not implemented by moto; the harness answers ``ExecutionNotRedrivable`` (a 400,
@@ -129,7 +127,6 @@ def install_patches() -> None:
         _patch_lambda()
         _patch_distributed_map()
         _patch_map_children_api()
-        _patch_fail_state()
         _patch_definite_json_paths()
         _patch_redrive()
         _patch_batch()
@@ -351,26 +348,6 @@ def _patch_map_children_api() -> None:
 
 
 # --- Fail states and redrive -----------------------------------------------------------------------------
-
-
-def _patch_fail_state() -> None:
-    from moto.stepfunctions.parser.asl.component.common.error_name.error_name import ErrorName
-    from moto.stepfunctions.parser.asl.component.state.fail import state_fail
-
-    class _PassedOnErrorName(ErrorName):
-        """An error name a Fail state passes on unchanged (``ErrorPath: $.error.Error``)."""
-
-    def make(original: Any) -> Any:
-        def error_name(name: str | None) -> ErrorName:
-            # moto refuses a Fail state whose ErrorPath yields a States.* name (a caught States.Timeout,
-            # States.ExceedToleratedFailureThreshold...); AWS reports it as the execution's error.
-            if name is not None and name.startswith("States."):
-                return _PassedOnErrorName(error_name=name)
-            return original(name)
-
-        return error_name
-
-    _patch(state_fail, "CustomErrorName", make)
 
 
 _DEFINITE_PATH = re.compile(

@@ -133,10 +133,12 @@ def test_task_state_shape():
     # the function's own timeout fires first (Sandbox.Timedout); the state's guards a lost invocation
     assert plan["TimeoutSeconds"] == 900 + LAMBDA_STATE_MARGIN_S
     fail = asl["States"]["plan-failed"]
+    # the project's own error name (LocalStack refuses a Fail state passing on a States.* name); the caught
+    # error's name starts the cause
     assert fail == {
         "Type": "Fail",
-        "ErrorPath": "$.error.Error",
-        "CausePath": "States.Format('step plan failed: {}', $.error.Cause)",
+        "Error": "Shardfold.StepFailed",
+        "CausePath": "States.Format('step plan failed: {}: {}', $.error.Error, $.error.Cause)",
     }
     assert asl["States"]["total"]["End"] is True
 
@@ -171,8 +173,8 @@ def test_map_state_is_a_distributed_map_reading_the_manifest():
         state["ToleratedFailurePercentage"], float
     )
     child_fail = state["ItemProcessor"]["States"]["square-failed"]
-    assert (
-        child_fail["CausePath"] == "States.Format('step square (item {}) failed: {}', $.index, $.error.Cause)"
+    assert child_fail["CausePath"] == (
+        "States.Format('step square (item {}) failed: {}: {}', $.index, $.error.Error, $.error.Cause)"
     )
 
 
@@ -316,3 +318,37 @@ def test_any_plan_compiles_to_valid_asl(steps):
     collect(asl["States"])
     assert len(names) == len(set(names))  # state names are unique across the whole machine
     assert all(len(n) <= 80 for n in names)
+
+
+def test_no_fail_state_passes_on_a_states_error_name():
+    """LocalStack refuses a Fail state whose error starts with States.; every Fail state names the project's
+    own error and puts the caught one first in its cause, which the executors read back."""
+    from orchestrator.status import tidy_cause
+
+    for wf in [*WORKFLOWS.values(), *TOYS]:
+        asl = compile_workflow(wf, NamingResolver(region="eu-west-1", account="111122223333", stage="t"))
+        fails = [s for s in _all_states(asl) if s["Type"] == "Fail"]
+        assert fails and all(s["Error"] == "Shardfold.StepFailed" and "ErrorPath" not in s for s in fails)
+    payload = '{"errorType": "ValueError", "errorMessage": "bad"}'
+    assert (
+        tidy_cause(f"step s (item 3) failed: ValueError: {payload}")
+        == "step s (item 3) failed: ValueError: bad"
+    )
+    assert tidy_cause("step s failed: States.Timeout: ") == "step s failed: States.Timeout"
+    assert tidy_cause('step s failed: States.TaskFailed: {"StatusReason": "OOM"}') == (
+        "step s failed: States.TaskFailed: OOM"
+    )
+    assert (
+        tidy_cause("step s failed: States.Runtime: no such path")
+        == "step s failed: States.Runtime: no such path"
+    )
+
+
+def _all_states(asl: dict) -> list[dict]:
+    out = []
+    for state in asl["States"].values():
+        out.append(state)
+        for inner in [state.get("ItemProcessor"), *state.get("Branches", [])]:
+            if inner:
+                out += _all_states(inner)
+    return out

@@ -42,6 +42,7 @@ from functions.errors import PlanError
 from functions.fedavg import kernels
 from functions.fedavg.layout import Tensor, encode_header
 from functions.store.pinning import Pin
+from functions.store.s3 import MAX_SINGLE_PUT
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every multipart part but the last
@@ -432,8 +433,9 @@ class StepLoad:
 
 
 def _upload_puts(nbytes: int) -> int:
-    """Requests of ``store.put_file`` on S3: one PUT, or create + parts + complete beyond 8 MiB."""
-    if nbytes < MULTIPART_CHUNK:
+    """Requests of ``store.put_file`` on S3: one PUT up to its single-PUT limit, else create + parts +
+    complete."""
+    if nbytes <= MAX_SINGLE_PUT:
         return 1
     return 2 + math.ceil(nbytes / MULTIPART_CHUNK)
 
