@@ -181,18 +181,19 @@ def test_failed_children_fail_the_map_and_are_listed_like_aws(aws):
     assert status.state == "FAILED"
     assert status.error == "step square (item 1) failed: ValueError: item 1 is bad"  # the lowest failed item
     desc = sfn.describe_execution(executionArn=status.execution_arn)
-    assert desc["error"] == "States.ExceedToleratedFailureThreshold"  # a States.* name through a Fail state
+    # the Fail state's own error name (never a States.* one); the caught error starts the cause
+    assert desc["error"] == "Shardfold.StepFailed"
     assert desc["cause"].startswith(
-        "step squares failed: The specified tolerated failure threshold was exceeded"
+        "step squares failed: States.ExceedToleratedFailureThreshold: The specified tolerated failure"
     )
     (run,) = sfn.list_map_runs(executionArn=status.execution_arn)["mapRuns"]
     assert sfn.describe_map_run(mapRunArn=run["mapRunArn"])["itemCounts"]["failed"] == 2
     failed = sfn.list_executions(mapRunArn=run["mapRunArn"], statusFilter="FAILED")["executions"]
     assert len(failed) == 2
     child = sfn.describe_execution(executionArn=failed[0]["executionArn"])
-    assert child["status"] == "FAILED" and child["error"] == "ValueError"
+    assert child["status"] == "FAILED" and child["error"] == "Shardfold.StepFailed"
     assert json.loads(child["input"])["index"] == 1
-    assert child["cause"].startswith("step square (item 1) failed: {")
+    assert child["cause"].startswith("step square (item 1) failed: ValueError: {")
     assert len(sfn.list_executions(mapRunArn=run["mapRunArn"], statusFilter="SUCCEEDED")["executions"]) == 3
 
 
@@ -233,7 +234,9 @@ def test_batch_sync_runs_the_worker_in_process(tmp_path, aws, backend):
     assert status.error == "step gpu failed: States.TaskFailed: RuntimeError: gpu on fire"
     if backend == "moto":
         cause = aws._sfn.describe_execution(executionArn=status.execution_arn)["cause"]
-        described = json.loads(cause.partition(" failed: ")[2])  # the .sync result: the job, PascalCase
+        error, _, described = cause.partition(" failed: ")[2].partition(": ")
+        described = json.loads(described)  # the .sync result: the job, PascalCase
+        assert error == "States.TaskFailed"
         assert described["JobName"] == f"{job_id}-gpu" and described["Status"] == "FAILED"
 
 
