@@ -233,16 +233,31 @@ def run(spec: str, backend: str, stack: str | None, no_wait: bool) -> None:
         _wait_and_report(job)
 
 
+def _print_model() -> None:
+    """The prices and model numbers behind every estimate (functions.pricing.MODEL), with their sources."""
+    from functions import pricing
+
+    table = Table(title="what the estimate assumes", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("number", "value", "unit", "source"):
+        table.add_column(col, justify="right" if col == "value" else "left")
+    for name, value, unit, source in pricing.MODEL:
+        table.add_row(name, f"{value:.10g}", unit, source)
+    out.print(table)
+
+
 @cli.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
-def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
+@click.option("--explain", is_flag=True, help="also list every price and model number, and its source")
+def plan(spec: str, backend: str, stack: str | None, as_json: bool, explain: bool) -> None:
     """Dry run: steps, tasks, memory per task, S3 requests and an AWS cost estimate. Runs nothing.
 
     Some kinds add their own tables (dpquery: the privacy and accuracy plan)."""
     with _client(backend, stack) as client:
         report = client.plan(Path(spec))
+    if explain and not as_json:
+        _print_model()
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return

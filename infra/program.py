@@ -175,6 +175,7 @@ class Stack:
         return {
             "functions": {fn: spec.size() for fn, spec in sorted(self.specs.items())},
             "batch": {ep: batch_size(step) for ep, step in sorted(steps.items())},
+            "lambda_architecture": self.cfg.lambda_architecture,  # the plan prices Lambda at its rate
         }
 
 

@@ -64,6 +64,7 @@ from aws_lambda_powertools import Logger
 
 from functions.access import Grants
 from functions.errors import ShardfoldError
+from functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
 from functions.workflow import BatchJob, Task, Workflow
 from orchestrator.asl import StackResolver, compile_workflow
 from orchestrator.invoke import HandlerFailed, call
@@ -501,7 +502,11 @@ def stack_sizes(workflows: Mapping[str, Workflow], *, batch: bool = True) -> dic
                     **{f: max(prev[f], getattr(step, f)) for f in BATCH_SIZE_KEYS},
                     "config": _size_keys(BATCH_SIZE_KEYS, step.entry_point),
                 }
-    return {"functions": dict(sorted(functions.items())), "batch": dict(sorted(jobs.items()))}
+    return {
+        "functions": dict(sorted(functions.items())),
+        "batch": dict(sorted(jobs.items())),
+        "lambda_architecture": DEFAULT_LAMBDA_ARCHITECTURE,  # what the stack deploys by default
+    }
 
 
 def build_stack(
