@@ -472,7 +472,8 @@ def stack_list() -> None:
     names = st.known_stacks()
     if not names:
         where = _t(st.stacks_dir())
-        out.print(f"no stacks saved in {where}; deploy one with `shardfold deploy --stack NAME`")
+        hint = "deploy one with `shardfold deploy --stack NAME`"
+        out.print(f"no stacks saved in {where}; {hint}", soft_wrap=True)
         return
     table = Table(box=box.SIMPLE_HEAD)
     for col in ("stack", "bucket", "region", "outputs"):

@@ -247,9 +247,8 @@ def test_an_old_cwd_stack_json_is_named_with_the_command_to_import_it(fake_pulum
     assert "shardfold stack import prod .shardfold/stack.json" in res.output, res.output
     res = invoke("stack", "import", "prod", ".shardfold/stack.json")
     assert res.exit_code == 0, res.output
-    assert st.load_stack_outputs("prod") == OUTPUTS and json.loads(invoke("stack", "show", "prod").output) == (
-        OUTPUTS
-    )
+    assert st.load_stack_outputs("prod") == OUTPUTS
+    assert json.loads(invoke("stack", "show", "prod").output) == OUTPUTS
 
 
 @pytest.mark.parametrize("value", ["./out/stack.json", "stack.json", "/tmp/prod"])
