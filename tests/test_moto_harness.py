@@ -271,3 +271,24 @@ def test_definite_json_paths_yield_the_node(stack):
         assert fn("$[*].a", data) == [1]  # non-definite paths keep moto's behaviour
         with pytest.raises(json_path.NoSuchJsonPathError):
             fn("$[5].a", data)
+
+
+def test_a_map_run_is_named_by_its_step_even_before_its_history_event(aws, monkeypatch):
+    """The Map state's Label is the step's name, so the Map Run's ARN names the step; a run listed before
+    the history shows its MapRunStarted event is counted under that step, never under a UUID."""
+    from orchestrator.aws import map_run_label
+
+    root = aws.store_root
+    job_id = new_job_id("toy")
+    spec = write_spec(root, job_id, n=4)
+    aws.start(job_id, "toy", spec)
+    status = aws.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "SUCCEEDED", status.error
+    (run,) = aws._sfn.list_map_runs(executionArn=status.execution_arn)["mapRuns"]
+    assert map_run_label(run["mapRunArn"]) == "squares"
+    history = aws._history
+    monkeypatch.setattr(
+        aws, "_history", lambda arn: [e for e in history(arn) if e["type"] != "MapRunStarted"]
+    )
+    steps = aws._steps("toy", status.execution_arn)
+    assert set(steps) == {"plan", "squares", "total"} and steps["squares"] == {"done": 4, "total": 4}
