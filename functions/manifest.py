@@ -20,7 +20,6 @@ from functions import store
 from functions.errors import PlanError, StoreError
 from functions.store.uri import is_s3, split_s3
 
-
 # 50,000 children of 5 bytes ("null," the largest a child adds) stay under 262,144 bytes.
 MAX_MAP_ITEMS = 50_000
 

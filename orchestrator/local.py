@@ -611,7 +611,7 @@ class LocalExecutor:
                     step.name,
                     index,
                     "States.DataLimitExceeded",
-                    f"{total:,} children gather a result of {gathered:,} bytes (each child's output is {{}}), "
+                    f"{total:,} children gather a result of {gathered:,} bytes (each child outputs {{}}), "
                     f"over Step Functions' {MAX_STATE_BYTES:,}",
                 )
             )

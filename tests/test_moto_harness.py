@@ -339,7 +339,7 @@ def test_a_maps_gathered_result_counts_even_under_result_path_null(stack, catch)
 
 
 def test_a_state_input_over_256_kib_fails(stack):
-    """A Pass state's Parameters build an input over the limit for the next state: States.DataLimitExceeded."""
+    """A Pass state builds an input over the limit for the next state: States.DataLimitExceeded."""
     definition = {
         "StartAt": "twice",
         "States": {
