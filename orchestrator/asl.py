@@ -10,7 +10,10 @@ tests run the compiled ASL there). Shapes, and why:
 * Map -> Distributed Map (``ProcessorConfig: DISTRIBUTED``, ``STANDARD`` children) reading the manifest
   with ``ItemReader`` ``arn:aws:states:::s3:getObject`` (``InputType: JSON``; bucket and key from the
   manifest reference in the state), children built by ``ItemSelector`` from ``$$.Map.Item.Value``/``Index``,
-  ``ResultPath: null`` so no child output ever comes back into the state.
+  ``ResultPath: null`` so no child output ever comes back into the state. A Distributed Map still gathers
+  every child's output into its result, and that result must fit the 256 KiB payload limit even under
+  ``ResultPath: null`` (aws-cdk#24799), so each child's last state has ``OutputPath: null`` (its output is
+  ``{}``: 3 bytes a child) and a manifest holds at most ``functions.manifest.MAX_MAP_ITEMS`` items.
 * BatchJob -> ``arn:aws:states:::batch:submitJob.sync``; the state travels to the container as
   ``SHARDFOLD_EVENT`` (``States.JsonToString($)``) and ``functions.container`` calls the handler.
 * Every step retries per its plan and catches ``States.ALL`` into a Fail state whose cause names the step
@@ -117,12 +120,19 @@ def fail_state_name(step: str) -> str:
 class _Compiler:
     resolver: Resolver
 
-    def chain(self, steps: tuple[Step, ...], in_map: bool) -> tuple[dict[str, Any], str]:
+    def chain(
+        self, steps: tuple[Step, ...], in_map: bool, map_body: bool = False
+    ) -> tuple[dict[str, Any], str]:
         states: dict[str, Any] = {}
         for i, step in enumerate(steps):
             nxt = steps[i + 1].name if i + 1 < len(steps) else None
             state = self.state(step, in_map)
             state.update({"Next": nxt} if nxt else {"End": True})
+            if map_body and not nxt:
+                # A Map child's output is its last state's; Distributed Map gathers every child's output
+                # into the Map's result, which must fit 256 KiB even under ResultPath null. OutputPath
+                # null makes each child's output {}.
+                state["OutputPath"] = None
             states[step.name] = state
             states[fail_state_name(step.name)] = self.fail(step, in_map)
         return states, steps[0].name
@@ -170,7 +180,7 @@ class _Compiler:
         return {"Type": "Fail", "Error": STEP_FAILED, "CausePath": cause}
 
     def map_state(self, step: Map) -> dict[str, Any]:
-        states, start = self.chain(step.body, in_map=True)
+        states, start = self.chain(step.body, in_map=True, map_body=True)
         state: dict[str, Any] = {
             "Type": "Map",
             "ItemReader": {

@@ -59,7 +59,7 @@ from functions.workflow import (
     selectable,
 )
 from orchestrator import owner as ownership
-from orchestrator.invoke import HandlerFailed, call
+from orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call
 from orchestrator.lifeline import pool_worker_init
 from orchestrator.local_batch import Cancelled, run_container
 from orchestrator.registry import handler_path
@@ -113,6 +113,13 @@ class _Run:
         with self.cond:
             s = self.status
             return JobStatus(**{**s.to_record(), "steps": {k: dict(v) for k, v in s.steps.items()}})
+
+
+def map_result_bytes(children: int) -> int:
+    """The size of the result a Distributed Map gathers from ``children`` children that succeed, each
+    output ``{}`` (the compiled children's last state has OutputPath null): ``[{},{},...]``. AWS fails the
+    Map with States.DataLimitExceeded above 256 KiB even under ResultPath null (aws-cdk#24799)."""
+    return 2 + 2 * children + max(0, children - 1)
 
 
 def _key(scope: tuple[str, ...], name: str) -> str:
@@ -597,6 +604,17 @@ class LocalExecutor:
         except ShardfoldError as exc:
             raise _StepFailed(step_error(step.name, index, type(exc).__name__, str(exc))) from None
         total = len(items)
+        gathered = map_result_bytes(total)
+        if gathered > MAX_STATE_BYTES:
+            raise _StepFailed(
+                step_error(
+                    step.name,
+                    index,
+                    "States.DataLimitExceeded",
+                    f"{total:,} children gather a result of {gathered:,} bytes (each child outputs {{}}), "
+                    f"over Step Functions' {MAX_STATE_BYTES:,}",
+                )
+            )
         child_scope = (*scope, step.name)
         last = step.body[-1].name
         pending = [i for i in range(total) if _key((*child_scope, str(i)), last) not in run.done]

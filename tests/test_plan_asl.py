@@ -355,3 +355,43 @@ def _all_states(asl: dict) -> list[dict]:
             if inner:
                 out += _all_states(inner)
     return out
+
+
+def _map_states(states: dict) -> list[dict]:
+    found = []
+    for state in states.values():
+        if state["Type"] == "Map":
+            found.append(state)
+            found.extend(_map_states(state["ItemProcessor"]["States"]))
+        for branch in state.get("Branches", []):
+            found.extend(_map_states(branch["States"]))
+    return found
+
+
+@pytest.mark.parametrize("wf", [*WORKFLOWS.values(), *TOYS], ids=lambda wf: wf.kind)
+def test_every_map_child_outputs_nothing_that_grows(wf):
+    """A Distributed Map gathers each child's output (its terminal state's) into the Map's result, which must
+    fit 256 KiB even under ResultPath null (aws-cdk#24799): every terminal state of a child other than a
+    Fail state (which has no output) has OutputPath null, so a child's output is {}."""
+    maps = _map_states(compile_workflow(wf)["States"])
+    assert maps or wf.kind == "toyparts"
+    for state in maps:
+        children = state["ItemProcessor"]["States"]
+        terminal = [s for s in children.values() if s.get("End") or s["Type"] in ("Succeed", "Pass")]
+        assert terminal
+        for s in terminal:
+            assert "OutputPath" in s and s["OutputPath"] is None, s
+        # ...and only the terminal ones: a step before the last still passes its state on
+        assert all("OutputPath" not in s for s in children.values() if s.get("Next"))
+
+
+def test_only_the_map_body_ends_with_output_path_null():
+    inner = Parallel("fan", branches=((Task("a", "toy.square"),), (Task("b", "toy.square"),)))
+    wf = Workflow("m", (Task("plan", "toy.plan"), Map("work", items="$.plan.manifest", body=(inner,))))
+    asl = compile_workflow(wf)
+    validate(asl)
+    fan = asl["States"]["work"]["ItemProcessor"]["States"]["fan"]
+    assert fan["OutputPath"] is None
+    # a branch's last state keeps its output: the Parallel's ResultSelector reads it
+    assert all("OutputPath" not in s for b in fan["Branches"] for s in b["States"].values())
+    assert "OutputPath" not in asl["States"]["plan"]
