@@ -6,7 +6,6 @@ imported only when a client is created.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,7 @@ from functions.store.uri import store_root
 Closer = Callable[[], None]
 
 
-def make(backend: str, stack: dict[str, Any] | str | os.PathLike | None) -> tuple[Any, str, list[Closer]]:
+def make(backend: str, stack: dict[str, Any] | str | None) -> tuple[Any, str, list[Closer]]:
     """``(executor, store_root, closers)`` for a backend; closers release it (last first)."""
     if backend == "local":
         from orchestrator.local import LocalExecutor

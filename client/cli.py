@@ -83,13 +83,14 @@ class ShardfoldGroup(click.Group):
             ctx.exit(128 + int(signum))
 
 
+STACK_HELP = (
+    "deployed stack NAME whose saved outputs --backend aws uses: the same name as `shardfold deploy --stack` "
+    "($SHARDFOLD_STACK; default dev)"
+)
+
+
 def backend_option(f: Any) -> Any:
-    f = click.option(
-        "--stack",
-        type=click.Path(dir_okay=False),
-        default=None,
-        help="stack outputs JSON for --backend aws (default: $SHARDFOLD_STACK or .shardfold/stack.json)",
-    )(f)
+    f = click.option("--stack", metavar="NAME", default=None, help=STACK_HELP)(f)
     return click.option(
         "--backend",
         "-b",
@@ -103,7 +104,13 @@ def backend_option(f: Any) -> Any:
 
 def _client(backend: str, stack: str | None = None) -> Any:
     from client import Client
+    from client.errors import BackendError
 
+    if stack is not None and backend != "aws":
+        raise BackendError(
+            f"--stack {stack} selects a deployed stack, which only --backend aws uses (this is --backend "
+            f"{backend}): add --backend aws"
+        )
     client = Client(backend=backend, stack=stack)
     _CLIENTS.append(client)
     return client
@@ -233,16 +240,31 @@ def run(spec: str, backend: str, stack: str | None, no_wait: bool) -> None:
         _wait_and_report(job)
 
 
+def _print_model() -> None:
+    """The prices and model numbers behind every estimate (functions.pricing.MODEL), with their sources."""
+    from functions import pricing
+
+    table = Table(title="what the estimate assumes", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("number", "value", "unit", "source"):
+        table.add_column(col, justify="right" if col == "value" else "left")
+    for name, value, unit, source in pricing.MODEL:
+        table.add_row(name, f"{value:.10g}", unit, source)
+    out.print(table)
+
+
 @cli.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
-def plan(spec: str, backend: str, stack: str | None, as_json: bool) -> None:
+@click.option("--explain", is_flag=True, help="also list every price and model number, and its source")
+def plan(spec: str, backend: str, stack: str | None, as_json: bool, explain: bool) -> None:
     """Dry run: steps, tasks, memory per task, S3 requests and an AWS cost estimate. Runs nothing.
 
     Some kinds add their own tables (dpquery: the privacy and accuracy plan)."""
     with _client(backend, stack) as client:
         report = client.plan(Path(spec))
+    if explain and not as_json:
+        _print_model()
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
@@ -383,51 +405,55 @@ def stack_name_option(f: Any) -> Any:
     return click.option(
         "--stack",
         "stack_name",
-        default="dev",
-        show_default=True,
-        envvar="SHARDFOLD_PULUMI_STACK",
-        help="Pulumi stack name ($SHARDFOLD_PULUMI_STACK); its outputs go to --outputs",
-    )(f)
-
-
-def outputs_option(f: Any) -> Any:
-    return click.option(
-        "--outputs",
-        type=click.Path(dir_okay=False),
+        metavar="NAME",
         default=None,
-        help="stack outputs file (default: $SHARDFOLD_STACK or .shardfold/stack.json)",
+        help="Pulumi stack name, also the name its outputs are saved under ($SHARDFOLD_STACK; default dev)",
     )(f)
+
+
+def _deploy_stack_name(stack_name: str | None) -> str:
+    from client import stack as st
+
+    if os.environ.get("SHARDFOLD_PULUMI_STACK"):
+        raise st.DeployError(
+            "SHARDFOLD_PULUMI_STACK is no longer read: the stack name is --stack NAME or $SHARDFOLD_STACK in "
+            "every verb; unset SHARDFOLD_PULUMI_STACK (set SHARDFOLD_STACK to its value instead)"
+        )
+    return st.stack_name(stack_name)
 
 
 @cli.command("deploy")
 @stack_name_option
-@outputs_option
 @click.option("--yes", "-y", is_flag=True, help="apply without Pulumi's preview and prompt")
-def deploy_cmd(stack_name: str, outputs: str | None, yes: bool) -> None:
-    """Deploy or update Shardfold on AWS (`pulumi up` on infra/) and save the stack outputs.
+def deploy_cmd(stack_name: str | None, yes: bool) -> None:
+    """Deploy or update Shardfold on AWS (`pulumi up` on infra/) and save the stack outputs under its name.
 
-    Needs the Pulumi CLI (logged in) and AWS credentials; `--backend aws` then uses the saved outputs.
+    Needs the Pulumi CLI (logged in) and AWS credentials; `--backend aws --stack NAME` then uses the saved
+    outputs (in ~/.config/shardfold/stacks/NAME.json; `shardfold stack list` shows them).
     """
     from client import stack as st
 
+    name = _deploy_stack_name(stack_name)
     ident = st.check_deploy_prerequisites()
     account = f"{_t(ident['Account'])} ({_t(ident['Arn'])})"
-    out.print(f"deploying stack [bold]{_t(stack_name)}[/] to AWS account {account}")
-    path = st.deploy(stack_name, yes=yes, path=outputs)
-    saved = st.load_stack_outputs(path)
+    out.print(f"deploying stack [bold]{_t(name)}[/] to AWS account {account}")
+    path = st.deploy(name, yes=yes)
+    saved = st.load_stack_outputs(name)
     workflows = ", ".join(sorted(saved["state_machine_arns"]))
     out.print(
-        f"[green]deployed[/] stack {_t(stack_name)}: bucket {_t(saved['bucket'])}, "
+        f"[green]deployed[/] stack {_t(name)}: bucket {_t(saved['bucket'])}, "
         f"{len(saved['state_machine_arns'])} workflows ({_t(workflows)})"
     )
-    out.print(f"stack outputs saved to {_t(path)}; run jobs with `shardfold run SPEC --backend aws`")
+    how = "--backend aws" + ("" if name == st.DEFAULT_STACK else f" --stack {name}")
+    out.print(
+        f"stack outputs saved to {_t(path)}; run jobs with `shardfold run SPEC {_t(how)}`", soft_wrap=True
+    )
 
 
 @cli.command("destroy")
 @stack_name_option
-@outputs_option
 @click.option("--yes", "-y", is_flag=True, help="do not ask for confirmation")
-def destroy_cmd(stack_name: str, outputs: str | None, yes: bool) -> None:
+def destroy_cmd(stack_name: str | None, yes: bool) -> None:
     """Tear down the Shardfold stack (`pulumi destroy`) and delete its saved outputs.
 
     A bucket that still holds objects is deleted only with `shardfold:forceDestroy` set; otherwise Pulumi
@@ -435,15 +461,68 @@ def destroy_cmd(stack_name: str, outputs: str | None, yes: bool) -> None:
     """
     from client import stack as st
 
+    name = _deploy_stack_name(stack_name)
     ident = st.check_deploy_prerequisites()
     if not yes:
         click.confirm(
-            f"Destroy every resource of Shardfold stack '{stack_name}' in AWS account {ident['Account']}?",
+            f"Destroy every resource of Shardfold stack '{name}' in AWS account {ident['Account']}?",
             abort=True,
             err=True,
         )
-    removed = st.destroy(stack_name, path=outputs)
-    out.print(f"[green]destroyed[/] stack {_t(stack_name)}" + (f"; removed {_t(removed)}" if removed else ""))
+    removed = st.destroy(name)
+    out.print(f"[green]destroyed[/] stack {_t(name)}" + (f"; removed {_t(removed)}" if removed else ""))
+
+
+@cli.group("stack")
+def stack_group() -> None:
+    """The saved outputs of deployed stacks, one per stack name ($SHARDFOLD_STACKS_DIR or
+    ~/.config/shardfold/stacks)."""
+
+
+@stack_group.command("list")
+def stack_list() -> None:
+    """The stacks with saved outputs: name, bucket, region and file."""
+    from client import stack as st
+
+    names = st.known_stacks()
+    if not names:
+        where = _t(st.stacks_dir())
+        hint = "deploy one with `shardfold deploy --stack NAME`"
+        out.print(f"no stacks saved in {where}; {hint}", soft_wrap=True)
+        return
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("stack", "bucket", "region", "outputs"):
+        table.add_column(col, overflow="fold")
+    for name in names:
+        path = st.outputs_path(name)
+        try:
+            saved = json.loads(path.read_text())
+            bucket, region = str(saved.get("bucket", "-")), str(saved.get("region", "-"))
+        except (OSError, ValueError, AttributeError):
+            bucket, region = "(unreadable)", "-"
+        table.add_row(_t(name), _t(bucket), _t(region), _t(path))
+    out.print(table)
+
+
+@stack_group.command("show")
+@click.argument("name", required=False)
+def stack_show(name: str | None) -> None:
+    """Print the saved outputs of stack NAME ($SHARDFOLD_STACK; default dev) as JSON."""
+    from client import stack as st
+
+    out.print_json(json.dumps(st.load_stack_outputs(st.stack_name(name))))
+
+
+@stack_group.command("import")
+@click.argument("name")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+def stack_import(name: str, file: str) -> None:
+    """Save the outputs JSON FILE (`pulumi stack output --json`, or an old ./.shardfold/stack.json) as stack
+    NAME's, for `--stack NAME`."""
+    from client import stack as st
+
+    path = st.import_stack_outputs(name, file)
+    out.print(f"[green]imported[/] {_t(file)} as stack {_t(name)} ({_t(path)})", soft_wrap=True)
 
 
 def _find_event(event: str) -> Path:

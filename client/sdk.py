@@ -78,13 +78,14 @@ def _refuse_in_a_bootstrapping_worker() -> None:
 class Client:
     """Entry point of the SDK. ``Client()`` runs jobs in-process on the local store.
 
-    ``backend="aws"`` uses the deployed stack (outputs from ``stack=`` — a dict or a path — or from
-    ``.shardfold/stack.json`` / ``$SHARDFOLD_STACK``); ``backend="moto"`` builds the same stack inside moto
-    and drives it with the AWS executor (a local dry run of the cloud path; its state lives as long as the
-    client).
+    ``backend="aws"`` uses a deployed stack: ``stack="NAME"`` the outputs ``shardfold deploy --stack NAME``
+    saved (per user, in ``~/.config/shardfold/stacks/NAME.json``; see :mod:`client.stack`), without it
+    ``$SHARDFOLD_STACK``'s, else stack ``dev``'s; or ``stack=`` a dict of the outputs. ``backend="moto"``
+    builds the same stack inside moto and drives it with the AWS executor (a local dry run of the cloud path;
+    its state lives as long as the client).
     """
 
-    def __init__(self, backend: str = "local", *, stack: dict[str, Any] | str | os.PathLike | None = None):
+    def __init__(self, backend: str = "local", *, stack: dict[str, Any] | str | None = None):
         if backend not in BACKENDS:
             raise BackendError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.backend = backend

@@ -1,9 +1,13 @@
 """Stack outputs of a deployed Shardfold: bucket, region, state machine ARNs, function names and sizes.
 
-``shardfold deploy`` (:func:`deploy`: ``pulumi up`` on the program in ``infra/``, through the Pulumi CLI)
-saves them to ``.shardfold/stack.json`` (override: ``$SHARDFOLD_STACK``); the AWS backend reads them from
-there unless they are passed in. ``shardfold destroy`` (:func:`destroy`) tears the stack down and deletes
-them.
+A stack is named by its Pulumi stack name, the same in every verb: ``shardfold deploy --stack NAME``
+(:func:`deploy`: ``pulumi up`` on the program in ``infra/``, through the Pulumi CLI) saves its outputs to
+``<stacks dir>/NAME.json``, one per-user place (:func:`stacks_dir`: ``$SHARDFOLD_STACKS_DIR``, else
+``$XDG_CONFIG_HOME/shardfold/stacks``, else ``~/.config/shardfold/stacks``), whatever the current directory;
+``--stack NAME`` of the other verbs and ``Client(backend="aws", stack="NAME")`` read them from there;
+``shardfold destroy --stack NAME`` (:func:`destroy`) tears the stack down and deletes them. Without a name:
+``$SHARDFOLD_STACK``, else ``dev``. ``shardfold stack import NAME FILE`` saves outputs written elsewhere
+(``pulumi stack output --json``, or the ``./.shardfold/stack.json`` older versions wrote) under a name.
 
 :func:`deployed_sizes` reads the ``sizes`` output (``infra.program`` documents its shape; the moto stack
 gives the same): each Lambda function's memory, /tmp and timeout, each Batch job definition's vCPUs, memory,
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -27,31 +32,97 @@ from client.errors import StackNotFound
 from functions.errors import ShardfoldError
 
 REQUIRED = ("bucket", "state_machine_arns")
+DEFAULT_STACK = "dev"
+LEGACY_OUTPUTS = Path(".shardfold") / "stack.json"  # where versions before per-user stacks saved them
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
-def stack_path() -> Path:
-    """Where the stack outputs live: ``$SHARDFOLD_STACK`` or ``./.shardfold/stack.json``."""
-    return Path(os.environ.get("SHARDFOLD_STACK") or Path(".shardfold") / "stack.json")
+def stacks_dir() -> Path:
+    """The per-user folder of saved stack outputs, one ``NAME.json`` per stack: ``$SHARDFOLD_STACKS_DIR``,
+    else ``$XDG_CONFIG_HOME/shardfold/stacks``, else ``~/.config/shardfold/stacks``."""
+    if os.environ.get("SHARDFOLD_STACKS_DIR"):
+        return Path(os.environ["SHARDFOLD_STACKS_DIR"]).expanduser()
+    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config).expanduser() / "shardfold" / "stacks"
 
 
-def load_stack_outputs(source: dict[str, Any] | str | os.PathLike | None = None) -> dict[str, Any]:
-    """Stack outputs from a dict, a JSON file path, or the default location; checked for required keys."""
+def check_stack_name(name: str, *, where: str = "--stack") -> str:
+    """``name`` if it is a stack name (Pulumi's: letters, digits, ``-``, ``_``, ``.``); a path is refused
+    with how to save that file under a name."""
+    if _NAME.fullmatch(name) and not name.endswith(".json"):
+        return name
+    if "/" in name or name.endswith(".json") or os.sep in name:
+        raise StackNotFound(
+            f"{where} takes a stack name now, not an outputs file ({name!r}): stack outputs are saved per "
+            f"stack name in {stacks_dir()}. Save that file under a name with "
+            f"`shardfold stack import NAME {name}` and use `{where.split('=')[0]} NAME`, or run "
+            "`shardfold deploy --stack NAME` again"
+        )
+    raise StackNotFound(
+        f"{where}: {name!r} is not a stack name (letters, digits, '-', '_' and '.', as Pulumi allows)"
+    )
+
+
+def stack_name(name: str | None = None) -> str:
+    """The stack meant: ``name``, else ``$SHARDFOLD_STACK``, else ``dev``; checked by
+    :func:`check_stack_name`."""
+    if name:
+        return check_stack_name(name)
+    if os.environ.get("SHARDFOLD_STACK"):
+        return check_stack_name(os.environ["SHARDFOLD_STACK"], where="SHARDFOLD_STACK")
+    return DEFAULT_STACK
+
+
+def outputs_path(name: str | None = None) -> Path:
+    """Where the outputs of stack ``name`` (see :func:`stack_name`) are saved."""
+    return stacks_dir() / f"{stack_name(name)}.json"
+
+
+def known_stacks() -> list[str]:
+    """Names of the stacks with saved outputs, sorted."""
+    d = stacks_dir()
+    return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
+
+
+def _missing(name: str) -> StackNotFound:
+    known = known_stacks()
+    msg = f"no outputs saved for stack {name!r} (looked in {stacks_dir()}): "
+    msg += f"known stacks: {', '.join(known)}; " if known else "no stacks are saved; "
+    msg += f"deploy it with `shardfold deploy --stack {name}`, or choose a known one with --stack NAME"
+    if LEGACY_OUTPUTS.is_file():
+        msg += (
+            f". {LEGACY_OUTPUTS} here holds outputs saved by an older shardfold, which are no longer read "
+            f"from the current directory: import them with `shardfold stack import {name} {LEGACY_OUTPUTS}`"
+        )
+    return StackNotFound(msg)
+
+
+def load_stack_outputs(source: dict[str, Any] | str | None = None) -> dict[str, Any]:
+    """Stack outputs from a dict, or those saved for a stack name (default: :func:`stack_name`); checked for
+    required keys."""
     if isinstance(source, dict):
         outputs = dict(source)
         where = "the outputs passed in"
     else:
-        path = Path(source) if source is not None else stack_path()
-        if not path.is_file():
+        if source is not None and not isinstance(source, str):
             raise StackNotFound(
-                f"no stack outputs at {path}: run `shardfold deploy` first, set SHARDFOLD_STACK to the saved "
-                "outputs file, or pass Client(backend='aws', stack={...})"
+                f"stack= takes a stack name or a dict of outputs, not {type(source).__name__} ({source!r}): "
+                f"save an outputs file under a name with `shardfold stack import NAME {source}`, or pass "
+                "json.loads(Path(...).read_text())"
             )
+        name = stack_name(source)
+        path = outputs_path(name)
+        if not path.is_file():
+            raise _missing(name)
         try:
             outputs = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise StackNotFound(
-                f"stack outputs at {path} are not JSON ({exc}); re-run `shardfold deploy`"
+                f"stack outputs of {name!r} at {path} are not JSON ({exc}); re-run "
+                f"`shardfold deploy --stack {name}`"
             ) from exc
+        if not isinstance(outputs, dict):
+            raise StackNotFound(f"stack outputs of {name!r} at {path} are not a JSON object")
         where = str(path)
     missing = [k for k in REQUIRED if not outputs.get(k)]
     if missing:
@@ -161,7 +232,6 @@ def _entry(entry: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
 
 INFRA_DIR = Path(__file__).resolve().parent.parent / "infra"
 PULUMI_INSTALL_URL = "https://www.pulumi.com/docs/install/"
-DEFAULT_STACK = "dev"
 
 
 class DeployError(ShardfoldError):
@@ -225,11 +295,11 @@ def aws_identity(region: str | None = None) -> dict[str, str]:
     return {k: ident[k] for k in ("Account", "Arn", "UserId") if k in ident}
 
 
-def save_stack_outputs(outputs: dict[str, Any], path: str | os.PathLike | None = None) -> Path:
-    """Write the stack outputs (checked for the keys the aws backend needs) where :func:`load_stack_outputs`
-    reads them; return the path."""
+def save_stack_outputs(outputs: dict[str, Any], name: str | None = None) -> Path:
+    """Save the outputs of stack ``name`` (checked for the keys the aws backend needs) where
+    :func:`load_stack_outputs` reads them; return the path."""
     load_stack_outputs(outputs)  # the same checks as a reader applies
-    dest = Path(path) if path is not None else stack_path()
+    dest = outputs_path(name)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
     tmp.write_text(json.dumps(outputs, indent=2, sort_keys=True) + "\n")
@@ -237,13 +307,28 @@ def save_stack_outputs(outputs: dict[str, Any], path: str | os.PathLike | None =
     return dest
 
 
-def remove_stack_outputs(path: str | os.PathLike | None = None) -> Path | None:
-    """Delete the saved stack outputs; the path deleted, or None when there were none."""
-    dest = Path(path) if path is not None else stack_path()
+def remove_stack_outputs(name: str | None = None) -> Path | None:
+    """Delete the saved outputs of stack ``name``; the path deleted, or None when there were none."""
+    dest = outputs_path(name)
     if dest.is_file():
         dest.unlink()
         return dest
     return None
+
+
+def import_stack_outputs(name: str, source: str | os.PathLike) -> Path:
+    """Save the outputs JSON file ``source`` (``pulumi stack output --json``, or an old
+    ``./.shardfold/stack.json``) as stack ``name``'s; return the path saved to."""
+    path = Path(source)
+    try:
+        outputs = json.loads(path.read_text())
+    except OSError as exc:
+        raise StackNotFound(f"cannot read stack outputs from {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise StackNotFound(f"{path} is not JSON ({exc}): expected `pulumi stack output --json`") from exc
+    if not isinstance(outputs, dict):
+        raise StackNotFound(f"{path} holds {type(outputs).__name__}, not the stack outputs object")
+    return save_stack_outputs(outputs, check_stack_name(name, where="NAME"))
 
 
 def _pulumi(args: list[str], *, capture: bool = False) -> subprocess.CompletedProcess[str]:
@@ -281,19 +366,22 @@ def check_deploy_prerequisites(region: str | None = None) -> dict[str, str]:
     return aws_identity(region)
 
 
-def deploy(stack: str = DEFAULT_STACK, *, yes: bool = False, path: str | os.PathLike | None = None) -> Path:
-    """``pulumi up`` the Shardfold stack ``stack`` (created if new) and save its outputs; return their path.
+def deploy(stack: str = DEFAULT_STACK, *, yes: bool = False) -> Path:
+    """``pulumi up`` the Shardfold stack ``stack`` (created if new) and save its outputs under its name;
+    return their path.
 
     Without ``yes``, Pulumi shows its preview and asks before changing anything. Call
     :func:`check_deploy_prerequisites` first for a clear error about a missing CLI or credentials.
     """
+    stack = check_stack_name(stack)
     cwd = str(infra_dir())
     _pulumi(["stack", "select", "--create", stack, "--cwd", cwd])
     _pulumi(["up", *(["--yes"] if yes else []), "--stack", stack, "--cwd", cwd])
-    return save_stack_outputs(stack_outputs_from_pulumi(stack), path)
+    return save_stack_outputs(stack_outputs_from_pulumi(stack), stack)
 
 
-def destroy(stack: str = DEFAULT_STACK, *, path: str | os.PathLike | None = None) -> Path | None:
-    """``pulumi destroy --yes`` the stack, then delete the saved outputs (the caller asks first)."""
+def destroy(stack: str = DEFAULT_STACK) -> Path | None:
+    """``pulumi destroy --yes`` the stack, then delete its saved outputs (the caller asks first)."""
+    stack = check_stack_name(stack)
     _pulumi(["destroy", "--yes", "--stack", stack, "--cwd", str(infra_dir())])
-    return remove_stack_outputs(path)
+    return remove_stack_outputs(stack)

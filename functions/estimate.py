@@ -104,6 +104,11 @@ class Limits:
         self.deployed = deployed
         self.workflow_file = workflow_file
 
+    @property
+    def architecture(self) -> str:
+        """The Lambda architecture the tasks are priced at: the deployed one, else the stack's default."""
+        return (self.deployed or {}).get("lambda_architecture") or pricing.DEFAULT_LAMBDA_ARCHITECTURE
+
     def __call__(self, step: Task | BatchJob) -> Limit:
         if self.deployed is None:
             return Limit(step.memory_mb, f"memory_mb of step {step.name!r} in {self.workflow_file}")
@@ -278,7 +283,7 @@ def estimate(
     gets = sum(s.gets for s in steps)
     puts = sum(s.puts for s in steps) + 1  # + the submitted spec.json
     cost = {
-        "lambda_compute": sum(s.gb_s for s in steps) * pricing.LAMBDA_USD_PER_GB_S,
+        "lambda_compute": sum(s.gb_s for s in steps) * pricing.lambda_usd_per_gb_s(limits.architecture),
         "lambda_requests": sum(s.tasks for s in steps if not s.instance_s) * pricing.LAMBDA_USD_PER_REQUEST,
         "s3_get": gets * pricing.S3_USD_PER_GET,
         "s3_put": puts * pricing.S3_USD_PER_PUT,
@@ -287,7 +292,7 @@ def estimate(
     if any(isinstance(t, BatchJob) for t in workflow.walk()):
         cost["batch_gpu_instances"] = sum(s.instance_s for s in steps) / 3600 * pricing.BATCH_GPU_USD_PER_HOUR
     cost["total"] = sum(cost.values())
-    notes = [*probed.notes, *loads.notes]
+    notes = [*probed.notes, *loads.notes, f"Lambda priced at the {limits.architecture} rate"]
     if loads.output_bytes is not None:
         notes.append(
             f"output ~{loads.output_bytes / MiB:.1f} MiB; S3 Standard storage "

@@ -5,6 +5,11 @@ A manifest is a JSON array in the store. A task that writes one returns a small 
 Map's ``ItemReader`` reads the array straight from S3 using the reference's ``bucket`` and ``key`` (Step
 Functions cannot split a URI), and the local executor reads ``uri``. The items themselves never travel
 through the control plane, which caps a state at 256 KiB.
+
+What does come back is each child's output: a Distributed Map gathers them all into its result, which must
+fit the same 256 KiB even under ``ResultPath: null`` (aws-cdk#24799; the execution fails with
+``States.DataLimitExceeded``). The compiled children output ``{}`` (3 bytes each, a failed one ``null``), so a
+manifest may hold at most :data:`MAX_MAP_ITEMS` items; :func:`manifest_ref` refuses more.
 """
 
 from __future__ import annotations
@@ -12,20 +17,31 @@ from __future__ import annotations
 from typing import Any
 
 from functions import store
-from functions.errors import StoreError
+from functions.errors import PlanError, StoreError
 from functions.store.uri import is_s3, split_s3
+
+# 50,000 children of 5 bytes ("null," the largest a child adds) stay under 262,144 bytes.
+MAX_MAP_ITEMS = 50_000
 
 
 def manifest_ref(uri: str, count: int) -> dict[str, Any]:
-    """The small reference a task returns for the manifest at ``uri`` holding ``count`` items."""
+    """The small reference a task returns for the manifest at ``uri`` holding ``count`` items; more than
+    :data:`MAX_MAP_ITEMS` raise :class:`PlanError`."""
+    if count > MAX_MAP_ITEMS:
+        raise PlanError(
+            f"the manifest {uri} has {count:,} items and a Map fans out over at most {MAX_MAP_ITEMS:,} "
+            "(Step Functions gathers every child's output into 256 KiB): give each task more to do "
+            "(getbatch items_per_part, inference shard_rows)"
+        )
     bucket, key = split_s3(uri) if is_s3(uri) else ("", "")
     return {"uri": uri, "bucket": bucket, "key": key, "count": int(count)}
 
 
 def write_manifest(uri: str, items: list[Any]) -> dict[str, Any]:
     """Write ``items`` as the manifest at ``uri`` and return its reference."""
+    ref = manifest_ref(uri, len(items))  # refuses too many items before anything is written
     store.put_json(uri, items)
-    return manifest_ref(uri, len(items))
+    return ref
 
 
 def is_manifest_ref(value: Any) -> bool:

@@ -53,7 +53,20 @@ PYTHON_TRANSIENT: tuple[str, ...] = (
     "BrokenPipeError",
     "TimeoutError",
 )
-BATCH_TRANSIENT: tuple[str, ...] = ("Batch.ServerException", "Batch.TooManyRequestsException")
+# Attempts of a Batch job: the job definitions' retryStrategy (infra/gpu.py), followed by the local executor.
+BATCH_ATTEMPTS = 3
+# What Step Functions reports for a Lambda invocation that ran past the function's timeout (the local executor
+# reports the same for a task past its timeout_s).
+LAMBDA_TIMEOUT = "Sandbox.Timedout"
+# A failed SubmitJob/DescribeJobs of the .sync integration: Step Functions names the Batch exceptions it does
+# not model Batch.AWSBatchException (throttling and 5xx included: ASFHyP3/hyp3#911 saw it from real AWS),
+# and the modelled ones by their own names. A failed *job* is States.TaskFailed: never retried here (the job
+# definition's retry strategy re-runs a container killed by a Spot reclaim).
+BATCH_TRANSIENT: tuple[str, ...] = (
+    "Batch.AWSBatchException",
+    "Batch.ServerException",
+    "Batch.TooManyRequestsException",
+)
 
 # Catch-all names would also retry user errors (ShardfoldError), which must fail fast on every backend.
 _FORBIDDEN_RETRY_ERRORS = frozenset({"States.ALL", "States.TaskFailed"})
@@ -112,7 +125,8 @@ class Task:
 
     ``mode`` says how the local executor runs it: ``"thread"`` for I/O-bound work, ``"process"`` for
     CPU-bound work (handlers are top-level functions, so they pickle by reference). ``memory_mb`` and
-    ``timeout_s`` size the Lambda function; ``timeout_s`` is also the state's ``TimeoutSeconds``.
+    ``timeout_s`` size the Lambda function; the state's ``TimeoutSeconds`` is ``timeout_s`` plus a margin
+    (:mod:`orchestrator.asl`), and the local executor stops a task at ``timeout_s`` as Lambda does.
     """
 
     name: str

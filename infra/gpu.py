@@ -39,12 +39,12 @@ import pulumi_aws as aws
 
 from functions.container import EXIT_TRANSIENT
 from functions.errors import ShardfoldError
-from functions.workflow import BatchJob, Map, Parallel, Step, Workflow
+from functions.workflow import BATCH_ATTEMPTS, BatchJob, Map, Parallel, Step, Workflow
 from infra import iam
 from infra.config import BATCH_SIZE_KEYS, StackConfig, size_key
 from infra.context import Component, Context
 from infra.functions import base_environment, worker_statements
-from orchestrator.local_batch import BATCH_ATTEMPTS
+from infra.instances import placement_problem
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -85,7 +85,8 @@ def batch_steps(workflows: Mapping[str, Workflow]) -> dict[str, BatchJob]:
 def sized_workflows(workflows: Mapping[str, Workflow], cfg: StackConfig) -> dict[str, Workflow]:
     """The workflows with the ``shardfold:batch*`` overrides applied to their BatchJob steps (every step of
     an entry point gets the configured value). Refuses a key naming an entry point no workflow runs, and a
-    step asking more vCPUs than ``shardfold:maxVcpus`` lets the compute environment have."""
+    step asking more vCPUs than ``shardfold:maxVcpus`` lets the compute environment have, and one that no
+    instance type in ``shardfold:gpuInstanceTypes`` could place (:mod:`infra.instances`)."""
     overrides = cfg.batch_overrides()
     known = set(batch_steps(workflows))
     for fld, values in overrides.items():
@@ -114,6 +115,13 @@ def sized_workflows(workflows: Mapping[str, Workflow], cfg: StackConfig) -> dict
         for kind, wf in workflows.items()
     }
     for entry_point, step in batch_steps(sized).items():
+        problem = placement_problem(step.vcpus, step.memory_mb, step.gpus, cfg.gpu_instance_types)
+        if problem:
+            raise ShardfoldError(
+                f"BatchJob {entry_point!r} {problem}, so it would never be placed: set "
+                f"{size_key('batchMemory', entry_point)} (or batchVcpus / batchGpus) lower, or allow a "
+                "larger type in shardfold:gpuInstanceTypes"
+            )
         if step.vcpus > cfg.max_vcpus:
             raise ShardfoldError(
                 f"BatchJob {entry_point!r} asks for {step.vcpus} vCPUs but the GPU compute environment has "

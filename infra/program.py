@@ -36,7 +36,7 @@ reads it)::
                                                   "ephemeral_mb": 'shardfold:functionEphemeralStorage[...]',
                                                   "timeout_s": 'shardfold:functionTimeout[...]'}},
                    ..., "dispatch": {...}},
-     "batch": {"inference.worker": {"vcpus": 4, "memory_mb": 16384, "gpus": 1, "timeout_s": 14400,
+     "batch": {"inference.worker": {"vcpus": 4, "memory_mb": 15000, "gpus": 1, "timeout_s": 14400,
                                     "config": {"vcpus": 'shardfold:batchVcpus["inference.worker"]',
                                                "memory_mb": 'shardfold:batchMemory[...]',
                                                "gpus": 'shardfold:batchGpus[...]',
@@ -175,6 +175,7 @@ class Stack:
         return {
             "functions": {fn: spec.size() for fn, spec in sorted(self.specs.items())},
             "batch": {ep: batch_size(step) for ep, step in sorted(steps.items())},
+            "lambda_architecture": self.cfg.lambda_architecture,  # the plan prices Lambda at its rate
         }
 
 

@@ -10,7 +10,10 @@ tests run the compiled ASL there). Shapes, and why:
 * Map -> Distributed Map (``ProcessorConfig: DISTRIBUTED``, ``STANDARD`` children) reading the manifest
   with ``ItemReader`` ``arn:aws:states:::s3:getObject`` (``InputType: JSON``; bucket and key from the
   manifest reference in the state), children built by ``ItemSelector`` from ``$$.Map.Item.Value``/``Index``,
-  ``ResultPath: null`` so no child output ever comes back into the state.
+  ``ResultPath: null`` so no child output ever comes back into the state. A Distributed Map still gathers
+  every child's output into its result, and that result must fit the 256 KiB payload limit even under
+  ``ResultPath: null`` (aws-cdk#24799), so each child's last state has ``OutputPath: null`` (its output is
+  ``{}``: 3 bytes a child) and a manifest holds at most ``functions.manifest.MAX_MAP_ITEMS`` items.
 * BatchJob -> ``arn:aws:states:::batch:submitJob.sync``; the state travels to the container as
   ``SHARDFOLD_EVENT`` (``States.JsonToString($)``) and ``functions.container`` calls the handler.
 * Every step retries per its plan and catches ``States.ALL`` into a Fail state whose cause names the step
@@ -25,7 +28,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from functions.errors import PlanError
-from functions.workflow import BatchJob, Map, Parallel, Retry, Step, Task, Workflow, selectable
+from functions.workflow import (
+    BATCH_ATTEMPTS,
+    BatchJob,
+    Map,
+    Parallel,
+    Retry,
+    Step,
+    Task,
+    Workflow,
+    selectable,
+)
 from orchestrator.registry import handler_path, lambda_name
 
 BATCH_SYNC = "arn:aws:states:::batch:submitJob.sync"
@@ -107,12 +120,19 @@ def fail_state_name(step: str) -> str:
 class _Compiler:
     resolver: Resolver
 
-    def chain(self, steps: tuple[Step, ...], in_map: bool) -> tuple[dict[str, Any], str]:
+    def chain(
+        self, steps: tuple[Step, ...], in_map: bool, map_body: bool = False
+    ) -> tuple[dict[str, Any], str]:
         states: dict[str, Any] = {}
         for i, step in enumerate(steps):
             nxt = steps[i + 1].name if i + 1 < len(steps) else None
             state = self.state(step, in_map)
             state.update({"Next": nxt} if nxt else {"End": True})
+            if map_body and not nxt:
+                # A Map child's output is its last state's; Distributed Map gathers every child's output
+                # into the Map's result, which must fit 256 KiB even under ResultPath null. OutputPath
+                # null makes each child's output {}.
+                state["OutputPath"] = None
             states[step.name] = state
             states[fail_state_name(step.name)] = self.fail(step, in_map)
         return states, steps[0].name
@@ -122,6 +142,7 @@ class _Compiler:
             state: dict[str, Any] = {
                 "Type": "Task",
                 "Resource": self.resolver.function_arn(step.function),
+                "TimeoutSeconds": lambda_state_timeout(step),
                 "ResultPath": f"$.{step.name}",
             }
         elif isinstance(step, BatchJob):
@@ -129,6 +150,7 @@ class _Compiler:
                 "Type": "Task",
                 "Resource": BATCH_SYNC,
                 "Parameters": self.batch_parameters(step, in_map),
+                "TimeoutSeconds": batch_state_timeout(step),
                 "ResultPath": None,
             }
         elif isinstance(step, Map):
@@ -144,16 +166,21 @@ class _Compiler:
         return state
 
     def fail(self, step: Step, in_map: bool) -> dict[str, Any]:
+        # The error is the project's own name (a Fail state may not pass on a States.* name: LocalStack
+        # refuses it); the caught error's name goes into the cause, where the executors read it back.
         if isinstance(step, Parallel):
-            cause = "$.error.Cause"  # a branch's own Fail state already named the step and item
+            cause = "$.error.Cause"  # a branch's own Fail state already named the step, item and error
         elif in_map:
-            cause = f"States.Format('step {step.name} (item {{}}) failed: {{}}', $.index, $.error.Cause)"
+            cause = (
+                f"States.Format('step {step.name} (item {{}}) failed: {{}}: {{}}', $.index, $.error.Error, "
+                "$.error.Cause)"
+            )
         else:
-            cause = f"States.Format('step {step.name} failed: {{}}', $.error.Cause)"
-        return {"Type": "Fail", "ErrorPath": "$.error.Error", "CausePath": cause}
+            cause = f"States.Format('step {step.name} failed: {{}}: {{}}', $.error.Error, $.error.Cause)"
+        return {"Type": "Fail", "Error": STEP_FAILED, "CausePath": cause}
 
     def map_state(self, step: Map) -> dict[str, Any]:
-        states, start = self.chain(step.body, in_map=True)
+        states, start = self.chain(step.body, in_map=True, map_body=True)
         state: dict[str, Any] = {
             "Type": "Map",
             "ItemReader": {
@@ -173,6 +200,8 @@ class _Compiler:
                 "StartAt": start,
                 "States": states,
             },
+            # the Map Run's ARN carries the label, so a run listed before its history event is named by step
+            "Label": step.name,
             "ResultPath": None,
         }
         if step.max_concurrency:
@@ -226,6 +255,25 @@ class _Compiler:
         }
 
 
+# The error of every Fail state (the failed step's own error name is the start of its cause).
+STEP_FAILED = "Shardfold.StepFailed"
+# A Lambda state outlives its function by this much: the function's own timeout ends a slow invocation first
+# and names it (Sandbox.Timedout); the state's guards one whose answer never comes back.
+LAMBDA_STATE_MARGIN_S = 60
+# A Batch state waits for a place (the queue cancels a job RUNNABLE longer than runnableTimeoutSeconds, at
+# most 86,400 s) and then for every attempt, each bounded by its AttemptDurationSeconds plus its start-up.
+BATCH_RUNNABLE_MAX_S = 86_400
+BATCH_STARTUP_S = 600
+
+
+def lambda_state_timeout(step: Task) -> int:
+    return step.timeout_s + LAMBDA_STATE_MARGIN_S
+
+
+def batch_state_timeout(step: BatchJob) -> int:
+    return BATCH_RUNNABLE_MAX_S + BATCH_ATTEMPTS * (step.timeout_s + BATCH_STARTUP_S)
+
+
 def retry_entry(r: Retry) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "ErrorEquals": list(r.errors),
@@ -251,6 +299,8 @@ STATELINT_FALSE_REPORTS: tuple[re.Pattern[str], ...] = (
     # (5.2.5) takes only a float, so a Map that sets it is emitted as a float. Only Maps that set a
     # tolerance hit this one (the built-in workflows do not).
     re.compile(r"\.ToleratedFailurePercentage is [-+0-9.eE]+ but should be an Integer$"),
+    # A Map state's Label (Distributed Map; it names the Map Run in its ARN), which statelint 3.1.0 predates.
+    re.compile(r'^Field "Label" not allowed in State Machine\.(States|.*\.States)\.[A-Za-z0-9_]+$'),
 )
 
 

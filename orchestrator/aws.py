@@ -77,7 +77,8 @@ def _still_running(job_id: str, execution_arn: str) -> ShardfoldError:
 
 
 def map_run_label(map_run_arn: str) -> str:
-    """``arn:...:mapRun:<machine>/<label>:<id>`` -> ``<label>`` (a fallback when history lacks the run)."""
+    """``arn:...:mapRun:<machine>/<label>:<id>`` -> ``<label>``, the Map state's ``Label`` (the step's name,
+    as compiled): names a run whose MapRunStarted event the history does not show yet."""
     tail = map_run_arn.split(":mapRun:", 1)[-1]
     return tail.split("/", 1)[-1].rsplit(":", 1)[0]
 
@@ -291,6 +292,8 @@ class AwsExecutor:
                 entry["done"] = entry["total"] or 0
         for run in self._map_runs(arn):
             name = run_names.get(run["mapRunArn"]) or map_run_label(run["mapRunArn"])
+            if name not in steps:  # not (yet) attributable to a step: the next poll's history names it
+                continue
             counts = self._sfn.describe_map_run(mapRunArn=run["mapRunArn"])["itemCounts"]
             steps[name] = {"done": counts.get("succeeded", 0), "total": counts.get("total")}
         return steps
@@ -313,7 +316,7 @@ class AwsExecutor:
         cause = desc.get("cause") or ""
         if desc["status"] == "TIMED_OUT":
             return f"the execution timed out ({error})"
-        if error == THRESHOLD_ERROR:
+        if error == THRESHOLD_ERROR or f"failed: {THRESHOLD_ERROR}" in cause:  # a Map's children failed
             child = self._first_failed_child(arn)
             if child is not None:
                 return child

@@ -10,15 +10,20 @@ lets a process-pool worker report any exception (even one whose constructor take
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from aws_lambda_powertools import Logger
 
 from functions.errors import ShardfoldError
+from functions.workflow import LAMBDA_TIMEOUT
 from orchestrator.registry import import_handler
 
 logger = Logger(service="shardfold")
@@ -72,6 +77,24 @@ class LocalContext:
         return max(0, int((self._deadline - time.monotonic()) * 1000))
 
 
+class _Expired(Exception):
+    """Raised into a handler by :func:`_alarm` when its time is up."""
+
+
+@contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    def expire(signum: int, frame: Any) -> None:
+        raise _Expired
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class ResultTooLarge(Exception):
     """A handler returned more than a state may hold; it must write data to the store instead."""
 
@@ -83,8 +106,33 @@ def call(
     function_name: str,
     memory_mb: int = 1024,
     timeout_s: int = 900,
+    enforce_timeout: bool = False,
 ) -> Any:
-    """Run the handler at ``handler_path`` on a JSON copy of ``event``; return its JSON-normalised result."""
+    """Run the handler at ``handler_path`` on a JSON copy of ``event``; return its JSON-normalised result.
+
+    ``enforce_timeout`` (a process of its own, on its main thread: a local executor's pool worker): a
+    handler still running after ``timeout_s`` is stopped, as Lambda stops it, and fails with Lambda's
+    :data:`functions.workflow.LAMBDA_TIMEOUT`. The clock starts with the handler, after its module is
+    imported (Lambda's init phase), not with the process."""
+    if enforce_timeout and threading.current_thread() is threading.main_thread():
+        try:
+            import_handler(
+                handler_path
+            )  # Lambda's init: imports are not timed (the call below reports errors)
+        except Exception:  # noqa: BLE001, S110
+            pass
+        with _alarm(timeout_s):
+            try:
+                return call(
+                    handler_path, event, function_name=function_name, memory_mb=memory_mb, timeout_s=timeout_s
+                )
+            except HandlerFailed as failure:
+                if failure.error != _Expired.__name__:
+                    raise
+                raise HandlerFailed(
+                    LAMBDA_TIMEOUT,
+                    f"{function_name} ran past its timeout of {timeout_s} s (the step's timeout_s)",
+                ) from None
     try:
         handler = import_handler(handler_path)
         payload = json.loads(json.dumps(event))

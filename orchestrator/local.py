@@ -47,9 +47,19 @@ from functions.jobs import job_key
 from functions.manifest import is_manifest_ref, read_manifest
 from functions.store.uri import is_file, join, local_path
 from functions.store.uri import store_root as default_store_root
-from functions.workflow import BatchJob, Map, Parallel, Step, Task, Workflow, progress_steps, selectable
+from functions.workflow import (
+    LAMBDA_TIMEOUT,
+    BatchJob,
+    Map,
+    Parallel,
+    Step,
+    Task,
+    Workflow,
+    progress_steps,
+    selectable,
+)
 from orchestrator import owner as ownership
-from orchestrator.invoke import HandlerFailed, call
+from orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call
 from orchestrator.lifeline import pool_worker_init
 from orchestrator.local_batch import Cancelled, run_container
 from orchestrator.registry import handler_path
@@ -65,6 +75,9 @@ from orchestrator.status import (
 )
 
 logger = Logger(service="shardfold")
+# A cold process-pool worker spawns Python and imports the handler before its clock starts (seconds, more on
+# a loaded machine): the parent's backstop on a process-mode task waits this much beyond its timeout.
+WORKER_START_S = 60
 
 
 class _Cancelled(Exception):
@@ -100,6 +113,13 @@ class _Run:
         with self.cond:
             s = self.status
             return JobStatus(**{**s.to_record(), "steps": {k: dict(v) for k, v in s.steps.items()}})
+
+
+def map_result_bytes(children: int) -> int:
+    """The size of the result a Distributed Map gathers from ``children`` children that succeed, each
+    output ``{}`` (the compiled children's last state has OutputPath null): ``[{},{},...]``. AWS fails the
+    Map with States.DataLimitExceeded above 256 KiB even under ResultPath null (aws-cdk#24799)."""
+    return 2 + 2 * children + max(0, children - 1)
 
 
 def _key(scope: tuple[str, ...], name: str) -> str:
@@ -504,13 +524,43 @@ class LocalExecutor:
                 self._check_cancel(run)
 
     def _invoke(self, step: Task, path: str, function: str, state: dict[str, Any]) -> Any:
+        """Run the task as Lambda would, its ``timeout_s`` included: a task still running then fails with
+        Lambda's ``Sandbox.Timedout``. A process-mode task is stopped in its worker (and a worker that does
+        not stop is killed, the pool with it, as Lambda ends the sandbox); a thread cannot be stopped, so a
+        thread-mode task is abandoned to finish alone."""
         kwargs = {"function_name": function, "memory_mb": step.memory_mb, "timeout_s": step.timeout_s}
+        timed_out = HandlerFailed(
+            LAMBDA_TIMEOUT, f"{function} ran past its timeout of {step.timeout_s} s (the step's timeout_s)"
+        )
         if step.mode == "thread":
-            return call(path, state, **kwargs)
+            future: cf.Future = cf.Future()
+
+            def run() -> None:
+                try:
+                    future.set_result(call(path, state, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                    future.set_exception(exc)
+
+            threading.Thread(target=run, name=f"sf-task-{step.name}", daemon=True).start()
+            try:
+                return future.result(timeout=step.timeout_s)
+            except cf.TimeoutError:
+                raise timed_out from None
         if self._interrupted is not None:
             raise _Cancelled
         try:
-            return self._process_pool().submit(call, path, state, **kwargs).result()
+            # the worker stops its own handler at timeout_s; this backstop (for a handler stuck where no
+            # signal reaches it) leaves room for the worker's start-up
+            future = self._process_pool().submit(call, path, state, enforce_timeout=True, **kwargs)
+            return future.result(timeout=step.timeout_s + WORKER_START_S)
+        except cf.TimeoutError:
+            with self._lock:
+                pool, self._pool = self._pool, None
+            if pool is not None:
+                for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                    _kill(proc)
+                pool.shutdown(wait=False, cancel_futures=True)
+            raise timed_out from None
         except cf.process.BrokenProcessPool:
             with self._lock:  # a worker died (out of memory?); the next call gets a fresh pool
                 broken, self._pool = self._pool, None
@@ -554,6 +604,17 @@ class LocalExecutor:
         except ShardfoldError as exc:
             raise _StepFailed(step_error(step.name, index, type(exc).__name__, str(exc))) from None
         total = len(items)
+        gathered = map_result_bytes(total)
+        if gathered > MAX_STATE_BYTES:
+            raise _StepFailed(
+                step_error(
+                    step.name,
+                    index,
+                    "States.DataLimitExceeded",
+                    f"{total:,} children gather a result of {gathered:,} bytes (each child outputs {{}}), "
+                    f"over Step Functions' {MAX_STATE_BYTES:,}",
+                )
+            )
         child_scope = (*scope, step.name)
         last = step.body[-1].name
         pending = [i for i in range(total) if _key((*child_scope, str(i)), last) not in run.done]

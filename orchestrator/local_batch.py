@@ -34,12 +34,12 @@ from aws_lambda_powertools import Logger
 
 import functions
 from functions.container import EXIT_TRANSIENT
+from functions.workflow import BATCH_ATTEMPTS
 from orchestrator.invoke import HandlerFailed
 from orchestrator.lifeline import PARENT_ENV, child_command
 
 logger = Logger(service="shardfold")
 
-BATCH_ATTEMPTS = 3  # the job definitions' retryStrategy.attempts (infra/gpu.py)
 _TERMINATE_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long (as ECS's stop timeout)
 
 

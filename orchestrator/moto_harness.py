@@ -26,10 +26,13 @@ process, so the patches below act on it directly.
   converts them (and the response) with botocore's Batch model, and runs each submitted job's container
   in-process through ``functions.container.run`` with the job's environment, so the job succeeds or fails as
   the worker does.
-* Fail states: moto refuses an ``ErrorPath`` that yields a ``States.*`` name (a caught ``States.Timeout``
-  or ``States.ExceedToleratedFailureThreshold`` passed on); the harness lets it through, as AWS does.
 * JSONPath: moto wraps the value of a definite path through an array index (``$[1].stamp``) in a list;
   the harness returns the node itself, as AWS does (our Parallel ``ResultSelector`` relies on it).
+* Payload limit (AWS: 256 KiB of UTF-8 JSON, States.DataLimitExceeded): moto checks a state's output and a
+  task's result; the harness also checks every state's input (after InputPath), a Task's effective
+  Parameters, a Map child's input (after ItemSelector) and a Map's gathered result (unless a ResultWriter
+  takes it), which AWS checks even under ``ResultPath: null`` (aws-cdk#24799). As on AWS, ``States.ALL``
+  in a Retry or Catch does not match States.DataLimitExceeded (a terminal error): the execution fails with it.
 * ``RedriveExecution`` is not implemented by moto; the harness answers ``ExecutionNotRedrivable`` (a 400,
   not a 500 that clients would retry), and the executor falls back to a restart.
 
@@ -66,6 +69,7 @@ from aws_lambda_powertools import Logger
 
 from functions.access import Grants
 from functions.errors import ShardfoldError
+from functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
 from functions.workflow import BatchJob, Task, Workflow
 from orchestrator.asl import StackResolver, compile_workflow
 from orchestrator.invoke import HandlerFailed, call
@@ -129,10 +133,10 @@ def install_patches() -> None:
         _patch_lambda()
         _patch_distributed_map()
         _patch_map_children_api()
-        _patch_fail_state()
         _patch_definite_json_paths()
         _patch_redrive()
         _patch_batch()
+        _patch_data_limits()
 
 
 def uninstall_patches() -> None:
@@ -353,26 +357,6 @@ def _patch_map_children_api() -> None:
 # --- Fail states and redrive -----------------------------------------------------------------------------
 
 
-def _patch_fail_state() -> None:
-    from moto.stepfunctions.parser.asl.component.common.error_name.error_name import ErrorName
-    from moto.stepfunctions.parser.asl.component.state.fail import state_fail
-
-    class _PassedOnErrorName(ErrorName):
-        """An error name a Fail state passes on unchanged (``ErrorPath: $.error.Error``)."""
-
-    def make(original: Any) -> Any:
-        def error_name(name: str | None) -> ErrorName:
-            # moto refuses a Fail state whose ErrorPath yields a States.* name (a caught States.Timeout,
-            # States.ExceedToleratedFailureThreshold...); AWS reports it as the execution's error.
-            if name is not None and name.startswith("States."):
-                return _PassedOnErrorName(error_name=name)
-            return original(name)
-
-        return error_name
-
-    _patch(state_fail, "CustomErrorName", make)
-
-
 _DEFINITE_PATH = re.compile(
     r"^\$(?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*\[\d+\](?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*$"
 )
@@ -421,6 +405,118 @@ def _patch_redrive() -> None:
         return redrive_execution
 
     _patch(StepFunctionResponse, "redrive_execution", make)
+
+
+# --- the 256 KiB payload limit ---------------------------------------------------------------------------
+
+DATA_LIMIT_ERROR = "States.DataLimitExceeded"
+
+
+def _patch_data_limits() -> None:
+    # AWS Step Functions quota: a state's input or output, a task's result and the parameters it is given
+    # may be at most 256 KiB of UTF-8 JSON ("Maximum input or output size for a task, state, or execution",
+    # docs.aws.amazon.com/step-functions/latest/dg/service-quotas.html); over it the state fails with
+    # States.DataLimitExceeded, which States.ALL does not match (docs: "States.ALL ... can't catch the
+    # States.DataLimitExceeded terminal error type"). A Distributed Map's gathered result counts even under
+    # ResultPath null (aws-cdk#24799). moto (5.2.5) checks a state's output and a task's result
+    # (CommonStateField._verify_size_quota, with moto's 256 * 1024 bound); the rest is added here.
+    from moto.stepfunctions.parser.asl.component.common.error_name.error_equals_decl import ErrorEqualsDecl
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map import state_map
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.itemprocessor import (
+        distributed_item_processor_worker as dipw,
+    )
+    from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task import StateTask
+    from moto.stepfunctions.parser.asl.component.state.state import CommonStateField
+
+    def make_state_input(original: Any) -> Any:
+        def _eval_state_input(self, env):
+            original(self, env)
+            self._verify_size_quota(env=env, value=env.stack[-1])  # the input after InputPath
+
+        return _eval_state_input
+
+    def make_parameters(original: Any) -> Any:
+        def _eval_parameters(self, env):
+            parameters = original(self, env)
+            self._verify_size_quota(env=env, value=parameters)  # what the task is given
+            return parameters
+
+        return _eval_parameters
+
+    def make_child_input(original: Any) -> Any:
+        def _eval_input(self, env_frame):
+            original(self, env_frame)
+            # A child's input after ItemSelector is a child execution's input: the same limit. (Over it, the
+            # child fails; the Map fails by its failure tolerance, as on AWS.)
+            value = env_frame.states.get_input()
+            if not is_within_size_quota(value):
+                raise _data_limit_failure(
+                    env_frame, f"a Map child's input is over {MAX_STATE_SIZE_UTF8_BYTES}"
+                )
+
+        return _eval_input
+
+    def make_map_execution(original: Any) -> Any:
+        def _eval_execution(self, env):
+            original(self, env)
+            if self.result_writer is None and env.is_running():
+                # env.stack[-1]: every child's output, gathered; ResultSelector/ResultPath come later.
+                gathered = env.stack[-1]
+                if not is_within_size_quota(gathered):
+                    raise _data_limit_failure(
+                        env,
+                        f"The state/task '{self.name}' returned a result with a size exceeding the maximum "
+                        f"number of bytes service limit: {len(gathered)} children's outputs gathered",
+                    )
+
+        return _eval_execution
+
+    def make_error_equals(original: Any) -> Any:
+        def _eval_body(self, env):
+            error_name = env.stack[-1]
+            terminal = getattr(error_name, "error_name", None) == DATA_LIMIT_ERROR
+            if terminal and not any(
+                getattr(n, "error_name", None) == DATA_LIMIT_ERROR for n in self.error_names
+            ):
+                env.stack.pop()
+                env.stack.append(False)  # States.ALL (or anything else) does not match it
+                return
+            original(self, env)
+
+        return _eval_body
+
+    from moto.stepfunctions.parser.quotas import MAX_STATE_SIZE_UTF8_BYTES, is_within_size_quota
+
+    _patch(CommonStateField, "_eval_state_input", make_state_input)
+    _patch(StateTask, "_eval_parameters", make_parameters)
+    _patch(dipw.DistributedItemProcessorWorker, "_eval_input", make_child_input)
+    _patch(state_map.StateMap, "_eval_execution", make_map_execution)
+    _patch(ErrorEqualsDecl, "_eval_body", make_error_equals)
+
+
+def _data_limit_failure(env: Any, cause: str) -> Exception:
+    from moto.stepfunctions.parser.api import ExecutionFailedEventDetails, HistoryEventType
+    from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import (
+        FailureEvent,
+        FailureEventException,
+    )
+    from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name import StatesErrorName
+    from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name_type import (
+        StatesErrorNameType,
+    )
+    from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
+
+    error = StatesErrorNameType.StatesStatesDataLimitExceeded
+    return FailureEventException(
+        failure_event=FailureEvent(
+            env=env,
+            error_name=StatesErrorName(typ=error),
+            event_type=HistoryEventType.TaskFailed,
+            event_details=EventDetails(
+                executionFailedEventDetails=ExecutionFailedEventDetails(error=error.to_name(), cause=cause)
+            ),
+        )
+    )
 
 
 # --- Batch: .sync parameters and in-process containers ----------------------------------------------------
@@ -524,7 +620,11 @@ def stack_sizes(workflows: Mapping[str, Workflow], *, batch: bool = True) -> dic
                     **{f: max(prev[f], getattr(step, f)) for f in BATCH_SIZE_KEYS},
                     "config": _size_keys(BATCH_SIZE_KEYS, step.entry_point),
                 }
-    return {"functions": dict(sorted(functions.items())), "batch": dict(sorted(jobs.items()))}
+    return {
+        "functions": dict(sorted(functions.items())),
+        "batch": dict(sorted(jobs.items())),
+        "lambda_architecture": DEFAULT_LAMBDA_ARCHITECTURE,  # what the stack deploys by default
+    }
 
 
 def build_stack(

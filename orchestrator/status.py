@@ -28,6 +28,7 @@ from functions.store.uri import join
 
 JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "INTERRUPTED"]
 # Step Functions prefixes a States.Runtime cause with where it happened; our Fail states already say so.
+_ERROR_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*")
 _DECORATION = re.compile(
     r"^An error occurred while executing the state '[^']*' \(entered at the event id #\d+\)\. "
 )
@@ -105,24 +106,30 @@ def step_error(step: str, index: int | None, error: str, message: str) -> str:
 
 
 def tidy_cause(cause: str, error: str = "Error") -> str:
-    """Turn ``step s (item i) failed: {"errorType": ..., "errorMessage": ...}`` (an ASL Fail cause built
-    from a Lambda error payload) into the executors' shared wording ``step s (item i) failed: T: message``.
-    ``error`` is the failure's error name, used when the cause carries no payload (e.g. States.Timeout)."""
+    """Turn an ASL Fail state's cause, ``step s (item i) failed: E: {"errorType": ..., "errorMessage": ...}``
+    (``E`` the caught error's name, then a Lambda error payload, a Batch job's description or text), into
+    the executors' shared wording ``step s (item i) failed: T: message``. ``error`` is used for a cause
+    that names no error (an older Fail state's, or a failure outside the steps)."""
     cause = _DECORATION.sub("", cause)
     head, sep, tail = cause.partition(" failed: ")
     if not sep:
         return cause
+    name, colon, rest = tail.partition(": ")
+    if colon and _ERROR_NAME.fullmatch(name):
+        error, tail = name, rest
+    elif _ERROR_NAME.fullmatch(tail.strip()):
+        error, tail = tail.strip(), ""
     if not tail.strip():
         return f"{head} failed: {error}"
     try:
         payload = json.loads(tail)
     except (json.JSONDecodeError, TypeError):
-        return f"{head} failed: {error}: {tail}" if not tail.startswith(f"{error}:") else cause
+        return f"{head} failed: {tail}" if tail.startswith(f"{error}:") else f"{head} failed: {error}: {tail}"
     if isinstance(payload, dict) and "errorMessage" in payload:  # a Lambda function's error
         return f"{head} failed: {payload.get('errorType', error)}: {payload['errorMessage']}"
     if isinstance(payload, dict) and "StatusReason" in payload:  # a Batch job's description (.sync)
         return f"{head} failed: {error}: {payload['StatusReason']}"
-    return cause
+    return f"{head} failed: {error}: {tail}"
 
 
 def status_uri(store_root: str, job_id: str) -> str:

@@ -24,6 +24,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.pop("LINES", None)
 
 
+@pytest.fixture(autouse=True)
+def _own_stacks(tmp_path, monkeypatch):
+    """No test reads or writes the user's saved stack outputs (``~/.config/shardfold/stacks``)."""
+    monkeypatch.setenv("SHARDFOLD_STACKS_DIR", str(tmp_path / "stacks"))
+    for var in ("SHARDFOLD_STACK", "SHARDFOLD_PULUMI_STACK"):
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.fixture
 def aws_env(monkeypatch):
     """Dummy credentials and no endpoint override, so boto3 talks to moto (never to a real account)."""

@@ -1,5 +1,7 @@
-"""``shardfold deploy`` / ``destroy``: a fake ``pulumi`` on PATH records its arguments and prints canned
-stack outputs; moto answers STS. Nothing here needs the Pulumi CLI or an AWS account."""
+"""``shardfold deploy`` / ``destroy`` and the saved stack outputs: a fake ``pulumi`` on PATH records its
+arguments and prints canned stack outputs; moto answers STS. Nothing here needs the Pulumi CLI or an AWS
+account. Outputs are saved per stack name in ``$SHARDFOLD_STACKS_DIR`` (here under ``tmp_path``), and
+``--stack NAME`` picks the same stack in every verb."""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ OUTPUTS = {
         "batch": {
             "inference.worker": {
                 "vcpus": 4,
-                "memory_mb": 16384,
+                "memory_mb": 15000,
                 "gpus": 1,
                 "timeout_s": 14400,
                 "config": {
@@ -92,13 +94,19 @@ def fake_pulumi(tmp_path, monkeypatch, aws_env):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("FAKE_PULUMI_LOG", str(log))
     monkeypatch.setenv("FAKE_PULUMI_OUTPUTS", str(canned))
-    monkeypatch.setenv("SHARDFOLD_STACK", str(tmp_path / "saved" / "stack.json"))
+    monkeypatch.setenv("SHARDFOLD_STACKS_DIR", str(tmp_path / "stacks"))
+    monkeypatch.delenv("SHARDFOLD_STACK", raising=False)
     monkeypatch.delenv("SHARDFOLD_PULUMI_STACK", raising=False)
     monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.chdir(tmp_path)  # no ./.shardfold/stack.json from elsewhere
 
     class Calls:
         canned_path = canned
-        saved = tmp_path / "saved" / "stack.json"
+        stacks = tmp_path / "stacks"
+        saved = stacks / "dev.json"  # the default stack's
+
+        def of(self, name: str) -> Path:
+            return self.stacks / f"{name}.json"
 
         @property
         def args(self) -> list[list[str]]:
@@ -121,18 +129,162 @@ def test_deploy_runs_pulumi_up_and_saves_exactly_the_outputs(fake_pulumi):
         ["up", "--yes", "--stack", "prod", "--cwd", infra],
         ["stack", "output", "--json", "--stack", "prod", "--cwd", infra],
     ]
-    assert json.loads(fake_pulumi.saved.read_text()) == OUTPUTS
-    assert st.load_stack_outputs() == OUTPUTS  # where Client(backend="aws") looks ($SHARDFOLD_STACK)
+    assert json.loads(fake_pulumi.of("prod").read_text()) == OUTPUTS  # saved under the stack's name
+    assert st.load_stack_outputs("prod") == OUTPUTS  # where Client(backend="aws", stack="prod") looks
+    assert not fake_pulumi.saved.exists() and st.known_stacks() == ["prod"]
     assert "123456789012" in res.output and "shardfold-prod-jobs-1a2b3c" in res.output
+    assert "--backend aws --stack prod" in res.output
 
 
-def test_deploy_without_yes_lets_pulumi_ask_and_outputs_goes_where_told(fake_pulumi, tmp_path):
+def test_deploy_without_yes_lets_pulumi_ask_and_saves_the_default_stack(fake_pulumi, tmp_path):
     with mock_aws():
-        res = invoke("deploy", "--outputs", str(tmp_path / "elsewhere.json"))
+        res = invoke("deploy")
     assert res.exit_code == 0, res.output
     assert ["up", "--stack", "dev", "--cwd", str(st.INFRA_DIR)] in fake_pulumi.args  # default stack "dev"
-    assert json.loads((tmp_path / "elsewhere.json").read_text()) == OUTPUTS
-    assert not fake_pulumi.saved.exists()
+    assert json.loads(fake_pulumi.saved.read_text()) == OUTPUTS
+    assert st.load_stack_outputs() == OUTPUTS  # no name: $SHARDFOLD_STACK, else dev
+    assert not (tmp_path / ".shardfold").exists()  # nothing in the current directory
+
+
+def test_outputs_live_in_the_per_user_config_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("SHARDFOLD_STACKS_DIR")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert st.outputs_path("prod") == tmp_path / "xdg" / "shardfold" / "stacks" / "prod.json"
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert st.outputs_path() == tmp_path / "home" / ".config" / "shardfold" / "stacks" / "dev.json"
+    monkeypatch.setenv("SHARDFOLD_STACK", "staging")
+    assert st.outputs_path() == tmp_path / "home" / ".config" / "shardfold" / "stacks" / "staging.json"
+
+
+def test_two_stacks_coexist_and_destroy_removes_only_its_own(fake_pulumi):
+    prod = {**OUTPUTS, "bucket": "shardfold-prod-jobs-1a2b3c"}
+    with mock_aws():
+        assert invoke("deploy", "--stack", "prod", "--yes").exit_code == 0
+        fake_pulumi.canned_path.write_text(json.dumps({**OUTPUTS, "bucket": "shardfold-staging-jobs-9z"}))
+        assert invoke("deploy", "--stack", "staging", "--yes").exit_code == 0
+    assert st.known_stacks() == ["prod", "staging"]
+    assert st.load_stack_outputs("prod") == prod
+    assert st.load_stack_outputs("staging")["bucket"] == "shardfold-staging-jobs-9z"
+    listed = invoke("stack", "list")
+    assert "prod" in listed.output and "shardfold-staging-jobs-9z" in listed.output
+    with mock_aws():
+        res = invoke("destroy", "--stack", "staging", "--yes")
+    assert res.exit_code == 0, res.output
+    assert fake_pulumi.args[-1] == ["destroy", "--yes", "--stack", "staging", "--cwd", str(st.INFRA_DIR)]
+    assert st.known_stacks() == ["prod"] and st.load_stack_outputs("prod") == prod
+
+
+class _Picked(ShardfoldError):
+    pass
+
+
+@pytest.fixture
+def two_stacks(fake_pulumi, monkeypatch):
+    """Stacks ``prod`` and ``staging`` deployed (different buckets); the AWS executor replaced by one that
+    stops at once naming the bucket of the outputs it was given, so each verb shows which stack it picked."""
+    import orchestrator.aws
+
+    with mock_aws():
+        assert invoke("deploy", "--stack", "prod", "--yes").exit_code == 0
+        fake_pulumi.canned_path.write_text(json.dumps({**OUTPUTS, "bucket": "shardfold-staging-jobs-9z"}))
+        assert invoke("deploy", "--stack", "staging", "--yes").exit_code == 0
+
+    def picked(outputs):
+        raise _Picked(f"picked bucket {outputs['bucket']}")
+
+    monkeypatch.setattr(orchestrator.aws, "AwsExecutor", picked)
+    return fake_pulumi
+
+
+SPEC = str(Path(__file__).resolve().parent.parent / "events" / "getbatch.json")
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [["status", "job-1"], ["jobs"], ["run", SPEC], ["plan", SPEC], ["result", "job-1"], ["cancel", "job-1"]],
+    ids=lambda v: v[0],
+)
+def test_stack_name_selects_the_same_stack_in_every_verb(two_stacks, monkeypatch, verb):
+    for name, bucket in (("prod", "shardfold-prod-jobs-1a2b3c"), ("staging", "shardfold-staging-jobs-9z")):
+        res = invoke(*verb, "--backend", "aws", "--stack", name)
+        assert res.exit_code == 1 and f"picked bucket {bucket}" in res.output, res.output
+    monkeypatch.setenv("SHARDFOLD_STACK", "staging")  # the same name from the environment
+    res = invoke(*verb, "--backend", "aws")
+    assert "picked bucket shardfold-staging-jobs-9z" in res.output, res.output
+
+
+def test_sdk_client_selects_a_stack_by_name(two_stacks):
+    from client import Client
+
+    with pytest.raises(_Picked, match="shardfold-staging-jobs-9z"):
+        Client(backend="aws", stack="staging")
+    with pytest.raises(_Picked, match="shardfold-prod-jobs-1a2b3c"):
+        Client(backend="aws", stack="prod")
+
+
+def test_a_missing_stack_lists_the_known_ones(two_stacks):
+    res = invoke("jobs", "--backend", "aws", "--stack", "qa")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert "no outputs saved for stack 'qa'" in res.output
+    assert "known stacks: prod, staging" in res.output and "shardfold deploy --stack qa" in res.output
+    res = invoke("jobs", "--backend", "aws")  # no name: dev, never deployed here
+    assert "no outputs saved for stack 'dev'" in res.output and "known stacks: prod, staging" in res.output
+
+
+def test_no_stacks_at_all_says_to_deploy(fake_pulumi):
+    res = invoke("status", "job-1", "--backend", "aws", "--stack", "prod")
+    assert res.exit_code == 1 and "no stacks are saved" in res.output
+    assert "shardfold deploy --stack prod" in res.output
+
+
+def test_an_old_cwd_stack_json_is_named_with_the_command_to_import_it(fake_pulumi, tmp_path):
+    legacy = tmp_path / ".shardfold" / "stack.json"
+    legacy.parent.mkdir()
+    legacy.write_text(json.dumps(OUTPUTS))
+    res = invoke("jobs", "--backend", "aws", "--stack", "prod")
+    assert res.exit_code == 1
+    assert "shardfold stack import prod .shardfold/stack.json" in res.output, res.output
+    res = invoke("stack", "import", "prod", ".shardfold/stack.json")
+    assert res.exit_code == 0, res.output
+    assert st.load_stack_outputs("prod") == OUTPUTS
+    assert json.loads(invoke("stack", "show", "prod").output) == OUTPUTS
+
+
+@pytest.mark.parametrize("value", ["./out/stack.json", "stack.json", "/tmp/prod"])
+def test_a_path_given_as_stack_is_refused_with_how_to_import_it(fake_pulumi, monkeypatch, value):
+    res = invoke("jobs", "--backend", "aws", "--stack", value)
+    assert res.exit_code == 1 and "takes a stack name now" in res.output, res.output
+    assert f"shardfold stack import NAME {value}" in res.output
+    monkeypatch.setenv("SHARDFOLD_STACK", value)  # an old $SHARDFOLD_STACK held a path
+    res = invoke("jobs", "--backend", "aws")
+    assert res.exit_code == 1 and "SHARDFOLD_STACK takes a stack name now" in res.output, res.output
+    with mock_aws():
+        res = invoke("deploy", "--stack", value, "--yes")
+    assert res.exit_code == 1 and "takes a stack name now" in res.output and fake_pulumi.args == []
+
+
+def test_stack_with_a_local_backend_is_refused(fake_pulumi):
+    res = invoke("jobs", "--stack", "prod")
+    assert res.exit_code == 1 and "only --backend aws uses" in res.output
+
+
+def test_the_old_pulumi_stack_variable_is_refused(fake_pulumi, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_PULUMI_STACK", "prod")
+    with mock_aws():
+        res = invoke("deploy", "--yes")
+    assert res.exit_code == 1 and "SHARDFOLD_PULUMI_STACK is no longer read" in res.output
+    assert fake_pulumi.args == []
+
+
+def test_import_refuses_what_is_not_stack_outputs(fake_pulumi, tmp_path):
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    res = invoke("stack", "import", "prod", str(tmp_path / "bad.json"))
+    assert res.exit_code == 1 and "not the stack outputs object" in res.output
+    (tmp_path / "partial.json").write_text(json.dumps({"region": "eu-west-1"}))
+    res = invoke("stack", "import", "prod", str(tmp_path / "partial.json"))
+    assert res.exit_code == 1 and "lack ['bucket', 'state_machine_arns']" in res.output
+    assert st.known_stacks() == []
 
 
 @pytest.mark.parametrize("verb", ["deploy", "destroy"])
@@ -195,18 +347,16 @@ def test_no_pulumi_program_is_a_clear_error(fake_pulumi, monkeypatch, tmp_path):
 
 
 def test_destroy_removes_the_saved_outputs(fake_pulumi):
-    fake_pulumi.saved.parent.mkdir(parents=True)
-    fake_pulumi.saved.write_text(json.dumps(OUTPUTS))
+    st.save_stack_outputs(OUTPUTS, "prod")
     with mock_aws():
         res = invoke("destroy", "--stack", "prod", "--yes")
     assert res.exit_code == 0, res.output
     assert fake_pulumi.args == [["destroy", "--yes", "--stack", "prod", "--cwd", str(st.INFRA_DIR)]]
-    assert not fake_pulumi.saved.exists()
+    assert not fake_pulumi.of("prod").exists() and "removed" in res.output
 
 
 def test_destroy_asks_first(fake_pulumi):
-    fake_pulumi.saved.parent.mkdir(parents=True)
-    fake_pulumi.saved.write_text(json.dumps(OUTPUTS))
+    st.save_stack_outputs(OUTPUTS)  # stack dev
     with mock_aws():
         declined = invoke("destroy", input="n\n")
     assert declined.exit_code == 1 and "Destroy every resource" in declined.output
@@ -218,8 +368,7 @@ def test_destroy_asks_first(fake_pulumi):
 
 
 def test_a_failing_destroy_keeps_the_outputs(fake_pulumi, monkeypatch):
-    fake_pulumi.saved.parent.mkdir(parents=True)
-    fake_pulumi.saved.write_text(json.dumps(OUTPUTS))
+    st.save_stack_outputs(OUTPUTS)  # stack dev
     monkeypatch.setenv("FAKE_PULUMI_FAIL", "destroy")
     with mock_aws():
         res = invoke("destroy", "--yes")
@@ -228,9 +377,10 @@ def test_a_failing_destroy_keeps_the_outputs(fake_pulumi, monkeypatch):
 
 
 def test_save_and_remove_round_trip(tmp_path):
-    path = st.save_stack_outputs(OUTPUTS, tmp_path / "s" / "stack.json")
-    assert st.load_stack_outputs(path) == OUTPUTS
-    assert st.remove_stack_outputs(path) == path and st.remove_stack_outputs(path) is None
+    path = st.save_stack_outputs(OUTPUTS, "qa")
+    assert path == tmp_path / "stacks" / "qa.json"  # $SHARDFOLD_STACKS_DIR (tests/conftest.py)
+    assert st.load_stack_outputs("qa") == OUTPUTS
+    assert st.remove_stack_outputs("qa") == path and st.remove_stack_outputs("qa") is None
     assert Path(path).parent.is_dir()
 
 
@@ -242,7 +392,7 @@ def test_deployed_sizes_of_the_saved_outputs(fake_pulumi):
     assert (plan.memory_mb, plan.ephemeral_mb, plan.timeout_s) == (2048, 512, 300)
     assert plan.config["memory_mb"] == 'shardfold:functionMemory["getbatch.prepare"]'
     worker = sizes.of("inference.worker")
-    assert isinstance(worker, st.BatchSize) and (worker.vcpus, worker.memory_mb, worker.gpus) == (4, 16384, 1)
+    assert isinstance(worker, st.BatchSize) and (worker.vcpus, worker.memory_mb, worker.gpus) == (4, 15000, 1)
     assert (
         worker.timeout_s == 14400
         and worker.config["memory_mb"] == 'shardfold:batchMemory["inference.worker"]'

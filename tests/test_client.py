@@ -13,6 +13,7 @@ import pytest
 
 from client import Client, Job
 from client.errors import JobFailed, JobNotFinished, StackNotFound
+from client.stack import save_stack_outputs
 from functions import store
 from functions.errors import JobNotFound, PlanError, SpecError
 from functions.estimate import estimate
@@ -27,6 +28,7 @@ N = 25
 def root(tmp_path, monkeypatch) -> str:
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("SHARDFOLD_STACK", raising=False)
+    monkeypatch.setenv("SHARDFOLD_STACKS_DIR", str(tmp_path / "stacks"))
     r = store_root()
     for i in range(N):
         store.put(join(r, "data", f"obj-{i:03d}.bin"), bytes([i]) * (50 + i))
@@ -248,11 +250,19 @@ def test_get_batch_in_process(client):
 
 def test_aws_backend_needs_stack_outputs(root, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(StackNotFound, match="shardfold deploy"):
+    with pytest.raises(StackNotFound, match=r"stack 'dev'.*shardfold deploy --stack dev"):
         Client(backend="aws")
+    with pytest.raises(StackNotFound, match=r"stack 'prod'.*shardfold deploy --stack prod"):
+        Client(backend="aws", stack="prod")
+    monkeypatch.setenv("SHARDFOLD_STACK", "qa")
+    with pytest.raises(StackNotFound, match=r"stack 'qa'"):
+        Client(backend="aws")
+    # a path, as SHARDFOLD_STACK and stack= used to take, says how to save the file under a name
     monkeypatch.setenv("SHARDFOLD_STACK", str(tmp_path / "nowhere.json"))
-    with pytest.raises(StackNotFound, match="nowhere.json"):
+    with pytest.raises(StackNotFound, match=r"takes a stack name now.*shardfold stack import NAME"):
         Client(backend="aws")
+    with pytest.raises(StackNotFound, match=r"stack= takes a stack name or a dict.*shardfold stack import"):
+        Client(backend="aws", stack=tmp_path / "stack.json")
 
 
 # --- the moto backend: the cloud path (compiled ASL, Lambda handlers, S3) inside moto -----------------------
@@ -292,8 +302,8 @@ def test_aws_backend_refuses_local_files_before_anything_runs(root, tmp_path, mo
         "region": "us-east-1",
         "state_machine_arns": {"getbatch": "arn:aws:states:us-east-1:123456789012:stateMachine:x"},
     }
-    (tmp_path / "stack.json").write_text(json.dumps(stack))
-    with Client(backend="aws", stack=tmp_path / "stack.json") as c:
+    save_stack_outputs(stack, "example")  # as `shardfold deploy --stack example` does
+    with Client(backend="aws", stack="example") as c:
         assert c.store_root == "s3://shardfold-example"
         monkeypatch.setattr(c.executor, "start", lambda *a: pytest.fail("must not start"))
         local = {"kind": "getbatch", "items": [{"uri": "s3://bkt/k"}, {"uri": (tmp_path / "x.bin").as_uri()}]}

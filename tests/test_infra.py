@@ -382,6 +382,7 @@ def test_batch_overrides_size_the_job_definition_the_states_and_the_sizes(tmp_pa
         batch_memory={"toy.batch_double": 30000},
         batch_gpus={"toy.batch_double": 2},
         batch_timeout={"toy.batch_double": 7200},
+        gpu_instance_types=("g5.12xlarge",),  # 48 vCPUs, 192 GiB, 4 GPUs: room for the larger job
     )
     d = deploy(cfg, {"gputoy": gpu_workflow()}, tmp_path, monkeypatch)
     jd = d.one("aws:batch/jobDefinition:JobDefinition").inputs
@@ -415,6 +416,32 @@ def test_bad_batch_sizes_are_refused_with_the_key_named():
         ShardfoldError, match=r'raise maxVcpus or set shardfold:batchVcpus\["toy.batch_double"\]'
     ):
         sized_workflows({"gputoy": gpu_workflow()}, StackConfig(max_vcpus=2))
+
+
+def test_every_job_definition_fits_an_allowed_instance_type():
+    """A job asking more than any allowed instance registers would sit RUNNABLE until cancelled."""
+    from functions.kinds import WORKFLOWS
+    from infra.gpu import batch_steps, sized_workflows
+    from infra.instances import INSTANCES, placement_problem, registrable_mb
+
+    # the shipped defaults fit the default types (the inference worker once asked for all 16 GiB)
+    cfg = StackConfig()
+    for entry_point, step in batch_steps(sized_workflows(WORKFLOWS, cfg)).items():
+        assert placement_problem(step.vcpus, step.memory_mb, step.gpus, cfg.gpu_instance_types) is None, (
+            entry_point
+        )
+    assert registrable_mb(16) < 16384 and registrable_mb(8) <= 7985 - 32  # the AWS guide's m4.large example
+    with pytest.raises(ShardfoldError, match=r'batchMemory\["inference.worker"\].*gpuInstanceTypes'):
+        sized_workflows(WORKFLOWS, StackConfig(batch_memory={"inference.worker": 16384}))
+    with pytest.raises(ShardfoldError, match=r"needs 4 vCPUs, 15000 MiB and 2 GPU"):
+        sized_workflows(WORKFLOWS, StackConfig(batch_gpus={"inference.worker": 2}))
+    # a larger type, or a whole family, makes room; an unlisted type is not judged
+    sized_workflows(WORKFLOWS, StackConfig(batch_gpus={"inference.worker": 2}, gpu_instance_types=("g5",)))
+    sized_workflows(
+        WORKFLOWS, StackConfig(batch_memory={"inference.worker": 16384}, gpu_instance_types=("g5.2xlarge",))
+    )
+    assert placement_problem(4, 10**6, 1, ["x9.huge"]) is None
+    assert all(i.registrable_mb < i.memory_gib * 1024 for i in INSTANCES.values())
 
 
 def cpu_kinds() -> dict:

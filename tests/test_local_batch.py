@@ -13,8 +13,9 @@ import pytest
 
 from functions.errors import ShardfoldError
 from functions.store.retry import TransientError
+from functions.workflow import BATCH_ATTEMPTS
 from orchestrator.invoke import HandlerFailed
-from orchestrator.local_batch import BATCH_ATTEMPTS, Cancelled, run_container
+from orchestrator.local_batch import Cancelled, run_container
 
 HERE = f"{__name__}"
 

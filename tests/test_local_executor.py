@@ -12,10 +12,11 @@ from toyflow import calls, fail_switch, parts_workflow, toy_workflow, write_spec
 from functions import store
 from functions.errors import JobNotFound, PlanError, ShardfoldError
 from functions.jobs import new_job_id
+from functions.manifest import MAX_MAP_ITEMS
 from functions.store.uri import join
 from functions.workflow import Map, Retry, Task, Workflow
-from orchestrator.invoke import call
-from orchestrator.local import LocalExecutor
+from orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call
+from orchestrator.local import LocalExecutor, map_result_bytes
 from orchestrator.registry import register
 from orchestrator.status import JobStatus
 
@@ -81,6 +82,23 @@ def test_transient_errors_are_retried(root):
     assert status.state == "SUCCEEDED", status.error
     assert calls(root, job_id)[2] == 3  # failed twice, then succeeded
     assert store.get_json(join(root, "jobs", job_id, "result.json"))["sum"] == squares(5)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_task_past_its_timeout_fails_as_on_lambda(root, mode):
+    """Lambda ends an invocation at the function's timeout and Step Functions reports Sandbox.Timedout;
+    the local executor does the same for a task past its timeout_s (a process-mode worker is killed)."""
+    wf = Workflow(kind="toy", steps=(Task("nap", "toy.nap", mode=mode, timeout_s=1),))
+    with make(root, wf) as ex:
+        job_id, status = run(ex, root, nap_s=30)
+    assert status.state == "FAILED"
+    assert (
+        status.error
+        == "step nap failed: Sandbox.Timedout: toy.nap ran past its timeout of 1 s (the step's timeout_s)"
+    )
+    with make(root, wf) as ex:
+        job_id, status = run(ex, root, nap_s=0)
+    assert status.state == "SUCCEEDED", status.error
 
 
 def test_retries_run_out(root):
@@ -193,13 +211,48 @@ def test_state_stays_small_for_100k_items(root):
     assert fan == {"stamp": {"job": job_id}}  # Parallel: $.fan holds the branches' task results
 
 
-def test_plan_result_for_a_100k_item_manifest_is_small(root):
+def test_plan_result_for_a_big_manifest_is_small(root):
     job_id = new_job_id("toy")
-    event = {"job_id": job_id, "spec_uri": write_spec(root, job_id, n=100_000), "store_root": root}
+    event = {"job_id": job_id, "spec_uri": write_spec(root, job_id, n=MAX_MAP_ITEMS), "store_root": root}
     result = call(toyflow.__name__ + ":plan", event, function_name="toy.plan")
-    assert len(store.get_json(result["manifest"]["uri"])) == 100_000
+    assert len(store.get_json(result["manifest"]["uri"])) == MAX_MAP_ITEMS
     state = {**event, "plan": result}
     assert len(json.dumps(state)) < 1024
+
+
+def test_a_manifest_over_the_map_limit_is_refused(root):
+    """A Distributed Map gathers every child's output ({} each) into 256 KiB even under ResultPath null,
+    so a plan may not fan out over more than MAX_MAP_ITEMS children; nothing is written."""
+    job_id = new_job_id("toy")
+    event = {"job_id": job_id, "spec_uri": write_spec(root, job_id, n=MAX_MAP_ITEMS + 1), "store_root": root}
+    with pytest.raises(HandlerFailed) as info:
+        call(toyflow.__name__ + ":plan", event, function_name="toy.plan")
+    assert info.value.error == "PlanError" and "at most 50,000" in str(info.value)
+    assert not store.exists(join(root, "jobs", job_id, "toy", "manifest.json"))
+    assert map_result_bytes(MAX_MAP_ITEMS + 5_000) < MAX_STATE_BYTES  # the allowance covers failed children
+
+
+def test_a_map_whose_gathered_result_is_too_big_fails(root):
+    """The local executor fails a Map whose children would gather more than 256 KiB, as AWS does, even for a
+    manifest written without manifest_ref."""
+    too_many = next(n for n in range(87_000, 90_000) if map_result_bytes(n) > MAX_STATE_BYTES)
+    assert too_many == 87_382  # [{},{},...]: 3 bytes a child
+    register("toy.raw_plan", __name__ + ":_raw_plan")
+    wf = Workflow(
+        "raw",
+        (Task("plan", "toy.raw_plan"), Map("m", items="$.plan.manifest", body=(Task("t", "toy.stamp"),))),
+    )
+    with make(root, wf) as ex:
+        _, status = run(ex, root, kind="raw", n=too_many)
+    assert status.state == "FAILED"
+    assert status.error.startswith("step m failed: States.DataLimitExceeded: 87,382 children gather a result")
+
+
+def _raw_plan(event, context):
+    uri = join(event["store_root"], "jobs", event["job_id"], "raw.json")
+    n = int(store.get_json(event["spec_uri"])["n"])
+    store.put_json(uri, [{"i": i} for i in range(n)])
+    return {"manifest": {"uri": uri, "bucket": "", "key": "", "count": n}}
 
 
 def test_map_over_something_that_is_not_a_manifest_ref(root):

@@ -33,6 +33,11 @@ def boom(event, context):
     raise KeyError("missing thing")
 
 
+def half_big(event, context):
+    return {"blob": "x" * 150_000}  # under the limit alone; two of them in the state are over it
+
+
+register("toy.half_big", f"{__name__}:half_big")
 register("toy.batch_fail", f"{__name__}:batch_fail")
 register("toy.boom", f"{__name__}:boom")
 
@@ -50,6 +55,7 @@ FLOWS = {
     ),
     "toybatch": Workflow("toybatch", (BatchJob("gpu", "toy.batch_fail", timeout_s=60),)),
     "toyboom": Workflow("toyboom", (Task("boom", "toy.boom"),)),
+    "toybig": Workflow("toybig", (Task("a", "toy.half_big"), Task("b", "toy.half_big"))),
 }
 
 
@@ -87,7 +93,7 @@ def test_stack_outputs(stack):
     out = stack.outputs
     assert out["backend"] == "moto" and out["bucket"] == "shardfold-moto"
     assert set(out["state_machine_arns"]) == set(FLOWS)
-    assert set(out["functions"]) == {"toy.plan", "toy.square", "toy.total", "toy.boom"}
+    assert set(out["functions"]) == {"toy.plan", "toy.square", "toy.total", "toy.boom", "toy.half_big"}
     assert out["batch_job_definitions"].keys() == {"toy.batch_fail"}
     sfn = boto3.client("stepfunctions", region_name=out["region"])
     definition = json.loads(
@@ -181,18 +187,19 @@ def test_failed_children_fail_the_map_and_are_listed_like_aws(aws):
     assert status.state == "FAILED"
     assert status.error == "step square (item 1) failed: ValueError: item 1 is bad"  # the lowest failed item
     desc = sfn.describe_execution(executionArn=status.execution_arn)
-    assert desc["error"] == "States.ExceedToleratedFailureThreshold"  # a States.* name through a Fail state
+    # the Fail state's own error name (never a States.* one); the caught error starts the cause
+    assert desc["error"] == "Shardfold.StepFailed"
     assert desc["cause"].startswith(
-        "step squares failed: The specified tolerated failure threshold was exceeded"
+        "step squares failed: States.ExceedToleratedFailureThreshold: The specified tolerated failure"
     )
     (run,) = sfn.list_map_runs(executionArn=status.execution_arn)["mapRuns"]
     assert sfn.describe_map_run(mapRunArn=run["mapRunArn"])["itemCounts"]["failed"] == 2
     failed = sfn.list_executions(mapRunArn=run["mapRunArn"], statusFilter="FAILED")["executions"]
     assert len(failed) == 2
     child = sfn.describe_execution(executionArn=failed[0]["executionArn"])
-    assert child["status"] == "FAILED" and child["error"] == "ValueError"
+    assert child["status"] == "FAILED" and child["error"] == "Shardfold.StepFailed"
     assert json.loads(child["input"])["index"] == 1
-    assert child["cause"].startswith("step square (item 1) failed: {")
+    assert child["cause"].startswith("step square (item 1) failed: ValueError: {")
     assert len(sfn.list_executions(mapRunArn=run["mapRunArn"], statusFilter="SUCCEEDED")["executions"]) == 3
 
 
@@ -233,7 +240,9 @@ def test_batch_sync_runs_the_worker_in_process(tmp_path, aws, backend):
     assert status.error == "step gpu failed: States.TaskFailed: RuntimeError: gpu on fire"
     if backend == "moto":
         cause = aws._sfn.describe_execution(executionArn=status.execution_arn)["cause"]
-        described = json.loads(cause.partition(" failed: ")[2])  # the .sync result: the job, PascalCase
+        error, _, described = cause.partition(" failed: ")[2].partition(": ")
+        described = json.loads(described)  # the .sync result: the job, PascalCase
+        assert error == "States.TaskFailed"
         assert described["JobName"] == f"{job_id}-gpu" and described["Status"] == "FAILED"
 
 
@@ -268,3 +277,96 @@ def test_definite_json_paths_yield_the_node(stack):
         assert fn("$[*].a", data) == [1]  # non-definite paths keep moto's behaviour
         with pytest.raises(json_path.NoSuchJsonPathError):
             fn("$[5].a", data)
+
+
+def test_a_map_run_is_named_by_its_step_even_before_its_history_event(aws, monkeypatch):
+    """The Map state's Label is the step's name, so the Map Run's ARN names the step; a run listed before
+    the history shows its MapRunStarted event is counted under that step, never under a UUID."""
+    from orchestrator.aws import map_run_label
+
+    root = aws.store_root
+    job_id = new_job_id("toy")
+    spec = write_spec(root, job_id, n=4)
+    aws.start(job_id, "toy", spec)
+    status = aws.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "SUCCEEDED", status.error
+    (run,) = aws._sfn.list_map_runs(executionArn=status.execution_arn)["mapRuns"]
+    assert map_run_label(run["mapRunArn"]) == "squares"
+    history = aws._history
+    monkeypatch.setattr(
+        aws, "_history", lambda arn: [e for e in history(arn) if e["type"] != "MapRunStarted"]
+    )
+    steps = aws._steps("toy", status.execution_arn)
+    assert set(steps) == {"plan", "squares", "total"} and steps["squares"] == {"done": 4, "total": 4}
+
+
+def test_a_state_output_over_256_kib_fails_the_execution(aws):
+    """Step b's output (two 150 KB results) is over 256 KiB: States.DataLimitExceeded, which the step's
+    Catch of States.ALL does not match (a terminal error on AWS), so the execution itself fails with it."""
+    job_id = new_job_id("toybig")
+    aws.start(job_id, "toybig", write_spec(aws.store_root, job_id, n=1))
+    status = aws.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "FAILED"
+    desc = aws._sfn.describe_execution(executionArn=status.execution_arn)
+    assert desc["error"] == "States.DataLimitExceeded", desc
+    assert "size exceeding" in desc["cause"]
+
+
+def _run_raw(stack, name: str, definition: dict, payload: dict) -> dict:
+    sfn = boto3.client("stepfunctions", region_name=stack.region)
+    role = f"arn:aws:iam::{moto_harness.ACCOUNT}:role/shardfold-{stack.stage}"
+    arn = sfn.create_state_machine(name=name, definition=json.dumps(definition), roleArn=role)[
+        "stateMachineArn"
+    ]
+    ex = sfn.start_execution(stateMachineArn=arn, input=json.dumps(payload))["executionArn"]
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        desc = sfn.describe_execution(executionArn=ex)
+        if desc["status"] != "RUNNING":
+            return desc
+        time.sleep(0.2)
+    raise AssertionError("the execution did not finish")
+
+
+def _gathering_map(catch: bool) -> dict:
+    state = {
+        "Type": "Map",
+        "ItemsPath": "$.items",
+        "ItemSelector": {"blob.$": "$.blob"},
+        "ItemProcessor": {
+            "ProcessorConfig": {"Mode": "DISTRIBUTED", "ExecutionType": "STANDARD"},
+            "StartAt": "echo",
+            "States": {"echo": {"Type": "Pass", "End": True}},
+        },
+        "ResultPath": None,
+        "End": True,
+    }
+    if catch:
+        state["Catch"] = [{"ErrorEquals": ["States.ALL"], "Next": "caught"}]
+    return {"StartAt": "m", "States": {"m": state, "caught": {"Type": "Succeed"}}}
+
+
+@pytest.mark.parametrize("catch", [False, True])
+def test_a_maps_gathered_result_counts_even_under_result_path_null(stack, catch):
+    """Three children each output a 90 KB blob: 270 KB gathered, over 256 KiB, and ResultPath null does not
+    save the Map (aws-cdk#24799); States.ALL does not catch it."""
+    desc = _run_raw(
+        stack, f"gather-{catch}", _gathering_map(catch), {"items": [1, 2, 3], "blob": "x" * 90_000}
+    )
+    assert desc["status"] == "FAILED" and desc["error"] == "States.DataLimitExceeded", desc
+    # two children (180 KB) fit
+    desc = _run_raw(stack, f"gather2-{catch}", _gathering_map(catch), {"items": [1, 2], "blob": "x" * 90_000})
+    assert desc["status"] == "SUCCEEDED", desc
+
+
+def test_a_state_input_over_256_kib_fails(stack):
+    """A Pass state builds an input over the limit for the next state: States.DataLimitExceeded."""
+    definition = {
+        "StartAt": "twice",
+        "States": {
+            "twice": {"Type": "Pass", "Parameters": {"a.$": "$.blob", "b.$": "$.blob"}, "Next": "last"},
+            "last": {"Type": "Pass", "End": True},
+        },
+    }
+    desc = _run_raw(stack, "input-big", definition, {"blob": "x" * 140_000})
+    assert desc["status"] == "FAILED" and desc["error"] == "States.DataLimitExceeded", desc

@@ -12,6 +12,7 @@ from toyflow import parts_workflow, toy_workflow
 from functions.errors import PlanError
 from functions.kinds import WORKFLOWS
 from functions.workflow import (
+    BATCH_ATTEMPTS,
     DEFAULT_TASK_RETRY,
     LAMBDA_THROTTLED,
     LAMBDA_TRANSIENT,
@@ -24,7 +25,10 @@ from functions.workflow import (
 )
 from orchestrator import asl as asl_mod
 from orchestrator.asl import (
+    BATCH_RUNNABLE_MAX_S,
+    BATCH_STARTUP_S,
     BATCH_SYNC,
+    LAMBDA_STATE_MARGIN_S,
     S3_GET_OBJECT,
     NamingResolver,
     StackResolver,
@@ -126,11 +130,15 @@ def test_task_state_shape():
     assert throttle["ErrorEquals"] == list(LAMBDA_THROTTLED)
     assert throttle["JitterStrategy"] == "FULL" and throttle["MaxDelaySeconds"] == 30
     assert plan["Catch"] == [{"ErrorEquals": ["States.ALL"], "ResultPath": "$.error", "Next": "plan-failed"}]
+    # the function's own timeout fires first (Sandbox.Timedout); the state's guards a lost invocation
+    assert plan["TimeoutSeconds"] == 900 + LAMBDA_STATE_MARGIN_S
     fail = asl["States"]["plan-failed"]
+    # the project's own error name (LocalStack refuses a Fail state passing on a States.* name); the caught
+    # error's name starts the cause
     assert fail == {
         "Type": "Fail",
-        "ErrorPath": "$.error.Error",
-        "CausePath": "States.Format('step plan failed: {}', $.error.Cause)",
+        "Error": "Shardfold.StepFailed",
+        "CausePath": "States.Format('step plan failed: {}: {}', $.error.Error, $.error.Cause)",
     }
     assert asl["States"]["total"]["End"] is True
 
@@ -165,8 +173,8 @@ def test_map_state_is_a_distributed_map_reading_the_manifest():
         state["ToleratedFailurePercentage"], float
     )
     child_fail = state["ItemProcessor"]["States"]["square-failed"]
-    assert (
-        child_fail["CausePath"] == "States.Format('step square (item {}) failed: {}', $.index, $.error.Cause)"
+    assert child_fail["CausePath"] == (
+        "States.Format('step square (item {}) failed: {}: {}', $.index, $.error.Error, $.error.Cause)"
     )
 
 
@@ -193,6 +201,10 @@ def test_batch_job_state():
     assert env["SHARDFOLD_EVENT"]["Value.$"] == "States.JsonToString($)"
     assert env["SHARDFOLD_HANDLER"]["Value"] == handler_path("toy.batch_double")
     assert params["Timeout"] == {"AttemptDurationSeconds": 600}
+    # the state waits for a place and every attempt, never forever
+    assert state["TimeoutSeconds"] == BATCH_RUNNABLE_MAX_S + BATCH_ATTEMPTS * (600 + BATCH_STARTUP_S)
+    # Step Functions names the Batch API errors it does not model Batch.AWSBatchException (hyp3#911)
+    assert "Batch.AWSBatchException" in state["Retry"][0]["ErrorEquals"]
     assert state["ResultPath"] is None
     with pytest.raises(PlanError, match="no Lambda function"):
         compile_workflow(wf, StackResolver({"functions": {}}))
@@ -216,7 +228,10 @@ def test_statelint_allowances_cover_only_known_false_reports():
 
     asl = compile_workflow(toy_workflow())
     raw = Linter.validate(asl)
-    assert raw == ['Field "InputType" not allowed in State Machine.States.squares.ItemReader.ReaderConfig']
+    assert sorted(raw) == [
+        'Field "InputType" not allowed in State Machine.States.squares.ItemReader.ReaderConfig',
+        'Field "Label" not allowed in State Machine.States.squares',
+    ]
     assert lint(asl) == []
     tolerant = Workflow(
         "tol",
@@ -226,9 +241,11 @@ def test_statelint_allowances_cover_only_known_false_reports():
         ),
     )
     asl = compile_workflow(tolerant)
-    assert len(Linter.validate(asl)) == 2 and lint(asl) == []
+    assert (
+        len(Linter.validate(asl)) == 3
+    )  # InputType, Label, the float tolerance and lint(asl) == []  # InputType, Label, the float
     moto_check(asl)  # the float form is the one moto accepts
-    assert len(asl_mod.STATELINT_FALSE_REPORTS) == 2  # the one place allowances live
+    assert len(asl_mod.STATELINT_FALSE_REPORTS) == 3  # the one place allowances live
     # a real problem in the same fields is still reported
     asl["States"]["m"]["ToleratedFailurePercentage"] = "lots"
     asl["States"]["m"]["ItemReader"]["ReaderConfig"]["Bogus"] = 1
@@ -306,3 +323,77 @@ def test_any_plan_compiles_to_valid_asl(steps):
     collect(asl["States"])
     assert len(names) == len(set(names))  # state names are unique across the whole machine
     assert all(len(n) <= 80 for n in names)
+
+
+def test_no_fail_state_passes_on_a_states_error_name():
+    """LocalStack refuses a Fail state whose error starts with States.; every Fail state names the project's
+    own error and puts the caught one first in its cause, which the executors read back."""
+    from orchestrator.status import tidy_cause
+
+    for wf in [*WORKFLOWS.values(), *TOYS]:
+        asl = compile_workflow(wf, NamingResolver(region="eu-west-1", account="111122223333", stage="t"))
+        fails = [s for s in _all_states(asl) if s["Type"] == "Fail"]
+        assert fails and all(s["Error"] == "Shardfold.StepFailed" and "ErrorPath" not in s for s in fails)
+    payload = '{"errorType": "ValueError", "errorMessage": "bad"}'
+    assert (
+        tidy_cause(f"step s (item 3) failed: ValueError: {payload}")
+        == "step s (item 3) failed: ValueError: bad"
+    )
+    assert tidy_cause("step s failed: States.Timeout: ") == "step s failed: States.Timeout"
+    assert tidy_cause('step s failed: States.TaskFailed: {"StatusReason": "OOM"}') == (
+        "step s failed: States.TaskFailed: OOM"
+    )
+    assert (
+        tidy_cause("step s failed: States.Runtime: no such path")
+        == "step s failed: States.Runtime: no such path"
+    )
+
+
+def _all_states(asl: dict) -> list[dict]:
+    out = []
+    for state in asl["States"].values():
+        out.append(state)
+        for inner in [state.get("ItemProcessor"), *state.get("Branches", [])]:
+            if inner:
+                out += _all_states(inner)
+    return out
+
+
+def _map_states(states: dict) -> list[dict]:
+    found = []
+    for state in states.values():
+        if state["Type"] == "Map":
+            found.append(state)
+            found.extend(_map_states(state["ItemProcessor"]["States"]))
+        for branch in state.get("Branches", []):
+            found.extend(_map_states(branch["States"]))
+    return found
+
+
+@pytest.mark.parametrize("wf", [*WORKFLOWS.values(), *TOYS], ids=lambda wf: wf.kind)
+def test_every_map_child_outputs_nothing_that_grows(wf):
+    """A Distributed Map gathers each child's output (its terminal state's) into the Map's result, which must
+    fit 256 KiB even under ResultPath null (aws-cdk#24799): every terminal state of a child other than a
+    Fail state (which has no output) has OutputPath null, so a child's output is {}."""
+    maps = _map_states(compile_workflow(wf)["States"])
+    assert maps or wf.kind == "toyparts"
+    for state in maps:
+        children = state["ItemProcessor"]["States"]
+        terminal = [s for s in children.values() if s.get("End") or s["Type"] in ("Succeed", "Pass")]
+        assert terminal
+        for s in terminal:
+            assert "OutputPath" in s and s["OutputPath"] is None, s
+        # ...and only the terminal ones: a step before the last still passes its state on
+        assert all("OutputPath" not in s for s in children.values() if s.get("Next"))
+
+
+def test_only_the_map_body_ends_with_output_path_null():
+    inner = Parallel("fan", branches=((Task("a", "toy.square"),), (Task("b", "toy.square"),)))
+    wf = Workflow("m", (Task("plan", "toy.plan"), Map("work", items="$.plan.manifest", body=(inner,))))
+    asl = compile_workflow(wf)
+    validate(asl)
+    fan = asl["States"]["work"]["ItemProcessor"]["States"]["fan"]
+    assert fan["OutputPath"] is None
+    # a branch's last state keeps its output: the Parallel's ResultSelector reads it
+    assert all("OutputPath" not in s for b in fan["Branches"] for s in b["States"].values())
+    assert "OutputPath" not in asl["States"]["plan"]

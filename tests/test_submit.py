@@ -254,3 +254,39 @@ def test_watch_on_the_s3_store_holds_outputs_to_the_deployment(tmp_path, monkeyp
     assert watched.exit_code == 0, watched.output
     report = json.loads((drop / "out.error.json").read_text())
     assert report["errors"][0]["field"] == "output" and "outputPrefixes" in report["error"]
+
+
+def test_lambda_is_priced_at_the_deployed_architecture(tmp_path):
+    """The stack deploys arm64 unless lambdaArchitecture says x86_64; the plan prices the one deployed."""
+    from functions import pricing
+    from functions.estimate import Limits, estimate
+    from functions.kinds import WORKFLOWS
+    from functions.specs import parse_spec
+    from orchestrator.moto_harness import stack_sizes
+
+    root = f"file://{tmp_path}"
+    store.put(f"{root}/data/a.bin", b"x" * 1000)
+    spec = parse_spec({"kind": "getbatch", "items": [{"uri": "data/a.bin"}]})
+    deployed = stack_sizes(WORKFLOWS)
+    assert deployed["lambda_architecture"] == "arm64"
+    arm = estimate(spec, root, limits=Limits(deployed))
+    x86 = estimate(spec, root, limits=Limits({**deployed, "lambda_architecture": "x86_64"}))
+    local = estimate(spec, root)  # no stack: what `pulumi up` would deploy
+    ratio = x86.cost_usd["lambda_compute"] / arm.cost_usd["lambda_compute"]
+    assert ratio == pytest.approx(pricing.LAMBDA_USD_PER_GB_S_BY_ARCH["x86_64"] / 0.0000133334)
+    assert "Lambda priced at the arm64 rate" in local.notes and "Lambda priced at the arm64 rate" in arm.notes
+    assert "Lambda priced at the x86_64 rate" in x86.notes
+
+
+def test_plan_explain_lists_every_model_number_with_its_source(tmp_path, monkeypatch):
+    from functions import pricing
+
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    spec = tmp_path / "s.json"
+    (tmp_path / "home" / "data").mkdir(parents=True)
+    (tmp_path / "home" / "data" / "a.bin").write_bytes(b"x")
+    spec.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "data/a.bin"}]}))
+    res = CliRunner().invoke(cli, ["plan", str(spec), "--explain"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    for name, _value, _unit, source in pricing.MODEL:
+        assert name in res.output and source in res.output

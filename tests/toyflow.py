@@ -100,7 +100,17 @@ def batch_double(event: dict[str, Any], context: Any) -> None:
     store.put_json(_uri(event, "batch.json"), {"double": 2 * event["total"]["sum"]})
 
 
+def nap(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """Sleep ``spec["nap_s"]`` seconds (a task that runs past its timeout), then leave a marker."""
+    import time
+
+    time.sleep(float(_spec(event).get("nap_s", 0)))
+    store.put(_uri(event, "napped"), b"")
+    return {"napped": True}
+
+
 for _name, _fn in {
+    "toy.nap": nap,
     "toy.plan": plan,
     "toy.square": square,
     "toy.square_part": square_part,

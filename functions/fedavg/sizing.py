@@ -38,10 +38,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from functions import pricing
 from functions.errors import PlanError
 from functions.fedavg import kernels
 from functions.fedavg.layout import Tensor, encode_header
 from functions.store.pinning import Pin
+from functions.store.s3 import MAX_SINGLE_PUT
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every multipart part but the last
@@ -75,7 +77,7 @@ class Budget:
     memory_mb: int = AGGREGATE_MEMORY_MB  # the aggregate function's memory
     timeout_s: int = LAMBDA_TIMEOUT_S
     ephemeral_mb: int = 512  # /tmp of the aggregate function (Lambda's default)
-    read_bytes_per_s: float = 80 * MiB  # assumed S3 read throughput of one function (paper: 45-57 MB/s)
+    read_bytes_per_s: float = pricing.FEDAVG_READ_BYTES_PER_S  # one function's S3 reads (paper: 45-57 MB/s)
     time_fraction: float = 0.5  # share of the timeout a shard may take by that estimate
     min_shard_bytes: int = S3_MIN_PART
     target_shard_bytes: int = 64 * MiB
@@ -432,8 +434,9 @@ class StepLoad:
 
 
 def _upload_puts(nbytes: int) -> int:
-    """Requests of ``store.put_file`` on S3: one PUT, or create + parts + complete beyond 8 MiB."""
-    if nbytes < MULTIPART_CHUNK:
+    """Requests of ``store.put_file`` on S3: one PUT up to its single-PUT limit, else create + parts +
+    complete."""
+    if nbytes <= MAX_SINGLE_PUT:
         return 1
     return 2 + math.ceil(nbytes / MULTIPART_CHUNK)
 
@@ -637,7 +640,10 @@ def loads(spec: Any, probed: Any) -> Any:
         peak_bytes=c.peak_bytes,
         gets=c.gets,
         puts=c.puts,
-        duration_s=pricing.TASK_OVERHEAD_S + (c.gets + c.puts) * latency,  # server-side copies, one by one
+        # server-side copies, one by one: each a request plus its bytes at S3's copy rate
+        duration_s=pricing.TASK_OVERHEAD_S
+        + (c.gets + c.puts) * latency
+        + plan.data_bytes / pricing.S3_COPY_BYTES_PER_S,
         why="the plan document; the parts are joined server-side",
     )
     dtypes = ", ".join(f"{k} x{v}" for k, v in plan.dtype_counts().items())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from functions.workflow import BatchJob, Map, Parallel, Task, Workflow
 
-WORKER = dict(entry_point="inference.worker", vcpus=4, memory_mb=16384, gpus=1, timeout_s=4 * 3600)
+WORKER = dict(entry_point="inference.worker", vcpus=4, memory_mb=15000, gpus=1, timeout_s=4 * 3600)
 
 PREPARE = Task("prepare", "inference.prepare", memory_mb=1024, timeout_s=900)
 PREPROCESS_SHARD = Task(
