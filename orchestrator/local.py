@@ -271,12 +271,7 @@ class LocalExecutor:
         runs = [run for run in list(self._runs.values()) if not run.snapshot().finished]
         for run in runs:
             run.cancel.set()
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                _kill(proc)
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._kill_pool()
         for run in runs:
             for proc in list(run.children):
                 _kill(proc)
@@ -554,12 +549,7 @@ class LocalExecutor:
             future = self._process_pool().submit(call, path, state, enforce_timeout=True, **kwargs)
             return future.result(timeout=step.timeout_s + WORKER_START_S)
         except cf.TimeoutError:
-            with self._lock:
-                pool, self._pool = self._pool, None
-            if pool is not None:
-                for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                    _kill(proc)
-                pool.shutdown(wait=False, cancel_futures=True)
+            self._kill_pool()
             raise timed_out from None
         except cf.process.BrokenProcessPool:
             with self._lock:  # a worker died (out of memory?); the next call gets a fresh pool
@@ -567,6 +557,16 @@ class LocalExecutor:
             if broken is not None:
                 broken.shutdown(wait=False, cancel_futures=True)
             raise HandlerFailed("Runtime.ExitError", f"the worker process running {function} died") from None
+
+    def _kill_pool(self) -> None:
+        """Kill the process pool's workers now (whatever they run) and drop the pool; the next process-mode
+        task starts a fresh one. Python has no public way to reach the workers: ``_processes`` it is."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                _kill(proc)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _process_pool(self) -> cf.ProcessPoolExecutor:
         with self._lock:
