@@ -43,3 +43,38 @@ def aws_env(monkeypatch):
     # in-process moto answers botocore only: the CRT client (GetBatch's default, submit's size probe) talks
     # HTTP, so it needs a moto server (tests/test_get_batch.py's crt_bucket); here reads go through boto3
     monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", "boto3")
+
+
+@pytest.fixture
+def local_root(tmp_path, monkeypatch):
+    """A fresh local store root (``SHARDFOLD_HOME`` under the test's tmp dir)."""
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    from functions import store
+
+    return store.store_root()
+
+
+@pytest.fixture
+def s3_root(aws_env):
+    """An S3 store root in in-process moto: the bucket ``sf-test``."""
+    import boto3
+    from moto import mock_aws
+
+    with mock_aws():
+        boto3.client("s3").create_bucket(Bucket="sf-test")
+        yield "s3://sf-test"
+
+
+@pytest.fixture(scope="module")
+def moto_server():
+    """A moto server on loopback (for the CRT client, which speaks HTTP); its endpoint URL."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

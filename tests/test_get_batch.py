@@ -8,7 +8,6 @@ S3 through boto3 under ``mock_aws``, and S3 through awscrt against a moto server
 import hashlib
 import heapq
 import io
-import logging
 import queue
 import tarfile
 import threading
@@ -19,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from moto import mock_aws
-from moto.server import ThreadedMotoServer
 
 from functions import store
 from functions.errors import BatchItemError, InvalidRange, ObjectNotFound, SpecError, TooManySoftErrors
@@ -547,16 +545,6 @@ def test_s3_with_boto3_transport(aws_env, monkeypatch):
         _check(store.get_batch(request, continue_on_error=True, concurrency=4), expected)
         with pytest.raises(BatchItemError, match=r"item 7 \(s3://gb-boto3/nope\)"):
             list(store.get_batch(request))
-
-
-@pytest.fixture(scope="module")
-def moto_server():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture

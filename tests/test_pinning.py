@@ -7,41 +7,15 @@ the kinds' jobs (fedavg, getbatch, inference) further down: plan, change an inpu
 
 from __future__ import annotations
 
-import logging
 import os
 
 import boto3
 import pytest
-from moto import mock_aws
-from moto.server import ThreadedMotoServer
 
 from functions import store
 from functions.errors import BatchItemError, InputChanged
 from functions.store.pinning import Pin
 from functions.store.uri import join, local_path
-
-
-@pytest.fixture
-def local_root(tmp_path, monkeypatch):
-    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
-    return store.store_root()
-
-
-@pytest.fixture
-def s3_root(aws_env):
-    with mock_aws():
-        boto3.client("s3").create_bucket(Bucket="sf-pin")
-        yield "s3://sf-pin"
-
-
-@pytest.fixture(scope="module")
-def moto_server():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture

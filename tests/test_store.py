@@ -6,7 +6,6 @@ import threading
 
 import boto3
 import pytest
-from moto import mock_aws
 
 from functions import store
 from functions.errors import InvalidRange, ObjectNotFound, StoreError, UnsafeKey
@@ -14,19 +13,6 @@ from functions.store import s3 as s3mod
 from functions.store import uri as urimod
 
 MiB = 1024 * 1024
-
-
-@pytest.fixture
-def local_root(tmp_path, monkeypatch):
-    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
-    return store.store_root()
-
-
-@pytest.fixture
-def s3_root(aws_env):
-    with mock_aws():
-        boto3.client("s3").create_bucket(Bucket="sf-test")
-        yield "s3://sf-test"
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
