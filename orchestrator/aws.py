@@ -10,11 +10,11 @@ Takes the stack outputs (``client.stack``; the moto harness builds the same dict
 * errors: the ASL's Fail states word the cause as ``step <name> [(item <i>)] failed: <cause>``; a Map that
   failed because children failed is traced to its first failed child (``ListExecutions`` by map run).
 * cancel: ``StopExecution`` and ``TerminateJob`` for the job's Batch jobs (their names start with the id).
-* resume: ``RedriveExecution`` (re-runs only what failed); where that is refused (or unsupported, as in
-  moto) a fresh execution ``<job_id>-r<n>`` restarts it, and the tasks' idempotent writes skip done work.
-  The execution is the job's owner: resume is refused, naming the execution, while it runs, also when
-  another client redrove or restarted it a moment before (Step Functions refuses a second execution of
-  the same name, so of two restarts one wins).
+* resume: a fresh execution ``<job_id>-r<n>`` of the same job, never ``RedriveExecution`` (every error is
+  caught into a Fail state, and a redrive restarts from the unsuccessful state: that Fail state); the tasks'
+  idempotent writes skip the work already done. The execution is the job's owner: resume is refused,
+  naming the execution, while it runs, also when another client restarted it a moment before (Step
+  Functions refuses a second execution of the same name, so of two restarts one wins).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import boto3
 from aws_lambda_powertools import Logger
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
 
 from functions.access import Grants
 from functions.errors import PlanError, ShardfoldError
@@ -214,13 +214,10 @@ class AwsExecutor:
         if desc["status"] in ("RUNNING", "PENDING_REDRIVE"):
             # the execution is the job's owner on AWS (Step Functions refuses a second one of the same name)
             raise _still_running(job_id, arn)
-        try:
-            self._sfn.redrive_execution(executionArn=arn)
-            logger.info("job redriven", extra={"job_id": job_id, "execution_arn": arn})
-        except (ClientError, BotoCoreError) as exc:
-            if self._sfn.describe_execution(executionArn=arn)["status"] in ("RUNNING", "PENDING_REDRIVE"):
-                raise _still_running(job_id, arn) from exc  # another client redrove it just now
-            arn = self._restart(job_id, old.kind, arn, desc["input"], exc)
+        # Never RedriveExecution: every step's errors are caught into a Fail state, and a redrive restarts
+        # from the unsuccessful state, the Fail state itself. A new execution of the same job does only what
+        # is unfinished: every task finds its committed outputs (put-if-absent) and skips their work.
+        arn = self._restart(job_id, old.kind, arn, desc["input"])
         status = JobStatus(
             **{**old.to_record(), "state": "RUNNING", "error": None, "ended_at": None, "execution_arn": arn}
         )
@@ -338,7 +335,7 @@ class AwsExecutor:
                     best = (index, text)
         return best[1] if best else None
 
-    def _restart(self, job_id: str, kind: str, arn: str, execution_input: str, why: Exception) -> str:
+    def _restart(self, job_id: str, kind: str, arn: str, execution_input: str) -> str:
         """Start the job again as ``<job_id>-r<n>``; completed tasks' outputs make the re-run cheap."""
         name = arn.rsplit(":", 1)[-1]
         m = re.fullmatch(rf"{re.escape(job_id)}-r(\d+)", name)
@@ -353,10 +350,7 @@ class AwsExecutor:
                 raise
             other = f"{sm_arn.replace(':stateMachine:', ':execution:')}:{job_id}-r{n}"
             raise _still_running(job_id, other) from exc  # another client restarted it just now
-        logger.info(
-            "job restarted (redrive unavailable)",
-            extra={"job_id": job_id, "execution_arn": resp["executionArn"], "redrive_error": str(why)[:300]},
-        )
+        logger.info("job restarted", extra={"job_id": job_id, "execution_arn": resp["executionArn"]})
         return resp["executionArn"]
 
     def _terminate_batch_jobs(self, job_id: str) -> None:

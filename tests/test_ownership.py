@@ -478,8 +478,8 @@ EXEC_ARN = "arn:aws:states:us-east-1:123456789012:execution:shardfold-toy:job-1"
 
 
 class FakeSfn:
-    """What resume asks Step Functions: DescribeExecution answers ``statuses`` in turn; RedriveExecution is
-    refused; StartExecution of the restart finds another client's execution of that name."""
+    """What resume asks Step Functions: DescribeExecution answers ``statuses`` in turn; StartExecution of the
+    restart finds another client's execution of that name. Resume never redrives."""
 
     def __init__(self, *statuses: str):
         self.statuses = list(statuses)
@@ -489,9 +489,7 @@ class FakeSfn:
         return {"status": status, "input": "{}"}
 
     def redrive_execution(self, executionArn: str) -> None:
-        from botocore.exceptions import ClientError
-
-        raise ClientError({"Error": {"Code": "ExecutionNotRedrivable", "Message": "no"}}, "RedriveExecution")
+        raise AssertionError("resume must not redrive: it would re-run the Fail state")
 
     def start_execution(self, **kwargs) -> dict:
         from botocore.exceptions import ClientError
@@ -503,8 +501,7 @@ class FakeSfn:
     "statuses, running_in",
     [
         (("RUNNING",), EXEC_ARN),  # still running
-        (("FAILED", "RUNNING"), EXEC_ARN),  # another client redrove it between our look and our redrive
-        (("FAILED", "FAILED"), EXEC_ARN + "-r1"),  # another client restarted it as job-1-r1 just now
+        (("FAILED",), EXEC_ARN + "-r1"),  # another client restarted it as job-1-r1 just now
     ],
 )
 def test_aws_resume_is_refused_while_an_execution_runs_the_job(root, statuses, running_in):
