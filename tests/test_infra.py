@@ -361,10 +361,12 @@ def test_outputs_list_every_deployed_size_and_the_key_that_changes_it(stack, wor
         4, 15000, 1, 1800, sizes["batch"]["toy.batch_double"]["config"]
     )
     # the moto twin reports the same sizes for the same workflows (it has no dispatch function)
+    assert sizes["lambda_architecture"] == "arm64"  # the plan prices Lambda at the deployed rate
     twin = moto_harness.stack_sizes(workflows)
     assert twin == {
         "functions": {k: v for k, v in sizes["functions"].items() if k != "dispatch"},
         "batch": sizes["batch"],
+        "lambda_architecture": "arm64",
     }
 
 

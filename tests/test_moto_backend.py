@@ -113,7 +113,7 @@ def test_resume_after_failure(aws):
     job_id = start(aws, root, n=6, fail=[2])
     assert aws.wait(job_id, timeout_s=WAIT_S).state == "FAILED"
     fail_switch(root, job_id, False)
-    aws.resume(job_id)  # a new execution of the job, <job_id>-r1 (never a redrive: it would re-run the Fail state)
+    aws.resume(job_id)  # a new execution, <job_id>-r1 (a redrive would re-run the Fail state)
     status = aws.wait(job_id, timeout_s=WAIT_S)
     assert status.state == "SUCCEEDED", status.error
     assert status.execution_arn.endswith(f"{job_id}-r1")
