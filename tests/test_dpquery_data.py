@@ -427,6 +427,7 @@ def test_exact_without_noise_for_random_workloads(sizes, data_):
     _exact_roundtrip(sizes, workload, seed=d)
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_monte_carlo_unbiased_with_the_predicted_variance():
     """Reference case (dp-query.md §2.6, §7): domains [2,3,4], W = {(0),(0,1),(1,2)}, 2ρ = 1. R runs, each
     with noise from OpenDP's sampler (R draws per residual set in one call); Bonferroni bounds of §7."""

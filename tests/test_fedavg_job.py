@@ -154,6 +154,7 @@ def test_missing_client_fails_the_job_naming_it_and_writes_no_output(moto_client
     assert not store.exists(moto_client.uri("results/never.safetensors"))
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 @pytest.mark.parametrize("accumulate", ["float32", "float64"])
 def test_a_round_with_tiny_weights_succeeds_with_a_finite_model(local_client, accumulate):
     """Weights of 1e-50 (float32 casts them to 0) used to give an all-NaN model and SUCCEEDED."""
@@ -170,6 +171,7 @@ def test_a_round_with_tiny_weights_succeeds_with_a_finite_model(local_client, ac
         np.testing.assert_allclose(got[name].astype(np.float64), want, rtol=1e-2, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_a_round_whose_mean_is_nan_fails_naming_the_tensor(local_client):
     """Finite updates whose float32 weighted sum is Inf + -Inf = NaN: with allow_nonfinite (which admits
     NaN/Inf *updates*) the NaN model used to be written and the job SUCCEEDED."""
@@ -283,6 +285,7 @@ def test_save_update_and_load_round_trip_torch_state_dict(local_client):
     assert torch.equal(avg["0.bias"], state["0.bias"])  # the mean of two equal updates is the update
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_numpy_only_use_never_imports_torch(tmp_path):
     code = (
         "import sys, numpy as np\n"

@@ -171,6 +171,7 @@ def start_worker(root: str, job_id: str, spec_uri: str, attempt: int = 0) -> sub
 # ---------------------------------------------------------------------------------------------- model
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_minilm_matches_sentence_transformers(minilm):
     from sentence_transformers import SentenceTransformer
 
@@ -338,6 +339,7 @@ def test_repair_attempt_without_missing_exits_at_once(root, tiny_uri):
 # ---------------------------------------------------------------------------------------------- processes
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_streaming_first_commit_lands_before_the_cpu_stage_ends(root, tiny_uri):
     shards = [sentences(6, seed=30 + k) for k in range(4)]
     _, spec_uri = make_job(root, "stream", shards, {"torchscript": tiny_uri})
@@ -356,6 +358,7 @@ def test_streaming_first_commit_lands_before_the_cpu_stage_ends(root, tiny_uri):
     assert markers(root, "stream") == {0, 1, 2, 3}
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_kill_9_then_repair_recomputes_only_uncommitted_shards(root, tiny_uri):
     shards = [sentences(6, seed=40 + k) for k in range(6)]
     spec, spec_uri = make_job(root, "kill", shards, {"torchscript": tiny_uri})

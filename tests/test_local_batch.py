@@ -70,6 +70,7 @@ def test_runs_the_entry_point_in_a_child_process(tmp_path):
     assert call["pid"] != os.getpid()
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_exit_75_is_retried_like_the_job_definition(tmp_path):
     _run("flaky", tmp_path, fail_times=BATCH_ATTEMPTS - 1)
     calls = _calls(tmp_path / "log.jsonl")
@@ -77,6 +78,7 @@ def test_exit_75_is_retried_like_the_job_definition(tmp_path):
     assert len({c["pid"] for c in calls}) == BATCH_ATTEMPTS  # a fresh container each attempt
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_attempts_are_bounded(tmp_path):
     with pytest.raises(HandlerFailed) as info:
         _run("flaky", tmp_path, fail_times=BATCH_ATTEMPTS)

@@ -443,6 +443,7 @@ def test_a_signal_to_shardfold_run_ends_its_workers_and_records_interrupted(hold
     assert ownership.current(hold["root"], job_id).released
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_the_lifeline_runs_a_module_as_main_and_ends_it_with_its_parent(tmp_path):
     """How a Batch container starts (``python -m orchestrator.lifeline functions.container``): the module
     runs as ``__main__``, and ends once the process that started it is gone (here it exits at once)."""

@@ -79,6 +79,7 @@ def test_duplicate_delivery_does_not_start_twice(root):
     assert third["job_id"] != first["job_id"] and len(start.calls) == 2
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_concurrent_deliveries_of_one_event_start_one_job(root):
     # two copies of one bucket event, both past the "already dispatched?" check before either reports
     import threading
