@@ -8,7 +8,7 @@ by a hash of their inputs, so a re-run with unchanged sources and dependencies b
 
 from __future__ import annotations
 
-import ast
+import functools
 import glob
 import json
 import os
@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -165,22 +164,35 @@ def test_image_only_dependencies_are_base_runtime_dependencies_kept_out_of_the_z
     assert not set(IMAGE_ONLY) & set(LAMBDA_EXCLUDE)
 
 
-def _parse(path: Path) -> ast.Module:
-    """``ast.parse`` on a thread of its own: CPython 3.11's parser keeps a per-thread recursion count that
-    code run earlier on the same thread can leave off (a SystemError "AST constructor recursion depth
-    mismatch" seen once in CI after pulumi's mocks ran on that pytest worker); a new thread starts at zero."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(ast.parse, path.read_text(), str(path)).result()
-
-
-def _imports(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(_parse(path)):
+# Parsed in a child process: CPython 3.11.7 keeps the AST converter's recursion depth in per-interpreter
+# state (gh-106905), so an ``ast.parse`` racing another thread of this process (pulumi's mocks leave some)
+# fails with "AST constructor recursion depth mismatch": seen in CI, on a fresh thread too.
+_IMPORTS_SCRIPT = r"""
+import ast, json, sys
+out = {}
+for path in sys.argv[1:]:
+    names = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
-    return names
+    out[path] = sorted(names)
+print(json.dumps(out))
+"""
+
+
+@functools.cache
+def _all_imports() -> dict[Path, set[str]]:
+    """The top-level names each ``.py`` file under ``functions/`` imports (absolute imports only)."""
+    paths = sorted(str(p) for p in (REPO / "functions").rglob("*.py"))
+    argv = [sys.executable, "-c", _IMPORTS_SCRIPT, *paths]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120)
+    return {Path(k): set(v) for k, v in json.loads(done.stdout).items()}
+
+
+def _imports(path: Path) -> set[str]:
+    return _all_imports()[path]
 
 
 def test_image_only_dependencies_are_imported_only_by_image_kinds():
