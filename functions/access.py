@@ -130,19 +130,28 @@ def _where(field: str) -> str:
     return f"{field}: " if field else ""
 
 
-def _stays_inside(full: str, store_root: str, uri: str, field: str) -> None:
-    """On the local store, refuse a path under the root that a symbolic link takes outside it."""
+def _stays_inside(full: str, store_root: str, uri: str, field: str, checked: set[str] | None = None) -> None:
+    """On the local store, refuse a path under the root that a symbolic link takes outside it.
+
+    ``checked``: folders already found not to be links in this pass; a caller checking many paths (a request
+    names thousands, mostly in a few folders) passes one set, so each folder costs one ``lstat``."""
     if not (is_file(full) and is_file(store_root)):
         return
     path, root = posixpath.normpath(full[len(FILE) :]), posixpath.normpath(store_root[len(FILE) :])
     if not path.startswith(root + "/"):
         return  # a file:// path elsewhere: the user's own machine
-    # one lstat per component below the root (a request names thousands of paths); only a link resolves
+    # one lstat per component below the root, not a realpath: only a link needs resolving
+    parts = path[len(root) + 1 :].split("/")
     at = root
-    for part in path[len(root) + 1 :].split("/"):
+    for depth, part in enumerate(parts, 1):
         at += "/" + part
+        folder = depth < len(parts)
+        if folder and checked is not None and at in checked:
+            continue
         try:
             if not stat.S_ISLNK(os.lstat(at).st_mode):
+                if folder and checked is not None:
+                    checked.add(at)
                 continue
         except OSError:
             return  # not there (yet): nothing below it can be a link
@@ -163,14 +172,21 @@ def _other_bucket(full: str, store_root: str) -> tuple[str, str] | None:
     return (bucket, key) if bucket != split_s3(store_root)[0] else None
 
 
-def input_uri(uri: str, store_root: str, field: str = "", grants: Grants | None = None) -> str:
+def input_uri(
+    uri: str,
+    store_root: str,
+    field: str = "",
+    grants: Grants | None = None,
+    checked: set[str] | None = None,
+) -> str:
     """The full URI of something a job reads; :class:`UnsafeKey` naming ``field`` when it may not.
 
-    ``grants``: the deployment's (default: from the environment, as the deployed functions have them)."""
+    ``grants``: the deployment's (default: from the environment, as the deployed functions have them).
+    ``checked``: see :func:`_stays_inside` (for a caller checking many URIs)."""
     full = _full(uri, store_root)
     if is_s3(store_root) and is_file(full):
         raise UnsafeKey(f"{_where(field)}{uri} is a local file; the S3 store reads only s3:// objects")
-    _stays_inside(full, store_root, uri, field)
+    _stays_inside(full, store_root, uri, field, checked)
     other = _other_bucket(full, store_root)
     grants = _grants(grants, store_root)
     if other is not None and grants is not None and not grants.may_read(*other):
@@ -249,31 +265,35 @@ def _real(uri: str) -> str:
     return os.path.realpath(uri[len(FILE) :])
 
 
-def _same_object(a: str, b: str) -> bool:
-    if is_file(a) and is_file(b):
-        return _real(a) == _real(b)
-    return a == b
+def _identity(uri: str) -> tuple[str, str]:
+    """What two URIs share when they name the same object: a file's resolved path (what the filesystem will
+    open), else the URI itself."""
+    return ("file", _real(uri)) if is_file(uri) else ("uri", uri)
 
 
-def _under(prefix: str, uri: str) -> bool:
-    if is_file(prefix) and is_file(uri):
-        p, u = _real(prefix), _real(uri)
-    elif prefix.startswith(S3) and uri.startswith(S3):
-        p, u = prefix.rstrip("/"), uri
-    else:
+def _holds(prefix: tuple[str, str], uri: tuple[str, str]) -> bool:
+    """Whether ``uri`` lies under ``prefix`` (both from :func:`_identity`)."""
+    if prefix[0] != uri[0] or (prefix[0] == "uri" and not prefix[1].startswith(S3)):
         return False
-    return u == p or u.startswith(p + "/")
+    p = prefix[1].rstrip("/")
+    return uri[1] == p or uri[1].startswith(p + "/")
 
 
 def not_an_input(
     output: str, inputs: Iterable[tuple[str, str]], field: str = "", prefix: bool = False
 ) -> None:
     """Refuse an ``output`` (full URI) that is one of the job's ``inputs`` (``(field, full uri)`` pairs),
-    or, when it is a ``prefix`` the job writes under, that holds one of them."""
+    or, when it is a ``prefix`` the job writes under, that holds one of them. Each distinct input is
+    resolved once: a request may name one object thousands of times."""
+    first: dict[str, str] = {}
     for where, uri in inputs:
-        if _same_object(output, uri) or (prefix and _under(output, uri)):
-            what = "holds" if prefix and not _same_object(output, uri) else "is"
+        first.setdefault(uri, where)
+    out = _identity(output)
+    for uri, where in first.items():
+        it = _identity(uri)
+        same = it == out
+        if same or (prefix and _holds(out, it)):
             raise UnsafeKey(
-                f"{_where(field)}{output} {what} the job's input {where or uri}; a job may not overwrite "
-                "what it reads: choose another output"
+                f"{_where(field)}{output} {'is' if same else 'holds'} the job's input {where or uri}; a job "
+                "may not overwrite what it reads: choose another output"
             )

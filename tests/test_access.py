@@ -81,6 +81,48 @@ def test_no_symbolic_link_leads_out_of_the_local_store(tmp_path):
         )
 
 
+def test_a_request_checks_each_folder_once_and_still_finds_a_link_out(tmp_path, monkeypatch):
+    """Thousands of items in a few folders cost one lstat per folder, not one per path component per item;
+    a link out of the store among them is still refused, naming its item."""
+    import os
+
+    root = tmp_path / "store"
+    (root / "data" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "secret").write_bytes(b"s")
+    (root / "data" / "out").symlink_to(tmp_path / "elsewhere")
+    for k in range(200):
+        (root / "data" / "a" / "b" / f"{k}.bin").write_bytes(b"x")
+    store_root = f"file://{root}"
+    items = [{"uri": f"data/a/b/{k}.bin"} for k in range(200)]
+    calls = []
+    real_lstat = os.lstat
+    monkeypatch.setattr(os, "lstat", lambda path, *a, **kw: calls.append(path) or real_lstat(path, *a, **kw))
+    assert len(getbatch.load_items(GetBatchJob(kind="getbatch", items=items), store_root)) == 200
+    assert len(calls) == 200 + 3  # each file, and data/, data/a/, data/a/b/ once
+    with pytest.raises(SpecError, match="symbolic link") as err:
+        linked = GetBatchJob(kind="getbatch", items=[*items, {"uri": "data/out/secret"}])
+        getbatch.load_items(linked, store_root)
+    assert [e["field"] for e in err.value.errors] == ["items.200.uri"]
+
+
+def test_an_output_is_checked_against_each_distinct_input_once(tmp_path, monkeypatch):
+    calls = []
+    real = access._real
+    monkeypatch.setattr(access, "_real", lambda uri: calls.append(uri) or real(uri))
+    store_root = f"file://{tmp_path}"
+    inputs = [(f"items.{k}.uri", f"{store_root}/data/x.bin") for k in range(1000)]
+    access.not_an_input(f"{store_root}/out.tar", inputs, "output")
+    assert len(calls) == 2  # the output and the one object
+    with pytest.raises(UnsafeKey, match="output: .* is the job's input items.0.uri"):
+        access.not_an_input(f"{store_root}/data/x.bin", inputs, "output")
+    with pytest.raises(UnsafeKey, match="holds the job's input items.0.uri"):
+        access.not_an_input(f"{store_root}/data/", inputs, "output", prefix=True)
+    with pytest.raises(UnsafeKey, match="holds"):
+        access.not_an_input("s3://b/data", [("inputs.0", "s3://b/data/x.bin")], "output", prefix=True)
+    access.not_an_input("s3://b/dat", [("inputs.0", "s3://b/data/x.bin")], "output", prefix=True)
+
+
 def test_keys_with_nul_or_dotdot_are_refused():
     for bad in ("a/\x00b", "a/../b", "../b"):
         with pytest.raises(UnsafeKey):

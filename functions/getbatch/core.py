@@ -73,10 +73,11 @@ def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
         raw, lines = _read_manifest(spec.manifest, store_root)
     items = []
     errors = []
+    checked: set[str] = set()  # folders found not to be links, shared by every item's check
     for i, doc in enumerate(raw):
         where = f" (manifest line {lines[i]})" if lines is not None else ""
         try:
-            items.append(parse_item(doc, store_root))
+            items.append(parse_item(doc, store_root, checked=checked))
         except ValidationError as exc:
             errors += [
                 {"field": e["field"], "error": e["error"] + where}
@@ -134,15 +135,16 @@ def _read_manifest(manifest: str, store_root: str) -> tuple[list[Any], list[int]
     return raw, lines
 
 
-def parse_item(doc: Any, store_root: str, field: str = "") -> BatchItem:
-    """One item of a request (a bare URI is shorthand for a whole object), its URI resolved and allowed."""
+def parse_item(doc: Any, store_root: str, field: str = "", checked: set[str] | None = None) -> BatchItem:
+    """One item of a request (a bare URI is shorthand for a whole object), its URI resolved and allowed
+    (``checked``: see :func:`functions.access.input_uri`)."""
     if not isinstance(doc, str | dict):
         raise ValueError(
             f'an item is a URI string or an object {{"uri": ..., "start", "length", "archpath", '
             f'"name"}}, got {json_type(doc)}'
         )
     item = BatchItem.model_validate({"uri": doc} if isinstance(doc, str) else doc)
-    return item.model_copy(update={"uri": access.input_uri(item.uri, store_root, field)})
+    return item.model_copy(update={"uri": access.input_uri(item.uri, store_root, field, checked=checked)})
 
 
 def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
@@ -155,15 +157,16 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
     reads = Counter(item.uri for item in items)
     shards = {item.uri for item in items if item.archpath is not None}
     shared = [u for u, n in reads.items() if n > 1 or u in shards]
-    pins = store.pins(shared)  # None: missing (a soft error later)
+    pins = {u: pin.to_doc() for u, pin in store.pins(shared).items() if pin is not None}  # None: missing
     size = spec.items_per_part
     n_parts = math.ceil(len(items) / size)
     manifest = []
     for p in range(n_parts):
         chunk = items[p * size : (p + 1) * size]
         uri = job_uri(store_root, job_id, STAGE, "parts", f"{p:05d}.json")
-        part_pins = {i.uri: pin.to_doc() for i in chunk if (pin := pins.get(i.uri)) is not None}
-        store.put_json(uri, {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins})
+        part_pins = {i.uri: pins[i.uri] for i in chunk if i.uri in pins}
+        part_doc = {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins}
+        store.put_json(uri, part_doc, indent=None)
         manifest.append({"part": p, "first": p * size, "count": len(chunk), "of": n_parts})
     manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
     store.put_json(manifest_uri, manifest)
