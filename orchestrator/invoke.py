@@ -9,8 +9,11 @@ lets a process-pool worker report any exception (even one whose constructor take
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -150,3 +153,19 @@ def call(
         if isinstance(exc, TypeError | ValueError) and "JSON serializable" in str(exc):
             name = "States.Runtime"
         raise HandlerFailed(name, str(exc), isinstance(exc, ShardfoldError), traceback.format_exc()) from None
+
+
+def call_in_worker(
+    environ: dict[str, str], sys_path: list[str], handler_path: str, event: dict[str, Any], **kw: Any
+) -> Any:
+    """A local process-pool worker's entry: :func:`call` with ``enforce_timeout``, in the environment and on
+    the import path of the process running the job. A worker is forked from the pool's fork server, which
+    holds the environment of the moment it started; the job's process may have changed its own since (as a
+    Lambda function runs with its configured environment, not the one it was created with)."""
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    if sys.path != sys_path:
+        sys.path[:] = sys_path
+        importlib.invalidate_caches()
+    return call(handler_path, event, enforce_timeout=True, **kw)

@@ -6,8 +6,12 @@ orderly way (``shardfold run`` gets SIGTERM, SIGINT or SIGHUP) it kills them its
 (:meth:`orchestrator.local.LocalExecutor.interrupt`). When it is killed outright (``kill -9``, the
 out-of-memory killer) nothing runs in it, so each worker watches for itself:
 
-* every worker polls ``os.getppid()`` on a daemon thread (:func:`watch_parent`) and exits once its parent
-  is gone (the kernel then gives it another parent), within :data:`POLL_S`;
+* a Batch container polls ``os.getppid()`` on a daemon thread (:func:`watch_parent`) and exits once its
+  parent is gone (the kernel then gives it another parent), within :data:`POLL_S`;
+* a process-pool worker's parent is the pool's fork server, which lives as long as any worker does (each
+  holds the server's "alive" pipe), so a worker watches the process running the job instead
+  (:func:`watch_process`, a pidfd: woken the moment it ends, with no pid-reuse race); then the server
+  ends too;
 * a Batch container is also started through this module (``python -m orchestrator.lifeline
   functions.container``), which on Linux asks the kernel for SIGKILL when its parent thread ends
   (``PR_SET_PDEATHSIG``) before running the container module as ``__main__``. The thread that starts a
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import select
 import signal
 import sys
 import threading
@@ -51,6 +56,31 @@ def watch_parent(parent: int, poll_s: float = POLL_S) -> None:
     threading.Thread(target=loop, name="shardfold-lifeline", daemon=True).start()
 
 
+def watch_process(pid: int, poll_s: float = POLL_S) -> None:
+    """Exit this process once process ``pid`` has ended: woken by a pidfd on Linux, else by polling."""
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _leave()
+    except (AttributeError, OSError):  # no pidfds here (not Linux, or older than 5.3)
+        fd = None
+
+    def loop() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has ended
+            _leave()
+        while True:
+            time.sleep(poll_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                _leave()
+            except PermissionError:
+                pass
+
+    threading.Thread(target=loop, name="shardfold-lifeline", daemon=True).start()
+
+
 def kill_with_parent() -> bool:
     """Linux: have the kernel SIGKILL this process when its parent (thread) ends. False elsewhere."""
     if not sys.platform.startswith("linux"):
@@ -64,9 +94,10 @@ def kill_with_parent() -> bool:
         return False
 
 
-def pool_worker_init(parent: int) -> None:
-    """``ProcessPoolExecutor`` initializer: the worker exits once ``parent`` is gone."""
-    watch_parent(parent)
+def pool_worker_init(owner: int) -> None:
+    """``ProcessPoolExecutor`` initializer: the worker exits once ``owner`` (the process whose pool it is)
+    has ended."""
+    watch_process(owner)
 
 
 def child_command(module: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import pytest
@@ -74,6 +75,30 @@ def test_toy_end_to_end(root, mode):
     assert done == sorted(done)  # progress only moves forward
     # the record on disk tells another process the same
     assert LocalExecutor(store_root=root).status(job_id).state == "SUCCEEDED"
+
+
+def test_a_process_task_runs_in_the_jobs_current_environment_and_import_path(root, tmp_path, monkeypatch):
+    """Pool workers are forked from a fork server started with an earlier environment; each task still sees
+    the environment and ``sys.path`` the job's process has when it runs the task (as a spawned worker did)."""
+    import sys
+
+    wf = Workflow(kind="toy", steps=(Task("where", "toy.whereabouts", mode="process"),))
+
+    def seen(**spec) -> dict:
+        with make(root, wf) as ex:
+            job_id, status = run(ex, root, **spec)
+        assert status.state == "SUCCEEDED", status.error
+        return store.get_json(join(root, "jobs", job_id, "toy", "whereabouts.json"))
+
+    monkeypatch.setenv("TOY_MARK", "first")
+    first = seen()
+    assert first["mark"] == "first" and first["pid"] != os.getpid()
+    monkeypatch.setenv("TOY_MARK", "second")
+    (tmp_path / "later_mod").mkdir()
+    (tmp_path / "later_mod" / "toy_later.py").write_text("VALUE = 42\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "later_mod"), *sys.path])
+    again = seen(module="toy_later")
+    assert (again["mark"], again["value"]) == ("second", 42)
 
 
 def test_transient_errors_are_retried(root):

@@ -109,7 +109,20 @@ def nap(event: dict[str, Any], context: Any) -> dict[str, Any]:
     return {"napped": True}
 
 
+def whereabouts(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """What the task sees: its pid, ``$TOY_MARK``, and ``VALUE`` of the module ``spec["module"]``."""
+    import importlib
+    import os
+
+    module = _spec(event).get("module")
+    seen = {"pid": os.getpid(), "mark": os.environ.get("TOY_MARK")}
+    seen["value"] = importlib.import_module(module).VALUE if module else None
+    store.put_json(_uri(event, "whereabouts.json"), seen)
+    return {}
+
+
 for _name, _fn in {
+    "toy.whereabouts": whereabouts,
     "toy.nap": nap,
     "toy.plan": plan,
     "toy.square": square,
