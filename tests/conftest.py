@@ -78,3 +78,16 @@ def moto_server():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``make test-fast`` (``-m "not slow"``) does not even import a module that is slow as a whole
+    (``pytestmark = pytest.mark.slow`` at its top level): every one of its tests would be deselected, and
+    importing them (moto, pulumi, the job harnesses) was a large share of the fast tier's time."""
+    if collection_path.suffix != ".py" or (config.option.markexpr or "").strip() != "not slow":
+        return None
+    try:
+        text = collection_path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return True if "\npytestmark = pytest.mark.slow\n" in text else None

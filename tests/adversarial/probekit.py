@@ -41,5 +41,17 @@ def seed(env: Env) -> None:
 
 
 def snapshot(root: str) -> dict[str, str]:
-    """``{uri: sha256}`` of every object in the store."""
+    """A fingerprint of every object in the store, ``{uri: ...}``: on S3 its ETag (the MD5 of what a single
+    PUT wrote), size and last-modified time, from the listing (a GET per object made every probe slower than
+    the last, as the store filled); locally the sha256 of its bytes."""
+    if root.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = root[len("s3://") :].partition("/")
+        pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return {
+            f"s3://{bucket}/{o['Key']}": f"{o['ETag']}:{o['Size']}:{o['LastModified'].isoformat()}"
+            for page in pages
+            for o in page.get("Contents", [])
+        }
     return {u: hashlib.sha256(store.get(u)).hexdigest() for u in store.list_uris(root + "/")}
