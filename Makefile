@@ -40,7 +40,7 @@ test: lint
 	$(PYTEST)
 
 test-fast: lint
-	$(PYTEST) -m "not slow"
+	SHARDFOLD_TEST_TIER=fast $(PYTEST) -m "not slow"
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/getbatch.py

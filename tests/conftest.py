@@ -15,8 +15,11 @@ so the tests that set ``COLUMNS`` for wide tables would get 80 columns.
 """
 
 import os
+import re
 
 import pytest
+from hypothesis import settings
+from tiers import FAST, FAST_EXAMPLES
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -90,4 +93,10 @@ def pytest_ignore_collect(collection_path, config):
         text = collection_path.read_text(encoding="utf-8")
     except OSError:
         return None
-    return True if "\npytestmark = pytest.mark.slow\n" in text else None
+    return True if re.search(r"^pytestmark = .*\bpytest\.mark\.slow\b", text, re.MULTILINE) else None
+
+
+# Property tests that name no example count get Hypothesis's default (100), or few in the fast tier.
+settings.register_profile("fast", max_examples=FAST_EXAMPLES)
+if FAST:
+    settings.load_profile("fast")

@@ -224,6 +224,7 @@ def test_job_errors_with_markup_print_literally_in_run_status_and_jobs(home, tmp
     shows_literally(invoke("jobs").output)
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_dpquery_names_with_markup_print_literally_in_plan_run_and_result(home, tmp_path, wide):
     # attribute names are the dataset's column names: they head the plan's tables and name each marginal
     rows = [",".join(MARKUP)] + [",".join("ab"[(i >> k) & 1] for k in range(3)) for i in range(64)]

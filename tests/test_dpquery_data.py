@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from functions.dpquery import data, ledger, planner
 from functions.dpquery import measure as mz
@@ -415,7 +416,7 @@ def test_exact_without_noise_on_the_reference_case():
     _exact_roundtrip([5, 2, 3, 2], [(0, 1, 2, 3), (1,), (0, 3)], seed=1)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     sizes=st.lists(st.integers(2, 5), min_size=1, max_size=4),
     data_=st.data(),

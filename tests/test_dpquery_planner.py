@@ -110,6 +110,7 @@ def test_regression_case_2_3_4():
     assert list(p.subsets(2)) == sorted(idx[s] for s in [(), (1,), (2,), (1, 2)])
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_d100_all_3way_from_a_spec():
     spec = parse_spec(
         {

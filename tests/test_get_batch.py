@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from moto import mock_aws
+from tiers import examples
 
 from functions import store
 from functions.errors import BatchItemError, InvalidRange, ObjectNotFound, SpecError, TooManySoftErrors
@@ -137,7 +138,7 @@ class DelayedTransport:
 # --- order, duplicates, memory (fake transports) ----------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=12),
     picks=st.lists(st.integers(0, 100), min_size=1, max_size=60),
@@ -162,7 +163,7 @@ def test_order_under_random_delays(sizes, picks, delays, concurrency, extra_wind
     assert stream.stats.peak_in_flight <= concurrency
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=40), window=st.integers(1, 6))
 def test_peak_buffered_bytes_within_window_times_largest(sizes, window):
     objects = {f"s3://bkt/o{i}": obj(i, n) for i, n in enumerate(sizes)}

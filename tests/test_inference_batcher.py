@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from functions.inference.batcher import (
     fixed_size_batches,
@@ -19,7 +20,7 @@ lengths_st = st.lists(st.integers(min_value=0, max_value=300), min_size=0, max_s
 budget_st = st.integers(min_value=1, max_value=4096)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(lengths_st, budget_st)
 def test_each_row_exactly_once_and_budget_kept(lengths, budget):
     batches = token_budget_batches(lengths, budget)
@@ -31,7 +32,7 @@ def test_each_row_exactly_once_and_budget_kept(lengths, budget):
         assert padded <= budget or (len(b) == 1 and max(lengths[b[0]], 1) > budget)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(lengths_st, budget_st)
 def test_restore_order(lengths, budget):
     batches = token_budget_batches(lengths, budget)
@@ -44,7 +45,7 @@ def test_restore_order(lengths, budget):
     assert out[:, 1].tolist() == list(lengths)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(lengths_st, st.integers(min_value=1, max_value=64))
 def test_sorted_padding_not_above_unsorted(lengths, batch_size):
     # A theorem for equal-size batches: contiguous chunks of the sorted order minimise padding. (A short
@@ -75,7 +76,7 @@ def _best_cost_brute_force(lengths, budget, overhead):
     return best
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=10),
     st.integers(min_value=1, max_value=120),
@@ -98,7 +99,7 @@ def _greedy(lengths, budget):
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(lengths_st, budget_st)
 def test_never_costs_more_than_greedy_filling(lengths, budget):
     overhead = budget // 16

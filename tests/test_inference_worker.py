@@ -185,6 +185,7 @@ def test_minilm_matches_sentence_transformers(minilm):
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_batching_does_not_change_outputs(minilm):
     texts = sentences(6, seed=2)
     ids, offsets = tokenize(texts, MAX_TOKENS)
@@ -206,6 +207,7 @@ def test_model_identity_needs_no_torch_and_tracks_bytes(tmp_path, tiny_uri):
 # ---------------------------------------------------------------------------------------------- user models
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_torchscript_and_torch_export_models(root, tmp_path, tiny_uri):
     texts = sentences(12, seed=3)
     ids, offsets = tokenize(texts, MAX_TOKENS)

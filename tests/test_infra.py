@@ -120,8 +120,9 @@ class Mocks(pulumi.runtime.Mocks):
         raise AssertionError(f"unexpected call {token}")
 
 
-# pulumi_aws warns about deprecated resource classes this program does not use.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# pulumi_aws warns about deprecated resource classes this program does not use. Slow: the whole Pulumi program
+# runs under mocks, several times per test.
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.slow]
 
 MOCKS = Mocks()
 pulumi.runtime.set_mocks(MOCKS, preview=False)

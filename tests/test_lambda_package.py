@@ -308,6 +308,7 @@ def test_zip_is_deterministic(tmp_path):
     assert [(i.external_attr >> 16) & 0o777 for i in infos] == [0o755, 0o644, 0o644]
 
 
+@pytest.mark.slow  # builds a package with pip
 def test_host_package_fits_lambda_and_holds_only_functions_and_their_deps(host_build):
     zip_path = host_build[0]
     report = package.package_report(zip_path)
@@ -346,6 +347,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # builds a package with pip
 def test_host_package_imports_every_handler_in_isolation(host_build, host_dir, tmp_path):
     """Each Lambda handler imports, with ``sys.path`` = the package plus the standard library only."""
     _, python, _ = host_build
@@ -378,6 +380,7 @@ def test_host_package_imports_every_handler_in_isolation(host_build, host_dir, t
     assert "ignored" in out["dispatch"]  # the packaged dispatch handler ran (powertools' parser, pydantic)
 
 
+@pytest.mark.slow  # builds a package with pip
 @pytest.mark.parametrize("which", ["host", "other"])
 def test_zips_hold_none_of_the_image_only_dependencies(which, request):
     zip_path = (
@@ -389,6 +392,7 @@ def test_zips_hold_none_of_the_image_only_dependencies(which, request):
     assert not set(report["top_level"]) & {"opendp", "pyarrow", "cvxpy", "scipy", "scs", "osqp", "clarabel"}
 
 
+@pytest.mark.slow  # builds a package with pip
 def test_other_arch_package_fits_has_no_torch_and_is_built_for_that_cpu(other_zip):
     report = package.package_report(other_zip)
     assert report["has_torch"] is False and report["fits"]
@@ -399,6 +403,7 @@ def test_other_arch_package_fits_has_no_torch_and_is_built_for_that_cpu(other_zi
     assert libs and machines == {EM_MACHINE[OTHER_ARCH]}
 
 
+@pytest.mark.slow  # builds a package with pip
 def test_a_second_build_comes_from_the_cache_byte_identical(host_build, tmp_path, monkeypatch):
     zip_path, _, version = host_build
 
@@ -410,6 +415,7 @@ def test_a_second_build_comes_from_the_cache_byte_identical(host_build, tmp_path
     assert again.read_bytes() == zip_path.read_bytes()
 
 
+@pytest.mark.slow  # builds a package with pip
 def test_size_limits_name_the_largest_distributions(host_build, monkeypatch):
     report = package.package_report(host_build[0])
     monkeypatch.setattr(package, "LAMBDA_UNZIPPED_MAX", 2**20)
@@ -433,6 +439,7 @@ def test_report_spots_torch_in_a_zip(tmp_path):
         package._check_size(report, None)
 
 
+@pytest.mark.slow  # builds a package with pip
 def test_an_unreachable_index_is_a_clear_build_error(tmp_path, monkeypatch):
     # what the builds above raise (and the fixture turns into a test failure) when PyPI cannot be reached
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no configured mirrors or find-links either

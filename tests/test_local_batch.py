@@ -63,6 +63,7 @@ def _run(fn, tmp_path, cancel=None, timeout_s=60, **event):
     )
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_runs_the_entry_point_in_a_child_process(tmp_path):
     _run("ok", tmp_path, out=str(tmp_path / "out.json"), value=21)
     assert json.loads((tmp_path / "out.json").read_text()) == 42
@@ -87,6 +88,7 @@ def test_attempts_are_bounded(tmp_path):
     assert len(_calls(tmp_path / "log.jsonl")) == BATCH_ATTEMPTS
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_a_user_error_fails_at_once_with_its_message(tmp_path):
     with pytest.raises(HandlerFailed) as info:
         _run("user_error", tmp_path)
@@ -94,6 +96,7 @@ def test_a_user_error_fails_at_once_with_its_message(tmp_path):
     assert "data/x.jsonl line 3" in info.value.message
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_a_killed_container_fails_naming_the_signal_and_is_not_retried(tmp_path):
     with pytest.raises(HandlerFailed) as info:
         _run("crash", tmp_path)
@@ -102,6 +105,7 @@ def test_a_killed_container_fails_naming_the_signal_and_is_not_retried(tmp_path)
     assert len(_calls(tmp_path / "log.jsonl")) == 1  # exit 137 matches the table's EXIT row
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_attempt_duration_is_enforced(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(HandlerFailed) as info:
@@ -110,6 +114,7 @@ def test_attempt_duration_is_enforced(tmp_path):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow  # end to end: a job, a model or child processes
 def test_cancel_terminates_the_container(tmp_path):
     cancel = threading.Event()
     log = tmp_path / "log.jsonl"

@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 from toyflow import parts_workflow, toy_workflow
 
 from functions.errors import PlanError
@@ -304,7 +305,7 @@ def _steps(depth: int) -> st.SearchStrategy:
     return st.lists(st.one_of(leaf, compound), min_size=1, max_size=3).map(tuple)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_steps(2))
 def test_any_plan_compiles_to_valid_asl(steps):
     wf = Workflow("prop", (Task(_name(), "toy.plan"), *steps))

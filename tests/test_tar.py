@@ -7,6 +7,7 @@ import tarfile
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from functions.store.batch import BatchEntry
 from functions.store.tar import TAR_FORMAT, TAR_TRAILER, find_member, index_tar, tar_header, write_tar
@@ -31,7 +32,7 @@ def _tar(entries) -> bytes:
     return buf.getvalue()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(entries_strategy())
 def test_write_tar_is_byte_identical_and_readable(entries):
     a, b = _tar(entries), _tar(list(entries))
@@ -44,7 +45,7 @@ def test_write_tar_is_byte_identical_and_readable(entries):
             assert m.isreg()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(entries_strategy(), st.integers(0, 12))
 def test_fragments_concatenate_into_the_whole_archive(entries, cut):
     """Fragments without the trailer, joined with one trailer, equal one archive of all entries."""
@@ -105,7 +106,7 @@ def _reader(blob: bytes, block: int, calls: list | None = None):
     return read_block
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     st.lists(
         st.tuples(st.lists(NAMES, min_size=1, max_size=8).map("/".join), st.binary(max_size=5000)), max_size=8
@@ -143,7 +144,7 @@ def test_find_member_tolerates_leading_dot_slash():
     assert find_member(index, "nope") is None
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(
     st.one_of(
         st.text(min_size=1, max_size=120),
