@@ -9,8 +9,10 @@ import hashlib
 import heapq
 import io
 import queue
+import random
 import tarfile
 import threading
+import time
 from collections import Counter
 
 import boto3
@@ -21,11 +23,19 @@ from moto import mock_aws
 from tiers import examples
 
 from functions import store
-from functions.errors import BatchItemError, InvalidRange, ObjectNotFound, SpecError, TooManySoftErrors
+from functions.errors import (
+    BatchItemError,
+    InputChanged,
+    InvalidRange,
+    ObjectNotFound,
+    SpecError,
+    TooManySoftErrors,
+)
 from functions.specs import BatchItem
 from functions.store import transport as transport_mod
-from functions.store.batch import HEDGE_FLOOR_S, _Engine
+from functions.store.batch import HEDGE_FLOOR_S, BatchEntry, _Engine, step_bytes
 from functions.store.local import check_range
+from functions.store.pinning import Pin, TooLarge
 from functions.store.retry import RetryPolicy, TransientError
 from functions.store.tar import write_tar
 
@@ -209,6 +219,177 @@ def test_closing_the_stream_abandons_reads_in_flight():
         next(stream)
     assert sorted(fake.cancelled) == [(u, 0) for u in list(objects)[1:4]]
     hold.set()
+
+
+# --- memory bounded in bytes -------------------------------------------------------------------------------
+
+
+class LimitTransport:
+    """Answers on threads after a seeded random delay and honours ``limit`` as the real transports do.
+    It keeps the bytes that really exist: answers being read (what each read in flight will return) plus
+    answers delivered and not yet released by the consumer (``consumed``), and their peak."""
+
+    limits = True
+
+    def __init__(self, objects, seed=0):
+        self.objects = objects
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.live = 0  # bytes in flight or delivered, less what the consumer released
+        self.peak = 0
+        self.reads: list[tuple[str, int, int | None, int | None]] = []
+
+    def _add(self, n):
+        with self.lock:
+            self.live += n
+            self.peak = max(self.peak, self.live)
+
+    def consumed(self, n):
+        self._add(-n)
+
+    def fetch(self, uri, start, length, done, pin=None, limit=None):
+        with self.lock:
+            self.reads.append((uri, start, length, limit))
+            delay = self.rng.random() * 0.002
+        data = self.objects.get(uri)
+        if data is None:
+            answer, exc = None, ObjectNotFound(f"no object at {uri}")
+        else:
+            size = len(data)
+            try:
+                check_range(uri, size, start, length)
+                if limit is not None and length is None and size - start > limit:
+                    answer, exc = None, TooLarge(uri, size - start, limit, Pin(size, etag="e"))
+                else:
+                    answer, exc = (data[start:] if length is None else data[start : start + length]), None
+            except InvalidRange as e:
+                answer, exc = None, e
+        n = len(answer) if answer is not None else 0
+        self._add(n)  # what this read will hold once the body is in
+
+        def run():
+            time.sleep(delay)
+            done(answer, exc)
+
+        threading.Thread(target=run, daemon=True).start()
+
+
+def _drain(stream, fake):
+    """Consume ``stream`` the way the TAR writer does, releasing each piece once taken."""
+    out = []
+    for e in stream:
+        parts = []
+        for chunk in e.chunks():
+            parts.append(chunk)
+            fake.consumed(len(chunk))
+        out.append((e.index, e.name, b"".join(parts), e.error))
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 9000), min_size=1, max_size=30),
+    max_bytes=st.integers(1, 12_000),
+    concurrency=st.integers(1, 8),
+    seed=st.integers(0, 1000),
+)
+def test_held_bytes_stay_within_the_budget_whatever_the_sizes(sizes, max_bytes, concurrency, seed):
+    objects = {f"s3://bkt/o{i}": obj(i, n) for i, n in enumerate(sizes)}
+    request = list(objects) + [{"uri": "s3://bkt/o0", "start": 0, "length": sizes[0]}]
+    fake = LimitTransport(objects, seed)
+    stream = store.get_batch(
+        request, concurrency=concurrency, max_bytes=max_bytes, transport=fake, hedge_after=1e9
+    )
+    got = _drain(stream, fake)
+    assert got == [(i, u.removeprefix("s3://bkt/"), objects[u], None) for i, u in enumerate(objects)] + [
+        (len(objects), "o0", objects["s3://bkt/o0"], None)
+    ]
+    bound = max_bytes + step_bytes(max_bytes, concurrency)
+    assert fake.peak <= bound and stream.stats.peak_held_bytes <= bound
+    assert stream.stats.held_bytes == 0
+    # an item larger than the whole budget was streamed, never held whole
+    assert stream.stats.streamed >= sum(
+        1 for n in sizes if n > max_bytes + step_bytes(max_bytes, concurrency)
+    )
+
+
+def test_small_objects_keep_full_concurrency_under_the_budget():
+    objects = {f"s3://bkt/o{i}": obj(i, 1000) for i in range(64)}
+    fake = LimitTransport(objects)
+    stream = store.get_batch(list(objects), concurrency=16, transport=fake, hedge_after=1e9)
+    assert [d for _, _, d, _ in _drain(stream, fake)] == list(objects.values())
+    assert stream.stats.oversize == 0 and stream.stats.streamed == 0
+    assert all(limit == step_bytes(stream.stats.max_bytes, 16) for _, _, _, limit in fake.reads)
+
+
+def test_an_object_past_the_step_is_read_again_by_its_size():
+    objects = {"s3://bkt/small": b"s" * 100, "s3://bkt/big": b"B" * 5000, "s3://bkt/after": b"a" * 10}
+    fake = LimitTransport(objects)
+    stream = store.get_batch(
+        list(objects), concurrency=4, max_bytes=4 * 1024, transport=fake, hedge_after=1e9
+    )
+    step = step_bytes(4 * 1024, 4)  # the 64 KiB floor, capped at the budget: 4 KiB
+    # 5000 bytes fit neither the step nor the budget: streamed as the head, in ranges
+    assert [d for _, _, d, _ in _drain(stream, fake)] == list(objects.values())
+    assert ("s3://bkt/big", 0, None, step) in fake.reads
+    assert stream.stats.oversize == 1 and stream.stats.streamed == 1
+
+    fake = LimitTransport(objects)
+    stream = store.get_batch(
+        list(objects), concurrency=64, max_bytes=1 << 20, transport=fake, hedge_after=1e9
+    )
+    step = step_bytes(1 << 20, 64)  # 64 KiB: everything fits at once
+    assert [d for _, _, d, _ in _drain(stream, fake)] == list(objects.values())
+    assert stream.stats.oversize == 0 and all(limit == step for _, _, _, limit in fake.reads)
+
+
+def test_a_streamed_entry_gives_the_same_archive():
+    objects = {f"s3://bkt/o{i}": obj(i, n) for i, n in enumerate([10, 70_000, 0, 200_000, 33])}
+    request = [*objects, {"uri": "s3://bkt/o3", "start": 5, "length": 150_000}]
+    archives = set()
+    for max_bytes in (1 << 30, 100_000, 1000):
+        fake = LimitTransport(objects)
+        buf = io.BytesIO()
+        stream = store.get_batch(request, concurrency=2, max_bytes=max_bytes, transport=fake, hedge_after=1e9)
+        write_tar(stream, buf)
+        archives.add(buf.getvalue())
+        assert (stream.stats.streamed > 0) == (max_bytes < 1 << 30)
+    assert len(archives) == 1
+    with tarfile.open(fileobj=io.BytesIO(archives.pop())) as tf:
+        assert [tf.extractfile(m).read() for m in tf] == [
+            *objects.values(),
+            objects["s3://bkt/o3"][5:150_005],
+        ]
+
+
+def test_a_streamed_entry_reads_into_data_and_leaves_no_debt():
+    objects = {"s3://bkt/big": obj(1, 9000), "s3://bkt/b": b"bb"}
+    fake = LimitTransport(objects)
+    stream = store.get_batch(list(objects), concurrency=1, max_bytes=2000, transport=fake, hedge_after=1e9)
+    first = next(stream)
+    assert first.streamed and first.size == 9000 and first.data == objects["s3://bkt/big"]
+    assert first == BatchEntry(0, "big", objects["s3://bkt/big"])
+    assert next(stream).data == b"bb"
+    # a streamed entry skipped by its consumer is abandoned, and the rest still comes out
+    stream = store.get_batch(list(objects), concurrency=1, max_bytes=2000, transport=fake, hedge_after=1e9)
+    assert [e.name for e in stream] == ["big", "b"] and stream.stats.held_bytes == 0
+
+
+def test_local_stream_is_pinned_to_the_object_it_started_on(local_data):
+    root = local_data
+    big = store.join(root, "data", "big")
+    store.put(big, obj(7, 300_000))
+    stream = store.get_batch(["data/o1", "data/big", "data/o2"], concurrency=2, max_bytes=100_000)
+    entries = iter(stream)
+    assert next(entries).data == obj(1)
+    second = next(entries)
+    chunks = second.chunks()
+    first = next(chunks)
+    assert second.streamed and 0 < len(first) < 300_000 and obj(7, 300_000).startswith(first)
+    store.put(big, obj(8, 300_000))  # replaced while it streams
+    with pytest.raises(BatchItemError, match="item 1") as info:
+        list(chunks)
+    assert isinstance(info.value.__cause__, InputChanged)
 
 
 # --- retries and hedging ------------------------------------------------------------------------------------
@@ -489,7 +670,13 @@ def test_crt_error_mapping():
 
 # --- S3: boto3 under mock_aws, awscrt against a moto server -------------------------------------------------
 
-S3_OBJECTS = {f"dir/o{i}": obj(i) for i in range(12)} | {"sp ace+plus é.bin": b"weird key", "empty": b""}
+S3_OBJECTS = {f"dir/o{i}": obj(i) for i in range(12)} | {
+    "sp ace+plus é.bin": b"weird key",
+    "empty": b"",
+    "mid": obj(20, 80_000),  # past a read's step under SMALL_BUDGET: read again by its size
+    "big": obj(21, 300_000),  # past the whole SMALL_BUDGET: streamed in ranges
+}
+SMALL_BUDGET = {"max_bytes": 100_000, "concurrency": 8}  # a step of 64 KiB
 SHARD = _tar_bytes([("m/one.txt", b"member one"), ("two.bin", obj(2))])
 
 
@@ -515,6 +702,9 @@ def _s3_request(bucket: str) -> tuple[list, list]:
         {"uri": f"{b}/dir/o1", "start": 10_000},
         {"uri": f"{b}/shard.tar", "archpath": "m/one.txt", "start": 7},
         {"uri": f"{b}/shard.tar", "archpath": "two.bin"},
+        f"{b}/mid",
+        f"{b}/big",
+        {"uri": f"{b}/big", "start": 1000},
     ] + [f"{b}/dir/o{i}" for i in range(12)]
     expected = [
         ("dir/o3", obj(3), False),
@@ -528,6 +718,9 @@ def _s3_request(bucket: str) -> tuple[list, list]:
         ("__404__/dir/o1", b"", True),
         ("shard.tar/m/one.txt", b"one", False),
         ("shard.tar/two.bin", obj(2), False),
+        ("mid", S3_OBJECTS["mid"], False),
+        ("big", S3_OBJECTS["big"], False),
+        ("big", S3_OBJECTS["big"][1000:], False),
     ] + [(f"dir/o{i}", obj(i), False) for i in range(12)]
     return request, expected
 
@@ -537,6 +730,16 @@ def _check(stream, expected) -> None:
     assert got == expected
 
 
+def _check_small_budget(request, expected) -> None:
+    """The same request under a budget smaller than its large objects: the transport stops a read at its
+    limit, the engine reads it again by its size or streams it, and the entries are the same."""
+    stream = store.get_batch(request, continue_on_error=True, **SMALL_BUDGET)
+    _check(stream, expected)
+    stats = stream.stats
+    assert stats.oversize == 3 and stats.streamed == 2  # mid, big, big from 1000; both bigs streamed
+    assert stats.peak_held_bytes <= SMALL_BUDGET["max_bytes"] + 64 * 1024 and stats.held_bytes == 0
+
+
 @pytest.mark.slow
 def test_s3_with_boto3_transport(aws_env, monkeypatch):
     monkeypatch.setenv("SHARDFOLD_S3_TRANSPORT", "boto3")
@@ -544,6 +747,7 @@ def test_s3_with_boto3_transport(aws_env, monkeypatch):
         _fill_bucket(boto3.client("s3"), "gb-boto3")
         request, expected = _s3_request("gb-boto3")
         _check(store.get_batch(request, continue_on_error=True, concurrency=4), expected)
+        _check_small_budget(request, expected)
         with pytest.raises(BatchItemError, match=r"item 7 \(s3://gb-boto3/nope\)"):
             list(store.get_batch(request))
 
@@ -564,6 +768,7 @@ def test_s3_with_crt_transport(crt_bucket):
     assert isinstance(transport_mod.s3_transport(), CrtTransport)
     request, expected = _s3_request(crt_bucket)
     _check(store.get_batch(request, continue_on_error=True, concurrency=8), expected)
+    _check_small_budget(request, expected)
     stream = store.get_batch(request)
     assert [e.data for e in (next(stream) for _ in range(7))] == [d for _, d, _ in expected[:7]]
     with pytest.raises(BatchItemError, match=rf"item 7 \(s3://{crt_bucket}/nope\)"):

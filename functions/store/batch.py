@@ -3,20 +3,34 @@
 The engine runs in the consumer's thread. Transports report completed reads into a queue; the engine
 keeps a sliding window of items (at most ``window`` items between the oldest one not yet yielded and the
 newest one requested, at most ``concurrency`` reads in flight), puts answers into a reorder buffer and
-yields the contiguous ready prefix, so entry 0 comes out as soon as it arrives and the buffer never holds
-more than ``window`` items (peak buffered bytes <= window x largest item).
+yields the contiguous ready prefix, so entry 0 comes out as soon as it arrives.
+
+Memory is bounded in bytes, not by the window times the largest item. The engine holds at most
+``max_bytes`` (default :data:`DEFAULT_MAX_BYTES`) buffered or reserved for reads in flight: a read of known
+length reserves that length; a read of unknown length (a whole object, or to its end) reserves one *step*
+(``max_bytes / concurrency``, at least 64 KiB) and asks the transport to stop at that many bytes. A
+transport that finds the object longer answers :class:`~functions.store.pinning.TooLarge` with its size
+(and, where the answer carries one, the object's pin) without reading the rest, and the item waits until
+its whole length fits: no later item is started meanwhile. An item that does not fit even when it is the
+next to be yielded is *streamed*: its entry carries the size and reads the bytes in ranges as the consumer
+takes them (:meth:`BatchEntry.chunks`), each range checked against the object's pin. So the buffered and
+reserved bytes never pass ``max_bytes`` plus one step, whatever the objects' sizes, and no size has to be
+known before the request starts. (A transport that cannot stop a read early, such as a test's fake, reads
+whole objects; the bound then holds only for known lengths.)
 
 Faults:
 - throttling and 5xx (:class:`TransientError`) are retried with exponential backoff and full jitter;
 - a read outstanding far longer than its peers (``hedge_after`` seconds, by default
-  ``max(2 s, 3 x p95)`` of completed reads) is re-issued once and the first answer wins;
+  ``max(2 s, 3 x p95)`` of completed reads) is re-issued once, if its reservation fits, and the first
+  answer wins;
 - a missing object or member, or a range outside the object, is a *soft* error: with
   ``continue_on_error`` the entry becomes a zero-byte ``__404__/<name>`` placeholder carrying the error
   (aborting with :class:`TooManySoftErrors` past ``max_soft_errors``); without it,
   :class:`BatchItemError` names the item and the stream ends. Anything else (retries exhausted, access
   denied) is a hard error: always :class:`BatchItemError`. So is an object that changed since it was
   pinned (``pins``: its :class:`InputChanged` is the item error's cause); the check rides on each read
-  (S3 ``If-Match``, local ``fstat``), never an extra request.
+  (S3 ``If-Match``, local ``fstat``), never an extra request. A streamed entry's error (raised from its
+  chunks) is always hard: its header is already out.
 Errors come out in request order: once item k fails, reads after it are abandoned, the entries before it
 are yielded, then the error is raised, so it always names the first failing item and nothing after it is
 ever yielded. :class:`TooManySoftErrors` aborts at once.
@@ -49,18 +63,22 @@ from functions.errors import (
 )
 from functions.specs import BatchItem
 from functions.store.local import check_range
-from functions.store.pinning import Pin
+from functions.store.pinning import Pin, TooLarge
 from functions.store.retry import RetryPolicy, TransientError
 from functions.store.tar import INDEX_BLOCK, find_member, index_tar
-from functions.store.transport import Transport, default_transport, fetch_blocking, thread_pool
+from functions.store.transport import Transport, default_transport, fetch_blocking, takes_limit, thread_pool
 from functions.store.uri import default_name, resolve, store_root
 
 logger = Logger(service="shardfold")
 
+MiB = 1024 * 1024
 # Reads in flight. S3 answers small GETs in tens of ms, so throughput is concurrency / latency until the
 # client's CPU binds; the CRT transport costs ~0.15 ms CPU per object, which leaves room for 128.
 DEFAULT_CONCURRENCY = 128
 WINDOW_PER_READ = 2  # default window: items buffered or in flight per read in flight
+# Bytes buffered or reserved for reads in flight: what a gather task holds of the objects it fetches.
+DEFAULT_MAX_BYTES = 256 * MiB
+MIN_STEP = 64 * 1024  # the least a read of unknown length may return before it stops at the step
 HEDGE_FLOOR_S = 2.0  # AWS: retry a small GET still unanswered after 2 s
 HEDGE_P95_FACTOR = 3.0
 HEDGE_MIN_SAMPLES = 16  # below this many completed reads, p95 means little: use the floor
@@ -70,22 +88,80 @@ SOFT_ERRORS = (ObjectNotFound, InvalidRange)
 _HEDGE, _RETRY = 0, 1
 
 
-@dataclass(slots=True)
-class BatchEntry:
-    """One output entry: ``name`` is its path in the archive; ``error`` is set on placeholders."""
+def step_bytes(max_bytes: int, concurrency: int) -> int:
+    """What a read of unknown length reserves (and may return before it stops): ``max_bytes /
+    concurrency``, at least :data:`MIN_STEP`, at most ``max_bytes``."""
+    return min(max_bytes, max(MIN_STEP, max_bytes // concurrency))
 
-    index: int
-    name: str
-    data: bytes
-    error: str | None = None
+
+class BatchEntry:
+    """One output entry: ``name`` is its path in the archive, ``size`` its length; ``error`` is set on
+    placeholders.
+
+    An item too large for the engine's byte budget is a *streamed* entry: :meth:`chunks` reads its bytes in
+    ranges as they are taken, and must be drained before the next entry is asked for (the stream then
+    abandons what is left of it). ``data`` gives any entry's bytes in one piece, reading a streamed one
+    into memory whole."""
+
+    __slots__ = ("index", "name", "error", "size", "streamed", "_data", "_stream")
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        data: bytes = b"",
+        error: str | None = None,
+        *,
+        size: int | None = None,
+        stream: Iterator[bytes] | None = None,
+    ):
+        self.index = index
+        self.name = name
+        self.error = error
+        self.size = len(data) if size is None else size
+        self.streamed = stream is not None
+        self._data = data
+        self._stream = stream
+
+    @property
+    def data(self) -> bytes:
+        if self._stream is not None:
+            self._data = b"".join(self.chunks())
+        return self._data
+
+    def chunks(self) -> Iterator[bytes]:
+        """The entry's bytes, in order: one piece, or for a streamed entry its ranges as they are read."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            yield from stream
+        elif self._data:
+            yield self._data
+
+    def close(self) -> None:
+        """Abandon what is left of a streamed entry."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()  # type: ignore[attr-defined]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BatchEntry):
+            return NotImplemented
+        mine = (self.index, self.name, self.data, self.error)
+        return mine == (other.index, other.name, other.data, other.error)
+
+    def __repr__(self) -> str:
+        how = "streamed" if self.streamed else "bytes"
+        return f"BatchEntry({self.index}, {self.name!r}, {self.size} {how}, error={self.error!r})"
 
 
 @dataclass
 class BatchStats:
-    """What one GetBatch did; tests read ``peak_buffered_bytes`` to check the memory bound."""
+    """What one GetBatch did; tests read ``peak_held_bytes`` and ``peak_buffered_bytes`` to check the
+    memory bound."""
 
     window: int
     concurrency: int
+    max_bytes: int = DEFAULT_MAX_BYTES
     items: int = 0  # entries yielded
     bytes: int = 0  # data bytes yielded
     requests: int = 0  # reads issued, including retries and hedges
@@ -94,8 +170,12 @@ class BatchStats:
     hedge_wins: int = 0  # items whose hedged duplicate answered first
     soft_errors: int = 0
     tar_indexes: int = 0  # TAR shards whose member index was built
+    oversize: int = 0  # reads the transport stopped at their limit (the item was then read by its size)
+    streamed: int = 0  # entries read in ranges as the consumer took them
     buffered_bytes: int = 0  # answered but not yet yielded
     peak_buffered_bytes: int = 0
+    held_bytes: int = 0  # buffered, plus reserved for reads in flight or about to be retried
+    peak_held_bytes: int = 0
     largest_item_bytes: int = 0
     peak_in_flight: int = 0
     latencies: deque = field(default_factory=lambda: deque(maxlen=512), repr=False)
@@ -112,10 +192,15 @@ class _Slot:
         "archpath",
         "name",
         "read",
+        "size",
+        "seen",
         "outstanding",
         "attempts",
         "hedged",
         "failures",
+        "parked",
+        "queued",
+        "stream",
         "ready",
         "data",
         "error",
@@ -130,10 +215,15 @@ class _Slot:
         self.archpath = archpath
         self.name = name
         self.read: tuple[int, int | None] | None = None  # (start, length) within the object
-        self.outstanding: dict[int, tuple[float, Any]] = {}  # attempt -> (issued at, cancel)
+        self.size: int | None = None  # bytes the read returns, once known
+        self.seen: Pin | None = None  # the object as a stopped read found it (for a streamed entry)
+        self.outstanding: dict[int, tuple[float, Any, int]] = {}  # attempt -> (issued at, cancel, reserved)
         self.attempts = 0  # reads issued so far; numbers the next one
         self.hedged = -1  # the attempt number of the hedge, once issued
         self.failures = 0  # transient failures so far
+        self.parked = 0  # bytes kept reserved while a retry waits
+        self.queued = False  # waiting for room in the byte budget
+        self.stream = False  # to be yielded as a streamed entry
         self.ready = False
         self.data = b""
         self.error: str | None = None
@@ -173,6 +263,7 @@ def get_batch(
     continue_on_error: bool = False,
     window: int | None = None,
     concurrency: int | None = None,
+    max_bytes: int | None = None,
     max_soft_errors: int | None = None,
     hedge_after: float | None = None,
     transport: Transport | None = None,
@@ -183,7 +274,9 @@ def get_batch(
 
     ``items``: :class:`BatchItem`, dicts of its fields, or URI strings; any iterable (consumed lazily).
     ``concurrency``: reads in flight (default 128). ``window``: items buffered or in flight ahead of the
-    consumer (default ``2 x concurrency``); memory is bounded by ``window x largest item``.
+    consumer (default ``2 x concurrency``). ``max_bytes``: bytes buffered or reserved for reads in flight
+    (default :data:`DEFAULT_MAX_BYTES`); an item larger than what is free waits, and one larger than the
+    whole budget is streamed (see the module doc).
     ``hedge_after``: seconds before a slow read is duplicated (default adaptive; ``math.inf`` disables).
     ``transport``: how reads are made (default: ``file://`` on threads, ``s3://`` per
     ``SHARDFOLD_S3_TRANSPORT``). ``retry``: backoff for throttling and 5xx. ``pins``: resolved URI ->
@@ -192,8 +285,11 @@ def get_batch(
     """
     concurrency = concurrency or DEFAULT_CONCURRENCY
     window = window or WINDOW_PER_READ * concurrency
+    max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     if concurrency < 1 or window < 1:
         raise ValueError(f"window ({window}) and concurrency ({concurrency}) must be at least 1")
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
     if max_soft_errors is not None and max_soft_errors < 0:
         raise ValueError(f"max_soft_errors must be >= 0, got {max_soft_errors}")
     engine = _Engine(
@@ -201,6 +297,7 @@ def get_batch(
         continue_on_error=continue_on_error,
         window=window,
         concurrency=concurrency,
+        max_bytes=max_bytes,
         max_soft_errors=max_soft_errors,
         hedge_after=hedge_after,
         transport=transport or default_transport(),
@@ -223,17 +320,21 @@ class _Engine:
         transport: Transport,
         retry: RetryPolicy,
         pins: Mapping[str, Pin] | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ):
         self.items = items
         self.continue_on_error = continue_on_error
         self.window = window
         self.concurrency = concurrency
+        self.max_bytes = max_bytes
+        self.step = step_bytes(max_bytes, concurrency)
+        self.limits = takes_limit(transport)
         self.max_soft_errors = max_soft_errors
         self.hedge_after = hedge_after
         self.transport = transport
         self.retry = retry
         self.pins = pins or None
-        self.stats = BatchStats(window=window, concurrency=concurrency)
+        self.stats = BatchStats(window=window, concurrency=concurrency, max_bytes=max_bytes)
         self.root = store_root()
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.slots: dict[int, _Slot] = {}
@@ -241,6 +342,8 @@ class _Engine:
         self.next_in = 0  # index the next item pulled from ``items`` gets
         self.exhausted = False
         self.in_flight = 0
+        self.held = 0  # bytes buffered, reserved for reads in flight, or kept for a retry
+        self.queue: list[tuple[int, _Slot]] = []  # slots waiting for room, lowest index first
         self.answered = 0  # reads that succeeded
         self.timers: list[tuple[float, int, int, int, int]] = []  # (when, seq, kind, index, attempt)
         self.timer_seq = 0
@@ -263,7 +366,15 @@ class _Engine:
                 if head.ready:
                     if head.fatal is not None:
                         raise head.fatal
-                    yield self._emit(head)
+                    if head.stream:
+                        entry, chunk = self._emit_stream(head)
+                        try:
+                            yield entry
+                        finally:
+                            entry.close()  # whatever the consumer left of it
+                            self._hold(-chunk)
+                    else:
+                        yield self._emit(head)
                 else:
                     self._wait()
         finally:
@@ -271,11 +382,18 @@ class _Engine:
             logger.debug("get_batch finished", extra={"stats": _summary(self.stats)})
 
     def _fill(self) -> None:
-        while (
-            not self.exhausted
-            and self.in_flight < self.concurrency
-            and self.next_in - self.next_out < self.window
-        ):
+        """Start what the limits allow: first the slots waiting for room (lowest index first; while one
+        waits, no new item is started), then new items."""
+        while True:
+            self._start_queued()
+            if (
+                self.queue
+                or self.exhausted
+                or self.in_flight >= self.concurrency
+                or self.next_in - self.next_out >= self.window
+                or (self.held + self.step > self.max_bytes and self.slots)
+            ):
+                return
             try:
                 item = next(self.items)
             except StopIteration:
@@ -285,6 +403,25 @@ class _Engine:
             self.slots[slot.index] = slot
             self.next_in += 1
             self._start(slot)
+
+    def _start_queued(self) -> None:
+        """Issue the queued slots that now fit, lowest index first, stopping at one that does not. The
+        head always goes: by one more step, or streamed when it needs more than a step."""
+        while self.queue and self.in_flight < self.concurrency:
+            slot = self.queue[0][1]
+            if self.slots.get(slot.index) is not slot or slot.ready:
+                heapq.heappop(self.queue)  # dropped since (a failure stopped the batch)
+                continue
+            need = self._reservation(slot)
+            over = self.held + need > self.max_bytes
+            if over and slot.index != self.next_out:
+                return
+            heapq.heappop(self.queue)
+            slot.queued = False
+            if over and need > self.step:
+                slot.stream = slot.ready = True  # the head, too large to fit: read as it is taken
+            else:
+                self._issue(slot)
 
     def _wait(self) -> None:
         """Block until a read answers or a timer is due, then handle everything that is ready."""
@@ -307,18 +444,57 @@ class _Engine:
         stats = self.stats
         n = len(slot.data)
         stats.buffered_bytes -= n
+        self._hold(-n)
         stats.items += 1
         stats.bytes += n
         name = PLACEHOLDER + slot.name if slot.error is not None else slot.name
         return BatchEntry(slot.index, name, slot.data, slot.error)
 
+    def _emit_stream(self, slot: _Slot) -> tuple[BatchEntry, int]:
+        """The head slot as a streamed entry, and the bytes its ranges take (held until it is done)."""
+        del self.slots[slot.index]
+        self.next_out += 1
+        size = slot.size or 0
+        chunk = min(size, max(self.step, self.max_bytes - self.held))
+        self._hold(chunk)
+        stats = self.stats
+        stats.items += 1
+        stats.bytes += size
+        stats.streamed += 1
+        stream = self._stream(slot, chunk)
+        return BatchEntry(slot.index, slot.name, size=size, stream=stream), chunk
+
+    def _stream(self, slot: _Slot, chunk: int) -> Iterator[bytes]:
+        start = slot.read[0]  # type: ignore[index]
+        size = slot.size or 0
+        pin = (self.pins.get(slot.uri) if self.pins else None) or slot.seen
+        done = 0
+        while done < size:
+            n = min(chunk, size - done)
+            try:
+                data = self._read_range(slot.uri, start + done, n, pin)
+            except BaseException as exc:
+                known = isinstance(exc, ShardfoldError | TransientError)
+                reason = str(exc) if known else f"{type(exc).__name__}: {exc}"
+                raise BatchItemError(slot.index, slot.describe(), reason) from exc
+            done += n
+            yield data
+
     def _abandon(self) -> None:
         for slot in self.slots.values():
-            for _, cancel in slot.outstanding.values():
+            for _, cancel, _ in slot.outstanding.values():
                 _cancel(cancel)
             slot.outstanding.clear()
         self.slots.clear()
+        self.queue.clear()
         self.in_flight = 0
+
+    def _hold(self, n: int) -> None:
+        self.held += n
+        stats = self.stats
+        stats.held_bytes = self.held
+        if self.held > stats.peak_held_bytes:
+            stats.peak_held_bytes = self.held
 
     # --- items -----------------------------------------------------------------------------------------
 
@@ -349,7 +525,8 @@ class _Engine:
     def _start(self, slot: _Slot) -> None:
         if slot.archpath is None:
             slot.read = (slot.start, slot.length)
-            self._issue(slot)
+            slot.size = slot.length
+            self._admit(slot)
             return
         index = self.indexes.get(slot.uri)
         if index is None:
@@ -379,7 +556,24 @@ class _Engine:
             self._succeed(slot, b"", None)
             return
         slot.read = (offset + slot.start, length)
-        self._issue(slot)
+        slot.size = length
+        self._admit(slot)
+
+    def _admit(self, slot: _Slot) -> None:
+        """Issue the slot's read now if it fits (and no earlier slot waits for room), else queue it."""
+        if (
+            self.in_flight < self.concurrency
+            and self.held + self._reservation(slot) <= self.max_bytes
+            and (not self.queue or self.queue[0][0] > slot.index)
+        ):
+            self._issue(slot)
+        else:
+            slot.queued = True
+            heapq.heappush(self.queue, (slot.index, slot))
+
+    def _reservation(self, slot: _Slot) -> int:
+        """Bytes the slot's next read may hold: its length when known, else one step."""
+        return self.step if slot.size is None else slot.size
 
     def _build_index(self, uri: str) -> None:
         """On a pool thread: scan a shard's headers, then hand the index to the engine thread."""
@@ -392,21 +586,25 @@ class _Engine:
         self.events.put((uri, -1, result, None))
 
     def _read_block(self, uri: str, offset: int) -> bytes:
+        pin = self.pins.get(uri) if self.pins else None
+        try:
+            return self._read_range(uri, offset, INDEX_BLOCK, pin)
+        except InvalidRange:
+            pass  # the block runs past the end: read what is left
+        try:
+            return self._read_range(uri, offset, None, pin)
+        except InvalidRange:
+            return b""  # past the end
+
+    def _read_range(self, uri: str, start: int, length: int | None, pin: Pin | None) -> bytes:
+        """One blocking read (TAR index scans, streamed entries), transient errors retried."""
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
-                pin = self.pins.get(uri) if self.pins else None
-                try:
-                    return fetch_blocking(self.transport, uri, offset, INDEX_BLOCK, pin)
-                except InvalidRange:
-                    pass  # the block runs past the end: read what is left
-                try:
-                    return fetch_blocking(self.transport, uri, offset, None, pin)
-                except InvalidRange:
-                    return b""  # past the end
+                return fetch_blocking(self.transport, uri, start, length, pin)
             except TransientError:
                 if attempt == self.retry.max_attempts:
                     raise
-                time.sleep(self.retry.delay(attempt))  # a pool thread backing off, not a test wait
+                time.sleep(self.retry.delay(attempt))  # a blocked reader backing off, not a test wait
         raise AssertionError("unreachable")
 
     # --- reads -----------------------------------------------------------------------------------------
@@ -417,6 +615,10 @@ class _Engine:
         if hedge:
             slot.hedged = attempt
         start, length = slot.read  # type: ignore[misc]
+        reserved = self._reservation(slot)
+        # a read of unknown length stops at what it reserved (the known size, when re-read by it: an
+        # object that grew since stops again)
+        limit = reserved if length is None and self.limits else None
         now = time.monotonic()
         put = self.events.put
         index = slot.index
@@ -425,11 +627,15 @@ class _Engine:
             put((index, attempt, data, exc))
 
         pin = self.pins.get(slot.uri) if self.pins else None
-        if pin is None:
-            cancel = self.transport.fetch(slot.uri, start, length, done)
+        fetch = self.transport.fetch
+        if limit is not None:
+            cancel = fetch(slot.uri, start, length, done, pin, limit=limit)
+        elif pin is None:
+            cancel = fetch(slot.uri, start, length, done)
         else:
-            cancel = self.transport.fetch(slot.uri, start, length, done, pin)
-        slot.outstanding[attempt] = (now, cancel)
+            cancel = fetch(slot.uri, start, length, done, pin)
+        slot.outstanding[attempt] = (now, cancel, reserved)
+        self._hold(reserved)
         self.in_flight += 1
         stats = self.stats
         stats.requests += 1
@@ -453,8 +659,17 @@ class _Engine:
         if issued is None:
             return  # an abandoned attempt
         self.in_flight -= 1
+        self._hold(-issued[2])
         if exc is None:
             self._succeed(slot, data, issued[0], attempt)
+        elif isinstance(exc, TooLarge):
+            self._drop_outstanding(slot)
+            self.stats.oversize += 1
+            slot.size, slot.seen = exc.size, exc.pin
+            if exc.size > self.stats.largest_item_bytes:
+                self.stats.largest_item_bytes = exc.size
+            slot.queued = True
+            heapq.heappush(self.queue, (slot.index, slot))
         elif isinstance(exc, TransientError):
             if slot.outstanding:
                 return  # its hedge (or the original) is still out and may yet answer
@@ -463,6 +678,8 @@ class _Engine:
                 self._fail(slot, exc)
             else:
                 self.stats.retries += 1
+                slot.parked = issued[2]  # kept reserved for the retry
+                self._hold(slot.parked)
                 self._timer(time.monotonic() + self.retry.delay(slot.failures), _RETRY, index, attempt)
         else:
             self._fail(slot, exc)
@@ -480,6 +697,7 @@ class _Engine:
         slot.ready, slot.data = True, data
         n = len(data)
         stats.buffered_bytes += n
+        self._hold(n)
         if stats.buffered_bytes > stats.peak_buffered_bytes:
             stats.peak_buffered_bytes = stats.buffered_bytes
         if n > stats.largest_item_bytes:
@@ -515,12 +733,17 @@ class _Engine:
             self._drop_outstanding(slot)
             if slot.ready:
                 self.stats.buffered_bytes -= len(slot.data)
+                self._hold(-len(slot.data))
 
     def _drop_outstanding(self, slot: _Slot) -> None:
-        for _, cancel in slot.outstanding.values():
+        for _, cancel, reserved in slot.outstanding.values():
             _cancel(cancel)
             self.in_flight -= 1
+            self._hold(-reserved)
         slot.outstanding.clear()
+        if slot.parked:
+            self._hold(-slot.parked)
+            slot.parked = 0
 
     # --- timers: hedges and retries --------------------------------------------------------------------
 
@@ -537,12 +760,17 @@ class _Engine:
             if slot is None or slot.ready:
                 continue
             if kind == _RETRY:
+                if slot.parked:  # the retry takes over what was kept for it
+                    self._hold(-slot.parked)
+                    slot.parked = 0
                 self._issue(slot)
             elif attempt in slot.outstanding and slot.hedged < 0:
                 issued_at = slot.outstanding[attempt][0]
                 if now < issued_at + self.hedge_delay:  # the delay grew since this timer was set
                     self._timer(issued_at + self.hedge_delay, _HEDGE, index, attempt)
                     continue
+                if self.held + self._reservation(slot) > self.max_bytes:
+                    continue  # no room for a second copy: the original read stands alone
                 self.stats.hedges += 1
                 self._issue(slot, hedge=True)
 
@@ -572,6 +800,9 @@ def _summary(stats: BatchStats) -> dict:
         "hedges",
         "hedge_wins",
         "soft_errors",
+        "oversize",
+        "streamed",
         "peak_buffered_bytes",
+        "peak_held_bytes",
     )
     return {k: getattr(stats, k) for k in keys}

@@ -25,7 +25,7 @@ from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
 from awscrt.s3 import S3Client, S3RequestTlsMode, S3RequestType, S3RetryConfig, S3RetryMode
 
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
-from functions.store.pinning import Pin, changed
+from functions.store.pinning import Pin, TooLarge, changed
 from functions.store.retry import TRANSIENT_STATUS, TransientError
 from functions.store.s3 import check_body, range_header
 from functions.store.transport import Boto3Transport as _Boto3
@@ -116,18 +116,31 @@ def _error(
 class _Get:
     """Callbacks of one GET."""
 
-    __slots__ = ("uri", "start", "length", "done", "chunks", "content_range", "pin")
+    __slots__ = ("uri", "start", "length", "limit", "done", "chunks", "content_range", "etag", "pin")
 
-    def __init__(self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None):
+    def __init__(
+        self,
+        uri: str,
+        start: int,
+        length: int | None,
+        done: Done,
+        pin: Pin | None = None,
+        limit: int | None = None,
+    ):
         self.uri, self.start, self.length, self.done, self.pin = uri, start, length, done, pin
+        self.limit = limit
         self.chunks: list[bytes] = []
         self.content_range: str | None = None
+        self.etag: str | None = None
 
     def on_headers(self, status_code: int, headers: list[tuple[str, str]], **kwargs: Any) -> None:
-        if self.length is not None:
+        if self.length is not None or self.limit is not None:
             for name, value in headers:
-                if name.lower() == "content-range":
+                lower = name.lower()
+                if lower == "content-range":
                     self.content_range = value
+                elif lower == "etag":
+                    self.etag = value
 
     def on_body(self, chunk: Any, offset: int, **kwargs: Any) -> None:
         # The buffer is only valid during the callback; the CRT delivers parts in offset order.
@@ -141,10 +154,21 @@ class _Get:
         **kwargs: Any,
     ) -> None:
         if error is not None:
+            if status_code == 416 and self.limit is not None and self.start == 0:
+                self.done(b"", None)  # the first byte of an empty object is past its end
+                return
             self.done(None, _error(self.uri, error, status_code, error_body, pin=self.pin))
             return
         chunks = self.chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if self.limit is not None:
+            total = _total(self.content_range)
+            if total is not None and total - self.start > self.limit:
+                pin = Pin(total, etag=self.etag)
+                self.done(None, TooLarge(self.uri, total - self.start, self.limit, pin))
+                return
+            self.done(data, None)
+            return
         try:
             data = check_body(self.uri, data, self.start, self.length, self.content_range)
         except InvalidRange as exc:
@@ -153,26 +177,46 @@ class _Get:
         self.done(data, None)
 
 
+def _total(content_range: str | None) -> int | None:
+    """The object size in a ``Content-Range: bytes a-b/size`` header (None when absent or unknown)."""
+    size = (content_range or "").rpartition("/")[2]
+    return int(size) if size.isdigit() else None
+
+
 class CrtTransport:
     name = "crt"
+    limits = True
 
     def __init__(self) -> None:
         self._client = crt_client()
         self._fallback = _Boto3()
 
     def fetch(
-        self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None
+        self,
+        uri: str,
+        start: int,
+        length: int | None,
+        done: Done,
+        pin: Pin | None = None,
+        limit: int | None = None,
     ) -> Cancel | None:
         if length == 0:  # a zero-byte read still needs the object to exist: a HEAD, rare enough for boto3
             return self._fallback.fetch(uri, start, length, done, pin)
         bucket, _, key = uri[5:].partition("/")
         host, path = self._client.address(bucket, key)
         headers = [("Host", host)]
-        if rng := range_header(start, length):
+        if length is None and limit is not None:
+            # the first ``limit`` bytes, and from Content-Range the size: a longer object is TooLarge
+            # having read no more than the limit (an empty one answers 416, which means b"")
+            rng: str | None = f"bytes={start}-{start + max(limit, 1) - 1}"
+        else:
+            limit = None
+            rng = range_header(start, length)
+        if rng:
             headers.append(("Range", rng))
         if pin is not None and pin.etag:
             headers.append(("If-Match", pin.etag))
-        get = _Get(uri, start, length, done, pin)
+        get = _Get(uri, start, length, done, pin, limit)
         try:
             request = self._client.client.make_request(
                 type=S3RequestType.GET_OBJECT,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
-from functions.store.pinning import Pin, check_local, local_pin
+from functions.store.pinning import Pin, TooLarge, check_local, local_pin
 
 # Temporary files carry this prefix so listings skip objects that are still being written.
 TMP_PREFIX = ".sf-tmp-"
@@ -42,20 +42,31 @@ def check_range(uri: str, size: int, start: int, length: int | None) -> None:
         )
 
 
-def get(path: Path, uri: str, start: int = 0, length: int | None = None, pin: Pin | None = None) -> bytes:
+def get(
+    path: Path,
+    uri: str,
+    start: int = 0,
+    length: int | None = None,
+    pin: Pin | None = None,
+    limit: int | None = None,
+) -> bytes:
     """``length`` bytes at ``start``; with a ``pin``, only from the very file it pinned (:class:`InputChanged`
-    otherwise: the opened file's size, mtime and inode are compared before reading)."""
+    otherwise: the opened file's size, mtime and inode are compared before reading). ``limit`` (with
+    ``length=None``): :class:`TooLarge` instead of reading more than ``limit`` bytes."""
     try:
         with open(path, "rb") as f:
-            if pin is not None:
+            if pin is not None or limit is not None:
                 st = os.fstat(f.fileno())
-                check_local(uri, pin, st)
+                if pin is not None:
+                    check_local(uri, pin, st)
                 size = st.st_size
             elif start == 0 and length is None:
                 return f.read()
             else:
                 size = os.fstat(f.fileno()).st_size
             check_range(uri, size, start, length)
+            if limit is not None and length is None and size - start > limit:
+                raise TooLarge(uri, size - start, limit, local_pin(st))
             f.seek(start)
             return f.read(size - start if length is None else length)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):

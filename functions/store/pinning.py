@@ -47,6 +47,17 @@ class Pin:
         return f"{self.size} bytes, mtime_ns {self.mtime_ns}, inode {self.inode}"
 
 
+class TooLarge(Exception):
+    """A read with a ``limit`` found more: ``size`` bytes from its start to the object's end. Nothing (or
+    at most ``limit`` bytes, dropped) was read. ``pin``: the object as the answer described it, when it
+    did, so reading it again in ranges can insist on the same object."""
+
+    def __init__(self, uri: str, size: int, limit: int, pin: Pin | None = None):
+        super().__init__(f"{uri}: {size} bytes to read, more than the read's limit of {limit}")
+        self.size = size
+        self.pin = pin
+
+
 def local_pin(st: os.stat_result) -> Pin:
     return Pin(st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino)
 

@@ -24,7 +24,7 @@ from botocore.config import Config
 
 from functions.errors import InvalidRange, ObjectNotFound, StoreError, StoreUnreachable
 from functions.store.local import check_range
-from functions.store.pinning import Pin, changed
+from functions.store.pinning import Pin, TooLarge, changed
 from functions.store.retry import TRANSIENT_CODES, TRANSIENT_STATUS, TransientError
 from functions.store.uri import split_s3
 
@@ -173,10 +173,16 @@ def check_body(uri: str, data: bytes, start: int, length: int | None, content_ra
 
 
 def get(
-    uri: str, start: int = 0, length: int | None = None, client: Any = None, pin: Pin | None = None
+    uri: str,
+    start: int = 0,
+    length: int | None = None,
+    client: Any = None,
+    pin: Pin | None = None,
+    limit: int | None = None,
 ) -> bytes:
     """``length`` bytes at ``start``; with a ``pin``, only from the object it pinned: the request carries
-    ``If-Match: <ETag>`` and S3's 412 becomes :class:`InputChanged`."""
+    ``If-Match: <ETag>`` and S3's 412 becomes :class:`InputChanged`. ``limit`` (with ``length=None``):
+    :class:`TooLarge` when the answer's ``Content-Length`` says more, its body left unread."""
     bucket, key = split_s3(uri)
     client = client or s3_client()
     kw: dict[str, str] = {"IfMatch": pin.etag} if pin is not None and pin.etag else {}
@@ -187,6 +193,10 @@ def get(
         if rng := range_header(start, length):
             kw["Range"] = rng
         resp = client.get_object(Bucket=bucket, Key=key, **kw)
+        if limit is not None and length is None and resp["ContentLength"] > limit:
+            resp["Body"].close()  # the connection is dropped rather than drained
+            total = start + resp["ContentLength"]
+            raise TooLarge(uri, resp["ContentLength"], limit, Pin(total, etag=resp.get("ETag")))
         data = resp["Body"].read()
     except _BOTO_ERRORS as exc:
         if pin is not None and _precondition_failed(exc):

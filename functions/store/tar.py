@@ -13,6 +13,8 @@ import tarfile
 from collections.abc import Callable, Iterable
 from typing import BinaryIO, Protocol
 
+from functions.errors import StoreError
+
 TAR_FORMAT = tarfile.PAX_FORMAT
 INDEX_BLOCK = 1 << 20  # bytes per ranged read while scanning headers
 BLOCK = tarfile.BLOCKSIZE
@@ -23,6 +25,9 @@ TAR_TRAILER = bytes(2 * BLOCK)
 
 
 class Entry(Protocol):
+    """What :func:`write_tar` takes: a GetBatch :class:`~functions.store.batch.BatchEntry`, or anything
+    with these fields (``data`` is read only when the entry has no ``chunks()``)."""
+
     index: int
     name: str
     data: bytes
@@ -67,12 +72,23 @@ def write_tar(entries: Iterable[Entry], fileobj: BinaryIO, end_of_archive: bool 
     rows: list[dict] = []
     write = fileobj.write
     for e in entries:
-        n = len(e.data)
-        write(tar_header(e.name, n))
-        if n:
-            write(e.data)
-            if pad := -n % BLOCK:
-                write(bytes(pad))
+        if getattr(e, "streamed", False):  # too large to hold: its bytes arrive in ranges
+            n = e.size  # type: ignore[attr-defined]
+            write(tar_header(e.name, n))
+            written = 0
+            for chunk in e.chunks():  # type: ignore[attr-defined]
+                write(chunk)
+                written += len(chunk)
+            if written != n:
+                raise StoreError(f"entry {e.index} ({e.name}): read {written} bytes of {n}")
+        else:
+            data = e.data
+            n = len(data)
+            write(tar_header(e.name, n))
+            if n:
+                write(data)
+        if n and (pad := -n % BLOCK):
+            write(bytes(pad))
         rows.append({"index": e.index, "name": e.name, "size": n, "error": e.error})
     if end_of_archive:
         write(TAR_TRAILER)

@@ -5,6 +5,13 @@ orders, windows, retries and hedges) never blocks on a single read, so a callbac
 awscrt's needs no thread per request. Errors reported: :class:`ObjectNotFound`, :class:`InvalidRange`,
 :class:`TransientError` (retried) or anything else (the item fails).
 
+A read of unknown length may carry a ``limit``: a transport that can (it says so with ``limits = True``,
+see :func:`takes_limit`) then reads at most ``limit`` bytes and, when the object runs on past them,
+answers :class:`~functions.store.pinning.TooLarge` with the bytes to its end (and the object's pin)
+instead of the data, so the engine can bound its memory without knowing any size in advance. Locally
+that is one ``fstat`` before the read; boto3 looks at the answer's ``Content-Length`` before reading its
+body; the CRT asks for the first ``limit`` bytes as a range and reads the size from ``Content-Range``.
+
 ``SHARDFOLD_S3_TRANSPORT`` picks the S3 client: ``crt`` (awscrt's native S3 client, the default: about a
 fifth of boto3's CPU per small GET) or ``boto3`` (a thread pool over one boto3 client). ``crt`` falls back to
 ``boto3`` when awscrt cannot be imported.
@@ -43,8 +50,15 @@ class Transport(Protocol):
         function that abandons the read (used when a hedged duplicate already answered), or ``None``.
         With a ``pin`` (the engine passes one only when it has one), read only the object it pinned and
         report :class:`InputChanged` otherwise, in the same request (``If-Match``, ``fstat``).
+        A transport with ``limits = True`` also takes ``limit=`` (only with ``length=None``): see the
+        module doc.
         """
         ...
+
+
+def takes_limit(transport: object) -> bool:
+    """Whether ``transport`` honours ``fetch(..., limit=n)``."""
+    return bool(getattr(transport, "limits", False))
 
 
 _pools: dict[tuple[int, str], ThreadPoolExecutor] = {}
@@ -66,16 +80,23 @@ class _ThreadTransport:
     """Runs a blocking read function on a shared thread pool."""
 
     name = "threads"
+    limits = True
 
-    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None) -> bytes:
+    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None, limit: int | None) -> bytes:
         raise NotImplementedError
 
     def fetch(
-        self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None
+        self,
+        uri: str,
+        start: int,
+        length: int | None,
+        done: Done,
+        pin: Pin | None = None,
+        limit: int | None = None,
     ) -> Cancel | None:
         def run() -> None:
             try:
-                data = self._read(uri, start, length, pin)
+                data = self._read(uri, start, length, pin, limit)
             except BaseException as exc:  # reported, not raised: this runs on a pool thread
                 done(None, exc)
                 return
@@ -89,8 +110,8 @@ class LocalTransport(_ThreadTransport):
 
     name = "local"
 
-    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None) -> bytes:
-        return local.get(Path(uri[len(FILE) :]), uri, start, length, pin)
+    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None, limit: int | None) -> bytes:
+        return local.get(Path(uri[len(FILE) :]), uri, start, length, pin, limit=limit)
 
 
 class Boto3Transport(_ThreadTransport):
@@ -99,12 +120,14 @@ class Boto3Transport(_ThreadTransport):
 
     name = "boto3"
 
-    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None) -> bytes:
-        return s3.get(uri, start, length, client=s3.s3_client(retries=False), pin=pin)
+    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None, limit: int | None) -> bytes:
+        return s3.get(uri, start, length, client=s3.s3_client(retries=False), pin=pin, limit=limit)
 
 
 class RoutingTransport:
     """Sends each read to the transport for its URI scheme."""
+
+    limits = True  # the default transports all honour a limit
 
     def __init__(self, s3_transport: Transport | None = None, local_transport: Transport | None = None):
         self._s3 = s3_transport
@@ -117,9 +140,17 @@ class RoutingTransport:
         return self._s3
 
     def fetch(
-        self, uri: str, start: int, length: int | None, done: Done, pin: Pin | None = None
+        self,
+        uri: str,
+        start: int,
+        length: int | None,
+        done: Done,
+        pin: Pin | None = None,
+        limit: int | None = None,
     ) -> Cancel | None:
         target = self.s3 if uri.startswith(S3) else self._local
+        if limit is not None and takes_limit(target):
+            return target.fetch(uri, start, length, done, pin, limit=limit)
         if pin is None:  # transports written before pins need not take one
             return target.fetch(uri, start, length, done)
         return target.fetch(uri, start, length, done, pin)
