@@ -32,14 +32,19 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ProbeBudget:
-    """How much a probe may look at: ``objects`` (HEADs, headers) and ``data_bytes`` read in all."""
+    """How much a probe may look at: ``objects`` (HEADs, headers) and ``data_bytes`` read in all.
+
+    ``figures``: whether to look up what only the cost, time and output figures need, not the memory
+    check (getbatch's object sizes: its engine's memory is bounded in bytes whatever the sizes). Submit
+    checks memory only; ``shardfold plan`` shows the figures."""
 
     objects: int
     data_bytes: int
+    figures: bool = True
 
 
 # What submit may spend (a few dozen objects' metadata, at most 1 MiB of data) and what `shardfold plan` may.
-SUBMIT_BUDGET = ProbeBudget(objects=32, data_bytes=1 * MiB)
+SUBMIT_BUDGET = ProbeBudget(objects=32, data_bytes=1 * MiB, figures=False)
 PLAN_BUDGET = ProbeBudget(objects=10_000, data_bytes=256 * MiB)
 
 

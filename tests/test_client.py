@@ -16,7 +16,7 @@ from client.errors import JobFailed, JobNotFinished, StackNotFound
 from client.stack import save_stack_outputs
 from functions import store
 from functions.errors import JobNotFound, PlanError, SpecError
-from functions.estimate import estimate
+from functions.estimate import SUBMIT_BUDGET, estimate
 from functions.getbatch.spec import GetBatchJob
 from functions.specs import parse_spec
 from functions.store.uri import join, store_root
@@ -148,22 +148,22 @@ def test_plan_numbers(client):
 
 
 def test_plan_refuses_task_that_does_not_fit(client, root, monkeypatch):
-    # a sparse 2 GiB object: the gather task would buffer it whole, more than any configured memory
+    monkeypatch.setattr(client.executor, "start", lambda *a: pytest.fail("refused plans must not start"))
+    before = job_dirs(root)
+    # 300,000 items: the prepare task would hold them all parsed, more than its memory
+    store.put(join(root, "requests", "long.jsonl"), b'"a"\n' * 300_000)
+    long = {"kind": "getbatch", "manifest": "requests/long.jsonl"}
+    with pytest.raises(PlanError, match="step 'prepare'.*split it into several jobs"):
+        client.submit(long)
+    assert job_dirs(root) == before
+    assert estimate(parse_spec(long), store_root=root, budget=SUBMIT_BUDGET).steps  # alone it never refuses
+    # a sparse 2 GiB object fits: the engine streams an item larger than its byte budget through in ranges
     path = Path(root.removeprefix("file://")) / "data" / "huge.bin"
     with open(path, "wb") as f:
         f.truncate(2 * 1024**3)
-    monkeypatch.setattr(client.executor, "start", lambda *a: pytest.fail("refused plans must not start"))
-    before = job_dirs(root)
     big = {"kind": "getbatch", "items": [{"uri": "data/huge.bin"}, {"uri": "data/obj-000.bin"}]}
-    with pytest.raises(PlanError, match="gather"):
-        client.plan(big)
-    with pytest.raises(PlanError):
-        client.submit(big)
-    assert job_dirs(root) == before
-    # the same object as byte ranges fits
-    ranged = {"kind": "getbatch", "items": [{"uri": "data/huge.bin", "start": 0, "length": 1024}]}
-    assert client.plan(ranged).steps
-    assert estimate(parse_spec(big), store_root=root).steps  # estimating alone never refuses
+    gather = next(s for s in client.plan(big).steps if s.name == "gather_part")
+    assert gather.fits and "byte budget" in gather.why and gather.peak_mb < 512
 
 
 @pytest.mark.slow

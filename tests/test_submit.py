@@ -22,9 +22,11 @@ from functions.errors import PlanError, SpecError, UnsafeKey
 from functions.trigger import dispatch, handler
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"
-# 2 GiB in one range: the gather task would buffer it whole; ranges need no HEAD, so no data is needed
-OVER = {"kind": "getbatch", "items": [{"uri": "data/huge.bin", "start": 0, "length": 2 * 1024**3}]}
-REFUSAL = "plan refused: step 'gather_part' (getbatch.gather) needs ~2184 MiB per task but gets 1024 MiB"
+# 300,000 items in a manifest (1.2 MB, so submit counts them from its first MiB): the prepare task would
+# hold them all parsed. (No object size makes a getbatch task too big: its engine streams a large item.)
+LONG_MANIFEST = b'"a"\n' * 300_000
+OVER = {"kind": "getbatch", "manifest": "requests/long.jsonl"}
+REFUSAL = "plan refused: step 'prepare' (getbatch.prepare) needs ~706 MiB per task but gets 512 MiB"
 
 
 def started(*_: str) -> str:
@@ -40,10 +42,11 @@ def local(tmp_path, monkeypatch):
 
 
 def test_sdk_cli_and_watch_refuse_alike(local, tmp_path):
+    store.put(local.uri("requests/long.jsonl"), LONG_MANIFEST)
     with pytest.raises(PlanError) as sdk:
         local.submit(OVER)
     message = str(sdk.value)
-    assert message.startswith(REFUSAL) and "memory_mb of step 'gather_part'" in message
+    assert message.startswith(REFUSAL) and "memory_mb of step 'prepare'" in message
 
     spec = tmp_path / "over.json"
     spec.write_text(json.dumps(OVER))
@@ -65,11 +68,12 @@ def test_sdk_and_bucket_trigger_refuse_alike_against_the_deployed_sizes(monkeypa
     monkeypatch.setattr(trigger_mod, "_sfn_clients", {})
     with Client(backend="moto") as client:
         outputs = client.executor.outputs
+        store.put(client.uri("requests/long.jsonl"), LONG_MANIFEST)
         with pytest.raises(PlanError) as sdk:
             client.submit(OVER)
         message = str(sdk.value)
         assert message.startswith(REFUSAL)
-        assert """`pulumi config set --path 'shardfold:functionMemory["getbatch.gather"]' <MB>`""" in message
+        assert """`pulumi config set --path 'shardfold:functionMemory["getbatch.prepare"]' <MB>`""" in message
 
         monkeypatch.setenv("SHARDFOLD_STATE_MACHINES", json.dumps(outputs["state_machine_arns"]))
         monkeypatch.setenv(trigger_mod.SIZES_ENV, json.dumps(outputs["sizes"]))
@@ -81,9 +85,9 @@ def test_sdk_and_bucket_trigger_refuse_alike_against_the_deployed_sizes(monkeypa
         report = handler(event, None)
         assert report["error"] == message
 
-        # a bigger deployed gather function takes the same spec
+        # a bigger deployed prepare function takes the same spec
         sizes = json.loads(json.dumps(outputs["sizes"]))
-        sizes["functions"]["getbatch.gather"]["memory_mb"] = 3008
+        sizes["functions"]["getbatch.prepare"]["memory_mb"] = 3008
         root = f"s3://{bucket}"
         ok = dispatch(f"{root}/jobs/over.json", lambda *a: "started", root=root, deployed=sizes)
         assert ok["state"] == "RUNNING", ok
@@ -210,6 +214,12 @@ def test_submit_reads_a_bounded_probe(local, tmp_path, monkeypatch):
     assert seen["sized"] <= SUBMIT_BUDGET.objects and seen["gets"] <= 2 * SUBMIT_BUDGET.objects
     # what the probe learned is recorded beside the spec
     assert store.get_json(local.uri(f"jobs/{job.job_id}/probe.json"))["headers_read"] == SUBMIT_BUDGET.objects
+
+    # getbatch: no object is read or even sized at submit (its gather task's memory needs no size)
+    seen = _reads(monkeypatch)
+    job = local.submit({"kind": "getbatch", "items": [{"uri": f"u/{i:02d}.safetensors"} for i in range(40)]})
+    assert seen == {"gets": 0, "bytes": 0, "sized": 0}
+    assert store.get_json(local.uri(f"jobs/{job.job_id}/probe.json"))["sizes_probed"] == 0
 
 
 @pytest.mark.slow

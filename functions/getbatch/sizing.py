@@ -1,15 +1,19 @@
 """Task loads of a getbatch job, from the engine's own constants (see :mod:`functions.estimate`).
 
 * **probe**: the item list (inline, or the manifest when it fits the probe's byte budget; beyond, the
-  count is extrapolated from its first bytes) and the sizes of up to ``budget.objects`` distinct objects
-  (evenly sampled), looked up on the store's shared pool. A TAR member's size is unknown before the engine
-  indexes its shard: it is bounded by the shard and assumed at most 1 MiB.
-* **loads**: a gather task holds what the GetBatch engine buffers — at most ``window`` items, where the
-  window is the engine's default (:data:`functions.store.batch.WINDOW_PER_READ` x its concurrency) but
-  never more than the part's items — times the largest item, plus the write buffer of its TAR fragment,
+  count is extrapolated from its first bytes). Only when the budget asks for the figures (``shardfold
+  plan``; submit does not) the sizes of up to ``budget.objects`` distinct objects too (evenly sampled), looked
+  up on the store's shared pool: the memory check needs no size, because the engine's memory is bounded in
+  bytes. A TAR member's size is unknown before the engine indexes its shard: it is bounded by the shard and
+  assumed at most 1 MiB.
+* **loads**: a gather task holds what the GetBatch engine holds — buffered answers and reads in flight,
+  at most :data:`functions.store.batch.DEFAULT_MAX_BYTES` plus one read's step whatever the objects'
+  sizes (a larger item is streamed through in ranges); where the sizes are known, no more than ``window``
+  items (the engine's default window, :data:`~functions.store.batch.WINDOW_PER_READ` x its concurrency,
+  never more than the part's items) times the largest — plus the write buffer of its TAR fragment,
   streamed to the store in parts (:data:`functions.store.s3.WRITE_PART`, two at a time), plus the parsed
-  items. plan holds the parsed request;
-  assemble the per-item status rows.
+  items. plan holds the parsed request; assemble the per-item status rows. Without sizes, the time, cost
+  and output figures assume 1 MiB objects (items with a ``length`` count as that length).
 """
 
 from __future__ import annotations
@@ -30,14 +34,20 @@ from functions.store import batch, s3
 ITEM_OBJECT_BYTES = 1024
 STATUS_ROW_BYTES = 400
 TAR_MEMBER_ASSUMED = 1 * MiB
+UNKNOWN_OBJECT_ASSUMED = 1 * MiB  # an object whose size was not looked up, for the figures only
 # Objects above this are written with multipart upload; each part is one PUT (functions.store).
 MULTIPART_CHUNK = 8 * MiB
 RUNTIME_BYTES = pricing.LAMBDA_BASELINE_MB * MiB
 
 
 def _items(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> tuple[list[Any], int, list[str]]:
-    """(items read, the request's item count, notes). A manifest over the byte budget is read in part."""
+    """(items read, the request's item count, notes). A manifest over the byte budget is read in part.
+
+    Inline items are the spec's own (submit's policy check has resolved and allowed every URI); they are
+    resolved here only when their sizes are to be looked up."""
     if spec.items is not None:
+        if not budget.figures:
+            return list(spec.items), len(spec.items), []
         items = [
             core.parse_item(i.model_dump(), store_root, f"items.{k}.uri") for k, i in enumerate(spec.items)
         ]
@@ -60,8 +70,12 @@ def _items(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> tuple[lis
     return items, n, [f"manifest of {total / MiB:,.1f} MiB: ~{n:,} items, extrapolated from its first bytes"]
 
 
-def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
-    items, n, notes = _items(spec, store_root, budget)
+def _sizes(
+    spec: GetBatchJob, items: list[Any], budget: ProbeBudget, notes: list[str]
+) -> dict[str, int | None]:
+    """Sizes of (a sample of) the objects read whole or to their end; {} when the budget says not to."""
+    if not budget.figures:
+        return {}
     unknown = sorted({i.uri for i in items if i.length is None})
     if len(unknown) > budget.objects:
         step = len(unknown) / budget.objects
@@ -72,10 +86,15 @@ def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
     else:
         sample = unknown
     try:
-        found = store.sizes(sample)
+        return store.sizes(sample)
     except ShardfoldError as exc:  # e.g. no permission on a bucket: size from the fallback, say so
-        found = {}
-        notes.append(f"object sizes unknown ({exc}); memory and time assume 1 MiB objects")
+        notes.append(f"object sizes unknown ({exc}); time and cost assume 1 MiB objects")
+        return {}
+
+
+def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
+    items, n, notes = _items(spec, store_root, budget)
+    found = _sizes(spec, items, budget, notes)
     missing = {u for u, s in found.items() if s is None}
     if missing:
         how = "become __404__ placeholders" if spec.continue_on_error else "will fail the job"
@@ -85,7 +104,12 @@ def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
         notes.append(f"{members} TAR member(s): sizes assumed <= 1 MiB each")
     shards = {i.uri for i in items if i.archpath is not None}
     plain = [v for u, v in found.items() if v is not None and u not in shards]
-    fallback = int(sum(plain) / len(plain)) if plain else MiB
+    fallback = int(sum(plain) / len(plain)) if plain else UNKNOWN_OBJECT_ASSUMED
+    # The largest item is known when every item read has a length or a looked-up size (not sampled, not a
+    # TAR member's guess); otherwise the memory model uses the engine's byte bound.
+    sized = len(items) == n and all(
+        i.length is not None or (i.archpath is None and i.uri in found) for i in items
+    )
 
     def item_bytes(i: Any) -> int:
         if i.length is not None:
@@ -102,10 +126,13 @@ def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
     mean = sum(seen) / len(seen) if seen else fallback
     if len(seen) < n:  # the request was read in part: the rest is like what was seen
         part_bytes = max(part_bytes, int(mean * min(per_part, n)))
+    if not budget.figures:
+        notes.append("object sizes not looked up (the memory check needs none); `shardfold plan` does")
     return Probe(
         facts={
             "items": n,
-            "largest_item_bytes": max(seen, default=fallback),
+            # None: not known, and not needed for memory (the engine holds a bounded number of bytes)
+            "largest_item_bytes": max(seen, default=fallback) if sized else None,
             "largest_part_bytes": part_bytes,
             "total_bytes": int(sum(seen) + mean * (n - len(seen))),
             "sizes_probed": len(found),
@@ -115,17 +142,29 @@ def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
     )
 
 
+def gather_buffer_bytes(per_part: int, largest: int | None) -> tuple[int, str]:
+    """What the engine holds in one gather task, and how to say it: its byte budget (plus one read's
+    step), or, when the largest item is known, the window's worth of it if that is less."""
+    concurrency = batch.DEFAULT_CONCURRENCY
+    window = min(batch.WINDOW_PER_READ * concurrency, per_part)
+    bound = batch.DEFAULT_MAX_BYTES + batch.step_bytes(batch.DEFAULT_MAX_BYTES, concurrency)
+    if largest is not None and window * largest < bound:
+        return window * largest, f"{window} item(s) in the engine's window x largest {largest / MiB:.2f} MiB"
+    return bound, f"the engine's byte budget ({bound / MiB:.0f} MiB, whatever the objects' sizes)"
+
+
 def loads(spec: GetBatchJob, probed: Probe) -> Loads:
     facts = probed.facts
     n = int(facts["items"])
-    largest = int(facts["largest_item_bytes"])
+    largest = facts.get("largest_item_bytes")
     part_bytes = int(facts["largest_part_bytes"])
     per_part = min(spec.items_per_part, n)
     parts = math.ceil(n / spec.items_per_part)
     concurrency = batch.DEFAULT_CONCURRENCY
-    window = min(batch.WINDOW_PER_READ * concurrency, per_part)
-    write_buffer = min(part_bytes, 2 * s3.WRITE_PART)  # the streamed fragment's part filling + uploading
-    buffered = window * largest
+    write_buffer = 2 * s3.WRITE_PART  # the streamed fragment's part filling + uploading
+    if largest is not None:
+        write_buffer = min(part_bytes, write_buffer)
+    buffered, held = gather_buffer_bytes(per_part, None if largest is None else int(largest))
     gather = TaskLoad(
         peak_bytes=RUNTIME_BYTES + buffered + write_buffer + per_part * ITEM_OBJECT_BYTES,
         gets=2 + per_part,  # spec + part list + one GET per item
@@ -133,8 +172,8 @@ def loads(spec: GetBatchJob, probed: Probe) -> Loads:
         duration_s=pricing.TASK_OVERHEAD_S
         + math.ceil(per_part / concurrency) * pricing.S3_GET_LATENCY_S
         + part_bytes / pricing.LAMBDA_NET_BYTES_PER_S,
-        why=f"{window} item(s) in the engine's window x largest {largest / MiB:.2f} MiB, the TAR fragment's "
-        f"write buffer (up to two {s3.WRITE_PART // MiB} MiB parts), {per_part:,} parsed items",
+        why=f"{held}, the TAR fragment's write buffer (up to two {s3.WRITE_PART // MiB} MiB parts), "
+        f"{per_part:,} parsed items",
     )
     plan = TaskLoad(
         peak_bytes=RUNTIME_BYTES + n * ITEM_OBJECT_BYTES * 2,
@@ -152,11 +191,6 @@ def loads(spec: GetBatchJob, probed: Probe) -> Loads:
         why=f"{n:,} status rows and their JSON Lines text",
     )
     notes = []
-    if buffered > 512 * MiB:
-        notes.append(
-            "to fit: give large objects byte ranges (start/length) so each item stays small, or raise the "
-            "gather function's memory"
-        )
     if n * ITEM_OBJECT_BYTES * 2 > 512 * MiB:
         notes.append("to fit: a request this long needs a bigger plan function; split it into several jobs")
     return Loads(
