@@ -90,6 +90,10 @@ def put(path: Path, data: bytes) -> None:
     _commit(path, [data])
 
 
+# A streamed write's buffer: many small writes (a TAR header, then a 10 KiB member) become a few system calls.
+WRITE_BUFFER = 1 << 20
+
+
 @contextmanager
 def writer(path: Path) -> Iterator[BinaryIO]:
     """A file to write ``path`` through: a temporary file beside it, renamed into place when the block
@@ -99,7 +103,7 @@ def writer(path: Path) -> Iterator[BinaryIO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}"
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", buffering=WRITE_BUFFER) as f:
             yield f
         os.replace(tmp, path)
     except BaseException:
