@@ -3,16 +3,19 @@
 * **plan** splits the request into parts of ``items_per_part`` items, writes each part's item list and a
   manifest listing the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
   through the control plane. Every object read more than once — named by several items (ranges of one
-  object), or a TAR shard (its index, then its members) — is pinned (one HEAD or stat each, all in flight
-  at once) and each part records the pins of its objects, so one job never mixes two versions of an object.
-  An object read once needs no pin: its one GET is one version, whenever the plan was made.
+  object), a TAR shard (its index, then its members), or a range long enough that the engine may stream
+  it in several reads — is pinned (one HEAD or stat each, all in flight at once) and each part records the
+  pins of its objects, so one job never mixes two versions of an object. An object read once needs no pin:
+  its one GET is one version, whenever the plan was made (one the engine streams is pinned by the read
+  that found it too large).
 * **gather** fetches one part with the GetBatch engine and streams it into the store as a TAR *fragment*
   (members only, no end-of-archive marker) plus its per-item status rows; every read carries its object's
   pin, so an object changed since the plan fails the job (:class:`InputChanged`, never a placeholder);
-  the only part of a request is written as the whole archive at the output URI, with nothing left to
-  assemble.
+  the only part of a request is written as the whole archive at the output URI, with its status manifest
+  and the job result, leaving nothing to assemble.
 * **assemble** concatenates the fragments and a TAR trailer into one archive server-side, writes the
-  per-item status manifest and the job result, then removes the temporaries.
+  per-item status manifest and the job result, then removes the temporaries (after a one-part request,
+  only the temporaries).
 
 Every object goes to a key derived from (job id, stage, part), so retries and resumes overwrite identical
 bytes and never double-count.
@@ -42,12 +45,15 @@ from functions.getbatch.spec import GetBatchJob
 from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
 from functions.specs import BatchItem, describe_errors, json_type
+from functions.store import batch
 from functions.store.tar import TAR_TRAILER, write_tar
 from functions.store.uri import join
 
 logger = Logger(service="shardfold")
 
 STAGE = "getbatch"
+STREAM_STEP = batch.step_bytes(batch.DEFAULT_MAX_BYTES, batch.DEFAULT_CONCURRENCY)
+_ROW_ENCODER = json.JSONEncoder(sort_keys=True)  # a status.jsonl row, as json.dumps(row, sort_keys=True)
 
 
 def job_uri(store_root: str, job_id: str, *parts: str) -> str:
@@ -66,8 +72,8 @@ def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
     Every bad item is reported (up to ten in the message, all in ``SpecError.errors``) by its index in the
     request, ``items.<i>`` with the field at fault, and for a JSON Lines manifest by its line too."""
     lines: list[int] | None = None
-    if spec.items is not None:
-        raw: list[Any] = [i.model_dump(exclude_none=True) for i in spec.items]
+    if spec.items is not None:  # validated with the spec: only the URIs are checked again
+        raw: list[Any] = list(spec.items)
     else:
         assert spec.manifest is not None  # the spec validator guarantees one source
         raw, lines = _read_manifest(spec.manifest, store_root)
@@ -138,6 +144,8 @@ def _read_manifest(manifest: str, store_root: str) -> tuple[list[Any], list[int]
 def parse_item(doc: Any, store_root: str, field: str = "", checked: set[str] | None = None) -> BatchItem:
     """One item of a request (a bare URI is shorthand for a whole object), its URI resolved and allowed
     (``checked``: see :func:`functions.access.input_uri`)."""
+    if isinstance(doc, BatchItem):  # already valid (an inline item of a parsed spec)
+        return doc.model_copy(update={"uri": access.input_uri(doc.uri, store_root, field, checked=checked)})
     if not isinstance(doc, str | dict):
         raise ValueError(
             f'an item is a URI string or an object {{"uri": ..., "start", "length", "archpath", '
@@ -156,7 +164,10 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
     access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
     reads = Counter(item.uri for item in items)
     shards = {item.uri for item in items if item.archpath is not None}
-    shared = [u for u, n in reads.items() if n > 1 or u in shards]
+    # a range longer than one engine step may be streamed in several reads (an object read whole learns
+    # its pin from the read that stopped at the step)
+    streamed = {item.uri for item in items if item.length is not None and item.length > STREAM_STEP}
+    shared = [u for u, n in reads.items() if n > 1 or u in shards or u in streamed]
     pins = {u: pin.to_doc() for u, pin in store.pins(shared).items() if pin is not None}  # None: missing
     size = spec.items_per_part
     n_parts = math.ceil(len(items) / size)
@@ -169,7 +180,7 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
         store.put_json(uri, part_doc, indent=None)
         manifest.append({"part": p, "first": p * size, "count": len(chunk), "of": n_parts})
     manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
-    store.put_json(manifest_uri, manifest)
+    store.put_json(manifest_uri, manifest, indent=None)
     logger.info("planned getbatch", extra={"job_id": job_id, "items": len(items), "parts": n_parts})
     return {"manifest": manifest_ref(manifest_uri, n_parts), "parts": n_parts, "items": len(items)}
 
@@ -178,7 +189,8 @@ def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: in
     """Fetch one part in request order and write its TAR fragment and status rows.
 
     The only part of a request (``parts == 1``) is written as the whole archive, trailer included, at the
-    output URI: there is nothing to assemble, so the data is written once instead of twice."""
+    output URI, with the status manifest and the result: there is nothing to assemble, so the data is
+    written once instead of twice and assemble only clears the scratch."""
     doc = store.get_json(_part_uri(store_root, job_id, part))
     if isinstance(doc, list):  # a part list written before inputs were pinned
         doc = {"items": doc, "pins": {}}
@@ -203,7 +215,10 @@ def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: in
         raise BatchItemError(first + exc.index, exc.item, exc.reason) from None
     for row in rows:
         row["index"] += first
-    store.put_json(_status_uri(store_root, job_id, part), rows)
+    if whole:
+        _commit_result(spec, job_id, store_root, rows, 1, target)
+    else:
+        store.put_json(_status_uri(store_root, job_id, part), rows, indent=None)
     errors = sum(1 for r in rows if r["error"])
     return {"part": part, "items": len(rows), "errors": errors, "bytes": sum(r["size"] for r in rows)}
 
@@ -218,16 +233,18 @@ def _check_soft_errors(spec: GetBatchJob, rows: list[dict]) -> None:
 
 
 def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dict:
-    """Join the fragments into the archive, write the status manifest and the result, clean up."""
+    """Join the fragments into the archive, write the status manifest and the result, clean up.
+
+    After a one-part request's gather (which committed all three) and after a retried assemble, the
+    result stands and only the scratch goes."""
     result_uri = job_uri(store_root, job_id, "result.json")
-    if store.exists(result_uri):  # a retried assemble after success: the result stands, scratch goes
+    if store.exists(result_uri):
         store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))
         return store.get_json(result_uri)
     rows: list[dict] = []
     for p in range(parts):
         rows.extend(store.get_json(_status_uri(store_root, job_id, p)))
     _check_soft_errors(spec, rows)
-    failed = [r for r in rows if r["error"]]
     out = output_uri(spec, store_root, job_id)
     fragments = [_fragment_uri(store_root, job_id, p) for p in range(parts)]
     if parts == 1 and not store.exists(fragments[0]):  # the only part's gather wrote the archive itself
@@ -239,20 +256,29 @@ def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dic
         trailer = job_uri(store_root, job_id, STAGE, "fragments", "trailer.tar")
         store.put(trailer, TAR_TRAILER)
         store.assemble([*fragments, trailer], out)
+    result = _commit_result(spec, job_id, store_root, rows, parts, out)
+    store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))  # part lists, fragments, status rows
+    return result
+
+
+def _commit_result(
+    spec: GetBatchJob, job_id: str, store_root: str, rows: list[dict], parts: int, archive: str
+) -> dict:
+    """Write the per-item status manifest, then the result (last: it marks the job's output complete)."""
     status = job_uri(store_root, job_id, "output", "status.jsonl")
-    store.put(status, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
+    encode = _ROW_ENCODER.encode
+    store.put(status, "".join(encode(r) + "\n" for r in rows).encode())
     result = {
         "job_id": job_id,
         "kind": "getbatch",
-        "archive": out,
+        "archive": archive,
         "status": status,
         "items": len(rows),
-        "errors": len(failed),
+        "errors": sum(1 for r in rows if r["error"]),
         "bytes": sum(r["size"] for r in rows),
         "parts": parts,
     }
-    store.put_json(result_uri, result)
-    store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))  # part lists, fragments, status rows
+    store.put_json(job_uri(store_root, job_id, "result.json"), result)
     return result
 
 
