@@ -642,49 +642,62 @@ class LocalExecutor:
         index: int | None,
     ) -> dict[int, _StepFailed]:
         """Run the pending children with at most ``limit`` in flight; stop starting new ones once the
-        failures exceed the tolerance or the job is cancelled. Returns {item index: failure}."""
+        failures exceed the tolerance or the job is cancelled. Returns {item index: failure}.
+
+        A single pending child runs on this thread (a pool would only add a thread hand-off)."""
         limit = step.max_concurrency or self.threads
         total = len(items)
         pct = step.tolerance()
         failures: dict[int, _StepFailed] = {}
         cancelled = False
-        todo = iter(pending)
-        inflight: dict[cf.Future, int] = {}
         base = {k: run.input[k] for k in ("job_id", "spec_uri", "store_root")}
-        with cf.ThreadPoolExecutor(
-            max_workers=max(1, min(limit, len(pending))), thread_name_prefix="sf-map"
-        ) as pool:
 
-            def fill() -> None:
-                while len(inflight) < limit and not run.cancel.is_set():
-                    i = next(todo, None)
-                    if i is None:
-                        return
-                    child = {**base, "item": items[i], "index": i}
-                    fut = pool.submit(self._run_steps, run, step.body, child, (*child_scope, str(i)), i)
-                    inflight[fut] = i
+        def child(i: int) -> None:
+            doc = {**base, "item": items[i], "index": i}
+            self._run_steps(run, step.body, doc, (*child_scope, str(i)), i)
 
-            fill()
-            while inflight:
-                finished, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
-                for fut in finished:
-                    i = inflight.pop(fut)
-                    exc = fut.exception()
-                    if exc is None:
-                        if index is None:
-                            self._progress(run, step.name, inc=1)
-                    elif isinstance(exc, _Cancelled):
-                        cancelled = True
-                    elif isinstance(exc, _StepFailed):
-                        failures[i] = exc
-                    else:
-                        logger.error(
-                            "map child error", extra={"step": step.name, "index": i, "error": repr(exc)}
-                        )
-                        failures[i] = _StepFailed(step_error(step.name, i, type(exc).__name__, str(exc)))
-                over = bool(failures) and (pct is None or len(failures) * 100.0 / total > pct)
-                if not (cancelled or over):
-                    fill()
+        def settle(i: int, exc: BaseException | None) -> None:
+            nonlocal cancelled
+            if exc is None:
+                if index is None:
+                    self._progress(run, step.name, inc=1)
+            elif isinstance(exc, _Cancelled):
+                cancelled = True
+            elif isinstance(exc, _StepFailed):
+                failures[i] = exc
+            else:
+                logger.error("map child error", extra={"step": step.name, "index": i, "error": repr(exc)})
+                failures[i] = _StepFailed(step_error(step.name, i, type(exc).__name__, str(exc)))
+
+        if len(pending) == 1 and not run.cancel.is_set():
+            try:
+                child(pending[0])
+            except Exception as exc:  # noqa: BLE001 - settled as a pool child's exception would be
+                settle(pending[0], exc)
+            else:
+                settle(pending[0], None)
+        elif pending:
+            todo = iter(pending)
+            inflight: dict[cf.Future, int] = {}
+            with cf.ThreadPoolExecutor(
+                max_workers=max(1, min(limit, len(pending))), thread_name_prefix="sf-map"
+            ) as pool:
+
+                def fill() -> None:
+                    while len(inflight) < limit and not run.cancel.is_set():
+                        i = next(todo, None)
+                        if i is None:
+                            return
+                        inflight[pool.submit(child, i)] = i
+
+                fill()
+                while inflight:
+                    finished, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
+                    for fut in finished:
+                        settle(inflight.pop(fut), fut.exception())
+                    over = bool(failures) and (pct is None or len(failures) * 100.0 / total > pct)
+                    if not (cancelled or over):
+                        fill()
         if cancelled or run.cancel.is_set():  # some children may never have started: not finished
             raise _Cancelled
         return failures
