@@ -131,15 +131,14 @@ class UriField:
 
 def uri_fields(model: BaseModel, loc: tuple[str | int, ...] = ()) -> Iterator[UriField]:
     """Every URI a spec names, from the fields typed :data:`InputUri` / :data:`OutputUri`, in field order."""
-    for name, info in type(model).model_fields.items():
+    for name, key, role, annotation in _fields(type(model)):
         value = getattr(model, name)
-        here = (*loc, info.alias or name)
-        role = next((m for m in info.metadata if isinstance(m, UriRole)), None)
+        here = (*loc, key)
         if role is not None:
             if isinstance(value, str):
                 yield UriField(here, value, role.role, role.prefix)
             continue
-        yield from _walk(value, info.annotation, here)
+        yield from _walk(value, annotation, here)
 
 
 def _walk(value: Any, annotation: Any, loc: tuple[str | int, ...]) -> Iterator[UriField]:
@@ -148,25 +147,67 @@ def _walk(value: Any, annotation: Any, loc: tuple[str | int, ...]) -> Iterator[U
     if isinstance(value, BaseModel):
         yield from uri_fields(value, loc)
         return
-    origin = get_origin(annotation)
-    if origin is Annotated:
-        base, *meta = get_args(annotation)
-        role = next((m for m in meta if isinstance(m, UriRole)), None)
+    shape = _shape(annotation)
+    kind = shape[0]
+    if kind == "annotated":
+        _, role, base = shape
         if role is not None:
             if isinstance(value, str):
                 yield UriField(loc, value, role.role, role.prefix)
             return
         yield from _walk(value, base, loc)
-    elif origin in (Union, types.UnionType):
-        for option in get_args(annotation):  # the first option whose shape fits the value
+    elif kind == "union":
+        for option in shape[1]:  # the first option whose shape fits the value
             found = list(_walk(value, option, loc))
             if found:
                 yield from found
                 return
-    elif origin is list and isinstance(value, list):
-        (element,) = get_args(annotation)
+    elif kind == "list" and isinstance(value, list):
+        element = shape[1]
         for i, v in enumerate(value):
             yield from _walk(v, element, (*loc, i))
+
+
+# What the walk needs of a model class and of an annotation, worked out once (a spec may list thousands of
+# items of one class): typing's introspection per item cost more than the rest of the walk.
+_FIELD_PLANS: dict[type, tuple[tuple[str, str, UriRole | None, Any], ...]] = {}
+_SHAPES: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+
+
+def _fields(cls: type[BaseModel]) -> tuple[tuple[str, str, UriRole | None, Any], ...]:
+    """(attribute, key in the document, its URI role or None, annotation) of each field, in order."""
+    plan = _FIELD_PLANS.get(cls)
+    if plan is None:
+        plan = tuple(
+            (
+                name,
+                info.alias or name,
+                next((m for m in info.metadata if isinstance(m, UriRole)), None),
+                info.annotation,
+            )
+            for name, info in cls.model_fields.items()
+        )
+        _FIELD_PLANS[cls] = plan
+    return plan
+
+
+def _shape(annotation: Any) -> tuple[Any, ...]:
+    """``("annotated", role, base)``, ``("union", options)``, ``("list", element)`` or ``("other",)``."""
+    hit = _SHAPES.get(id(annotation))
+    if hit is not None and hit[0] is annotation:
+        return hit[1]
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        base, *meta = get_args(annotation)
+        shape: tuple[Any, ...] = ("annotated", next((m for m in meta if isinstance(m, UriRole)), None), base)
+    elif origin in (Union, types.UnionType):
+        shape = ("union", get_args(annotation))
+    elif origin is list:
+        shape = ("list", get_args(annotation)[0])
+    else:
+        shape = ("other",)
+    _SHAPES[id(annotation)] = (annotation, shape)  # the annotation is kept alive, so its id stays its own
+    return shape
 
 
 # --- pieces several kinds share -----------------------------------------------------------------------------
