@@ -5,18 +5,20 @@ keeps a sliding window of items (at most ``window`` items between the oldest one
 newest one requested, at most ``concurrency`` reads in flight), puts answers into a reorder buffer and
 yields the contiguous ready prefix, so entry 0 comes out as soon as it arrives.
 
-Memory is bounded in bytes, not by the window times the largest item. The engine holds at most
-``max_bytes`` (default :data:`DEFAULT_MAX_BYTES`) buffered or reserved for reads in flight: a read of known
-length reserves that length; a read of unknown length (a whole object, or to its end) reserves one *step*
-(``max_bytes / concurrency``, at least 64 KiB) and asks the transport to stop at that many bytes. A
-transport that finds the object longer answers :class:`~functions.store.pinning.TooLarge` with its size
-(and, where the answer carries one, the object's pin) without reading the rest, and the item waits until
-its whole length fits: no later item is started meanwhile. An item that does not fit even when it is the
-next to be yielded is *streamed*: its entry carries the size and reads the bytes in ranges as the consumer
-takes them (:meth:`BatchEntry.chunks`), each range checked against the object's pin. So the buffered and
-reserved bytes never pass ``max_bytes`` plus one step, whatever the objects' sizes, and no size has to be
-known before the request starts. (A transport that cannot stop a read early, such as a test's fake, reads
-whole objects; the bound then holds only for known lengths.)
+Memory is bounded in bytes, not by the window times the largest item. The engine holds at most ``max_bytes``
+(default :data:`DEFAULT_MAX_BYTES`) buffered or reserved for reads in flight: a read of known length
+reserves that length; a read of unknown length (a whole object, or to its end) reserves a *cap* and asks the
+transport to stop at that many bytes. The cap starts at one *step* (``max_bytes / concurrency``, at least 64
+KiB) and then follows the largest item seen (never below 64 KiB nor above the step), so objects alike in
+size reserve what they are. A transport that finds the object longer answers
+:class:`~functions.store.pinning.TooLarge` with its size (and, where the answer carries one, the object's
+pin) without reading the rest, and the item waits until its whole length fits: no later item is started
+meanwhile. An item that does not fit even when it is the next to be yielded is *streamed*: its entry carries
+the size and reads the bytes in ranges as the consumer takes them (:meth:`BatchEntry.chunks`), each range
+checked against the object's pin (the plan's, or the one the stopped read reported; a range of an object
+with neither is read as it is). So the buffered and reserved bytes never pass ``max_bytes`` plus one step,
+whatever the objects' sizes, and no size has to be known before the request starts. (A transport that cannot
+stop a read early, such as a test's fake, reads whole objects; the bound then holds only for known lengths.)
 
 Faults:
 - throttling and 5xx (:class:`TransientError`) are retried with exponential backoff and full jitter;
@@ -328,6 +330,7 @@ class _Engine:
         self.concurrency = concurrency
         self.max_bytes = max_bytes
         self.step = step_bytes(max_bytes, concurrency)
+        self.cap = self.step  # what a read of unknown length reserves now: see _learn
         self.limits = takes_limit(transport)
         self.max_soft_errors = max_soft_errors
         self.hedge_after = hedge_after
@@ -391,7 +394,7 @@ class _Engine:
                 or self.exhausted
                 or self.in_flight >= self.concurrency
                 or self.next_in - self.next_out >= self.window
-                or (self.held + self.step > self.max_bytes and self.slots)
+                or (self.held + self.cap > self.max_bytes and self.slots)
             ):
                 return
             try:
@@ -572,8 +575,17 @@ class _Engine:
             heapq.heappush(self.queue, (slot.index, slot))
 
     def _reservation(self, slot: _Slot) -> int:
-        """Bytes the slot's next read may hold: its length when known, else one step."""
-        return self.step if slot.size is None else slot.size
+        """Bytes the slot's next read may hold: its length when known, else the current cap."""
+        return self.cap if slot.size is None else slot.size
+
+    def _learn(self, size: int) -> None:
+        """An item's size is known: reads of unknown length now reserve (and stop at) the largest size seen,
+        at least :data:`MIN_STEP` and at most one step. Objects alike in size then each reserve what they
+        are, not a step; a larger one costs one stopped read."""
+        stats = self.stats
+        if size > stats.largest_item_bytes:
+            stats.largest_item_bytes = size
+        self.cap = min(self.step, max(MIN_STEP, stats.largest_item_bytes))
 
     def _build_index(self, uri: str) -> None:
         """On a pool thread: scan a shard's headers, then hand the index to the engine thread."""
@@ -666,8 +678,7 @@ class _Engine:
             self._drop_outstanding(slot)
             self.stats.oversize += 1
             slot.size, slot.seen = exc.size, exc.pin
-            if exc.size > self.stats.largest_item_bytes:
-                self.stats.largest_item_bytes = exc.size
+            self._learn(exc.size)
             slot.queued = True
             heapq.heappush(self.queue, (slot.index, slot))
         elif isinstance(exc, TransientError):
@@ -700,8 +711,8 @@ class _Engine:
         self._hold(n)
         if stats.buffered_bytes > stats.peak_buffered_bytes:
             stats.peak_buffered_bytes = stats.buffered_bytes
-        if n > stats.largest_item_bytes:
-            stats.largest_item_bytes = n
+        if n > stats.largest_item_bytes or self.cap == self.step:
+            self._learn(n)
 
     def _fail(self, slot: _Slot, exc: BaseException) -> None:
         self._drop_outstanding(slot)
