@@ -131,21 +131,27 @@ class UriField:
 
 def uri_fields(model: BaseModel, loc: tuple[str | int, ...] = ()) -> Iterator[UriField]:
     """Every URI a spec names, from the fields typed :data:`InputUri` / :data:`OutputUri`, in field order."""
+    found: list[UriField] = []
+    _model_uris(model, loc, found)
+    return iter(found)
+
+
+def _model_uris(model: BaseModel, loc: tuple[str | int, ...], out: list[UriField]) -> None:
     for name, key, role, annotation in _fields(type(model)):
         value = getattr(model, name)
-        here = (*loc, key)
         if role is not None:
             if isinstance(value, str):
-                yield UriField(here, value, role.role, role.prefix)
+                out.append(UriField((*loc, key), value, role.role, role.prefix))
             continue
-        yield from _walk(value, annotation, here)
+        if value is not None:
+            _walk(value, annotation, (*loc, key), out)
 
 
-def _walk(value: Any, annotation: Any, loc: tuple[str | int, ...]) -> Iterator[UriField]:
+def _walk(value: Any, annotation: Any, loc: tuple[str | int, ...], out: list[UriField]) -> None:
     if value is None:
         return
     if isinstance(value, BaseModel):
-        yield from uri_fields(value, loc)
+        _model_uris(value, loc, out)
         return
     shape = _shape(annotation)
     kind = shape[0]
@@ -153,19 +159,20 @@ def _walk(value: Any, annotation: Any, loc: tuple[str | int, ...]) -> Iterator[U
         _, role, base = shape
         if role is not None:
             if isinstance(value, str):
-                yield UriField(loc, value, role.role, role.prefix)
+                out.append(UriField(loc, value, role.role, role.prefix))
             return
-        yield from _walk(value, base, loc)
+        _walk(value, base, loc, out)
     elif kind == "union":
         for option in shape[1]:  # the first option whose shape fits the value
-            found = list(_walk(value, option, loc))
+            found: list[UriField] = []
+            _walk(value, option, loc, found)
             if found:
-                yield from found
+                out.extend(found)
                 return
     elif kind == "list" and isinstance(value, list):
         element = shape[1]
         for i, v in enumerate(value):
-            yield from _walk(v, element, (*loc, i))
+            _walk(v, element, (*loc, i), out)
 
 
 # What the walk needs of a model class and of an annotation, worked out once (a spec may list thousands of
