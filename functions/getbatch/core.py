@@ -145,7 +145,8 @@ def parse_item(doc: Any, store_root: str, field: str = "", checked: set[str] | N
     """One item of a request (a bare URI is shorthand for a whole object), its URI resolved and allowed
     (``checked``: see :func:`functions.access.input_uri`)."""
     if isinstance(doc, BatchItem):  # already valid (an inline item of a parsed spec)
-        return doc.model_copy(update={"uri": access.input_uri(doc.uri, store_root, field, checked=checked)})
+        uri = access.input_uri(doc.uri, store_root, field, checked=checked)
+        return doc if uri == doc.uri else doc.model_copy(update={"uri": uri})
     if not isinstance(doc, str | dict):
         raise ValueError(
             f'an item is a URI string or an object {{"uri": ..., "start", "length", "archpath", '
