@@ -41,7 +41,8 @@ class GetBatchDataset(Dataset):
     ``decode(data: bytes)`` turns an object's bytes into a sample (default: the bytes). With
     ``continue_on_error=True`` a missing object yields ``None`` instead of failing the batch (use a
     ``collate_fn`` that drops them); otherwise the batch raises :class:`BatchItemError` naming the item.
-    ``options`` pass through to :func:`functions.store.get_batch` (window, concurrency, hedge_after...).
+    ``options`` pass through to :func:`functions.store.get_batch` (window, concurrency, max_bytes,
+    hedge_after...).
 
     Safe with ``num_workers > 0``: per-process state (the store's S3 connection pool) is created lazily in
     each worker, never inherited across ``fork``, and dropped when the dataset is pickled for ``spawn``.

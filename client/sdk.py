@@ -251,7 +251,7 @@ class Client:
 
         Returns the :class:`BatchEntry` list in request order (``stream=True``: a generator yielding each
         entry as soon as it and all before it have arrived). ``options`` pass through to
-        :func:`functions.store.get_batch` (window, concurrency, max_soft_errors, hedge_after...).
+        :func:`functions.store.get_batch` (window, concurrency, max_bytes, max_soft_errors, hedge_after...).
         """
         batch = [self._item(i) for i in items]
         entries = store.get_batch(batch, continue_on_error=continue_on_error, **options)

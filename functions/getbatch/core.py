@@ -203,7 +203,7 @@ def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: in
         items, continue_on_error=spec.continue_on_error, max_soft_errors=spec.max_soft_errors, pins=pins
     )
     # The fragment streams straight into the store (a multipart upload on S3), so the task holds the
-    # engine's window and a write buffer, never the fragment.
+    # engine's byte budget and a write buffer, never the fragment.
     target = output_uri(spec, store_root, job_id) if whole else _fragment_uri(store_root, job_id, part)
     try:
         with store.writer(target) as frag:

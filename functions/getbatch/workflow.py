@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from functions.workflow import Map, Task, Workflow
 
-# gather is I/O-bound (threads locally); its memory is the engine's window plus the fragment's write buffer.
+# gather is I/O-bound (threads locally); its memory is the engine's byte budget plus the fragment's write
+# buffer, whatever the objects' sizes.
 PREPARE = Task("prepare", "getbatch.prepare", memory_mb=512, timeout_s=300)
 GATHER_PART = Task("gather_part", "getbatch.gather", memory_mb=1024, timeout_s=900)
 GATHER = Map("gather", items="$.prepare.manifest", body=(GATHER_PART,), max_concurrency=64)
