@@ -220,6 +220,21 @@ def test_submit_reads_a_bounded_probe(local, tmp_path, monkeypatch):
     job = local.submit({"kind": "getbatch", "items": [{"uri": f"u/{i:02d}.safetensors"} for i in range(40)]})
     assert seen == {"gets": 0, "bytes": 0, "sized": 0}
     assert store.get_json(local.uri(f"jobs/{job.job_id}/probe.json"))["sizes_probed"] == 0
+    # ... but one HEAD shows that an S3 endpoint answers, unless it answered this process just now
+    from functions.store import s3
+
+    s3_items = {"kind": "getbatch", "items": [{"uri": f"s3://bkt/{i}.bin"} for i in range(40)]}
+
+    def sized(uris):
+        seen["sized"] += len(uris)
+        return dict.fromkeys(uris, 10)
+
+    monkeypatch.setattr(store, "sizes", sized)
+    for recent, heads in ((False, 1), (True, 0)):
+        seen["sized"] = 0
+        monkeypatch.setattr(s3, "answered_within", lambda seconds, recent=recent: recent)
+        local.submit(s3_items)
+        assert seen["sized"] == heads
 
 
 @pytest.mark.slow

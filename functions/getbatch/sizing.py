@@ -4,8 +4,9 @@
   count is extrapolated from its first bytes). Only when the budget asks for the figures (``shardfold
   plan``; submit does not) the sizes of up to ``budget.objects`` distinct objects too (evenly sampled), looked
   up on the store's shared pool: the memory check needs no size, because the engine's memory is bounded in
-  bytes. A TAR member's size is unknown before the engine indexes its shard: it is bounded by the shard and
-  assumed at most 1 MiB.
+  bytes. Submit HEADs one object only to see that the S3 endpoint answers, and not even that when it
+  answered this process within the last minute. A TAR member's size is unknown before the engine indexes
+  its shard: it is bounded by the shard and assumed at most 1 MiB.
 * **loads**: a gather task holds what the GetBatch engine holds — buffered answers and reads in flight,
   at most :data:`functions.store.batch.DEFAULT_MAX_BYTES` plus one read's step whatever the objects'
   sizes (a larger item is streamed through in ranges); where the sizes are known, no more than ``window``
@@ -38,6 +39,7 @@ UNKNOWN_OBJECT_ASSUMED = 1 * MiB  # an object whose size was not looked up, for 
 # Objects above this are written with multipart upload; each part is one PUT (functions.store).
 MULTIPART_CHUNK = 8 * MiB
 RUNTIME_BYTES = pricing.LAMBDA_BASELINE_MB * MiB
+ENDPOINT_ANSWERED_S = 60.0  # how recent an answer from the S3 endpoint spares submit its one HEAD
 
 
 def _items(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> tuple[list[Any], int, list[str]]:
@@ -75,6 +77,7 @@ def _sizes(
 ) -> dict[str, int | None]:
     """Sizes of (a sample of) the objects read whole or to their end; {} when the budget says not to."""
     if not budget.figures:
+        _check_endpoint(items, notes)
         return {}
     unknown = sorted({i.uri for i in items if i.length is None})
     if len(unknown) > budget.objects:
@@ -90,6 +93,20 @@ def _sizes(
     except ShardfoldError as exc:  # e.g. no permission on a bucket: size from the fallback, say so
         notes.append(f"object sizes unknown ({exc}); time and cost assume 1 MiB objects")
         return {}
+
+
+def _check_endpoint(items: list[Any], notes: list[str]) -> None:
+    """One HEAD of the first ``s3://`` item, unless the S3 endpoint answered this process in the last
+    :data:`ENDPOINT_ANSWERED_S`: an endpoint that does not answer is then refused at submit, naming it,
+    rather than failing the job's gather after its retries. (An object that is not there, or not allowed, is
+    the job's to report.)"""
+    first = next((i.uri for i in items if i.uri.startswith("s3://")), None)
+    if first is None or s3.answered_within(ENDPOINT_ANSWERED_S):
+        return
+    try:
+        store.sizes([first])
+    except ShardfoldError as exc:
+        notes.append(f"{first}: {exc}")
 
 
 def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:

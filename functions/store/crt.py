@@ -27,7 +27,7 @@ from awscrt.s3 import S3Client, S3RequestTlsMode, S3RequestType, S3RetryConfig, 
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
 from functions.store.pinning import Pin, TooLarge, changed
 from functions.store.retry import TRANSIENT_STATUS, TransientError
-from functions.store.s3 import check_body, range_header
+from functions.store.s3 import check_body, heard_from_endpoint, range_header
 from functions.store.transport import Boto3Transport as _Boto3
 from functions.store.transport import Cancel, Done, thread_pool
 
@@ -153,6 +153,8 @@ class _Get:
         error_body: Any = None,
         **kwargs: Any,
     ) -> None:
+        if error is None or status_code is not None:
+            heard_from_endpoint()
         if error is not None:
             if status_code == 416 and self.limit is not None and self.start == 0:
                 self.done(b"", None)  # the first byte of an empty object is past its end
@@ -248,6 +250,8 @@ class _Head:
                 self.etag = value
 
     def on_done(self, error: BaseException | None = None, status_code: int | None = None, **kw: Any) -> None:
+        if error is None or status_code is not None:
+            heard_from_endpoint()
         if error is None:
             self.future.set_result(Pin(self.size, etag=self.etag))
         elif status_code == 404:

@@ -40,6 +40,9 @@ MAX_SINGLE_PUT = 512 * 1024 * 1024
 
 _clients: dict[tuple, Any] = {}
 _lock = threading.Lock()
+# When each S3 endpoint last answered this process (any HTTP answer, an error status included), as
+# time.monotonic(): what tells submit it need not check that the endpoint is there (answered_within).
+_answered: dict[str, float] = {}
 
 _NETWORK_ERRORS = (
     botocore.exceptions.ConnectionError,
@@ -99,8 +102,24 @@ def s3_client(retries: bool = True) -> Any:
                 retry = _retry_config() if retries else {"total_max_attempts": 1}
                 config = Config(max_pool_connections=POOL, retries=retry, tcp_keepalive=True)
                 client = boto3.session.Session().client("s3", config=config)
+                client.meta.events.register("after-call.s3", _after_call)  # a response came back
                 _clients[key] = client
     return client
+
+
+def _after_call(**kwargs: Any) -> None:
+    heard_from_endpoint()
+
+
+def heard_from_endpoint() -> None:
+    """Record that the S3 endpoint answered this process just now (transports call it on any answer)."""
+    _answered[endpoint()[0]] = time.monotonic()
+
+
+def answered_within(seconds: float) -> bool:
+    """Whether the S3 endpoint answered this process in the last ``seconds``."""
+    at = _answered.get(endpoint()[0])
+    return at is not None and time.monotonic() - at <= seconds
 
 
 def _code_status(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
