@@ -378,6 +378,31 @@ def test_a_streamed_entry_reads_into_data_and_leaves_no_debt():
     assert [e.name for e in stream] == ["big", "b"] and stream.stats.held_bytes == 0
 
 
+def test_a_range_too_large_to_hold_fails_softly_like_any_item():
+    # ranges given by length are not read before their turn: the engine first reads 0 bytes of the object
+    # (its size and pin), so a missing object or a range past the end is a placeholder, never a torn entry
+    objects = {"s3://bkt/big": obj(1, 9000), "s3://bkt/b": b"bb"}
+    request = [
+        {"uri": "s3://bkt/big", "start": 100, "length": 8000},
+        {"uri": "s3://bkt/gone", "start": 0, "length": 8000},
+        {"uri": "s3://bkt/big", "start": 2000, "length": 8000},  # ends 1,000 bytes past the object
+        "s3://bkt/b",
+    ]
+    fake = LimitTransport(objects)
+    stream = store.get_batch(
+        request, continue_on_error=True, concurrency=1, max_bytes=2000, transport=fake, hedge_after=1e9
+    )
+    got = _drain(stream, fake)
+    assert [(name, data) for _, name, data, _ in got] == [
+        ("big", objects["s3://bkt/big"][100:8100]),
+        ("__404__/gone", b""),
+        ("__404__/big", b""),
+        ("b", b"bb"),
+    ]
+    assert "no object" in got[1][3] and "outside the object" in got[2][3]
+    assert stream.stats.streamed == 1 and ("s3://bkt/big", 100, None, 0) in fake.reads  # the probe
+
+
 def test_local_stream_is_pinned_to_the_object_it_started_on(local_data):
     root = local_data
     big = store.join(root, "data", "big")

@@ -15,8 +15,9 @@ size reserve what they are. A transport that finds the object longer answers
 pin) without reading the rest, and the item waits until its whole length fits: no later item is started
 meanwhile. An item that does not fit even when it is the next to be yielded is *streamed*: its entry carries
 the size and reads the bytes in ranges as the consumer takes them (:meth:`BatchEntry.chunks`), each range
-checked against the object's pin (the plan's, or the one the stopped read reported; a range of an object
-with neither is read as it is). So the buffered and reserved bytes never pass ``max_bytes`` plus one step,
+checked against the object's pin (the plan's, or the one the read that stopped reported; an item with
+neither is first read for 0 bytes, which finds its size and pin, so a missing object or a range past the end
+is still an ordinary item error). So the buffered and reserved bytes never pass ``max_bytes`` plus one step,
 whatever the objects' sizes, and no size has to be known before the request starts. (A transport that cannot
 stop a read early, such as a test's fake, reads whole objects; the bound then holds only for known lengths.)
 
@@ -202,6 +203,7 @@ class _Slot:
         "failures",
         "parked",
         "queued",
+        "probing",
         "stream",
         "ready",
         "data",
@@ -225,6 +227,7 @@ class _Slot:
         self.failures = 0  # transient failures so far
         self.parked = 0  # bytes kept reserved while a retry waits
         self.queued = False  # waiting for room in the byte budget
+        self.probing = False  # a read stopped at 0 bytes is out, to learn the object's size and pin
         self.stream = False  # to be yielded as a streamed entry
         self.ready = False
         self.data = b""
@@ -421,10 +424,16 @@ class _Engine:
                 return
             heapq.heappop(self.queue)
             slot.queued = False
-            if over and need > self.step:
-                slot.stream = slot.ready = True  # the head, too large to fit: read as it is taken
-            else:
+            if not (over and need > self.step):
                 self._issue(slot)
+            elif self._pin(slot) is None and self.limits:
+                # the head, too large to fit, of an object not yet seen: learn its size and pin first (a
+                # read stopped at 0 bytes), so a missing object or a range past its end is an item error
+                # like any other, and the ranges it is then read in are of one version
+                slot.probing = True
+                self._issue(slot)
+            else:
+                slot.stream = slot.ready = True  # the head, too large to fit: read as it is taken
 
     def _wait(self) -> None:
         """Block until a read answers or a timer is due, then handle everything that is ready."""
@@ -470,7 +479,7 @@ class _Engine:
     def _stream(self, slot: _Slot, chunk: int) -> Iterator[bytes]:
         start = slot.read[0]  # type: ignore[index]
         size = slot.size or 0
-        pin = (self.pins.get(slot.uri) if self.pins else None) or slot.seen
+        pin = self._pin(slot)
         done = 0
         while done < size:
             n = min(chunk, size - done)
@@ -631,6 +640,8 @@ class _Engine:
         # a read of unknown length stops at what it reserved (the known size, when re-read by it: an
         # object that grew since stops again)
         limit = reserved if length is None and self.limits else None
+        if slot.probing:
+            length, limit, reserved = None, 0, 0
         now = time.monotonic()
         put = self.events.put
         index = slot.index
@@ -672,7 +683,9 @@ class _Engine:
             return  # an abandoned attempt
         self.in_flight -= 1
         self._hold(-issued[2])
-        if exc is None:
+        if slot.probing and (exc is None or isinstance(exc, TooLarge)):
+            self._probed(slot, len(data) if exc is None else exc.size, None if exc is None else exc.pin)
+        elif exc is None:
             self._succeed(slot, data, issued[0], attempt)
         elif isinstance(exc, TooLarge):
             self._drop_outstanding(slot)
@@ -694,6 +707,27 @@ class _Engine:
                 self._timer(time.monotonic() + self.retry.delay(slot.failures), _RETRY, index, attempt)
         else:
             self._fail(slot, exc)
+
+    def _probed(self, slot: _Slot, to_end: int, pin: Pin | None) -> None:
+        """A head slot's probe answered: the object has ``to_end`` bytes from the read's start."""
+        self._drop_outstanding(slot)
+        slot.probing = False
+        slot.seen = pin
+        if (slot.size or 0) > to_end:
+            start = slot.read[0]  # type: ignore[index]
+            self._fail(
+                slot,
+                InvalidRange(
+                    f"{slot.describe()}: range of {slot.size} bytes from {start} is outside the object "
+                    f"({to_end} bytes from there); fix the item's start/length"
+                ),
+            )
+            return
+        slot.stream = slot.ready = True
+
+    def _pin(self, slot: _Slot) -> Pin | None:
+        """What a streamed slot's ranges are checked against: the plan's pin, else what a read found."""
+        return (self.pins.get(slot.uri) if self.pins else None) or slot.seen
 
     def _succeed(self, slot: _Slot, data: bytes, issued_at: float | None, attempt: int = -1) -> None:
         stats = self.stats
