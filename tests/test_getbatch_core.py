@@ -180,16 +180,3 @@ def test_the_only_part_commits_the_archive_status_and_result_itself(root):
     # assemble has only the scratch left to clear, and answers the same result
     assert core.assemble(spec, job_id, root, 1) == result
     assert not store.list_uris(core.job_uri(root, job_id, "getbatch") + "/")
-
-
-def test_a_range_the_engine_may_stream_is_pinned_at_plan(root):
-    job_id = "getbatch-20260101T000000-0000cc"
-    big = store.uri.join(root, "data", "big.bin")
-    store.put(big, b"\x01" * (core.STREAM_STEP + 10))
-    items = [
-        {"uri": "data/big.bin", "start": 0, "length": core.STREAM_STEP + 1},  # may be read in ranges
-        {"uri": "data/obj-001.bin", "start": 0, "length": 5},  # one read: no pin needed
-    ]
-    assert core.prepare(GetBatchJob(items=items), job_id, root)["parts"] == 1
-    pins = store.get_json(core.job_uri(root, job_id, "getbatch", "parts", "00000.json"))["pins"]
-    assert list(pins) == [big] and pins[big]["size"] == core.STREAM_STEP + 10

@@ -3,11 +3,10 @@
 * **plan** splits the request into parts of ``items_per_part`` items, writes each part's item list and a
   manifest listing the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
   through the control plane. Every object read more than once — named by several items (ranges of one
-  object), a TAR shard (its index, then its members), or a range long enough that the engine may stream
-  it in several reads — is pinned (one HEAD or stat each, all in flight at once) and each part records the
-  pins of its objects, so one job never mixes two versions of an object. An object read once needs no pin:
-  its one GET is one version, whenever the plan was made (one the engine streams is pinned by the read
-  that found it too large).
+  object), or a TAR shard (its index, then its members) — is pinned (one HEAD or stat each, all in flight
+  at once) and each part records the pins of its objects, so one job never mixes two versions of an object.
+  An object read once needs no pin: its one GET is one version, whenever the plan was made (an item too
+  large for the engine's byte budget, read in ranges, is held to the version its first read found).
 * **gather** fetches one part with the GetBatch engine and streams it into the store as a TAR *fragment*
   (members only, no end-of-archive marker) plus its per-item status rows; every read carries its object's
   pin, so an object changed since the plan fails the job (:class:`InputChanged`, never a placeholder);
@@ -45,14 +44,12 @@ from functions.getbatch.spec import GetBatchJob
 from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
 from functions.specs import BatchItem, describe_errors, json_type
-from functions.store import batch
 from functions.store.tar import TAR_TRAILER, write_tar
 from functions.store.uri import join
 
 logger = Logger(service="shardfold")
 
 STAGE = "getbatch"
-STREAM_STEP = batch.step_bytes(batch.DEFAULT_MAX_BYTES, batch.DEFAULT_CONCURRENCY)
 _ROW_ENCODER = json.JSONEncoder(sort_keys=True)  # a status.jsonl row, as json.dumps(row, sort_keys=True)
 
 
@@ -165,10 +162,7 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
     access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
     reads = Counter(item.uri for item in items)
     shards = {item.uri for item in items if item.archpath is not None}
-    # a range longer than one engine step may be streamed in several reads (an object read whole learns
-    # its pin from the read that stopped at the step)
-    streamed = {item.uri for item in items if item.length is not None and item.length > STREAM_STEP}
-    shared = [u for u, n in reads.items() if n > 1 or u in shards or u in streamed]
+    shared = [u for u, n in reads.items() if n > 1 or u in shards]
     pins = {u: pin.to_doc() for u, pin in store.pins(shared).items() if pin is not None}  # None: missing
     size = spec.items_per_part
     n_parts = math.ceil(len(items) / size)
