@@ -733,6 +733,7 @@ def _s3_request(bucket: str) -> tuple[list, list]:
         f"{b}/mid",
         f"{b}/big",
         {"uri": f"{b}/big", "start": 1000},
+        {"uri": f"{b}/big", "start": 10, "length": 250_000},
     ] + [f"{b}/dir/o{i}" for i in range(12)]
     expected = [
         ("dir/o3", obj(3), False),
@@ -749,6 +750,7 @@ def _s3_request(bucket: str) -> tuple[list, list]:
         ("mid", S3_OBJECTS["mid"], False),
         ("big", S3_OBJECTS["big"], False),
         ("big", S3_OBJECTS["big"][1000:], False),
+        ("big", S3_OBJECTS["big"][10:250_010], False),
     ] + [(f"dir/o{i}", obj(i), False) for i in range(12)]
     return request, expected
 
@@ -764,7 +766,8 @@ def _check_small_budget(request, expected) -> None:
     stream = store.get_batch(request, continue_on_error=True, **SMALL_BUDGET)
     _check(stream, expected)
     stats = stream.stats
-    assert stats.oversize == 3 and stats.streamed == 2  # mid, big, big from 1000; both bigs streamed
+    # stopped: mid, big, big from 1000; streamed: those bigs, and the 250,000-byte range (after its probe)
+    assert stats.oversize == 3 and stats.streamed == 3
     assert stats.peak_held_bytes <= SMALL_BUDGET["max_bytes"] + 64 * 1024 and stats.held_bytes == 0
 
 
