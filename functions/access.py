@@ -260,15 +260,29 @@ def output_uri(
     return full
 
 
-def _real(uri: str) -> str:
-    """A file:// URI's path with symbolic links resolved (what the filesystem will open)."""
-    return os.path.realpath(uri[len(FILE) :])
+class _RealPaths:
+    """file:// URIs' paths with symbolic links resolved (what the filesystem will open), for many URIs at
+    once: each directory is resolved once (a request names thousands of files in a few directories), then
+    only the last component is looked at (one ``lstat``)."""
+
+    def __init__(self) -> None:
+        self.dirs: dict[str, str] = {}
+
+    def __call__(self, uri: str) -> str:
+        path = uri[len(FILE) :]
+        head, name = posixpath.split(path)
+        if not head or name in ("", ".", "..") or os.path.islink(path):
+            return os.path.realpath(path)
+        real_head = self.dirs.get(head)
+        if real_head is None:
+            real_head = self.dirs[head] = os.path.realpath(head)
+        return posixpath.join(real_head, name)
 
 
-def _identity(uri: str) -> tuple[str, str]:
+def _identity(uri: str, real: _RealPaths) -> tuple[str, str]:
     """What two URIs share when they name the same object: a file's resolved path (what the filesystem will
     open), else the URI itself."""
-    return ("file", _real(uri)) if is_file(uri) else ("uri", uri)
+    return ("file", real(uri)) if is_file(uri) else ("uri", uri)
 
 
 def _holds(prefix: tuple[str, str], uri: tuple[str, str]) -> bool:
@@ -284,13 +298,15 @@ def not_an_input(
 ) -> None:
     """Refuse an ``output`` (full URI) that is one of the job's ``inputs`` (``(field, full uri)`` pairs),
     or, when it is a ``prefix`` the job writes under, that holds one of them. Each distinct input is
-    resolved once: a request may name one object thousands of times."""
+    resolved once, each folder's links once: a request may name one object, or one folder, thousands of
+    times."""
     first: dict[str, str] = {}
     for where, uri in inputs:
         first.setdefault(uri, where)
-    out = _identity(output)
+    real = _RealPaths()
+    out = _identity(output, real)
     for uri, where in first.items():
-        it = _identity(uri)
+        it = _identity(uri, real)
         same = it == out
         if same or (prefix and _holds(out, it)):
             raise UnsafeKey(
