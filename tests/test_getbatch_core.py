@@ -28,7 +28,9 @@ def run_job(
     planned = core.prepare(spec, job_id, root)
     for part in store.get_json(planned["manifest"]["uri"]):
         # told it is the only part, gather writes the whole archive; not told, a fragment for assemble
-        core.gather(spec, job_id, root, part["part"], part["of"] if say_parts else 0)
+        core.gather(
+            spec, job_id, root, part["part"], part["of"] if say_parts else 0, part.get("inline", False)
+        )
     return core.assemble(spec, job_id, root, planned["parts"])
 
 
@@ -169,14 +171,16 @@ def test_assemble_removes_the_scratch_and_a_retried_assemble_too(root):
 
 def test_the_only_part_commits_the_archive_status_and_result_itself(root):
     job_id = "getbatch-20260101T000000-0000bb"
-    spec = GetBatchJob(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in (3, 1, 3)])
+    spec = GetBatchJob(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in (3, 1, 5)])
     planned = core.prepare(spec, job_id, root)
     (part,) = store.get_json(planned["manifest"]["uri"])
-    gathered = core.gather(spec, job_id, root, part["part"], part["of"])
+    assert part["inline"]  # nothing pinned: no part list, gather reads the items from the spec
+    gathered = core.gather(spec, job_id, root, part["part"], part["of"], part["inline"])
     result = store.get_json(core.job_uri(root, job_id, "result.json"))
-    assert gathered == {"part": 0, "items": 3, "errors": 0, "bytes": 103 + 101 + 103}
+    assert gathered == {"part": 0, "items": 3, "errors": 0, "bytes": 103 + 101 + 105}
     assert result["items"] == 3 and result["parts"] == 1 and store.exists(result["archive"])
     assert store.get(result["status"]).count(b"\n") == 3
+    assert not store.exists(core.job_uri(root, job_id, "getbatch", "parts", "00000.json"))
     # assemble has only the scratch left to clear, and answers the same result
     assert core.assemble(spec, job_id, root, 1) == result
     assert not store.list_uris(core.job_uri(root, job_id, "getbatch") + "/")

@@ -2,11 +2,13 @@
 
 * **plan** splits the request into parts of ``items_per_part`` items, writes each part's item list and a
   manifest listing the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
-  through the control plane. Every object read more than once — named by several items (ranges of one
-  object), or a TAR shard (its index, then its members) — is pinned (one HEAD or stat each, all in flight
-  at once) and each part records the pins of its objects, so one job never mixes two versions of an object.
-  An object read once needs no pin: its one GET is one version, whenever the plan was made (an item too
-  large for the engine's byte budget, read in ranges, is held to the version its first read found).
+  through the control plane. A part of an inline request with nothing pinned needs no list: its manifest
+  entry says ``inline`` and gather takes the items from the spec. Every object read more than once — named
+  by several items (ranges of one object), or a TAR shard (its index, then its members) — is pinned (one
+  HEAD or stat each, all in flight at once) and each part records the pins of its objects, so one job never
+  mixes two versions of an object. An object read once needs no pin: its one GET is one version, whenever
+  the plan was made (an item too large for the engine's byte budget, read in ranges, is held to the version
+  its first read found).
 * **gather** fetches one part with the GetBatch engine and streams it into the store as a TAR *fragment*
   (members only, no end-of-archive marker) plus its per-item status rows; every read carries its object's
   pin, so an object changed since the plan fails the job (:class:`InputChanged`, never a placeholder);
@@ -169,29 +171,42 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
     manifest = []
     for p in range(n_parts):
         chunk = items[p * size : (p + 1) * size]
-        uri = job_uri(store_root, job_id, STAGE, "parts", f"{p:05d}.json")
+        ref = {"part": p, "first": p * size, "count": len(chunk), "of": n_parts}
         part_pins = {i.uri: pins[i.uri] for i in chunk if i.uri in pins}
-        part_doc = {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins}
-        store.put_json(uri, part_doc, indent=None)
-        manifest.append({"part": p, "first": p * size, "count": len(chunk), "of": n_parts})
+        if spec.items is not None and not part_pins:
+            ref["inline"] = True  # gather takes these items from the spec itself: no part list to write
+        else:
+            part_doc = {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins}
+            store.put_json(_part_uri(store_root, job_id, p), part_doc, indent=None)
+        manifest.append(ref)
     manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
     store.put_json(manifest_uri, manifest, indent=None)
     logger.info("planned getbatch", extra={"job_id": job_id, "items": len(items), "parts": n_parts})
     return {"manifest": manifest_ref(manifest_uri, n_parts), "parts": n_parts, "items": len(items)}
 
 
-def gather(spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: int = 0) -> dict:
+def gather(
+    spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: int = 0, inline: bool = False
+) -> dict:
     """Fetch one part in request order and write its TAR fragment and status rows.
 
-    The only part of a request (``parts == 1``) is written as the whole archive, trailer included, at the
-    output URI, with the status manifest and the result: there is nothing to assemble, so the data is
-    written once instead of twice and assemble only clears the scratch."""
-    doc = store.get_json(_part_uri(store_root, job_id, part))
-    if isinstance(doc, list):  # a part list written before inputs were pinned
-        doc = {"items": doc, "pins": {}}
-    items = [BatchItem.model_validate(d) for d in doc["items"]]
-    pins = {uri: store.Pin(**pin) for uri, pin in doc["pins"].items()}
+    ``inline``: the part is the spec's own items, none pinned (prepare wrote no part list); they are
+    resolved and checked again here. The only part of a request (``parts == 1``) is written as the whole
+    archive, trailer included, at the output URI, with the status manifest and the result: there is nothing
+    to assemble, so the data is written once instead of twice and assemble only clears the scratch."""
     first = part * spec.items_per_part  # the part's first item in the whole request
+    if inline:
+        if spec.items is None:
+            raise SpecError(f"part {part} is marked inline, but the request lists its items in a manifest")
+        chunk = spec.items[first : first + spec.items_per_part]
+        items = [parse_item(i, store_root, f"items.{first + k}.uri") for k, i in enumerate(chunk)]
+        pins: dict[str, store.Pin] = {}
+    else:
+        doc = store.get_json(_part_uri(store_root, job_id, part))
+        if isinstance(doc, list):  # a part list written before inputs were pinned
+            doc = {"items": doc, "pins": {}}
+        items = [BatchItem.model_validate(d) for d in doc["items"]]
+        pins = {uri: store.Pin(**pin) for uri, pin in doc["pins"].items()}
     whole = parts == 1
     entries = store.get_batch(
         items, continue_on_error=spec.continue_on_error, max_soft_errors=spec.max_soft_errors, pins=pins

@@ -15,6 +15,7 @@ class PartRef(BaseModel):
     first: int = Field(ge=0)
     count: int = Field(ge=1)
     of: int = Field(default=0, ge=0, description="how many parts the request has (0: not said)")
+    inline: bool = Field(default=False, description="the items are the spec's own, none pinned: no part list")
 
 
 class GatherEvent(JobEvent):
@@ -36,7 +37,7 @@ def prepare(e: JobEvent, spec: GetBatchJob) -> dict:
 
 @task(GatherEvent, kind="getbatch")
 def gather(e: GatherEvent, spec: GetBatchJob) -> dict:
-    return core.gather(spec, e.job_id, e.store_root, e.item.part, e.item.of)
+    return core.gather(spec, e.job_id, e.store_root, e.item.part, e.item.of, e.item.inline)
 
 
 @task(AssembleEvent, kind="getbatch")
