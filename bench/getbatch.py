@@ -790,6 +790,20 @@ def evaluate_targets(rows: list[Row]) -> list[dict]:
                 x <= 0.5,
                 f"(d) {d.cpu_s_per_1k:.3f} vs (b) {b.cpu_s_per_1k:.3f} CPU-s per 1k objects",
             )
+        e = by.get("e")
+        if e:
+            # the whole job (submit, wait, read the archive) against the engine alone: issue 10 asks >= 0.8x
+            # at 10 KiB and >= 0.7x at 1 MiB (batch 256); other sizes are reported against 0.7x
+            goal = 0.8 if size <= 10 * KiB else 0.7
+            x = e.obj_per_s / d.obj_per_s
+            add(
+                "(e) vs (d) throughput",
+                f">= {goal}x",
+                x,
+                x >= goal,
+                f"(e) {e.obj_per_s:.0f} obj/s vs (d) {d.obj_per_s:.0f} obj/s",
+                official=bs == 256 and size in (10 * KiB, MiB),
+            )
     return out
 
 
@@ -797,7 +811,7 @@ def print_targets(targets: list[dict]) -> None:
     if not targets:
         return
     print()
-    print("Targets (a report, not an assertion; official at 10 KiB, batch 256):")
+    print("Targets (a report, not an assertion; official at 10 KiB, and the job's also at 1 MiB, batch 256):")
     said_na: set[int] = set()
     for t in targets:
         if t["pass"] is None:
