@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import boto3
 import pytest
@@ -108,8 +109,8 @@ def test_a_request_checks_each_folder_once_and_still_finds_a_link_out(tmp_path, 
 
 def test_an_output_is_checked_against_each_distinct_input_once(tmp_path, monkeypatch):
     calls = []
-    real = access._real
-    monkeypatch.setattr(access, "_real", lambda uri: calls.append(uri) or real(uri))
+    real = access._RealPaths.__call__
+    monkeypatch.setattr(access._RealPaths, "__call__", lambda self, uri: calls.append(uri) or real(self, uri))
     store_root = f"file://{tmp_path}"
     inputs = [(f"items.{k}.uri", f"{store_root}/data/x.bin") for k in range(1000)]
     access.not_an_input(f"{store_root}/out.tar", inputs, "output")
@@ -194,3 +195,14 @@ def test_the_prepare_task_checks_a_manifests_items_again(aws_env):
                 "getbatch-20260101T000000-abcdef",
                 S3_ROOT,
             )
+
+
+def test_real_paths_resolve_as_realpath_does(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "f.bin").write_bytes(b"x")
+    (tmp_path / "linkdir").symlink_to(tmp_path / "d")
+    (tmp_path / "d" / "linkfile").symlink_to(tmp_path / "d" / "e" / "f.bin")
+    paths = ["d/e/f.bin", "linkdir/e/f.bin", "d/linkfile", "linkdir/linkfile", "linkdir/e/missing", "nope/x"]
+    real = access._RealPaths()
+    for rel in paths * 2:  # the second round from the folder cache
+        assert real(f"file://{tmp_path}/{rel}") == os.path.realpath(tmp_path / rel), rel

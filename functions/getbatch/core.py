@@ -199,7 +199,8 @@ def gather(
         if spec.items is None:
             raise SpecError(f"part {part} is marked inline, but the request lists its items in a manifest")
         chunk = spec.items[first : first + spec.items_per_part]
-        items = [parse_item(i, store_root, f"items.{first + k}.uri") for k, i in enumerate(chunk)]
+        checked: set[str] = set()  # folders found not to be links, shared by every item's check
+        items = [parse_item(i, store_root, f"items.{first + k}.uri", checked) for k, i in enumerate(chunk)]
         pins: dict[str, store.Pin] = {}
     else:
         doc = store.get_json(_part_uri(store_root, job_id, part))
