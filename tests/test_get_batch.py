@@ -286,7 +286,7 @@ def _drain(stream, fake):
     return out
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sizes=st.lists(st.integers(0, 9000), min_size=1, max_size=30),
     max_bytes=st.integers(1, 12_000),
