@@ -130,6 +130,7 @@ _originals: list[tuple[Any, str, Any]] = []
 _lambda_functions: dict[str, str] = {}  # Lambda function name -> registry function name
 _map_children: dict[str, list[dict[str, Any]]] = {}  # map run ARN -> child execution records
 _child_records: dict[str, dict[str, Any]] = {}  # child execution ARN -> its record (DescribeExecution)
+_gathered: dict[str, dict[str, dict[str, int]]] = {}  # execution ARN -> Map state -> its gathered result
 _active: MotoStack | None = None  # the one running stack (moto's backends are process-wide)
 
 
@@ -177,6 +178,7 @@ def uninstall_patches() -> None:
         _lambda_functions.clear()
         _map_children.clear()
         _child_records.clear()
+        _gathered.clear()
 
 
 # --- Lambda: our handlers, in-process ---------------------------------------------------------------------
@@ -384,6 +386,14 @@ def _patch_distributed_map() -> None:
     _patch(dic.DistributedIterationComponent, "_launch_worker", make_launch_worker)
 
 
+def gathered_results(execution_arn: str) -> dict[str, dict[str, int]]:
+    """Each Distributed Map state of the execution (by state name) that gathered its children's outputs:
+    ``{"children": how many, "bytes": the gathered array's UTF-8 JSON size}``, the size the 256 KiB limit
+    is checked on. Listed once every child ran; a Map whose ResultWriter takes the outputs is not."""
+    with _lock:
+        return copy.deepcopy(_gathered.get(execution_arn, {}))
+
+
 def _child(arn: str) -> dict[str, Any] | None:
     with _lock:
         return _child_records.get(arn)
@@ -577,7 +587,12 @@ def _patch_data_limits() -> None:
             if self.result_writer is None and env.is_running():
                 # env.stack[-1]: every child's output, gathered; ResultSelector/ResultPath come later.
                 gathered = env.stack[-1]
-                if not is_within_size_quota(gathered):
+                size = len(to_json_str(gathered).encode())  # as moto's is_within_size_quota counts it
+                execution = env.states.context_object.context_object_data["Execution"]["Id"]
+                record = {"children": len(gathered), "bytes": size}
+                with _lock:
+                    _gathered.setdefault(execution, {})[self.name] = record
+                if size >= MAX_STATE_SIZE_UTF8_BYTES:
                     raise _data_limit_failure(
                         env,
                         f"The state/task '{self.name}' returned a result with a size exceeding the maximum "
@@ -600,6 +615,7 @@ def _patch_data_limits() -> None:
 
         return _eval_body
 
+    from moto.stepfunctions.parser.asl.utils.encoding import to_json_str
     from moto.stepfunctions.parser.quotas import MAX_STATE_SIZE_UTF8_BYTES, is_within_size_quota
 
     _patch(CommonStateField, "_eval_state_input", make_state_input)

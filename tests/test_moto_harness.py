@@ -376,9 +376,12 @@ def test_a_maps_gathered_result_counts_even_under_result_path_null(stack, catch)
         stack, f"gather-{catch}", _gathering_map(catch), {"items": [1, 2, 3], "blob": "x" * 90_000}
     )
     assert desc["status"] == "FAILED" and desc["error"] == "States.DataLimitExceeded", desc
+    assert moto_harness.gathered_results(desc["executionArn"])["m"]["bytes"] > 256 * 1024
     # two children (180 KB) fit
     desc = _run_raw(stack, f"gather2-{catch}", _gathering_map(catch), {"items": [1, 2], "blob": "x" * 90_000})
     assert desc["status"] == "SUCCEEDED", desc
+    size = len(json.dumps([{"blob": "x" * 90_000}] * 2))
+    assert moto_harness.gathered_results(desc["executionArn"]) == {"m": {"children": 2, "bytes": size}}
 
 
 def test_a_state_input_over_256_kib_fails(stack):
@@ -406,6 +409,9 @@ def test_a_wide_map_runs_its_children_on_few_threads_and_never_recurses(aws, mon
     status = aws.wait(job_id, timeout_s=WAIT_S)
     assert status.state == "SUCCEEDED", status.error
     assert status.steps["wide"] == {"done": 1200, "total": 1200}
+    # each child outputs {} (its last state's OutputPath is null): the gathered result stays small
+    gathered = moto_harness.gathered_results(status.execution_arn)
+    assert gathered == {"wide": {"children": 1200, "bytes": len(json.dumps([{}] * 1200))}}
     # the worker, its task's timeout thread, and the server's request threads (the executor polling)
     assert WIDEST["threads"] - before < 20, (before, WIDEST)
 
