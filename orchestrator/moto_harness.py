@@ -33,6 +33,7 @@ process, so the patches below act on it directly.
   Parameters, a Map child's input (after ItemSelector) and a Map's gathered result (unless a ResultWriter
   takes it), which AWS checks even under ``ResultPath: null`` (aws-cdk#24799). As on AWS, ``States.ALL``
   in a Retry or Catch does not match States.DataLimitExceeded (a terminal error): the execution fails with it.
+  :func:`gathered_results` tells a test how large each Map's gathered result was.
 * ``RedriveExecution`` is not implemented by moto; the harness answers ``ExecutionNotRedrivable`` (a 400,
   not a 500 that clients would retry), and the executor falls back to a restart.
 
