@@ -33,8 +33,25 @@ process, so the patches below act on it directly.
   Parameters, a Map child's input (after ItemSelector) and a Map's gathered result (unless a ResultWriter
   takes it), which AWS checks even under ``ResultPath: null`` (aws-cdk#24799). As on AWS, ``States.ALL``
   in a Retry or Catch does not match States.DataLimitExceeded (a terminal error): the execution fails with it.
+  :func:`gathered_results` tells a test how large each Map's gathered result was.
 * ``RedriveExecution`` is not implemented by moto; the harness answers ``ExecutionNotRedrivable`` (a 400,
   not a 500 that clients would retry), and the executor falls back to a restart.
+
+**Speed** (a Map of 10,000 children never finished in moto 5.2.5; each fix below was measured, see
+``tests/test_moto_harness.py``), with what moto does unchanged:
+
+* A Distributed Map's worker took its next child by recursing, one frame per child: a worker past ~970
+  children raised RecursionError, its job was never closed and the execution stayed RUNNING for ever. The
+  harness runs the same steps as a loop.
+* With no MaxConcurrency moto started a thread per child; the harness starts at most
+  :data:`MAP_WORKER_THREADS` per Map (each takes children until none are left).
+* A Lambda Task built a new boto3 client per invocation and went through the server; the harness calls our
+  handler directly (same payload, response and error payload; an unknown function still takes moto's path).
+* Every JSONPath evaluation built a new PLY parser (~1 ms); parsed paths are cached. The server listed moto's
+  package directory on every request to route it; the list is computed once.
+
+What is left is the handlers' own S3 requests, each a real HTTP round trip through botocore and moto's
+server (~8-10 ms of CPU on a loaded 2-core machine): a real job's child makes several.
 
 **Outputs**: the keys the ``aws`` backend reads, in the shape ``shardfold deploy`` saves, including
 ``sizes`` (:func:`stack_sizes`): what ``infra`` would deploy for the same workflows with no config
@@ -50,6 +67,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import functools
 import io
 import json
 import logging
@@ -95,6 +113,9 @@ BATCH_SIZE_KEYS = {
     "gpus": "batchGpus",
     "timeout_s": "batchTimeout",
 }
+# Threads that run one Distributed Map's children (its MaxConcurrency when lower). On AWS the children run
+# side by side; in moto they share one process and its GIL, so more threads only add contention.
+MAP_WORKER_THREADS = 8
 MOTO_CONFIG = {
     "stepfunctions": {"execute_state_machine": True},
     "lambda": {"use_docker": False},
@@ -109,6 +130,8 @@ _installed = 0
 _originals: list[tuple[Any, str, Any]] = []
 _lambda_functions: dict[str, str] = {}  # Lambda function name -> registry function name
 _map_children: dict[str, list[dict[str, Any]]] = {}  # map run ARN -> child execution records
+_child_records: dict[str, dict[str, Any]] = {}  # child execution ARN -> its record (DescribeExecution)
+_gathered: dict[str, dict[str, dict[str, int]]] = {}  # execution ARN -> Map state -> its gathered result
 _active: MotoStack | None = None  # the one running stack (moto's backends are process-wide)
 
 
@@ -134,6 +157,8 @@ def install_patches() -> None:
         _patch_distributed_map()
         _patch_map_children_api()
         _patch_definite_json_paths()
+        _patch_json_path_parsing()
+        _patch_server_dispatch()
         _patch_redrive()
         _patch_batch()
         _patch_data_limits()
@@ -153,42 +178,75 @@ def uninstall_patches() -> None:
                 setattr(owner, name, original)
         _lambda_functions.clear()
         _map_children.clear()
+        _child_records.clear()
+        _gathered.clear()
 
 
 # --- Lambda: our handlers, in-process ---------------------------------------------------------------------
 
 
+def _run_handler(fn: Any, body: bytes | str | None) -> tuple[bytes, bool]:
+    """Run the registered handler behind moto function ``fn`` on the JSON ``body``: Lambda's response
+    payload and whether it is a function error (``Unhandled``, with Lambda's error payload)."""
+    registered = _lambda_functions.get(fn.function_name)
+    if registered is None:
+        error = {"errorType": "Runtime.HandlerNotFound", "errorMessage": f"{fn.function_name} has no handler"}
+        return json.dumps(error).encode(), True
+    event = json.loads(body or b"{}")
+    try:
+        result = call(
+            handler_path(registered),
+            event,
+            function_name=registered,
+            memory_mb=int(fn.memory_size or 1024),
+            timeout_s=int(fn.timeout or 900),
+        )
+    except HandlerFailed as failure:
+        return json.dumps(failure.payload()).encode(), True
+    return json.dumps(result).encode(), False
+
+
 def _patch_lambda() -> None:
+    from moto.awslambda.utils import get_backend
     from moto.awslambda_simple.models import LambdaSimpleBackend
+    from moto.stepfunctions.parser.asl.component.state.exec.state_task import lambda_eval_utils
 
     def make(_original: Any) -> Any:
         def invoke(self, function_name, qualifier, body, headers, response_headers):  # moto's signature
             fn = self.get_function(function_name, qualifier)  # unknown functions fail as on AWS
-            registered = _lambda_functions.get(fn.function_name)
-            if registered is None:
+            payload, failed = _run_handler(fn, body)
+            if failed:
                 response_headers["x-amz-function-error"] = "Unhandled"
-                error = {
-                    "errorType": "Runtime.HandlerNotFound",
-                    "errorMessage": f"{fn.function_name} has no handler",
-                }
-                return json.dumps(error).encode()
-            event = json.loads(body or b"{}")
-            try:
-                result = call(
-                    handler_path(registered),
-                    event,
-                    function_name=registered,
-                    memory_mb=int(fn.memory_size or 1024),
-                    timeout_s=int(fn.timeout or 900),
-                )
-            except HandlerFailed as failure:
-                response_headers["x-amz-function-error"] = "Unhandled"
-                return json.dumps(failure.payload()).encode()
-            return json.dumps(result).encode()
+            return payload
 
         return invoke
 
+    def make_task_invoke(original: Any) -> Any:
+        def _invoke_lambda_function(parameters, region, state_credentials):
+            # A Task state's invocation, without the HTTP round trip: moto's interpreter builds a new boto3
+            # client for every call (tens of ms of CPU) and sends it through the server. Our functions are
+            # called directly, with the same payload bytes, response and error payload as Invoke returns;
+            # anything else (an unknown function) takes moto's own path and fails as it does there.
+            name = str(parameters.get("FunctionName", ""))
+            with _lock:
+                ours = name.rsplit(":function:", 1)[-1].split(":")[0] in _lambda_functions
+            if not ours:
+                return original(parameters, region, state_credentials)
+            fn = get_backend(ACCOUNT, region).get_function(name, None)
+            payload, failed = _run_handler(fn, parameters.get("Payload"))
+            response: dict[str, Any] = {
+                "StatusCode": 200,
+                "ExecutedVersion": "$LATEST",
+                "Payload": lambda_eval_utils._from_payload(io.BytesIO(payload)),
+            }
+            if failed:
+                response["FunctionError"] = "Unhandled"
+            return response
+
+        return _invoke_lambda_function
+
     _patch(LambdaSimpleBackend, "invoke", make)
+    _patch(lambda_eval_utils, "_invoke_lambda_function", make_task_invoke)
 
 
 # --- Distributed Map: failure tolerance and child executions ----------------------------------------------
@@ -246,6 +304,7 @@ def _patch_distributed_map() -> None:
             )
             with _lock:
                 _map_children.setdefault(arn, []).append(record)
+                _child_records[record["executionArn"]] = record
 
         return _eval_job
 
@@ -282,18 +341,63 @@ def _patch_distributed_map() -> None:
 
         return _map_run
 
+    def make_launch_worker(original: Any) -> Any:
+        def _launch_worker(self, env, eval_input, job_pool):
+            # moto starts one thread per child when MaxConcurrency is 0 (10,000 children: 10,000 threads
+            # fighting over the GIL). Every worker takes jobs from the pool until it is empty, so a few
+            # threads run every child; MaxConcurrency below the cap is kept.
+            with _lock:
+                launched = getattr(job_pool, "_shardfold_workers", 0)
+                if launched >= MAP_WORKER_THREADS:
+                    return None
+                job_pool._shardfold_workers = launched + 1
+            return original(self, env=env, eval_input=eval_input, job_pool=job_pool)
+
+        return _launch_worker
+
+    def make_eval_pool(_original: Any) -> Any:
+        def _eval_pool(self, job, worker_frame):
+            # moto's worker recurses once per job it takes (a worker of a 4-wide Map over 10,000 children
+            # goes 2,500 calls deep, past the recursion limit); the same steps, as a loop.
+            if job is None:
+                self._env.delete_frame(worker_frame)
+                return
+            while True:
+                job_frame = worker_frame.open_inner_frame()
+                self._eval_job(env=job_frame, job=job)
+                worker_frame.delete_frame(job_frame)
+                if isinstance(job.job_output, Exception) or self.stopped():
+                    self._env.delete_frame(worker_frame)
+                    self._job_pool.close_job(job)
+                    return
+                next_job = self._job_pool.next_job()
+                if next_job is None:
+                    self._env.delete_frame(worker_frame)
+                    self._job_pool.close_job(job)
+                    return
+                self._job_pool.close_job(job)
+                job = next_job
+
+        return _eval_pool
+
     _patch(dipw.DistributedItemProcessorWorker, "_eval_input", make_eval_input)
     _patch(dipw.DistributedItemProcessorWorker, "_eval_job", make_eval_job)
+    _patch(dipw.DistributedItemProcessorWorker, "_eval_pool", make_eval_pool)
     _patch(dic.DistributedIterationComponent, "_map_run", make_map_run)
+    _patch(dic.DistributedIterationComponent, "_launch_worker", make_launch_worker)
+
+
+def gathered_results(execution_arn: str) -> dict[str, dict[str, int]]:
+    """Each Distributed Map state of the execution (by state name) that gathered its children's outputs:
+    ``{"children": how many, "bytes": the gathered array's UTF-8 JSON size}``, the size the 256 KiB limit
+    is checked on. Listed once every child ran; a Map whose ResultWriter takes the outputs is not."""
+    with _lock:
+        return copy.deepcopy(_gathered.get(execution_arn, {}))
 
 
 def _child(arn: str) -> dict[str, Any] | None:
     with _lock:
-        for children in _map_children.values():
-            for child in children:
-                if child["executionArn"] == arn:
-                    return child
-    return None
+        return _child_records.get(arn)
 
 
 def _patch_map_children_api() -> None:
@@ -390,6 +494,28 @@ def _patch_definite_json_paths() -> None:
             _patch(module, "extract_json", lambda _orig: extract_json)
 
 
+def _patch_json_path_parsing() -> None:
+    import moto.stepfunctions.parser.asl.component.common.path.result_path as result_path
+    import moto.stepfunctions.parser.asl.utils.json_path as json_path
+
+    # moto parses a path every time it evaluates one, and jsonpath_ng builds a new PLY parser (its lexer
+    # and LR tables) per parse: ~1 ms each, several per state. Parsed paths are immutable; cache them.
+    for module in (json_path, result_path):
+        _patch(module, "parse", lambda original: functools.lru_cache(maxsize=4096)(original))
+
+
+def _patch_server_dispatch() -> None:
+    import moto.backends as backends
+
+    # The server looks up every request's Host among moto's service modules, and list_of_moto_modules
+    # lists moto's package directory for it (a listdir and ~180 stat calls per request); the list is fixed.
+    def make(original: Any) -> Any:
+        modules = tuple(original())
+        return lambda: iter(modules)
+
+    _patch(backends, "list_of_moto_modules", make)
+
+
 def _patch_redrive() -> None:
     from moto.core.exceptions import AWSError
     from moto.stepfunctions.responses import StepFunctionResponse
@@ -462,7 +588,12 @@ def _patch_data_limits() -> None:
             if self.result_writer is None and env.is_running():
                 # env.stack[-1]: every child's output, gathered; ResultSelector/ResultPath come later.
                 gathered = env.stack[-1]
-                if not is_within_size_quota(gathered):
+                size = len(to_json_str(gathered).encode())  # as moto's is_within_size_quota counts it
+                execution = env.states.context_object.context_object_data["Execution"]["Id"]
+                record = {"children": len(gathered), "bytes": size}
+                with _lock:
+                    _gathered.setdefault(execution, {})[self.name] = record
+                if size >= MAX_STATE_SIZE_UTF8_BYTES:
                     raise _data_limit_failure(
                         env,
                         f"The state/task '{self.name}' returned a result with a size exceeding the maximum "
@@ -485,6 +616,7 @@ def _patch_data_limits() -> None:
 
         return _eval_body
 
+    from moto.stepfunctions.parser.asl.utils.encoding import to_json_str
     from moto.stepfunctions.parser.quotas import MAX_STATE_SIZE_UTF8_BYTES, is_within_size_quota
 
     _patch(CommonStateField, "_eval_state_input", make_state_input)

@@ -44,19 +44,25 @@ EM_MACHINE = {"x86_64": 62, "arm64": 183}  # ELF e_machine of each architecture
 
 
 def _interpreter(version: str) -> str | None:
-    """A CPython ``version`` interpreter on this machine: PATH, then pyenv's versions."""
-    if f"{sys.version_info[0]}.{sys.version_info[1]}" == version:
+    """A CPython ``version`` interpreter on this machine: ``$SHARDFOLD_PYTHON<major><minor>`` (e.g.
+    ``SHARDFOLD_PYTHON312``), this one if it is that version, ``python<version>`` on PATH, then pyenv's."""
+    override = os.environ.get(f"SHARDFOLD_PYTHON{version.replace('.', '')}")
+    if f"{sys.version_info[0]}.{sys.version_info[1]}" == version and not override:
         return sys.executable
     root = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
-    candidates = [shutil.which(f"python{version}")]
-    candidates += sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"), reverse=True)
+    candidates = [override] if override else [shutil.which(f"python{version}")]
+    if not override:
+        candidates += sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"), reverse=True)
     for candidate in filter(None, candidates):
-        probe = subprocess.run(
-            [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        try:
+            probe = subprocess.run(
+                [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        except OSError:
+            continue
         if probe.returncode == 0 and probe.stdout.strip() == version:  # a pyenv shim may not resolve
             return candidate
     return None
@@ -327,6 +333,8 @@ def test_host_package_fits_lambda_and_holds_only_functions_and_their_deps(host_b
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
 
 
+# Run by an interpreter with ``-I -S`` and ``sys.path`` = the unzipped package + its standard library, as
+# Lambda imports a zip: import every handler, look for what must be absent, call the dispatch handler.
 _IMPORT_CHECK = r"""
 import importlib, importlib.util, json, sys
 root = sys.argv[1]
@@ -343,8 +351,62 @@ for name in ("torch", "click", "rich", "client", "orchestrator", "infra", "opend
     out["absent"][name] = importlib.util.find_spec(name) is None
 from functions.trigger import handler
 out["dispatch"] = handler(json.load(open(sys.argv[3])), None)
-print(json.dumps(out))
 """
+
+# Then (``native=True``): a little native arithmetic, and every extension module loaded, so a test can check
+# their architecture, their CPython ABI and that they come from the package (or the interpreter's own).
+_NATIVE_CHECK = r"""
+import numpy as np, ml_dtypes
+x = np.arange(8, dtype=np.float32).astype(ml_dtypes.bfloat16)
+assert float(x.astype(np.float32).sum()) == 28.0
+import awscrt.io, pydantic_core
+out["native"] = sorted({m.__file__ for m in list(sys.modules.values())
+                        if (getattr(m, "__file__", None) or "").endswith(".so")})
+import platform
+out["machine"], out["python"] = platform.machine(), platform.python_version()
+out["libc"] = platform.libc_ver()
+out["prefix"] = sys.base_prefix
+"""
+
+
+def run_import_check(
+    command: list[str], root: Path, tmp_path: Path, *, native: bool = False, timeout: float | None = None
+) -> dict:
+    """Run the import check with the interpreter ``command`` on the package unzipped at ``root`` (Lambda's
+    ``/var/task``) and return what it found; fail with its stderr if it failed."""
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(tmp_path),
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "SHARDFOLD_STATE_MACHINES": "{}",
+        "POWERTOOLS_LOG_LEVEL": "ERROR",
+    }
+    script = _IMPORT_CHECK + (_NATIVE_CHECK if native else "") + "print(json.dumps(out))\n"
+    proc = subprocess.run(
+        [*command, "-I", "-S", "-c", script, str(root), json.dumps(package.lambda_handlers())]
+        + [str(EVENTS / "dispatch_not_a_job.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_imported_like_lambda(out: dict, root: Path) -> None:
+    """What every import check must show: the package first on ``sys.path`` and no site-packages, every zip
+    handler loaded from the package, nothing it must not hold, and the packaged dispatch handler ran."""
+    handlers = package.lambda_handlers()
+    assert out["path"][0] == str(root), out["path"]
+    assert not [p for p in out["path"] if "site-packages" in p or str(REPO) in p], out["path"]
+    assert set(out["loaded"]) == set(handlers)
+    assert all(f.startswith(str(root)) for f in out["loaded"].values()), out["loaded"]
+    assert all(out["absent"].values()), out["absent"]
+    assert "ignored" in out["dispatch"]  # the packaged dispatch handler ran (powertools' parser, pydantic)
 
 
 @pytest.mark.slow  # builds a package with pip
@@ -354,30 +416,7 @@ def test_host_package_imports_every_handler_in_isolation(host_build, host_dir, t
     handlers = package.lambda_handlers()
     assert "dispatch" in handlers and "getbatch.prepare" in handlers and "fedavg.aggregate" in handlers
     assert not set(handlers) & set(package.lambda_handlers("image"))  # those run from Dockerfile.lambda
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        "HOME": str(tmp_path),
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "SHARDFOLD_STATE_MACHINES": "{}",
-        "POWERTOOLS_LOG_LEVEL": "ERROR",
-    }
-    proc = subprocess.run(
-        [python, "-I", "-S", "-c", _IMPORT_CHECK, str(host_dir), json.dumps(handlers)]
-        + [str(EVENTS / "dispatch_not_a_job.json")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert not [p for p in out["path"] if "site-packages" in p or str(REPO) in p], out["path"]
-    assert set(out["loaded"]) == set(handlers)
-    assert all(f.startswith(str(host_dir)) for f in out["loaded"].values()), out["loaded"]
-    assert all(out["absent"].values()), out["absent"]
-    assert "ignored" in out["dispatch"]  # the packaged dispatch handler ran (powertools' parser, pydantic)
+    assert_imported_like_lambda(run_import_check([python], host_dir, tmp_path), host_dir)
 
 
 @pytest.mark.slow  # builds a package with pip

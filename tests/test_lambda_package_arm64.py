@@ -25,15 +25,18 @@ Debian suite ships an arm64 ``python3.12``, so the package is built here for the
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
-from test_lambda_package import _IMPORT_CHECK, EVENTS, _build, functions_snapshot  # noqa: F401
+from test_lambda_package import (  # noqa: F401  (functions_snapshot: an autouse fixture)
+    _build,
+    assert_imported_like_lambda,
+    functions_snapshot,
+    run_import_check,
+)
 
 from infra import package
 from infra.package import LAMBDA_PYTHON_VERSION
@@ -45,22 +48,6 @@ SYSROOT = Path(os.environ.get("SHARDFOLD_ARM64_SYSROOT") or Path.home() / ".cach
 QEMU_CPU = "neoverse-n1"  # Graviton2; qemu's default "max" also emulates pointer authentication, 10x slower
 IMPORT_TIMEOUT_S = 600  # about 20 s on a 2-core x86_64 machine
 EM_AARCH64 = 183  # ELF e_machine
-
-# Run after _IMPORT_CHECK's handlers: every extension module loaded, so the test can check they are aarch64
-# and come from the package (or the interpreter's own lib-dynload), and a little native arithmetic.
-_NATIVE_CHECK = r"""
-import sys
-import numpy as np, ml_dtypes
-x = np.arange(8, dtype=np.float32).astype(ml_dtypes.bfloat16)
-assert float(x.astype(np.float32).sum()) == 28.0
-import awscrt.io, pydantic_core
-out["native"] = sorted({m.__file__ for m in list(sys.modules.values())
-                        if (getattr(m, "__file__", None) or "").endswith(".so")})
-import platform
-out["machine"], out["python"] = platform.machine(), platform.python_version()
-out["libc"] = platform.libc_ver()
-print(json.dumps(out))
-"""
 
 
 def _qemu() -> str | None:
@@ -101,36 +88,11 @@ def arm64_build(arm64_python, tmp_path_factory) -> Path:
 
 def test_arm64_package_imports_every_handler_on_aarch64_python(arm64_python, arm64_build, tmp_path):
     command, version = arm64_python
-    handlers = package.lambda_handlers()
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        "HOME": str(tmp_path),
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "SHARDFOLD_STATE_MACHINES": "{}",
-        "POWERTOOLS_LOG_LEVEL": "ERROR",
-    }
-    script = _IMPORT_CHECK.replace("print(json.dumps(out))\n", "") + _NATIVE_CHECK
-    proc = subprocess.run(
-        [*command, "-I", "-S", "-c", script, str(arm64_build), json.dumps(handlers)]
-        + [str(EVENTS / "dispatch_not_a_job.json")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=IMPORT_TIMEOUT_S,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_import_check(command, arm64_build, tmp_path, native=True, timeout=IMPORT_TIMEOUT_S)
     assert out["machine"] == "aarch64" and out["python"].startswith(version + "."), out
     assert out["libc"][0] == "glibc", out["libc"]
-    assert out["path"][0] == str(arm64_build)
-    assert all(p.startswith(str(SYSROOT)) for p in out["path"][1:]), out["path"]  # no host site-packages
-    assert set(out["loaded"]) == set(handlers)
-    assert all(f.startswith(str(arm64_build)) for f in out["loaded"].values()), out["loaded"]
-    assert all(out["absent"].values()), out["absent"]
-    assert "ignored" in out["dispatch"]  # the packaged dispatch handler ran (powertools' parser, pydantic)
+    assert_imported_like_lambda(out, arm64_build)
+    assert all(p.startswith(str(SYSROOT)) for p in out["path"][1:]), out["path"]  # the sysroot's stdlib
     # the package's own native code ran: numpy, ml_dtypes, pydantic_core and awscrt, all aarch64 ELF
     native = [Path(f) for f in out["native"]]
     from_package = {

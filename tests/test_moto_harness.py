@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import boto3
@@ -37,7 +38,16 @@ def half_big(event, context):
     return {"blob": "x" * 150_000}  # under the limit alone; two of them in the state are over it
 
 
+WIDEST = {"threads": 0}  # the most threads alive while a toy.thread_count child ran
+
+
+def thread_count(event, context):
+    WIDEST["threads"] = max(WIDEST["threads"], threading.active_count())
+    return {"i": event["index"]}
+
+
 register("toy.half_big", f"{__name__}:half_big")
+register("toy.thread_count", f"{__name__}:thread_count")
 register("toy.batch_fail", f"{__name__}:batch_fail")
 register("toy.boom", f"{__name__}:boom")
 
@@ -56,6 +66,11 @@ FLOWS = {
     "toybatch": Workflow("toybatch", (BatchJob("gpu", "toy.batch_fail", timeout_s=60),)),
     "toyboom": Workflow("toyboom", (Task("boom", "toy.boom"),)),
     "toybig": Workflow("toybig", (Task("a", "toy.half_big"), Task("b", "toy.half_big"))),
+    # no MaxConcurrency: moto would start a thread per child
+    "toywide": Workflow(
+        "toywide",
+        (Task("plan", "toy.plan"), Map("wide", "$.plan.manifest", (Task("count", "toy.thread_count"),))),
+    ),
 }
 
 
@@ -93,7 +108,14 @@ def test_stack_outputs(stack):
     out = stack.outputs
     assert out["backend"] == "moto" and out["bucket"] == "shardfold-moto"
     assert set(out["state_machine_arns"]) == set(FLOWS)
-    assert set(out["functions"]) == {"toy.plan", "toy.square", "toy.total", "toy.boom", "toy.half_big"}
+    assert set(out["functions"]) == {
+        "toy.plan",
+        "toy.square",
+        "toy.total",
+        "toy.boom",
+        "toy.half_big",
+        "toy.thread_count",
+    }
     assert out["batch_job_definitions"].keys() == {"toy.batch_fail"}
     sfn = boto3.client("stepfunctions", region_name=out["region"])
     definition = json.loads(
@@ -354,9 +376,12 @@ def test_a_maps_gathered_result_counts_even_under_result_path_null(stack, catch)
         stack, f"gather-{catch}", _gathering_map(catch), {"items": [1, 2, 3], "blob": "x" * 90_000}
     )
     assert desc["status"] == "FAILED" and desc["error"] == "States.DataLimitExceeded", desc
+    assert moto_harness.gathered_results(desc["executionArn"])["m"]["bytes"] > 256 * 1024
     # two children (180 KB) fit
     desc = _run_raw(stack, f"gather2-{catch}", _gathering_map(catch), {"items": [1, 2], "blob": "x" * 90_000})
     assert desc["status"] == "SUCCEEDED", desc
+    size = len(json.dumps([{"blob": "x" * 90_000}] * 2))
+    assert moto_harness.gathered_results(desc["executionArn"]) == {"m": {"children": 2, "bytes": size}}
 
 
 def test_a_state_input_over_256_kib_fails(stack):
@@ -370,3 +395,30 @@ def test_a_state_input_over_256_kib_fails(stack):
     }
     desc = _run_raw(stack, "input-big", definition, {"blob": "x" * 140_000})
     assert desc["status"] == "FAILED" and desc["error"] == "States.DataLimitExceeded", desc
+
+
+def test_a_wide_map_runs_its_children_on_few_threads_and_never_recurses(aws, monkeypatch):
+    """moto's Map worker took each next child by recursing (past ~970 children: RecursionError, the job
+    never closed, the execution RUNNING for ever), and with no MaxConcurrency it started a thread per child.
+    One worker thread (the harness's cap, lowered) runs 1,200 children: both fixes at once."""
+    monkeypatch.setattr(moto_harness, "MAP_WORKER_THREADS", 1)
+    WIDEST["threads"] = 0
+    before = threading.active_count()
+    job_id = new_job_id("toywide")
+    aws.start(job_id, "toywide", write_spec(aws.store_root, job_id, n=1200))
+    status = aws.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "SUCCEEDED", status.error
+    assert status.steps["wide"] == {"done": 1200, "total": 1200}
+    # each child outputs {} (its last state's OutputPath is null): the gathered result stays small
+    gathered = moto_harness.gathered_results(status.execution_arn)
+    assert gathered == {"wide": {"children": 1200, "bytes": len(json.dumps([{}] * 1200))}}
+    # the worker, its task's timeout thread, and the server's request threads (the executor polling)
+    assert WIDEST["threads"] - before < 20, (before, WIDEST)
+
+
+def test_a_task_calling_an_unknown_function_fails_through_motos_own_path(stack):
+    """The harness calls our functions directly; any other function ARN still goes through moto's Invoke."""
+    arn = f"arn:aws:lambda:{stack.region}:{moto_harness.ACCOUNT}:function:shardfold-moto-not-there"
+    definition = {"StartAt": "t", "States": {"t": {"Type": "Task", "Resource": arn, "End": True}}}
+    desc = _run_raw(stack, "unknown-function", definition, {})
+    assert desc["status"] == "FAILED", desc
