@@ -32,6 +32,8 @@ from test_lambda_package import (  # noqa: F401  (functions_snapshot: an autouse
 
 from infra.package import LAMBDA_PYTHON_VERSION
 
+pytestmark = pytest.mark.slow  # builds a package with pip
+
 VERSION = "3.12"
 TAG = "cpython-312-x86_64-linux-gnu"  # the extension-module suffix of CPython 3.12 on x86_64 Linux
 
