@@ -28,6 +28,7 @@ from functions.errors import InvalidRange, ObjectNotFound, StoreError
 from functions.store.pinning import Pin, TooLarge, changed
 from functions.store.retry import TRANSIENT_STATUS, TransientError
 from functions.store.s3 import check_body, heard_from_endpoint, range_header
+from functions.store.s3 import endpoint as s3_endpoint
 from functions.store.transport import Boto3Transport as _Boto3
 from functions.store.transport import Cancel, Done, thread_pool
 
@@ -40,6 +41,7 @@ class _Client:
     """An S3Client with the addressing it was made for."""
 
     def __init__(self, endpoint: str | None, region: str):
+        self.endpoint_url = s3_endpoint()[0]  # what heard_from_endpoint records answers under
         elg = EventLoopGroup()
         bootstrap = ClientBootstrap(elg, DefaultHostResolver(elg))
         self.region = region
@@ -116,7 +118,7 @@ def _error(
 class _Get:
     """Callbacks of one GET."""
 
-    __slots__ = ("uri", "start", "length", "limit", "done", "chunks", "content_range", "etag", "pin")
+    __slots__ = ("uri", "start", "length", "limit", "done", "chunks", "content_range", "etag", "pin", "url")
 
     def __init__(
         self,
@@ -126,9 +128,10 @@ class _Get:
         done: Done,
         pin: Pin | None = None,
         limit: int | None = None,
+        url: str | None = None,
     ):
         self.uri, self.start, self.length, self.done, self.pin = uri, start, length, done, pin
-        self.limit = limit
+        self.limit, self.url = limit, url
         self.chunks: list[bytes] = []
         self.content_range: str | None = None
         self.etag: str | None = None
@@ -154,7 +157,7 @@ class _Get:
         **kwargs: Any,
     ) -> None:
         if error is None or status_code is not None:
-            heard_from_endpoint()
+            heard_from_endpoint(self.url)
         if error is not None:
             if status_code == 416 and self.limit is not None and self.start == 0:
                 self.done(b"", None)  # the first byte of an empty object is past its end
@@ -218,7 +221,7 @@ class CrtTransport:
             headers.append(("Range", rng))
         if pin is not None and pin.etag:
             headers.append(("If-Match", pin.etag))
-        get = _Get(uri, start, length, done, pin, limit)
+        get = _Get(uri, start, length, done, pin, limit, self._client.endpoint_url)
         try:
             request = self._client.client.make_request(
                 type=S3RequestType.GET_OBJECT,

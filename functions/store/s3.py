@@ -111,9 +111,10 @@ def _after_call(**kwargs: Any) -> None:
     heard_from_endpoint()
 
 
-def heard_from_endpoint() -> None:
-    """Record that the S3 endpoint answered this process just now (transports call it on any answer)."""
-    _answered[endpoint()[0]] = time.monotonic()
+def heard_from_endpoint(url: str | None = None) -> None:
+    """Record that the S3 endpoint (``url``, default the configured one) answered this process just now;
+    transports call it on any answer."""
+    _answered[url or endpoint()[0]] = time.monotonic()
 
 
 def answered_within(seconds: float) -> bool:
