@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast test-scale lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ test: lint
 
 test-fast: lint
 	SHARDFOLD_TEST_TIER=fast $(PYTEST) -m "not slow"
+
+# Every job kind with a Map of 10,000 children on moto (tests/test_map_scale.py): minutes per test, so
+# `make test` skips them.
+test-scale: lint
+	SHARDFOLD_SCALE_TESTS=1 $(PYTEST) tests/test_map_scale.py
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/getbatch.py
