@@ -35,13 +35,11 @@ from functions import store
 from functions.store.uri import join
 from orchestrator import moto_harness
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get("SHARDFOLD_SCALE_TESTS") != "1",
-        reason="jobs of 1,500-10,000 Map children take 13-55 min each on moto: set SHARDFOLD_SCALE_TESTS=1",
-    ),
-]
+OPT_IN = pytest.mark.skipif(
+    os.environ.get("SHARDFOLD_SCALE_TESTS") != "1",
+    reason="jobs of 1,500-10,000 Map children take 13-55 min each on moto: set SHARDFOLD_SCALE_TESTS=1",
+)
+pytestmark = [pytest.mark.slow, OPT_IN]  # one line: conftest's test-fast skips importing a slow module
 
 CHILDREN = 10_000
 WAIT_S = 3600  # a deadline, not a timing assumption
