@@ -92,10 +92,13 @@ def test_concurrent_deliveries_of_one_event_start_one_job(root):
         return "exec"
 
     real_exists = store.exists
+    looks: list[str] = []
 
     def exists(uri: str) -> bool:
         if uri.endswith("twice.status.json"):
-            gate.wait(timeout=10)  # both deliveries look for a report at the same moment
+            looks.append(uri)
+            if len(looks) <= 2:  # both deliveries' first look, at the same moment; later looks pass
+                gate.wait(timeout=10)
         return real_exists(uri)
 
     uri = put_spec(root, "twice.json", GOOD)
@@ -110,6 +113,7 @@ def test_concurrent_deliveries_of_one_event_start_one_job(root):
         for t in threads:
             t.join(30)
     assert len(calls) == 1, reports
+    assert len(reports) == 2, reports  # neither delivery raised
     assert sorted("job_id" in r for r in reports) == [False, True] or all(
         r.get("job_id") == calls[0] for r in reports
     )

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import tempfile
 from typing import Any
@@ -103,7 +102,7 @@ def reconcile(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any
 
 
 def _load_out(store_root: str, job_id: str, h: str, shard: int, rows: int) -> np.ndarray:
-    emb = np.load(io.BytesIO(store.get(layout.out_uri(store_root, job_id, h, shard))), allow_pickle=False)
+    emb = layout.load_arrays(store.get(layout.out_uri(store_root, job_id, h, shard)))
     if emb.ndim != 2 or emb.shape[0] != rows:
         raise ShardfoldError(f"shard {shard}: embeddings of shape {emb.shape}, expected {rows} rows")
     return emb.astype(np.float32, copy=False)

@@ -26,7 +26,7 @@ import numpy as np
 
 from functions import store
 from functions.errors import BadInputError
-from functions.inference.shards import tokenizer_path
+from functions.inference.shards import load_arrays, tokenizer_path
 from functions.inference.spec import InferenceJob
 from functions.store.pinning import Pin
 
@@ -192,7 +192,6 @@ def encode_shard(rows: ShardRows, max_tokens: int) -> bytes:
 
 def decode_shard(data: bytes) -> dict[str, Any]:
     """A shard file's arrays; ``skipped`` decoded to its list."""
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        out = {k: z[k] for k in ("input_ids", "offsets", "row_index", "ids")}
-        out["skipped"] = json.loads(str(z["skipped"]))
+    out: dict[str, Any] = load_arrays(data, ("input_ids", "offsets", "row_index", "ids", "skipped"))
+    out["skipped"] = json.loads(str(out["skipped"]))
     return out

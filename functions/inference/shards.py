@@ -22,11 +22,13 @@ import hashlib
 import io
 import json
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aws_lambda_powertools import Logger
 
 from functions import access, store
@@ -109,6 +111,22 @@ def cpu_failed_uri(store_root: str, job_id: str) -> str:
 
 def missing_uri(store_root: str, job_id: str) -> str:
     return join(job_root(store_root, job_id), "missing.json")
+
+
+# numpy parses every .npy header with ast.literal_eval, and CPython 3.11 (seen on 3.11.7) can fail two
+# threads that build ASTs at once ("AST constructor recursion depth mismatch", gh-106905); the worker's
+# prefetch threads and concurrent workers decode stage files at the same time, so decoding is serialised.
+_DECODE = threading.Lock()
+
+
+def load_arrays(data: bytes, names: tuple[str, ...] = ()) -> Any:
+    """A stage file's arrays: the named arrays of an ``.npz`` as a dict, or an ``.npy``'s one array."""
+    with _DECODE:
+        loaded = np.load(io.BytesIO(data), allow_pickle=False)
+        if not names:
+            return loaded
+        with loaded as z:
+            return {k: z[k] for k in names}
 
 
 def shard_of(uri: str) -> int:

@@ -123,8 +123,7 @@ def _is_oom(exc: BaseException) -> bool:
 
 def load_shard(uri: str) -> dict[str, np.ndarray]:
     """A preprocessed shard (``input_ids`` flat int32, ``offsets`` int64 rows+1)."""
-    with np.load(io.BytesIO(store.get(uri)), allow_pickle=False) as z:
-        shard = {"input_ids": z["input_ids"], "offsets": z["offsets"]}
+    shard = layout.load_arrays(store.get(uri), ("input_ids", "offsets"))
     if shard["offsets"].ndim != 1 or len(shard["offsets"]) < 1:
         raise ShardfoldError(f"{uri}: offsets must be a 1-D array of rows+1 entries")
     return shard
