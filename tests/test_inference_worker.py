@@ -329,6 +329,39 @@ def test_concurrent_workers_split_the_shards(root, tiny_uri):
     assert markers(root, "two") == set(range(8)) == claims(root, "two", 0)
 
 
+def test_a_worker_lists_each_key_a_bounded_number_of_times(root, tiny_uri, monkeypatch):
+    # shards arriving in order while the worker runs: it lists from the first unfinished shard, and only
+    # when nothing listed is left to claim, so the keys it lists grow with N, not N^2
+    n = 120
+    spec, _ = make_job(root, "many", [["a b"]] * n, {"torchscript": tiny_uri})
+    listed: list[int] = []
+    real_list = store.list_uris
+
+    def list_uris(prefix: str, start_after: str | None = None) -> list[str]:
+        found = real_list(prefix, start_after)
+        listed.append(len(found))
+        return found
+
+    monkeypatch.setattr(store, "list_uris", list_uris)
+    model = load_model({"torchscript": tiny_uri}, "cpu")
+    real_process = W._process
+
+    def process_and_preprocess_more(*args, **kwargs):  # the CPU stage keeps two shards ahead
+        k = args[4]
+        for j in range(k + 1, min(n, k + 3)):
+            if not store.exists(layout.pre_uri(root, "many", H, j)):
+                write_pre(root, "many", j, ["a b"])
+        if k + 3 >= n:
+            store.put_json(layout.cpu_done_uri(root, "many"), {"done": True})
+        return real_process(*args, **kwargs)
+
+    monkeypatch.setattr(W, "_process", process_and_preprocess_more)
+    write_pre(root, "many", 0, ["a b"])
+    summary = W.run_worker(spec, "many", root, model=model, poll_s=0.001, prefetch=1)
+    assert summary["shards"] == n and markers(root, "many") == set(range(n))
+    assert sum(listed) < 8 * n, (len(listed), sum(listed))
+
+
 def test_repair_attempt_without_missing_exits_at_once(root, tiny_uri):
     spec, spec_uri = make_job(root, "none", [["a"]], {"torchscript": tiny_uri})
     store.put_json(layout.missing_uri(root, "none"), [])

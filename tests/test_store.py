@@ -181,6 +181,18 @@ def test_list_and_delete_prefix(root):
     assert store.exists(store.join(root, "other"))
 
 
+def test_list_starts_after_a_key_as_s3_does(root):
+    keys = ["p/00001.npz", "p/00002.done", "p/00002.npz", "p/00010.npz", "p/100000.npz"]
+    for k in keys:
+        store.put(store.join(root, k), b"x")
+    listed = store.list_uris(store.join(root, "p") + "/", store.join(root, "p/00002"))
+    assert listed == [store.join(root, k) for k in keys[1:]]  # exclusive; the stem sorts before its files
+    assert store.list_uris(store.join(root, "p/"), store.join(root, "p/00010.npz")) == [
+        store.join(root, "p/100000.npz")
+    ]
+    assert store.list_uris(store.join(root, "p/"), store.join(root, "p/2")) == []
+
+
 def test_local_delete_prefix_prunes_emptied_directories(local_root):
     base = local_root.removeprefix("file://")
     store.put(store.join(local_root, "jobs/j1/a/b/c"), b"1")

@@ -62,12 +62,17 @@ def manifest_uri(store_root: str, job_id: str) -> str:
     return join(job_root(store_root, job_id), "manifest.json")
 
 
+def shard_name(shard: int) -> str:
+    """A shard's name in its keys (``00042``); S3 lists keys in the order of these names, not of shards."""
+    return f"{shard:05d}"
+
+
 def pre_prefix(store_root: str, job_id: str, h: str) -> str:
     return join(job_root(store_root, job_id), "pre", h)
 
 
 def pre_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
-    return join(pre_prefix(store_root, job_id, h), f"{shard:05d}.npz")
+    return join(pre_prefix(store_root, job_id, h), f"{shard_name(shard)}.npz")
 
 
 def out_prefix(store_root: str, job_id: str, h: str) -> str:
@@ -75,11 +80,11 @@ def out_prefix(store_root: str, job_id: str, h: str) -> str:
 
 
 def out_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
-    return join(out_prefix(store_root, job_id, h), f"{shard:05d}.npy")
+    return join(out_prefix(store_root, job_id, h), f"{shard_name(shard)}.npy")
 
 
 def done_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
-    return join(out_prefix(store_root, job_id, h), f"{shard:05d}.done")
+    return join(out_prefix(store_root, job_id, h), f"{shard_name(shard)}.done")
 
 
 def workers_uri(store_root: str, job_id: str) -> str:
@@ -88,7 +93,7 @@ def workers_uri(store_root: str, job_id: str) -> str:
 
 
 def claim_uri(store_root: str, job_id: str, attempt: int, shard: int) -> str:
-    return join(job_root(store_root, job_id), "claims", str(attempt), f"{shard:05d}")
+    return join(job_root(store_root, job_id), "claims", str(attempt), shard_name(shard))
 
 
 def worker_report_uri(store_root: str, job_id: str, attempt: int, worker: str) -> str:

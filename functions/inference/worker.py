@@ -209,9 +209,10 @@ def _targets(store_root: str, job_id: str, attempt: int, plan: dict[str, Any]) -
     return shards & planned
 
 
-def _listed(prefix: str, suffix: str) -> set[int]:
+def _listed(prefix: str, suffix: str, after: str | None = None) -> set[int]:
+    """Shards with a ``<k>.<suffix>`` object under the prefix, listing only keys after ``after``."""
     found = set()
-    for uri in store.list_uris(prefix + "/"):
+    for uri in store.list_uris(prefix + "/", after and f"{prefix}/{after}"):
         if uri.endswith(suffix):
             try:
                 found.add(layout.shard_of(uri))
@@ -264,6 +265,11 @@ def run_worker(
         stats.budget = min(stats.budget, CPU_BATCH_TOKENS)
 
     remaining = set(targets)  # neither committed, nor claimed (by us or another worker) as far as we know
+    # Listings start at the first remaining shard's key and happen only when no listed shard is left to
+    # claim, so a job of N shards lists O(N) keys in all when shards arrive roughly in order, not O(N^2).
+    keys = sorted(remaining, key=layout.shard_name)  # the order S3 lists them in
+    first = 0
+    backlog: deque[int] = deque()  # listed as ready, not yet claimed
     inflight: deque[tuple[int, Future]] = deque()
     seen_ready: set[int] = set()
     last_progress = time.monotonic()
@@ -271,25 +277,25 @@ def run_worker(
     with ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="prefetch") as pool:
         while True:
             finished = False
-            if remaining and len(inflight) <= prefetch:
+            if remaining and not backlog and len(inflight) <= prefetch:
                 finished = store.exists(cpu_done)  # checked before the listing, so the listing is complete
-                ready = _listed(pre, ".npz") & remaining
+                while keys[first] not in remaining:
+                    first += 1
+                ready = _listed(pre, ".npz", layout.shard_name(keys[first])) & remaining
                 if ready - seen_ready:
                     seen_ready |= ready
                     last_progress = time.monotonic()
                     wait_s = min(poll_s, FIRST_POLL_S)
                 if ready:
-                    remaining -= _listed(out, ".done")
-                    ready &= remaining
-                for k in sorted(ready):
-                    if len(inflight) > prefetch:
-                        finished = False  # ready shards are left to claim
-                        break
-                    remaining.discard(k)
-                    if _claim(layout.claim_uri(store_root, job_id, attempt, k), worker_id):
-                        inflight.append(
-                            (k, pool.submit(load_shard, layout.pre_uri(store_root, job_id, h, k)))
-                        )
+                    remaining -= _listed(out, ".done", layout.shard_name(keys[first]))
+                    backlog.extend(sorted(ready & remaining))
+            while backlog and len(inflight) <= prefetch:
+                k = backlog.popleft()
+                remaining.discard(k)
+                if _claim(layout.claim_uri(store_root, job_id, attempt, k), worker_id):
+                    inflight.append((k, pool.submit(load_shard, layout.pre_uri(store_root, job_id, h, k))))
+            if backlog:
+                finished = False  # listed shards are left to claim
             if inflight:
                 k, fut = inflight.popleft()
                 _process(model, store_root, job_id, h, k, fut.result(), stats, worker_id, started)

@@ -12,6 +12,7 @@ endpoint such as a moto server, honoured by boto3 and by GetBatch's CRT transpor
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -182,12 +183,18 @@ def endpoint_errors() -> Iterator[None]:
         raise named from None
 
 
-def list_uris(prefix_uri: str) -> list[str]:
-    """URIs of all objects under a prefix (string prefix, as on S3; recursive), sorted."""
+def list_uris(prefix_uri: str, start_after: str | None = None) -> list[str]:
+    """URIs of all objects under a prefix (string prefix, as on S3; recursive), sorted; with ``start_after``
+    (a URI under the prefix), only those that sort after it, as S3's StartAfter (so a poller that knows
+    where its work begins does not list everything before it again)."""
     prefix_uri = resolve(prefix_uri)
     if is_s3(prefix_uri):
-        return s3.list_uris(prefix_uri)
-    return ["file://" + str(p) for p in local.list_paths(str(local_path(prefix_uri)) + _slash(prefix_uri))]
+        return s3.list_uris(prefix_uri, start_after and split_s3(resolve(start_after))[1])
+    found = ["file://" + str(p) for p in local.list_paths(str(local_path(prefix_uri)) + _slash(prefix_uri))]
+    if start_after is not None:
+        after = "file://" + str(local_path(resolve(start_after)))
+        found = found[bisect.bisect_right(found, after) :]
+    return found
 
 
 def delete(uri: str) -> None:

@@ -396,11 +396,14 @@ def head_pin(uri: str) -> Pin | None:
         raise translate(exc, uri, "HEAD") from None
 
 
-def list_uris(prefix_uri: str) -> list[str]:
+def list_uris(prefix_uri: str, start_after: str | None = None) -> list[str]:
     bucket, prefix = split_s3(prefix_uri)
     out: list[str] = []
+    after = {"StartAfter": start_after} if start_after else {}
     try:
-        for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for page in (
+            s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, **after)
+        ):
             out.extend(f"s3://{bucket}/{o['Key']}" for o in page.get("Contents", ()))
     except _BOTO_ERRORS as exc:
         raise translate(exc, prefix_uri, "LIST") from None
