@@ -91,12 +91,14 @@ def test_strict_job_fails_naming_the_item_and_writes_no_archive(moto_client):
     assert not store.exists(out)
 
 
-def test_state_payloads_stay_small_for_100k_items(tmp_path):
+def test_state_payloads_stay_small_for_a_manifest_past_the_payload_limit(tmp_path):
+    # 30,000 items: the manifest (480 KB) alone is past Step Functions' 256 KiB, and the states stay small
     root = f"file://{tmp_path}/store"
     store.put(join(root, "data", "tiny.bin"), b"x")
     job_id = new_job_id("getbatch")
     manifest = join(root, "requests", "big.jsonl")
-    store.put(manifest, b'"data/tiny.bin"\n' * 100_000)
+    store.put(manifest, b'"data/tiny.bin"\n' * 30_000)
+    assert store.size(manifest) > 256 * 1024
     spec_uri = join(root, "jobs", job_id, "spec.json")
     store.put_json(spec_uri, {"kind": "getbatch", "manifest": manifest, "items_per_part": 5000})
     with LocalExecutor(store_root=root) as ex:
@@ -105,7 +107,7 @@ def test_state_payloads_stay_small_for_100k_items(tmp_path):
         assert status.state == "SUCCEEDED", status.error
         assert ex.max_state_bytes(job_id) < 4 * 1024  # Step Functions allows 256 KiB
     result = store.get_json(join(root, "jobs", job_id, "result.json"))
-    assert result["items"] == 100_000 and result["parts"] == 20
+    assert result["items"] == 30_000 and result["parts"] == 6
     assert len(json.dumps(result)) < 1024
 
 
