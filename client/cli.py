@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -31,6 +32,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from functions.errors import ShardfoldError
+from functions.report import STEP_COLUMNS, step_row
+from functions.report import tables as report_tables
+from functions.tables import Table as TextTable
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -39,6 +43,7 @@ BACKEND_CHOICES = click.Choice(["local", "aws", "moto"])
 REPO_EVENTS = Path(__file__).resolve().parent.parent / "events"
 # Handlers that are not workflow steps (so not in orchestrator.registry) but can be invoked like one.
 EXTRA_HANDLERS = {"dispatch": "functions.trigger:handler"}
+LOGS_POLL_S = 1.0  # how often `shardfold logs --follow` looks for new lines
 
 
 _CLIENTS: list[Any] = []  # the clients this command made, for the jobs an interrupt stopped
@@ -173,11 +178,20 @@ def _print_table(table: Any) -> None:
     """A :class:`functions.tables.Table` (a kind's plan details or result table); numeric columns right."""
     extra = Table(title=_t(table.title), title_justify="left", box=box.SIMPLE_HEAD)
     for i, col in enumerate(table.columns):
-        numeric = all(isinstance(row[i], int | float) and not isinstance(row[i], bool) for row in table.rows)
+        numeric = bool(table.rows) and all(_numeric(row[i]) for row in table.rows)
         extra.add_column(_t(col), justify="right" if numeric else "left", overflow="fold")
     for row in table.rows:
         extra.add_row(*(_t(_fmt_cell(v)) for v in row))
     out.print(extra)
+
+
+def _numeric(v: Any) -> bool:
+    """A cell to right-justify: a number, or a figure already formatted ("1,024", "54/512", "EC2 30 s")."""
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int | float) or (
+        isinstance(v, str) and re.fullmatch(r"[-\d.,/ ]+|EC2 .*", v) is not None
+    )
 
 
 def _print_result(result: dict[str, Any]) -> None:
@@ -268,31 +282,8 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool, explain: boo
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
-    table = Table(
-        title=f"plan: {_t(report.kind)}, {report.items:,} items", title_justify="left", box=box.SIMPLE_HEAD
-    )
-    for col, just in [
-        ("step", "left"),
-        ("tasks", "right"),
-        ("MiB peak/mem", "right"),
-        ("GET", "right"),
-        ("PUT", "right"),
-        ("s/task", "right"),
-        ("GB-s", "right"),
-    ]:
-        table.add_column(col, justify=just, no_wrap=just == "left")
-    for s in report.steps:
-        mem = f"{s.peak_mb:,.0f}/{s.memory_mb:,}"
-        table.add_row(
-            _t(s.name),
-            f"{s.tasks:,}",
-            mem if s.fits else f"[red]{mem}[/]",
-            f"{s.gets:,}",
-            f"{s.puts:,}",
-            f"{s.duration_s:.2f}",
-            f"EC2 {s.instance_s:,.0f} s" if s.instance_s else f"{s.gb_s:,.2f}",
-        )
-    out.print(table)
+    rows = [step_row(s.name, s.tasks, s.peak_mb, s.memory_mb, dataclasses.asdict(s)) for s in report.steps]
+    _print_table(TextTable(f"plan: {report.kind}, {report.items:,} items", STEP_COLUMNS, rows))
     cost = Table(title="cost if run on AWS", title_justify="left", box=box.SIMPLE_HEAD)
     cost.add_column("component")
     cost.add_column("USD (us-east-1)", justify="right")
@@ -353,6 +344,102 @@ def result(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
         out.print_json(json.dumps(res))
     else:
         _print_result(res)
+
+
+@cli.command()
+@click.argument("job_id")
+@backend_option
+@click.option("--step", help="only this step's tasks (a workflow step name, as `shardfold report` lists)")
+@click.option("--task", type=int, help="only this Map item's task")
+@click.option("--follow", "-f", is_flag=True, help="keep printing new lines until the job ends")
+def logs(
+    job_id: str, backend: str, stack: str | None, step: str | None, task: int | None, follow: bool
+) -> None:
+    """Print the log lines of a job's tasks: each line after its step, task and attempt."""
+    with _client(backend, stack) as client:
+        job = client.job(job_id)
+        printed: dict[tuple[str, Any, Any], int] = {}  # lines already printed per attempt
+        while True:
+            shown: dict[tuple[str, Any, Any], int] = {}
+            finished = job.status().finished  # read before the lines, so the last pass sees every line
+            for record, line in job.logs(step=step, task=task):
+                key = (record["step"], record.get("task"), record.get("attempt"))
+                shown[key] = shown.get(key, 0) + 1
+                if shown[key] <= printed.get(key, 0):
+                    continue
+                item = "-" if record.get("task") is None else record["task"]
+                where = f"{record['step']}[{item}]#{record.get('attempt')}"
+                out.print(f"[dim]{_t(where)}[/] {_t(line)}", soft_wrap=True, highlight=False)
+            printed = shown
+            if not follow or finished:
+                return
+            time.sleep(LOGS_POLL_S)
+
+
+@cli.command()
+@click.argument("job_id")
+@backend_option
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option(
+    "--html", "html", type=click.Path(dir_okay=False), help="also write a self-contained HTML report"
+)
+def report(job_id: str, backend: str, stack: str | None, as_json: bool, html: str | None) -> None:
+    """What a job did against its plan: per step tasks, memory, requests, time and cost; SLA,
+    responsiveness, scaling and the estimator's reasons."""
+    with _client(backend, stack) as client:
+        doc = client.job(job_id).report()
+    if html:
+        from client.report_html import render
+
+        Path(html).write_text(render(doc))
+    if as_json:
+        out.print_json(json.dumps(doc))
+        return
+    _print_report(doc)
+    if html:
+        out.print(f"HTML report: {_t(html)}")
+
+
+def _print_report(doc: dict[str, Any]) -> None:
+    summary = {
+        "job": doc["job_id"],
+        "state": doc["state"],
+        "tasks": f"{doc['tasks']:,} ({doc['attempts']:,} attempts)",
+        "cost": f"${doc['cost']['actual']['total']:.6f} actual, "
+        f"${doc['cost']['plan'].get('total', 0.0):.6f} planned",
+    }
+    if doc.get("error"):
+        summary["error"] = doc["error"]
+    sla = doc["sla"]
+    if sla["elapsed_s"] is not None:
+        met = "" if sla["met"] is None else (" (deadline met)" if sla["met"] else " (deadline MISSED)")
+        deadline = f" of {sla['deadline_s']:g} s" if sla["deadline_s"] else ""
+        summary["elapsed"] = f"{sla['elapsed_s']:.2f} s{deadline}{met}"
+    r = doc["responsiveness"]
+    if r["first_task_s"] is not None:
+        first = "-" if r["first_result_s"] is None else f"{r['first_result_s']:.2f} s"
+        summary["responsiveness"] = (
+            f"first task ran after {r['first_task_s']:.2f} s, first result after {first}"
+        )
+    sc = doc["scaling"]
+    summary["scaling"] = (
+        f"at most {sc['peak_running']} tasks at once; the count changed direction {sc['reversals']} times"
+    )
+    out.print(_kv_table(f"report: {doc['kind']}", summary))
+    for table in report_tables(doc):
+        _print_table(table)
+    worst = [
+        f"{s['name']}: peak {s['actual']['peak_mb']:.0f} MiB"
+        + ("" if s["actual"]["worst_task"] is None else f" in task {s['actual']['worst_task']}")
+        + (" (process shared with other tasks)" if "shared" in s["actual"]["memory_scope"] else "")
+        for s in doc["steps"]
+        if s["actual"]["peak_mb"] is not None
+    ]
+    withheld = [s["name"] for s in doc["steps"] if s["actual"]["withheld"]]
+    for line in worst + [f"figures withheld (private data): {', '.join(withheld)}"] * bool(withheld):
+        out.print(f"[dim]- {_t(line)}[/]")
+    for reason in doc["interpretability"]:
+        out.print(f"[dim]- {_t(reason)}[/]")
 
 
 @cli.command()

@@ -19,7 +19,7 @@ from aws_lambda_powertools import Logger
 from pydantic import BaseModel
 
 from client.errors import BackendError, JobFailed, JobNotFinished
-from functions import kinds, store
+from functions import kinds, report, store, telemetry
 from functions.access import Grants
 from functions.errors import JobNotFound, ShardfoldError, SpecError
 from functions.estimate import Estimate
@@ -335,6 +335,32 @@ class Job:
                 f"job {self.job_id} is {state}; wait for it (Job.wait() or `shardfold status {self.job_id}`)"
             )
         return store.get_json(self.result_uri)
+
+    def telemetry(self) -> Any:
+        """One row per task attempt, as a pyarrow table (``.to_pandas()`` for pandas): step, task, attempt,
+        outcome and error, start and end, duration, peak memory, bytes read and written, store requests,
+        retries and where the attempt's log is (see :mod:`functions.telemetry`). Merged into
+        ``jobs/<id>/telemetry.parquet`` once the job has ended."""
+        status = self.status()
+        return telemetry.table(
+            self.client.store_root, self.job_id, status.ended_at if status.finished else None
+        )
+
+    def report(self) -> dict[str, Any]:
+        """What the job did against its plan: per step tasks, peak memory (projected and measured, with the
+        worst task), requests, durations and cost, and the BatchBench dimensions (cost, SLA against the
+        spec's ``deadline_s``, responsiveness, scaling, the estimator's reasons): :mod:`functions.report`."""
+        status = self.status()
+        concurrency = getattr(self.client.executor, "threads", None)
+        return report.for_job(self.client.store_root, self.job_id, status.to_record(), concurrency)
+
+    def logs(self, step: str | None = None, task: int | None = None) -> Iterator[tuple[dict[str, Any], str]]:
+        """``(record, line)`` for each log line of each task attempt (of ``step``, of Map item ``task``), in
+        step, task and attempt order."""
+        for record in telemetry.read_records(self.client.store_root, self.job_id):
+            if (step is None or record["step"] == step) and (task is None or record.get("task") == task):
+                for line in telemetry.log_lines(record):
+                    yield record, line
 
     def cancel(self) -> None:
         """Stop the job; work already committed stays readable."""

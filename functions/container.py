@@ -1,9 +1,10 @@
 """Entry point of the AWS Batch container (GPU stages): ``python -m functions.container``.
 
 The state machine's ``batch:submitJob.sync`` task passes everything in container environment variables:
-``SHARDFOLD_HANDLER`` (``module:function``), ``SHARDFOLD_FUNCTION`` (the registered name, for logs) and
-``SHARDFOLD_EVENT`` (the state as JSON). The handler's result is discarded (outputs go to the store); a
-raised exception fails the Batch job, which fails the task. The moto harness calls :func:`run` in-process.
+``SHARDFOLD_HANDLER`` (``module:function``), ``SHARDFOLD_FUNCTION`` (the registered name, for logs),
+``SHARDFOLD_STEP`` (the workflow step, for its telemetry) and ``SHARDFOLD_EVENT`` (the state as JSON). The
+handler's result is discarded (outputs go to the store); a raised exception fails the Batch job, which fails
+the task. The moto harness calls :func:`run` in-process.
 
 Exit codes: 0 success; 75 (``EX_TEMPFAIL``) for a transient fault, which the job definition's retry table
 retries; 1 for anything else, which it does not.
@@ -36,6 +37,8 @@ def run(environ: Mapping[str, str]) -> Any:
     if not module or not name:
         raise RuntimeError(f"SHARDFOLD_HANDLER must be 'module:function', got {path!r}")
     event = json.loads(environ.get("SHARDFOLD_EVENT") or "{}")
+    if environ.get("SHARDFOLD_STEP") and isinstance(event, dict):
+        event["batch_step"] = environ["SHARDFOLD_STEP"]  # which step's job this is (its telemetry's step)
     handler = getattr(importlib.import_module(module), name)
     logger.info("batch worker start", extra={"function": environ.get("SHARDFOLD_FUNCTION"), "handler": path})
     return handler(event, None)

@@ -162,6 +162,7 @@ class Estimate:
     output_bytes: int | None = None
     details: list[Table] = field(default_factory=list)
     probe: dict[str, Any] = field(default_factory=dict)
+    architecture: str = pricing.DEFAULT_LAMBDA_ARCHITECTURE  # the Lambda rate it is priced at
 
     @property
     def gets(self) -> int:
@@ -313,4 +314,5 @@ def estimate(
         output_bytes=loads.output_bytes,
         details=list(loads.details),
         probe=probed.facts,
+        architecture=limits.architecture,
     )

@@ -53,6 +53,8 @@ class JobKind:
     * ``progress``: ``"module:function"`` of ``(store_root, job_id) -> {counter: {"done", "total"}}``, work
       inside one step that the executors cannot count (an inference job's GPU shards), or None.
     * ``handlers``: workflow function name -> ``"module:function"``, where the convention does not hold.
+    * ``private_steps``: steps whose cost depends on private data; their telemetry withholds every measured
+      figure (:mod:`functions.telemetry`).
     """
 
     name: str
@@ -63,6 +65,7 @@ class JobKind:
     result_view: Callable[[dict[str, Any]], ResultView] = result_fields
     progress: str | None = None
     handlers: Mapping[str, str] = field(default_factory=dict)
+    private_steps: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.workflow.kind != self.name:
@@ -70,6 +73,11 @@ class JobKind:
         tag = self.spec.model_fields.get("kind")
         if tag is None or tag.default != self.name:
             raise PlanError(f"kind {self.name!r}: its spec model needs kind: Literal[{self.name!r}]")
+        names = {s.name for s in self.workflow.walk()}
+        if not self.private_steps <= names:
+            raise PlanError(
+                f"kind {self.name!r}: private_steps {sorted(self.private_steps - names)} are no steps"
+            )
         for function in self.workflow.functions():
             if function.split(".", 1)[0] != self.name:
                 raise PlanError(f"kind {self.name!r}: function {function!r} must be named '{self.name}.<x>'")

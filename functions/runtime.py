@@ -21,7 +21,8 @@ registry imports handlers by name). Each call:
    the same way; ``context=None`` (local calls, Batch) binds none;
 3. loads the job's spec through the per-process cache (below) and refuses a spec of another kind
    (:class:`SpecError`);
-4. returns ``fn(event_model, spec)``.
+4. returns ``fn(event_model, spec)``, recording the call as one attempt of its task
+   (:func:`functions.telemetry.recording`: times, peak memory, store requests, outcome, where its log is).
 
 **Spec cache.** A spec is parsed once per process: the local executor's threads share one parse, a
 process-pool worker or a warm Lambda instance parses each job's spec once. Entries are keyed by
@@ -49,7 +50,7 @@ from aws_lambda_powertools.logging.lambda_context import build_lambda_context_mo
 from aws_lambda_powertools.utilities.parser import parse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from functions import store
+from functions import store, telemetry
 from functions.errors import SpecError
 from functions.specs import JobSpec, parse_spec
 
@@ -71,6 +72,8 @@ class JobEvent(BaseModel):
     spec_uri: str
     store_root: str
     index: int | None = Field(default=None, ge=0, description="the Map item's index (set by the Map)")
+    map: str | None = Field(default=None, description="the Map's step name (set by the Map)")
+    batch_step: str | None = Field(default=None, description="the BatchJob step (set by the container)")
 
 
 class Handler(Protocol[R_co]):
@@ -96,8 +99,18 @@ def task(
             if context is not None and not _on_lambda():
                 keys.update(vars(build_lambda_context_model(context)))
             logger.thread_safe_append_keys(**keys)
-            spec = load_spec(e.spec_uri, kind)
-            return fn(e, spec)
+            with telemetry.recording(
+                store_root=e.store_root,
+                job_id=e.job_id,
+                kind=kind,
+                function=name,
+                task=e.index,
+                map_name=e.map,
+                batch_step=e.batch_step,
+                context=context,
+            ):
+                spec = load_spec(e.spec_uri, kind)
+                return fn(e, spec)
 
         # Powertools keeps the Lambda context keys in the logger's shared state: right on Lambda, where a
         # process runs one invocation at a time, wrong for threads sharing a process (see _on_lambda).

@@ -47,6 +47,16 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class JobOptions(StrictModel):
+    """What every kind's spec may say besides its own fields (a kind's spec model derives from this)."""
+
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds from submit by which the job should end; `shardfold report` says whether it did",
+    )
+
+
 # --- URI fields --------------------------------------------------------------------------------------------
 
 

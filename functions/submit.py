@@ -10,6 +10,7 @@ added here holds on every path; the tasks check again what they rely on.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,29 @@ class Submitted:
 
 def probe_key(job_id: str) -> str:
     return job_key(job_id, "probe.json")
+
+
+def estimate_key(job_id: str) -> str:
+    """The estimate the job was admitted with, which ``shardfold report`` sets against what it did."""
+    return job_key(job_id, "estimate.json")
+
+
+def withhold(estimate: dict[str, Any], private: frozenset[str]) -> dict[str, Any]:
+    """The estimate without the figures of ``private`` steps (requests, durations, GB-s, and the costs made
+    of them), which a kind's sizing derives from its private data's size (dpquery: a proxy of the rows)."""
+    if not private:
+        return estimate
+    out = dict(estimate)
+    out["steps"] = [
+        {**s, **dict.fromkeys(("gets", "puts", "duration_s", "gb_s", "instance_s"), None)}
+        if s["name"] in private
+        else s
+        for s in estimate["steps"]
+    ]
+    out["cost_usd"] = {}
+    out.update(gets=None, puts=None)
+    out["notes"] = [f"figures of steps {sorted(private)} withheld: they depend on private data"]
+    return out
 
 
 def check_policy(spec: JobSpec, store_root: str, grants: access.Grants | None = None) -> None:
@@ -134,6 +158,9 @@ def submit(
     spec_uri = join(store_root, spec_key(job_id))
     with store.endpoint_errors():
         store.put_json(join(store_root, probe_key(job_id)), est.probe)
+        private = kinds.find(spec.kind).private_steps
+        admitted = {**withhold(est.to_dict(), private), "submitted_at": time.time()}
+        store.put_json(join(store_root, estimate_key(job_id)), admitted, indent=None)
         store.put(spec_uri, text)
     execution = start(job_id, spec.kind, spec_uri)
     return Submitted(job_id, spec.kind, spec_uri, execution, est)

@@ -194,6 +194,7 @@ class _Compiler:
                 "store_root.$": "$.store_root",
                 "item.$": "$$.Map.Item.Value",
                 "index.$": "$$.Map.Item.Index",
+                "map": step.name,
             },
             "ItemProcessor": {
                 "ProcessorConfig": {"Mode": "DISTRIBUTED", "ExecutionType": "STANDARD"},
@@ -246,6 +247,7 @@ class _Compiler:
             "ContainerOverrides": {
                 "Environment": [
                     {"Name": "SHARDFOLD_FUNCTION", "Value": step.entry_point},
+                    {"Name": "SHARDFOLD_STEP", "Value": step.name},
                     {"Name": "SHARDFOLD_HANDLER", "Value": handler_path(step.entry_point)},
                     {"Name": "SHARDFOLD_EVENT", "Value.$": "States.JsonToString($)"},
                 ],

@@ -494,6 +494,7 @@ class LocalExecutor:
                         timeout_s=step.timeout_s,
                         cancel=run.cancel,
                         children=run.children,
+                        step=step.name,
                     )
                 return self._invoke(step, path, function, state)
             except Cancelled:
@@ -653,7 +654,7 @@ class LocalExecutor:
         base = {k: run.input[k] for k in ("job_id", "spec_uri", "store_root")}
 
         def child(i: int) -> None:
-            doc = {**base, "item": items[i], "index": i}
+            doc = {**base, "item": items[i], "index": i, "map": step.name}
             self._run_steps(run, step.body, doc, (*child_scope, str(i)), i)
 
         def settle(i: int, exc: BaseException | None) -> None:

@@ -1,12 +1,13 @@
 """Run a BatchJob step on this machine the way AWS Batch runs its container (local executor).
 
 The step runs as a child process of the container's entry point, ``python -m functions.container``, with the
-same environment contract (``SHARDFOLD_HANDLER``, ``SHARDFOLD_FUNCTION``, ``SHARDFOLD_EVENT``), so a local
-run exercises the code path the GPU container runs, and the worker is a real process that can be killed.
-The job definition's retry table is followed: exit code 75 (the worker's "transient fault") is retried up
-to :data:`BATCH_ATTEMPTS` attempts in all; any other exit fails the job, as does running past the step's
-``timeout_s`` (Batch's attempt duration, which Batch does not retry). A death by signal (``kill -9``, the
-out-of-memory killer) is exit 137 in a container, which the table does not retry either.
+same environment contract (``SHARDFOLD_HANDLER``, ``SHARDFOLD_FUNCTION``, ``SHARDFOLD_STEP``,
+``SHARDFOLD_EVENT``), so a local run exercises the code path the GPU container runs, and the worker is a real
+process that can be killed. The job definition's retry table is followed: exit code 75 (the worker's
+"transient fault") is retried up to :data:`BATCH_ATTEMPTS` attempts in all; any other exit fails the job, as
+does running past the step's ``timeout_s`` (Batch's attempt duration, which Batch does not retry). A death by
+signal (``kill -9``, the out-of-memory killer) is exit 137 in a container, which the table does not retry
+either.
 
 The child is started through :mod:`orchestrator.lifeline` (``python -m orchestrator.lifeline
 functions.container``), so it dies with this process even when this process is killed outright; ``children``
@@ -47,7 +48,9 @@ class Cancelled(Exception):
     """The job was cancelled while its container ran; the child was terminated."""
 
 
-def _environment(handler_path: str, function: str, event: dict[str, Any], status_file: str) -> dict[str, str]:
+def _environment(
+    handler_path: str, function: str, event: dict[str, Any], status_file: str, step: str
+) -> dict[str, str]:
     env = dict(os.environ)
     # the child imports what this process can (as a spawned process-pool worker does): this code, installed
     # or not, and handlers registered from modules on this process's path
@@ -57,6 +60,7 @@ def _environment(handler_path: str, function: str, event: dict[str, Any], status
     env.update(
         SHARDFOLD_HANDLER=handler_path,
         SHARDFOLD_FUNCTION=function,
+        SHARDFOLD_STEP=step,
         SHARDFOLD_EVENT=json.dumps(event),
         SHARDFOLD_STATUS_FILE=status_file,
     )
@@ -119,6 +123,7 @@ def run_container(
     attempts: int = BATCH_ATTEMPTS,
     poll_s: float = 0.2,
     children: set[subprocess.Popen] | None = None,
+    step: str = "",
 ) -> None:
     """Run the container entry point on ``event`` until it succeeds, fails for good, or is cancelled.
 
@@ -128,7 +133,7 @@ def run_container(
     for attempt in range(1, attempts + 1):
         with tempfile.TemporaryDirectory(prefix="shardfold-batch-") as tmp:
             status_file = Path(tmp) / "status.json"
-            env = _environment(handler_path, function, event, str(status_file))
+            env = _environment(handler_path, function, event, str(status_file), step or function)
             proc = subprocess.Popen(child_command("functions.container"), env=env)
             if children is not None:
                 children.add(proc)

@@ -6,8 +6,7 @@ harness (:func:`orchestrator.moto_harness.gathered_results`) and checked to stay
 Inputs are tiny and shaped only to fan out: getbatch one item per part; fedavg a 160 KB model cut into
 10,000 shards (the 5 MiB shard floor lowered, as the fedavg core tests do: it only matters for S3's
 multipart assembly); dpquery 141 binary attributes whose 0-, 1- and 2-way marginals are 10,012 residual
-sets and 10,012 marginals, one per measure and reconstruct task; inference one-row shards, 1,500 of them
-only (see ``INFERENCE_SHARDS``: the GPU worker's listing is quadratic in the shards).
+sets and 10,012 marginals, one per measure and reconstruct task; inference one-row shards.
 
 **Opt-in** (``SHARDFOLD_SCALE_TESTS=1``, or ``make test-scale``): each test takes minutes on a 2-core
 machine, too long for ``make test`` (measured: getbatch 19 min, fedavg 13 min, dpquery 25 min, inference
@@ -157,17 +156,10 @@ def test_dpquery_with_10012_measure_and_reconstruct_tasks(moto_client, monkeypat
     assert_gathered_small(status, {"measure": DP_SETS, "reconstruct": DP_SETS})
 
 
-# Not 10,000: the GPU worker lists pre/<H>/ and out/<H>/ in full after every shard it takes
-# (functions/inference/worker.py, run_worker), ~3N keys per shard, so N one-row shards cost ~1.5 N^2 listed
-# keys: at 10,000, 1.5e8 keys, hours on moto (and ~150,000 LIST pages on S3). 1,500 is past the ~1,200
-# children at which the gathered result outgrew 256 KiB before the children output {}.
-INFERENCE_SHARDS = 1_500
-
-
-def test_inference_with_1500_shards(moto_client, monkeypatch):
+def test_inference_with_10000_shards(moto_client, monkeypatch):
     monkeypatch.setenv("SHARDFOLD_INFERENCE_POLL_S", "0.05")
     texts = [r["text"] for r in inference_corpus(10, seed=4, max_words=8)]
-    rows = [{"id": f"r{i:05d}", "text": texts[i % 10]} for i in range(INFERENCE_SHARDS)]
+    rows = [{"id": f"r{i:05d}", "text": texts[i % 10]} for i in range(CHILDREN)]
     key = "scale/corpus.jsonl"
     store.put(moto_client.uri(key), "".join(json.dumps(r) + "\n" for r in rows).encode())
 
@@ -176,11 +168,11 @@ def test_inference_with_1500_shards(moto_client, monkeypatch):
     )
     status = succeeded(job)
     result = job.result()
-    assert (result["rows"], result["shards"]) == (INFERENCE_SHARDS, INFERENCE_SHARDS)
+    assert (result["rows"], result["shards"]) == (CHILDREN, CHILDREN)
     ids, emb = inference.load(result)
     assert [str(i) for i in ids] == [r["id"] for r in rows]  # in input order
-    assert emb.shape == (INFERENCE_SHARDS, 384)
+    assert emb.shape == (CHILDREN, 384)
     # the same text gives the same embedding, whichever shard and batch it ran in
     for i in range(10):
         assert np.allclose(emb[i::10], emb[i], atol=1e-5), i
-    assert_gathered_small(status, {"preprocess": INFERENCE_SHARDS, "infer_workers": 1})
+    assert_gathered_small(status, {"preprocess": CHILDREN, "infer_workers": 1})

@@ -63,4 +63,6 @@ KIND = JobKind(
     workflow=WORKFLOW,
     sizing="functions.dpquery.sizing",
     result_view=result_view,
+    # they read the rows: their times, memory and bytes are proxies of the row count (functions.telemetry)
+    private_steps=frozenset({"prepare", "measure_group"}),
 )

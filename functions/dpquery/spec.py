@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from functions.dpquery.privacy import MAX_RHO, cdp_rho
-from functions.specs import InputUri, OutputPrefix, StrictModel, fail
+from functions.specs import InputUri, JobOptions, OutputPrefix, StrictModel, fail
 
 DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".pq": "parquet"}
 # An attribute's domain may not exceed this many values (a range with bin width 1 over 10^9 is a mistake).
@@ -220,7 +220,7 @@ class DPPrivacyUnit(StrictModel):
     max_rows: StrictInt = Field(ge=1, le=MAX_UNIT_ROWS, description="k: rows counted per person at most")
 
 
-class DPQueryJob(StrictModel):
+class DPQueryJob(JobOptions):
     """Answer a workload of marginals of a dataset under zCDP (ResidualPlanner), with per-cell error bars.
 
     Budget ledger rule (per ``dataset_id``, append-only in the store): the first job that names a dataset

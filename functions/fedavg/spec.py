@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from functions.specs import InputUri, OutputUri, StrictModel, fail, repeated_uris
+from functions.specs import InputUri, JobOptions, OutputUri, StrictModel, fail, repeated_uris
 
 
 class FedAvgClient(StrictModel):
@@ -26,7 +26,7 @@ class FedAvgClient(StrictModel):
         return self
 
 
-class FedAvgJob(StrictModel):
+class FedAvgJob(JobOptions):
     """Average N client updates (safetensors) into one model, sharded by byte range (GradsSharding)."""
 
     kind: Literal["fedavg"] = "fedavg"

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from functions.specs import BatchItem, InputUri, OutputUri, StrictModel
+from functions.specs import BatchItem, InputUri, JobOptions, OutputUri
 
 
-class GetBatchJob(StrictModel):
+class GetBatchJob(JobOptions):
     """Fetch many objects (or ranges, or TAR members) into one ordered TAR in the store."""
 
     kind: Literal["getbatch"] = "getbatch"

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from functions.specs import InputUri, OutputUri, StrictModel, repeated_uris
+from functions.specs import InputUri, JobOptions, OutputUri, StrictModel, repeated_uris
 
 INFERENCE_FORMATS = {
     ".jsonl": "jsonl",
@@ -31,7 +31,7 @@ class TorchScriptModel(StrictModel):
     input: Literal["token_ids"] = Field(default="token_ids", description="the declared input signature")
 
 
-class InferenceJob(StrictModel):
+class InferenceJob(JobOptions):
     """Run a model over every row of one or more JSONL / Parquet files; output Parquet in input order."""
 
     kind: Literal["inference"] = "inference"

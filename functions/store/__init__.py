@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
+from functions import telemetry
 from functions.errors import ObjectNotFound, StoreError
 from functions.store import local, s3, transport
 from functions.store.batch import BatchEntry, BatchStats, BatchStream, get_batch
@@ -157,7 +158,8 @@ def pins(uris: list[str]) -> dict[str, Pin | None]:
 
     rest = list(dict.fromkeys(r for r in resolved.values() if r not in found))
     pool = transport.thread_pool("size")
-    found.update(zip(rest, pool.map(one, rest), strict=True))
+    futures = [pool.submit(telemetry.carried(one), u) for u in rest]  # counted for the calling task
+    found.update(zip(rest, (f.result() for f in futures), strict=True))
     return {u: found[r] for u, r in resolved.items()}
 
 

@@ -55,6 +55,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from pydantic import ValidationError
 
+from functions import telemetry
 from functions.errors import (
     BatchItemError,
     InvalidRange,
@@ -702,6 +703,7 @@ class _Engine:
                 self._fail(slot, exc)
             else:
                 self.stats.retries += 1
+                telemetry.count(None, retries=1)
                 slot.parked = issued[2]  # kept reserved for the retry
                 self._hold(slot.parked)
                 self._timer(time.monotonic() + self.retry.delay(slot.failures), _RETRY, index, attempt)

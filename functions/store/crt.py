@@ -24,6 +24,7 @@ from awscrt.http import HttpHeaders, HttpRequest
 from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
 from awscrt.s3 import S3Client, S3RequestTlsMode, S3RequestType, S3RetryConfig, S3RetryMode
 
+from functions import telemetry
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
 from functions.store.pinning import Pin, TooLarge, changed
 from functions.store.retry import TRANSIENT_STATUS, TransientError
@@ -118,7 +119,19 @@ def _error(
 class _Get:
     """Callbacks of one GET."""
 
-    __slots__ = ("uri", "start", "length", "limit", "done", "chunks", "content_range", "etag", "pin", "url")
+    __slots__ = (
+        "uri",
+        "start",
+        "length",
+        "limit",
+        "done",
+        "chunks",
+        "content_range",
+        "etag",
+        "pin",
+        "url",
+        "meter",
+    )
 
     def __init__(
         self,
@@ -135,6 +148,8 @@ class _Get:
         self.chunks: list[bytes] = []
         self.content_range: str | None = None
         self.etag: str | None = None
+        self.meter = telemetry.current()  # the callbacks run on the CRT's threads, outside the task's context
+        telemetry.count("GET")
 
     def on_headers(self, status_code: int, headers: list[tuple[str, str]], **kwargs: Any) -> None:
         if self.length is not None or self.limit is not None:
@@ -166,6 +181,8 @@ class _Get:
             return
         chunks = self.chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if self.meter is not None:
+            self.meter.add(None, read=len(data))
         if self.limit is not None:
             total = _total(self.content_range)
             if total is not None and total - self.start > self.limit:
@@ -278,6 +295,7 @@ def head_pins(uris: list[str], timeout_s: float = 120.0) -> dict[str, Pin | None
         bucket, _, key = uri[5:].partition("/")
         host, path = client.address(bucket, key)
         head = _Head(uri, future)
+        telemetry.count("HEAD")
         try:
             client.client.make_request(
                 type=S3RequestType.DEFAULT,

@@ -15,11 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from functions import telemetry
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
 from functions.store.pinning import Pin, TooLarge, check_local, local_pin
 
 # Temporary files carry this prefix so listings skip objects that are still being written.
 TMP_PREFIX = ".sf-tmp-"
+LIST_PAGE = 1000  # keys per LIST (and per batch DELETE) request on S3, by which requests are counted here
 
 
 def check_range(uri: str, size: int, start: int, length: int | None) -> None:
@@ -61,15 +63,20 @@ def get(
                     check_local(uri, pin, st)
                 size = st.st_size
             elif start == 0 and length is None:
-                return f.read()
+                data = f.read()
+                telemetry.count("GET", read=len(data))
+                return data
             else:
                 size = os.fstat(f.fileno()).st_size
             check_range(uri, size, start, length)
             if limit is not None and length is None and size - start > limit:
                 raise TooLarge(uri, size - start, limit, local_pin(st))
             f.seek(start)
-            return f.read(size - start if length is None else length)
+            data = f.read(size - start if length is None else length)
+            telemetry.count("GET", read=len(data))
+            return data
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        telemetry.count("GET")
         raise ObjectNotFound(f"no object at {uri}") from None
 
 
@@ -105,6 +112,7 @@ def writer(path: Path) -> Iterator[BinaryIO]:
     try:
         with open(tmp, "wb", buffering=WRITE_BUFFER) as f:
             yield f
+        telemetry.count("PUT", written=tmp.stat().st_size)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -119,6 +127,7 @@ def _commit(path: Path, chunks: Iterable[bytes]) -> None:
     if path.is_dir():
         raise StoreError(f"cannot write {path}: it is a directory")
     tmp = _write_tmp(path, chunks)
+    telemetry.count("PUT", written=tmp.stat().st_size)
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -127,6 +136,7 @@ def _commit(path: Path, chunks: Iterable[bytes]) -> None:
 
 
 def put_if_absent(path: Path, data: bytes) -> bool:
+    telemetry.count("PUT", written=len(data))
     tmp = _write_tmp(path, [data])
     try:
         os.link(tmp, path)
@@ -138,10 +148,12 @@ def put_if_absent(path: Path, data: bytes) -> bool:
 
 
 def exists(path: Path) -> bool:
+    telemetry.count("HEAD")
     return path.is_file()
 
 
 def size(path: Path, uri: str) -> int:
+    telemetry.count("HEAD")
     try:
         st = path.stat()
     except (FileNotFoundError, NotADirectoryError):
@@ -153,6 +165,7 @@ def size(path: Path, uri: str) -> int:
 
 def pin(path: Path, uri: str) -> Pin | None:
     """The file's pin (size, mtime_ns, inode), or None when there is no file."""
+    telemetry.count("HEAD")
     try:
         st = path.stat()
     except (FileNotFoundError, NotADirectoryError):
@@ -183,17 +196,23 @@ def _walk(prefix: str) -> Iterable[Path]:
 
 
 def list_paths(prefix: str) -> list[Path]:
-    return sorted(_walk(prefix), key=str)
+    found = sorted(_walk(prefix), key=str)
+    for _ in range(max(1, -(-len(found) // LIST_PAGE))):
+        telemetry.count("LIST")  # counted as S3 would bill it: a request per page
+    return found
 
 
 def delete(path: Path) -> None:
     if path.is_dir():
         raise StoreError(f"cannot delete {path} as an object: it is a directory; use delete_prefix")
+    telemetry.count("DELETE")
     path.unlink(missing_ok=True)
 
 
 def delete_prefix(prefix: str) -> int:
     paths = list_paths(prefix)
+    for _ in range(-(-len(paths) // LIST_PAGE)):
+        telemetry.count("DELETE")  # as S3's DeleteObjects, up to a page of keys a request
     for path in paths:
         path.unlink(missing_ok=True)
     # Prune directories the deletion emptied, deepest first. A prefix ending in '/' names a directory,
@@ -220,6 +239,7 @@ def assemble(paths: list[Path], uris: list[str], dest: Path) -> None:
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 raise ObjectNotFound(f"assemble: part {uri} does not exist") from None
             with f:
+                telemetry.count("COPY")  # a part copied, as UploadPartCopy on S3
                 while block := f.read(8 << 20):
                     yield block
 

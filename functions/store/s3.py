@@ -22,6 +22,7 @@ import botocore.exceptions
 from aws_lambda_powertools import Logger
 from botocore.config import Config
 
+from functions import telemetry
 from functions.errors import InvalidRange, ObjectNotFound, StoreError, StoreUnreachable
 from functions.store.local import check_range
 from functions.store.pinning import Pin, TooLarge, changed
@@ -102,13 +103,39 @@ def s3_client(retries: bool = True) -> Any:
                 retry = _retry_config() if retries else {"total_max_attempts": 1}
                 config = Config(max_pool_connections=POOL, retries=retry, tcp_keepalive=True)
                 client = boto3.session.Session().client("s3", config=config)
+                client.meta.events.register("before-call.s3", _before_call)
                 client.meta.events.register("after-call.s3", _after_call)  # a response came back
                 _clients[key] = client
     return client
 
 
-def _after_call(**kwargs: Any) -> None:
+# Store requests by the type S3 bills them as (functions.telemetry counts them per task).
+_REQUEST_TYPE = {
+    "GetObject": "GET",
+    "HeadObject": "HEAD",
+    "PutObject": "PUT",
+    "ListObjectsV2": "LIST",
+    "DeleteObject": "DELETE",
+    "DeleteObjects": "DELETE",
+    "CopyObject": "COPY",
+    "UploadPartCopy": "COPY",
+}
+
+
+def _before_call(model: Any = None, params: Any = None, **kwargs: Any) -> None:
+    name = getattr(model, "name", "")
+    body = (params or {}).get("body") if isinstance(params, dict) else None
+    written = len(body) if isinstance(body, bytes | bytearray | memoryview) else 0
+    telemetry.count(_REQUEST_TYPE.get(name, name), written=written)
+
+
+def _after_call(http_response: Any = None, parsed: Any = None, model: Any = None, **kwargs: Any) -> None:
     heard_from_endpoint()
+    if isinstance(parsed, dict):
+        read = parsed.get("ContentLength", 0) if getattr(model, "name", "") == "GetObject" else 0
+        retries = parsed.get("ResponseMetadata", {}).get("RetryAttempts", 0)
+        if read or retries:
+            telemetry.count(None, read=int(read or 0), retries=int(retries or 0))
 
 
 def heard_from_endpoint(url: str | None = None) -> None:
@@ -297,7 +324,7 @@ class _StreamedUpload(io.RawIOBase):
             )
             self.parts[number - 1]["ETag"] = resp["ETag"]
 
-        self.pending = self.pool.submit(upload)
+        self.pending = self.pool.submit(telemetry.carried(upload))
 
     def commit(self) -> None:
         if self.upload_id is None:

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from aws_lambda_powertools import Logger
 
+from functions import telemetry
 from functions.store import local, s3
 from functions.store.pinning import Pin
 from functions.store.uri import FILE, S3
@@ -102,7 +103,7 @@ class _ThreadTransport:
                 return
             done(data, None)
 
-        return thread_pool(self.name).submit(run).cancel
+        return thread_pool(self.name).submit(telemetry.carried(run)).cancel
 
 
 class LocalTransport(_ThreadTransport):

@@ -1,0 +1,495 @@
+"""Per-task telemetry: what each task of a job did, recorded by the task decorator on every backend.
+
+Every call of a handler built with :func:`functions.runtime.task` is one *attempt* of one *task*: the step
+it belongs to (the workflow's step name), the Map item's index (``task``; None outside a Map) and the
+attempt number (0, 1, … in the order attempts start, whoever retries: the executor's retry policy, a
+resumed job, a Batch retry). Each attempt writes one small record::
+
+    jobs/<id>/telemetry/<step>/<task>.<attempt>.json      (task "-" outside a Map)
+
+first as ``"outcome": "running"`` when it starts (so a task killed outright — out of memory, timed out —
+still shows), then whole when it ends:
+
+* ``started_at``, ``ended_at`` (epoch seconds), ``duration_s``, ``outcome`` (``succeeded``/``failed``) and
+  ``error`` (``{"type", "message"}``);
+* ``peak_memory_mib``: the process's peak resident set during the call (the kernel's high-water mark,
+  reset when the call starts where no other task shares the process); ``memory_scope`` says what it covers:
+  ``task`` (this call alone), ``shared`` (other tasks ran in the same process meanwhile: the local
+  executor's thread-mode tasks, the moto harness);
+* ``bytes_read``, ``bytes_written``, ``requests`` (store requests by type: GET, PUT, HEAD, LIST, DELETE,
+  COPY, and the multipart calls on S3), ``store_retries`` (requests the store or botocore retried);
+* ``log``: where the attempt's log lines are: ``{"uri"}`` of a log object beside the record (tasks run
+  outside AWS log to it as well as to the console), or ``{"group", "stream", "request_id"}`` in CloudWatch
+  Logs (Lambda), or ``{"batch_job"}`` (an AWS Batch container; its log stream is the job's).
+
+**Private steps.** A kind may name steps whose cost depends on private data (dpquery's prepare and
+measure, which read the rows): their records keep the step, task, attempt, outcome, error and log place,
+and withhold every measured figure (times, memory, bytes, requests), which would be proxies of the row
+count; ``"withheld": true`` says so.
+
+Telemetry never fails a task: a record that cannot be written is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from aws_lambda_powertools import Logger
+
+logger = Logger(service="shardfold")
+
+MAX_LOG_BYTES = 1024 * 1024  # a task's log object keeps its last MiB
+MAX_ATTEMPTS = 1000  # attempt slots probed before giving up on a record
+MEASURED = (
+    "started_at",
+    "ended_at",
+    "duration_s",
+    "peak_memory_mib",
+    "memory_scope",
+    "bytes_read",
+    "bytes_written",
+    "requests",
+    "store_retries",
+)
+
+
+# --- the meter: store requests of the running task ----------------------------------------------------------
+
+
+class Meter:
+    """Store requests, bytes and retries of one task attempt (threads of the attempt add to it)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.retries = 0
+        self._lock = threading.Lock()
+
+    def add(self, op: str | None, read: int = 0, written: int = 0, retries: int = 0) -> None:
+        with self._lock:
+            if op:
+                self.requests[op] = self.requests.get(op, 0) + 1
+            self.bytes_read += read
+            self.bytes_written += written
+            self.retries += retries
+
+
+_meter: contextvars.ContextVar[Meter | None] = contextvars.ContextVar("shardfold_meter", default=None)
+
+
+def count(op: str | None, read: int = 0, written: int = 0, retries: int = 0) -> None:
+    """Add a store request (and the bytes it moved) to the running task's meter, if any."""
+    meter = _meter.get()
+    if meter is not None:
+        meter.add(op, read, written, retries)
+
+
+def current() -> Meter | None:
+    """The running task's meter, for a callback that will run on a thread outside the task's context."""
+    return _meter.get()
+
+
+def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` bound to a copy of the caller's context, for a pool thread: what it does counts for the task
+    that handed it over (a context is entered by one thread at a time, hence a copy per hand-over)."""
+    return functools.partial(contextvars.copy_context().run, fn)
+
+
+# --- the log: a task's lines, beside its record ------------------------------------------------------------
+
+
+class _TaskLog:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.size = 0
+        self.dropped = 0
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        self.size += len(line) + 1
+        while self.size > MAX_LOG_BYTES and len(self.lines) > 1:
+            self.size -= len(self.lines.pop(0)) + 1
+            self.dropped += 1
+
+    def text(self) -> bytes:
+        head = [json.dumps({"level": "INFO", "message": f"{self.dropped} earlier lines dropped"})]
+        return ("\n".join((head if self.dropped else []) + self.lines) + "\n").encode()
+
+
+_log: contextvars.ContextVar[_TaskLog | None] = contextvars.ContextVar("shardfold_task_log", default=None)
+
+
+class _Capture(logging.Handler):
+    """Copies each ``shardfold`` log line emitted in a task's context into that task's log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log = _log.get()
+        if log is None:
+            return
+        try:
+            console = next((h for h in _LOGGER.handlers if h is not self), None)
+            fmt = console.formatter if console is not None and console.formatter else logging.Formatter()
+            log.add(fmt.format(record))
+        except Exception:  # noqa: BLE001 - a line that cannot be formatted is not worth failing a task
+            self.handleError(record)
+
+
+_LOGGER = logging.getLogger("shardfold")
+_capture = _Capture()
+_install_lock = threading.Lock()
+
+
+def _install() -> None:
+    with _install_lock:
+        if _capture not in _LOGGER.handlers:
+            _LOGGER.addHandler(_capture)
+
+
+# --- peak memory --------------------------------------------------------------------------------------------
+
+_active = 0  # attempts running in this process now
+_shared = 0  # bumps whenever one starts while another runs
+_active_lock = threading.Lock()
+
+
+def _reset_peak() -> None:
+    try:  # Linux: "5" resets the process's peak RSS (VmHWM); elsewhere the peak covers the process's life
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mib() -> float | None:
+    """The process's peak resident set (MiB) since it started or was last reset."""
+    try:
+        with open("/proc/self/status") as f:
+            found = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M)
+        if found:
+            return round(int(found.group(1)) / 1024, 1)
+    except OSError:
+        pass
+    try:
+        import resource
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    except (ImportError, OSError):
+        return None
+
+
+# --- records ------------------------------------------------------------------------------------------------
+
+
+def prefix(store_root: str, job_id: str) -> str:
+    from functions.store.uri import join
+
+    return join(store_root, "jobs", job_id, "telemetry")
+
+
+def record_uri(store_root: str, job_id: str, step: str, task: int | None, attempt: int) -> str:
+    from functions.store.uri import join
+
+    return join(prefix(store_root, job_id), step, f"{'-' if task is None else task}.{attempt}.json")
+
+
+def step_of(kind: str, function: str, map_name: str | None, batch_step: str | None = None) -> str:
+    """The workflow step a call of ``function`` runs: the one step that calls it, or the one inside the Map
+    ``map_name`` (a Map child's event names its Map), or the Batch step ``batch_step`` (the container
+    passes its ``SHARDFOLD_STEP``); the function's own name where the kind is not known here."""
+    from functions import kinds
+    from functions.workflow import BatchJob, Map, Task
+
+    try:
+        workflow = kinds.find(kind).workflow
+    except Exception:  # noqa: BLE001 - a handler registered outside any kind (tests' toy flows)
+        return function
+
+    def calls(step: Any) -> bool:
+        return (isinstance(step, Task) and step.function == function) or (
+            isinstance(step, BatchJob) and step.entry_point == function
+        )
+
+    found = [s for s in workflow.walk() if calls(s)]
+    if len(found) == 1:
+        return found[0].name
+    if map_name:
+        for m in workflow.walk():
+            if isinstance(m, Map) and m.name == map_name:
+                inside = [s for s in m.body if calls(s)]
+                if inside:
+                    return inside[0].name
+    if batch_step and any(s.name == batch_step for s in found):
+        return batch_step
+    return found[0].name if found else function
+
+
+def private_steps(kind: str) -> frozenset[str]:
+    from functions import kinds
+
+    try:
+        return kinds.find(kind).private_steps
+    except Exception:  # noqa: BLE001 - not a registered kind
+        return frozenset()
+
+
+def _log_place(context: Any) -> dict[str, Any] | None:
+    """Where the platform keeps the attempt's log (CloudWatch, Batch), or None: then a log object does."""
+    group = getattr(context, "log_group_name", None)
+    if context is not None and group and group != "local":
+        return {
+            "group": group,
+            "stream": getattr(context, "log_stream_name", None),
+            "request_id": getattr(context, "aws_request_id", None),
+        }
+    if os.environ.get("AWS_BATCH_JOB_ID"):
+        return {"batch_job": os.environ["AWS_BATCH_JOB_ID"]}
+    return None
+
+
+@contextmanager
+def recording(
+    *,
+    store_root: str,
+    job_id: str,
+    kind: str,
+    function: str,
+    task: int | None,
+    map_name: str | None,
+    context: Any,
+    batch_step: str | None = None,
+) -> Iterator[None]:
+    """Record one attempt of a task around the ``with`` body (see the module doc)."""
+    from functions import store
+
+    global _active, _shared
+    step = step_of(kind, function, map_name, batch_step)
+    withheld = step in private_steps(kind)
+    doc: dict[str, Any] = {
+        "job_id": job_id,
+        "kind": kind,
+        "step": step,
+        "function": function,
+        "task": task,
+        "attempt": None,
+        "outcome": "running",
+        "error": None,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": round(time.time(), 6),
+    }
+    place = _log_place(context)
+    uri: str | None = None
+    try:
+        for n in range(MAX_ATTEMPTS):
+            candidate = record_uri(store_root, job_id, step, task, n)
+            doc["attempt"] = n
+            if store.put_if_absent(candidate, _dump(doc, withheld)):
+                uri = candidate
+                break
+    except Exception as exc:  # noqa: BLE001 - telemetry never fails a task
+        logger.warning("no telemetry record for this task", extra={"step": step, "error": str(exc)})
+    log_uri = uri[: -len(".json")] + ".log" if uri is not None and place is None else None
+    doc["log"] = place or ({"uri": log_uri} if log_uri else None)
+
+    with _active_lock:
+        _active += 1
+        if _active == 1:
+            _reset_peak()
+        else:
+            _shared += 1
+        shared_at_start = _shared
+    meter = Meter()
+    task_log = _TaskLog() if log_uri else None
+    if task_log is not None:
+        _install()
+    meter_token = _meter.set(meter)
+    log_token = _log.set(task_log)
+    started = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        duration = time.perf_counter() - started
+        peak = peak_rss_mib()
+        _meter.reset(meter_token)
+        _log.reset(log_token)
+        with _active_lock:
+            shared = _shared != shared_at_start or _active > 1
+            _active -= 1
+        doc.update(
+            outcome="failed" if error is not None else "succeeded",
+            error=None if error is None else {"type": type(error).__name__, "message": str(error)[:2000]},
+            ended_at=round(time.time(), 6),
+            duration_s=round(duration, 6),
+            peak_memory_mib=peak,
+            memory_scope="shared" if shared else "task",
+            bytes_read=meter.bytes_read,
+            bytes_written=meter.bytes_written,
+            requests=dict(sorted(meter.requests.items())),
+            store_retries=meter.retries,
+        )
+        if task_log is not None:
+            doc["log"] = {"uri": log_uri, "lines": len(task_log.lines) + task_log.dropped}
+        if uri is not None:
+            try:
+                if task_log is not None and task_log.lines and log_uri is not None:
+                    store.put(log_uri, task_log.text())
+                store.put(uri, _dump(doc, withheld))
+            except Exception as exc:  # noqa: BLE001 - telemetry never fails a task
+                logger.warning("telemetry record not written", extra={"step": step, "error": str(exc)})
+
+
+def _dump(doc: dict[str, Any], withheld: bool) -> bytes:
+    if withheld:
+        doc = {k: (None if k in MEASURED else v) for k, v in doc.items()} | {"withheld": True}
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def read_records(store_root: str, job_id: str) -> list[dict[str, Any]]:
+    """Every record of the job (fetched together through the GetBatch engine), ordered by step, task and
+    attempt; a record a dying task left half-written is skipped."""
+    from functions import store
+
+    uris = [u for u in store.list_uris(prefix(store_root, job_id) + "/") if u.endswith(".json")]
+    out = []
+    for entry in store.get_batch(uris, continue_on_error=True):
+        if entry.error is None:
+            try:
+                out.append(json.loads(entry.data))
+            except ValueError:
+                continue
+    return sorted(out, key=lambda r: (r.get("step", ""), _task_order(r.get("task")), r.get("attempt") or 0))
+
+
+def log_lines(record: dict[str, Any]) -> list[str]:
+    """The log lines of one attempt: its log object's (tasks run outside AWS), or its lines in CloudWatch
+    Logs (a Lambda invocation: the lines of its request id in its stream; a Batch job: its stream)."""
+    from functions import store
+
+    place = record.get("log") or {}
+    if place.get("uri"):
+        if not place.get("lines") and record.get("outcome") != "running":
+            return []
+        try:
+            return store.get(place["uri"]).decode(errors="replace").splitlines()
+        except Exception:  # noqa: BLE001 - a task killed before its log was written has none
+            return []
+    if place.get("group") or place.get("batch_job"):
+        return cloudwatch_lines(place)
+    return []
+
+
+def cloudwatch_lines(place: dict[str, Any]) -> list[str]:
+    """Lines of a Lambda invocation (``group``, ``stream``, ``request_id``) or of a Batch job
+    (``batch_job``: its log stream, from DescribeJobs) in CloudWatch Logs."""
+    import boto3
+
+    logs = boto3.client("logs")
+    if place.get("batch_job"):
+        jobs = boto3.client("batch").describe_jobs(jobs=[place["batch_job"]])["jobs"]
+        stream = jobs[0].get("container", {}).get("logStreamName") if jobs else None
+        if not stream:
+            return []
+        kwargs: dict[str, Any] = {"logGroupName": place.get("group") or "/aws/batch/job"}
+        kwargs["logStreamNames"] = [stream]
+    else:
+        kwargs = {"logGroupName": place["group"], "logStreamNames": [place["stream"]]}
+        if place.get("request_id"):
+            kwargs["filterPattern"] = f'"{place["request_id"]}"'
+    lines: list[str] = []
+    for page in logs.get_paginator("filter_log_events").paginate(**kwargs):
+        lines += [e["message"].rstrip("\n") for e in page.get("events", [])]
+    return lines
+
+
+def _task_order(task: int | None) -> int:
+    return -1 if task is None else task
+
+
+COLUMNS = (
+    "step", "task", "attempt", "outcome", "error_type", "error", "started_at", "ended_at", "duration_s",
+    "peak_memory_mib", "memory_scope", "bytes_read", "bytes_written", "requests", "gets", "puts",
+    "store_retries", "log", "withheld", "function", "host", "pid",
+)  # fmt: skip
+
+
+def table_uri(store_root: str, job_id: str) -> str:
+    from functions.store.uri import join
+
+    return join(store_root, "jobs", job_id, "telemetry.parquet")
+
+
+def to_table(records: list[dict[str, Any]]) -> Any:
+    """The records as a pyarrow table of :data:`COLUMNS` (``requests`` and ``log`` as JSON text; ``gets`` and
+    ``puts`` the requests by S3's billing class)."""
+    import pyarrow as pa
+
+    from functions.report import requests_by_class
+
+    rows = []
+    for r in records:
+        error = r.get("error") or {}
+        gets, puts = requests_by_class(r.get("requests") or {})
+        rows.append(
+            {
+                **{k: r.get(k) for k in COLUMNS},
+                "error_type": error.get("type"),
+                "error": error.get("message"),
+                "requests": json.dumps(r.get("requests") or {}, sort_keys=True),
+                "log": json.dumps(r.get("log")) if r.get("log") else None,
+                "gets": gets if not r.get("withheld") else None,
+                "puts": puts if not r.get("withheld") else None,
+                "withheld": bool(r.get("withheld")),
+            }
+        )
+    schema = pa.schema(
+        [
+            ("step", pa.string()), ("task", pa.int64()), ("attempt", pa.int64()), ("outcome", pa.string()),
+            ("error_type", pa.string()), ("error", pa.string()), ("started_at", pa.float64()),
+            ("ended_at", pa.float64()), ("duration_s", pa.float64()), ("peak_memory_mib", pa.float64()),
+            ("memory_scope", pa.string()), ("bytes_read", pa.int64()), ("bytes_written", pa.int64()),
+            ("requests", pa.string()), ("gets", pa.int64()), ("puts", pa.int64()),
+            ("store_retries", pa.int64()), ("log", pa.string()), ("withheld", pa.bool_()),
+            ("function", pa.string()), ("host", pa.string()), ("pid", pa.int64()),
+        ]
+    )  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def table(store_root: str, job_id: str, ended_at: str | None) -> Any:
+    """The job's telemetry table. Once the job has ended (``ended_at``, its status's end time) the records
+    are merged into ``jobs/<id>/telemetry.parquet`` and later reads take that one object, until the job
+    runs again (a resumed job ends at another time); while it runs the table is built from the records."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from functions import store
+
+    uri = table_uri(store_root, job_id)
+    if ended_at is not None and store.exists(uri):
+        merged = pq.read_table(io.BytesIO(store.get(uri)))
+        if (merged.schema.metadata or {}).get(b"ended_at") == ended_at.encode():
+            return merged
+    merged = to_table(read_records(store_root, job_id))
+    if ended_at is not None:
+        merged = merged.replace_schema_metadata({"ended_at": ended_at})
+        buf = io.BytesIO()
+        pq.write_table(merged, buf)
+        store.put(uri, buf.getvalue())
+    return merged
