@@ -322,6 +322,8 @@ def recording(
         yield
     except BaseException as exc:
         error = exc
+        # in the task's own log too, so `shardfold logs` shows why it failed
+        logger.error("task failed", extra={"step": step, "error": f"{type(exc).__name__}: {exc}"[:2000]})
         raise
     finally:
         duration = time.perf_counter() - started

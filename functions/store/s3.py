@@ -125,8 +125,22 @@ _REQUEST_TYPE = {
 def _before_call(model: Any = None, params: Any = None, **kwargs: Any) -> None:
     name = getattr(model, "name", "")
     body = (params or {}).get("body") if isinstance(params, dict) else None
-    written = len(body) if isinstance(body, bytes | bytearray | memoryview) else 0
-    telemetry.count(_REQUEST_TYPE.get(name, name), written=written)
+    telemetry.count(_REQUEST_TYPE.get(name, name), written=_size(body))
+
+
+def _size(body: Any) -> int:
+    """Bytes left to send in a request body (bytes, or a seekable file as botocore passes them)."""
+    if body is None:
+        return 0
+    if isinstance(body, bytes | bytearray | memoryview):
+        return len(body)
+    try:
+        at = body.tell()
+        end = body.seek(0, io.SEEK_END)
+        body.seek(at)
+        return int(end - at)
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def _after_call(http_response: Any = None, parsed: Any = None, model: Any = None, **kwargs: Any) -> None:

@@ -1,0 +1,290 @@
+"""Per-task telemetry (functions/telemetry.py) and the job report (functions/report.py): the records every
+task writes on the local and moto backends, a failing task's error and log, a retry as a second attempt,
+private steps withheld, and the report's cost equal to its formula over the job's own records."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from client import Client
+from client.cli import cli
+from functions import pricing, store, telemetry
+from functions.report import actual_cost, billed_s, build, requests_by_class, tables
+from functions.store.retry import TransientError
+from functions.workflow import BatchJob
+
+FIELDS = {
+    "job_id", "kind", "step", "function", "task", "attempt", "outcome", "error", "started_at", "ended_at",
+    "duration_s", "peak_memory_mib", "memory_scope", "bytes_read", "bytes_written", "requests",
+    "store_retries", "log", "host", "pid",
+}  # fmt: skip
+WAIT_S = 300  # a deadline, not a timing assumption
+
+
+# --- the pure parts -----------------------------------------------------------------------------------------
+
+
+def test_a_meter_counts_for_its_own_task_across_handed_over_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert telemetry.current() is None
+    telemetry.count("GET", read=10)  # no task: nothing to count for, nothing raised
+    mine, other = telemetry.Meter(), telemetry.Meter()
+
+    def work(meter: telemetry.Meter, n: int) -> None:
+        token = telemetry._meter.set(meter)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                for f in [pool.submit(telemetry.carried(telemetry.count), "GET", read=5) for _ in range(n)]:
+                    f.result()
+                pool.submit(telemetry.count, "PUT").result()  # not handed over: counts for no task
+        finally:
+            telemetry._meter.reset(token)
+
+    threads = [threading.Thread(target=work, args=(m, n)) for m, n in ((mine, 7), (other, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (mine.requests, mine.bytes_read) == ({"GET": 7}, 35)
+    assert (other.requests, other.bytes_read) == ({"GET": 3}, 15)
+
+
+def test_a_call_is_named_by_its_workflow_step():
+    assert telemetry.step_of("getbatch", "getbatch.gather", "gather") == "gather_part"
+    # one function, two steps: the Map (or the Batch step) a call comes from says which
+    assert telemetry.step_of("inference", "inference.preprocess", "preprocess") == "preprocess_shard"
+    assert (
+        telemetry.step_of("inference", "inference.preprocess", "repair_preprocess")
+        == "repair_preprocess_shard"
+    )
+    assert telemetry.step_of("inference", "inference.worker", None, "repair_infer") == "repair_infer"
+    assert telemetry.step_of("inference", "inference.worker", "infer_workers") == "infer"
+    assert telemetry.step_of("nosuchkind", "nosuchkind.x", None) == "nosuchkind.x"
+
+
+def test_requests_are_priced_by_s3_class_and_lambda_bills_whole_milliseconds():
+    assert requests_by_class({"GET": 3, "HEAD": 2, "PUT": 1, "LIST": 1, "DELETE": 9, "UploadPart": 2}) == (
+        5,
+        4,
+    )
+    assert billed_s(0.0) == pricing.LAMBDA_MIN_BILLED_S and billed_s(0.0121) == pytest.approx(0.013)
+    assert billed_s(0.013) == pytest.approx(0.013)
+
+
+def record(step: str, task: int | None, attempt: int, start: float, dur: float, **kw) -> dict:
+    return {
+        "step": step, "task": task, "attempt": attempt, "outcome": "succeeded", "error": None,
+        "started_at": start, "ended_at": start + dur, "duration_s": dur, "peak_memory_mib": 50.0,
+        "memory_scope": "task", "requests": {"GET": 2, "PUT": 1}, **kw,
+    }  # fmt: skip
+
+
+def test_the_report_sets_each_step_against_its_plan():
+    estimate = {
+        "steps": [
+            {"name": "prep", "tasks": 1, "memory_mb": 512, "peak_mb": 100.0, "gets": 1, "puts": 1,
+             "duration_s": 0.5, "gb_s": 0.25, "instance_s": 0.0, "why": "the item list"},
+            {"name": "work", "tasks": 3, "memory_mb": 1024, "peak_mb": 300.0, "gets": 6, "puts": 3,
+             "duration_s": 1.0, "gb_s": 3.0, "instance_s": 0.0, "why": "one part"},
+        ],
+        "cost_usd": {"total": 1.0},
+        "transitions": 6,
+        "notes": ["a note"],
+        "submitted_at": 100.0,
+    }  # fmt: skip
+    records = [
+        record("prep", None, 0, 101.0, 0.2),
+        record("work", 0, 0, 101.5, 1.0),
+        record("work", 0, 1, 102.6, 1.0, peak_memory_mib=80.0),  # a retry
+        record("work", 1, 0, 101.5, 2.0, outcome="failed", error={"type": "ValueError", "message": "bad"}),
+    ]
+    doc = build(estimate, records, {"job_id": "j", "kind": "k", "state": "FAILED"}, batch_steps=set(),
+                allowed={"work": 2}, deadline_s=3.0, submitted_at=100.0)  # fmt: skip
+    prep, work = doc["steps"]
+    assert (
+        work["actual"].items()
+        >= {"tasks": 2, "attempts": 3, "failed": 1, "peak_mb": 80.0, "worst_task": 0}.items()
+    )
+    assert work["actual"]["max_duration_s"] == 2.0 and work["actual"]["slowest_task"] == 1
+    assert (work["actual"]["gets"], work["actual"]["puts"]) == (6, 3)
+    assert doc["sla"] == {"deadline_s": 3.0, "elapsed_s": pytest.approx(3.6), "met": False}
+    assert doc["responsiveness"] == {"first_task_s": 1.0, "first_result_s": pytest.approx(2.5)}
+    assert doc["scaling"]["peak_running"] == 2 and doc["scaling"]["allowed"] == {"work": 2}
+    # transitions: the plan's 6, one Map child fewer (2 of 3 tasks ran), one retry
+    assert doc["cost"]["transitions"] == 6 - 1 + 1
+    assert "work: one part" in doc["interpretability"] and "a note" in doc["interpretability"]
+    plan_t, actual_t, cost_t = tables(doc)
+    assert plan_t.columns == actual_t.columns  # `shardfold plan` and `shardfold report` share one layout
+    assert actual_t.rows[1][:3] == ["work", "2", "80/1,024"]
+
+
+# --- on the executors ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_client(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    with Client() as c:
+        yield c
+
+
+def getbatch_job(client: Client, n: int = 6, per_part: int = 2, **spec):
+    for i in range(n):
+        store.put(client.uri(f"d/o{i}"), bytes([65 + i]) * (100 * (i + 1)))
+    items = [{"uri": f"d/o{i}"} for i in range(n)]
+    return client.submit({"kind": "getbatch", "items": items, "items_per_part": per_part, **spec})
+
+
+def check_records(client: Client, job, steps: dict[str, int]) -> list[dict]:
+    """Every field present in every record; one succeeded attempt per task; log lines readable."""
+    records = telemetry.read_records(client.store_root, job.job_id)
+    assert {s: sum(1 for r in records if r["step"] == s) for s in steps} == steps, records
+    for r in records:
+        assert FIELDS <= set(r), FIELDS - set(r)
+        assert r["job_id"] == job.job_id and r["outcome"] == "succeeded" and r["attempt"] == 0
+        assert r["ended_at"] >= r["started_at"] and r["duration_s"] >= 0 and r["peak_memory_mib"] > 10
+        assert r["memory_scope"] in ("task", "shared")
+        assert r["bytes_read"] >= 0 and r["bytes_written"] > 0 and sum(r["requests"].values()) > 0
+    table = job.telemetry()
+    assert table.num_rows == len(records) and set(telemetry.COLUMNS) <= set(table.column_names)
+    return records
+
+
+def test_every_task_of_a_local_job_records_itself_and_the_report_prices_its_records(local_client):
+    job = getbatch_job(local_client, deadline_s=600)
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    records = check_records(local_client, job, {"prepare": 1, "gather_part": 3, "assemble": 1})
+    gather = sorted((r for r in records if r["step"] == "gather_part"), key=lambda r: r["task"])
+    assert [r["task"] for r in gather] == [0, 1, 2]
+    # part k reads objects 2k and 2k+1 (100(i+1) bytes each) with their pins: at least those bytes
+    assert [r["bytes_read"] >= 100 * (4 * k + 3) for k, r in enumerate(gather)] == [True] * 3
+    prepare = next(r for r in records if r["step"] == "prepare")
+    assert prepare["log"]["lines"] >= 1
+    assert any("planned getbatch" in line for _, line in job.logs(step="prepare"))
+
+    doc = job.report()
+    assert doc["tasks"] == 5 and doc["attempts"] == 5 and doc["sla"]["met"] is True
+    from functions.getbatch.workflow import WORKFLOW
+
+    memory = {s.name: s.memory_mb for s in WORKFLOW.walk() if hasattr(s, "memory_mb")}
+    batch = {s.name for s in WORKFLOW.walk() if isinstance(s, BatchJob)}
+    # the actual cost is the formula over the job's own records, term by term
+    want = actual_cost(records, memory, batch, doc["cost"]["transitions"], "arm64")
+    assert doc["cost"]["actual"] == pytest.approx(want)
+    gb_s = sum(memory[r["step"]] / 1024 * math.ceil(r["duration_s"] * 1000 - 1e-9) / 1000 for r in records)
+    assert doc["cost"]["actual"]["lambda_compute"] == pytest.approx(gb_s * pricing.LAMBDA_USD_PER_GB_S)
+    gets = sum(requests_by_class(r["requests"])[0] for r in records)
+    assert doc["cost"]["actual"]["s3_get"] == pytest.approx(gets * pricing.S3_USD_PER_GET)
+    assert [s["name"] for s in doc["steps"]] == ["prepare", "gather_part", "assemble"]
+    assert all(s["plan"] is not None for s in doc["steps"])
+
+    # the merged table is written once the job has ended, and read back the same
+    again = job.telemetry()
+    assert store.exists(telemetry.table_uri(local_client.store_root, job.job_id))
+    assert again.to_pylist() == job.telemetry().to_pylist()
+
+
+def test_a_failing_task_shows_its_error_and_its_log(local_client):
+    store.put(local_client.uri("d/there"), b"x")
+    job = local_client.submit({"kind": "getbatch", "items": [{"uri": "d/there"}, {"uri": "d/gone"}]})
+    store.delete(local_client.uri("d/gone"))  # missing by the time the job reads it
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "FAILED"
+    failed = [
+        r for r in telemetry.read_records(local_client.store_root, job.job_id) if r["outcome"] == "failed"
+    ]
+    assert failed and "gone" in failed[0]["error"]["message"] and failed[0]["error"]["type"]
+    lines = [line for rec, line in job.logs() if rec["outcome"] == "failed"]
+    assert any("task failed" in line and "gone" in line for line in lines), lines
+    doc = job.report()
+    assert doc["state"] == "FAILED" and sum(s["actual"]["failed"] for s in doc["steps"]) == 1
+
+
+def test_an_injected_retry_is_a_second_attempt(local_client, monkeypatch):
+    from functions.getbatch import core
+
+    local_client.executor.retry_delay_scale = 0
+    real, raised = core.gather, []
+
+    def flaky(*args, **kwargs):
+        if not raised:
+            raised.append(1)
+            raise TransientError("injected: the store dropped the connection")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "gather", flaky)
+    job = getbatch_job(local_client, n=2, per_part=2)
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    gather = [
+        r for r in telemetry.read_records(local_client.store_root, job.job_id) if r["step"] == "gather_part"
+    ]
+    assert [(r["attempt"], r["outcome"]) for r in gather] == [(0, "failed"), (1, "succeeded")]
+    assert gather[0]["error"]["type"] == "TransientError"
+    doc = job.report()
+    part = next(s for s in doc["steps"] if s["name"] == "gather_part")
+    assert part["actual"].items() >= {"tasks": 1, "attempts": 2, "failed": 0}.items()
+
+
+@pytest.mark.slow
+def test_records_on_moto_match_the_local_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "moto-home"))
+    with Client(backend="moto") as client:
+        job = getbatch_job(client)
+        assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+        records = check_records(client, job, {"prepare": 1, "gather_part": 3, "assemble": 1})
+        assert all(r["requests"].get("GET", 0) + r["requests"].get("PUT", 0) > 0 for r in records)
+        doc = job.report()
+        assert doc["tasks"] == 5 and doc["cost"]["actual"]["total"] > 0
+
+
+def test_cli_report_and_logs(local_client):
+    job = getbatch_job(local_client)
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    out = CliRunner().invoke(cli, ["report", job.job_id], catch_exceptions=False, env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "plan (at submit)" in out.output and "actual" in out.output and "5 (5 attempts)" in out.output
+    doc = json.loads(CliRunner().invoke(cli, ["report", job.job_id, "--json"]).output)
+    assert doc["tasks"] == 5
+    logs = CliRunner().invoke(cli, ["logs", job.job_id, "--step", "prepare"], env={"COLUMNS": "400"})
+    assert logs.exit_code == 0 and "prepare[-]#0" in logs.output and "planned getbatch" in logs.output
+    none = CliRunner().invoke(cli, ["logs", job.job_id, "--step", "assemble", "--task", "7"])
+    assert none.exit_code == 0 and none.output == ""
+
+
+@pytest.mark.slow  # end to end: every kind, an inference container among them
+def test_every_kind_records_every_task_and_dpquery_withholds_its_private_steps(local_client):
+    from client import demo
+    from functions import kinds
+
+    for run in (demo.demo_getbatch, demo.demo_fedavg, demo.demo_dpquery, demo.demo_inference):
+        shown = run(local_client, 24) if run is demo.demo_getbatch else run(local_client)
+        job = local_client.job(shown.job_id)
+        records = telemetry.read_records(local_client.store_root, job.job_id)
+        kind = kinds.find(shown.kind)
+        ran = {r["step"] for r in records}
+        steps = {s.name for s in kind.workflow.walk() if isinstance(s, BatchJob) or hasattr(s, "function")}
+        assert ran <= steps and len(ran) >= 3, (shown.kind, ran)
+        for r in records:
+            assert FIELDS <= set(r) and r["outcome"] == "succeeded", (shown.kind, r)
+            if r["step"] in kind.private_steps:  # nothing measured leaves: a proxy of the row count
+                assert r["withheld"] is True and r["duration_s"] is None and r["bytes_read"] is None
+                assert r["requests"] is None and r["peak_memory_mib"] is None and r["started_at"] is None
+            else:
+                assert r["duration_s"] is not None and r["peak_memory_mib"] > 10, (shown.kind, r)
+        doc = job.report()
+        assert doc["tasks"] == len({(r["step"], r["task"]) for r in records})
+        if shown.kind == "dpquery":
+            assert kind.private_steps <= ran
+            estimate = store.get_json(local_client.uri(f"jobs/{job.job_id}/estimate.json"))
+            private = [s for s in estimate["steps"] if s["name"] in kind.private_steps]
+            assert private and all(s["duration_s"] is None and s["gets"] is None for s in private)
+            assert estimate["cost_usd"] == {}
+        if shown.kind == "inference":  # the Batch container's attempt is named by its step
+            assert "infer" in ran and all(
+                r["memory_scope"] == "task" for r in records if r["step"] == "infer"
+            )
