@@ -1,11 +1,13 @@
 """Every task type's projected peak memory against a measurement, for every built-in kind.
 
 Each measured task runs in a fresh interpreter (``tests/memchild.py``, started by ``bench/benchutil``'s
-``Children``): the child imports the task's modules (its handler, its kind, and what the task would import
-on first use), reads its resident size — the *runtime baseline*: that process, having done no work —
-resets the kernel's peak (``benchutil.PeakRSS``) and calls the handler with the event the workflow would
-give it. The projection is what ``shardfold plan`` prints (:func:`functions.estimate.estimate`, from each
-kind's ``sizing.loads``). For every case::
+``Children``): the child imports the task's modules (its handler, its kind, and what the task would import on
+first use), reads its resident size — the *runtime baseline*: that process, having done no work — resets the
+kernel's peak (``benchutil.PeakRSS``) and calls the handler with the event the workflow would give it; the
+measured peak is then read from the task's own telemetry record (:mod:`functions.telemetry`, what ``shardfold
+report`` shows), except for the steps a kind keeps private (dpquery's), whose records withhold it. The
+projection is what ``shardfold plan`` prints (:func:`functions.estimate.estimate`, from each kind's
+``sizing.loads``). For every case::
 
     measured peak  <=  projected  <=  2 x measured peak + runtime baseline
 
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from functions import store
+from functions import store, telemetry
 from functions.estimate import estimate
 from functions.jobs import new_job_id
 from functions.specs import dump_spec, parse_spec
@@ -115,6 +117,18 @@ class Job:
         run = children.run(req, CHILD_TIMEOUT_S)
         assert run.ok, f"{self.kind} {step} ({self.label}): {run.note}"
         peak, base = run.result["peak_rss"], run.result["baseline_rss"]
+        # the measured peak is the one users see: the task's own telemetry record (its handler reset the
+        # process's peak as it began, so it is at most the child's), except where a private step
+        # withholds it (dpquery), where the child's own reading stands in
+        task = event.get("index")
+        (record,) = [
+            r
+            for r in telemetry.read_records(self.root, self.job_id)
+            if r["step"] == step and r["task"] == task and r["outcome"] == "succeeded"
+        ][-1:]
+        if not record.get("withheld"):
+            assert record["memory_scope"] == "task" and record["peak_memory_mib"] * MiB <= peak + MiB, record
+            peak = int(record["peak_memory_mib"] * MiB)
         projected = self.steps[step].peak_mb * MiB
         ROWS.append(
             [
