@@ -157,6 +157,19 @@ def _install() -> None:
             _LOGGER.addHandler(_capture)
 
 
+@contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """The ``shardfold`` log lines emitted in this context while the block runs (the moto harness's stand-in
+    for what Lambda sends to CloudWatch Logs)."""
+    _install()
+    log = _TaskLog()
+    token = _log.set(log)
+    try:
+        yield log.lines
+    finally:
+        _log.reset(token)
+
+
 # --- peak memory --------------------------------------------------------------------------------------------
 
 _active = 0  # attempts running in this process now
@@ -315,7 +328,7 @@ def recording(
     if task_log is not None:
         _install()
     meter_token = _meter.set(meter)
-    log_token = _log.set(task_log)
+    log_token = _log.set(task_log) if task_log is not None else None  # else a caller's capture goes on
     started = time.perf_counter()
     error: BaseException | None = None
     try:
@@ -329,7 +342,8 @@ def recording(
         duration = time.perf_counter() - started
         peak = peak_rss_mib()
         _meter.reset(meter_token)
-        _log.reset(log_token)
+        if log_token is not None:
+            _log.reset(log_token)
         with _active_lock:
             shared = _shared != shared_at_start or _active > 1
             _active -= 1

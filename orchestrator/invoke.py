@@ -110,13 +110,15 @@ def call(
     memory_mb: int = 1024,
     timeout_s: int = 900,
     enforce_timeout: bool = False,
+    context: dict[str, Any] | None = None,
 ) -> Any:
     """Run the handler at ``handler_path`` on a JSON copy of ``event``; return its JSON-normalised result.
 
     ``enforce_timeout`` (a process of its own, on its main thread: a local executor's pool worker): a
     handler still running after ``timeout_s`` is stopped, as Lambda stops it, and fails with Lambda's
     :data:`functions.workflow.LAMBDA_TIMEOUT`. The clock starts with the handler, after its module is
-    imported (Lambda's init phase), not with the process."""
+    imported (Lambda's init phase), not with the process. ``context``: fields of the Lambda context other than
+    the name, memory and timeout (a request id, the log group and stream the moto harness writes)."""
     if enforce_timeout and threading.current_thread() is threading.main_thread():
         try:
             import_handler(
@@ -139,8 +141,10 @@ def call(
     try:
         handler = import_handler(handler_path)
         payload = json.loads(json.dumps(event))
-        context = LocalContext(function_name=function_name, memory_limit_in_mb=memory_mb, timeout_s=timeout_s)
-        result = handler(payload, context)
+        lambda_context = LocalContext(
+            function_name=function_name, memory_limit_in_mb=memory_mb, timeout_s=timeout_s, **(context or {})
+        )
+        result = handler(payload, lambda_context)
         text = json.dumps(result)
         if len(text.encode()) > MAX_STATE_BYTES:
             raise ResultTooLarge(

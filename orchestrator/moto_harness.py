@@ -71,10 +71,12 @@ import functools
 import io
 import json
 import logging
+import math
 import os
 import re
 import sys
 import threading
+import time
 import urllib.request
 import uuid
 import zipfile
@@ -85,6 +87,7 @@ import boto3
 import botocore.session
 from aws_lambda_powertools import Logger
 
+from functions import telemetry
 from functions.access import Grants
 from functions.errors import ShardfoldError
 from functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
@@ -177,6 +180,8 @@ def uninstall_patches() -> None:
             else:
                 setattr(owner, name, original)
         _lambda_functions.clear()
+        _streams.clear()
+        _logs_client.cache_clear()
         _map_children.clear()
         _child_records.clear()
         _gathered.clear()
@@ -193,17 +198,70 @@ def _run_handler(fn: Any, body: bytes | str | None) -> tuple[bytes, bool]:
         error = {"errorType": "Runtime.HandlerNotFound", "errorMessage": f"{fn.function_name} has no handler"}
         return json.dumps(error).encode(), True
     event = json.loads(body or b"{}")
-    try:
-        result = call(
-            handler_path(registered),
-            event,
-            function_name=registered,
-            memory_mb=int(fn.memory_size or 1024),
-            timeout_s=int(fn.timeout or 900),
-        )
-    except HandlerFailed as failure:
-        return json.dumps(failure.payload()).encode(), True
-    return json.dumps(result).encode(), False
+    memory_mb = int(fn.memory_size or 1024)
+    group, stream = _log_stream(fn.function_name)
+    context = {"aws_request_id": str(uuid.uuid4()), "log_group_name": group, "log_stream_name": stream}
+    started = time.perf_counter()
+    failed = False
+    with telemetry.captured_log() as lines:
+        try:
+            result = call(
+                handler_path(registered),
+                event,
+                function_name=registered,
+                memory_mb=memory_mb,
+                timeout_s=int(fn.timeout or 900),
+                context=context,
+            )
+        except HandlerFailed as failure:
+            result, failed = failure.payload(), True
+    _write_lambda_log(context, lines, time.perf_counter() - started, memory_mb)
+    return json.dumps(result).encode(), failed
+
+
+def _write_lambda_log(context: dict[str, Any], lines: list[str], seconds: float, memory_mb: int) -> None:
+    """What Lambda writes to CloudWatch Logs for one invocation: START, the function's lines, END and the
+    REPORT line (its Max Memory Used: this process's peak, which the harness shares with every task)."""
+    rid = context["aws_request_id"]
+    ms = seconds * 1000
+    peak = telemetry.peak_rss_mib() or 0
+    messages = [
+        f"START RequestId: {rid} Version: $LATEST",
+        *lines,
+        f"END RequestId: {rid}",
+        f"REPORT RequestId: {rid}\tDuration: {ms:.2f} ms\tBilled Duration: {math.ceil(ms)} ms\t"
+        f"Memory Size: {memory_mb} MB\tMax Memory Used: {math.ceil(peak)} MB\t",
+    ]
+    now = int(time.time() * 1000)
+    events = [{"timestamp": now, "message": m} for m in messages]
+    _logs_client().put_log_events(
+        logGroupName=context["log_group_name"], logStreamName=context["log_stream_name"], logEvents=events
+    )
+
+
+_streams: dict[tuple[str, int], tuple[str, str]] = {}
+
+
+@functools.cache
+def _logs_client() -> Any:
+    return boto3.client("logs")
+
+
+def _log_stream(function: str) -> tuple[str, str]:
+    """The log group and stream of ``function``'s invocations on this thread: as Lambda gives each execution
+    environment a stream (``YYYY/MM/DD/[$LATEST]<id>``), the harness gives one to each of its threads."""
+    key = (function, threading.get_ident())
+    found = _streams.get(key)
+    if found is None:
+        logs, group = _logs_client(), f"/aws/lambda/{function}"
+        stream = f"{_dt.datetime.now(_dt.UTC):%Y/%m/%d}/[$LATEST]{uuid.uuid4().hex}"
+        try:
+            logs.create_log_group(logGroupName=group)
+        except logs.exceptions.ResourceAlreadyExistsException:
+            pass
+        logs.create_log_stream(logGroupName=group, logStreamName=stream)
+        found = _streams[key] = (group, stream)
+    return found
 
 
 def _patch_lambda() -> None:

@@ -240,6 +240,14 @@ def test_records_on_moto_match_the_local_ones(tmp_path, monkeypatch):
         assert all(r["requests"].get("GET", 0) + r["requests"].get("PUT", 0) > 0 for r in records)
         doc = job.report()
         assert doc["tasks"] == 5 and doc["cost"]["actual"]["total"] > 0
+        # a Lambda task's log is in CloudWatch Logs (as the harness writes it, as Lambda would): its lines by
+        # request id, framed by START, END and the REPORT line
+        prepare = next(r for r in records if r["step"] == "prepare")
+        assert prepare["log"]["group"] == "/aws/lambda/" + prepare["log"]["group"].rsplit("/", 1)[1]
+        lines = [line for _, line in job.logs(step="prepare")]
+        assert any("planned getbatch" in line for line in lines), lines
+        assert lines[0].startswith("START RequestId: " + prepare["log"]["request_id"])
+        assert lines[-1].startswith("REPORT RequestId: ") and "Max Memory Used:" in lines[-1]
 
 
 def test_cli_report_and_logs(local_client):
