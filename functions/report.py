@@ -50,6 +50,21 @@ def billed_s(duration_s: float) -> float:
     return max(pricing.LAMBDA_MIN_BILLED_S, math.ceil(duration_s * 1000 - 1e-9) / 1000)
 
 
+def task_gb_s(r: dict[str, Any], memory_mb: int) -> float:
+    """A Lambda attempt's GB-s: Lambda's own billed duration and memory size where its REPORT line was found
+    (:func:`functions.telemetry.with_lambda_reports`), else its measured duration, rounded up to the
+    millisecond, at its step's memory."""
+    if r.get("billed_duration_s") is not None:
+        return int(r.get("memory_size_mb") or memory_mb) / 1024 * r["billed_duration_s"]
+    return memory_mb / 1024 * billed_s(r["duration_s"])
+
+
+def _peak(r: dict[str, Any]) -> float | None:
+    """An attempt's peak: Lambda's Max Memory Used where known, else the process's measured peak."""
+    used = r.get("max_memory_used_mib")
+    return used if used is not None else r.get("peak_memory_mib")
+
+
 def _measured(r: dict[str, Any]) -> bool:
     return not r.get("withheld") and r.get("duration_s") is not None
 
@@ -72,7 +87,7 @@ def actual_cost(
         else:
             lambda_requests += 1
             if _measured(r):
-                lambda_gb_s += memory_mb.get(r["step"], 0) / 1024 * billed_s(r["duration_s"])
+                lambda_gb_s += task_gb_s(r, memory_mb.get(r["step"], 0))
         g, p = requests_by_class(r.get("requests") or {})
         gets, puts = gets + g, puts + p
     cost = {
@@ -152,8 +167,8 @@ def build(
             key = r.get("task")
             if key not in last or (r.get("attempt") or 0) >= (last[key].get("attempt") or 0):
                 last[key] = r
-        peaks = [r for r in measured if r.get("peak_memory_mib") is not None]
-        worst = max(peaks, key=lambda r: r["peak_memory_mib"], default=None)
+        peaks = [r for r in measured if _peak(r) is not None]
+        worst = max(peaks, key=_peak, default=None)
         slowest = max(measured, key=lambda r: r["duration_s"], default=None)
         gets = puts = 0
         for r in rs:
@@ -165,7 +180,7 @@ def build(
             "attempts": len(rs),
             "failed": sum(1 for r in last.values() if r.get("outcome") == "failed"),
             "lost": sum(1 for r in last.values() if r.get("outcome") == "running"),
-            "peak_mb": worst["peak_memory_mib"] if worst else None,
+            "peak_mb": _peak(worst) if worst else None,
             "worst_task": worst.get("task") if worst else None,
             "memory_scope": sorted({r.get("memory_scope") for r in peaks if r.get("memory_scope")}),
             "gets": gets,
@@ -173,9 +188,7 @@ def build(
             "duration_s": statistics.median(durations) if durations else None,
             "max_duration_s": slowest["duration_s"] if slowest else None,
             "slowest_task": slowest.get("task") if slowest else None,
-            "gb_s": 0.0
-            if name in batch_steps
-            else sum(memory.get(name, 0) / 1024 * billed_s(r["duration_s"]) for r in measured),
+            "gb_s": 0.0 if name in batch_steps else sum(task_gb_s(r, memory.get(name, 0)) for r in measured),
             "instance_s": sum(r["duration_s"] for r in measured) if name in batch_steps else 0.0,
             "withheld": any(r.get("withheld") for r in rs),
         }
@@ -310,7 +323,7 @@ def for_job(
                     allowed[inner.name] = limit
     return build(
         estimate,
-        telemetry.read_records(store_root, job_id),
+        telemetry.with_lambda_reports(telemetry.read_records(store_root, job_id)),
         status,
         batch_steps={s.name for s in kind.workflow.walk() if isinstance(s, BatchJob)},
         allowed=allowed,

@@ -433,6 +433,49 @@ def cloudwatch_lines(place: dict[str, Any]) -> list[str]:
     return lines
 
 
+REPORT_LINE = re.compile(
+    r"REPORT RequestId: (?P<rid>\S+)\s+Duration: (?P<ms>[\d.]+) ms\s+Billed Duration: (?P<billed>\d+) ms"
+    r"\s+Memory Size: (?P<size>\d+) MB\s+Max Memory Used: (?P<used>\d+) MB"
+)
+
+
+def with_lambda_reports(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records of Lambda invocations with what Lambda's REPORT line says of them (``billed_duration_s``,
+    ``memory_size_mb``, ``max_memory_used_mib``: the most the execution environment used so far), found in
+    CloudWatch Logs with one filtered query per function over the job's time span. Withheld records stay
+    as they are."""
+    lambda_records = [
+        r
+        for r in records
+        if (r.get("log") or {}).get("request_id") and not r.get("withheld") and r.get("ended_at")
+    ]
+    if not lambda_records:
+        return records
+    import boto3
+
+    logs = boto3.client("logs")
+    start = int(min(r["started_at"] for r in lambda_records) * 1000) - 60_000
+    end = int(max(r["ended_at"] for r in lambda_records) * 1000) + 60_000
+    found: dict[str, dict[str, Any]] = {}
+    for group in sorted({r["log"]["group"] for r in lambda_records}):
+        pages = logs.get_paginator("filter_log_events").paginate(
+            logGroupName=group, filterPattern='"REPORT RequestId"', startTime=start, endTime=end
+        )
+        for page in pages:
+            for event in page.get("events", []):
+                m = REPORT_LINE.search(event["message"])
+                if m:
+                    found[m["rid"]] = {
+                        "billed_duration_s": int(m["billed"]) / 1000,
+                        "memory_size_mb": int(m["size"]),
+                        "max_memory_used_mib": float(m["used"]),
+                    }
+    return [
+        {**r, **found.get((r.get("log") or {}).get("request_id") or "", {})} if r in lambda_records else r
+        for r in records
+    ]
+
+
 def _task_order(task: int | None) -> int:
     return -1 if task is None else task
 

@@ -248,6 +248,15 @@ def test_records_on_moto_match_the_local_ones(tmp_path, monkeypatch):
         assert any("planned getbatch" in line for line in lines), lines
         assert lines[0].startswith("START RequestId: " + prepare["log"]["request_id"])
         assert lines[-1].startswith("REPORT RequestId: ") and "Max Memory Used:" in lines[-1]
+        # the report takes Lambda's billed duration and memory size from each invocation's REPORT line
+        enriched = telemetry.with_lambda_reports(records)
+        assert all(r["billed_duration_s"] * 1000 >= r["duration_s"] * 1000 - 1 for r in enriched)
+        from functions.getbatch.workflow import WORKFLOW
+
+        memory = {s.name: s.memory_mb for s in WORKFLOW.walk() if hasattr(s, "memory_mb")}
+        assert [r["memory_size_mb"] for r in enriched] == [memory[r["step"]] for r in enriched]
+        gb_s = sum(r["memory_size_mb"] / 1024 * r["billed_duration_s"] for r in enriched)
+        assert doc["cost"]["actual"]["lambda_compute"] == pytest.approx(gb_s * pricing.LAMBDA_USD_PER_GB_S)
 
 
 def test_cli_report_and_logs(local_client):
