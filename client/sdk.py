@@ -18,6 +18,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from pydantic import BaseModel
 
+from client import telemetry as telemetry_table
 from client.errors import BackendError, JobFailed, JobNotFinished
 from functions import kinds, report, store, telemetry
 from functions.access import Grants
@@ -342,9 +343,8 @@ class Job:
         retries and where the attempt's log is (see :mod:`functions.telemetry`). Merged into
         ``jobs/<id>/telemetry.parquet`` once the job has ended."""
         status = self.status()
-        return telemetry.table(
-            self.client.store_root, self.job_id, status.ended_at if status.finished else None
-        )
+        ended = status.ended_at if status.finished else None
+        return telemetry_table.table(self.client.store_root, self.job_id, ended)
 
     def report(self) -> dict[str, Any]:
         """What the job did against its plan: per step tasks, peak memory (projected and measured, with the

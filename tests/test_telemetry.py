@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from client import Client
+from client import telemetry as telemetry_table
 from client.cli import cli
 from functions import pricing, store, telemetry
 from functions.report import actual_cost, billed_s, build, requests_by_class, tables
@@ -152,7 +153,7 @@ def check_records(client: Client, job, steps: dict[str, int]) -> list[dict]:
         assert r["memory_scope"] in ("task", "shared")
         assert r["bytes_read"] >= 0 and r["bytes_written"] > 0 and sum(r["requests"].values()) > 0
     table = job.telemetry()
-    assert table.num_rows == len(records) and set(telemetry.COLUMNS) <= set(table.column_names)
+    assert table.num_rows == len(records) and set(telemetry_table.COLUMNS) <= set(table.column_names)
     return records
 
 
@@ -186,7 +187,7 @@ def test_every_task_of_a_local_job_records_itself_and_the_report_prices_its_reco
 
     # the merged table is written once the job has ended, and read back the same
     again = job.telemetry()
-    assert store.exists(telemetry.table_uri(local_client.store_root, job.job_id))
+    assert store.exists(telemetry_table.table_uri(local_client.store_root, job.job_id))
     assert again.to_pylist() == job.telemetry().to_pylist()
 
 
