@@ -37,8 +37,11 @@ def run(environ: Mapping[str, str]) -> Any:
     if not module or not name:
         raise RuntimeError(f"SHARDFOLD_HANDLER must be 'module:function', got {path!r}")
     event = json.loads(environ.get("SHARDFOLD_EVENT") or "{}")
-    if environ.get("SHARDFOLD_STEP") and isinstance(event, dict):
-        event["batch_step"] = environ["SHARDFOLD_STEP"]  # which step's job this is (its telemetry's step)
+    if isinstance(event, dict):  # for the task's telemetry: which step's job this is, and which job
+        if environ.get("SHARDFOLD_STEP"):
+            event["batch_step"] = environ["SHARDFOLD_STEP"]
+        if environ.get("AWS_BATCH_JOB_ID"):
+            event["batch_job_id"] = environ["AWS_BATCH_JOB_ID"]
     handler = getattr(importlib.import_module(module), name)
     logger.info("batch worker start", extra={"function": environ.get("SHARDFOLD_FUNCTION"), "handler": path})
     return handler(event, None)

@@ -74,6 +74,7 @@ class JobEvent(BaseModel):
     index: int | None = Field(default=None, ge=0, description="the Map item's index (set by the Map)")
     map: str | None = Field(default=None, description="the Map's step name (set by the Map)")
     batch_step: str | None = Field(default=None, description="the BatchJob step (set by the container)")
+    batch_job_id: str | None = Field(default=None, description="the AWS Batch job (set by the container)")
 
 
 class Handler(Protocol[R_co]):
@@ -107,6 +108,7 @@ def task(
                 task=e.index,
                 map_name=e.map,
                 batch_step=e.batch_step,
+                batch_job_id=e.batch_job_id,
                 context=context,
             ):
                 spec = load_spec(e.spec_uri, kind)

@@ -257,7 +257,7 @@ def private_steps(kind: str) -> frozenset[str]:
         return frozenset()
 
 
-def _log_place(context: Any) -> dict[str, Any] | None:
+def _log_place(context: Any, batch_job_id: str | None = None) -> dict[str, Any] | None:
     """Where the platform keeps the attempt's log (CloudWatch, Batch), or None: then a log object does."""
     group = getattr(context, "log_group_name", None)
     if context is not None and group and group != "local":
@@ -266,8 +266,8 @@ def _log_place(context: Any) -> dict[str, Any] | None:
             "stream": getattr(context, "log_stream_name", None),
             "request_id": getattr(context, "aws_request_id", None),
         }
-    if os.environ.get("AWS_BATCH_JOB_ID"):
-        return {"batch_job": os.environ["AWS_BATCH_JOB_ID"]}
+    if batch_job_id:
+        return {"batch_job": batch_job_id}
     return None
 
 
@@ -282,6 +282,7 @@ def recording(
     map_name: str | None,
     context: Any,
     batch_step: str | None = None,
+    batch_job_id: str | None = None,
 ) -> Iterator[None]:
     """Record one attempt of a task around the ``with`` body (see the module doc)."""
     from functions import store
@@ -302,7 +303,7 @@ def recording(
         "pid": os.getpid(),
         "started_at": round(time.time(), 6),
     }
-    place = _log_place(context)
+    place = _log_place(context, batch_job_id)
     uri: str | None = None
     try:
         for n in range(MAX_ATTEMPTS):

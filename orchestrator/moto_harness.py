@@ -239,6 +239,23 @@ def _write_lambda_log(context: dict[str, Any], lines: list[str], seconds: float,
     )
 
 
+def _write_batch_log(stream: str, lines: list[str]) -> None:
+    """A Batch container's lines in ``/aws/batch/job``, in the stream DescribeJobs names (as awslogs)."""
+    logs, group = _logs_client(), "/aws/batch/job"
+    try:
+        logs.create_log_group(logGroupName=group)
+    except logs.exceptions.ResourceAlreadyExistsException:
+        pass
+    try:
+        logs.create_log_stream(logGroupName=group, logStreamName=stream)
+    except logs.exceptions.ResourceAlreadyExistsException:
+        pass
+    if lines:
+        now = int(time.time() * 1000)
+        events = [{"timestamp": now, "message": m} for m in lines]
+        logs.put_log_events(logGroupName=group, logStreamName=stream, logEvents=events)
+
+
 _streams: dict[tuple[str, int], tuple[str, str]] = {}
 
 
@@ -757,8 +774,13 @@ def _patch_batch() -> None:
                 job._start_attempt()
             from functions.container import run as run_worker  # the container's entry point, in-process
 
+            env["AWS_BATCH_JOB_ID"] = job.job_id  # as Batch sets it in the container
             try:
-                run_worker(env)
+                with telemetry.captured_log() as lines:  # the container's log stream, as Batch's awslogs
+                    try:
+                        run_worker(env)
+                    finally:
+                        _write_batch_log(job.log_stream_name, lines)
             except Exception as exc:
                 logger.warning(
                     "batch job failed", extra={"job": job.job_name, "error": f"{type(exc).__name__}: {exc}"}

@@ -16,6 +16,7 @@ from client import Client, inference
 from client.cli import cli
 from client.demo import inference_corpus
 from client.errors import JobFailed
+from functions import telemetry
 from functions.estimate import estimate
 from functions.specs import parse_spec
 
@@ -82,6 +83,13 @@ def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, m
     assert moto_emb.shape == local_emb.shape == (ROWS, 384) and moto_emb.dtype == np.float32
     assert np.allclose(moto_emb, local_emb, atol=1e-5)
     assert np.allclose(np.linalg.norm(local_emb, axis=1), 1.0, atol=1e-4)
+
+    # each GPU worker's task record points at its Batch job, whose log stream holds the worker's lines
+    job = moto_client.job(on_moto["job_id"])
+    infer = [r for r in telemetry.read_records(moto_client.store_root, job.job_id) if r["step"] == "infer"]
+    assert len(infer) == 2 and all(r["log"].get("batch_job") for r in infer), infer
+    lines = [line for _, line in job.logs(step="infer", task=0)]
+    assert any("inference worker done" in line for line in lines), lines
 
 
 def _worker_container(timeout_s: float = WAIT_S):
