@@ -8,12 +8,11 @@ Inputs are tiny and shaped only to fan out: getbatch one item per part; fedavg a
 multipart assembly); dpquery 141 binary attributes whose 0-, 1- and 2-way marginals are 10,012 residual
 sets and 10,012 marginals, one per measure and reconstruct task; inference one-row shards.
 
-**Opt-in** (``SHARDFOLD_SCALE_TESTS=1``, or ``make test-scale``): each test takes minutes on a 2-core
-machine, too long for ``make test`` (measured: getbatch 19 min, fedavg 13 min, dpquery 25 min, inference
-55 min). What costs is not the interpreter (the harness runs 10,000 no-op children in about 30 s) but the
-handlers' own S3 requests, each a real HTTP round trip through botocore and moto's server (~8-10 ms of CPU):
-a child makes several (getbatch: 9 per item in all).
-"""
+**Opt-in** (``SHARDFOLD_SCALE_TESTS=1``, or ``make test-scale``): each test takes minutes on a 2-core machine,
+too long for ``make test`` (measured, before per-task telemetry added its records: getbatch 19 min, fedavg 13
+min, dpquery 25 min, inference 36 min). What costs is not the interpreter (the harness runs 10,000 no-op
+children in about 30 s) but the handlers' own S3 requests, each a real HTTP round trip through botocore and
+moto's server (~8-10 ms of CPU): a child makes several (getbatch: 9 per item in all)."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from orchestrator import moto_harness
 
 OPT_IN = pytest.mark.skipif(
     os.environ.get("SHARDFOLD_SCALE_TESTS") != "1",
-    reason="jobs of 1,500-10,000 Map children take 13-55 min each on moto: set SHARDFOLD_SCALE_TESTS=1",
+    reason="jobs of 10,000 Map children take 13-36 min each on moto: set SHARDFOLD_SCALE_TESTS=1",
 )
 pytestmark = [pytest.mark.slow, OPT_IN]  # one line: conftest's test-fast skips importing a slow module
 
