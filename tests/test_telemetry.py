@@ -270,6 +270,9 @@ def test_cli_report_and_logs(local_client):
     assert doc["tasks"] == 5
     logs = CliRunner().invoke(cli, ["logs", job.job_id, "--step", "prepare"], env={"COLUMNS": "400"})
     assert logs.exit_code == 0 and "prepare[-]#0" in logs.output and "planned getbatch" in logs.output
+    # --follow on an ended job prints each line once and returns
+    follow = CliRunner().invoke(cli, ["logs", job.job_id, "--step", "prepare", "-f"], env={"COLUMNS": "400"})
+    assert follow.exit_code == 0 and follow.output == logs.output
     none = CliRunner().invoke(cli, ["logs", job.job_id, "--step", "assemble", "--task", "7"])
     assert none.exit_code == 0 and none.output == ""
 
