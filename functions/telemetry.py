@@ -152,9 +152,17 @@ _install_lock = threading.Lock()
 
 
 def _install() -> None:
+    """Capture ``shardfold`` lines from INFO up, whatever the console shows: a console quietened by the
+    logger's level (the CLI shows only errors unless -v) keeps that level on its own handlers instead."""
     with _install_lock:
         if _capture not in _LOGGER.handlers:
             _LOGGER.addHandler(_capture)
+        level = _LOGGER.getEffectiveLevel()
+        if level > logging.INFO:
+            for handler in _LOGGER.handlers:
+                if handler is not _capture and handler.level < level:
+                    handler.setLevel(level)
+            _LOGGER.setLevel(logging.INFO)
 
 
 @contextmanager
