@@ -225,6 +225,7 @@ def _wait_and_report(job: Any) -> None:
 
 
 @click.group(cls=ShardfoldGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="shardfold", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="show the JSON logs (-v: info, -vv: debug)")
 def cli(verbose: int) -> None:
     """Shardfold: serverless batch jobs on AWS Step Functions and Lambda, or locally."""

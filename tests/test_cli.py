@@ -339,3 +339,26 @@ def test_unreachable_s3_endpoint_is_one_line_naming_it(
     assert res.exit_code == 1 and len(lines) == 1, res.output
     assert lines[0].startswith(f"error: cannot reach the S3 endpoint {endpoint} (AWS_ENDPOINT_URL_S3)")
     assert "s3://inputs/a.bin" in lines[0] and "check that AWS_ENDPOINT_URL_S3" in lines[0]
+
+
+def test_help_and_version_import_no_sdk_boto3_or_planner():
+    # `shardfold --help` and `--version` stay fast by importing neither the SDK nor boto3 nor a kind
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from client.cli import cli\n"
+        "for args in (['--help'], ['--version'], ['report', '--help']):\n"
+        "    r = CliRunner().invoke(cli, args, prog_name='shardfold')\n"
+        "    assert r.exit_code == 0, r.output\n"
+        "    print(r.output.splitlines()[0])\n"
+        "names = ('boto3', 'botocore', 'client.sdk', 'functions.kinds', 'pyarrow', 'numpy')\n"
+        "heavy = sorted(m for m in names if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert f"shardfold {version('shardfold')}" in out.stdout.splitlines()
