@@ -242,16 +242,32 @@ def cli(verbose: int) -> None:
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @backend_option
 @click.option("--no-wait", is_flag=True, help="print the job id and return at once")
-def run(spec: str, backend: str, stack: str | None, no_wait: bool) -> None:
+@click.option(
+    "--quiet", "-q", is_flag=True, help="print only the job id (and, waiting, no progress or result)"
+)
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON once the job succeeds")
+def run(spec: str, backend: str, stack: str | None, no_wait: bool, quiet: bool, as_json: bool) -> None:
     """Submit the job in SPEC (a JSON file), show progress and print its result."""
     with _client(backend, stack) as client:
         job = client.submit(Path(spec))
-        out.print(f"submitted [bold]{_t(job.job_id)}[/] ({_t(job.kind)}) on {backend}")
+        if quiet or as_json:
+            (out if quiet else err).print(job.job_id, highlight=False, markup=False)
+        else:
+            out.print(f"submitted [bold]{_t(job.job_id)}[/] ({_t(job.kind)}) on {backend}")
         if no_wait:
             if backend == "moto":
                 err.print("[yellow]note:[/] moto state lives in this process; waiting anyway")
             else:
                 return
+        if quiet or as_json:
+            status = job.wait(progress=False)
+            if status.state != "SUCCEEDED":
+                raise ShardfoldError(
+                    f"job {job.job_id} {status.state}: {status.error or 'no error recorded'}"
+                )
+            if as_json:
+                out.print_json(json.dumps(job.result()))
+            return
         _wait_and_report(job)
 
 
@@ -304,11 +320,15 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool, explain: boo
 @cli.command()
 @click.argument("job_id")
 @backend_option
-def status(job_id: str, backend: str, stack: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the status record as JSON")
+def status(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
     """Show a job's state and per-step progress."""
     with _client(backend, stack) as client:
         st = client.job(job_id).status()
     data = _status_dict(st)
+    if as_json:
+        out.print_json(json.dumps(data))
+        return
     steps = data.pop("steps", None)
     data["steps"] = _steps_text(steps)
     out.print(_kv_table(f"job {job_id}", {k: v for k, v in data.items() if v not in (None, "")}))
@@ -316,21 +336,69 @@ def status(job_id: str, backend: str, stack: str | None) -> None:
 
 @cli.command()
 @backend_option
-def jobs(backend: str, stack: str | None) -> None:
-    """List the jobs on a backend."""
+@click.option(
+    "--state", "states", multiple=True, help="only jobs in this state (repeatable): RUNNING, FAILED, ..."
+)
+@click.option("--kind", "kinds_", multiple=True, help="only jobs of this kind (repeatable)")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="newest N jobs")
+@click.option("--json", "as_json", is_flag=True, help="print the status records as JSON")
+def jobs(
+    backend: str,
+    stack: str | None,
+    states: tuple[str, ...],
+    kinds_: tuple[str, ...],
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List the jobs on a backend, newest first."""
     with _client(backend, stack) as client:
         statuses = client.jobs()
-    if not statuses:
-        out.print(f"no jobs on the {_t(backend)} backend")
+    wanted = {s.upper() for s in states}
+    chosen = [
+        st for st in statuses if (not wanted or st.state in wanted) and (not kinds_ or st.kind in kinds_)
+    ]
+    chosen = sorted(chosen, key=_submitted, reverse=True)[:limit]
+    if as_json:
+        out.print_json(json.dumps([_status_dict(st) for st in chosen]))
         return
-    table = Table(title=f"jobs ({_t(backend)})", title_justify="left")
-    for col in ("job id", "kind", "state", "steps", "error"):
-        table.add_column(col)
-    for st in sorted(statuses, key=lambda s: s.job_id):
-        style = _state_style(st.state)
-        state = f"[{style}]{_t(st.state)}[/]"
-        table.add_row(_t(st.job_id), _t(st.kind), state, _t(_steps_text(st.steps)), _t(st.error or ""))
-    out.print(table)
+    if not chosen:
+        out.print(f"no jobs on the {_t(backend)} backend" + (" match" if wanted or kinds_ else ""))
+        return
+    headers = ["job id", "submitted", "kind", "state", "steps", "error"]
+    rows = [
+        [
+            st.job_id,
+            _submitted(st).replace("T", " "),
+            st.kind,
+            st.state,
+            _steps_text(st.steps),
+            st.error or "",
+        ]
+        for st in chosen
+    ]
+    if not out.is_terminal:  # piped: whole values, one line per job, for grep and awk
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers[:-1])]
+        for r in [headers, *rows]:
+            line = "  ".join(v.ljust(w) for v, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
+            out.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
+    else:
+        table = Table(title=f"jobs ({_t(backend)}), newest first", title_justify="left", box=box.SIMPLE_HEAD)
+        for h in headers:
+            table.add_column(h, no_wrap=h != "error", overflow="fold")
+        for r in rows:
+            r[3] = f"[{_state_style(r[3])}]{_t(r[3])}[/]"
+            table.add_row(*(v if i == 3 else _t(v) for i, v in enumerate(r)))
+        out.print(table)
+    if len(chosen) == limit and len(statuses) > limit:
+        err.print(f"[dim]the newest {limit}; --limit N shows more[/]")
+
+
+def _submitted(status: Any) -> str:
+    """When the job was submitted (UTC, ``YYYY-MM-DDTHH:MM:SS``), from its id ``<kind>-<UTC time>-<hex>``."""
+    stamp = status.job_id.split("-")[1] if status.job_id.count("-") >= 2 else ""
+    if len(stamp) == 15 and stamp[8] == "T":
+        return f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]}T{stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}"
+    return status.started_at or ""
 
 
 @cli.command()

@@ -362,3 +362,37 @@ def test_help_and_version_import_no_sdk_boto3_or_planner():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert f"shardfold {version('shardfold')}" in out.stdout.splitlines()
+
+
+def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path, monkeypatch):
+    from functions import jobs as job_ids
+
+    stamps = iter(["20260101T000001", "20260101T000003", "20260101T000002"])  # submitted out of order
+    real = job_ids.new_job_id
+    monkeypatch.setattr(
+        job_ids,
+        "new_job_id",
+        lambda kind, now=None: real(kind).replace(real(kind).split("-")[1], next(stamps)),
+    )
+    monkeypatch.setattr("functions.submit.new_job_id", job_ids.new_job_id)
+    spec = str(spec_file(tmp_path, n=2))
+    first = invoke("run", "-q", spec).output.strip()  # --quiet: the id alone
+    second = json.loads(invoke("run", "--json", spec).stdout)["job_id"]  # the result as JSON; the id on stderr
+    third = invoke("run", "--quiet", "--no-wait", spec).output.strip()
+    assert [first, second, third] == [w for w in (first, second, third) if w.startswith("getbatch-20260101T")]
+
+    lines = invoke("jobs").output.splitlines()  # piped: one whole line per job, newest first
+    assert lines[0].split() == ["job", "id", "submitted", "kind", "state", "steps", "error"]
+    assert [line.split()[0] for line in lines[1:]] == [second, third, first]
+    assert "2026-01-01 00:00:03" in lines[1]
+    assert [d["job_id"] for d in json.loads(invoke("jobs", "--json", "--limit", "2").output)] == [
+        second,
+        third,
+    ]
+    succeeded = json.loads(invoke("jobs", "--json", "--state", "succeeded").output)
+    assert {d["job_id"] for d in succeeded} >= {first, second} and all(
+        d["state"] == "SUCCEEDED" for d in succeeded
+    )
+    assert json.loads(invoke("jobs", "--json", "--kind", "dpquery").output) == []
+    assert json.loads(invoke("status", first, "--json").output)["state"] == "SUCCEEDED"
+    assert json.loads(invoke("result", first, "--json").output)["job_id"] == first
