@@ -15,6 +15,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.text import Text
 
 
 def _counts(value: Any) -> tuple[int, int | None]:
@@ -23,7 +24,15 @@ def _counts(value: Any) -> tuple[int, int | None]:
         done, total = value.get("done", 0), value.get("total")
     else:
         done, total = getattr(value, "done", 0), getattr(value, "total", None)
-    return int(done or 0), (int(total) if total else None)
+    return int(done or 0), (None if total is None else int(total))
+
+
+class _StepSpinner(SpinnerColumn):
+    """A spinner while the step runs; once the job has ended, what became of a step that did not finish."""
+
+    def render(self, task: Any) -> Any:
+        ended = task.fields.get("ended")
+        return Text.from_markup(ended) if ended else super().render(task)
 
 
 class ProgressView:
@@ -35,7 +44,7 @@ class ProgressView:
     def __init__(self, job_id: str, console: Console | None = None):
         self._job_id = job_id
         self._progress = Progress(
-            SpinnerColumn(),
+            _StepSpinner(finished_text="[green]✓[/]"),
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
@@ -52,9 +61,26 @@ class ProgressView:
         self._progress.stop()
 
     def update(self, status: Any) -> None:
+        state = getattr(status, "state", None)
+        ended = bool(getattr(status, "finished", False))
         for step, value in (getattr(status, "steps", None) or {}).items():
             done, total = _counts(value)
             if step not in self._tasks:
                 # the description is rendered as markup: a step name prints as written
                 self._tasks[step] = self._progress.add_task(escape(str(step)), total=total)
-            self._progress.update(self._tasks[step], completed=done, total=total)
+            task = self._tasks[step]
+            self._progress.update(task, completed=done, total=total)
+            if ended and (total is None or done < total or total == 0):
+                # no spinner left turning once the job has ended: say what became of the step
+                mark = _ENDED.get(state, "[dim]–[/]") if total != 0 else "[dim]skipped[/]"
+                self._progress.update(task, ended=mark)
+                self._progress.stop_task(task)
+
+
+# What an unfinished step shows once the job has ended in this state.
+_ENDED = {
+    "SUCCEEDED": "[dim]skipped[/]",
+    "FAILED": "[red]✗[/]",
+    "CANCELLED": "[yellow]cancelled[/]",
+    "INTERRUPTED": "[yellow]interrupted[/]",
+}

@@ -305,6 +305,35 @@ def test_progress_bars_print_step_names_literally():
     shows_literally(buf.getvalue())
 
 
+@pytest.mark.parametrize(
+    ("state", "want"),
+    [
+        ("SUCCEEDED", ["✓", "skipped"]),
+        ("FAILED", ["✓", "skipped", "✗"]),
+        ("CANCELLED", ["✓", "skipped", "cancelled"]),
+    ],
+)
+def test_progress_ends_without_spinners(state, want):
+    # a step with nothing to do (total 0: a clean inference run's repair) reads "skipped", never "0/?"
+    # spinning; once a job failed or was cancelled, its unfinished steps say so instead of spinning on
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from client.progress import ProgressView
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=200, force_terminal=False)
+    steps = {"prepare": {"done": 1, "total": 1}, "repair": {"done": 0, "total": 0}}
+    if state != "SUCCEEDED":
+        steps["work"] = {"done": 1, "total": 3}
+    with ProgressView("job", console=console) as view:
+        view.update(SimpleNamespace(steps=steps, state=state, finished=True))
+    shown = buf.getvalue().splitlines()[-len(steps) :]
+    assert "0/?" not in buf.getvalue() and not any(c in buf.getvalue() for c in "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏")
+    assert [next((w for w in want if w in line), None) for line in shown] == want, shown
+
+
 # --- an S3 endpoint that does not answer --------------------------------------------------------------------
 
 
@@ -377,7 +406,9 @@ def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path
     monkeypatch.setattr("functions.submit.new_job_id", job_ids.new_job_id)
     spec = str(spec_file(tmp_path, n=2))
     first = invoke("run", "-q", spec).output.strip()  # --quiet: the id alone
-    second = json.loads(invoke("run", "--json", spec).stdout)["job_id"]  # the result as JSON; the id on stderr
+    second = json.loads(invoke("run", "--json", spec).stdout)[
+        "job_id"
+    ]  # the result as JSON; the id on stderr
     third = invoke("run", "--quiet", "--no-wait", spec).output.strip()
     assert [first, second, third] == [w for w in (first, second, third) if w.startswith("getbatch-20260101T")]
 
