@@ -422,7 +422,8 @@ def test_handlers_and_workflow(root):
     handlers.cpu_done(state)
     assert store.exists(layout.cpu_done_uri(root, JOB))
     fake_worker(root)
-    assert handlers.reconcile({**state, "prepare": planned})["count"] == 0
+    clean = handlers.reconcile({**state, "prepare": planned})
+    assert clean["count"] == 0 and clean["repair_workers"]["count"] == 0  # a clean run: no repair job
     assert handlers.commit(state)["rows"] == 9
 
     wf = WORKFLOWS["inference"]
@@ -432,7 +433,7 @@ def test_handlers_and_workflow(root):
         "stages",
         "reconcile",
         "repair_preprocess",
-        "repair_infer",
+        "repair_workers",
         "commit",
     ]
     assert {s.entry_point for s in wf.walk() if isinstance(s, BatchJob)} == {"inference.worker"}

@@ -316,7 +316,7 @@ def check_every_field(client: Client, shown) -> None:
         assert private and all(s["duration_s"] is None and s["gets"] is None for s in private)
         assert estimate["cost_usd"] == {}
     if shown.kind == "inference":  # the Batch container's attempt is named by its step
-        assert "infer" in ran
+        assert "infer" in ran and "repair_infer" not in ran  # a clean run starts no repair job
         if client.backend == "local":  # a container process of its own
             assert all(r["memory_scope"] == "task" for r in records if r["step"] == "infer")
 

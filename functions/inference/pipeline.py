@@ -89,16 +89,26 @@ def progress(store_root: str, job_id: str) -> dict[str, dict[str, int]]:
 
 
 def reconcile(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
-    """Write ``missing.json`` (``[{"shard": k}]`` for every shard lacking a marker); return its reference."""
+    """Write ``missing.json`` (``[{"shard": k}]`` for every shard lacking a marker) and the repair round's
+    worker list (one worker if any shard is missing); return their references."""
     p = load_plan(store_root, job_id)
     missing = missing_shards(store_root, job_id, p)
     uri = layout.missing_uri(store_root, job_id)
     store.put_json(uri, [{"shard": k} for k in missing])
+    # the repair round's GPU job: one (attempt 1) when shards are missing, none otherwise
+    repair = [{"worker": 0, "attempt": 1}] if missing else []
+    r_uri = layout.repair_workers_uri(store_root, job_id)
+    store.put_json(r_uri, repair)
     if missing:
         logger.warning(
             "shards to repair", extra={"job_id": job_id, "count": len(missing), "first": missing[:10]}
         )
-    return {"missing": manifest_ref(uri, len(missing)), "count": len(missing), "first": missing[:20]}
+    return {
+        "missing": manifest_ref(uri, len(missing)),
+        "repair_workers": manifest_ref(r_uri, len(repair)),
+        "count": len(missing),
+        "first": missing[:20],
+    }
 
 
 def _load_out(store_root: str, job_id: str, h: str, shard: int, rows: int) -> np.ndarray:

@@ -114,6 +114,10 @@ def cpu_failed_uri(store_root: str, job_id: str) -> str:
     return join(job_root(store_root, job_id), "cpu_failed.json")
 
 
+def repair_workers_uri(store_root: str, job_id: str) -> str:
+    return join(job_root(store_root, job_id), "repair_workers.json")
+
+
 def missing_uri(store_root: str, job_id: str) -> str:
     return join(job_root(store_root, job_id), "missing.json")
 

@@ -183,16 +183,24 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
         wf.REPAIR_INFER: worker,
         wf.COMMIT: commit,
     }
-    # a clean run repairs nothing: the repair Map has no children (its Batch job still starts, and exits)
-    map_items = {wf.PREPROCESS: n_shards, wf.INFER_WORKERS: workers, wf.REPAIR_PREPROCESS: 0}
+    # a clean run repairs nothing: the repair round's Maps have no children, so no repair job starts
+    map_items = {
+        wf.PREPROCESS: n_shards,
+        wf.INFER_WORKERS: workers,
+        wf.REPAIR_PREPROCESS: 0,
+        wf.REPAIR_WORKERS: 0,
+    }
     notes.append(
         f"GPU stage: {workers} AWS Batch job(s) of 1 GPU, ~{gpu_s:,.0f} s each at ~{GPU_ROWS_PER_S} rows/s "
         "for MiniLM "
         f"(order of magnitude), priced as g5.xlarge on-demand (${pricing.BATCH_GPU_USD_PER_HOUR}/h) with "
-        f"~{pricing.BATCH_STARTUP_S:.0f} s of instance start per Batch job (the repair round's job too); "
+        f"~{pricing.BATCH_STARTUP_S:.0f} s of instance start per Batch job; "
         "the default Spot compute environment usually costs far less"
     )
-    notes.append("repair round: runs only for shards lacking a commit marker (none in a clean run)")
+    notes.append(
+        "repair round (not priced): only for shards lacking a commit marker, none in a clean run; then one "
+        f"more Batch job of 1 GPU (~{pricing.BATCH_STARTUP_S:.0f} s of instance start), a CPU task per shard"
+    )
     details = [
         Table(
             title="inference plan",

@@ -18,7 +18,8 @@ event; the CLI takes the same event from ``--event`` JSON, ``$SHARDFOLD_EVENT`` 
    complete) and nothing is left to claim.
 
 Attempt 0 (the ``infer`` step) targets every planned shard; a repair attempt (``attempt >= 1``: the
-event's ``attempt``, or the ``repair_infer`` step, recognised by the reconcile result in its state)
+event's ``attempt``, or that of its Map item: the ``repair_infer`` step's one worker is
+``{"attempt": 1}``)
 targets only the shards in ``missing.json`` and claims under ``claims/<attempt>/``, so claims left by a
 killed attempt-0 worker do not block the repair. A claim whose holder is known to be dead is taken over
 (see :func:`_claim`): one held by an earlier attempt of the same Batch job (same ``AWS_BATCH_JOB_ID``,
@@ -461,10 +462,13 @@ def _resolved_model(spec: InferenceJob, store_root: str) -> Any:
 
 
 def attempt_of(event: dict[str, Any]) -> int:
-    """The event's ``attempt``; else 1 in the repair step (its state holds the reconcile result), else 0."""
+    """The event's ``attempt``, or its Map item's (the repair round's worker: ``{"attempt": 1}``); else 0."""
     if event.get("attempt") is not None:
         return int(event["attempt"])
-    return 1 if "reconcile" in event else 0
+    item = event.get("item")
+    if isinstance(item, dict) and item.get("attempt") is not None:
+        return int(item["attempt"])
+    return 0
 
 
 @task(WorkerEvent, kind="inference", step="inference.worker")

@@ -5,7 +5,8 @@ Batch jobs, ``python -m functions.inference.worker``) claim each shard as soon a
 appears, so the two stages overlap. A worker that dies fails only itself unless every worker does: the
 shards it held are left to the repair round. ``reconcile`` lists the shards lacking a commit marker; one
 bounded repair round re-runs only those (their CPU tasks are no-ops where the preprocessed shard survived;
-the repair worker exits at once when nothing is missing). The plan vocabulary has no loops, so the repair
+its GPU job is a Map of one child when shards are missing and of none otherwise, so a clean run submits
+no repair job). The plan vocabulary has no loops, so the repair
 round is a fixed pair of steps; ``commit`` fails naming any shard still missing, and resuming the job
 repeats only that.
 
@@ -40,11 +41,13 @@ REPAIR_PREPROCESS = Map(
     "repair_preprocess", items="$.reconcile.missing", body=(REPAIR_PREPROCESS_SHARD,), max_concurrency=64
 )
 REPAIR_INFER = BatchJob("repair_infer", **WORKER)
+# A Map of one GPU job when shards are missing and of none otherwise: a clean run submits no repair job
+REPAIR_WORKERS = Map("repair_workers", items="$.reconcile.repair_workers", body=(REPAIR_INFER,))
 COMMIT = Task("commit", "inference.commit", memory_mb=3008, timeout_s=900)
 
 WORKFLOW = Workflow(
     kind="inference",
     comment="Streaming batch inference: CPU tokenization overlapped with GPU inference",
     lambda_package="image",
-    steps=(PREPARE, STAGES, RECONCILE, REPAIR_PREPROCESS, REPAIR_INFER, COMMIT),
+    steps=(PREPARE, STAGES, RECONCILE, REPAIR_PREPROCESS, REPAIR_WORKERS, COMMIT),
 )
