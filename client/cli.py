@@ -222,6 +222,14 @@ def _wait_and_report(job: Any) -> None:
             + (f"; fix the cause and run `shardfold resume {job.job_id}`" if status.state == "FAILED" else "")
         )
     _print_result(job.result())
+    if job.client.backend == "moto":
+        err.print(MOTO_NOTE)
+
+
+MOTO_NOTE = (
+    "[yellow]note:[/] the moto backend's bucket lives in this process: the s3:// objects above are gone "
+    "when it ends (use --backend local to keep outputs, or read them inside one Client(backend='moto'))"
+)
 
 
 @click.group(cls=ShardfoldGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -413,6 +421,8 @@ def result(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
         out.print_json(json.dumps(res))
     else:
         _print_result(res)
+        if backend == "moto":
+            err.print(MOTO_NOTE)
 
 
 @cli.command()

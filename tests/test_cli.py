@@ -427,3 +427,21 @@ def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path
     assert json.loads(invoke("jobs", "--json", "--kind", "dpquery").output) == []
     assert json.loads(invoke("status", first, "--json").output)["state"] == "SUCCEEDED"
     assert json.loads(invoke("result", first, "--json").output)["job_id"] == first
+
+
+def test_a_moto_result_says_its_objects_vanish_with_the_process(capsys):
+    from types import SimpleNamespace
+
+    from client import cli as cli_module
+
+    status = SimpleNamespace(state="SUCCEEDED", error=None)
+    result = {"kind": "getbatch", "job_id": "j", "archive": "s3://shardfold-moto/jobs/j/output/batch.tar"}
+    job = SimpleNamespace(
+        job_id="j", client=SimpleNamespace(backend="moto"), wait=lambda **kw: status, result=lambda: result
+    )
+    cli_module._wait_and_report(job)
+    shown = capsys.readouterr()
+    assert "s3://shardfold-moto" in shown.out and "gone" in shown.err and "--backend local" in shown.err
+    job.client.backend = "local"
+    cli_module._wait_and_report(job)
+    assert "gone" not in capsys.readouterr().err
