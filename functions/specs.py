@@ -236,7 +236,9 @@ class BatchItem(StrictModel):
     ``uri`` is an object URI (``s3://bucket/key``, ``file:///abs/path``, or a key relative to the store
     root). A byte range is ``start`` plus ``length`` (``None``: to the end of the object). ``archpath``
     names a member of a TAR object; a range then applies to the member. ``name`` overrides the entry's
-    name in the output archive (default: the object key, plus ``/archpath``).
+    name in the output archive (default: the object key, plus ``/archpath``; a local file given relative to
+    a local spec file, ``./data/x``, is named by that path, ``data/x``, so the archive does not depend on
+    (nor show) the folder the spec sits in).
     """
 
     uri: InputUri
@@ -244,6 +246,23 @@ class BatchItem(StrictModel):
     length: int | None = Field(default=None, ge=0)
     archpath: str | None = Field(default=None, min_length=1)
     name: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_files_by_their_path_from_the_spec(cls, data: Any, info: ValidationInfo) -> Any:
+        base = (info.context or {}).get("base_uri") or ""
+        uri = data.get("uri") if isinstance(data, dict) else None
+        if (
+            isinstance(uri, str)
+            and uri.startswith(("./", "../"))
+            and base.startswith("file://")
+            and data.get("name") is None
+        ):
+            name = "/".join(seg for seg in uri.split("/") if seg not in ("", ".", ".."))
+            if name:
+                path = f"{name}/{data['archpath'].lstrip('/')}" if data.get("archpath") else name
+                data = {**data, "name": path}
+        return data
 
     @model_validator(mode="after")
     def _range_is_meaningful(self) -> BatchItem:

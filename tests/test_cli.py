@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from client import Client
-from client.cli import cli
+from client.cli import REPO_EVENTS, cli
 from functions import store
 from functions.store.uri import join, store_root
 
@@ -445,3 +445,20 @@ def test_a_moto_result_says_its_objects_vanish_with_the_process(capsys):
     job.client.backend = "local"
     cli_module._wait_and_report(job)
     assert "gone" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two jobs
+def test_the_shipped_getbatch_example_gives_one_archive_from_any_folder(home, tmp_path):
+    import shutil
+    import tarfile
+
+    archives = []
+    for where in ("a", "b/deeper"):
+        events = tmp_path / where / "events"
+        shutil.copytree(REPO_EVENTS, events)
+        result = json.loads(invoke("run", "--json", str(events / "getbatch.json")).stdout)
+        archives.append(store.get(result["archive"]))
+    assert archives[0] == archives[1]  # byte-identical: nothing of the folder it ran from
+    with tarfile.open(fileobj=io.BytesIO(archives[0])) as tf:
+        names = tf.getnames()
+    assert names[0] == "data/hello.txt" and str(tmp_path).lstrip("/") not in "".join(names)
