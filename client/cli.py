@@ -740,13 +740,22 @@ def _stage_event(payload: Any, path: Path) -> Any:
 
 
 @cli.command()
+@click.argument("kind")
+def schema(kind: str) -> None:
+    """Print the JSON Schema of KIND's spec (for an editor's completion and checks of spec files)."""
+    from functions import kinds
+
+    out.print_json(json.dumps(kinds.find(kind).spec.model_json_schema()))
+
+
+@cli.command()
 @click.argument("handler")
 @click.argument("event")
 def invoke(handler: str, event: str) -> None:
     """Run one handler (a registered name like getbatch.prepare, or dispatch) on EVENT, a JSON file.
 
-    EVENT may name a file under events/ without its extension (getbatch_prepare, then getbatch_gather, then
-    getbatch_assemble step through a job by hand). The handler runs as the executors run it: JSON in and
+    EVENT may name a file under events/ without its extension (getbatch_prepare, then getbatch_gather, step
+    through a job's first two steps by hand). The handler runs as the executors run it: JSON in and
     out, the 256 KiB state limit, a Lambda context. Prints its JSON result, or a Lambda-style error object
     (exit 1).
     """

@@ -462,3 +462,25 @@ def test_the_shipped_getbatch_example_gives_one_archive_from_any_folder(home, tm
     with tarfile.open(fileobj=io.BytesIO(archives[0])) as tf:
         names = tf.getnames()
     assert names[0] == "data/hello.txt" and str(tmp_path).lstrip("/") not in "".join(names)
+
+
+@pytest.mark.parametrize("kind", ["getbatch", "fedavg", "dpquery", "inference"])
+def test_schema_validates_the_shipped_example_and_refuses_a_typo(kind):
+    import jsonschema
+
+    schema = json.loads(invoke("schema", kind).output)
+    example = json.loads((REPO_EVENTS / f"{kind}.json").read_text())
+    jsonschema.validate(example, schema)  # what an editor checks a spec file against
+    with pytest.raises(jsonschema.ValidationError, match="itemz|Additional properties"):
+        jsonschema.validate({**example, "itemz": []}, schema)
+
+
+def test_shell_completion_script_is_generated():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "_SHARDFOLD_COMPLETE": "bash_source"}
+    code = "from client.cli import main; main()"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert "_shardfold_completion" in out.stdout and "complete " in out.stdout, out.stderr
