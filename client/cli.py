@@ -138,15 +138,25 @@ def _fmt_cell(v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
 
 
-def _kv_table(title: str, data: dict[str, Any]) -> Table:
+def _kv_text(k: str, v: Any) -> str:
+    return str(_fmt_bytes(v) if k == "bytes" else json.dumps(v) if isinstance(v, dict | list) else v)
+
+
+def _print_kv(title: str, data: dict[str, Any]) -> None:
+    """Labelled values: a table at a terminal; piped, one ``label  value`` line each, never wrapped (a URI
+    stays whole for grep and copy)."""
+    if not out.is_terminal:
+        width = max((len(k) for k in data), default=0)
+        out.print(title, markup=False, highlight=False, soft_wrap=True)
+        for k, v in data.items():
+            out.print(f"  {k.ljust(width)}  {_kv_text(k, v)}", markup=False, highlight=False, soft_wrap=True)
+        return
     table = Table(title=_t(title), show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     for k, v in data.items():
-        table.add_row(
-            _t(k), _t(_fmt_bytes(v) if k == "bytes" else json.dumps(v) if isinstance(v, dict | list) else v)
-        )
-    return table
+        table.add_row(_t(k), _t(_kv_text(k, v)))
+    out.print(table)
 
 
 def _state_style(state: str) -> str:
@@ -175,7 +185,18 @@ def _status_dict(status: Any) -> dict[str, Any]:
 
 
 def _print_table(table: Any) -> None:
-    """A :class:`functions.tables.Table` (a kind's plan details or result table); numeric columns right."""
+    """A :class:`functions.tables.Table` (a kind's plan details or result table); numeric columns right.
+    Piped, plain padded columns, never wrapped."""
+    if not out.is_terminal:
+        cells = [list(table.columns)] + [[_fmt_cell(v) for v in row] for row in table.rows]
+        widths = [max(len(str(r[i])) for r in cells) for i in range(len(table.columns))]
+        right = [bool(table.rows) and all(_numeric(row[i]) for row in table.rows) for i in range(len(widths))]
+        out.print(table.title, markup=False, highlight=False, soft_wrap=True)
+        for r in cells:
+            parts = zip(r, widths, right, strict=True)
+            line = "  ".join(str(v).rjust(w) if rj else str(v).ljust(w) for v, w, rj in parts)
+            out.print("  " + line.rstrip(), markup=False, highlight=False, soft_wrap=True)
+        return
     extra = Table(title=_t(table.title), title_justify="left", box=box.SIMPLE_HEAD)
     for i, col in enumerate(table.columns):
         numeric = bool(table.rows) and all(_numeric(row[i]) for row in table.rows)
@@ -201,9 +222,9 @@ def _print_result(result: dict[str, Any]) -> None:
     kind = result.get("kind")
     view = kinds.find(kind).result_view(result) if kind in kinds.packages() else None
     if view is None:
-        out.print(_kv_table("result", result))
+        _print_kv("result", result)
         return
-    out.print(_kv_table("result", view.summary))
+    _print_kv("result", view.summary)
     for table in view.tables:
         _print_table(table)
     for note in view.notes:
@@ -339,7 +360,7 @@ def status(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
         return
     steps = data.pop("steps", None)
     data["steps"] = _steps_text(steps)
-    out.print(_kv_table(f"job {job_id}", {k: v for k, v in data.items() if v not in (None, "")}))
+    _print_kv(f"job {job_id}", {k: v for k, v in data.items() if v not in (None, "")})
 
 
 @cli.command()
@@ -504,7 +525,7 @@ def _print_report(doc: dict[str, Any]) -> None:
     summary["scaling"] = (
         f"at most {sc['peak_running']} tasks at once; the count changed direction {sc['reversals']} times"
     )
-    out.print(_kv_table(f"report: {doc['kind']}", summary))
+    _print_kv(f"report: {doc['kind']}", summary)
     for table in report_tables(doc):
         _print_table(table)
     worst = [

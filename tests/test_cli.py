@@ -484,3 +484,13 @@ def test_shell_completion_script_is_generated():
     code = "from client.cli import main; main()"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert "_shardfold_completion" in out.stdout and "complete " in out.stdout, out.stderr
+
+
+def test_piped_results_keep_uris_whole_whatever_the_width(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow terminal size must not matter when piped
+    out = invoke("run", str(spec_file(tmp_path, n=2))).output
+    job_id = job_id_in(out)
+    archive = json.loads(invoke("result", job_id, "--json").output)["archive"]
+    assert len(archive) > 40 and any(line.split()[-1] == archive for line in out.splitlines() if line.strip())
+    status = invoke("status", job_id).output
+    assert any(line.split()[:2] == ["state", "SUCCEEDED"] for line in status.splitlines())
