@@ -18,6 +18,7 @@ from aws_lambda_powertools import Logger
 from torch.utils.data import Dataset
 
 from functions import store
+from functions.errors import BatchItemError
 from functions.specs import BatchItem
 from functions.store.uri import join, store_root
 
@@ -93,12 +94,17 @@ class GetBatchDataset(Dataset):
         batch = [self.items[i] for i in indices]
         options = {"transport": self._worker_transport(), **self.options}
         samples: list[Any] = []
-        for entry in store.get_batch(batch, continue_on_error=self.continue_on_error, **options):
-            if entry.error is not None:
-                logger.warning("item missing", extra={"index": indices[entry.index], "error": entry.error})
-                samples.append(None)
-            else:
-                samples.append(self.decode(entry.data) if self.decode else entry.data)
+        try:
+            for entry in store.get_batch(batch, continue_on_error=self.continue_on_error, **options):
+                if entry.error is not None:
+                    logger.warning(
+                        "item missing", extra={"index": indices[entry.index], "error": entry.error}
+                    )
+                    samples.append(None)
+                else:
+                    samples.append(self.decode(entry.data) if self.decode else entry.data)
+        except BatchItemError as exc:  # named by its dataset index, not its place in this mini-batch
+            raise BatchItemError(indices[exc.index], exc.item, exc.reason) from None
         return samples
 
     def __getitem__(self, index: int) -> Any:

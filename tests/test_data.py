@@ -96,8 +96,9 @@ def test_missing_items(root):
     lenient = GetBatchDataset(items, decode=decode, continue_on_error=True)
     assert lenient.__getitems__([0, 3, 2]) == [0, None, 2]
     strict = GetBatchDataset(items, decode=decode)
-    with pytest.raises(BatchItemError):
-        strict.__getitems__([0, 3])
+    with pytest.raises(BatchItemError, match=r"^item 3 \(.*nope.txt\)") as raised:  # its dataset index
+        strict.__getitems__([1, 0, 3])  # third in the mini-batch
+    assert raised.value.index == 3
 
 
 def test_pickles_without_process_state(root):
