@@ -63,16 +63,17 @@ def validate_spec(spec: SpecInput) -> JobSpec:
 def _refuse_in_a_bootstrapping_worker() -> None:
     """Refuse to submit from a process that multiprocessing is still bootstrapping.
 
-    The local executor runs CPU-bound steps in *spawned* processes, which re-import the user's main script;
-    a script without ``if __name__ == "__main__":`` would otherwise submit the job again from every worker
-    (and, for dpquery, reserve privacy budget each time before failing)."""
+    A process started with multiprocessing's ``spawn`` or ``forkserver`` method re-runs the user's main
+    script as it starts (the local executor's own workers skip that, but a user's pool, a DataLoader's
+    workers, do not); a script without ``if __name__ == "__main__":`` would otherwise submit the job again
+    from every such process (and, for dpquery, reserve privacy budget each time before failing)."""
     import multiprocessing
 
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise ShardfoldError(
-            "a job was submitted while a worker process was importing your script (the local backend starts "
-            "workers with 'spawn'); put the code that runs jobs under `if __name__ == \"__main__\":` so "
-            "that workers do not submit it again"
+            "a job was submitted while a new process was importing your script (multiprocessing's spawn and "
+            "forkserver start methods re-run the main script in each process they start); put the code that "
+            'runs jobs under `if __name__ == "__main__":` so that those processes do not submit it again'
         )
 
 

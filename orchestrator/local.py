@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import multiprocessing
+import multiprocessing.context
 import os
 import random
 import sys
@@ -39,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from multiprocessing import popen_forkserver, spawn
 from pathlib import Path
 from typing import Any
 
@@ -854,10 +856,51 @@ class LocalExecutor:
             time.sleep(0.2)  # polling another process's record; there is no event to wait on
 
 
+class _WorkerPopen(popen_forkserver.Popen):
+    """Starts a pool worker without re-running the user's main script in it.
+
+    multiprocessing prepares every child by importing the parent's ``__main__`` (so that functions defined
+    there unpickle). The workers run only :func:`orchestrator.invoke.call_in_worker` and handlers named by
+    module path, so they need none of it; and a script that runs jobs without ``if __name__ ==
+    "__main__":`` (as a README snippet pasted into a file) would run again in every worker."""
+
+    def _launch(self, process_obj: Any) -> None:
+        real = spawn.get_preparation_data
+
+        def without_main(name: str) -> dict[str, Any]:
+            data = real(name)
+            for key in ("init_main_from_path", "init_main_from_name"):
+                data.pop(key, None)
+            return data
+
+        with _LAUNCH_LOCK:  # the patch is process-wide: one launch at a time
+            spawn.get_preparation_data = without_main
+            try:
+                super()._launch(process_obj)
+            finally:
+                spawn.get_preparation_data = real
+
+
+_LAUNCH_LOCK = threading.Lock()
+
+
+class _WorkerProcess(multiprocessing.context.ForkServerProcess):
+    _start_method = "forkserver"
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _WorkerPopen(process_obj)
+
+
+class _WorkerContext(multiprocessing.context.ForkServerContext):
+    Process = _WorkerProcess
+
+
 def _fork_server() -> multiprocessing.context.BaseContext:
     """The process pools' context: forked from one fork server per process, started on first use. Not plain
-    fork: the executor runs threads, and forking a threaded process can deadlock."""
-    ctx = multiprocessing.get_context("forkserver")
+    fork: the executor runs threads, and forking a threaded process can deadlock. Its workers do not import
+    the user's main script (:class:`_WorkerPopen`)."""
+    ctx = _WorkerContext()
     ctx.set_forkserver_preload(list(POOL_PRELOAD))  # read when the server starts; later calls change nothing
     return ctx
 

@@ -310,3 +310,30 @@ def test_aws_backend_refuses_local_files_before_anything_runs(root, tmp_path, mo
         with pytest.raises(SpecError, match="local file") as exc:
             c.submit(local)
         assert [e["field"] for e in exc.value.errors] == ["items.1.uri"]
+
+
+@pytest.mark.slow  # a fresh interpreter runs a job with process-mode tasks
+def test_a_script_without_a_main_guard_runs_as_pasted(tmp_path):
+    # the README's fedavg snippet in a file, no `if __name__ == "__main__":` — the local executor's worker
+    # processes (fedavg's shard tasks run in them) must not re-run the script
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "snippet.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from client import Client\n"
+        "client = Client()\n"
+        "models = [{'w': np.full((4, 4), i, dtype=np.float32)} for i in range(3)]\n"
+        "keys = [f'rounds/7/clients/{i}.safetensors' for i in range(3)]\n"
+        "for key, model, n in zip(keys, models, [1, 2, 3]):\n"
+        "    client.fedavg.save_update(model, key, num_examples=n)\n"
+        "result = client.fedavg.run(keys)\n"
+        "print('AVERAGE', client.fedavg.load(result['output'])['w'][0, 0])\n"
+        "print('RAN', flush=True)\n"
+    )
+    env = {**os.environ, "SHARDFOLD_HOME": str(tmp_path / "home"), "POWERTOOLS_LOG_LEVEL": "ERROR"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("RAN") == 1 and "AVERAGE 1.333333" in out.stdout, out.stdout

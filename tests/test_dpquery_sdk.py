@@ -368,8 +368,9 @@ def test_cli_runs_the_example_twice_and_plans_it(home):
 
 
 def test_no_job_is_submitted_from_a_bootstrapping_worker(client, monkeypatch):
-    """A script without a main guard is re-run by every spawned worker of the local executor; a dpquery job
-    submitted from there would reserve budget again. It is refused before the ledger is touched."""
+    """A script without a main guard is re-run by every process multiprocessing spawns (a user's own pool; the
+    local executor's workers no longer import it); a dpquery job submitted from there would reserve budget
+    again. It is refused before the ledger is touched."""
     import multiprocessing
 
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
