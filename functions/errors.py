@@ -25,6 +25,10 @@ class InvalidRange(StoreError):
     """A byte range lies outside the object (HTTP 416) or is malformed."""
 
 
+class NoCredentials(StoreError):
+    """The job names ``s3://`` objects (or the store is a bucket) and no AWS credentials are configured."""
+
+
 class StoreUnreachable(StoreError):
     """The S3 endpoint did not answer (connection refused, unknown host, timeout) while a
     job was being checked or submitted. The message names the endpoint, where its address came from and

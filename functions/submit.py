@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from functions import access, kinds, store
-from functions.errors import ShardfoldError, SpecError
+from functions.errors import NoCredentials, ShardfoldError, SpecError
 from functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
 from functions.jobs import job_key, new_job_id, spec_key
 from functions.specs import JobSpec, UriField, dump_spec, parse_spec, uri_fields
@@ -75,6 +75,22 @@ def withhold(estimate: dict[str, Any], private: frozenset[str]) -> dict[str, Any
     return out
 
 
+def check_credentials(spec: JobSpec, store_root: str) -> None:
+    """One line instead of a botocore traceback when a job names ``s3://`` objects (or the store is a
+    bucket) and boto3 finds no credentials (environment, profile, SSO, container or instance role)."""
+    on_s3 = [f.uri for f in uri_fields(spec) if store.is_s3(f.uri)]
+    if not on_s3 and not store.is_s3(store_root):
+        return
+    import boto3
+
+    if boto3.session.Session().get_credentials() is None:
+        what = on_s3[0] if on_s3 else store_root
+        raise NoCredentials(
+            f"no AWS credentials found, and this job reads or writes S3 ({what}): set AWS_PROFILE, or "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or run `aws configure` (a role works on AWS)"
+        )
+
+
 def check_policy(spec: JobSpec, store_root: str, grants: access.Grants | None = None) -> None:
     """Refuse what the submitter may not do (:mod:`functions.access`), naming every field at fault: local
     files on the S3 store, outputs under the store's system prefixes, an output that is one of the inputs.
@@ -126,6 +142,7 @@ def check(
         raise SpecTooLarge(size)
     spec = parse_spec(doc, base_uri=base_uri)
     check_policy(spec, store_root, grants)
+    check_credentials(spec, store_root)
     limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
     with store.endpoint_errors():
         est = estimate(spec, store_root, budget=budget, limits=limits)

@@ -494,3 +494,24 @@ def test_piped_results_keep_uris_whole_whatever_the_width(home, tmp_path, monkey
     assert len(archive) > 40 and any(line.split()[-1] == archive for line in out.splitlines() if line.strip())
     status = invoke("status", job_id).output
     assert any(line.split()[:2] == ["state", "SUCCEEDED"] for line in status.splitlines())
+
+
+def test_s3_uris_without_aws_credentials_are_one_line_at_plan_run_and_submit(home, tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to look for here
+    path = tmp_path / "s3.json"
+    path.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "s3://some-bucket/a.bin"}]}))
+    for verb in ("plan", "run"):
+        res = invoke(verb, str(path), ok=False)
+        assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+        assert res.output.startswith("error: no AWS credentials found") and "AWS_PROFILE" in res.output
+        assert len(res.output.strip().splitlines()) == 1
+    from client import Client
+    from functions.errors import NoCredentials
+
+    with Client() as client, pytest.raises(NoCredentials, match="s3://some-bucket/a.bin"):
+        client.submit(path)
+    assert invoke("jobs").output.startswith("no jobs")  # nothing was submitted

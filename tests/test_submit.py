@@ -230,6 +230,8 @@ def test_submit_reads_a_bounded_probe(local, tmp_path, monkeypatch):
         return dict.fromkeys(uris, 10)
 
     monkeypatch.setattr(store, "sizes", sized)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # as a user of S3 has (submit checks there are some)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     for recent, heads in ((False, 1), (True, 0)):
         seen["sized"] = 0
         monkeypatch.setattr(s3, "answered_within", lambda seconds, recent=recent: recent)
