@@ -323,7 +323,11 @@ def test_commit_restores_input_order_from_out_of_order_outputs(root):
     assert (result["rows"], result["dim"], result["skipped"]) == (53, DIM, 0)
     table = read_output(result)
     assert table.schema.field("id").type == pa.int64()
-    assert table.schema.field("embedding").type == pa.list_(pa.float32())
+    # one fixed-size vector per row (FLOAT[dim] in DuckDB), the model and width in the file's metadata
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), DIM)
+    meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
+    assert meta["shardfold.dim"] == str(DIM) and meta["shardfold.config_hash"] == result["config_hash"]
+    assert meta["shardfold.model"] == json.loads(meta["shardfold.config"])["model"]
     assert table.column("id").to_pylist() == list(range(1000, 1053))
     emb = table.column("embedding").to_pylist()
     assert [int(e[0]) for e in emb] == list(range(53))

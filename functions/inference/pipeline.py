@@ -6,7 +6,8 @@
 * **reconcile** lists the shards lacking a commit marker ``out/<H>/<k>.done`` into ``missing.json`` (the
   repair round's manifest). The workflow runs one repair round (no loops in the plan vocabulary).
 * **commit** fails naming the shards still missing, else merges every shard's embeddings in input order
-  into the output Parquet (``id`` and ``embedding`` list<float32>) plus a manifest (which holds the workers'
+  into the output Parquet (``id`` and ``embedding`` fixed_size_list<float32>[dim], with the model, width
+  and config in its metadata) plus a manifest (which holds the workers'
   reports), and writes the result (with the batches' padding fraction and the workers' compute seconds).
 """
 
@@ -118,6 +119,18 @@ def _load_out(store_root: str, job_id: str, h: str, shard: int, rows: int) -> np
     return emb.astype(np.float32, copy=False)
 
 
+def _output_metadata(plan: dict[str, Any], dim: int | None) -> dict[str, str]:
+    """What the output Parquet says of itself: the model, the vectors' width, the config hash and config."""
+    config = plan.get("config") or {}
+    model = config.get("model")
+    return {
+        "shardfold.model": model if isinstance(model, str) else json.dumps(model, sort_keys=True),
+        "shardfold.dim": str(dim or 0),
+        "shardfold.config_hash": str(plan.get("config_hash", "")),
+        "shardfold.config": json.dumps(config, sort_keys=True),
+    }
+
+
 def worker_reports(store_root: str, job_id: str) -> list[dict[str, Any]]:
     """Every worker's summary (``workers/<attempt>/<name>.json``), by attempt and name."""
     prefix = layout.worker_reports_prefix(store_root, job_id) + "/"
@@ -171,19 +184,24 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
                 dim = emb.shape[1]
             elif n and emb.shape[1] != dim:
                 raise ShardfoldError(f"shard {s['shard']}: embedding width {emb.shape[1]}, others {dim}")
+            if not n:  # an empty shard adds no rows (and cannot say the width)
+                continue
             ids = sh["ids"].astype(str) if string_ids else sh["ids"]
-            width = emb.shape[1] if n else (dim or 0)
             values = pa.array(emb.reshape(-1), type=pa.float32())
-            offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width, type=pa.int32())
-            table = pa.table(
-                {"id": pa.array(ids, type=id_type), "embedding": pa.ListArray.from_arrays(offsets, values)}
-            )
+            # a fixed-size list: DuckDB reads it as FLOAT[dim], pyarrow and pandas as one vector per row
+            embedding = pa.FixedSizeListArray.from_arrays(values, dim)
+            table = pa.table({"id": pa.array(ids, type=id_type), "embedding": embedding})
             if writer is None:
-                writer = pq.ParquetWriter(f, table.schema)
+                writer = pq.ParquetWriter(f, table.schema.with_metadata(_output_metadata(p, dim)))
             writer.write_table(table)
             rows += n
-        if writer is not None:
-            writer.close()
+        if writer is None:  # no rows at all: an empty table of the same columns
+            empty = pa.table(
+                {"id": pa.array([], type=id_type), "embedding": pa.array([], pa.list_(pa.float32()))}
+            )
+            writer = pq.ParquetWriter(f, empty.schema.with_metadata(_output_metadata(p, dim)))
+            writer.write_table(empty)
+        writer.close()
         f.seek(0)
         store.put_file(out, f)
     workers = worker_reports(store_root, job_id)
