@@ -188,7 +188,7 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
                 continue
             ids = sh["ids"].astype(str) if string_ids else sh["ids"]
             values = pa.array(emb.reshape(-1), type=pa.float32())
-            # a fixed-size list: DuckDB reads it as FLOAT[dim], pyarrow and pandas as one vector per row
+            # a fixed-size list (Arrow): pyarrow and pandas read one vector per row; DuckDB casts FLOAT[dim]
             embedding = pa.FixedSizeListArray.from_arrays(values, dim)
             table = pa.table({"id": pa.array(ids, type=id_type), "embedding": embedding})
             if writer is None:
