@@ -525,6 +525,12 @@ def _print_report(doc: dict[str, Any]) -> None:
     summary["scaling"] = (
         f"at most {sc['peak_running']} tasks at once; the count changed direction {sc['reversals']} times"
     )
+    for name, st in (sc.get("steps") or {}).items():
+        if st["peak"]:
+            summary[f"  {name}"] = (
+                f"{st['peak']} of {st['allowed']} allowed at most; {st['task_s']:.2f} task-s of idle slots "
+                f"while work waited (mean {st['mean']:.2f} below the allowance)"
+            )
     _print_kv(f"report: {doc['kind']}", summary)
     for table in report_tables(doc):
         _print_table(table)

@@ -12,8 +12,9 @@ document:
   requests by class; Step Functions transitions; Batch instance time), beside the plan's;
 * the five dimensions of the BatchBench protocol for batch jobs: ``cost``; ``sla`` (against the spec's
   optional ``deadline_s``); ``responsiveness`` (submit → first task running → first task done after the
-  first step); ``scaling`` (how many tasks ran at once over time against what the plan allows, and how
-  often that count changed direction: thrash); ``interpretability`` (the estimator's reasons, in words);
+  first step); ``scaling`` (how many tasks ran at once over time against what the plan allows: per Map
+  step, the task slots left idle while its work waited, and how often the running count changed
+  direction: thrash); ``interpretability`` (the estimator's reasons, in words);
 * ``tasks``: one row per attempt (for the timeline).
 
 Records of private steps (dpquery's reading of the rows) carry no figures; the report counts their tasks
@@ -22,6 +23,7 @@ and says their figures are withheld.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import defaultdict
@@ -123,6 +125,26 @@ def _running_series(records: list[dict[str, Any]]) -> list[tuple[float, int]]:
         running += d
         series.append((t, running))
     return series
+
+
+def shortfall(records: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """How the running tasks of one step strayed from what it allows: at each moment the step may run
+    ``min(limit, running + not yet started)`` tasks; ``task_s`` is the shortfall integrated over time (task
+    slots left idle while work waited), ``mean`` that over the step's span, ``peak`` the most that ran."""
+    spans = [(r["started_at"], r["ended_at"]) for r in records if _measured(r)]
+    if not spans:
+        return {"allowed": limit, "peak": 0, "task_s": 0.0, "mean": 0.0}
+    starts, ends = sorted(a for a, _ in spans), sorted(b for _, b in spans)
+    times = sorted({*starts, *ends})
+    idle = peak = 0.0
+    for t, nxt in zip(times, times[1:], strict=False):
+        started = bisect.bisect_right(starts, t)
+        running = started - bisect.bisect_right(ends, t)
+        waiting = len(starts) - started
+        peak = max(peak, running)
+        idle += (min(limit, running + waiting) - running) * (nxt - t)
+    span = times[-1] - times[0]
+    return {"allowed": limit, "peak": int(peak), "task_s": idle, "mean": idle / span if span > 0 else 0.0}
 
 
 def _reversals(series: list[tuple[float, int]]) -> int:
@@ -234,6 +256,7 @@ def build(
             "allowed": allowed or {},
             "reversals": turns,
             "span_s": span,
+            "steps": {name: shortfall(by_step.get(name, []), n) for name, n in (allowed or {}).items()},
         },
         "interpretability": [f"{s['name']}: {s['why']}" for s in estimate["steps"] if s.get("why")]
         + list(estimate.get("notes", [])),

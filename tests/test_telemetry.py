@@ -117,6 +117,10 @@ def test_the_report_sets_each_step_against_its_plan():
     assert doc["sla"] == {"deadline_s": 3.0, "elapsed_s": pytest.approx(3.6), "met": False}
     assert doc["responsiveness"] == {"first_task_s": 1.0, "first_result_s": pytest.approx(2.5)}
     assert doc["scaling"]["peak_running"] == 2 and doc["scaling"]["allowed"] == {"work": 2}
+    # task 0's retry waited 0.1 s after its first attempt while only task 1 ran: one idle slot for 0.1 s
+    work_scaling = doc["scaling"]["steps"]["work"]
+    assert work_scaling["allowed"] == 2 and work_scaling["peak"] == 2
+    assert work_scaling["task_s"] == pytest.approx(0.1) and work_scaling["mean"] == pytest.approx(0.1 / 2.1)
     # transitions: the plan's 6, one Map child fewer (2 of 3 tasks ran), one retry
     assert doc["cost"]["transitions"] == 6 - 1 + 1
     assert "work: one part" in doc["interpretability"] and "a note" in doc["interpretability"]
