@@ -158,6 +158,15 @@ def _header(doc: dict[str, Any]) -> str:
             + (f" over {_num(sc.get('span_s'), ',.2f', ' s')}" if sc.get("span_s") else ""),
         )
     )
+    for name, st in (sc.get("steps") or {}).items():
+        if st.get("peak"):
+            rows.append(
+                (
+                    f"&nbsp;&nbsp;{_e(name)}",
+                    f"{_num(st.get('peak'), ',')} of {_num(st.get('allowed'), ',')} allowed at most; "
+                    f"{_num(st.get('task_s'), ',.2f')} task-s of idle slots while work waited",
+                )
+            )
     body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
     return f'<h1>Job {_e(doc.get("job_id"))}</h1>\n<table class="kv">{body}</table>'
 
