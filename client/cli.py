@@ -270,7 +270,9 @@ def cli(verbose: int) -> None:
 @cli.command()
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
 @backend_option
-@click.option("--no-wait", is_flag=True, help="print the job id and return at once")
+@click.option(
+    "--no-wait", is_flag=True, help="print the job id and return at once (locally the job runs on, detached)"
+)
 @click.option(
     "--quiet", "-q", is_flag=True, help="print only the job id (and, waiting, no progress or result)"
 )
@@ -278,7 +280,8 @@ def cli(verbose: int) -> None:
 def run(spec: str, backend: str, stack: str | None, no_wait: bool, quiet: bool, as_json: bool) -> None:
     """Submit the job in SPEC (a JSON file), show progress and print its result."""
     with _client(backend, stack) as client:
-        job = client.submit(Path(spec))
+        # --no-wait on the local backend: the job runs in a process of its own, which outlives this one
+        job = client.submit(Path(spec), detach=no_wait and backend == "local")
         if quiet or as_json:
             (out if quiet else err).print(job.job_id, highlight=False, markup=False)
         else:
@@ -344,6 +347,15 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool, explain: boo
             out.print(f"[dim]- {_t(s.name)} peak: {_t(s.why)}[/]")
     for note in report.notes:
         out.print(f"[dim]- {_t(note)}[/]")
+
+
+@cli.command()
+@click.argument("job_id")
+@backend_option
+def wait(job_id: str, backend: str, stack: str | None) -> None:
+    """Follow a running job (from `run --no-wait`, or another terminal) to its end and print its result."""
+    with _client(backend, stack) as client:
+        _wait_and_report(client.job(job_id))
 
 
 @cli.command()

@@ -33,6 +33,7 @@ logger = Logger(service="shardfold")
 
 BACKENDS = ("local", "aws", "moto")
 SpecInput = BaseModel | dict | str | bytes | os.PathLike
+DETACH_START_S = 60.0  # how long submit(detach=True) waits for the detached process to start the job
 
 
 def load_spec_document(spec: SpecInput) -> tuple[Any, str | None]:
@@ -153,14 +154,19 @@ class Client:
             doc, store_root=self.store_root, base_uri=base, deployed=self.deployed, grants=self.grants
         )[1]
 
-    def submit(self, spec: SpecInput) -> Job:
-        """Validate ``spec``, check its plan, record it and start it; returns the :class:`Job` at once."""
+    def submit(self, spec: SpecInput, *, detach: bool = False) -> Job:
+        """Validate ``spec``, check its plan, record it and start it; returns the :class:`Job` at once.
+
+        ``detach`` (local backend): the job runs in a process of its own that outlives this one (its log in
+        ``jobs/<id>/detached.log``), so this process may exit while it runs; ``Job.wait()`` (or `shardfold
+        wait ID`) follows it from any process. On AWS a job never depends on the submitting process."""
         _refuse_in_a_bootstrapping_worker()
         doc, base = load_spec_document(spec)
+        local = self.backend == "local"
         job = submit(
             doc,
             store_root=self.store_root,
-            start=self._start,
+            start=self._start_detached if detach and local else self._start,
             base_uri=base,
             deployed=self.deployed,
             grants=self.grants,
@@ -170,6 +176,34 @@ class Client:
 
     def _start(self, job_id: str, kind: str, spec_uri: str) -> None:
         self.executor.start(job_id, kind, spec_uri)
+
+    def _start_detached(self, job_id: str, kind: str, spec_uri: str) -> None:
+        """Start the job in a new session (``python -m client.detached``) and return once it runs."""
+        import subprocess
+        import sys
+
+        from functions.store.uri import local_path
+
+        log = local_path(self.uri(f"jobs/{job_id}/detached.log"))
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "client.detached", job_id, kind, spec_uri],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # not in this terminal's process group: Ctrl-C here does not stop it
+            )
+        status = self.uri(f"jobs/{job_id}/status.json")
+        deadline = time.monotonic() + DETACH_START_S
+        while not store.exists(status):
+            if proc.poll() is not None:
+                raise BackendError(
+                    f"job {job_id}: the detached process exited ({proc.returncode}); see {log}"
+                )
+            if time.monotonic() > deadline:
+                raise BackendError(f"job {job_id}: the detached process did not start it in time; see {log}")
+            time.sleep(0.05)
 
     def job(self, job_id: str) -> Job:
         """A handle on an existing job; :class:`JobNotFound` if this backend never saw it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -427,6 +428,7 @@ def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path
     assert json.loads(invoke("jobs", "--json", "--kind", "dpquery").output) == []
     assert json.loads(invoke("status", first, "--json").output)["state"] == "SUCCEEDED"
     assert json.loads(invoke("result", first, "--json").output)["job_id"] == first
+    assert "SUCCEEDED" in invoke("wait", third).output  # --no-wait: it ran on in a process of its own
 
 
 def test_a_moto_result_says_its_objects_vanish_with_the_process(capsys):
@@ -515,3 +517,18 @@ def test_s3_uris_without_aws_credentials_are_one_line_at_plan_run_and_submit(hom
     with Client() as client, pytest.raises(NoCredentials, match="s3://some-bucket/a.bin"):
         client.submit(path)
     assert invoke("jobs").output.startswith("no jobs")  # nothing was submitted
+
+
+@pytest.mark.slow  # a detached process runs the job
+def test_run_no_wait_runs_the_job_detached_and_wait_follows_it(home, tmp_path):
+    job_id = invoke("run", "--no-wait", "-q", str(spec_file(tmp_path, n=3))).output.strip()
+    # this process holds nothing of the job: its own process runs it, in a session of its own
+    from client import Client
+
+    with Client() as client:
+        owner = store.get_json(client.uri(f"jobs/{job_id}/owner.json"))
+        assert owner["pid"] != os.getpid()
+    waited = invoke("wait", job_id).output
+    assert f"job {job_id} SUCCEEDED" in waited and "items" in waited
+    assert json.loads(invoke("status", job_id, "--json").output)["state"] == "SUCCEEDED"
+    assert json.loads(invoke("result", job_id, "--json").output)["items"] == 3
