@@ -9,6 +9,7 @@ the result from ``jobs/<id>/result.json``, the same on every backend.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -30,6 +31,20 @@ from functions.store.uri import join
 from functions.submit import check, submit
 
 logger = Logger(service="shardfold")
+
+
+def _quiet_by_default() -> None:
+    """The SDK shows the library's warnings and errors only, so a program's own output is not mixed with
+    JSON log lines; ``logging.getLogger("shardfold").setLevel(logging.INFO)`` shows more. A
+    ``POWERTOOLS_LOG_LEVEL`` set in the environment wins (on Lambda, and the CLI's ``-v``). The local
+    executor's worker processes build their loggers from that variable, so it is set for them too."""
+    if os.environ.get("POWERTOOLS_LOG_LEVEL") or os.environ.get("LOG_LEVEL"):
+        return
+    logging.getLogger("shardfold").setLevel(logging.WARNING)
+    os.environ["POWERTOOLS_LOG_LEVEL"] = "WARNING"
+
+
+_quiet_by_default()
 
 BACKENDS = ("local", "aws", "moto")
 SpecInput = BaseModel | dict | str | bytes | os.PathLike

@@ -131,19 +131,23 @@ class _TaskLog:
 _log: contextvars.ContextVar[_TaskLog | None] = contextvars.ContextVar("shardfold_task_log", default=None)
 
 
-class _Capture(logging.Handler):
-    """Copies each ``shardfold`` log line emitted in a task's context into that task's log."""
+class _Capture(logging.Filter):
+    """On the ``shardfold`` logger: copies each line emitted in a task's context into that task's log, then
+    lets it on to the console (and to parent loggers) only if it reaches the logger's own level.
 
-    def emit(self, record: logging.LogRecord) -> None:
+    So the logger's level stays what the user or the CLI set (standard ``logging`` control of what is
+    shown), while a task's log keeps its INFO lines: in a task's context the logger also creates INFO
+    records below that level (:func:`_install`), which go to the task's log and no further."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
         log = _log.get()
-        if log is None:
-            return
-        try:
-            console = next((h for h in _LOGGER.handlers if h is not self), None)
-            fmt = console.formatter if console is not None and console.formatter else logging.Formatter()
-            log.add(fmt.format(record))
-        except Exception:  # noqa: BLE001 - a line that cannot be formatted is not worth failing a task
-            self.handleError(record)
+        if log is not None:
+            try:
+                console = next((h for h in _LOGGER.handlers if h.formatter is not None), None)
+                log.add((console.formatter if console else logging.Formatter()).format(record))
+            except Exception:  # noqa: BLE001, S110 - a line that cannot be formatted is not worth failing a task
+                pass
+        return record.levelno >= _LOGGER.getEffectiveLevel()
 
 
 _LOGGER = logging.getLogger("shardfold")
@@ -152,17 +156,17 @@ _install_lock = threading.Lock()
 
 
 def _install() -> None:
-    """Capture ``shardfold`` lines from INFO up, whatever the console shows: a console quietened by the
-    logger's level (the CLI shows only errors unless -v) keeps that level on its own handlers instead."""
+    """Hook :class:`_Capture` into the ``shardfold`` logger once per process."""
     with _install_lock:
-        if _capture not in _LOGGER.handlers:
-            _LOGGER.addHandler(_capture)
-        level = _LOGGER.getEffectiveLevel()
-        if level > logging.INFO:
-            for handler in _LOGGER.handlers:
-                if handler is not _capture and handler.level < level:
-                    handler.setLevel(level)
-            _LOGGER.setLevel(logging.INFO)
+        if _capture in _LOGGER.filters:
+            return
+        _LOGGER.addFilter(_capture)
+        shown = type(_LOGGER).isEnabledFor.__get__(_LOGGER)  # the level check the logger would make
+
+        def enabled(level: int) -> bool:  # ... plus INFO and up inside a task, for the task's log
+            return shown(level) or (level >= logging.INFO and _log.get() is not None)
+
+        _LOGGER.isEnabledFor = enabled  # type: ignore[method-assign]
 
 
 @contextmanager

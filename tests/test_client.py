@@ -337,3 +337,30 @@ def test_a_script_without_a_main_guard_runs_as_pasted(tmp_path):
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("RAN") == 1 and "AVERAGE 1.333333" in out.stdout, out.stdout
+
+
+@pytest.mark.slow  # a fresh interpreter, as a user's program
+def test_the_sdk_is_quiet_by_default_and_logging_shows_more(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "program.py"
+    script.write_text(
+        "import logging\n"
+        "from client import Client\n"
+        "from functions import store\n"
+        "client = Client()\n"
+        "store.put(client.uri('d/a'), b'x')\n"
+        "job = client.submit({'kind': 'getbatch', 'items': [{'uri': 'd/a'}]})\n"
+        "job.wait(progress=False)\n"
+        "print('QUIET DONE', any('planned getbatch' in line for _, line in job.logs()), flush=True)\n"
+        "logging.getLogger('shardfold').setLevel(logging.INFO)  # the standard way to see more\n"
+        "client.submit({'kind': 'getbatch', 'items': [{'uri': 'd/a'}]}).wait(progress=False)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("POWERTOOLS_LOG_LEVEL", "LOG_LEVEL")}
+    env["SHARDFOLD_HOME"] = str(tmp_path / "home")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    quiet, _, loud = out.stdout.partition("QUIET DONE True")
+    assert quiet == "" and "planned getbatch" in loud, out.stdout  # the task log kept its line all along

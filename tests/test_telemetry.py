@@ -325,14 +325,16 @@ def check_every_field(client: Client, shown) -> None:
             assert all(r["memory_scope"] == "task" for r in records if r["step"] == "infer")
 
 
-def test_a_quiet_console_still_leaves_info_lines_in_the_task_logs(local_client, monkeypatch, capsys):
+def test_a_quiet_console_still_leaves_info_lines_in_the_task_logs(local_client, capsys):
     import logging
 
     shardfold = logging.getLogger("shardfold")
-    for handler in shardfold.handlers:  # what the capture changes, put back for the tests after this one
-        monkeypatch.setattr(handler, "level", handler.level)
-    monkeypatch.setattr(shardfold, "level", logging.ERROR)  # as the CLI quietens it without -v
-    job = getbatch_job(local_client)
-    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    before = shardfold.level
+    shardfold.setLevel(logging.ERROR)  # as the CLI quietens it without -v
+    try:
+        job = getbatch_job(local_client)
+        assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    finally:
+        shardfold.setLevel(before)
     assert any("planned getbatch" in line for _, line in job.logs(step="prepare"))
     assert "planned getbatch" not in capsys.readouterr().out  # the console stayed quiet
