@@ -19,7 +19,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from pydantic import BaseModel
 
-from client import telemetry as telemetry_table
+from client import telemetry_table
 from client.errors import BackendError, JobFailed, JobNotFinished
 from functions import kinds, report, store, telemetry
 from functions.access import Grants

@@ -396,13 +396,32 @@ def read_records(store_root: str, job_id: str) -> list[dict[str, Any]]:
 
     uris = [u for u in store.list_uris(prefix(store_root, job_id) + "/") if u.endswith(".json")]
     out = []
-    for entry in store.get_batch(uris, continue_on_error=True):
+    for uri, entry in zip(uris, store.get_batch(uris, continue_on_error=True), strict=True):
         if entry.error is None:
             try:
-                out.append(json.loads(entry.data))
+                record = json.loads(entry.data)
             except ValueError:
                 continue
-    return sorted(out, key=lambda r: (r.get("step", ""), _task_order(r.get("task")), r.get("attempt") or 0))
+            if _well_formed(record):
+                if (record.get("log") or {}).get("uri"):
+                    # the log object is the record's sibling, whatever the record says: a record written
+                    # into the bucket by hand cannot make `shardfold logs` read another object
+                    record["log"]["uri"] = uri[: -len(".json")] + ".log"
+                out.append(record)
+    return sorted(out, key=lambda r: (r["step"], _task_order(r.get("task")), r.get("attempt") or 0))
+
+
+def _well_formed(record: Any) -> bool:
+    """A record the report can read: the fields it sorts and joins on, of the types it expects (one written
+    by hand into the bucket is skipped, not a crash)."""
+    if not isinstance(record, dict) or not isinstance(record.get("step"), str):
+        return False
+    numbers = ("started_at", "ended_at", "duration_s", "peak_memory_mib")
+    return (
+        all(record.get(k) is None or isinstance(record[k], int | float) for k in numbers)
+        and all(record.get(k) is None or isinstance(record[k], int) for k in ("task", "attempt"))
+        and all(record.get(k) is None or isinstance(record[k], dict) for k in ("requests", "log", "error"))
+    )
 
 
 def log_lines(record: dict[str, Any]) -> list[str]:

@@ -14,20 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from records import record
 
 from client.report_html import LANE_LIMIT, render
 from functions.report import build
 
 CHROMIUM = "/usr/bin/chromium"
 WAIT_S = 300  # a deadline, not a timing assumption
-
-
-def record(step: str, task: int | None, attempt: int, start: float | None, dur: float | None, **kw) -> dict:
-    return {
-        "step": step, "task": task, "attempt": attempt, "outcome": "succeeded", "error": None,
-        "started_at": start, "ended_at": None if start is None else start + dur, "duration_s": dur,
-        "peak_memory_mib": 50.0, "memory_scope": "task", "requests": {"GET": 2, "PUT": 1}, **kw,
-    }  # fmt: skip
 
 
 ESTIMATE = {

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 from click.testing import CliRunner
+from records import record
 
-from client import Client
-from client import telemetry as telemetry_table
+from client import Client, telemetry_table
 from client.cli import cli
 from functions import pricing, store, telemetry
 from functions.report import actual_cost, billed_s, build, requests_by_class, tables
@@ -76,14 +76,6 @@ def test_requests_are_priced_by_s3_class_and_lambda_bills_whole_milliseconds():
     )
     assert billed_s(0.0) == pricing.LAMBDA_MIN_BILLED_S and billed_s(0.0121) == pytest.approx(0.013)
     assert billed_s(0.013) == pytest.approx(0.013)
-
-
-def record(step: str, task: int | None, attempt: int, start: float, dur: float, **kw) -> dict:
-    return {
-        "step": step, "task": task, "attempt": attempt, "outcome": "succeeded", "error": None,
-        "started_at": start, "ended_at": start + dur, "duration_s": dur, "peak_memory_mib": 50.0,
-        "memory_scope": "task", "requests": {"GET": 2, "PUT": 1}, **kw,
-    }  # fmt: skip
 
 
 def test_the_report_sets_each_step_against_its_plan():
@@ -338,3 +330,22 @@ def test_a_quiet_console_still_leaves_info_lines_in_the_task_logs(local_client, 
         shardfold.setLevel(before)
     assert any("planned getbatch" in line for _, line in job.logs(step="prepare"))
     assert "planned getbatch" not in capsys.readouterr().out  # the console stayed quiet
+
+
+def test_records_written_by_hand_cannot_crash_the_report_or_redirect_logs(local_client):
+    job = getbatch_job(local_client, n=2, per_part=2)
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    root = local_client.store_root
+    secret = local_client.uri("private/secret.txt")
+    store.put(secret, b"not a log")
+    forged = telemetry.record_uri(root, job.job_id, "prepare", None, 5)
+    store.put_json(forged, {"step": "prepare", "task": None, "attempt": 5, "outcome": "succeeded",
+                            "log": {"uri": secret, "lines": 1}})  # fmt: skip
+    for junk in ([1, 2], {"step": 3}, {"step": "x", "duration_s": "long"}, {"step": "x", "requests": []}):
+        store.put_json(telemetry.record_uri(root, job.job_id, "junk", None, len(str(junk))), junk)
+    store.put(telemetry.record_uri(root, job.job_id, "junk", None, 99), b"{not json")
+    records = telemetry.read_records(root, job.job_id)
+    assert {r["step"] for r in records} == {"prepare", "gather_part", "assemble"}  # the junk is skipped
+    lines = [line for rec, line in job.logs(step="prepare") if rec["attempt"] == 5]
+    assert "not a log" not in "".join(lines)  # the forged record's log is its own sibling, which is absent
+    assert job.report()["tasks"] == 3
