@@ -25,7 +25,8 @@ still shows), then whole when it ends:
 **Private steps.** A kind may name steps whose cost depends on private data (dpquery's prepare and
 measure, which read the rows): their records keep the step, task, attempt, outcome, error and log place,
 and withhold every measured figure (times, memory, bytes, requests), which would be proxies of the row
-count; ``"withheld": true`` says so.
+count; ``"withheld": true`` says so. Their log lines are kept without their timestamps, for the same
+reason.
 
 Telemetry never fails a task: a record that cannot be written is logged and skipped.
 """
@@ -377,10 +378,24 @@ def recording(
         if uri is not None:
             try:
                 if task_log is not None and task_log.lines and log_uri is not None:
+                    if withheld:  # the lines' times would tell the task's duration the record withholds
+                        task_log.lines = [_untimed(line) for line in task_log.lines]
                     store.put(log_uri, task_log.text())
                 store.put(uri, _dump(doc, withheld))
             except Exception as exc:  # noqa: BLE001 - telemetry never fails a task
                 logger.warning("telemetry record not written", extra={"step": step, "error": str(exc)})
+
+
+def _untimed(line: str) -> str:
+    """A JSON log line without its ``timestamp`` (a line that is not JSON cannot be trusted to have none)."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return json.dumps({"message": "(a log line that is not JSON, withheld)"})
+    if isinstance(entry, dict):
+        entry.pop("timestamp", None)
+        return json.dumps(entry)
+    return json.dumps({"message": "(a log line that is not JSON, withheld)"})
 
 
 def _dump(doc: dict[str, Any], withheld: bool) -> bytes:

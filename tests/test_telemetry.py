@@ -301,12 +301,18 @@ def check_every_field(client: Client, shown) -> None:
         if r["step"] in kind.private_steps:  # nothing measured leaves: a proxy of the row count
             assert r["withheld"] is True and r["duration_s"] is None and r["bytes_read"] is None
             assert r["requests"] is None and r["peak_memory_mib"] is None and r["started_at"] is None
+            lines = telemetry.log_lines(r)  # its log keeps what it said, not when
+            assert all("timestamp" not in json.loads(line) for line in lines), lines
         else:
             assert r["duration_s"] is not None and r["peak_memory_mib"] > 10, (shown.kind, r)
     doc = job.report()
     assert doc["tasks"] == len({(r["step"], r["task"]) for r in records})
     if shown.kind == "dpquery":
         assert kind.private_steps <= ran
+        private_lines = [
+            ln for r in records if r["step"] in kind.private_steps for ln in telemetry.log_lines(r)
+        ]
+        assert any("measured" in line for line in private_lines), private_lines  # the check above saw lines
         estimate = store.get_json(client.uri(f"jobs/{job.job_id}/estimate.json"))
         private = [s for s in estimate["steps"] if s["name"] in kind.private_steps]
         assert private and all(s["duration_s"] is None and s["gets"] is None for s in private)
