@@ -418,10 +418,7 @@ def jobs(
         for st in chosen
     ]
     if not out.is_terminal:  # piped: whole values, one line per job, for grep and awk
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers[:-1])]
-        for r in [headers, *rows]:
-            line = "  ".join(v.ljust(w) for v, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
-            out.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
+        _print_table(TextTable(f"jobs ({backend}), newest first", headers, rows))
     else:
         table = Table(title=f"jobs ({_t(backend)}), newest first", title_justify="left", box=box.SIMPLE_HEAD)
         for h in headers:
@@ -435,11 +432,9 @@ def jobs(
 
 
 def _submitted(status: Any) -> str:
-    """When the job was submitted (UTC, ``YYYY-MM-DDTHH:MM:SS``), from its id ``<kind>-<UTC time>-<hex>``."""
-    stamp = status.job_id.split("-")[1] if status.job_id.count("-") >= 2 else ""
-    if len(stamp) == 15 and stamp[8] == "T":
-        return f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]}T{stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}"
-    return status.started_at or ""
+    from functions.jobs import submitted_at
+
+    return submitted_at(status.job_id) or status.started_at or ""
 
 
 @cli.command()

@@ -25,6 +25,12 @@ def kind_of(job_id: str) -> str | None:
     return m.group("kind") if m else None
 
 
+def submitted_at(job_id: str) -> str | None:
+    """When a job was submitted (UTC, ``YYYY-MM-DDTHH:MM:SS``), read from its id; None for another id."""
+    m = JOB_ID_RE.match(job_id)
+    return _dt.datetime.strptime(m.group("ts"), "%Y%m%dT%H%M%S").isoformat() if m else None
+
+
 def job_key(job_id: str, *parts: str) -> str:
     """Key of a job's object relative to the store root: ``jobs/<id>/<parts...>``."""
     return "/".join(["jobs", job_id, *parts])

@@ -413,7 +413,9 @@ def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path
     third = invoke("run", "--quiet", "--no-wait", spec).output.strip()
     assert [first, second, third] == [w for w in (first, second, third) if w.startswith("getbatch-20260101T")]
 
-    lines = invoke("jobs").output.splitlines()  # piped: one whole line per job, newest first
+    lines = invoke("jobs").output.splitlines()[
+        1:
+    ]  # piped: a title, then one whole line per job, newest first
     assert lines[0].split() == ["job", "id", "submitted", "kind", "state", "steps", "error"]
     assert [line.split()[0] for line in lines[1:]] == [second, third, first]
     assert "2026-01-01 00:00:03" in lines[1]

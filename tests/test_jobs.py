@@ -56,3 +56,13 @@ def test_only_direct_json_children_of_jobs_are_specs(parts, suffix):
         status, error = report_uris(f"s3://bucket/{key}")
         # the reports written beside a spec never look like specs themselves: no trigger loop
         assert ignore_reason(status) and ignore_reason(error)
+
+
+def test_the_submit_time_reads_back_from_a_job_id():
+    import datetime as dt
+
+    from functions.jobs import new_job_id, submitted_at
+
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+    assert submitted_at(new_job_id("getbatch", when)) == "2026-01-02T03:04:05"
+    assert submitted_at("not-a-job-id") is None and submitted_at("getbatch-2026-x") is None
