@@ -78,10 +78,10 @@ class Meter:
         self.retries = 0
         self._lock = threading.Lock()
 
-    def add(self, op: str | None, read: int = 0, written: int = 0, retries: int = 0) -> None:
+    def add(self, op: str | None, read: int = 0, written: int = 0, retries: int = 0, times: int = 1) -> None:
         with self._lock:
-            if op:
-                self.requests[op] = self.requests.get(op, 0) + 1
+            if op and times:
+                self.requests[op] = self.requests.get(op, 0) + times
             self.bytes_read += read
             self.bytes_written += written
             self.retries += retries
@@ -90,11 +90,11 @@ class Meter:
 _meter: contextvars.ContextVar[Meter | None] = contextvars.ContextVar("shardfold_meter", default=None)
 
 
-def count(op: str | None, read: int = 0, written: int = 0, retries: int = 0) -> None:
-    """Add a store request (and the bytes it moved) to the running task's meter, if any."""
+def count(op: str | None, read: int = 0, written: int = 0, retries: int = 0, times: int = 1) -> None:
+    """Add ``times`` store requests of type ``op`` (and the bytes they moved) to the running task's meter."""
     meter = _meter.get()
     if meter is not None:
-        meter.add(op, read, written, retries)
+        meter.add(op, read, written, retries, times)
 
 
 def current() -> Meter | None:

@@ -197,8 +197,7 @@ def _walk(prefix: str) -> Iterable[Path]:
 
 def list_paths(prefix: str) -> list[Path]:
     found = sorted(_walk(prefix), key=str)
-    for _ in range(max(1, -(-len(found) // LIST_PAGE))):
-        telemetry.count("LIST")  # counted as S3 would bill it: a request per page
+    telemetry.count("LIST", times=max(1, -(-len(found) // LIST_PAGE)))  # as S3 bills it: one per page
     return found
 
 
@@ -211,8 +210,7 @@ def delete(path: Path) -> None:
 
 def delete_prefix(prefix: str) -> int:
     paths = list_paths(prefix)
-    for _ in range(-(-len(paths) // LIST_PAGE)):
-        telemetry.count("DELETE")  # as S3's DeleteObjects, up to a page of keys a request
+    telemetry.count("DELETE", times=-(-len(paths) // LIST_PAGE))  # as DeleteObjects: a page of keys each
     for path in paths:
         path.unlink(missing_ok=True)
     # Prune directories the deletion emptied, deepest first. A prefix ending in '/' names a directory,
