@@ -14,27 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from records import record
+from records import ESTIMATE, record
 
 from client.report_html import LANE_LIMIT, render
 from functions.report import build
 
 CHROMIUM = "/usr/bin/chromium"
 WAIT_S = 300  # a deadline, not a timing assumption
-
-
-ESTIMATE = {
-    "steps": [
-        {"name": "prep", "tasks": 1, "memory_mb": 512, "peak_mb": 100.0, "gets": 1, "puts": 1,
-         "duration_s": 0.5, "gb_s": 0.25, "instance_s": 0.0, "why": "the <item> list"},
-        {"name": "work", "tasks": 3, "memory_mb": 1024, "peak_mb": 300.0, "gets": 6, "puts": 3,
-         "duration_s": 1.0, "gb_s": 3.0, "instance_s": 0.0, "why": "one part"},
-    ],
-    "cost_usd": {"lambda_compute": 0.5, "total": 1.0},
-    "transitions": 6,
-    "notes": ["a note"],
-    "submitted_at": 100.0,
-}  # fmt: skip
 
 
 def synthetic_doc() -> dict:

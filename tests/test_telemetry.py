@@ -10,7 +10,7 @@ import threading
 
 import pytest
 from click.testing import CliRunner
-from records import record
+from records import ESTIMATE, record
 
 from client import Client, telemetry_table
 from client.cli import cli
@@ -79,18 +79,7 @@ def test_requests_are_priced_by_s3_class_and_lambda_bills_whole_milliseconds():
 
 
 def test_the_report_sets_each_step_against_its_plan():
-    estimate = {
-        "steps": [
-            {"name": "prep", "tasks": 1, "memory_mb": 512, "peak_mb": 100.0, "gets": 1, "puts": 1,
-             "duration_s": 0.5, "gb_s": 0.25, "instance_s": 0.0, "why": "the item list"},
-            {"name": "work", "tasks": 3, "memory_mb": 1024, "peak_mb": 300.0, "gets": 6, "puts": 3,
-             "duration_s": 1.0, "gb_s": 3.0, "instance_s": 0.0, "why": "one part"},
-        ],
-        "cost_usd": {"total": 1.0},
-        "transitions": 6,
-        "notes": ["a note"],
-        "submitted_at": 100.0,
-    }  # fmt: skip
+    estimate = ESTIMATE
     records = [
         record("prep", None, 0, 101.0, 0.2),
         record("work", 0, 0, 101.5, 1.0),
