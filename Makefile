@@ -33,8 +33,9 @@ lint: $(VENV)/.installed-dev
 # `make test` is the whole suite, what .ci/run runs; `make test-fast` skips the tests marked slow (moto,
 # end-to-end and memory tests), for the edit loop. Both run on two pytest-xdist workers: much of the suite
 # waits on child processes (Batch containers, process-pool workers) and on moto: on a 2-core machine with a
-# load average of 1-2 from other work, two workers took the whole suite from 4:54 to 3:27.
-PYTEST := $(BIN)/python -m pytest -n 2
+# load average of 1-2 from other work, two workers took the whole suite from 4:54 to 3:27. Work stealing
+# keeps the few 10-20 s tests (inference jobs, the Lambda package build) from ending on one worker.
+PYTEST := $(BIN)/python -m pytest -n 2 --dist worksteal
 
 test: lint
 	$(PYTEST)

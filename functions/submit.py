@@ -10,6 +10,7 @@ added here holds on every path; the tasks check again what they rely on.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -75,15 +76,38 @@ def withhold(estimate: dict[str, Any], private: frozenset[str]) -> dict[str, Any
     return out
 
 
-def check_credentials(spec: JobSpec, store_root: str) -> None:
-    """One line instead of a botocore traceback when a job names ``s3://`` objects (or the store is a
-    bucket) and boto3 finds no credentials (environment, profile, SSO, container or instance role)."""
-    on_s3 = [f.uri for f in uri_fields(spec) if store.is_s3(f.uri)]
-    if not on_s3 and not store.is_s3(store_root):
-        return
+_FOUND_CREDENTIALS: set[tuple] = set()
+
+
+def _credentials_key() -> tuple[str | None, ...]:
+    return tuple(
+        os.environ.get(v) for v in ("AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SHARED_CREDENTIALS_FILE")
+    )
+
+
+def _credentials_found() -> bool:
+    """Whether boto3 finds credentials. A found answer is kept per process and environment (a boto3 session
+    costs ~10 ms to build, a quarter of a small job's submit); a missing one is looked for again."""
+    key = _credentials_key()
+    if key in _FOUND_CREDENTIALS:
+        return True
     import boto3
 
     if boto3.session.Session().get_credentials() is None:
+        return False
+    _FOUND_CREDENTIALS.add(key)
+    return True
+
+
+def check_credentials(spec: JobSpec, store_root: str) -> None:
+    """One line instead of a botocore traceback when a job names ``s3://`` objects (or the store is a
+    bucket) and boto3 finds no credentials (environment, profile, SSO, container or instance role)."""
+    if _credentials_key() in _FOUND_CREDENTIALS:
+        return  # found before: no need to walk the spec
+    on_s3 = [f.uri for f in uri_fields(spec) if store.is_s3(f.uri)]
+    if not on_s3 and not store.is_s3(store_root):
+        return
+    if not _credentials_found():
         what = on_s3[0] if on_s3 else store_root
         raise NoCredentials(
             f"no AWS credentials found, and this job reads or writes S3 ({what}): set AWS_PROFILE, or "
