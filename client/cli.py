@@ -773,6 +773,43 @@ def _stage_event(payload: Any, path: Path) -> Any:
     return payload
 
 
+def _dispatch_here(event: dict[str, Any]) -> None:
+    """The bucket trigger on an "Object Created" event, run against the local store: the event's key is read
+    under the local store root (its bucket is AWS's, which this machine need not reach), the job starts on
+    the local executor through the trigger's own dispatch, and the command follows it to its end."""
+    from functions import store
+    from functions.store.uri import join as uri_join
+    from functions.store.uri import split_s3
+    from functions.trigger import dispatch, ignore_reason, spec_uri_from_event
+
+    bucket, key = split_s3(spec_uri_from_event(event))
+    with _client("local") as client:
+        spec_uri = uri_join(client.store_root, key)
+        if ignore_reason(spec_uri, client.store_root) is None:
+            if not store.exists(spec_uri):
+                raise ShardfoldError(
+                    f"the event names s3://{bucket}/{key}, which is read here under the local store root, "
+                    f"and there is no {spec_uri}: put a job spec there and invoke again (or drop specs into a "
+                    "folder that `shardfold watch` follows)"
+                )
+            err.print(f"[dim]s3://{_t(bucket)}/{_t(key)} read here as {_t(spec_uri)}[/]", soft_wrap=True)
+
+        def start(job_id: str, kind: str, uri: str) -> str:
+            client.executor.start(job_id, kind, uri)
+            return f"local:{job_id}"
+
+        report = dispatch(spec_uri, start, root=client.store_root, grants=client.grants)
+        out.print_json(json.dumps(report))
+        if "job_id" in report:
+            final = client.job(report["job_id"]).wait(progress=False)
+            ended = {"state": final.state} | ({"error": final.error} if final.error else {})
+            _print_kv(f"job {report['job_id']}", ended)
+            if final.state != "SUCCEEDED":
+                sys.exit(1)
+        elif "errors" in report:
+            sys.exit(1)
+
+
 @cli.command()
 @click.argument("kind")
 def schema(kind: str) -> None:
@@ -801,6 +838,9 @@ def invoke(handler: str, event: str) -> None:
         payload = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ShardfoldError(f"event {path} is not JSON: {exc}") from exc
+    if target == EXTRA_HANDLERS["dispatch"] and payload.get("detail-type") == "Object Created":
+        _dispatch_here(payload)
+        return
     payload = _stage_event(payload, path)
     try:
         res = call(target, payload, function_name=handler)  # the executors' path to a handler

@@ -107,6 +107,26 @@ def test_invoke_handler_with_sample_event(home):
     assert bad.exit_code == 1 and "errorType" in json.loads(bad.output)
 
 
+def test_invoke_dispatch_runs_the_trigger_on_the_local_store_without_credentials(home, tmp_path, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # the sample event names s3://shardfold-jobs-example/jobs/nightly-batch.json: read here in the local store
+    missing = invoke("invoke", "dispatch", "dispatch_object_created", ok=False)
+    assert missing.exit_code == 1 and "Traceback" not in missing.output
+    assert f"there is no {join(home, 'jobs', 'nightly-batch.json')}" in missing.output.replace("\n", "")
+    spec = {"kind": "getbatch", "items": [{"uri": f"data/obj-{i}.bin"} for i in range(3)]}
+    store.put_json(join(home, "jobs", "nightly-batch.json"), spec)
+    out = invoke("invoke", "dispatch", "dispatch_object_created").output
+    report = json.loads(out[out.index("{") : out.index("}\n") + 1])
+    assert report["submitted_spec"] == join(home, "jobs", "nightly-batch.json")
+    assert any(line.split()[:2] == ["state", "SUCCEEDED"] for line in out.splitlines()), out
+    # the trigger's own report beside the spec, as in the bucket
+    assert store.get_json(join(home, "jobs", "nightly-batch.status.json"))["job_id"] == report["job_id"]
+
+
 def probe(event, context):
     """A handler for ``invoke``: reports the context it got, or returns more than a state may hold."""
     if event.get("big"):
