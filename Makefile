@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-fast test-scale lint bench clean
+.PHONY: demo test test-fast test-scale lint docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ test-fast: lint
 # `make test` skips them.
 test-scale: lint
 	SHARDFOLD_SCALE_TESTS=1 $(PYTEST) tests/test_map_scale.py
+
+# docs/sdk-reference.md is generated from the SDK's docstrings; tests/test_docs.py fails when it is stale.
+docs: $(VENV)/.installed-dev
+	$(BIN)/python docs/sdk_reference.py > docs/sdk-reference.md
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/getbatch.py

@@ -789,8 +789,8 @@ def _dispatch_here(event: dict[str, Any]) -> None:
             if not store.exists(spec_uri):
                 raise ShardfoldError(
                     f"the event names s3://{bucket}/{key}, which is read here under the local store root, "
-                    f"and there is no {spec_uri}: put a job spec there and invoke again (or drop specs into a "
-                    "folder that `shardfold watch` follows)"
+                    f"and there is no {spec_uri}: put a job spec there and invoke again (or drop specs into "
+                    "a folder that `shardfold watch` follows)"
                 )
             err.print(f"[dim]s3://{_t(bucket)}/{_t(key)} read here as {_t(spec_uri)}[/]", soft_wrap=True)
 

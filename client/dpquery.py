@@ -182,6 +182,7 @@ class ResidualMeasurement:
 
     @property
     def factors(self) -> list[np.ndarray]:
+        """The query's Kronecker factors, one per attribute of the set (see :class:`KroneckerQuery`)."""
         return self.query.factors
 
     def matrix(self) -> np.ndarray:

@@ -323,13 +323,16 @@ class Job:
 
     @property
     def spec_uri(self) -> str:
+        """Where the job's spec was recorded at submit (``jobs/<id>/spec.json``)."""
         return self.client.uri(spec_key(self.job_id))
 
     @property
     def result_uri(self) -> str:
+        """Where the job's result summary is written when it succeeds (``jobs/<id>/result.json``)."""
         return self.client.uri(result_key(self.job_id))
 
     def spec(self) -> dict[str, Any]:
+        """The spec as recorded at submit: validated, with every URI resolved."""
         return store.get_json(self.spec_uri)
 
     def status(self) -> Any:

@@ -1005,7 +1005,7 @@ def test_a_configured_lambda_image_is_used_as_given(custom, workflows):
     fns = _functions_by(custom)
     for function in images:
         assert fns[function]["imageUri"] == CUSTOM_LAMBDA_IMAGE
-        assert fns[function]["architectures"] == ["x86_64"]  # the image must be built for it (README)
+        assert fns[function]["architectures"] == ["x86_64"]  # the image must be built for it (docs/deploy.md)
     assert custom.outputs["lambda_image"] == CUSTOM_LAMBDA_IMAGE
     assert "lambda_ecr_repository" not in custom.outputs
     assert not custom.of("aws:ecr/repositoryPolicy:RepositoryPolicy")  # not ours to change

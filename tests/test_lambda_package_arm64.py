@@ -15,7 +15,7 @@ It installs ``qemu-user`` if missing and unpacks Debian trixie's arm64 ``python3
 libstdc++6) into ``~/.cache/shardfold/arm64-sysroot`` (``SHARDFOLD_ARM64_SYSROOT`` overrides), without
 touching the system's apt sources.
 
-What this proves, and what not (README, "What the package tests prove"): Lambda runs ``python3.12``, and no
+What this proves, and what not (docs/deploy.md): Lambda runs ``python3.12``, and no
 Debian suite ships an arm64 ``python3.12``, so the package is built here for the sysroot's Python (3.13, or
 3.12 if a sysroot provides one): the same distributions at the same versions as the 3.12 arm64 package
 (checked below), with the aarch64 wheels of that Python. The sysroot's glibc (2.41) is newer than Amazon Linux

@@ -290,7 +290,7 @@ def check_every_field(client: Client, shown) -> None:
         if r["step"] in kind.private_steps:  # nothing measured leaves: a proxy of the row count
             assert r["withheld"] is True and r["duration_s"] is None and r["bytes_read"] is None
             assert r["requests"] is None and r["peak_memory_mib"] is None and r["started_at"] is None
-            if r["log"].get("uri"):  # its log object keeps what it said, not when (CloudWatch: see README)
+            if r["log"].get("uri"):  # its log keeps what it said, not when (docs/observability.md)
                 lines = telemetry.log_lines(r)
                 assert all("timestamp" not in json.loads(line) for line in lines), lines
         else:

@@ -46,7 +46,7 @@ whole is the CKS conversion of that sum (:func:`functions.dpquery.privacy.cdp_ep
   message names ids, versions and the URI the ledger was opened from; never the fingerprint, a size, a
   count or a value. (The refusal itself tells the submitter whether the bytes they supplied are
   byte-identical to a registered dataset: that needs the whole file, byte for byte, and is documented in
-  the README.)
+  docs/specs.md.)
 * Sameness is byte identity: a re-encoded, re-sorted or edited copy is different content. The binding
   stops re-registering the same object or a copy of it, not a derived dataset.
 * The fingerprint is as sensitive as the data (it confirms a guess of the whole file), so it lives only
