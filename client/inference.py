@@ -2,10 +2,13 @@
 
 Embed a corpus from the SDK::
 
-    from client import inference
+    from client import Client
 
-    result = inference.run(["data/corpus.jsonl"], field="text", id_field="id")
-    ids, embeddings = inference.load(result)          # embeddings: float32 [rows, 384], input order
+    with Client() as client:
+        result = client.inference.run(["data/corpus.jsonl"], field="text", id_field="id")
+        ids, embeddings = client.inference.load(result)   # embeddings: float32 [rows, 384], input order
+
+(``from client import inference`` gives the same functions unbound: ``inference.run(..., client=c)``.)
 
 ``run`` builds an ``InferenceJob`` spec from its arguments, submits it on a :class:`client.Client` (the local
 executor unless ``client=`` or ``backend=`` says otherwise), waits for it and returns the job's result
@@ -76,6 +79,64 @@ def _run_on(client: Any, doc: dict[str, Any], progress: bool, timeout_s: float |
     job = client.submit(doc)
     job.wait(progress=progress, timeout_s=timeout_s)
     return job.result()
+
+
+class Inference:
+    """The ``inference`` helpers bound to one client (``client.inference``), as ``client.fedavg`` and
+    ``client.dpquery`` are for theirs."""
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def spec(
+        self,
+        inputs: str | Iterable[str],
+        field: str,
+        model: Any = "minilm",
+        output: str | None = None,
+        **options: Any,
+    ):
+        """The validated ``InferenceJob`` for these arguments (see :func:`spec`)."""
+        return spec(inputs, field, model, output, **options)
+
+    def submit(
+        self,
+        inputs: str | Iterable[str],
+        field: str,
+        model: Any = "minilm",
+        output: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Start an ``inference`` job on this client and return its :class:`client.Job` at once."""
+        job_spec = spec(inputs, field, model, output, **options)
+        return self.client.submit(job_spec.model_dump(mode="json", exclude_none=True))
+
+    def run(
+        self,
+        inputs: str | Iterable[str],
+        field: str,
+        model: Any = "minilm",
+        output: str | None = None,
+        *,
+        progress: bool = False,
+        timeout_s: float | None = WAIT_S,
+        **options: Any,
+    ) -> dict[str, Any]:
+        """Run an ``inference`` job on this client, wait, and return its result (see :func:`run`)."""
+        return run(
+            inputs,
+            field,
+            model,
+            output,
+            client=self.client,
+            progress=progress,
+            timeout_s=timeout_s,
+            **options,
+        )
+
+    def load(self, result: dict[str, Any] | str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, embeddings)`` of a result of this client's store (see :func:`load`)."""
+        return load(result, store_root=self.client.store_root)
 
 
 def _output_uri(result: dict[str, Any] | str, root: str | None) -> str:

@@ -111,6 +111,7 @@ class Client:
         self.interrupted: list[str] = []  # jobs :meth:`interrupt` stopped
         self._fedavg: Any = None
         self._dpquery: Any = None
+        self._inference: Any = None
         from client import backends  # deferred: pulls in orchestrator (and moto for backend="moto")
 
         self.executor, self.store_root, self._closers = backends.make(backend, stack)
@@ -277,6 +278,15 @@ class Client:
         if self._dpquery is None:
             self._dpquery = DPQuery(self)
         return self._dpquery
+
+    @property
+    def inference(self) -> Any:
+        """The ``inference`` helpers (:class:`client.inference.Inference`): ``run``, ``submit``, ``load``."""
+        from client.inference import Inference  # deferred: numpy and pyarrow only when used
+
+        if self._inference is None:
+            self._inference = Inference(self)
+        return self._inference
 
     def _item(self, item: BatchItem | dict | str) -> BatchItem:
         item = (

@@ -22,7 +22,7 @@ SECTIONS = [
     ("client.sdk", ["Client", "Job"]),
     ("client.fedavg", ["FedAvg", "encode_update", "decode_update", "to_numpy", "UpdateError"]),
     ("client.dpquery", ["DPQuery", "LabelledArray", "table_to_array", "ResidualMeasurement", "to_mbi"]),
-    ("client.inference", ["spec", "run", "load"]),
+    ("client.inference", ["Inference", "spec", "run", "load"]),
     ("client.data", ["GetBatchDataset"]),
 ]
 

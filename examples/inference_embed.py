@@ -19,7 +19,7 @@ import numpy as np
 if not os.environ.get("SHARDFOLD_HOME"):
     os.environ["SHARDFOLD_HOME"] = tempfile.mkdtemp(prefix="shardfold-example-")
 
-from client import Client, inference  # noqa: E402  (after SHARDFOLD_HOME is settled)
+from client import Client  # noqa: E402  (after SHARDFOLD_HOME is settled)
 
 ROWS = [
     {"id": "cat", "text": "A cat is sleeping on the warm windowsill."},
@@ -35,13 +35,13 @@ def main() -> None:
         corpus.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
 
         # A file:// URI names data outside the store; id_field carries each row's id into the output.
-        result = inference.run([corpus.as_uri()], field="text", id_field="id", client=client)
+        result = client.inference.run([corpus.as_uri()], field="text", id_field="id")
         print(
             f"job {result['job_id']}: {result['rows']} rows, dim {result['dim']}, {result['shards']} shard(s)"
         )
         print(f"embeddings: {result['output']}")
 
-        ids, embeddings = inference.load(result)  # rows in input order, float32 [rows, 384]
+        ids, embeddings = client.inference.load(result)  # rows in input order, float32 [rows, 384]
     print(f"ids {list(ids)}, embeddings {embeddings.shape} {embeddings.dtype}")
 
     # MiniLM's vectors are L2-normalised, so a dot product is the cosine similarity.

@@ -150,9 +150,9 @@ def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_
     assert result["workers"] == 1
     assert not store.list_uris(layout.job_root(root, job.job_id) + "/claims/1/")  # no repair round needed
 
-    clean = inference.run(key, field="text", id_field="id", shard_rows=16, client=local_client)
-    ids, emb = inference.load(result)
-    clean_ids, clean_emb = inference.load(clean)
+    clean = local_client.inference.run(key, field="text", id_field="id", shard_rows=16)  # the bound helpers
+    ids, emb = local_client.inference.load(result)
+    clean_ids, clean_emb = local_client.inference.load(clean)
     assert list(ids) == list(clean_ids) == [r["id"] for r in rows]
     np.testing.assert_allclose(emb, clean_emb, atol=1e-6)
 
@@ -299,6 +299,23 @@ def test_unknown_option_is_a_spec_error():
 
     with pytest.raises((SpecError, ValueError)):
         inference.spec(["a.jsonl"], field="text", shard_rowz=3)
+
+
+def test_the_client_bound_helpers_submit_the_module_functions_spec(monkeypatch):
+    """``client.inference`` is the module's helpers bound to one client, as ``client.fedavg`` is."""
+    from functions.errors import SpecError
+
+    with Client() as client:
+        submitted = []
+        monkeypatch.setattr(client, "submit", lambda doc: submitted.append(doc) or "job")
+        assert client.inference.submit(["a.jsonl"], field="text", shard_rows=7) == "job"
+        want = inference.spec(["a.jsonl"], field="text", shard_rows=7).model_dump(
+            mode="json", exclude_none=True
+        )
+        assert submitted == [want]
+        with pytest.raises(SpecError, match="shard_rows"):
+            client.inference.submit(["a.jsonl"], field="text", shard_rows=0)
+        assert client.inference is client.inference
 
 
 @pytest.mark.parametrize("workers", [0, -1, 257, "two"])
