@@ -31,11 +31,12 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff format --check .
 
 # `make test` is the whole suite, what .ci/run runs; `make test-fast` skips the tests marked slow (moto,
-# end-to-end and memory tests), for the edit loop. Both run on two pytest-xdist workers: much of the suite
-# waits on child processes (Batch containers, process-pool workers) and on moto: on a 2-core machine with a
-# load average of 1-2 from other work, two workers took the whole suite from 4:54 to 3:27. Work stealing
-# keeps the few 10-20 s tests (inference jobs, the Lambda package build) from ending on one worker.
-PYTEST := $(BIN)/python -m pytest -n 2 --dist worksteal
+# end-to-end and memory tests), for the edit loop. Both run on three pytest-xdist workers, even on 2 cores:
+# much of the suite waits on child processes (Batch containers importing torch, process-pool workers) and on
+# moto, so a third worker fills the waits (quiet 2-core machine: 4:10 with two workers, 3:50 with three).
+# Work stealing keeps the few 10-30 s tests (inference jobs, the Lambda package build) from ending the run
+# on one worker.
+PYTEST := $(BIN)/python -m pytest -n 3 --dist worksteal
 
 test: lint
 	$(PYTEST)
