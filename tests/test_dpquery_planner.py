@@ -382,6 +382,23 @@ def test_plan_parts_errors_name_the_field():
         plan(domains=[2, 3], workload=[], rho=1.0)
 
 
+def test_workload_errors_name_each_entry_and_what_it_repeats():
+    workload = [(1, 0), ((0, 1), 2.0), (2, 2), ((1,), 0.0), (0, 1), (1,), (3,), ((1,), math.nan), ()]
+    with pytest.raises(SpecError) as err:
+        plan(domains=[2, 3, 4], workload=workload, rho=1.0)
+    assert err.value.errors == [
+        {"field": "workload.1", "error": "repeats workload.0 ((0, 1))"},  # attributes in any order, weighted
+        {"field": "workload.2", "error": "bad attribute indices (2, 2) for d = 3"},
+        {"field": "workload.3", "error": "weight must be finite and > 0, got 0.0"},
+        {"field": "workload.4", "error": "repeats workload.0 ((0, 1))"},
+        {"field": "workload.6", "error": "bad attribute indices (3,) for d = 3"},
+        {"field": "workload.7", "error": "weight must be finite and > 0, got nan"},
+    ]
+    # the same workload less its faults plans, attributes sorted, in the order given
+    p = plan(domains=[2, 3, 4], workload=[(1, 0), (1,), ()], rho=1.0)
+    assert [p.marginal(j) for j in range(3)] == [(0, 1), (1,), ()]
+
+
 @pytest.mark.parametrize("rho", [1e308, 5e307, 1e100, MAX_RHO * 1.01, math.inf, math.nan])
 def test_a_rho_beyond_the_largest_budget_is_a_clear_error(rho):
     """ρ = 1e308 used to fail as "internal: the allocation costs … nan" (2ρ overflows), 1e100 as a bare

@@ -54,6 +54,7 @@ marginals (166,751 residual sets) is a few MB. :meth:`Plan.summary` is the small
 from __future__ import annotations
 
 import base64
+import itertools
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -421,13 +422,13 @@ def plan(
     loss = loss or "sum_of_variances"
     delta = DEFAULT_REPORT_DELTA if delta is None else float(delta)
     n = np.asarray(domains, dtype=np.int64)
-    marginals, weights = _check_parts(n, workload, float(rho), loss, names)
+    sizes, padded_a, weights = _check_parts(n, workload, float(rho), loss, names)
     unit_rows = 1 if unit_rows is None else int(unit_rows)
     if unit_rows < 1:
         raise SpecError(f"unit_rows must be >= 1, got {unit_rows}")
     if rows_bound is not None and not (1 <= int(rows_bound) <= MAX_ROWS_BOUND):
         raise SpecError(f"rows_bound must lie in [1, 2^53], got {rows_bound}")
-    return _plan(n, marginals, weights, float(rho), loss, names, delta, unit_rows, rows_bound)
+    return _plan(n, sizes, padded_a, weights, float(rho), loss, names, delta, unit_rows, rows_bound)
 
 
 def neighbouring(unit_rows: int) -> str:
@@ -437,7 +438,10 @@ def neighbouring(unit_rows: int) -> str:
     return f"add or remove one person (privacy unit: at most {unit_rows} rows per person are counted)"
 
 
-def _check_parts(n, workload, rho, loss, names) -> tuple[list[tuple[int, ...]], np.ndarray]:
+def _check_parts(n, workload, rho, loss, names) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The workload as (sizes, padded, weights): each marginal's size, its attributes sorted and padded with
+    d to the widest, and its weight; a SpecError names every entry at fault. Checked on arrays, not entry by
+    entry: a d = 100 workload of all ≤3-way marginals has 166,751 entries."""
     errors = []
     if n.ndim != 1 or n.size == 0:
         errors.append({"field": "domains", "error": "give one domain size per attribute"})
@@ -452,38 +456,69 @@ def _check_parts(n, workload, rho, loss, names) -> tuple[list[tuple[int, ...]], 
         errors.append({"field": "names", "error": f"{len(names)} names for {n.size} attributes"})
     if not workload:
         errors.append({"field": "workload", "error": "the workload is empty"})
-    marginals: list[tuple[int, ...]] = []
-    weights = []
-    seen: dict[tuple[int, ...], int] = {}
     d = int(n.size)
-    for j, entry in enumerate(workload or []):
-        # an entry is (attrs, weight) with attrs a tuple/list, or bare attrs (weight 1)
+    # an entry is (attrs, weight) with attrs a tuple/list, or bare attrs (weight 1)
+    attrs_of, weight_of = [], []
+    for entry in workload or []:
         if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], tuple | list):
-            attrs, w = entry
+            attrs_of.append(entry[0])
+            weight_of.append(entry[1])
         else:
-            attrs, w = entry, 1.0
-        attrs = tuple(sorted(int(i) for i in attrs))
-        if any(i < 0 or i >= d for i in attrs) or len(set(attrs)) != len(attrs):
+            attrs_of.append(entry)
+            weight_of.append(1.0)
+    m = len(attrs_of)
+    sizes = np.fromiter(map(len, attrs_of), dtype=np.int64, count=m)
+    width = max(int(sizes.max(initial=0)), 1)
+    flat = np.fromiter(itertools.chain.from_iterable(attrs_of), dtype=np.int64, count=int(sizes.sum()))
+    padded = np.full((m, width), d, dtype=np.int64)
+    padded[np.arange(width)[None, :] < sizes[:, None]] = flat  # row-major: each entry's attributes in order
+    padded.sort(axis=1)
+    inside = np.arange(width)[None, :] < sizes[:, None]
+    out_of_range = np.any(inside & ((padded < 0) | (padded >= d)), axis=1)
+    repeated = np.any(inside[:, 1:] & (padded[:, 1:] == padded[:, :-1]), axis=1)
+    weights = np.asarray(weight_of, dtype=np.float64)
+    bad_weight = ~(np.isfinite(weights) & (weights > 0))
+    bad = out_of_range | repeated
+    for j in np.flatnonzero(bad | bad_weight):
+        j = int(j)
+        if bad[j]:
+            attrs = tuple(int(i) for i in padded[j, : sizes[j]])
             errors.append({"field": f"workload.{j}", "error": f"bad attribute indices {attrs} for d = {d}"})
-            continue
-        if not (float(w) > 0 and math.isfinite(float(w))):
-            errors.append({"field": f"workload.{j}", "error": f"weight must be finite and > 0, got {w}"})
-            continue
-        if attrs in seen:
-            errors.append({"field": f"workload.{j}", "error": f"repeats workload.{seen[attrs]} ({attrs})"})
-            continue
-        seen[attrs] = j
-        marginals.append(attrs)
-        weights.append(float(w))
+        else:
+            errors.append(
+                {"field": f"workload.{j}", "error": f"weight must be finite and > 0, got {weight_of[j]}"}
+            )
+    ok = np.flatnonzero(~(bad | bad_weight))
+    if ok.size > 1:  # the same marginal twice: refer each repeat to its first entry
+        rows = padded[ok]
+        order = np.lexsort([rows[:, c] for c in range(width - 1, -1, -1)] + [sizes[ok]])
+        same = np.zeros(ok.size, dtype=bool)
+        same[1:] = np.all(rows[order][1:] == rows[order][:-1], axis=1) & (
+            sizes[ok][order][1:] == sizes[ok][order][:-1]
+        )
+        if same.any():
+            first = ok[order][np.maximum.accumulate(np.where(~same, np.arange(ok.size), 0))]
+            for j, f in sorted(zip(ok[order][same].tolist(), first[same].tolist(), strict=True)):
+                attrs = tuple(int(i) for i in padded[j, : sizes[j]])
+                errors.append({"field": f"workload.{j}", "error": f"repeats workload.{min(j, f)} ({attrs})"})
     if errors:
+        errors.sort(key=_error_order)
         raise SpecError("cannot plan: " + "; ".join(f"{e['field']}: {e['error']}" for e in errors), errors)
-    return marginals, np.asarray(weights, dtype=np.float64)
+    return sizes, padded.astype(np.int32), weights
 
 
-def _plan(n, marginals, weights, rho, loss, names, delta, unit_rows=1, rows_bound=None) -> Plan:
+def _error_order(error: dict[str, str]) -> tuple[int, int]:
+    """Errors of the whole (domains, rho, ...) first, then the workload's by entry."""
+    field = error["field"]
+    if field.startswith("workload."):
+        return (1, int(field.split(".")[1]))
+    return (0, 0)
+
+
+def _plan(n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, rows_bound=None) -> Plan:
+    """``sizes``, ``padded_a`` and ``weights`` as :func:`_check_parts` returns them."""
     d = int(n.size)
-    m = len(marginals)
-    sizes = np.fromiter((len(a) for a in marginals), dtype=np.int64, count=m)
+    m = int(sizes.size)
     kmax = int(sizes.max())
     pairs_total = int(np.sum(np.left_shift(np.int64(1), sizes)))
     if pairs_total > MAX_SUBSET_PAIRS:
@@ -501,16 +536,14 @@ def _plan(n, marginals, weights, rho, loss, names, delta, unit_rows=1, rows_boun
 
     marg_ptr = np.zeros(m + 1, dtype=np.int64)
     np.cumsum(sizes, out=marg_ptr[1:])
-    marg_attrs = np.fromiter((i for a in marginals for i in a), dtype=np.int32, count=int(marg_ptr[-1]))
-    padded_a = np.full((m, max(kmax, 1)), d, dtype=np.int32)
-    for j, a in enumerate(marginals):
-        padded_a[j, : len(a)] = a
+    marg_attrs = padded_a[np.arange(padded_a.shape[1])[None, :] < sizes[:, None]]  # row-major, each sorted
     cells_log = log_n_ext[padded_a].sum(axis=1)
     big = np.flatnonzero(cells_log > math.log(MAX_MARGINAL_CELLS) + 1e-9)
     if big.size:
         j = int(big[0])
+        attrs = tuple(padded_a[j, : sizes[j]].tolist())
         raise PlanError(
-            f"workload.{j} {_label(marginals[j], names)} has about {math.exp(cells_log[j]):.3g} cells; "
+            f"workload.{j} {_label(attrs, names)} has about {math.exp(cells_log[j]):.3g} cells; "
             f"a marginal may have at most {MAX_MARGINAL_CELLS:,} "
             "(coarsen the attributes' bins or split the marginal)"
         )
