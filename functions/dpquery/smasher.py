@@ -1,0 +1,217 @@
+"""QuerySmasher's divide and conquer for workloads of linear queries on marginals (arXiv:2604.00868;
+shared/reference/dp-query.md §3.3). Pure numpy, no store, no data: the planning half.
+
+**Decompose.** A query q̄ on the cells of attributes A (C order) splits into one piece per A′ ⊆ A:
+q̄^{⇒A′} = q̄ Q_{A′}, Q_{A′} = ⊗_{i∈A} (i ∈ A′ ? I − J/n_i : 1_{n_i}/n_i). The pieces of two different A′ are
+orthogonal and q̄·x_A = Σ_{A′} q̄^{⇒A′}·x_{A′} (:func:`pieces`). Each piece lies in the residual space of the
+marginal x_{A′}, so the partitions are measured independently and any query, in the workload or not, is
+answered as the sum of its pieces' answers.
+
+**Solve a partition.** A workload entry here is a Kronecker family: attributes A, a query matrix W_i per
+attribute (:func:`attribute_queries`: identity, prefix, range, circular_range) and a weight w. Its pieces on
+A′ are ⊗_{i∈A′} W_i(I − J/n_i) scaled by ∏_{i∈A∖A′} W_i 1/n_i, so their summed variance under a Kronecker
+strategy B = ⊗_{i∈A′} B_i (noise N(0, σ² I)) is w·∏_{i∈A∖A′} ‖W_i 1/n_i‖²·∏_{i∈A′} tr(G_iᵀG_i (B_iᵀB_i)^+),
+G_i = W_i(I − J/n_i), and its privacy cost is pcost = ∏_{i∈A′} max diag(B_iᵀB_i) (a record moves x_{A′} by
+one unit vector). With one query type per attribute across the entries that reach A′ the loss separates:
+each attribute is one convex problem of size n_i − 1 (:func:`attribute_strategy`):
+minimise tr(Ā M⁻¹) subject to diag(U M Uᵀ) ≤ 1, M ≻ 0, with U an orthonormal basis of 1^⊥ and
+Ā = Uᵀ G_iᵀ G_i U. For the identity the optimum is M = n/(n−1)·I (RP's Helmert strategy) in closed form.
+
+**Assemble.** With L_{A′} the partition's loss at privacy cost 1, the total privacy cost c = 2ρ is split as
+σ²_{A′} = (Σ √L)/(c·√L_{A′}), and the weighted sum of variances is (Σ_{A′} √L_{A′})²/c: ResidualPlanner's
+formula with each partition's own optimum in place of RP's fixed p_S, v_S. For an identity workload it *is*
+ResidualPlanner's plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from functions.dpquery.measure import contrasts
+from functions.errors import PlanError, SpecError
+
+QUERY_TYPES = ("identity", "prefix", "range", "circular_range")
+# The per-attribute convex problems are solved for domains up to this size (a (n−1)² semidefinite variable).
+MAX_CONVEX_DOMAIN = 128
+
+
+def attribute_queries(kind: str, n: int) -> np.ndarray:
+    """The query matrix of one attribute with ``n`` ordered values: ``identity`` (each value), ``prefix``
+    (values ≤ t, for every t), ``range`` (every interval [a, b]) or ``circular_range`` (every interval of
+    the values arranged on a circle, whole circle once)."""
+    if n < 2:
+        raise SpecError(f"a query type needs a domain of at least 2 values, got {n}")
+    if kind == "identity":
+        return np.eye(n)
+    if kind == "prefix":
+        return np.tril(np.ones((n, n)))
+    if kind == "range":
+        rows = [(a, b) for a in range(n) for b in range(a, n)]
+        out = np.zeros((len(rows), n))
+        for r, (a, b) in enumerate(rows):
+            out[r, a : b + 1] = 1.0
+        return out
+    if kind == "circular_range":
+        out = np.zeros((n * (n - 1) + 1, n))
+        r = 0
+        for start in range(n):
+            for length in range(1, n):
+                out[r, [(start + k) % n for k in range(length)]] = 1.0
+                r += 1
+        out[r] = 1.0  # the whole circle
+        return out
+    raise SpecError(f"unknown query type {kind!r}; expected one of {list(QUERY_TYPES)}")
+
+
+def pieces(q: np.ndarray, domains: Sequence[int]) -> dict[tuple[int, ...], np.ndarray]:
+    """QuerySmasher's decomposition of the row vector ``q`` over the cells of ``domains`` (C order): for
+    every subset A′ of the attribute positions (tuples, ascending), the piece over the cells of A′."""
+    sizes = [int(n) for n in domains]
+    q = np.asarray(q, dtype=np.float64).reshape(sizes)
+    out = {}
+    for k in range(len(sizes) + 1):
+        for subset in itertools.combinations(range(len(sizes)), k):
+            piece = q
+            for axis in range(len(sizes) - 1, -1, -1):  # high axes first: lower axis numbers stay put
+                if axis in subset:
+                    piece = piece - piece.mean(axis=axis, keepdims=True)
+                else:
+                    piece = piece.mean(axis=axis)
+            out[subset] = piece.reshape(-1)
+    return out
+
+
+def residual_basis(n: int) -> np.ndarray:
+    """U: n × (n−1), orthonormal columns orthogonal to 1 (the Helmert contrasts, transposed)."""
+    return contrasts(n).T
+
+
+@dataclass(frozen=True)
+class AttributeStrategy:
+    """The strategy of one attribute on its residual space: B_iᵀB_i = U M Uᵀ, scaled to pcost 1, and the
+    loss tr(Ā M⁻¹) it gives."""
+
+    gram: np.ndarray  # B_iᵀB_i (n × n), max diagonal 1
+    loss: float
+    solver: str
+
+
+def attribute_strategy(g: np.ndarray) -> AttributeStrategy:
+    """The best B_iᵀB_i for the query Gram ``g`` = Σ w GᵀG (n × n, rows and columns summing to 0): minimise
+    tr(Ā M⁻¹) s.t. diag(U M Uᵀ) ≤ 1 (module doc). Closed form for a multiple of I − J/n, else convex."""
+    n = g.shape[0]
+    u = residual_basis(n)
+    a = u.T @ g @ u
+    a = (a + a.T) / 2
+    scale = np.trace(a) / (n - 1)
+    if scale > 0 and np.allclose(a, scale * np.eye(n - 1), rtol=1e-12, atol=1e-12 * scale):
+        m = n / (n - 1) * np.eye(n - 1)  # diag(U M Uᵀ) = n/(n−1)·(n−1)/n = 1
+        return AttributeStrategy(u @ m @ u.T, float(scale * (n - 1) * (n - 1) / n), "identity")
+    if n > MAX_CONVEX_DOMAIN:
+        raise PlanError(
+            f"a query type other than identity on a domain of {n} values: the per-attribute convex problem "
+            f"is solved up to {MAX_CONVEX_DOMAIN} values (coarsen the attribute's bins)"
+        )
+    return _convex_strategy(a, u)
+
+
+def _convex_strategy(a: np.ndarray, u: np.ndarray) -> AttributeStrategy:
+    import cvxpy as cp  # deferred: only general query types need it
+
+    k = a.shape[0]
+    w, v = np.linalg.eigh(a)
+    keep = w > 1e-12 * max(float(w.max()), 1.0)
+    factor = v[:, keep] * np.sqrt(w[keep])  # a = factor factorᵀ (its null space needs no noise budget)
+    m = cp.Variable((k, k), PSD=True)
+    problem = cp.Problem(
+        cp.Minimize(cp.matrix_frac(factor, m)),  # tr(factorᵀ M⁻¹ factor) = tr(Ā M⁻¹)
+        [cp.diag(u @ m @ u.T) <= 1],
+    )
+    problem.solve(solver=cp.CLARABEL)
+    if problem.status not in ("optimal", "optimal_inaccurate") or m.value is None:
+        raise PlanError(f"the per-attribute strategy problem did not solve ({problem.status})")
+    mv = (m.value + m.value.T) / 2
+    gram = u @ mv @ u.T
+    top = float(np.max(np.diag(gram)))
+    mv, gram = mv / top, gram / top  # exactly pcost 1 (the solver's tolerance may leave it a hair over)
+    loss = float(np.trace(np.linalg.solve(mv, a)))
+    return AttributeStrategy(gram, loss, "convex")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One workload entry: the Kronecker family ⊗_{i∈attrs} W_i, each attribute's query type
+    (``identity`` unless ``queries`` says otherwise), with a weight."""
+
+    attrs: tuple[int, ...]
+    weight: float = 1.0
+    queries: Mapping[int, str] = field(default_factory=dict)
+
+    def kind(self, i: int) -> str:
+        return self.queries.get(i, "identity")
+
+
+@dataclass
+class SmashPlan:
+    """Per partition A′ (a sorted tuple): its loss at privacy cost 1, its noise scale σ²_{A′}, and each
+    attribute's strategy; the total weighted sum of variances at privacy cost ``cost`` (= 2ρ)."""
+
+    domains: list[int]
+    cost: float
+    loss: dict[tuple[int, ...], float]
+    sigma2: dict[tuple[int, ...], float]
+    strategies: dict[tuple[int, ...], dict[int, AttributeStrategy]]
+    total: float
+
+    def privacy_cost(self) -> float:
+        """Σ_{A′} pcost(B_{A′})/σ²_{A′}: every strategy has pcost 1, so Σ 1/σ²."""
+        return float(sum(1.0 / s for s in self.sigma2.values()))
+
+
+def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> SmashPlan:
+    """QuerySmasher's plan for Kronecker workload entries at zCDP ``rho`` (module doc). An attribute must
+    have one query type across the entries that reach a partition holding it."""
+    n = [int(x) for x in domains]
+    cost = 2.0 * rho
+    # per partition: Σ over entries A ⊇ A′ of w_A ∏_{i∈A∖A′} ‖W_i 1/n_i‖², and each attribute's query type
+    outer: dict[tuple[int, ...], float] = {}
+    kinds: dict[tuple[int, ...], dict[int, str]] = {}
+    for j, e in enumerate(entries):
+        attrs = tuple(sorted(e.attrs))
+        norms = {
+            i: float(np.sum((attribute_queries(e.kind(i), n[i]).sum(axis=1) / n[i]) ** 2)) for i in attrs
+        }
+        for k in range(len(attrs) + 1):
+            for part in itertools.combinations(attrs, k):
+                rest = [i for i in attrs if i not in part]
+                outer[part] = outer.get(part, 0.0) + e.weight * math.prod(norms[i] for i in rest)
+                seen = kinds.setdefault(part, {})
+                for i in part:
+                    if seen.setdefault(i, e.kind(i)) != e.kind(i):
+                        raise SpecError(
+                            f"workload.{j}: attribute {i} is queried as {e.kind(i)!r} here and as "
+                            f"{seen[i]!r} by another entry; give it one query type"
+                        )
+    cache: dict[tuple[int, str], AttributeStrategy] = {}
+    loss, strategies = {}, {}
+    for part, weight in outer.items():
+        per = {}
+        for i in part:
+            key = (n[i], kinds[part][i])
+            if key not in cache:
+                w = attribute_queries(key[1], key[0])
+                g = w - w.mean(axis=1, keepdims=True)  # G = W(I − J/n)
+                cache[key] = attribute_strategy(g.T @ g)
+            per[i] = cache[key]
+        strategies[part] = per
+        loss[part] = weight * math.prod(s.loss for s in per.values())
+    # a partition no query reaches with any weight (loss 0) needs no measurement
+    roots = {part: math.sqrt(v) for part, v in loss.items() if v > 0}
+    total_root = sum(roots.values())
+    sigma2 = {part: total_root / (cost * r) for part, r in roots.items()}
+    return SmashPlan(n, cost, loss, sigma2, strategies, total_root**2 / cost)

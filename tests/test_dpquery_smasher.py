@@ -1,0 +1,188 @@
+"""QuerySmasher's planning core (functions/dpquery/smasher.py): the decomposition's worked example and
+theorems, the per-attribute strategies, identity workloads equal to ResidualPlanner, a prefix workload
+never worse than summing ResidualPlanner's cells, and the joint privacy cost."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from functions.dpquery import smasher
+from functions.dpquery.planner import plan as rp_plan
+from functions.errors import SpecError
+
+
+def test_the_papers_worked_example():
+    # reference §3.3 (QuerySmasher Figs. 2-3): domains [2, 3], q = [0, 1, 1, 0, 0, 1]
+    got = smasher.pieces(np.array([0, 1, 1, 0, 0, 1.0]), [2, 3])
+    want = {
+        (): [1 / 2],
+        (0,): [1 / 6, -1 / 6],
+        (1,): [-1 / 2, 0, 1 / 2],
+        (0, 1): [-1 / 6, 1 / 3, -1 / 6, 1 / 6, -1 / 3, 1 / 6],
+    }
+    assert set(got) == set(want)
+    for part, piece in want.items():
+        np.testing.assert_allclose(got[part], piece, atol=1e-15)
+
+
+def _marginal(x: np.ndarray, part: tuple[int, ...]) -> np.ndarray:
+    return x.sum(axis=tuple(i for i in range(x.ndim) if i not in part)).reshape(-1)
+
+
+@pytest.mark.parametrize("domains", [[2, 3], [4], [3, 2, 5], [2, 2, 2, 3]])
+def test_pieces_are_orthogonal_and_sum_to_the_answer(domains):
+    rng = np.random.default_rng(len(domains))
+    q = rng.normal(size=math.prod(domains))
+    x = rng.integers(0, 50, size=domains).astype(np.float64)
+    got = smasher.pieces(q, domains)
+    assert len(got) == 2 ** len(domains)
+    # Theorem 3: the answer is the sum of the pieces' answers on the marginals
+    assert math.isclose(sum(got[p] @ _marginal(x, p) for p in got), q @ x.reshape(-1), rel_tol=1e-12)
+    # Theorem 2: lifted back to the full cells, two different pieces are orthogonal
+    lifted = {}
+    for part, piece in got.items():
+        full = piece.reshape([domains[i] for i in part])
+        for axis in range(len(domains)):
+            if axis not in part:
+                full = np.expand_dims(full, axis)
+        lifted[part] = np.broadcast_to(full, domains).reshape(-1)
+    for a, b in itertools.combinations(lifted, 2):
+        assert abs(lifted[a] @ lifted[b]) < 1e-10 * (1 + np.linalg.norm(q) ** 2)
+    # each piece on A' is in the residual space of x_{A'}: it sums to 0 along every axis of A'
+    for part, piece in got.items():
+        shaped = piece.reshape([domains[i] for i in part])
+        for axis in range(len(part)):
+            np.testing.assert_allclose(shaped.sum(axis=axis), 0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", smasher.QUERY_TYPES)
+def test_query_matrices(kind):
+    w = smasher.attribute_queries(kind, 4)
+    rows = {"identity": 4, "prefix": 4, "range": 10, "circular_range": 13}[kind]
+    assert w.shape == (rows, 4) and set(np.unique(w)) <= {0.0, 1.0}
+    assert len({tuple(r) for r in w}) == rows  # no query twice
+    with pytest.raises(SpecError, match="unknown query type"):
+        smasher.attribute_queries("median", 4)
+
+
+@pytest.mark.parametrize(
+    "domains, workload",
+    [
+        ([2, 3, 4], [(0,), (0, 1), (1, 2)]),
+        ([5, 5, 5, 5], [(0, 1), (1, 2), (2, 3), (0, 3)]),
+        ([10] * 6, [c for k in range(4) for c in itertools.combinations(range(6), k)]),
+        ([3, 7, 2, 9], [((0, 1, 2), 2.0), ((3,), 0.5), ((1, 3), 1.0)]),
+    ],
+)
+def test_an_identity_workload_is_residual_planner(domains, workload):
+    rho = 0.5
+    rp = rp_plan(domains=domains, workload=workload, rho=rho)
+    entries = [
+        smasher.Entry(e[0], e[1]) if len(e) == 2 and isinstance(e[0], tuple) else smasher.Entry(tuple(e))
+        for e in workload
+    ]
+    qs = smasher.plan_kron(domains, entries, rp.rho_planned)
+    sse = float(np.sum(rp.weights * rp.cells * rp.var))
+    assert math.isclose(qs.total, sse, rel_tol=1e-12)
+    # RP measures E_S x_S (pcost p_S); here B_S = E_S/√p_S (pcost 1): the same mechanism, σ² scaled by p_S
+    for s in range(rp.num_residuals):
+        p_s = math.exp(rp.log_p[s])
+        assert math.isclose(qs.sigma2[rp.residual(s)] * p_s, rp.sigma2[s], rel_tol=1e-12)
+    assert math.isclose(qs.privacy_cost(), 2 * rp.rho_planned, rel_tol=1e-12)
+
+
+def _kron(mats):
+    out = np.ones((1, 1))
+    for m in mats:
+        out = np.kron(out, m)
+    return out
+
+
+def _queries(domains, entry):
+    """The entry's query rows over the cells of its attributes (C order), and each row's weight."""
+    w = _kron([smasher.attribute_queries(entry.kind(i), domains[i]) for i in entry.attrs])
+    return w, np.full(w.shape[0], entry.weight)
+
+
+def _explicit_variance(domains, entries, qs):
+    """Σ_q w_q Var(q), each query answered from its pieces with the plan's strategies and noise scales."""
+    total = 0.0
+    for e in entries:
+        rows, weights = _queries(domains, e)
+        sub = [domains[i] for i in e.attrs]
+        for q, w in zip(rows, weights, strict=True):
+            for pos, piece in smasher.pieces(q, sub).items():
+                part = tuple(e.attrs[k] for k in pos)
+                if part not in qs.sigma2:
+                    assert np.allclose(piece, 0)
+                    continue
+                gram = _kron([qs.strategies[part][i].gram for i in part])
+                total += w * qs.sigma2[part] * piece @ np.linalg.pinv(gram, rcond=1e-10) @ piece
+    return total
+
+
+def _residual_planner_substitute(domains, entries, rho):
+    """The same queries answered by summing the cells of ResidualPlanner's identity marginals."""
+    rp = rp_plan(domains=domains, workload=[(e.attrs, e.weight) for e in entries], rho=rho)
+    total = 0.0
+    for j, e in enumerate(entries):
+        rows, weights = _queries(domains, e)
+        cov = 0.0
+        for s in rp.subsets(j):
+            res = rp.residual(s)
+            blocks = [
+                np.eye(domains[i]) - 1 / domains[i]
+                if i in res
+                else np.full((domains[i],) * 2, 1 / domains[i] ** 2)
+                for i in e.attrs
+            ]
+            cov = cov + rp.sigma2[s] * _kron(blocks)
+        total += float(np.sum(weights * np.einsum("qi,ij,qj->q", rows, cov, rows)))
+    return total, rp
+
+
+PREFIX_WORKLOADS = [
+    ([6, 2], [smasher.Entry((0, 1), 1.0, {0: "prefix"}), smasher.Entry((0,), 1.0, {0: "prefix"})]),
+    (
+        [5, 4, 3],
+        [smasher.Entry((0, 1), 1.0, {0: "prefix", 1: "prefix"}), smasher.Entry((1, 2), 2.0, {1: "prefix"})],
+    ),
+    ([7, 3], [smasher.Entry((0, 1), 1.0, {0: "range"}), smasher.Entry((1,), 1.0)]),
+    ([6], [smasher.Entry((0,), 1.0, {0: "circular_range"})]),
+]
+
+
+@pytest.mark.parametrize("domains, entries", PREFIX_WORKLOADS)
+def test_general_queries_beat_summing_residual_planner_cells(domains, entries):
+    substitute, rp = _residual_planner_substitute(domains, entries, 0.5)
+    qs = smasher.plan_kron(domains, entries, rp.rho_planned)
+    assert math.isclose(_explicit_variance(domains, entries, qs), qs.total, rel_tol=1e-6)
+    assert qs.total <= substitute * (1 + 1e-9), (qs.total, substitute)
+    assert any(s.solver == "convex" for per in qs.strategies.values() for s in per.values())
+
+
+@pytest.mark.parametrize("domains, entries", PREFIX_WORKLOADS)
+def test_the_joint_privacy_cost_is_exactly_two_rho(domains, entries):
+    rho = 0.25
+    qs = smasher.plan_kron(domains, entries, rho)
+    # diag(Σ_{A'} BᵀB/σ²) over every cell of the full domain: each record's squared sensitivity
+    cost = np.zeros(domains)
+    for part, sigma2 in qs.sigma2.items():
+        diag = np.ones([domains[i] if i in part else 1 for i in range(len(domains))])
+        for i in part:
+            shape = [1] * len(domains)
+            shape[i] = domains[i]
+            diag = diag * np.diag(qs.strategies[part][i].gram).reshape(shape)
+        cost = cost + diag / sigma2
+    assert math.isclose(float(cost.max()), 2 * rho, rel_tol=1e-9)
+    assert math.isclose(qs.privacy_cost(), 2 * rho, rel_tol=1e-12)
+
+
+def test_an_attribute_queried_two_ways_is_refused_naming_the_entry():
+    entries = [smasher.Entry((0, 1), 1.0, {0: "prefix"}), smasher.Entry((0,), 1.0)]
+    with pytest.raises(SpecError, match=r"workload\.1: attribute 0 is queried as 'identity'"):
+        smasher.plan_kron([4, 3], entries, 0.5)
