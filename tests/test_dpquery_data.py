@@ -526,7 +526,7 @@ def test_ledger_under_racing_jobs(tmp_path):
 # --- safety lint --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["measure.py", "core.py", "data.py", "reconstruct.py"])
+@pytest.mark.parametrize("module", ["measure.py", "core.py", "data.py", "reconstruct.py", "smasher.py"])
 def test_no_numpy_or_stdlib_random_in_the_measure_path(module):
     path = Path(data.__file__).with_name(module)
     tree = ast.parse(path.read_text())

@@ -186,3 +186,76 @@ def test_an_attribute_queried_two_ways_is_refused_naming_the_entry():
     entries = [smasher.Entry((0, 1), 1.0, {0: "prefix"}), smasher.Entry((0,), 1.0)]
     with pytest.raises(SpecError, match=r"workload\.1: attribute 0 is queried as 'identity'"):
         smasher.plan_kron([4, 3], entries, 0.5)
+
+
+# --- measure and answer -------------------------------------------------------------------------------------
+
+MIXED = [smasher.Entry((0, 1), 1.0, {0: "prefix"}), smasher.Entry((0,), 2.0, {0: "prefix"})]
+
+
+def _measured(domains, entries, rho):
+    qs = smasher.plan_kron(domains, entries, rho)
+    mats = {part: [smasher.strategy_matrix(per[i]) for i in part] for part, per in qs.strategies.items()}
+    return qs, mats
+
+
+def _marginal_shaped(x, part):
+    drop = tuple(i for i in range(x.ndim) if i not in part)
+    return x.sum(axis=drop) if drop else x
+
+
+def test_without_noise_every_query_is_answered_exactly_in_or_out_of_the_workload():
+    domains = [4, 3]
+    qs, mats = _measured(domains, MIXED, 0.5)
+    x = np.random.default_rng(3).integers(0, 40, size=domains).astype(np.float64)
+    est = {
+        part: smasher.reconstruct_partition(smasher.apply(mats[part], _marginal_shaped(x, part)), mats[part])
+        for part in qs.sigma2
+    }
+    rng = np.random.default_rng(4)
+    queries = [row for e in MIXED for row in _queries(domains, e)[0]] + list(rng.normal(size=(5, 12)))
+    for q in queries:  # the workload's prefix sums (1- and 2-way) and arbitrary queries on both attributes
+        attrs = (0, 1) if q.size == 12 else (0,)
+        value, var = smasher.answer(q, attrs, domains, est, qs, mats)
+        assert math.isclose(value, q @ _marginal_shaped(x, attrs).reshape(-1), rel_tol=1e-9, abs_tol=1e-9)
+        assert var > 0
+    # each partition's strategy is scaled to privacy cost 1: its charged sensitivity is 1, to rounding
+    for part in qs.sigma2:
+        assert math.isclose(smasher.charged_norm(mats[part]), 1.0, rel_tol=1e-9)
+        charged = smasher.charged_norm(mats[part], 2, 10**9)  # k rows per person, the rounding charged
+        assert charged > 2.0 if part else charged == 2.0  # the total is exact
+
+
+@pytest.mark.slow  # thousands of OpenDP draws
+def test_monte_carlo_unbiased_with_the_predicted_variance_under_opendp_noise():
+    from functions.dpquery import measure as mz
+
+    runs, domains, rho = 3000, [4, 3], 0.5
+    qs, mats = _measured(domains, MIXED, rho)
+    x = np.random.default_rng(5).integers(0, 30, size=domains).astype(np.float64)
+    draws = {}
+    for part, sigma2 in qs.sigma2.items():
+        y = smasher.apply(mats[part], _marginal_shaped(x, part))
+        d_in = smasher.charged_norm(mats[part])
+        noisy, spent = mz.release(np.tile(y, runs), math.sqrt(sigma2), d_in)
+        assert spent <= d_in**2 / (2 * sigma2) * (1 + 1e-9)  # the sampler's map, for R releases at once
+        draws[part] = np.stack(
+            [smasher.reconstruct_partition(r, mats[part]) for r in noisy.reshape(runs, y.size)]
+        )
+    for e in MIXED:
+        rows, _ = _queries(domains, e)
+        truth = rows @ _marginal_shaped(x, e.attrs).reshape(-1)
+        for q, t in zip(rows, truth, strict=True):
+            # every run's answer Σ_{A'} piece·x̂_{A'} at once; the variance is the plan's, from answer()
+            _, var = smasher.answer(q, e.attrs, domains, {p: d[0] for p, d in draws.items()}, qs, mats)
+            answers = sum(
+                draws[tuple(e.attrs[k] for k in pos)] @ piece
+                for pos, piece in smasher.pieces(q, [domains[i] for i in e.attrs]).items()
+            )
+            assert abs(answers.mean() - t) / math.sqrt(var / runs) < 5, (e.attrs, q)
+            assert abs(answers.var(ddof=1) - var) < 5 * var * math.sqrt(2 / runs), (
+                e.attrs,
+                q,
+                answers.var(),
+                var,
+            )

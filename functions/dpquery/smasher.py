@@ -21,6 +21,14 @@ minimise tr(Ā M⁻¹) subject to diag(U M Uᵀ) ≤ 1, M ≻ 0, with U an ortho
 σ²_{A′} = (Σ √L)/(c·√L_{A′}), and the weighted sum of variances is (Σ_{A′} √L_{A′})²/c: ResidualPlanner's
 formula with each partition's own optimum in place of RP's fixed p_S, v_S. For an identity workload it *is*
 ResidualPlanner's plan.
+
+**Measure, answer.** A partition's strategy is applied mode-wise as a float matrix B̃_i per attribute
+(:func:`strategy_matrix`); the sensitivity is that of the matrix actually used: Δ = ∏ max column norm of
+B̃_i, rounded up exactly, times (k + 2·η·N) for the rounding of the products, as
+:mod:`functions.dpquery.measure` derives it for the Helmert contrasts (:func:`charged_norm`). The noisy
+y_{A′} is post-processed into x̂_{A′} = ⊗ B̃_i⁺ y_{A′} (:func:`reconstruct_partition`), and any query q on
+attributes A is answered as Σ_{A′⊆A} q^{⇒A′}·x̂_{A′} with variance Σ σ²_{A′}·q^{⇒A′}(⊗ B̃_iᵀB̃_i)⁺q^{⇒A′}ᵀ
+(:func:`answer`).
 """
 
 from __future__ import annotations
@@ -29,10 +37,11 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
-from functions.dpquery.measure import contrasts
+from functions.dpquery.measure import UNIT_ROUNDOFF, contrasts
 from functions.errors import PlanError, SpecError
 
 QUERY_TYPES = ("identity", "prefix", "range", "circular_range")
@@ -215,3 +224,78 @@ def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> S
     total_root = sum(roots.values())
     sigma2 = {part: total_root / (cost * r) for part, r in roots.items()}
     return SmashPlan(n, cost, loss, sigma2, strategies, total_root**2 / cost)
+
+
+# --- measure and answer ---------------------------------------------------------------------------------
+
+
+def strategy_matrix(strategy: AttributeStrategy) -> np.ndarray:
+    """B̃_i ((n−1) × n, rows ⊥ 1) with B̃_iᵀB̃_i = the strategy's Gram (to rounding): M^{1/2}Uᵀ."""
+    n = strategy.gram.shape[0]
+    u = residual_basis(n)
+    m = u.T @ strategy.gram @ u
+    w, v = np.linalg.eigh((m + m.T) / 2)
+    b = (v * np.sqrt(np.clip(w, 0.0, None))).T @ u.T
+    b.setflags(write=False)
+    return b
+
+
+def charged_norm(mats: Sequence[np.ndarray], unit_rows: int = 1, rows_bound: int | None = None) -> float:
+    """The L2 sensitivity of the computed fl((⊗B̃_i) x) for one person's rows, rounded up: the largest column
+    norm of ⊗B̃_i (∏ of each factor's, exactly in rationals) times k + 2·η·N, η = ∏(1 + γ_{n_i}) − 1 for the
+    mode-wise products (the derivation of :mod:`functions.dpquery.measure`, with B̃_i for E_{n_i})."""
+    sq = Fraction(1)
+    eta = Fraction(1)
+    for b in mats:
+        cols = [sum(Fraction(float(v)) ** 2 for v in b[:, j]) for j in range(b.shape[1])]
+        sq *= max(cols)
+        m = b.shape[1]
+        eta *= 1 + m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
+    c = Fraction(int(unit_rows))
+    if rows_bound is not None and mats:
+        c += 2 * (eta - 1) * int(rows_bound)
+    target = sq * c * c
+    d = math.sqrt(float(target))
+    while Fraction(d) ** 2 < target:
+        d = math.nextafter(d, math.inf)
+    return d
+
+
+def apply(mats: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """(⊗ mats) x for ``x`` shaped one axis per factor (mode-wise: the Kronecker product is never formed);
+    the result in C order."""
+    y = np.asarray(x, dtype=np.float64)
+    for axis, b in enumerate(mats):
+        y = np.moveaxis(np.tensordot(b, y, axes=([1], [axis])), 0, axis)
+    return np.ascontiguousarray(y).reshape(-1)
+
+
+def reconstruct_partition(y: np.ndarray, mats: Sequence[np.ndarray]) -> np.ndarray:
+    """x̂_{A′}: the residual of the marginal on A′ that the measurement ``y`` estimates, ⊗ B̃_i⁺ y."""
+    shape = [b.shape[0] for b in mats]
+    return apply([np.linalg.pinv(b) for b in mats], np.asarray(y).reshape(shape))
+
+
+def answer(
+    q: np.ndarray,
+    attrs: Sequence[int],
+    domains: Sequence[int],
+    estimates: Mapping[tuple[int, ...], np.ndarray],
+    plan: SmashPlan,
+    mats: Mapping[tuple[int, ...], Sequence[np.ndarray]],
+) -> tuple[float, float]:
+    """The estimate of the query ``q`` over the cells of ``attrs`` (sorted, C order) and its exact variance,
+    from each partition's x̂ (``estimates``) and strategy matrices (``mats``)."""
+    attrs = tuple(attrs)
+    value, var = 0.0, 0.0
+    for pos, piece in pieces(q, [domains[i] for i in attrs]).items():
+        part = tuple(attrs[k] for k in pos)
+        if part not in plan.sigma2:  # no query of the workload reaches this partition: none may use it
+            if np.any(np.abs(piece) > 1e-12 * (1 + np.abs(q).max())):
+                raise PlanError(f"the query needs partition {part}, which the plan does not measure")
+            continue
+        value += float(piece @ estimates[part])
+        shaped = piece.reshape([domains[i] for i in part]) if part else piece.reshape(())
+        inv = apply([np.linalg.pinv(b.T @ b) for b in mats[part]], shaped)
+        var += plan.sigma2[part] * float(piece @ inv)
+    return value, var
