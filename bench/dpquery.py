@@ -17,6 +17,11 @@ below, registered in ``PARTS`` and run in order (``--parts plan,measure,e2e``; d
   measure  (added with the data path) noise samples per second per core of the measure step vs OpenDP's
            sampler called directly on the same vector; target >= 0.8x.
   e2e      (added with the data path) end-to-end time for d = 20 on a 1,000,000-row dataset.
+  queries  General linear queries (QuerySmasher's planning core, functions/dpquery/smasher.py): the prefix
+           workloads of the RP+ paper's datasets (CPS, Adult, Loans; prefix on their leading ordinal
+           attributes, 1-, 2-, 3- and <=3-way) at privacy cost 2ρ = 1: RMSE of QuerySmasher's plan against
+           ResidualPlanner's identity plan with each prefix query answered by summing its cells, plan time
+           and peak memory. (The comparison with the authors' QuerySmasher code comes with the job path.)
 
 The benchmark prints tables and writes JSON to bench/results/dpquery.json. It never asserts on timing:
 targets are reported as PASS/FAIL lines. Children run through ``benchutil.Children`` (peak memory read
@@ -637,6 +642,122 @@ def part_e2e(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
 # registry and main
 
 
+# --------------------------------------------------------------------------------------------------------
+# part "queries": general linear queries (QuerySmasher) against summing ResidualPlanner's cells
+
+
+# The RP+ paper's datasets (domains, and how many leading attributes are ordinal and queried by prefix):
+# reference §3.1, issue 14.
+RP_PLUS_DATASETS = {
+    "CPS": ([50, 100, 7, 4, 2], 2),
+    "Adult": ([100, 100, 100, 99, 85, 42, 16, 15, 9, 7, 6, 5, 2, 2], 5),
+    "Loans": ([101, 101, 101, 101, 3, 8, 36, 6, 51, 4, 5, 15], 4),
+}
+WORKLOADS = {"1-way": (1,), "2-way": (2,), "3-way": (3,), "<=3-way": (0, 1, 2, 3)}
+
+
+def child_queries(req: dict) -> dict:
+    """One (dataset, workload) row: QuerySmasher's plan (functions.dpquery.smasher) and ResidualPlanner's
+    identity plan with each prefix query answered by summing its cells, both at privacy cost 2ρ = 1."""
+    import itertools
+    import math
+
+    import numpy as np
+
+    cpu = pin_one_core()
+    from functions.dpquery import smasher
+    from functions.dpquery.planner import plan as rp_plan
+
+    domains, ordinal = req["domains"], req["ordinal"]
+    d = len(domains)
+    sets = [c for k in req["ways"] for c in itertools.combinations(range(d), k)]
+    kinds = {i: "prefix" for i in range(ordinal)}
+    entries = [smasher.Entry(a, 1.0, {i: kinds[i] for i in a if i in kinds}) for a in sets]
+    rows_of = [smasher.attribute_queries(kinds.get(i, "identity"), n).shape[0] for i, n in enumerate(domains)]
+    queries = sum(math.prod(rows_of[i] for i in a) for a in sets)
+    mem = PeakRSS()
+    t = time.perf_counter()
+    qs = smasher.plan_kron(domains, entries, 0.5)
+    qs_s = time.perf_counter() - t
+    peak = mem.report()
+    # the substitute: RP's identity plan; Σ over a Kronecker family of Var = Σ_{S⊆A} σ_S² ∏_{i∈S} ‖W_iP_i‖_F²
+    # ∏_{i∈A∖S} ‖W_i1/n_i‖² (its rows are every combination of the attributes' rows)
+    t = time.perf_counter()
+    rp = rp_plan(domains=domains, workload=[(a, 1.0) for a in sets], rho=0.5)
+    rp_s = time.perf_counter() - t
+    f, c = [], []
+    for i, n in enumerate(domains):
+        w = smasher.attribute_queries(kinds.get(i, "identity"), n)
+        f.append(float(np.sum((w - w.mean(axis=1, keepdims=True)) ** 2)))
+        c.append(float(np.sum((w.sum(axis=1) / n) ** 2)))
+    sse_rp = 0.0
+    for j in range(rp.num_marginals):
+        a = rp.marginal(j)
+        for s_idx in rp.subsets(j):
+            s_set = set(rp.residual(s_idx))
+            sse_rp += float(rp.sigma2[s_idx]) * math.prod(f[i] if i in s_set else c[i] for i in a)
+    return {
+        "cpu": cpu,
+        "queries": queries,
+        "partitions": len(qs.sigma2),
+        "rmse_qs": math.sqrt(qs.total / queries),
+        "rmse_rp_cells": math.sqrt(sse_rp / queries),
+        "plan_s": qs_s,
+        "rp_plan_s": rp_s,
+        "peak_added_mib": None if peak["added_rss"] is None else peak["added_rss"] / MiB,
+    }
+
+
+CHILDREN["queries"] = child_queries
+
+
+def add_queries_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--queries-datasets", default="CPS,Adult,Loans", help="RP+ datasets (CPS,Adult,Loans)")
+    ap.add_argument("--queries-workloads", default="1-way,2-way,3-way,<=3-way", help="workloads")
+
+
+def part_queries(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
+    print(
+        "\n== queries: prefix workloads of the RP+ paper's datasets, privacy cost 2ρ = 1 (one core per child)"
+    )
+    results, rows = [], []
+    for name in [x.strip() for x in args.queries_datasets.split(",") if x.strip()]:
+        domains, ordinal = RP_PLUS_DATASETS[name]
+        for wl in [x.strip() for x in args.queries_workloads.split(",") if x.strip()]:
+            req = {"child": "queries", "domains": domains, "ordinal": ordinal, "ways": WORKLOADS[wl]}
+            with watched(f"queries {name} {wl}") as w:
+                res = run_child(req, timeout_s=args.child_timeout_s)
+            res.update(dataset=name, workload=wl, load=w.report())
+            results.append(res)
+            if "error" in res:
+                print(f"  {name} {wl}: FAILED {res['error'].strip().splitlines()[-1]}")
+                notes.append(f"queries {name} {wl}: {res['error']}")
+                continue
+            rows.append(
+                [
+                    name,
+                    wl,
+                    f"{res['queries']:,}",
+                    f"{res['partitions']:,}",
+                    f"{res['rmse_qs']:.3f}",
+                    f"{res['rmse_rp_cells']:.3f}",
+                    f"{res['rmse_rp_cells'] / res['rmse_qs']:.2f}x",
+                    f"{res['plan_s']:.2f}",
+                    "-" if res["peak_added_mib"] is None else f"{res['peak_added_mib']:.0f}",
+                    mark(res.get("load")),
+                ]
+            )
+    headers = ["dataset", "workload", "queries", "partitions", "RMSE QS", "RMSE RP cells", "RP/QS", "plan s"]
+    print(table([*headers, "+MiB", "load"], rows))
+    print(
+        "  prefix queries on the leading ordinal attributes, each value of the others;"
+        " RMSE = sqrt(SSE/queries);\n"
+        "  RP cells: ResidualPlanner's identity marginals, each prefix query answered by summing its cells"
+    )
+    doc["queries"] = {"runs": results}
+    return 0 if all("error" not in r for r in results) else 1
+
+
 @dataclass
 class Part:
     name: str
@@ -651,6 +772,12 @@ PARTS: dict[str, Part] = {
         "measure", "noise samples/s of the measure step vs OpenDP", part_measure, add_measure_args
     ),
     "e2e": Part("e2e", "the whole job, d = 20 on 1,000,000 rows", part_e2e, add_e2e_args),
+    "queries": Part(
+        "queries",
+        "prefix workloads: QuerySmasher vs summing ResidualPlanner's cells",
+        part_queries,
+        add_queries_args,
+    ),
 }
 
 

@@ -259,3 +259,32 @@ def test_monte_carlo_unbiased_with_the_predicted_variance_under_opendp_noise():
                 answers.var(),
                 var,
             )
+
+
+def _conic_optimum(a: np.ndarray, u: np.ndarray) -> float:
+    """min tr(Ā M⁻¹) s.t. diag(U M Uᵀ) ≤ 1 by a generic conic solver (small domains only)."""
+    import cvxpy as cp
+
+    w, v = np.linalg.eigh(a)
+    keep = w > 1e-12 * w.max()
+    m = cp.Variable(a.shape, PSD=True)
+    problem = cp.Problem(
+        cp.Minimize(cp.matrix_frac(v[:, keep] * np.sqrt(w[keep]), m)), [cp.diag(u @ m @ u.T) <= 1]
+    )
+    problem.solve(solver=cp.CLARABEL)
+    return float(problem.value)
+
+
+@pytest.mark.parametrize("kind", ["prefix", "range", "circular_range", "identity"])
+@pytest.mark.parametrize("n", [3, 5, 8])
+def test_the_attribute_strategy_is_the_convex_optimum(kind, n):
+    w = smasher.attribute_queries(kind, n)
+    g = w - w.mean(axis=1, keepdims=True)
+    u = smasher.residual_basis(n)
+    a = u.T @ g.T @ g @ u
+    best = _conic_optimum(a, u)
+    got = smasher._convex_strategy(a, u)  # the dual solver, also on the identity (closed form below)
+    assert got.loss <= best * (1 + 1e-6) and got.loss >= best * (1 - 1e-4), (got.loss, best)
+    assert math.isclose(float(np.diag(got.gram).max()), 1.0, rel_tol=1e-12)
+    if kind == "identity":
+        assert math.isclose(smasher.attribute_strategy(g.T @ g).loss, best, rel_tol=1e-6)
