@@ -696,9 +696,18 @@ def child_queries(req: dict) -> dict:
         for s_idx in rp.subsets(j):
             s_set = set(rp.residual(s_idx))
             sse_rp += float(rp.sigma2[s_idx]) * math.prod(f[i] if i in s_set else c[i] for i in a)
+    # the authors' code takes no 0-way entry: the comparison with it is on the workload without the total
+    ref_ways = tuple(k for k in req["ways"] if k > 0)
+    rmse_ref_ways = math.sqrt(qs.total / queries)
+    if ref_ways != tuple(req["ways"]):
+        kept = [e for e in entries if e.attrs]
+        kept_queries = sum(math.prod(rows_of[i] for i in e.attrs) for e in kept)
+        rmse_ref_ways = math.sqrt(smasher.plan_kron(domains, kept, 0.5).total / kept_queries)
     return {
         "cpu": cpu,
         "queries": queries,
+        "ref_ways": list(ref_ways),
+        "rmse_qs_ref_ways": rmse_ref_ways,
         "partitions": len(qs.sigma2),
         "rmse_qs": math.sqrt(qs.total / queries),
         "rmse_rp_cells": math.sqrt(sse_rp / queries),
@@ -714,6 +723,25 @@ CHILDREN["queries"] = child_queries
 def add_queries_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--queries-datasets", default="CPS,Adult,Loans", help="RP+ datasets (CPS,Adult,Loans)")
     ap.add_argument("--queries-workloads", default="1-way,2-way,3-way,<=3-way", help="workloads")
+    ap.add_argument(
+        "--queries-reference-timeout",
+        type=float,
+        default=300.0,
+        help="seconds per row for the authors' QuerySmasher (bench/qs_reference.py; 0: skip it) (300)",
+    )
+
+
+def _reference_row(domains: list[int], ordinal: int, ways: list[int], timeout_s: float) -> dict:
+    """The authors' QuerySmasher on the row's workload less its 0-way total, which their code does not take
+    (its best-of-solvers ``convex``, one thread), or why not."""
+    import qs_reference
+
+    if timeout_s <= 0:
+        return {"status": "skipped", "why": "--queries-reference-timeout 0"}
+    if not (qs_reference.reference_dir() / "smasher.py").exists():
+        return {"status": "skipped", "why": "no exported checkout: see bench/qs_reference.py (export)"}
+    workload = [e for k in ways for e in qs_reference.kway_workload(domains, k, range(ordinal))]
+    return qs_reference.reference_rmse_in_child(domains, workload, 1.0, "convex", timeout_s, threads=1)
 
 
 def part_queries(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
@@ -728,11 +756,18 @@ def part_queries(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
             with watched(f"queries {name} {wl}") as w:
                 res = run_child(req, timeout_s=args.child_timeout_s)
             res.update(dataset=name, workload=wl, load=w.report())
+            with watched(f"reference {name} {wl}") as w:
+                res["reference"] = _reference_row(
+                    domains, ordinal, res.get("ref_ways", []), args.queries_reference_timeout
+                )
+            res["reference"]["load"] = w.report()
             results.append(res)
             if "error" in res:
                 print(f"  {name} {wl}: FAILED {res['error'].strip().splitlines()[-1]}")
                 notes.append(f"queries {name} {wl}: {res['error']}")
                 continue
+            ref = res["reference"]
+            ok = ref.get("status") == "ok"
             rows.append(
                 [
                     name,
@@ -742,19 +777,39 @@ def part_queries(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
                     f"{res['rmse_qs']:.3f}",
                     f"{res['rmse_rp_cells']:.3f}",
                     f"{res['rmse_rp_cells'] / res['rmse_qs']:.2f}x",
+                    f"{ref['rmse']:.3f}" if ok else ref.get("status", "?"),
+                    f"{res['rmse_qs_ref_ways'] / ref['rmse']:.4f}" if ok else "",
                     f"{res['plan_s']:.2f}",
+                    f"{ref['seconds']:.2f}" if ok else "",
                     "-" if res["peak_added_mib"] is None else f"{res['peak_added_mib']:.0f}",
                     mark(res.get("load")),
                 ]
             )
-    headers = ["dataset", "workload", "queries", "partitions", "RMSE QS", "RMSE RP cells", "RP/QS", "plan s"]
-    print(table([*headers, "+MiB", "load"], rows))
+    headers = ["dataset", "workload", "queries", "partitions", "RMSE QS", "RMSE RP cells", "RP/QS"]
+    headers += ["RMSE ref", "QS/ref", "plan s", "ref s", "+MiB", "load"]
+    print(table(headers, rows))
     print(
         "  prefix queries on the leading ordinal attributes, each value of the others;"
         " RMSE = sqrt(SSE/queries);\n"
         "  RP cells: ResidualPlanner's identity marginals, each prefix query answered by summing its cells"
     )
+    print(
+        "  ref: the authors' QuerySmasher (cmla-psu/QuerySmasherMatrixMechanism, its 'convex' solver: the"
+        " best of convex,\n  Fourier and the RP+ basis per partition), one thread, optimize() timed; a row it"
+        " does not finish says timeout;\n  QS/ref compares the two without the 0-way total, which the"
+        " authors' code does not take (<=3-way)"
+    )
     doc["queries"] = {"runs": results}
+    compared = [r for r in results if r.get("reference", {}).get("status") == "ok" and "error" not in r]
+    if compared:
+        worst = max(r["rmse_qs_ref_ways"] / r["reference"]["rmse"] for r in compared)
+        ok = worst <= 1 + 1e-9
+        line = (
+            f"TARGET queries: RMSE <= the reference QuerySmasher on every row it finished ({len(compared)}): "
+            f"worst QS/ref {worst:.6f}: {'PASS' if ok else 'FAIL'}"
+        )
+        print(line)
+        doc.setdefault("targets", []).append({"name": "queries_rmse_vs_reference", "pass": ok, "line": line})
     return 0 if all("error" not in r for r in results) else 1
 
 
