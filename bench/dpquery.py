@@ -777,7 +777,7 @@ def part_queries(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
                     f"{res['rmse_qs']:.3f}",
                     f"{res['rmse_rp_cells']:.3f}",
                     f"{res['rmse_rp_cells'] / res['rmse_qs']:.2f}x",
-                    f"{ref['rmse']:.3f}" if ok else ref.get("status", "?"),
+                    f"{ref['rmse']:.3f}" if ok else str(ref.get("error") or ref.get("status", "?"))[:24],
                     f"{res['rmse_qs_ref_ways'] / ref['rmse']:.4f}" if ok else "",
                     f"{res['plan_s']:.2f}",
                     f"{ref['seconds']:.2f}" if ok else "",
