@@ -260,7 +260,12 @@ class ModeC:
         return [out[p] for p in paths]
 
     def close(self):
-        self.fs = None
+        # Close its session (128 keep-alive connections on fsspec's IO loop): left open, they keep that loop
+        # thread waking in this process while the later modes run.
+        fs, self.fs = self.fs, None
+        creator = getattr(fs, "_s3creator", None)
+        if creator is not None:
+            fs.close_session(fs.loop, creator)
 
 
 class ModeC0(ModeC):
