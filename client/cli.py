@@ -794,11 +794,7 @@ def _dispatch_here(event: dict[str, Any]) -> None:
                 )
             err.print(f"[dim]s3://{_t(bucket)}/{_t(key)} read here as {_t(spec_uri)}[/]", soft_wrap=True)
 
-        def start(job_id: str, kind: str, uri: str) -> str:
-            client.executor.start(job_id, kind, uri)
-            return f"local:{job_id}"
-
-        report = dispatch(spec_uri, start, root=client.store_root, grants=client.grants)
+        report = dispatch(spec_uri, client.start, root=client.store_root, grants=client.grants)
         out.print_json(json.dumps(report))
         if "job_id" in report:
             final = client.job(report["job_id"]).wait(progress=False)
@@ -883,11 +879,6 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
     seen: dict[Path, tuple[int, int]] = {}
     running: dict[Path, Any] = {}  # status report path -> Job, refreshed until the job ends
     with _client(backend, stack) as client:
-
-        def start(job_id: str, kind: str, spec_uri: str) -> str:
-            client.executor.start(job_id, kind, spec_uri)
-            return f"{backend}:{job_id}"
-
         if not once:
             out.print(f"watching {_t(root.resolve())} for job specs (Ctrl-C to stop)")
         try:
@@ -903,7 +894,7 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                     try:
                         report = dispatch(
                             path.resolve().as_uri(),
-                            start,
+                            client.start,
                             root=client.store_root,
                             deployed=client.deployed,
                             grants=client.grants,

@@ -88,16 +88,7 @@ class Inference:
     def __init__(self, client: Any):
         self.client = client
 
-    def spec(
-        self,
-        inputs: str | Iterable[str],
-        field: str,
-        model: Any = "minilm",
-        output: str | None = None,
-        **options: Any,
-    ):
-        """The validated ``InferenceJob`` for these arguments (see :func:`spec`)."""
-        return spec(inputs, field, model, output, **options)
+    spec = staticmethod(spec)  # the validated InferenceJob (no client needed)
 
     def submit(
         self,

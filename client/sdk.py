@@ -182,7 +182,7 @@ class Client:
         job = submit(
             doc,
             store_root=self.store_root,
-            start=self._start_detached if detach and local else self._start,
+            start=self._start_detached if detach and local else self.start,
             base_uri=base,
             deployed=self.deployed,
             grants=self.grants,
@@ -190,8 +190,11 @@ class Client:
         logger.info("job submitted", extra={"job_id": job.job_id, "kind": job.kind, "backend": self.backend})
         return Job(self, job.job_id, job.kind)
 
-    def _start(self, job_id: str, kind: str, spec_uri: str) -> None:
+    def start(self, job_id: str, kind: str, spec_uri: str) -> str:
+        """Start a recorded job on this backend (the submit path's starter, also the CLI's for ``watch``
+        and ``invoke dispatch``); returns its execution's name, ``<backend>:<job id>``."""
         self.executor.start(job_id, kind, spec_uri)
+        return f"{self.backend}:{job_id}"
 
     def _start_detached(self, job_id: str, kind: str, spec_uri: str) -> None:
         """Start the job in a new session (``python -m client.detached``) and return once it runs."""

@@ -85,17 +85,14 @@ def _credentials_key() -> tuple[str | None, ...]:
     )
 
 
-def _credentials_found() -> bool:
-    """Whether boto3 finds credentials. A found answer is kept per process and environment (a boto3 session
-    costs ~10 ms to build, a quarter of a small job's submit); a missing one is looked for again."""
-    key = _credentials_key()
-    if key in _FOUND_CREDENTIALS:
-        return True
+def _look_for_credentials() -> bool:
+    """Whether boto3 finds credentials now; a found answer is kept per process and environment (a boto3
+    session costs ~10 ms to build, a quarter of a small job's submit), a missing one is looked for again."""
     import boto3
 
     if boto3.session.Session().get_credentials() is None:
         return False
-    _FOUND_CREDENTIALS.add(key)
+    _FOUND_CREDENTIALS.add(_credentials_key())
     return True
 
 
@@ -103,11 +100,11 @@ def check_credentials(spec: JobSpec, store_root: str) -> None:
     """One line instead of a botocore traceback when a job names ``s3://`` objects (or the store is a
     bucket) and boto3 finds no credentials (environment, profile, SSO, container or instance role)."""
     if _credentials_key() in _FOUND_CREDENTIALS:
-        return  # found before: no need to walk the spec
+        return  # found before in this process and environment: no need to walk the spec
     on_s3 = [f.uri for f in uri_fields(spec) if store.is_s3(f.uri)]
     if not on_s3 and not store.is_s3(store_root):
         return
-    if not _credentials_found():
+    if not _look_for_credentials():
         what = on_s3[0] if on_s3 else store_root
         raise NoCredentials(
             f"no AWS credentials found, and this job reads or writes S3 ({what}): set AWS_PROFILE, or "

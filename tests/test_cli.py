@@ -125,6 +125,12 @@ def test_invoke_dispatch_runs_the_trigger_on_the_local_store_without_credentials
     assert any(line.split()[:2] == ["state", "SUCCEEDED"] for line in out.splitlines()), out
     # the trigger's own report beside the spec, as in the bucket
     assert store.get_json(join(home, "jobs", "nightly-batch.status.json"))["job_id"] == report["job_id"]
+    # a key that climbs out of the store is refused, naming it, before anything is read or written
+    event = json.loads((EVENTS / "dispatch_object_created.json").read_text())
+    event["detail"]["object"]["key"] = "jobs/../../etc/passwd.json"
+    (tmp_path / "evil.json").write_text(json.dumps(event))
+    evil = invoke("invoke", "dispatch", str(tmp_path / "evil.json"), ok=False)
+    assert evil.exit_code == 1 and "contains a '..' segment" in evil.output and "Traceback" not in evil.output
 
 
 def probe(event, context):

@@ -317,3 +317,32 @@ def test_plan_explain_lists_every_model_number_with_its_source(tmp_path, monkeyp
     assert res.exit_code == 0, res.output
     for name, _value, _unit, source in pricing.MODEL:
         assert name in res.output and source in res.output
+
+
+def test_a_found_credential_is_looked_up_once_per_environment_and_a_missing_one_every_time(monkeypatch):
+    import boto3
+
+    from functions import submit as submit_mod
+    from functions.errors import NoCredentials
+    from functions.specs import parse_spec
+
+    monkeypatch.setattr(submit_mod, "_FOUND_CREDENTIALS", set())
+    found = {"value": object()}
+    looks = []
+
+    def get_credentials(self):
+        looks.append(1)
+        return found["value"]
+
+    monkeypatch.setattr(boto3.session.Session, "get_credentials", get_credentials)
+    spec = parse_spec({"kind": "getbatch", "items": [{"uri": "s3://some-bucket/a.bin"}]})
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "one")
+    submit_mod.check_credentials(spec, "file:///tmp/store")
+    submit_mod.check_credentials(spec, "file:///tmp/store")
+    assert len(looks) == 1  # found once: kept for this environment
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "two")  # another environment is looked up again
+    found["value"] = None
+    for _ in range(2):  # missing: refused, and looked for again next time
+        with pytest.raises(NoCredentials, match="s3://some-bucket/a.bin"):
+            submit_mod.check_credentials(spec, "file:///tmp/store")
+    assert len(looks) == 3

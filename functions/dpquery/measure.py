@@ -110,19 +110,26 @@ def contrasts(n: int) -> np.ndarray:
     return e
 
 
+def mode_product(mats: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """(⊗ mats) x for ``x`` with one axis per factor, one matrix product per axis in axis order (the
+    Kronecker product is never formed; the rounding analysis above assumes this order). Shaped result."""
+    y = np.asarray(x, dtype=np.float64)
+    for axis, m in enumerate(mats):
+        y = np.moveaxis(np.tensordot(m, y, axes=([1], [axis])), 0, axis)
+    return y
+
+
 def residual(x: np.ndarray) -> np.ndarray:
     """E_S x_S for a marginal ``x`` (one axis per attribute of S): apply E_{n_a} along every axis a.
     Returns the (∏(n_i−1),) vector in C order; a 0-d ``x`` (the total) gives a 1-vector."""
-    y = np.asarray(x, dtype=np.float64)
-    for axis in range(y.ndim):
-        e = contrasts(y.shape[axis])
-        y = np.moveaxis(np.tensordot(e, y, axes=([1], [axis])), 0, axis)
+    x = np.asarray(x, dtype=np.float64)
+    y = mode_product([contrasts(n) for n in x.shape], x)
     return np.ascontiguousarray(y).reshape(-1)
 
 
 def l2_sensitivity(sizes: Sequence[int]) -> float:
     """√p_S, p_S = ∏(n_i−1)/n_i, as the smallest float whose square is ≥ the exact rational p_S."""
-    return _sqrt_up(_p_exact(sizes))
+    return sqrt_up(_p_exact(sizes))
 
 
 def _p_exact(sizes: Sequence[int]) -> Fraction:
@@ -132,7 +139,7 @@ def _p_exact(sizes: Sequence[int]) -> Fraction:
     return p
 
 
-def _sqrt_up(q: Fraction) -> float:
+def sqrt_up(q: Fraction) -> float:
     """The smallest float whose square is ≥ the rational ``q``."""
     d = math.sqrt(float(q))
     while Fraction(d) ** 2 < q:
@@ -143,12 +150,16 @@ def _sqrt_up(q: Fraction) -> float:
 UNIT_ROUNDOFF = Fraction(1, 2**53)
 
 
+def gamma(m: int) -> Fraction:
+    """γ_m = m·u/(1 − m·u), exactly: the relative rounding bound of a sum of m products (Higham §3.1)."""
+    return int(m) * UNIT_ROUNDOFF / (1 - int(m) * UNIT_ROUNDOFF)
+
+
 def rounding_eta(sizes: Sequence[int]) -> Fraction:
     """η_S = ∏_{i∈S}(1 + γ_{n_i+2}) − 1, exactly (the relative worst-case rounding of the transform)."""
     prod = Fraction(1)
     for n in sizes:
-        m = int(n) + 2
-        prod *= 1 + m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
+        prod *= 1 + gamma(int(n) + 2)
     return prod - 1
 
 
@@ -159,7 +170,7 @@ def charged_sensitivity(sizes: Sequence[int], unit_rows: int = 1, rows_bound: in
     c = Fraction(int(unit_rows))
     if rows_bound is not None and sizes:
         c += 2 * rounding_eta(sizes) * int(rows_bound)
-    return _sqrt_up(_p_exact(sizes) * c * c)
+    return sqrt_up(_p_exact(sizes) * c * c)
 
 
 def charge_factor(log_gamma_sum: np.ndarray, unit_rows: int, rows_bound: int | None) -> np.ndarray:

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from functions.dpquery.measure import contrasts
+from functions.dpquery.measure import contrasts, mode_product
 
 JSON_MAX_CELLS = 1000  # marginals up to this many cells also get a JSON table
 VALUE_COLUMN = "estimate"
@@ -58,9 +58,9 @@ def reconstruct(
     out = np.zeros(shape, dtype=np.float64)
     for s_attrs, y in terms:
         sub = [int(sizes[pos[a]]) for a in s_attrs]
-        z = np.asarray(y, dtype=np.float64).reshape([n - 1 for n in sub])
-        for axis, n in enumerate(sub):
-            z = np.moveaxis(np.tensordot(contrasts(n).T, z, axes=([1], [axis])), 0, axis)
+        z = mode_product(
+            [contrasts(n).T for n in sub], np.asarray(y, dtype=np.float64).reshape([n - 1 for n in sub])
+        )
         # broadcast over A∖S (each a 1/n_i average)
         full = [1] * len(shape)
         for a in s_attrs:

@@ -41,7 +41,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from functions.dpquery.measure import UNIT_ROUNDOFF, contrasts
+from functions.dpquery.measure import contrasts, gamma, mode_product, sqrt_up
 from functions.errors import PlanError, SpecError
 
 QUERY_TYPES = ("identity", "prefix", "range", "circular_range")
@@ -269,27 +269,17 @@ def charged_norm(mats: Sequence[np.ndarray], unit_rows: int = 1, rows_bound: int
     sq = Fraction(1)
     eta = Fraction(1)
     for b in mats:
-        cols = [sum(Fraction(float(v)) ** 2 for v in b[:, j]) for j in range(b.shape[1])]
-        sq *= max(cols)
-        m = b.shape[1]
-        eta *= 1 + m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
+        sq *= max(sum(Fraction(float(v)) ** 2 for v in b[:, j]) for j in range(b.shape[1]))
+        eta *= 1 + gamma(b.shape[1])
     c = Fraction(int(unit_rows))
     if rows_bound is not None and mats:
         c += 2 * (eta - 1) * int(rows_bound)
-    target = sq * c * c
-    d = math.sqrt(float(target))
-    while Fraction(d) ** 2 < target:
-        d = math.nextafter(d, math.inf)
-    return d
+    return sqrt_up(sq * c * c)
 
 
 def apply(mats: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:
-    """(⊗ mats) x for ``x`` shaped one axis per factor (mode-wise: the Kronecker product is never formed);
-    the result in C order."""
-    y = np.asarray(x, dtype=np.float64)
-    for axis, b in enumerate(mats):
-        y = np.moveaxis(np.tensordot(b, y, axes=([1], [axis])), 0, axis)
-    return np.ascontiguousarray(y).reshape(-1)
+    """(⊗ mats) x for ``x`` shaped one axis per factor, in C order (:func:`measure.mode_product`)."""
+    return np.ascontiguousarray(mode_product(mats, x)).reshape(-1)
 
 
 def reconstruct_partition(y: np.ndarray, mats: Sequence[np.ndarray]) -> np.ndarray:
