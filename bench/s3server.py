@@ -14,7 +14,9 @@ Supported (path-style addressing; the Authorization header is ignored, any crede
   CreateBucket / HeadBucket / DeleteBucket, ListObjectsV2 (prefix, delimiter, max-keys, continuation),
   multipart upload (Create / UploadPart / UploadPartCopy with ranges / Complete / Abort).
 * Injected time-to-first-byte: every response waits ``median * exp(sigma * N(0,1))`` seconds (lognormal,
-  capped) before its status line is written. Other requests on other connections proceed meanwhile.
+  capped) before its status line is written. Other requests on other connections proceed meanwhile. The
+  draw is a function of the seed, the request and how often it was asked since ``reset_stats``, so two
+  runs of the same requests meet the same delays.
 
 Control: the benchmark runs the server in a child process (so its CPU is not counted as client CPU) and
 drives it through a ``multiprocessing`` pipe: populate synthetic objects, clear, set latency, read
@@ -37,6 +39,7 @@ import socket
 import sys
 import time
 import uuid
+from statistics import NormalDist
 from urllib.parse import parse_qsl, quote, unquote
 from xml.sax.saxutils import escape
 
@@ -95,6 +98,9 @@ class _Obj:
         self.mtime = time.time()
 
 
+_NORMAL = NormalDist()
+
+
 class Store:
     """Buckets of objects in memory, plus server-wide latency settings and counters."""
 
@@ -104,7 +110,8 @@ class Store:
         self.ttfb_median = 0.0
         self.ttfb_sigma = 0.0
         self.ttfb_cap = 2.0
-        self.rng = random.Random(0)
+        self.seed = 0
+        self.asked: dict[str, int] = {}  # per request (method, path, range): times asked since reset_stats
         self.counts: dict[str, int] = {}
         self.bytes_out = 0
 
@@ -113,13 +120,21 @@ class Store:
         self.ttfb_sigma = max(0.0, float(sigma))
         self.ttfb_cap = float(cap_s)
         if seed is not None:
-            self.rng = random.Random(seed)
+            self.seed = int(seed)
 
-    def delay(self) -> float:
+    def delay(self, request: str) -> float:
+        """The injected delay of ``request`` (method, path and range), drawn from the seed, the request and
+        how many times it was asked since the counters were reset: every mode (the benchmark resets them
+        before each) meets the same delays on the same batch, so modes are compared on common draws, not on
+        whichever part of one random stream each happened to get."""
         if self.ttfb_median <= 0:
             return 0.0
-        d = self.ttfb_median * (math.exp(self.rng.gauss(0.0, self.ttfb_sigma)) if self.ttfb_sigma else 1.0)
-        return min(d, self.ttfb_cap)
+        if not self.ttfb_sigma:
+            return min(self.ttfb_median, self.ttfb_cap)
+        n = self.asked[request] = self.asked.get(request, 0) + 1
+        digest = hashlib.blake2b(f"{self.seed}\n{n}\n{request}".encode(), digest_size=8).digest()
+        u = (int.from_bytes(digest, "big") + 0.5) / 2**64  # uniform on (0, 1)
+        return min(self.ttfb_median * math.exp(self.ttfb_sigma * _NORMAL.inv_cdf(u)), self.ttfb_cap)
 
     def populate(self, bucket: str, prefix: str, count: int, size: int, seed: int = 0) -> int:
         base = synthetic_base(seed, size)
@@ -146,6 +161,7 @@ class Store:
 
     def reset_stats(self) -> None:
         self.counts.clear()
+        self.asked.clear()
         self.bytes_out = 0
 
     def control(self, msg: dict):
@@ -306,7 +322,7 @@ class S3Protocol(asyncio.Protocol):
             out = (head, payload)
         if not head_only:
             st.bytes_out += len(payload)
-        delay = st.delay()
+        delay = st.delay(f"{method} {target} {headers.get('range', '')}")
         slot[1] = out
         if delay > 0:
             self.loop.call_later(delay, self._ready, slot)

@@ -120,8 +120,7 @@ class _Run:
 
     def snapshot(self) -> JobStatus:
         with self.cond:
-            s = self.status
-            return JobStatus(**{**s.to_record(), "steps": {k: dict(v) for k, v in s.steps.items()}})
+            return JobStatus(**self.status.to_record())
 
 
 def map_result_bytes(children: int) -> int:

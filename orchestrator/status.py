@@ -18,7 +18,7 @@ import datetime as _dt
 import json
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from functions import store
@@ -58,7 +58,11 @@ class JobStatus:
         return self.state in STOPPED
 
     def to_record(self) -> dict[str, Any]:
-        return asdict(self)
+        # Field by field, not dataclasses.asdict: that deep-copies every value, and a job's records (written
+        # and snapshotted at every step) made it the largest fixed cost of a small job
+        record = {name: getattr(self, name) for name in _FIELDS}
+        record["steps"] = {step: dict(counts) for step, counts in self.steps.items()}
+        return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> JobStatus:
@@ -67,6 +71,8 @@ class JobStatus:
         known["steps"] = known["steps"] or {}
         return cls(**known)
 
+
+_FIELDS = tuple(f.name for f in fields(JobStatus))
 
 ProgressCallback = Callable[[JobStatus], None]
 
