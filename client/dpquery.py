@@ -16,7 +16,9 @@ Marginals are named by their attribute names in schema order joined with ``,`` (
 the total count (a marginal of no attribute) is ``"(total)"``. Every estimate has the same per-cell
 variance within its marginal: :meth:`DPQuery.std_errors`, ``result["tables"][i]["std_error"]``, the
 ``std_error`` and ``variance`` columns of every table, and the same keys of each Parquet file's schema
-metadata (which also names the mechanism, ρ, the privacy unit and the dataset's fingerprint).
+metadata (which also names the mechanism, ρ, the privacy unit and the dataset's fingerprint). A marginal
+that asks prefix or range queries along an attribute (``queries`` in the spec) has a row per answer, each
+with its own ``std_error``; its entry's ``std_error`` is their RMSE.
 
 Nothing here reads the dataset: :meth:`DPQuery.plan` is the pure planner, and the tables are the job's
 released (noisy) output.
@@ -131,13 +133,17 @@ class KroneckerQuery:
 
     attributes: tuple[str, ...]
     sizes: tuple[int, ...]
+    # a job with prefix/range queries measures some attributes through their query type's strategy B_i
+    # ((n_i−1)×n_i) instead of E_{n_i}: one matrix per attribute, None for the contrasts
+    strategies: tuple[np.ndarray | None, ...] | None = None
 
     @property
     def factors(self) -> list[np.ndarray]:
-        """The Kronecker factors E_{n_i} ((n_i−1)×n_i, read-only), one per attribute, in order."""
+        """The Kronecker factors, E_{n_i} or B_i ((n_i−1)×n_i, read-only), one per attribute, in order."""
         from functions.dpquery.measure import contrasts
 
-        return [contrasts(n) for n in self.sizes]
+        given = self.strategies or (None,) * len(self.sizes)
+        return [contrasts(n) if b is None else b for n, b in zip(self.sizes, given, strict=True)]
 
     def __call__(self, x: Any) -> Any:
         if hasattr(x, "domain") and hasattr(x, "values"):  # an mbi Factor
@@ -148,12 +154,18 @@ class KroneckerQuery:
             values, xp = x.values, jnp
         else:
             values, xp = np.asarray(x, dtype=np.float64).reshape(self.sizes), np
-        for axis in range(len(self.sizes)):
-            values = _helmert(values, axis, xp)
+        given = self.strategies or (None,) * len(self.sizes)
+        for axis, b in enumerate(given):
+            if b is None:
+                values = _helmert(values, axis, xp)
+            else:
+                values = xp.moveaxis(xp.tensordot(b, values, axes=([1], [axis])), 0, axis)
         return values.reshape(-1)
 
     def op_norm_sq(self) -> float:
-        return 1.0
+        """‖query‖₂²: 1 for the contrasts' orthonormal rows; a strategy's largest squared singular value."""
+        given = [b for b in (self.strategies or ()) if b is not None]
+        return float(math.prod(np.linalg.norm(b, 2) ** 2 for b in given))
 
     def __hash__(self) -> int:
         return id(self)
@@ -259,7 +271,9 @@ class DPQuery:
         return planner.plan(self.spec(spec))
 
     def predicted(self, spec: Any) -> dict[str, dict[str, float]]:
-        """{marginal name: {"cells", "weight", "variance", "std_error"}} predicted by the plan (no data)."""
+        """{marginal name: {"cells", "weight", "variance", "std_error"}} predicted by the plan (no data).
+        For a marginal of prefix or range queries, ``cells`` counts its answers and ``variance`` is their
+        mean (``std_error``: their RMSE)."""
         parsed = self.spec(spec)
         from functions.dpquery import planner
 
@@ -269,7 +283,7 @@ class DPQuery:
         for j, var in enumerate(pl.var.tolist()):
             key = marginal_name([names[i] for i in pl.marginal(j)])
             out[key] = {
-                "cells": int(pl.cells[j]),
+                "cells": int(pl.queries[j]),
                 "weight": float(pl.weights[j]),
                 "variance": var,
                 "std_error": math.sqrt(var),
@@ -355,7 +369,8 @@ class DPQuery:
         return out
 
     def std_errors(self, result: Any) -> dict[str, float]:
-        """{marginal name: per-cell standard error} (every cell of a marginal has the same variance)."""
+        """{marginal name: per-cell standard error} (every cell of a marginal has the same variance; a
+        marginal of prefix or range queries: the RMSE of its answers, each answer's own in its table)."""
         return {marginal_name(e["attributes"]): float(e["std_error"]) for e in self.entries(result)}
 
     # -- downstream inference: the measurements and the covariance of the estimates -----------------------
@@ -404,6 +419,13 @@ class DPQuery:
                 sizes = tuple(int(pl.domains[a]) for a in attrs)
                 clique = tuple(names[a] for a in attrs)
                 lo = int(offsets[k] - offsets[start])
+                strategies = None
+                if pl.res_types is not None:  # prefix/range queries: their attributes' strategies
+                    kinds = pl.residual_types(k)
+                    strategies = tuple(
+                        None if t == "identity" else pl.factors(a, t).matrix
+                        for a, t in zip(attrs, kinds, strict=True)
+                    )
                 out.append(
                     ResidualMeasurement(
                         index=k,
@@ -413,7 +435,7 @@ class DPQuery:
                         noisy_measurement=values[lo : lo + int(pl.noise_count[k])],
                         stddev=float(scale),
                         rho=float(rho),
-                        query=KroneckerQuery(clique, sizes),
+                        query=KroneckerQuery(clique, sizes, strategies),
                     )
                 )
         if [m.index for m in out] != list(range(pl.num_residuals)):
@@ -438,6 +460,11 @@ class DPQuery:
         from functions.dpquery.planner import Plan
 
         pl = release if isinstance(release, Plan) else self._job_plan(release)[2]
+        if pl.marg_types is not None:
+            raise ShardfoldError(
+                "covariance() is for releases of identity marginals; this one asks prefix or range queries "
+                "(each answer's variance is in its table's std_error column)"
+            )
         names = pl.names or [f"a{i}" for i in range(int(pl.domains.size))]
         workload = {frozenset(pl.marginal(j)): pl.marginal(j) for j in range(pl.num_marginals)}
 

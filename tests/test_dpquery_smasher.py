@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from functions.dpquery import smasher
+from functions.dpquery import measure, smasher
 from functions.dpquery.planner import plan as rp_plan
 from functions.errors import SpecError
 
@@ -221,8 +221,8 @@ def test_without_noise_every_query_is_answered_exactly_in_or_out_of_the_workload
         assert var > 0
     # each partition's strategy is scaled to privacy cost 1: its charged sensitivity is 1, to rounding
     for part in qs.sigma2:
-        assert math.isclose(smasher.charged_norm(mats[part]), 1.0, rel_tol=1e-9)
-        charged = smasher.charged_norm(mats[part], 2, 10**9)  # k rows per person, the rounding charged
+        assert math.isclose(measure.charged_norm(mats[part]), 1.0, rel_tol=1e-9)
+        charged = measure.charged_norm(mats[part], 2, 10**9)  # k rows per person, the rounding charged
         assert charged > 2.0 if part else charged == 2.0  # the total is exact
 
 
@@ -236,7 +236,7 @@ def test_monte_carlo_unbiased_with_the_predicted_variance_under_opendp_noise():
     draws = {}
     for part, sigma2 in qs.sigma2.items():
         y = smasher.apply(mats[part], _marginal_shaped(x, part))
-        d_in = smasher.charged_norm(mats[part])
+        d_in = measure.charged_norm(mats[part])
         noisy, spent = mz.release(np.tile(y, runs), math.sqrt(sigma2), d_in)
         assert spent <= d_in**2 / (2 * sigma2) * (1 + 1e-9)  # the sampler's map, for R releases at once
         draws[part] = np.stack(

@@ -256,7 +256,21 @@ def dpquery_large(root: str) -> tuple[dict, str]:
     return doc, "200,000 rows CSV, all <=3-way of 6"
 
 
-@pytest.mark.parametrize("make", [dpquery_small, dpquery_large], ids=["small", "large"])
+def dpquery_general(root: str) -> tuple[dict, str]:
+    """General queries (QuerySmasher): every range of 72 ages, prefixes of household size and arcs of the
+    hours bins, crossed with the other attributes: 2-way marginals of up to 55,188 answers (every range of
+    ages × every arc of the 5 hours bins)."""
+    doc, _ = dpquery_large(root)
+    doc["workload"] = {
+        "all_marginals_up_to": 2,
+        "queries": {"age": "range", "household_size": "prefix", "hours_per_week": "circular_range"},
+    }
+    return doc, "200,000 rows CSV, all <=2-way of 6, range/prefix/circular queries"
+
+
+@pytest.mark.parametrize(
+    "make", [dpquery_small, dpquery_large, dpquery_general], ids=["small", "large", "general"]
+)
 def test_dpquery(children, root, make):
     from functions.dpquery import handlers
 

@@ -254,6 +254,9 @@ def measure(
     sets = []
     for k in range(start, stop):
         attrs = pl.residual(k)
+        mats = None  # the contrasts (ResidualPlanner), else each attribute's query type's strategy
+        if pl.res_types is not None:
+            mats = tuple(pl.factors(a, t).matrix for a, t in zip(attrs, pl.residual_types(k), strict=True))
         sets.append(
             mz.SetSpec(
                 index=k,
@@ -263,6 +266,7 @@ def measure(
                 rho_planned=float(rho_s[k]),
                 unit_rows=pl.unit_rows,
                 rows_bound=pl.rows_bound,
+                mats=mats,
             )
         )
     hist = data.marginals(
@@ -363,22 +367,41 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
     var = pl.var
     release = rc.release_info(doc, pl.rho, pl.delta, spec)
     release_meta = rc.parquet_metadata(release)
+    sigma2 = pl.sigma2
     entries = []
     for j in range(start, stop):
         attrs = pl.marginal(j)
-        terms = [(pl.residual(int(k)), values[int(k)]) for k in pl.subsets(j)]
-        sizes = [int(pl.domains[a]) for a in attrs]
-        estimate = rc.reconstruct(sizes, attrs, terms)
         names = [attributes[a].name for a in attrs]
-        v = float(var[j])
-        tbl = rc.table(
-            estimate,
-            names,
-            [attributes[a].labels() for a in attrs],
-            v,
-            {**release_meta, "job_id": job_id, "attributes": json.dumps(names), "marginal": str(j)},
-            [rc.attribute_bounds(attributes[a]) for a in attrs],
-        )
+        meta = {**release_meta, "job_id": job_id, "attributes": json.dumps(names), "marginal": str(j)}
+        asked: dict[str, str] = {}
+        if pl.marg_types is None:  # identity marginals: every cell has the plan's variance
+            terms = [(pl.residual(int(k)), values[int(k)]) for k in pl.subsets(j)]
+            sizes = [int(pl.domains[a]) for a in attrs]
+            estimate = rc.reconstruct(sizes, attrs, terms)
+            v = float(var[j])
+            tbl = rc.table(
+                estimate,
+                names,
+                [attributes[a].labels() for a in attrs],
+                v,
+                meta,
+                [rc.attribute_bounds(attributes[a]) for a in attrs],
+            )
+        else:  # general queries: each answer has its own variance
+            kinds = pl.marginal_types(j)
+            at = {a: k for k, a in enumerate(attrs)}
+            terms = [
+                (tuple(at[a] for a in pl.residual(int(k))), values[int(k)], float(sigma2[int(k)]))
+                for k in pl.subsets(j)
+            ]
+            estimate, cell_var = rc.answers(
+                [pl.factors(a, t) for a, t in zip(attrs, kinds, strict=True)], terms
+            )
+            axes = [rc.query_labels(attributes[a], t) for a, t in zip(attrs, kinds, strict=True)]
+            asked = {n: t for n, t in zip(names, kinds, strict=True) if t != "identity"}
+            v = float(cell_var.mean())
+            cells_var = cell_var if asked else v  # identity cells all have one variance
+            tbl = rc.table(estimate, names, [a[0] for a in axes], cells_var, meta, [a[1] for a in axes])
         stem = rc.file_stem(j, names)
         buf = io.BytesIO()
         pq.write_table(tbl, buf)
@@ -393,9 +416,11 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
             "weight": float(pl.weights[j]),
             "parquet": parquet_uri,
         }
+        if asked:  # variance and std_error: the mean over the answers (the RMSE); each row has its own
+            entry |= {"queries": asked, "max_std_error": math.sqrt(float(cell_var.max()))}
         if estimate.size <= rc.JSON_MAX_CELLS:
             json_uri = f"{prefix}/{stem}.json"
-            store.put_json(json_uri, rc.json_doc(tbl, v, names, release))
+            store.put_json(json_uri, rc.json_doc(tbl, None if asked else v, names, release))
             entry["json"] = json_uri
         entries.append(entry)
     store.put_json(_tables_uri(store_root, job_id, group), entries)

@@ -173,6 +173,23 @@ def charged_sensitivity(sizes: Sequence[int], unit_rows: int = 1, rows_bound: in
     return sqrt_up(_p_exact(sizes) * c * c)
 
 
+def charged_norm(mats: Sequence[np.ndarray], unit_rows: int = 1, rows_bound: int | None = None) -> float:
+    """The L2 sensitivity of the computed fl((⊗B_i) x) for one person's rows, rounded up: the largest column
+    norm of ⊗B_i (∏ of each factor's, exactly in rationals, from the float matrices used) times k + 2·η·N,
+    η = ∏(1 + γ_{n_i}) − 1 for the mode-wise products (the derivation above, with B_i for E_{n_i}: the
+    matrices' own entries are exact here, so no +2 for rounding the contrasts). QuerySmasher's measurement
+    (:mod:`functions.dpquery.smasher`)."""
+    sq = Fraction(1)
+    eta = Fraction(1)
+    for b in mats:
+        sq *= max(sum(Fraction(float(v)) ** 2 for v in b[:, j]) for j in range(b.shape[1]))
+        eta *= 1 + gamma(b.shape[1])
+    c = Fraction(int(unit_rows))
+    if rows_bound is not None and mats:
+        c += 2 * (eta - 1) * int(rows_bound)
+    return sqrt_up(sq * c * c)
+
+
 def charge_factor(log_gamma_sum: np.ndarray, unit_rows: int, rows_bound: int | None) -> np.ndarray:
     """c_S = k + 2·η_S·N in float64, from Σ_{i∈S} log1p(γ_{n_i+2}) per set (the planner's vector form of
     :func:`charged_sensitivity`; it may fall below the exact value by a few ulps, which the plan's ρ
@@ -183,9 +200,10 @@ def charge_factor(log_gamma_sum: np.ndarray, unit_rows: int, rows_bound: int | N
     return c
 
 
-def log1p_gamma(n: np.ndarray) -> np.ndarray:
-    """log(1 + γ_{n+2}) per domain size (float64)."""
-    m = np.asarray(n, dtype=np.float64) + 2.0
+def log1p_gamma(n: np.ndarray, plus: int = 2) -> np.ndarray:
+    """log(1 + γ_{n+plus}) per domain size (float64): γ_{n+2} for the contrasts (:func:`rounding_eta`),
+    γ_n for matrices whose entries are charged exactly (:func:`charged_norm`)."""
+    m = np.asarray(n, dtype=np.float64) + float(plus)
     u = 2.0**-53
     return np.log1p(m * u / (1.0 - m * u))
 
@@ -227,6 +245,7 @@ class SetSpec:
     rho_planned: float
     unit_rows: int = 1  # k, the privacy unit's rows per person
     rows_bound: int | None = None  # N, the public bound on rows counted (None: rounding not charged)
+    mats: tuple[np.ndarray, ...] | None = None  # B_i per attribute (general queries); None: the contrasts
 
 
 def measure_sets(
@@ -246,8 +265,12 @@ def measure_sets(
         x = marginal(s.attrs)
         if x.shape != s.sizes:
             raise PlanError(f"internal: marginal of {s.attrs} has shape {x.shape}, expected {s.sizes}")
-        y = residual(x)
-        d_in = charged_sensitivity(s.sizes, s.unit_rows, s.rows_bound)
+        if s.mats is None:
+            y = residual(x)
+            d_in = charged_sensitivity(s.sizes, s.unit_rows, s.rows_bound)
+        else:
+            y = np.ascontiguousarray(mode_product(s.mats, x)).reshape(-1)
+            d_in = charged_norm(s.mats, s.unit_rows, s.rows_bound)
         if noise:
             cost = privacy_map(y.size, s.scale, d_in)
             if not cost <= s.rho_planned * (1.0 + MAP_RTOL):

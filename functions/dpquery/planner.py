@@ -64,6 +64,7 @@ import numpy as np
 
 from functions.dpquery.measure import charge_factor, log1p_gamma
 from functions.dpquery.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
+from functions.dpquery.smasher import QUERY_TYPES, AttributeFactors, attribute_factors
 from functions.errors import PlanError, SpecError
 
 DOC_VERSION = 1
@@ -175,6 +176,13 @@ class Plan:
     solver: dict[str, Any] = field(default_factory=dict)  # max_variance: cvxpy status, solver, time
     unit_rows: int = 1  # k: rows one person may contribute (the privacy unit; 1 = a row is a person)
     rows_bound: int | None = None  # N: the public bound on rows counted (None: rounding not charged)
+    # General linear queries (QuerySmasher): each attribute's query type code (an index of QUERY_TYPES) beside
+    # res_attrs and marg_attrs, the queries each marginal answers, and the measured B_i of every non-identity
+    # (type, n) as "type:n". None / empty: every query is an identity (a ResidualPlanner plan).
+    res_types: np.ndarray | None = None  # (Σ|S|,) int8
+    marg_types: np.ndarray | None = None  # (Σ|A|,) int8
+    num_q: np.ndarray | None = None  # (|W|,) int64, ∏_{i∈A} m_i
+    strategies: dict[str, np.ndarray] = field(default_factory=dict)
 
     # ---- sizes and accessors ------------------------------------------------------------------------
     @property
@@ -196,6 +204,32 @@ class Plan:
     def subsets(self, j: int) -> np.ndarray:
         """Residual indices S ⊆ A_j, ascending (so ∅ = 0 first)."""
         return self.sub_idx[self.sub_ptr[j] : self.sub_ptr[j + 1]]
+
+    def residual_types(self, k: int) -> tuple[str, ...]:
+        """The query type of each attribute of residual set k (all ``identity`` in a ResidualPlanner plan)."""
+        return self._types(self.res_types, self.res_ptr, k)
+
+    def marginal_types(self, j: int) -> tuple[str, ...]:
+        """The query type of each attribute of workload marginal j."""
+        return self._types(self.marg_types, self.marg_ptr, j)
+
+    @staticmethod
+    def _types(codes: np.ndarray | None, ptr: np.ndarray, k: int) -> tuple[str, ...]:
+        a, b = int(ptr[k]), int(ptr[k + 1])
+        if codes is None:
+            return ("identity",) * (b - a)
+        return tuple(QUERY_TYPES[int(c)] for c in codes[a:b])
+
+    def factors(self, attribute: int, kind: str) -> AttributeFactors:
+        """What measuring and answering ``kind`` queries of ``attribute`` uses (the plan's own B_i)."""
+        n = int(self.domains[attribute])
+        if kind == "identity":
+            return attribute_factors(kind, n)
+        key = f"{kind}:{n}"
+        cache = self.__dict__.setdefault("_factors", {})
+        if key not in cache:
+            cache[key] = AttributeFactors.of(kind, self.strategies[key])
+        return cache[key]
 
     def residual_index(self) -> dict[tuple[int, ...], int]:
         """{attribute tuple: residual index} (builds a dict of |C| entries: use for small plans/tests)."""
@@ -224,19 +258,25 @@ class Plan:
 
     @property
     def var(self) -> np.ndarray:
-        """Predicted per-cell variance of each reconstructed workload marginal."""
+        """Predicted per-cell variance of each reconstructed workload marginal (under general query types,
+        the mean over its queries: a range query's variance depends on the range)."""
         return np.exp(self.log_var)
 
     # ---- error and privacy summaries ---------------------------------------------------------------
     @property
+    def queries(self) -> np.ndarray:
+        """The queries each workload marginal answers: its cells, or ∏ m_i under general query types."""
+        return self.cells if self.num_q is None else self.num_q
+
+    @property
     def num_queries(self) -> int:
-        """Cells over all workload marginals."""
-        return int(self.cells.sum())
+        """Queries (cells, for identity marginals) over all workload marginals."""
+        return int(self.queries.sum())
 
     @property
     def sse(self) -> float:
-        """Σ_A cells_A·Var_A: expected total squared error of the workload (unweighted)."""
-        return float(math.fsum((self.cells.astype(np.float64) * self.var).tolist()))
+        """Σ_A m_A·Var_A: expected total squared error of the workload (unweighted)."""
+        return float(math.fsum((self.queries.astype(np.float64) * self.var).tolist()))
 
     @property
     def rmse(self) -> float:
@@ -245,8 +285,8 @@ class Plan:
 
     @property
     def weighted_sse(self) -> float:
-        """Σ_A w_A·cells_A·Var_A: the ``sum_of_variances`` objective."""
-        return float(math.fsum((self.weights * self.cells.astype(np.float64) * self.var).tolist()))
+        """Σ_A w_A·m_A·Var_A: the ``sum_of_variances`` objective."""
+        return float(math.fsum((self.weights * self.queries.astype(np.float64) * self.var).tolist()))
 
     @property
     def max_weighted_variance(self) -> float:
@@ -315,9 +355,12 @@ class Plan:
 
     def marginal_groups(self, cells_per_task: int | None = None) -> list[tuple[int, int]]:
         """Contiguous [start, stop) workload-index ranges of about ``cells_per_task`` reconstruction work
-        each, the work of marginal A being cells_A·2^|A| (one Kronecker-vector product per S ⊆ A)."""
+        each, the work of marginal A being cells_A·2^|A| (one Kronecker-vector product per S ⊆ A; its
+        answers instead of its cells when it asks more, prefixes or ranges)."""
         target = cells_per_task or DEFAULT_CELLS_PER_TASK
-        work = self.cells.astype(np.float64) * np.diff(self.sub_ptr).astype(np.float64)
+        work = np.maximum(self.cells, self.queries).astype(np.float64) * np.diff(self.sub_ptr).astype(
+            np.float64
+        )
         return _ranges_by_cost(work, target)
 
     def needed_residuals(self, start: int, stop: int) -> np.ndarray:
@@ -348,6 +391,7 @@ class Plan:
         "sub_ptr",
         "sub_idx",
     )
+    _GENERAL = ("res_types", "marg_types", "num_q")  # present when a query type is not identity
 
     def to_doc(self) -> dict[str, Any]:
         """A JSON-safe dict that :meth:`from_doc` turns back into an identical plan."""
@@ -362,7 +406,12 @@ class Plan:
             "unit_rows": self.unit_rows,
             "rows_bound": self.rows_bound,
             "summary": self.summary(),
-            "arrays": {name: _encode(getattr(self, name)) for name in self._ARRAYS},
+            "arrays": {
+                name: _encode(getattr(self, name))
+                for name in (*self._ARRAYS, *self._GENERAL)
+                if getattr(self, name) is not None
+            },
+            "strategies": {key: _encode(b) for key, b in sorted(self.strategies.items())},
         }
 
     @classmethod
@@ -370,7 +419,11 @@ class Plan:
         if doc.get("version") != DOC_VERSION:
             raise PlanError(f"plan document version {doc.get('version')!r}; this code reads {DOC_VERSION}")
         # a plan written before the charged sensitivity (log_q) charged p_S itself
-        arrays = {name: _decode(doc["arrays"][name]) for name in cls._ARRAYS if name in doc["arrays"]}
+        arrays = {
+            name: _decode(doc["arrays"][name])
+            for name in (*cls._ARRAYS, *cls._GENERAL)
+            if name in doc["arrays"]
+        }
         arrays.setdefault("log_q", arrays["log_p"].copy())
         return cls(
             names=doc["names"],
@@ -381,6 +434,7 @@ class Plan:
             solver=dict(doc.get("solver") or {}),
             unit_rows=int(doc.get("unit_rows", 1)),
             rows_bound=None if doc.get("rows_bound") is None else int(doc["rows_bound"]),
+            strategies={key: _decode(b) for key, b in (doc.get("strategies") or {}).items()},
             **arrays,
         )
 
@@ -400,10 +454,17 @@ def plan(
     delta: float | None = None,
     unit_rows: int | None = None,
     rows_bound: int | None = None,
+    queries: list | None = None,
 ) -> Plan:
     """Plan a job: ``plan(spec)`` for a :class:`functions.dpquery.spec.DPQueryJob`, or from bare parts,
     ``plan(domains=[n_0, …], workload=[(attrs, weight) | attrs, …], rho=ρ, loss=…)`` with attrs tuples
     of attribute indices. Keyword arguments given with a spec override it (e.g. ``rho``).
+
+    ``queries``: beside ``workload``, each marginal's ``{attribute index: query type}`` (types of
+    :data:`~functions.dpquery.smasher.QUERY_TYPES`; an attribute not named is ``identity``). With any type
+    other than identity the plan is QuerySmasher's (:mod:`functions.dpquery.smasher`): each residual set is
+    measured through its attributes' best strategies instead of the contrasts, and an attribute must have
+    one type across the marginals that share a residual set with it.
 
     ``unit_rows`` (k) and ``rows_bound`` (N) set the charged sensitivity (module docstring); a spec gives
     its privacy unit's ``max_rows`` (default 1) and its ``max_rows_total`` (default
@@ -417,18 +478,20 @@ def plan(
         loss = spec.loss if loss is None else loss
         names = [a.name for a in spec.attributes] if names is None else names
         delta = spec.budget.report_delta() if delta is None else delta
+        queries = spec.marginal_queries() if queries is None else queries
     if domains is None or workload is None or rho is None:
         raise SpecError("plan needs a spec, or domains, workload and rho")
     loss = loss or "sum_of_variances"
     delta = DEFAULT_REPORT_DELTA if delta is None else float(delta)
     n = np.asarray(domains, dtype=np.int64)
     sizes, padded_a, weights = _check_parts(n, workload, float(rho), loss, names)
+    codes = _type_codes(queries, padded_a, sizes, loss)
     unit_rows = 1 if unit_rows is None else int(unit_rows)
     if unit_rows < 1:
         raise SpecError(f"unit_rows must be >= 1, got {unit_rows}")
     if rows_bound is not None and not (1 <= int(rows_bound) <= MAX_ROWS_BOUND):
         raise SpecError(f"rows_bound must lie in [1, 2^53], got {rows_bound}")
-    return _plan(n, sizes, padded_a, weights, float(rho), loss, names, delta, unit_rows, rows_bound)
+    return _plan(n, sizes, padded_a, weights, float(rho), loss, names, delta, unit_rows, rows_bound, codes)
 
 
 def neighbouring(unit_rows: int) -> str:
@@ -507,6 +570,41 @@ def _check_parts(n, workload, rho, loss, names) -> tuple[np.ndarray, np.ndarray,
     return sizes, padded.astype(np.int32), weights
 
 
+def _type_codes(queries, padded_a, sizes, loss) -> np.ndarray | None:
+    """Each workload slot's query type code, aligned with ``padded_a`` (0, identity, for the padding);
+    None when every query is an identity."""
+    if not queries or not any(q for q in queries):
+        return None
+    if len(queries) != sizes.size:
+        raise SpecError(f"queries: {len(queries)} entries for a workload of {sizes.size} marginals")
+    if loss != "sum_of_variances":
+        raise SpecError(
+            "loss 'max_variance' is for identity marginals; with query types other than identity the plan "
+            "minimises the weighted sum of variances",
+            [{"field": "loss", "error": "max_variance needs identity queries"}],
+        )
+    codes = np.zeros(padded_a.shape, dtype=np.int8)
+    code_of = {kind: c for c, kind in enumerate(QUERY_TYPES)}
+    for j, q in enumerate(queries):
+        if not q:
+            continue
+        row = padded_a[j, : sizes[j]].tolist()
+        for i, kind in q.items():
+            if kind not in code_of:
+                raise SpecError(
+                    f"workload.{j}: unknown query type {kind!r}; expected one of {list(QUERY_TYPES)}",
+                    [{"field": f"workload.{j}.queries", "error": f"unknown query type {kind!r}"}],
+                )
+            pos = row.index(i) if i in row else None
+            if pos is None:
+                raise SpecError(
+                    f"workload.{j}: a query type for attribute {i}, which the marginal does not hold",
+                    [{"field": f"workload.{j}.queries", "error": f"attribute {i} is not in the marginal"}],
+                )
+            codes[j, pos] = code_of[kind]
+    return codes if codes.any() else None
+
+
 def _error_order(error: dict[str, str]) -> tuple[int, int]:
     """Errors of the whole (domains, rho, ...) first, then the workload's by entry."""
     field = error["field"]
@@ -515,8 +613,15 @@ def _error_order(error: dict[str, str]) -> tuple[int, int]:
     return (0, 0)
 
 
-def _plan(n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, rows_bound=None) -> Plan:
-    """``sizes``, ``padded_a`` and ``weights`` as :func:`_check_parts` returns them."""
+def _plan(
+    n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, rows_bound=None, codes=None
+) -> Plan:
+    """``sizes``, ``padded_a`` and ``weights`` as :func:`_check_parts` returns them, ``codes`` as
+    :func:`_type_codes` does.
+
+    The sets are enumerated over *columns*: column i < d is attribute i queried as identity, column d pads
+    short rows, and column d + 1 + k is the k-th (attribute, other query type) pair of the workload. Every
+    per-attribute factor is a table over columns, so general query types cost no more than identities."""
     d = int(n.size)
     m = int(sizes.size)
     kmax = int(sizes.max())
@@ -529,14 +634,41 @@ def _plan(n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, row
     log_n = np.log(n.astype(np.float64))
     # per-attribute tables, with one extra entry (index d) for the padding of short sets
     log_n_ext = np.append(log_n, 0.0)
-    log_pfac_ext = np.append(np.log1p(-1.0 / n.astype(np.float64)), 0.0)  # log((n−1)/n)
-    log_nn1_ext = np.append(log_n + np.log(n.astype(np.float64) - 1.0), 0.0)  # log(n(n−1))
-    n1_ext = np.append(n - 1, 1).astype(np.int64)
     n_ext = np.append(n, 1).astype(np.int64)
+    # per-column tables (see above): an identity column's are ResidualPlanner's
+    log_pfac_ext = np.append(np.log1p(-1.0 / n.astype(np.float64)), 0.0)  # log p: log((n−1)/n)
+    log_nn1_ext = np.append(log_n + np.log(n.astype(np.float64) - 1.0), 0.0)  # log(ℓ/o): log(n(n−1))
+    log_o_ext = np.append(-log_n, 0.0)  # log Σ (W 1/n)²: log(1/n)
+    log_m_ext = log_n_ext  # log m: the queries of the attribute, n
+    real_ext = np.arange(d + 1)  # the attribute of each column (d: the padding)
+    kind_ext = np.zeros(d + 1, dtype=np.int8)
+    strategies: dict[str, np.ndarray] = {}
+    padded_c = padded_a
+    if codes is not None:
+        used = codes > 0
+        types = len(QUERY_TYPES)
+        slot_key = padded_a.astype(np.int64) * types + codes
+        pair_keys = np.unique(slot_key[used])
+        padded_c = np.where(used, d + 1 + np.searchsorted(pair_keys, slot_key), padded_a).astype(np.int32)
+        extra_attr, extra_kind = pair_keys // types, (pair_keys % types).astype(np.int8)
+        extra = [
+            attribute_factors(QUERY_TYPES[c], int(n[i])) for i, c in zip(extra_attr, extra_kind, strict=True)
+        ]
+        strategies = {f"{f.kind}:{f.n}": f.matrix for f in extra}
+        log_pfac_ext = np.append(log_pfac_ext, [math.log(f.privacy) for f in extra])
+        log_o_ext = np.append(log_o_ext, [math.log(float(f.outside.sum())) for f in extra])
+        log_nn1_ext = np.append(
+            log_nn1_ext, [math.log(float(f.inside.sum())) - math.log(float(f.outside.sum())) for f in extra]
+        )
+        log_m_ext = np.append(log_m_ext, [math.log(f.queries) for f in extra])
+        real_ext = np.append(real_ext, extra_attr)
+        kind_ext = np.append(kind_ext, extra_kind)
+    n1_ext = np.append(n - 1, 1).astype(np.int64)[real_ext]  # the noise samples of a column: n − 1
 
     marg_ptr = np.zeros(m + 1, dtype=np.int64)
     np.cumsum(sizes, out=marg_ptr[1:])
-    marg_attrs = padded_a[np.arange(padded_a.shape[1])[None, :] < sizes[:, None]]  # row-major, each sorted
+    inside_a = np.arange(padded_a.shape[1])[None, :] < sizes[:, None]
+    marg_attrs = padded_a[inside_a]  # row-major, each sorted
     cells_log = log_n_ext[padded_a].sum(axis=1)
     big = np.flatnonzero(cells_log > math.log(MAX_MARGINAL_CELLS) + 1e-9)
     if big.size:
@@ -548,7 +680,24 @@ def _plan(n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, row
             "(coarsen the attributes' bins or split the marginal)"
         )
     cells = np.prod(n_ext[padded_a], axis=1)
-    log_a = np.log(weights) - cells_log  # log(w_A / cells_A)
+    num_q = None
+    if codes is None:
+        log_a = np.log(weights) - cells_log  # log(w_A / cells_A)
+    else:
+        log_a = np.log(weights) + log_o_ext[padded_c].sum(axis=1)  # log(w_A ∏ o_i)
+        queries_log = log_m_ext[padded_c].sum(axis=1)
+        big = np.flatnonzero(queries_log > math.log(MAX_MARGINAL_CELLS) + 1e-9)
+        if big.size:
+            j = int(big[0])
+            attrs = tuple(padded_a[j, : sizes[j]].tolist())
+            raise PlanError(
+                f"workload.{j} {_label(attrs, names)} asks about {math.exp(queries_log[j]):.3g} queries; a "
+                f"marginal may answer at most {MAX_MARGINAL_CELLS:,} (coarsen the attributes' bins, or ask "
+                "prefixes instead of all ranges)"
+            )
+        m_ext = np.rint(np.exp(log_m_ext)).astype(np.int64)
+        m_ext[d] = 1
+        num_q = np.prod(m_ext[padded_c], axis=1)
 
     # ---- enumerate every (A, S ⊆ A) pair, grouped by |A|, A-major ---------------------------------------
     sub_ptr = np.zeros(m + 1, dtype=np.int64)
@@ -561,7 +710,7 @@ def _plan(n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, row
     for k in np.unique(sizes):
         k = int(k)
         idx = np.flatnonzero(sizes == k)
-        a_k = padded_a[idx, :k]  # (m_k, k)
+        a_k = padded_c[idx, :k]  # (m_k, k)
         masks = np.arange(1 << k)
         # positions of this group's pairs: the 2^k slots of each marginal, mask order
         pos = (sub_ptr[idx][:, None] + masks[None, :]).ravel()
@@ -599,18 +748,27 @@ def _plan(n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, row
     res_ptr = np.zeros(c + 1, dtype=np.int64)
     np.cumsum(uniq_size, out=res_ptr[1:])
     col = np.arange(width)[None, :]
-    res_attrs = uniq_rows[col < uniq_size[:, None]].astype(np.int32)  # row-major: each set in order
+    in_set = col < uniq_size[:, None]
+    res_attrs = real_ext[uniq_rows[in_set]].astype(np.int32)  # row-major: each set in order
+    res_types = None
+    if codes is not None:
+        res_types = kind_ext[uniq_rows[in_set]]
+        _one_type_per_set(real_ext[uniq_rows], uniq_size, kind_ext[uniq_rows], res_of_pair, pair_marg, names)
 
     log_p = log_pfac_ext[uniq_rows].sum(axis=1)
     # charged sensitivity: q_S = p_S·c_S², c_S = k + 2·η_S·N (privacy unit and transform rounding)
-    log_gamma_ext = np.append(log1p_gamma(n), 0.0)
+    # the rounding of the mode-wise products: measure.charged_sensitivity's γ_{n+2} for the contrasts alone,
+    # measure.charged_norm's γ_n when the sets are measured through matrices charged entry by entry
+    log_gamma_ext = np.append(log1p_gamma(n, 2 if codes is None else 0), 0.0)[real_ext]
     c_s = charge_factor(log_gamma_ext[uniq_rows].sum(axis=1), unit_rows, rows_bound)
     log_q = log_p + 2.0 * np.log(c_s)
     noise_count = np.prod(n1_ext[uniq_rows], axis=1)
-    # v_S = ∏_{i∈S} n_i(n_i−1) · Σ_{A⊇S} w_A/cells_A  (see the module docstring)
-    log_v = log_nn1_ext[uniq_rows].sum(axis=1) + _grouped_lse(log_a[pair_marg[order]], starts)
+    # v_S = ∏_{i∈S} n_i(n_i−1) · Σ_{A⊇S} w_A/cells_A  (see the module docstring); in general
+    # ∏_{i∈S} ℓ_i/o_i · Σ_{A⊇S} w_A ∏_{i∈A} o_i, ℓ_i = Σ inside, o_i = Σ outside (smasher.AttributeFactors)
+    log_lo = log_nn1_ext[uniq_rows].sum(axis=1)
+    log_v = log_lo + _grouped_lse(log_a[pair_marg[order]], starts)
     del order
-    log_n_sum_s = log_n_ext[uniq_rows].sum(axis=1)  # Σ_{i∈S} log n_i
+    log_n_sum_s = log_n_ext[real_ext[uniq_rows]].sum(axis=1)  # Σ_{i∈S} log n_i
     del uniq_rows
 
     rho_planned = rho * (1.0 - RHO_SLACK)
@@ -625,9 +783,14 @@ def _plan(n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, row
             log_sigma2, log_p, log_n_sum_s, res_of_pair, pair_marg, cells_log, weights, two_rho, log_q
         )
 
-    # per-cell variance: Var_A = cells_A^{-2} Σ_{S⊆A} σ_S² p_S ∏_{i∈S} n_i²  (pairs are A-major)
-    term = (log_sigma2 + log_p + 2.0 * log_n_sum_s)[res_of_pair]
-    log_var = _grouped_lse(term, sub_ptr[:-1]) - 2.0 * cells_log
+    if codes is None:
+        # per-cell variance: Var_A = cells_A^{-2} Σ_{S⊆A} σ_S² p_S ∏_{i∈S} n_i²  (pairs are A-major)
+        term = (log_sigma2 + log_p + 2.0 * log_n_sum_s)[res_of_pair]
+        log_var = _grouped_lse(term, sub_ptr[:-1]) - 2.0 * cells_log
+    else:
+        # mean variance of A's queries: Σ_{S⊆A} σ_S² ∏_{i∈S} ℓ_i ∏_{i∈A∖S} o_i / ∏_{i∈A} m_i
+        term = (log_sigma2 + log_lo)[res_of_pair]
+        log_var = _grouped_lse(term, sub_ptr[:-1]) + log_a - np.log(weights) - queries_log
 
     # S ⊆ A lists in ascending residual order, per marginal
     sub_idx = res_of_pair  # reordered in place below: ascending within each marginal
@@ -661,11 +824,44 @@ def _plan(n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, row
         solver=solver,
         unit_rows=int(unit_rows),
         rows_bound=None if rows_bound is None else int(rows_bound),
+        res_types=res_types,
+        marg_types=None if codes is None else kind_ext[padded_c][inside_a],
+        num_q=num_q,
+        strategies=strategies,
     )
     cost = result.privacy_cost()
     if not abs(cost - two_rho) <= PRIVACY_CHECK_RTOL * two_rho:
         raise PlanError(f"internal: the allocation costs Σ q_S/σ_S² = {cost!r}, not 2ρ = {two_rho!r}")
     return result
+
+
+def _one_type_per_set(real_rows, size, kinds, res_of_pair, pair_marg, names) -> None:
+    """Refuse a workload that reaches one residual set with two query types of an attribute (the
+    Kronecker solver measures each set once, one strategy per attribute), naming both marginals."""
+    width = real_rows.shape[1]
+    order = np.lexsort([real_rows[:, c] for c in range(width - 1, -1, -1)] + [size])
+    same = np.all(real_rows[order][1:] == real_rows[order][:-1], axis=1) & (
+        size[order][1:] == size[order][:-1]
+    )
+    if not same.any():
+        return
+    k = int(np.argmax(same))
+    u, v = int(order[k]), int(order[k + 1])
+    first_of = {}
+    for r in (u, v):
+        first_of[r] = int(pair_marg[int(np.argmax(res_of_pair == r))])
+    (ju, jv) = sorted((first_of[u], first_of[v]))
+    ru = u if first_of[u] == ju else v
+    rv = v if ru == u else u
+    diff = next(c for c in range(int(size[u])) if kinds[ru, c] != kinds[rv, c])
+    attr = int(real_rows[u, diff])
+    name = repr(names[attr]) if names is not None else str(attr)
+    raise SpecError(
+        f"workload.{jv}: attribute {name} is queried as {QUERY_TYPES[kinds[rv, diff]]!r} here and as "
+        f"{QUERY_TYPES[kinds[ru, diff]]!r} by workload.{ju}, and both marginals reach its residual set; "
+        "give the attribute one query type across the marginals that share it",
+        [{"field": f"workload.{jv}.queries", "error": f"attribute {name}: two query types"}],
+    )
 
 
 def _label(attrs: tuple[int, ...], names: list[str] | None) -> str:

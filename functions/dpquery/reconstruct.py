@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from functions.dpquery.measure import contrasts, mode_product
+from functions.dpquery.smasher import AttributeFactors, answer_axis, intervals
 
 JSON_MAX_CELLS = 1000  # marginals up to this many cells also get a JSON table
 VALUE_COLUMN = "estimate"
@@ -68,6 +69,46 @@ def reconstruct(
         rest = math.prod(shape[k] for k, a in enumerate(attrs) if a not in s_attrs)
         out += z.reshape(full) / rest
     return out
+
+
+def answers(
+    factors: Sequence[AttributeFactors], terms: Sequence[tuple[tuple[int, ...], np.ndarray, float]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """A marginal's answers under general query types (QuerySmasher) and each answer's variance.
+
+    ``factors``: per attribute of the marginal A (schema order), its query type's
+    :class:`~functions.dpquery.smasher.AttributeFactors`; ``terms``: (positions in A of S, y_S, σ_S²) for
+    every S ⊆ A. x̂_A = Σ_S (⊗_{i∈S} B_i⁺ ⊗_{i∈A∖S} 1/n_i) y_S, then W_i along every axis; an answer's
+    variance is Σ_S σ_S² ∏_{i∈S} inside_i ∏_{i∈A∖S} outside_i (the measurements are independent)."""
+    shape = [f.n for f in factors]
+    x = np.zeros(shape, dtype=np.float64)
+    var = np.zeros([f.queries for f in factors], dtype=np.float64)
+    for pos, y, s2 in terms:
+        z = mode_product(
+            [factors[k].inverse for k in pos],
+            np.asarray(y, dtype=np.float64).reshape([shape[k] - 1 for k in pos]),
+        )
+        full = [shape[k] if k in pos else 1 for k in range(len(shape))]
+        x += z.reshape(full) / math.prod(shape[k] for k in range(len(shape)) if k not in pos)
+        v = np.asarray(float(s2))
+        for k, f in enumerate(factors):
+            v = np.multiply.outer(v, f.inside if k in pos else f.outside)
+        var += v
+    for k, f in enumerate(factors):
+        x = answer_axis(f.kind, x, k)
+    return x, var
+
+
+def query_labels(attribute, kind: str) -> tuple[list, tuple[np.ndarray, np.ndarray] | None]:
+    """An axis's labels and bounds in a table: the attribute's own for identity (:func:`attribute_bounds`),
+    else one per query, ``"lo..hi"`` of the values it sums (an arc past the last value has lo > hi), with
+    those bounds (both inclusive)."""
+    if kind == "identity":
+        return attribute.labels(), attribute_bounds(attribute)
+    lo, hi = attribute_bounds(attribute)
+    spans = np.asarray(intervals(kind, len(lo)), dtype=np.int64)
+    first, last = np.asarray(lo)[spans[:, 0]], np.asarray(hi)[spans[:, 1]]
+    return [f"{a}..{b}" for a, b in zip(first.tolist(), last.tolist(), strict=True)], (first, last)
 
 
 def variance(sigma2: dict[tuple[int, ...], float], domains: Sequence[int], attrs: Sequence[int]) -> float:
@@ -147,13 +188,14 @@ def table(
     estimate: np.ndarray,
     names: Sequence[str],
     labels: Sequence[list],
-    var: float,
+    var: float | np.ndarray,
     meta: dict[str, str],
     bounds: Sequence[tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> pa.Table:
     """The marginal as a table: one row per cell (C order): attribute label columns (each range
     attribute's followed by its bin bounds ``<name>_lo``, ``<name>_hi``, inclusive), then ``estimate``,
-    ``std_error``, ``variance``. ``bounds[k]`` is :func:`bin_bounds` of attribute k, or None."""
+    ``std_error``, ``variance``. ``bounds[k]`` is :func:`bin_bounds` of attribute k, or None. ``var``: the
+    variance of every cell, or one per cell (general queries: :func:`answers`))."""
     shape = estimate.shape
     bounds = list(bounds) if bounds is not None else [None] * len(names)
     colnames = column_names(names, [b is not None for b in bounds])
@@ -169,33 +211,31 @@ def table(
             cols[lo_col] = pa.array(bnd[0], pa.int64()).take(idx)
             cols[hi_col] = pa.array(bnd[1], pa.int64()).take(idx)
         del idx
-    std = math.sqrt(float(var))
+    variances = np.broadcast_to(np.asarray(var, dtype=np.float64), estimate.shape).reshape(-1)
     cols[colnames["estimate"]] = pa.array(estimate.reshape(-1), pa.float64())
-    cols[colnames["std_error"]] = pa.array(np.full(cells, std), pa.float64())
-    cols[colnames["variance"]] = pa.array(np.full(cells, float(var)), pa.float64())
-    metadata = {
-        **meta,
-        "variance": repr(float(var)),
-        "std_error": repr(std),
-        "value_column": colnames["estimate"],
-    }
+    cols[colnames["std_error"]] = pa.array(np.sqrt(variances), pa.float64())
+    cols[colnames["variance"]] = pa.array(variances, pa.float64())
+    metadata = {**meta, "value_column": colnames["estimate"]}
+    if np.ndim(var) == 0:  # one variance for the whole marginal: also in the metadata
+        metadata |= {"variance": repr(float(var)), "std_error": repr(math.sqrt(float(var)))}
     return pa.table(cols).replace_schema_metadata({k: str(v) for k, v in metadata.items()})
 
 
-def json_doc(tbl: pa.Table, var: float, attributes: Sequence[str], release: dict | None = None) -> dict:
+def json_doc(
+    tbl: pa.Table, var: float | None, attributes: Sequence[str], release: dict | None = None
+) -> dict:
     """A small marginal as JSON: ``columns`` and ``rows`` (attribute labels and bin bounds, then the
-    estimate; the per-cell ``variance`` and ``std_error`` are given once), and the ``release``."""
+    estimate; the per-cell ``variance`` and ``std_error`` given once), and the ``release``. ``var`` None:
+    each row's own (general queries), so ``std_error`` is a column of the rows."""
     meta = tbl.schema.metadata or {}
     value = (meta.get(b"value_column") or VALUE_COLUMN.encode()).decode()
     columns = tbl.column_names[: tbl.column_names.index(value) + 1]
+    if var is None:
+        columns.append(tbl.column_names[tbl.column_names.index(value) + 1])  # its std_error
     rows = [list(r) for r in zip(*(tbl.column(c).to_pylist() for c in columns), strict=True)]
-    out = {
-        "attributes": list(attributes),
-        "columns": columns,
-        "rows": rows,
-        "variance": float(var),
-        "std_error": math.sqrt(float(var)),
-    }
+    out: dict = {"attributes": list(attributes), "columns": columns, "rows": rows}
+    if var is not None:
+        out |= {"variance": float(var), "std_error": math.sqrt(float(var))}
     if release is not None:
         out["release"] = release
     return out

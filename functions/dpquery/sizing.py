@@ -50,6 +50,11 @@ PLAN_BYTES_PER_PAIR = 128
 # std_error and variance columns (float64 each) and the Parquet buffer, per cell (plus 16 bytes per attribute
 # for its label column, and as much again for each of a range attribute's lo/hi columns: counted for all).
 RECON_BYTES_PER_CELL = 64
+# A marginal of prefix or range queries holds, per answer, more: its variance (an outer product per residual
+# set, summed), the prefix sums that make the answers, their std_error column, and the Parquet writer's
+# pages, which the allocator keeps after the table is written (tests/test_memory.py, "general": 55,188
+# answers in the largest marginal, 202 MiB measured).
+RECON_BYTES_PER_ANSWER = 512
 # The plan document once loaded in a task: its JSON text, the decoded arrays and their copies.
 PLAN_DOC_FACTOR = 3
 # What writing the first Arrow table to Parquet takes on top of the arrays: pyarrow's memory pool (mimalloc)
@@ -86,8 +91,11 @@ def _residual_cells(pl: Any) -> np.ndarray:
 
 
 def _names(spec: Any, pl: Any, j: int) -> str:
-    """The marginal's name as ``client.dpquery.tables`` keys it (``"sex,region"``, ``"(total)"``)."""
-    return marginal_name([spec.attributes[i].name for i in pl.marginal(j)])
+    """The marginal's name as ``client.dpquery.tables`` keys it (``"sex,region"``, ``"(total)"``), with the
+    query type of each attribute not asked cell by cell (``"sex,age (age: prefix)"``)."""
+    names = [spec.attributes[i].name for i in pl.marginal(j)]
+    asked = [f"{n}: {t}" for n, t in zip(names, pl.marginal_types(j), strict=True) if t != "identity"]
+    return marginal_name(names) + (f" ({', '.join(asked)})" if asked else "")
 
 
 def _dataset_size(spec: Any, store_root: str) -> tuple[int | None, str | None]:
@@ -158,6 +166,7 @@ def privacy_rows(spec: Any, pl: Any) -> list[list[Any]]:
         f" (from ε {b.epsilon:g}, δ {b.delta:g} by CKS)" if b.epsilon is not None else " (zCDP, as given)"
     )
     delta = rep["delta"]
+    what, one = ("cells", "cell") if pl.marg_types is None else ("answers", "answer")
     rows: list[list[Any]] = [
         ["ρ (zCDP)", f"{rep['rho']:.6g}{source}; the plan allocates ρ·(1 − 1e-9)"],
         [f"ε at δ = {delta:g}, CKS", f"{rep['epsilon_cks']:.6g} (any ρ-zCDP mechanism; use across jobs)"],
@@ -173,28 +182,65 @@ def privacy_rows(spec: Any, pl: Any) -> list[list[Any]]:
             else f"{rep['unit_rows']} row(s) per unit, rounding not charged",
         ],
         ["loss", pl.loss + (f" ({pl.solver.get('solver')}, {pl.solver.get('status')})" if pl.solver else "")],
-        ["workload", f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} cells"],
+        ["workload", f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} {what}"],
         ["residual sets", f"{pl.num_residuals:,} ({pl.total_noise_samples:,} noise samples)"],
-        ["workload RMSE (per cell)", f"{pl.rmse:.6g} (expected squared error {pl.sse:.6g} over all cells)"],
-        ["largest per-cell std error", f"{math.sqrt(float(pl.var.max())):.6g}"],
+        [
+            f"workload RMSE (per {one})",
+            f"{pl.rmse:.6g} (expected squared error {pl.sse:.6g} over all {what})",
+        ],
+        *rmse_by_query_type(pl),
+        [
+            f"largest {'per-cell std error' if pl.marg_types is None else 'RMSE of a marginal'}",
+            f"{math.sqrt(float(pl.var.max())):.6g}",
+        ],
     ]
     return rows
+
+
+def rmse_by_query_type(pl: Any) -> list[list[str]]:
+    """Under general query types, the RMSE of the answers of each kind of marginal: those whose attributes
+    are all asked cell by cell (``identity``), and those asking prefixes, ranges, ... along some attribute
+    (a marginal asking two kinds counts in both)."""
+    if pl.marg_types is None:
+        return []
+    sse: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for j in range(pl.num_marginals):
+        kinds = sorted({t for t in pl.marginal_types(j) if t != "identity"}) or ["identity"]
+        for kind in kinds:
+            sse[kind] = sse.get(kind, 0.0) + float(pl.queries[j]) * float(pl.var[j])
+            count[kind] = count.get(kind, 0) + int(pl.queries[j])
+    return [
+        [f"RMSE of {kind} answers", f"{math.sqrt(sse[kind] / count[kind]):.6g} ({count[kind]:,} answers)"]
+        for kind in sorted(sse, key=lambda k: (k != "identity", k))
+    ]
 
 
 def marginal_rows(spec: Any, pl: Any) -> tuple[str, list[list[Any]]]:
     """The per-marginal table's title and rows (marginal, cells, weight, variance, std error)."""
     m = pl.num_marginals
     var = pl.var
+    alike = (
+        "every cell of a marginal alike"
+        if pl.marg_types is None
+        else "a marginal of prefixes or ranges: the mean over its answers; each answer's own is in the table"
+    )
     if m <= MAX_MARGINAL_ROWS:
         order = list(range(m))
-        title = "predicted error per marginal (unbiased estimates; every cell of a marginal alike)"
+        title = f"predicted error per marginal (unbiased estimates; {alike})"
     else:
         order = np.argsort(-var, kind="stable")[:MAX_MARGINAL_ROWS].tolist()
         title = (
             f"predicted error: the {MAX_MARGINAL_ROWS} of {m:,} marginals with the largest per-cell variance"
         )
     rows = [
-        [_names(spec, pl, j), int(pl.cells[j]), float(pl.weights[j]), float(var[j]), math.sqrt(float(var[j]))]
+        [
+            _names(spec, pl, j),
+            int(pl.queries[j]),
+            float(pl.weights[j]),
+            float(var[j]),
+            math.sqrt(float(var[j])),
+        ]
         for j in order
     ]
     return title, rows
@@ -280,7 +326,7 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     # reconstruct: per group, the measurements it needs and its largest marginal's table
     sizes = np.diff(pl.marg_ptr)
     terms = np.diff(pl.sub_ptr)
-    json_tables = int(np.count_nonzero(pl.cells <= rc.JSON_MAX_CELLS))
+    json_tables = int(np.count_nonzero(pl.queries <= rc.JSON_MAX_CELLS))
     peak = 0.0
     worst_s = 0.0
     recon_gets = 0
@@ -288,13 +334,13 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         needed = pl.needed_residuals(s, t)
         owners = np.unique(planner.Plan.group_of(needed, mgroups))
         recon_gets += 1 + int(owners.size)
-        cells = pl.cells[s:t].astype(np.float64)
+        # a marginal of prefixes or ranges holds its cells and, larger, its answers and their variances
+        cells = np.maximum(pl.cells[s:t], pl.queries[s:t]).astype(np.float64)
         biggest = int(np.argmax(cells))
-        peak = max(
-            peak,
-            16 * float(pl.noise_count[needed].sum())
-            + float(cells[biggest]) * (RECON_BYTES_PER_CELL + 48 * int(sizes[s + biggest])),
-        )
+        per_cell = RECON_BYTES_PER_CELL + 48 * int(sizes[s + biggest])
+        if pl.marg_types is not None:
+            per_cell += RECON_BYTES_PER_ANSWER
+        peak = max(peak, 16 * float(pl.noise_count[needed].sum()) + float(cells[biggest]) * per_cell)
         work = (
             float(np.sum(cells * terms[s:t])) * RECON_S_PER_CELL_TERM + float(cells.sum()) * TABLE_S_PER_CELL
         )
@@ -324,14 +370,15 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     output_bytes = int(
         pl.num_queries * OUTPUT_BYTES_PER_CELL
         + pl.num_marginals * TABLE_OVERHEAD_BYTES
-        + float(pl.cells[pl.cells <= rc.JSON_MAX_CELLS].sum()) * JSON_BYTES_PER_CELL
+        + float(pl.queries[pl.queries <= rc.JSON_MAX_CELLS].sum()) * JSON_BYTES_PER_CELL
     )
 
     budget_rows, budget_notes = _budget_rows(spec, state)
+    answers = "cells" if pl.marg_types is None else "answers"
     notes = [
         f"{pl.num_residuals:,} residual set(s), {pl.total_noise_samples:,} noise samples in "
         f"{len(mgroups)} measure task(s) (up to {max(samples):,} samples each); "
-        f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} cells in {n_r} reconstruct task(s)",
+        f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} {answers} in {n_r} reconstruct task(s)",
         f"the dataset ({'unknown size' if size is None else f'{data_bytes / MiB:,.1f} MiB'}, {fmt}) is read "
         f"once by plan (validation) and once by each measure task (its columns only)",
         *notes,

@@ -33,48 +33,127 @@ attributes A is answered as Σ_{A′⊆A} q^{⇒A′}·x̂_{A′} with variance 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import numpy as np
 
-from functions.dpquery.measure import contrasts, gamma, mode_product, sqrt_up
+from functions.dpquery.measure import contrasts, mode_product
+from functions.dpquery.spec import MAX_QUERY_DOMAIN, QUERY_TYPES
 from functions.errors import PlanError, SpecError
 
-QUERY_TYPES = ("identity", "prefix", "range", "circular_range")
-# The per-attribute convex problems are solved for domains up to this size (eigendecompositions of n × n).
-MAX_CONVEX_DOMAIN = 1024
 
-
-def attribute_queries(kind: str, n: int) -> np.ndarray:
-    """The query matrix of one attribute with ``n`` ordered values: ``identity`` (each value), ``prefix``
-    (values ≤ t, for every t), ``range`` (every interval [a, b]) or ``circular_range`` (every interval of
-    the values arranged on a circle, whole circle once)."""
+def intervals(kind: str, n: int) -> list[tuple[int, int]]:
+    """The queries of one attribute with ``n`` ordered values as intervals ``(a, b)`` of value indices, in
+    the order of :func:`attribute_queries`' rows: ``identity`` (a, a); ``prefix`` (0, t); ``range`` every
+    (a, b), a ≤ b; ``circular_range`` every arc from a of 1 … n−1 values ((a, b) with b < a wraps past the
+    last value), then the whole circle once as (0, n − 1)."""
     if n < 2:
         raise SpecError(f"a query type needs a domain of at least 2 values, got {n}")
     if kind == "identity":
-        return np.eye(n)
+        return [(t, t) for t in range(n)]
     if kind == "prefix":
-        return np.tril(np.ones((n, n)))
+        return [(0, t) for t in range(n)]
     if kind == "range":
-        rows = [(a, b) for a in range(n) for b in range(a, n)]
-        out = np.zeros((len(rows), n))
-        for r, (a, b) in enumerate(rows):
-            out[r, a : b + 1] = 1.0
-        return out
+        return [(a, b) for a in range(n) for b in range(a, n)]
     if kind == "circular_range":
-        out = np.zeros((n * (n - 1) + 1, n))
-        r = 0
-        for start in range(n):
-            for length in range(1, n):
-                out[r, [(start + k) % n for k in range(length)]] = 1.0
-                r += 1
-        out[r] = 1.0  # the whole circle
-        return out
+        return [(a, (a + length - 1) % n) for a in range(n) for length in range(1, n)] + [(0, n - 1)]
     raise SpecError(f"unknown query type {kind!r}; expected one of {list(QUERY_TYPES)}")
+
+
+def attribute_queries(kind: str, n: int) -> np.ndarray:
+    """The query matrix of one attribute with ``n`` ordered values, a row per interval of :func:`intervals`:
+    ``identity`` (each value), ``prefix`` (values ≤ t, for every t), ``range`` (every interval [a, b]) or
+    ``circular_range`` (every interval of the values arranged on a circle, whole circle once)."""
+    if kind == "identity":
+        return np.eye(n)
+    spans = intervals(kind, n)
+    out = np.zeros((len(spans), n))
+    for r, (a, b) in enumerate(spans):
+        if a <= b:
+            out[r, a : b + 1] = 1.0
+        else:  # an arc past the last value
+            out[r, a:] = 1.0
+            out[r, : b + 1] = 1.0
+    return out
+
+
+def _blocks(kind: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each query as one or two contiguous blocks of values (an arc past the last value is two): the first
+    and last value of every query's first block, then (first, last, query) of the second blocks."""
+    spans = np.asarray(intervals(kind, n), dtype=np.int64)
+    a, b = spans[:, 0], spans[:, 1]
+    wrap = b < a
+    first = np.stack([a, np.where(wrap, n - 1, b)], axis=1)  # [a, n−1] for an arc, else [a, b]
+    second = np.stack([np.zeros(int(wrap.sum()), dtype=np.int64), b[wrap]], axis=1)  # [0, b] of an arc
+    return first, second, np.flatnonzero(wrap), a
+
+
+def _block_pairs(kind: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(first row, last row, first column, last column) of every block × block of a query with itself,
+    with the query each belongs to: the rectangles whose sums make WᵀW and each query's diag(W P Wᵀ)."""
+    first, second, wrapped, _ = _blocks(kind, n)
+    q = np.arange(first.shape[0])
+    rows = [first, first[wrapped], second, second]
+    cols = [first, second, first[wrapped], second]
+    owner = [q, wrapped, wrapped, wrapped]
+    r, c = np.concatenate(rows), np.concatenate(cols)
+    return r[:, 0], r[:, 1], np.stack([c[:, 0], c[:, 1]], axis=1), np.concatenate(owner)
+
+
+def query_gram(kind: str, n: int) -> np.ndarray:
+    """WᵀW of one attribute's queries without forming W (a range workload on 1,024 values has 524,800 rows):
+    entry (u, v) counts the queries that hold both u and v, summed over each query's block rectangles."""
+    if kind == "identity":
+        return np.eye(n)
+    r0, r1, c, _ = _block_pairs(kind, n)
+    diff = np.zeros((n + 1, n + 1))
+    for rows, cols, sign in ((r0, c[:, 0], 1.0), (r0, c[:, 1] + 1, -1.0), (r1 + 1, c[:, 0], -1.0)):
+        np.add.at(diff, (rows, cols), sign)
+    np.add.at(diff, (r1 + 1, c[:, 1] + 1), 1.0)
+    return diff.cumsum(axis=0).cumsum(axis=1)[:n, :n]
+
+
+def block_sums(kind: str, p: np.ndarray) -> np.ndarray:
+    """diag(W P Wᵀ) of one attribute's queries for an n × n matrix ``p``: per query, the sum of ``p`` over
+    its values × its values, from 2-D prefix sums (no W)."""
+    n = p.shape[0]
+    if kind == "identity":
+        return np.diag(p).copy()
+    r0, r1, c, owner = _block_pairs(kind, n)
+    s = np.zeros((n + 1, n + 1))
+    s[1:, 1:] = p.cumsum(axis=0).cumsum(axis=1)
+    rect = s[r1 + 1, c[:, 1] + 1] - s[r0, c[:, 1] + 1] - s[r1 + 1, c[:, 0]] + s[r0, c[:, 0]]
+    return np.bincount(owner, weights=rect, minlength=len(intervals(kind, n)))
+
+
+def query_lengths(kind: str, n: int) -> np.ndarray:
+    """How many values each query sums (W 1)."""
+    spans = np.asarray(intervals(kind, n), dtype=np.int64)
+    a, b = spans[:, 0], spans[:, 1]
+    return np.where(b >= a, b - a + 1, n - a + b + 1)
+
+
+def answer_axis(kind: str, x: np.ndarray, axis: int) -> np.ndarray:
+    """W x along ``axis`` of ``x`` (one attribute's values there), from prefix sums: an interval [a, b] is
+    c[b+1] − c[a], an arc past the last value adds c[n]."""
+    if kind == "identity":
+        return x
+    n = x.shape[axis]
+    spans = np.asarray(intervals(kind, n), dtype=np.int64)
+    a, b = spans[:, 0], spans[:, 1]
+    zero = np.zeros_like(np.take(x, [0], axis=axis))
+    c = np.concatenate([zero, np.cumsum(x, axis=axis)], axis=axis)
+    out = np.take(c, b + 1, axis=axis) - np.take(c, a, axis=axis)
+    wrap = b < a
+    if wrap.any():
+        shape = [1] * x.ndim
+        shape[axis] = a.size
+        out = out + wrap.reshape(shape) * np.take(c, [n], axis=axis)
+    return out
 
 
 def pieces(q: np.ndarray, domains: Sequence[int]) -> dict[tuple[int, ...], np.ndarray]:
@@ -121,10 +200,10 @@ def attribute_strategy(g: np.ndarray) -> AttributeStrategy:
     if scale > 0 and np.allclose(a, scale * np.eye(n - 1), rtol=1e-12, atol=1e-12 * scale):
         m = n / (n - 1) * np.eye(n - 1)  # diag(U M Uᵀ) = n/(n−1)·(n−1)/n = 1
         return AttributeStrategy(u @ m @ u.T, float(scale * (n - 1) * (n - 1) / n), "identity")
-    if n > MAX_CONVEX_DOMAIN:
+    if n > MAX_QUERY_DOMAIN:
         raise PlanError(
             f"a query type other than identity on a domain of {n} values: the per-attribute convex problem "
-            f"is solved up to {MAX_CONVEX_DOMAIN} values (coarsen the attribute's bins)"
+            f"is solved up to {MAX_QUERY_DOMAIN} values (coarsen the attribute's bins)"
         )
     return _convex_strategy(a, u)
 
@@ -175,6 +254,58 @@ def _convex_strategy(a: np.ndarray, u: np.ndarray) -> AttributeStrategy:
 
 
 @dataclass(frozen=True)
+class AttributeFactors:
+    """One attribute's query type as a job uses it: the matrix B_i measured (rows ⊥ 1), its pseudo-inverse
+    for reconstruction, and per query of W_i its variance factor when the attribute is in the measured
+    partition (``inside``: diag(W_i (B_iᵀB_i)⁺ W_iᵀ)) and when it is not (``outside``: (W_i 1/n_i)²), so a
+    query's variance is Σ_{A′} σ²_{A′} ∏_{i∈A′} inside_i ∏_{i∈A∖A′} outside_i, and its squared column norm
+    bound ``privacy`` = max diag(B_iᵀB_i). ``identity`` is ResidualPlanner's: B_i the Helmert contrasts."""
+
+    kind: str
+    matrix: np.ndarray  # B_i, (n−1) × n
+    inverse: np.ndarray  # B_i⁺, n × (n−1)
+    inside: np.ndarray  # (m_i,)
+    outside: np.ndarray  # (m_i,)
+    privacy: float
+
+    @property
+    def n(self) -> int:
+        return int(self.matrix.shape[1])
+
+    @property
+    def queries(self) -> int:
+        return int(self.inside.size)
+
+    @classmethod
+    def of(cls, kind: str, matrix: np.ndarray) -> AttributeFactors:
+        """The factors of measuring ``kind``'s queries through ``matrix`` (a plan's stored B_i)."""
+        b = np.asarray(matrix, dtype=np.float64)
+        n = b.shape[1]
+        inverse = b.T if kind == "identity" else np.linalg.pinv(b)  # the contrasts' rows are orthonormal
+        inside = block_sums(kind, inverse @ inverse.T)  # diag(W B⁺B⁺ᵀ Wᵀ)
+        outside = (query_lengths(kind, n) / n) ** 2
+        privacy = float(np.max(np.einsum("ij,ij->j", b, b)))
+        for a in (b, inverse, inside, outside):
+            a.setflags(write=False)
+        return cls(kind, b, inverse, inside, outside, privacy)
+
+
+@functools.lru_cache(maxsize=64)
+def attribute_factors(kind: str, n: int) -> AttributeFactors:
+    """The best strategy for one attribute's ``kind`` queries on ``n`` values (:func:`attribute_strategy`),
+    as :class:`AttributeFactors` (identity: ResidualPlanner's contrasts)."""
+    if kind == "identity":
+        return AttributeFactors.of(kind, contrasts(n))
+    return AttributeFactors.of(kind, strategy_matrix(attribute_strategy(centred_gram(kind, n))))
+
+
+def centred_gram(kind: str, n: int) -> np.ndarray:
+    """GᵀG, G = W(I − J/n): the Gram of one attribute's queries on its residual space."""
+    c = np.eye(n) - 1.0 / n
+    return c @ query_gram(kind, n) @ c
+
+
+@dataclass(frozen=True)
 class Entry:
     """One workload entry: the Kronecker family ⊗_{i∈attrs} W_i, each attribute's query type
     (``identity`` unless ``queries`` says otherwise), with a weight."""
@@ -214,9 +345,7 @@ def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> S
     kinds: dict[tuple[int, ...], dict[int, str]] = {}
     for j, e in enumerate(entries):
         attrs = tuple(sorted(e.attrs))
-        norms = {
-            i: float(np.sum((attribute_queries(e.kind(i), n[i]).sum(axis=1) / n[i]) ** 2)) for i in attrs
-        }
+        norms = {i: float(np.sum((query_lengths(e.kind(i), n[i]) / n[i]) ** 2)) for i in attrs}
         for k in range(len(attrs) + 1):
             for part in itertools.combinations(attrs, k):
                 rest = [i for i in attrs if i not in part]
@@ -235,9 +364,7 @@ def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> S
         for i in part:
             key = (n[i], kinds[part][i])
             if key not in cache:
-                w = attribute_queries(key[1], key[0])
-                g = w - w.mean(axis=1, keepdims=True)  # G = W(I − J/n)
-                cache[key] = attribute_strategy(g.T @ g)
+                cache[key] = attribute_strategy(centred_gram(key[1], key[0]))
             per[i] = cache[key]
         strategies[part] = per
         loss[part] = weight * math.prod(s.loss for s in per.values())
@@ -260,21 +387,6 @@ def strategy_matrix(strategy: AttributeStrategy) -> np.ndarray:
     b = (v * np.sqrt(np.clip(w, 0.0, None))).T @ u.T
     b.setflags(write=False)
     return b
-
-
-def charged_norm(mats: Sequence[np.ndarray], unit_rows: int = 1, rows_bound: int | None = None) -> float:
-    """The L2 sensitivity of the computed fl((⊗B̃_i) x) for one person's rows, rounded up: the largest column
-    norm of ⊗B̃_i (∏ of each factor's, exactly in rationals) times k + 2·η·N, η = ∏(1 + γ_{n_i}) − 1 for the
-    mode-wise products (the derivation of :mod:`functions.dpquery.measure`, with B̃_i for E_{n_i})."""
-    sq = Fraction(1)
-    eta = Fraction(1)
-    for b in mats:
-        sq *= max(sum(Fraction(float(v)) ** 2 for v in b[:, j]) for j in range(b.shape[1]))
-        eta *= 1 + gamma(b.shape[1])
-    c = Fraction(int(unit_rows))
-    if rows_bound is not None and mats:
-        c += 2 * (eta - 1) * int(rows_bound)
-    return sqrt_up(sq * c * c)
 
 
 def apply(mats: Sequence[np.ndarray], x: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import (
     ConfigDict,
@@ -40,6 +40,9 @@ OTHER_LABEL = "(other)"  # the label of the extra category of an attribute with 
 DEFAULT_MAX_ROWS_TOTAL = 2**32
 MAX_ROWS_TOTAL = 2**53  # counts above 2^53 are not exact in float64
 MAX_UNIT_ROWS = 1_000_000
+# Query types other than identity solve a convex problem per attribute, with n × n eigendecompositions
+# (functions.dpquery.smasher), on domains up to this size.
+MAX_QUERY_DOMAIN = 1024
 
 
 def marginal_name(attributes: Sequence[str]) -> str:
@@ -153,15 +156,27 @@ class DPAttribute(StrictModel):
         return [f"{a}..{min(a + w - 1, hi)}" for a in range(lo, hi + 1, w)] + extra
 
 
+QueryType = Literal["identity", "prefix", "range", "circular_range"]
+QUERY_TYPES: tuple[str, ...] = get_args(QueryType)  # a type's code in a plan is its index here
+QUERIES_DESCRIPTION = (
+    "per ordered attribute (a range), what to count along it: identity (each bin, the default), prefix "
+    "(bins up to each one), range (every interval of bins) or circular_range (every arc of the bins on a "
+    "circle)"
+)
+
+
 class DPMarginal(StrictModel):
     """One marginal of the workload: the counts of every combination of values of ``attributes``.
 
     ``attributes: []`` is the total count. ``weight`` (> 0) is its importance in the loss: its per-cell
     variances count ``weight`` times in ``sum_of_variances``; ``max_variance`` minimises max weight·Var.
+    ``queries`` asks, along an ordered attribute, for sums of bins instead of each bin: e.g.
+    ``{"age": "prefix"}`` answers "age ≤ t" for every t, crossed with the marginal's other attributes.
     """
 
     attributes: list[str] = Field(description="attribute names (any order; output uses schema order)")
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    queries: dict[str, QueryType] | None = Field(default=None, description=QUERIES_DESCRIPTION)
 
 
 class DPMarginalGenerator(StrictModel):
@@ -171,6 +186,9 @@ class DPMarginalGenerator(StrictModel):
     all_marginals_up_to: int = Field(ge=0, description="k: every marginal of 0, 1, …, k attributes")
     attributes: list[str] | None = Field(default=None, description="default: every schema attribute")
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    queries: dict[str, QueryType] | None = Field(
+        default=None, description=QUERIES_DESCRIPTION + "; applies to every marginal holding the attribute"
+    )
 
 
 class DPBudget(StrictModel):
@@ -353,6 +371,7 @@ class DPQueryJob(JobOptions):
                     problems.append((("workload", "attributes", i), f"unknown attribute {name!r}"))
             if g.attributes is not None and len(set(g.attributes)) != len(g.attributes):
                 problems.append((("workload", "attributes"), "lists an attribute more than once"))
+            problems += self._query_problems(g.queries, names, ("workload", "queries"))
             d = len(set(names))
             count = sum(math.comb(d, k) for k in range(min(g.all_marginals_up_to, d) + 1))
             if count > DP_MAX_MARGINALS:
@@ -378,6 +397,7 @@ class DPQueryJob(JobOptions):
                 if len(set(m.attributes)) != len(m.attributes):
                     problems.append((("workload", i, "attributes"), "lists an attribute more than once"))
                     bad = True
+                problems += self._query_problems(m.queries, m.attributes, ("workload", i, "queries"))
                 key = frozenset(m.attributes)
                 if not bad:
                     if key in seen:
@@ -415,6 +435,54 @@ class DPQueryJob(JobOptions):
                     self.dataset,
                 )
         return self
+
+    def _query_problems(
+        self, queries: dict[str, str] | None, attributes: Sequence[str], at: tuple
+    ) -> list[tuple[tuple, str]]:
+        """What is wrong with a marginal's (or the generator's) ``queries``: each names an attribute of the
+        marginal, ordered (a ``range``, without an ``"(other)"`` value), of at most MAX_QUERY_DOMAIN bins."""
+        problems: list[tuple[tuple, str]] = []
+        schema = {a.name: a for a in self.schema_}
+        for name, kind in (queries or {}).items():
+            where = (*at, name)
+            a = schema.get(name)
+            if name not in attributes or a is None:
+                problems.append((where, f"{name!r} is not one of the marginal's attributes"))
+            elif kind == "identity":
+                continue
+            elif a.range is None:
+                problems.append(
+                    (
+                        where,
+                        f"{kind!r} needs ordered values: attribute {name!r} has categories; give it a range",
+                    )
+                )
+            elif a.policy == "other":
+                problems.append(
+                    (
+                        where,
+                        f"{kind!r} needs ordered values: attribute {name!r} counts out-of-domain values "
+                        f"in an {OTHER_LABEL!r} bin, which has no place in the order; use out_of_domain "
+                        "'drop' or 'clip' for it",
+                    )
+                )
+            elif a.size > MAX_QUERY_DOMAIN:
+                problems.append(
+                    (
+                        where,
+                        f"{kind!r} on {a.size:,} bins: query types other than identity take at most "
+                        f"{MAX_QUERY_DOMAIN:,} (raise the attribute's bin_width)",
+                    )
+                )
+        return problems
+
+    def marginal_queries(self) -> list[dict[int, str]]:
+        """Beside :meth:`marginals`, each marginal's ``{schema index: query type}`` (identity omitted)."""
+        index = {a.name: j for j, a in enumerate(self.schema_)}
+        if isinstance(self.workload, DPMarginalGenerator):
+            asked = {index[n]: k for n, k in (self.workload.queries or {}).items() if k != "identity"}
+            return [{i: asked[i] for i in attrs if i in asked} for attrs, _ in self.marginals()]
+        return [{index[n]: k for n, k in (m.queries or {}).items() if k != "identity"} for m in self.workload]
 
     def domains(self) -> list[int]:
         """n_i of every schema attribute, in schema order."""

@@ -1,0 +1,293 @@
+"""dpquery with general query types (``queries``: prefix, range, circular_range along ordered attributes),
+planned, measured and answered by QuerySmasher's Kronecker solver: the spec's refusals name the field, the
+vectorised planner equals :func:`functions.dpquery.smasher.plan_kron`, a job answers every query exactly
+with the noise seam and gives each answer the variance :func:`smasher.answer` derives from the pieces, the
+noisy job stays within its budget, the measurements export with their strategies, and the workflow runs
+the same on the local executor and on moto's ASL interpreter."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from test_dpquery_job import (
+    WAIT_S,
+    ledger_types,
+    make_dataset,
+    moto_client,  # noqa: F401 - a fixture
+    no_noise,
+    numbers,
+    read_table,
+    run_core,
+    spec_doc,
+    submit,
+    thread_mode_workflows,
+    truth,
+)
+
+from functions.dpquery import core, planner, smasher
+from functions.dpquery import measure as mz
+from functions.dpquery.sizing import marginal_rows, privacy_rows
+from functions.errors import SpecError
+from functions.specs import parse_spec
+from functions.store.uri import join
+from orchestrator.local import LocalExecutor
+
+# sex: 2 categories, region: 3 categories, age: a range of 4 bins (20..29, ..., 50..59)
+WORKLOAD = [
+    {"attributes": ["sex"]},
+    {"attributes": ["sex", "age"], "queries": {"age": "prefix"}},
+    {"attributes": ["region", "age"], "queries": {"age": "prefix"}},
+]
+
+
+def general_doc(dataset: str, workload=None, **over) -> dict:
+    return spec_doc(dataset, workload=workload or WORKLOAD, **over)
+
+
+# --- the spec -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "workload, field, words",
+    [
+        ([{"attributes": ["sex"], "queries": {"sex": "prefix"}}], "workload.0.queries.sex", "has categories"),
+        ([{"attributes": ["sex"], "queries": {"age": "prefix"}}], "workload.0.queries.age", "not one of"),
+        (
+            [{"attributes": ["age"], "queries": {"height": "range"}}],
+            "workload.0.queries.height",
+            "not one of",
+        ),
+        ([{"attributes": ["age"], "queries": {"age": "median"}}], "workload.0.queries.age", "identity"),
+        (
+            {"all_marginals_up_to": 2, "queries": {"region": "range"}},
+            "workload.queries.region",
+            "has categories",
+        ),
+    ],
+)
+def test_a_bad_query_type_is_refused_naming_the_field(workload, field, words):
+    with pytest.raises(SpecError) as err:
+        parse_spec(general_doc("data/p.parquet", workload))
+    assert field in str(err.value) and words in str(err.value)
+
+
+def test_query_types_need_an_order_and_a_domain_the_solver_takes():
+    other = general_doc("data/p.parquet", [{"attributes": ["age"], "queries": {"age": "prefix"}}])
+    other["schema"][2]["out_of_domain"] = "other"
+    with pytest.raises(SpecError, match=r"workload\.0\.queries\.age.*'\(other\)' bin"):
+        parse_spec(other)
+    wide = general_doc("data/p.parquet", [{"attributes": ["age"], "queries": {"age": "range"}}])
+    wide["schema"][2] = {"name": "age", "range": [0, 5000]}
+    with pytest.raises(SpecError, match=r"workload\.0\.queries\.age.*5,001 bins.*at most 1,024"):
+        parse_spec(wide)
+
+
+def test_an_attribute_queried_two_ways_in_one_residual_set_is_refused_naming_both_marginals():
+    doc = general_doc(
+        "data/p.parquet",
+        [{"attributes": ["sex", "age"], "queries": {"age": "prefix"}}, {"attributes": ["age"]}],
+    )
+    with pytest.raises(SpecError) as err:
+        planner.plan(parse_spec(doc))
+    assert "workload.1" in str(err.value) and "'age' is queried as 'identity' here" in str(err.value)
+    assert "'prefix' by workload.0" in str(err.value)
+    assert err.value.errors == [{"field": "workload.1.queries", "error": "attribute 'age': two query types"}]
+
+
+def test_max_variance_is_for_identity_marginals():
+    with pytest.raises(SpecError, match="max_variance"):
+        planner.plan(parse_spec(general_doc("data/p.parquet", loss="max_variance")))
+
+
+# --- the plan -----------------------------------------------------------------------------------------------
+
+
+CASES = [
+    (
+        [5, 4, 3],
+        [
+            ((0, 1), 1.0, {0: "prefix"}),
+            ((1, 2), 2.0, {2: "range"}),
+            ((0,), 1.0, {0: "prefix"}),
+            ((), 1.0, {}),
+        ],
+    ),
+    ([6, 5], [((0, 1), 1.0, {0: "circular_range", 1: "prefix"}), ((1,), 3.0, {1: "prefix"})]),
+    ([4, 4, 4], [((0, 1, 2), 1.0, {0: "range", 2: "prefix"}), ((1,), 1.0, {})]),
+]
+
+
+@pytest.mark.parametrize("domains, entries", CASES)
+def test_the_vectorised_plan_is_querysmashers(domains, entries):
+    rho = 0.7
+    pl = planner.plan(
+        domains=domains, workload=[(a, w) for a, w, _ in entries], rho=rho, queries=[q for *_, q in entries]
+    )
+    ref = smasher.plan_kron(domains, [smasher.Entry(a, w, q) for a, w, q in entries], rho)
+    index = pl.residual_index()
+    assert set(index) == set(ref.sigma2)
+    for part, sigma2 in ref.sigma2.items():
+        k = index[part]
+        # the contrasts measure an identity attribute at privacy cost (n−1)/n, the reference's strategy at 1
+        scale = math.prod(
+            (domains[i] - 1) / domains[i]
+            for i, t in zip(part, pl.residual_types(k), strict=True)
+            if t == "identity"
+        )
+        assert pl.sigma2[k] == pytest.approx(sigma2 * scale, rel=1e-8)
+    assert pl.weighted_sse == pytest.approx(ref.total, rel=1e-8)
+    assert pl.privacy_cost() == pytest.approx(2 * pl.rho_planned, rel=1e-12)
+    again = planner.Plan.from_doc(pl.to_doc())  # the strategies travel with the plan document
+    for k in range(pl.num_residuals):
+        for a, t in zip(pl.residual(k), pl.residual_types(k), strict=True):
+            assert np.array_equal(again.factors(a, t).matrix, pl.factors(a, t).matrix)
+
+
+def test_identity_queries_plan_as_residual_planner():
+    doc = spec_doc("data/p.parquet")
+    plain = planner.plan(parse_spec(doc))
+    doc["workload"][2]["queries"] = {"age": "identity"}
+    same = planner.plan(parse_spec(doc))
+    assert same.res_types is None and same.to_doc() == plain.to_doc()
+
+
+def test_the_plan_shows_the_rmse_of_each_query_type():
+    spec = parse_spec(general_doc("data/p.parquet"))
+    pl = planner.plan(spec)
+    rows = dict(privacy_rows(spec, pl))
+    assert rows["workload"] == "3 marginal(s), 22 answers"
+    assert rows["RMSE of identity answers"].endswith("(2 answers)")
+    assert rows["RMSE of prefix answers"].endswith("(20 answers)")
+    title, table = marginal_rows(spec, pl)
+    assert [r[0] for r in table] == ["sex", "sex,age (age: prefix)", "region,age (age: prefix)"]
+    assert [r[1] for r in table] == [2, 8, 12] and "mean over its answers" in title
+
+
+# --- the job ------------------------------------------------------------------------------------------------
+
+
+def _answers_truth(idx, attributes, queries):
+    x = truth(idx, attributes).astype(np.float64)
+    for axis, name in enumerate(attributes):
+        x = smasher.answer_axis(queries.get(name, "identity"), x, axis)
+    return x
+
+
+def test_every_answer_is_exact_with_the_noise_seam_and_has_the_variance_of_its_pieces(tmp_path):
+    root = f"file://{tmp_path}"
+    dataset, idx = make_dataset(root)
+    workload = [
+        {"attributes": ["sex", "age"], "queries": {"age": "range"}},
+        {"attributes": ["region", "age"], "queries": {"age": "range"}},
+        {"attributes": ["age"], "queries": {"age": "range"}, "weight": 2.0},
+    ]
+    spec = parse_spec(general_doc(dataset, workload))
+    job_id, result = run_core(root, general_doc(dataset, workload), noise=False)
+    _, pl = core.load_plan(root, job_id)
+    domains = [int(n) for n in pl.domains]
+    mats = {}
+    for k in range(pl.num_residuals):
+        kinds = pl.residual_types(k)
+        mats[pl.residual(k)] = [pl.factors(a, t).matrix for a, t in zip(pl.residual(k), kinds, strict=True)]
+    # smasher.answer reads the plan's σ² per partition only
+    sigma2 = {pl.residual(k): float(pl.sigma2[k]) for k in range(pl.num_residuals)}
+    reference = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
+    names = [a.name for a in spec.attributes]
+    for t in result["tables"]:
+        tbl = read_table(t["parquet"])
+        expected = _answers_truth(idx, t["attributes"], t["queries"])
+        est = tbl.column("estimate").to_numpy()
+        assert np.max(np.abs(est - expected.reshape(-1))) < 1e-8
+        assert t["cells"] == expected.size == tbl.num_rows and t["queries"] == {"age": "range"}
+        # each answer's variance, against smasher.answer's sum over the query's pieces (no noise: the value
+        # is exact; the variance is the plan's)
+        attrs = tuple(names.index(n) for n in t["attributes"])
+        shape = [domains[a] for a in attrs]
+        estimates = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
+        spans = smasher.intervals("range", 4)
+        variances = tbl.column("variance").to_numpy()
+        for row in range(tbl.num_rows):
+            cell = np.unravel_index(row, expected.shape)
+            q = np.zeros(shape)
+            where = [slice(None)] * len(shape)
+            for axis, name in enumerate(t["attributes"]):
+                if name == "age":
+                    a, b = spans[cell[axis]]
+                    where[axis] = slice(a, b + 1)
+                else:
+                    where[axis] = cell[axis]
+            q[tuple(where)] = 1.0
+            _, var = smasher.answer(q.reshape(-1), attrs, domains, estimates, reference, mats)
+            assert variances[row] == pytest.approx(var, rel=1e-9)
+        assert t["std_error"] == pytest.approx(math.sqrt(variances.mean()), rel=1e-12)
+        assert t["max_std_error"] == pytest.approx(math.sqrt(variances.max()), rel=1e-12)
+    ages = read_table(result["tables"][2]["parquet"])
+    assert ages.column("age").to_pylist()[:5] == ["20..29", "20..39", "20..49", "20..59", "30..39"]
+    assert ages.column("age_lo").to_pylist()[:5] == [20, 20, 20, 20, 30]
+    assert ages.column("age_hi").to_pylist()[:5] == [29, 39, 49, 59, 39]
+    small = core.store.get_json(result["tables"][0]["json"])
+    assert small["columns"][-2:] == ["estimate", "std_error"] and "std_error" not in small
+
+
+def test_a_noisy_job_spends_within_its_budget_and_releases_no_true_count(tmp_path):
+    root = f"file://{tmp_path}"
+    dataset, idx = make_dataset(root)
+    job_id, result = run_core(root, general_doc(dataset))
+    report = result["report"]
+    assert report["rho_planned"] * (1 - 1e-12) <= report["rho_spent"] <= report["rho_budget"] == 0.5
+    assert report["samplers"] == [mz.sampler_id()] and ledger_types(root) == ["open", "reserve", "spend"]
+    assert len(idx[0]) not in set(numbers(result))
+    assert report["cells"] == 22  # the answers released
+
+
+def test_the_measurements_export_with_their_strategies(tmp_path, monkeypatch):
+    from client import Client
+
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    client = Client()
+    root = client.store_root
+    dataset, idx = make_dataset(root)
+    job_id, result = run_core(root, general_doc(dataset), noise=False)
+    for m in client.dpquery.measurements(result):
+        names = list(m.clique)
+        x = truth(idx, names) if names else np.array(float(len(idx[0])))
+        assert np.allclose(m.noisy_measurement, m.query(x), atol=1e-9)  # the seam: y_S = B_S x_S
+        if "age" in names:
+            assert m.query.op_norm_sq() == pytest.approx(
+                np.linalg.norm(m.query.factors[names.index("age")], 2) ** 2
+            )
+    with pytest.raises(Exception, match="covariance\\(\\) is for releases of identity marginals"):
+        client.dpquery.covariance(result, "sex")
+
+
+# --- both executors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_local_and_moto_executors_answer_general_queries_alike(moto_client, tmp_path, monkeypatch):  # noqa: F811
+    no_noise(monkeypatch)
+    bucket = moto_client.store_root
+    dataset, idx = make_dataset(bucket, seed=7, name="general.parquet")
+    doc = general_doc(dataset, dataset_id="people-general")
+    moto_job = submit(moto_client.executor, bucket, doc)
+    status = moto_client.executor.wait(moto_job, timeout_s=WAIT_S)
+    assert status.state == "SUCCEEDED", status.error
+    on_moto = core.store.get_json(join(bucket, "jobs", moto_job, "result.json"))
+
+    root = f"file://{tmp_path}/local"
+    with LocalExecutor(store_root=root, workflows=thread_mode_workflows(), retry_delay_scale=0) as ex:
+        local_job = submit(ex, root, doc)
+        status = ex.wait(local_job, timeout_s=WAIT_S)
+        assert status.state == "SUCCEEDED", status.error
+    on_local = core.store.get_json(join(root, "jobs", local_job, "result.json"))
+    for a, b in zip(on_moto["tables"], on_local["tables"], strict=True):
+        ta, tb = read_table(a["parquet"]), read_table(b["parquet"])
+        assert ta.column_names == tb.column_names and a.get("queries") == b.get("queries")
+        for name in a["attributes"]:
+            assert ta.column(name).equals(tb.column(name))
+        expected = _answers_truth(idx, a["attributes"], a.get("queries", {}))
+        for t in (ta, tb):
+            assert np.max(np.abs(t.column("estimate").to_numpy() - expected.reshape(-1))) < 1e-8
+        assert np.array_equal(ta.column("std_error").to_numpy(), tb.column("std_error").to_numpy())
