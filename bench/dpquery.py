@@ -17,11 +17,12 @@ below, registered in ``PARTS`` and run in order (``--parts plan,measure,e2e``; d
   measure  (added with the data path) noise samples per second per core of the measure step vs OpenDP's
            sampler called directly on the same vector; target >= 0.8x.
   e2e      (added with the data path) end-to-end time for d = 20 on a 1,000,000-row dataset.
-  queries  General linear queries (QuerySmasher's planning core, functions/dpquery/smasher.py): the prefix
-           workloads of the RP+ paper's datasets (CPS, Adult, Loans; prefix on their leading ordinal
-           attributes, 1-, 2-, 3- and <=3-way) at privacy cost 2ρ = 1: RMSE of QuerySmasher's plan against
-           ResidualPlanner's identity plan with each prefix query answered by summing its cells, plan time
-           and peak memory. (The comparison with the authors' QuerySmasher code comes with the job path.)
+  queries  General linear queries (a spec's ``queries``, planned by functions/dpquery/planner.py with
+           QuerySmasher's strategies): the prefix workloads of the RP+ paper's datasets (CPS, Adult, Loans;
+           prefix on their leading ordinal attributes, 1-, 2-, 3- and <=3-way) at privacy cost 2ρ = 1: RMSE
+           of the job's plan against ResidualPlanner's identity plan with each prefix query answered by
+           summing its cells, and against the authors' QuerySmasher (bench/qs_reference.py) where it
+           finishes; plan time and peak memory.
 
 The benchmark prints tables and writes JSON to bench/results/dpquery.json. It never asserts on timing:
 targets are reported as PASS/FAIL lines. Children run through ``benchutil.Children`` (peak memory read
@@ -657,8 +658,9 @@ WORKLOADS = {"1-way": (1,), "2-way": (2,), "3-way": (3,), "<=3-way": (0, 1, 2, 3
 
 
 def child_queries(req: dict) -> dict:
-    """One (dataset, workload) row: QuerySmasher's plan (functions.dpquery.smasher) and ResidualPlanner's
-    identity plan with each prefix query answered by summing its cells, both at privacy cost 2ρ = 1."""
+    """One (dataset, workload) row: the job's plan of the prefix workload (functions.dpquery.planner with
+    ``queries``: QuerySmasher's strategies) and ResidualPlanner's identity plan with each prefix query
+    answered by summing its cells, both at privacy cost 2ρ = 1."""
     import itertools
     import math
 
@@ -672,13 +674,12 @@ def child_queries(req: dict) -> dict:
     d = len(domains)
     sets = [c for k in req["ways"] for c in itertools.combinations(range(d), k)]
     kinds = {i: "prefix" for i in range(ordinal)}
-    entries = [smasher.Entry(a, 1.0, {i: kinds[i] for i in a if i in kinds}) for a in sets]
-    rows_of = [smasher.attribute_queries(kinds.get(i, "identity"), n).shape[0] for i, n in enumerate(domains)]
-    queries = sum(math.prod(rows_of[i] for i in a) for a in sets)
+    asked = [{i: kinds[i] for i in a if i in kinds} for a in sets]
     mem = PeakRSS()
     t = time.perf_counter()
-    qs = smasher.plan_kron(domains, entries, 0.5)
+    qs = rp_plan(domains=domains, workload=[(a, 1.0) for a in sets], rho=0.5, queries=asked)
     qs_s = time.perf_counter() - t
+    queries = qs.num_queries
     peak = mem.report()
     # the substitute: RP's identity plan; Σ over a Kronecker family of Var = Σ_{S⊆A} σ_S² ∏_{i∈S} ‖W_iP_i‖_F²
     # ∏_{i∈A∖S} ‖W_i1/n_i‖² (its rows are every combination of the attributes' rows)
@@ -698,18 +699,22 @@ def child_queries(req: dict) -> dict:
             sse_rp += float(rp.sigma2[s_idx]) * math.prod(f[i] if i in s_set else c[i] for i in a)
     # the authors' code takes no 0-way entry: the comparison with it is on the workload without the total
     ref_ways = tuple(k for k in req["ways"] if k > 0)
-    rmse_ref_ways = math.sqrt(qs.total / queries)
+    rmse_ref_ways = qs.rmse
     if ref_ways != tuple(req["ways"]):
-        kept = [e for e in entries if e.attrs]
-        kept_queries = sum(math.prod(rows_of[i] for i in e.attrs) for e in kept)
-        rmse_ref_ways = math.sqrt(smasher.plan_kron(domains, kept, 0.5).total / kept_queries)
+        kept = [k for k, a in enumerate(sets) if a]
+        rmse_ref_ways = rp_plan(
+            domains=domains,
+            workload=[(sets[k], 1.0) for k in kept],
+            rho=0.5,
+            queries=[asked[k] for k in kept],
+        ).rmse
     return {
         "cpu": cpu,
         "queries": queries,
         "ref_ways": list(ref_ways),
         "rmse_qs_ref_ways": rmse_ref_ways,
-        "partitions": len(qs.sigma2),
-        "rmse_qs": math.sqrt(qs.total / queries),
+        "partitions": qs.num_residuals,
+        "rmse_qs": qs.rmse,
         "rmse_rp_cells": math.sqrt(sse_rp / queries),
         "plan_s": qs_s,
         "rp_plan_s": rp_s,
