@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 import math
 import re
@@ -42,6 +43,7 @@ import pyarrow.parquet as pq
 from functions import store
 from functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name
 from functions.errors import ShardfoldError, SpecError
+from functions.jobs import spec_key
 
 LEDGER_REPORT_DELTA = 1e-9  # δ at which budget() states the dataset's ε (CKS) by default
 
@@ -100,6 +102,40 @@ def table_to_array(tbl: pa.Table, attributes: Sequence[str] | None = None) -> La
         stride //= n
         labels[name] = tbl.column(name).slice(0, n * stride).to_pylist()[::stride]
     return LabelledArray(values.reshape(shape), labels)
+
+
+def _selection(attribute: Any, chosen: Any) -> np.ndarray:
+    """The 0/1 vector over an attribute's domain of what ``chosen`` selects (see :meth:`DPQuery.answer`)."""
+    labels = attribute.labels()
+    n = len(labels)
+    out = np.zeros(n)
+    if isinstance(chosen, tuple) and len(chosen) == 2 and attribute.range is not None:
+        lo, hi = (int(v) for v in chosen)
+        first, last = _bin_bounds(attribute)
+        starts, ends = np.flatnonzero(first == lo), np.flatnonzero(last == hi)
+        if lo > hi or not starts.size or not ends.size or ends[0] < starts[0]:
+            raise SpecError(
+                f"answer: {attribute.name} ({lo}, {hi}) does not start and end on the attribute's bins "
+                f"({labels[0]}, {labels[1]}, ..., {labels[-1]}): a box counts whole bins"
+            )
+        out[starts[0] : ends[0] + 1] = 1.0
+        return out
+    for value in chosen if isinstance(chosen, list) else [chosen]:
+        hits = [j for j, label in enumerate(labels) if label == value or str(label) == str(value)]
+        if not hits:
+            raise SpecError(f"answer: {attribute.name} has no value {value!r}; its labels are {labels[:10]}")
+        out[hits[0]] = 1.0
+    return out
+
+
+def _bin_bounds(attribute: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Each bin's first and last value of a range attribute (the tables' ``_lo``/``_hi``)."""
+    from functions.dpquery.reconstruct import attribute_bounds
+
+    lo, hi = attribute_bounds(attribute)
+    return np.asarray(lo[: attribute.declared_size], dtype=np.int64), np.asarray(
+        hi[: attribute.declared_size], dtype=np.int64
+    )
 
 
 # --- export of the noisy measurements -----------------------------------------------------------------------
@@ -443,6 +479,58 @@ class DPQuery:
         return out
 
     to_mbi = staticmethod(to_mbi)
+
+    def answer(self, result: Any, where: dict[str, Any] | None = None) -> dict[str, float]:
+        """The count of the records in a box of the schema, from the release: ``{"estimate", "std_error",
+        "variance"}``, unbiased, with its exact variance. Post-processing: no privacy cost, no data read.
+
+        ``where`` maps attributes to what they select: a label as the tables show it (``"female"``,
+        ``"18..27"``, ``42``), a list of labels, or for a ``range`` attribute an inclusive ``(lo, hi)`` of
+        values that starts and ends on bin bounds (``(18, 47)`` with bins of width 10 from 18 → 3 bins).
+        Attributes not named are summed over; ``{}`` (or None) is the total. The box may be one the workload
+        never asked, e.g. ages 18–47 of women when the workload asked ``[age, sex]`` cell by cell; every
+        subset of its attributes must lie within a workload marginal (the release measured it), or it is
+        refused naming what is missing. The answer sums the box's piece on each measured residual set
+        (QuerySmasher's decomposition; :mod:`functions.dpquery.smasher`)."""
+        from functions.dpquery import core
+        from functions.dpquery.measure import mode_product
+
+        job_id, doc, pl = self._job_plan(result)
+        spec = self.spec(store.get_json(self._client.uri(spec_key(job_id))))
+        names = [a.name for a in spec.attributes]
+        where = dict(where or {})
+        unknown = [n for n in where if n not in names]
+        if unknown:
+            raise SpecError(f"answer: no attribute {unknown[0]!r} in this release; it has {', '.join(names)}")
+        attrs = tuple(sorted(names.index(n) for n in where))
+        q = {i: _selection(spec.attributes[i], where[names[i]]) for i in attrs}
+        index = pl.residual_index()
+        parts = [s for k in range(len(attrs) + 1) for s in itertools.combinations(attrs, k)]
+        missing = [s for s in parts if s not in index]
+        if missing:
+            lacking = marginal_name([names[i] for i in missing[-1]])
+            raise ShardfoldError(
+                f"answer: the release did not measure {lacking!r}, which a box over "
+                f"{marginal_name([names[i] for i in attrs])!r} needs (ask for a marginal holding those "
+                "attributes in the workload)"
+            )
+        needed = np.array(sorted(index[s] for s in parts), dtype=np.int64)
+        values = core.read_residuals(self._client.store_root, job_id, doc, pl, needed)
+        mean = {i: float(q[i].mean()) for i in attrs}
+        estimate = variance = 0.0
+        for s in parts:
+            k = index[s]
+            factors = [pl.factors(a, t) for a, t in zip(s, pl.residual_types(k), strict=True)]
+            outside = math.prod(mean[i] for i in attrs if i not in s)
+            centred = [(q[i] - mean[i])[None, :] for i in s]  # the piece on S: ⊗ q_i(I − J/n_i)
+            y = np.asarray(values[k]).reshape([f.n - 1 for f in factors])
+            x_s = mode_product([f.inverse for f in factors], y)  # x̂_S, the measured residual of x_S
+            estimate += outside * float(mode_product(centred, x_s).reshape(()))
+            spread = math.prod(
+                float(c[0] @ f.inverse @ (f.inverse.T @ c[0])) for c, f in zip(centred, factors, strict=True)
+            )
+            variance += float(pl.sigma2[k]) * outside**2 * spread
+        return {"estimate": estimate, "std_error": math.sqrt(variance), "variance": variance}
 
     def covariance(
         self, release: Any, a: str | Sequence[str], b: str | Sequence[str] | None = None

@@ -291,3 +291,83 @@ def test_local_and_moto_executors_answer_general_queries_alike(moto_client, tmp_
         for t in (ta, tb):
             assert np.max(np.abs(t.column("estimate").to_numpy() - expected.reshape(-1))) < 1e-8
         assert np.array_equal(ta.column("std_error").to_numpy(), tb.column("std_error").to_numpy())
+
+
+# --- any box of the schema, from a release ------------------------------------------------------------------
+
+
+@pytest.fixture
+def client_root(tmp_path, monkeypatch):
+    from client import Client
+
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    with Client() as client:
+        yield client, client.store_root
+
+
+def released(root: str, doc: dict) -> dict:
+    """A release through the core with the noise seam, its spec recorded where a submitted job's is."""
+    _, result = run_core(root, doc, noise=False)
+    core.store.put_json(join(root, "jobs", result["job_id"], "spec.json"), doc)
+    return result
+
+
+def _box_variance(pl, attrs, q):
+    """The box's variance by smasher.answer on its dense query vector (the pieces, independently)."""
+    domains = [int(n) for n in pl.domains]
+    mats, sigma2 = {}, {}
+    for k in range(pl.num_residuals):
+        kinds = pl.residual_types(k)
+        mats[pl.residual(k)] = [pl.factors(a, t).matrix for a, t in zip(pl.residual(k), kinds, strict=True)]
+        sigma2[pl.residual(k)] = float(pl.sigma2[k])
+    vector = np.ones(())
+    for v in q:
+        vector = np.multiply.outer(vector, v)
+    zeros = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
+    plan = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
+    return smasher.answer(np.asarray(vector).reshape(-1), attrs, domains, zeros, plan, mats)[1]
+
+
+@pytest.mark.parametrize("general", [False, True], ids=["identity release", "prefix release"])
+def test_any_box_inside_the_release_is_answered_exactly_with_its_variance(client_root, general):
+    client, root = client_root
+    dataset, idx = make_dataset(root)
+    result = released(root, general_doc(dataset) if general else spec_doc(dataset))
+    _, pl = core.load_plan(root, result["job_id"])
+    full = truth(idx, ["sex", "region", "age"])  # sex: f, m; region: 1, 2, 3; age: 4 bins of 10 from 20
+    region_age = ((1, [1, 0, 1]), (2, [0, 0, 1, 0]))  # a cell of neither release's tables
+    boxes = [
+        ({}, full.sum(), ()),
+        ({"age": (30, 49)}, full[:, :, 1:3].sum(), ((2, [0, 1, 1, 0]),)),
+        ({"region": [1, 3], "age": "40..49"}, full[:, [0, 2], 2].sum(), region_age),
+    ]
+    if general:  # [sex, age] is a workload marginal of the prefix release only
+        boxes.append(({"sex": "m", "age": (20, 39)}, full[1, :, 0:2].sum(), ((0, [0, 1]), (2, [1, 1, 0, 0]))))
+    else:
+        boxes.append(({"sex": "m", "region": 2}, full[1, 1, :].sum(), ((0, [0, 1]), (1, [0, 1, 0]))))
+    for where, expected, dense in boxes:
+        got = client.dpquery.answer(result, where)
+        assert got["estimate"] == pytest.approx(float(expected), abs=1e-8), where
+        attrs = tuple(i for i, _ in dense)
+        assert got["variance"] == pytest.approx(
+            _box_variance(pl, attrs, [np.asarray(v, float) for _, v in dense]), rel=1e-9
+        ), where
+    if general:  # a box that is one of the release's answers has that answer's std_error
+        row = read_table(result["tables"][1]["parquet"]).to_pylist()[5]  # sex m, ages 20..39
+        got = client.dpquery.answer(result, {"sex": row["sex"], "age": (row["age_lo"], row["age_hi"])})
+        assert got["std_error"] == pytest.approx(row["std_error"], rel=1e-9)
+        assert got["estimate"] == pytest.approx(row["estimate"], abs=1e-8)
+
+
+def test_a_box_the_release_did_not_measure_or_that_cuts_a_bin_is_refused(client_root):
+    client, root = client_root
+    dataset, _ = make_dataset(root)
+    result = released(root, spec_doc(dataset))
+    with pytest.raises(Exception, match="did not measure 'sex,age'"):
+        client.dpquery.answer(result, {"sex": "f", "age": (20, 29)})
+    with pytest.raises(SpecError, match=r"age \(25, 39\) does not start and end on the attribute's bins"):
+        client.dpquery.answer(result, {"age": (25, 39)})
+    with pytest.raises(SpecError, match="region has no value 7"):
+        client.dpquery.answer(result, {"region": 7})
+    with pytest.raises(SpecError, match="no attribute 'height'"):
+        client.dpquery.answer(result, {"height": 3})

@@ -327,7 +327,7 @@ def _measure_result(group: int, meta: dict, reused: bool) -> dict[str, Any]:
 # --- reconstruct --------------------------------------------------------------------------------------------
 
 
-def _read_residuals(
+def read_residuals(
     store_root: str, job_id: str, doc: dict, pl: Plan, needed: np.ndarray
 ) -> dict[int, np.ndarray]:
     """y_S for every residual index in ``needed`` (sorted), by coalesced ranged reads of the measurements."""
@@ -361,7 +361,7 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
     doc, pl = load_plan(store_root, job_id)
     start, stop = doc["reconstruct_groups"][group]
     needed = pl.needed_residuals(start, stop)
-    values = _read_residuals(store_root, job_id, doc, pl, needed)
+    values = read_residuals(store_root, job_id, doc, pl, needed)
     attributes = spec.attributes
     prefix = output_prefix(spec, store_root, job_id)
     var = pl.var
