@@ -24,6 +24,10 @@ below, registered in ``PARTS`` and run in order (``--parts plan,measure,e2e``; d
            summing its cells, and against the authors' QuerySmasher (bench/qs_reference.py) where it
            finishes; plan time and peak memory.
 
+  mixed    All 1-, 2- and 3-way marginals of [n]^d (n = 10, 20, 40; d = 10 … 50), attribute i asked as
+           range, prefix or circular_range by i mod 3: the job's plan time, memory and RMSE, the authors'
+           QuerySmasher on the same workload at d = 10, and the largest d planned in under 60 s at n = 10.
+
 The benchmark prints tables and writes JSON to bench/results/dpquery.json. It never asserts on timing:
 targets are reported as PASS/FAIL lines. Children run through ``benchutil.Children`` (peak memory read
 inside them with ``benchutil.PeakRSS``). Every measurement, and the whole run, records a
@@ -818,6 +822,146 @@ def part_queries(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
     return 0 if all("error" not in r for r in results) else 1
 
 
+# --------------------------------------------------------------------------------------------------------
+# part "mixed": general query types on [n]^d at scale, and the authors' QuerySmasher on the same workloads
+
+MIXED_TYPES = ("range", "prefix", "circular_range")  # attribute i is queried as MIXED_TYPES[i % 3]
+
+
+def mixed_workload(d: int) -> tuple[list, list]:
+    """All marginals of 1 to 3 attributes of d, attribute i asked as MIXED_TYPES[i % 3] wherever it appears
+    (one type per attribute: what the job's Kronecker solver takes)."""
+    import itertools
+
+    sets = [c for k in (1, 2, 3) for c in itertools.combinations(range(d), k)]
+    return sets, [{i: MIXED_TYPES[i % 3] for i in a} for a in sets]
+
+
+def child_mixed(req: dict) -> dict:
+    """The job's plan of the mixed workload on [n]^d (privacy cost 2ρ = 1): time, memory, RMSE."""
+    cpu = pin_one_core()
+    from functions.dpquery import planner
+
+    n, d = req["n"], req["d"]
+    sets, asked = mixed_workload(d)
+    mem = PeakRSS()
+    t = time.perf_counter()
+    pl = planner.plan(domains=[n] * d, workload=[(a, 1.0) for a in sets], rho=0.5, queries=asked)
+    seconds = time.perf_counter() - t
+    peak = mem.report()
+    return {
+        "cpu": cpu,
+        "marginals": len(sets),
+        "queries": pl.num_queries,
+        "partitions": pl.num_residuals,
+        "rmse": pl.rmse,
+        "plan_s": seconds,
+        "peak_added_mib": None if peak["added_rss"] is None else peak["added_rss"] / MiB,
+    }
+
+
+CHILDREN["mixed"] = child_mixed
+
+
+def add_mixed_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--mixed-n", default="10,20,40", help="domain sizes n of [n]^d (10,20,40)")
+    ap.add_argument("--mixed-d", default="10,20,30,50", help="numbers of attributes d (10,20,30,50)")
+    ap.add_argument(
+        "--mixed-reference-d",
+        default="10",
+        help="the d for which the authors' QuerySmasher runs too, at every n (10; '' skips it)",
+    )
+    ap.add_argument(
+        "--mixed-reference-timeout", type=float, default=600.0, help="seconds per reference row (600)"
+    )
+    ap.add_argument(
+        "--mixed-largest",
+        default="100,150,200,300",
+        help="at n = 10, the d tried in turn until a plan takes 60 s or more (100,150,200,300)",
+    )
+
+
+def part_mixed(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
+    import qs_reference
+
+    print("\n== mixed: all 1-, 2- and 3-way marginals of [n]^d, attribute i asked as range, prefix or")
+    print("   circular_range by i mod 3, privacy cost 2ρ = 1 (one core per child)")
+    results, rows = [], []
+    ref_d = {int(x) for x in args.mixed_reference_d.split(",") if x.strip()}
+    for n in [int(x) for x in args.mixed_n.split(",") if x.strip()]:
+        for d in [int(x) for x in args.mixed_d.split(",") if x.strip()]:
+            with watched(f"mixed n={n} d={d}") as w:
+                res = run_child({"child": "mixed", "n": n, "d": d}, timeout_s=args.child_timeout_s)
+            res.update(n=n, d=d, load=w.report())
+            ref: dict = {"status": "skipped"}
+            if d in ref_d and "error" not in res:
+                sets, asked = mixed_workload(d)
+                workload = [(a, q) for a, q in zip(sets, asked, strict=True)]
+                if not (qs_reference.reference_dir() / "smasher.py").exists():
+                    ref = {"status": "skipped", "why": "no exported checkout: see bench/qs_reference.py"}
+                else:
+                    with watched(f"reference n={n} d={d}") as w:
+                        ref = qs_reference.reference_rmse_in_child(
+                            [n] * d, workload, 1.0, "convex", args.mixed_reference_timeout, threads=1
+                        )
+                    ref["load"] = w.report()
+            res["reference"] = ref
+            results.append(res)
+            if "error" in res:
+                print(f"  n={n} d={d}: FAILED {res['error'].strip().splitlines()[-1]}")
+                notes.append(f"mixed n={n} d={d}: {res['error']}")
+                continue
+            ok = ref.get("status") == "ok"
+            rows.append(
+                [
+                    str(n),
+                    str(d),
+                    f"{res['marginals']:,}",
+                    f"{res['queries']:,}",
+                    f"{res['partitions']:,}",
+                    f"{res['rmse']:.3f}",
+                    f"{res['plan_s']:.2f}",
+                    "-" if res["peak_added_mib"] is None else f"{res['peak_added_mib']:.0f}",
+                    f"{ref['rmse']:.3f}" if ok else str(ref.get("error") or ref.get("status", "?"))[:24],
+                    f"{res['rmse'] / ref['rmse']:.4f}" if ok else "",
+                    f"{ref['seconds']:.1f}" if ok else "",
+                    f"{ref['seconds'] / res['plan_s']:.0f}x" if ok else "",
+                    mark(res.get("load")),
+                ]
+            )
+    headers = ["n", "d", "marginals", "queries", "partitions", "RMSE", "plan s", "+MiB"]
+    headers += ["RMSE ref", "ours/ref", "ref s", "speed-up", "load"]
+    print(table(headers, rows))
+    # the largest d planned in under 60 s on one core, at n = 10
+    largest = None
+    tried = []
+    for d in [int(x) for x in args.mixed_largest.split(",") if x.strip()]:
+        res = run_child({"child": "mixed", "n": 10, "d": d}, timeout_s=args.child_timeout_s)
+        res.update(n=10, d=d)
+        tried.append(res)
+        if "error" in res:
+            print(f"  largest: n=10 d={d}: {res['error'].strip().splitlines()[-1]}")
+            break
+        print(f"  largest: n=10 d={d}: {res['marginals']:,} marginals planned in {res['plan_s']:.1f} s")
+        if res["plan_s"] >= 60:
+            break
+        largest = d
+    doc["mixed"] = {"runs": results, "largest": {"tried": tried, "d_under_60s": largest}}
+    compared = [r for r in results if r.get("reference", {}).get("status") == "ok" and "error" not in r]
+    if compared:
+        worst = max(r["rmse"] / r["reference"]["rmse"] for r in compared)
+        slowest = min(r["reference"]["seconds"] / r["plan_s"] for r in compared)
+        ok = worst <= 1 + 1e-9 and slowest >= 10
+        line = (
+            f"TARGET mixed: RMSE <= the reference and plans >= 10x faster on every row it finished "
+            f"({len(compared)}): worst RMSE ratio {worst:.4f}, least speed-up {slowest:.0f}x: "
+            f"{'PASS' if ok else 'FAIL'}"
+        )
+        print(line)
+        doc.setdefault("targets", []).append({"name": "mixed_vs_reference", "pass": ok, "line": line})
+    return 0 if all("error" not in r for r in results) else 1
+
+
 @dataclass
 class Part:
     name: str
@@ -838,6 +982,7 @@ PARTS: dict[str, Part] = {
         part_queries,
         add_queries_args,
     ),
+    "mixed": Part("mixed", "range/prefix/circular workloads on [n]^d at scale", part_mixed, add_mixed_args),
 }
 
 

@@ -51,8 +51,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _path in (HERE, REPO):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import benchutil  # noqa: E402
 
@@ -63,7 +64,7 @@ UPSTREAM = "https://github.com/cmla-psu/QuerySmasherMatrixMechanism"
 COMMIT_FILE = ".qs_reference_commit"
 REQUIRED = ("query.py", "smasher.py", "solver.py")
 SOLVERS = ("fourier", "convex", "best")
-KINDS = ("identity", "prefix")
+KINDS = ("identity", "prefix", "range", "circular_range")  # functions.dpquery.smasher.intervals
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # what their paper scripts pass as convex_kwargs (exp/paper_section8_2.py KRON_TIGHT_KWARGS), which also
 # applies to the dense single-attribute partitions; None gives their Smasher's adaptive defaults
@@ -145,8 +146,8 @@ def _load(ref_dir: Path) -> tuple[Any, Any]:
 def normalise_workload(
     domains: Sequence[int], workload: Workload
 ) -> list[tuple[tuple[int, ...], dict[int, str]]]:
-    """Entries as (sorted attribute tuple, {attribute: "prefix"}), checked: attributes distinct and in range,
-    query types ``identity`` (the default) or ``prefix``, only for attributes of the entry."""
+    """Entries as (sorted attribute tuple, {attribute: type}), checked: attributes distinct and in range,
+    query types of :data:`KINDS` (``identity`` the default, left out), only for attributes of the entry."""
     out = []
     for j, (attrs, kinds) in enumerate(workload):
         a = tuple(sorted(int(i) for i in attrs))
@@ -158,7 +159,7 @@ def normalise_workload(
         bad = {i: k for i, k in kinds.items() if k not in KINDS or i not in a}
         if bad:
             raise ValueError(f"workload.{j}: query types {bad}: only {KINDS} on the entry's own attributes")
-        out.append((a, {i: k for i, k in kinds.items() if k == "prefix"}))
+        out.append((a, {i: k for i, k in kinds.items() if k != "identity"}))
     return out
 
 
@@ -172,14 +173,24 @@ def kway_workload(domains: Sequence[int], ways: int, prefix: Sequence[int] = ())
 
 
 def attribute_matrix(kind: str, n: int):
-    import numpy as np
+    """One attribute's query matrix: the rows of ours (functions.dpquery.smasher.attribute_queries)."""
+    from functions.dpquery.smasher import attribute_queries
 
-    return np.tril(np.ones((n, n))) if kind == "prefix" else np.eye(n)
+    return attribute_queries(kind, n)
 
 
 def query_count(domains: Sequence[int], workload: Workload) -> int:
-    """Identity and prefix are both n × n per attribute: an entry has ∏ n_i queries."""
-    return sum(math.prod(int(domains[i]) for i in attrs) for attrs, _ in workload)
+    """An entry has ∏ m_i queries, m_i the rows of its attributes' query matrices."""
+    from functions.dpquery.smasher import intervals
+
+    rows = {}
+
+    def m(i: int, kind: str) -> int:
+        if (i, kind) not in rows:
+            rows[(i, kind)] = len(intervals(kind, int(domains[i])))
+        return rows[(i, kind)]
+
+    return sum(math.prod(m(i, dict(k).get(i, "identity")) for i in attrs) for attrs, k in workload)
 
 
 # --------------------------------------------------------------------------------------------------------
