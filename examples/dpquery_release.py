@@ -58,6 +58,14 @@ def main() -> None:
         std_errors = client.dpquery.std_errors(result)
         print(f"total count: {float(values):.1f} +- {std_errors['(total)']:.1f} (std error)")
 
+        # Any count in a box of the schema, from the same release (no more budget): here a range of ages
+        # and three education levels, summed from the [age, education] marginal with its exact error.
+        box = {"age": (18, 47), "education": ["bachelor", "master", "doctorate"]}
+        graduates = client.dpquery.answer(result, box)
+        print(
+            f"graduates aged 18-47: {graduates['estimate']:.1f} +- {graduates['std_error']:.1f} (std error)"
+        )
+
         # The ledger counts every job's spend against the dataset's total; a job that would overspend it
         # is refused before anything is measured.
         budget = client.dpquery.budget("example-people")

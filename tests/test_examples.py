@@ -25,7 +25,12 @@ EXPECTED = {
         "-> error:",
     ],
     "fedavg_average.py": ["3 clients, total weight 400", "matches numpy's weighted mean bit for bit"],
-    "dpquery_release.py": ["released counts by sex and region", "std_error", "remaining 0.9756"],
+    "dpquery_release.py": [
+        "released counts by sex and region",
+        "std_error",
+        "graduates aged 18-47",
+        "remaining 0.9756",
+    ],
     "inference_embed.py": ["embeddings (3, 384) float32", "cosine(cat, kitten) ="],
     "torch_dataloader.py": ["images (16, 3, 8, 8) torch.float32", "one epoch: 64 samples in 4 batches"],
 }
