@@ -259,7 +259,8 @@ class Children:
         out.close()
         err.close()
         result: dict = {}
-        for line in text.splitlines():
+        # the tag line, wherever a child's redirection left it (a library's stdout redirected to stderr)
+        for line in text.splitlines() + etext.splitlines():
             if line.startswith(RESULT_TAG):
                 result = json.loads(line[len(RESULT_TAG) :])
         last_err = (etext.strip().splitlines() or ["no output"])[-1][:200]
