@@ -876,8 +876,8 @@ def add_mixed_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--mixed-largest",
-        default="100,150,200,300",
-        help="at n = 10, the d tried in turn until a plan takes 60 s or more (100,150,200,300)",
+        default="100,150,200,300,330",
+        help="at n = 10, the d tried in turn until a plan takes 60 s or more (100,150,200,300,330)",
     )
 
 
