@@ -208,6 +208,62 @@ def attribute_strategy(g: np.ndarray) -> AttributeStrategy:
     return _convex_strategy(a, u)
 
 
+def strategy_loss(g: np.ndarray, strategy: AttributeStrategy) -> float:
+    """tr(Ḡ (BᵀB)⁺): the summed variance, at privacy cost 1, of the queries whose centred Gram is ``g``
+    when the attribute is measured through ``strategy``."""
+    return float(np.einsum("ij,ji->", g, _pinv(strategy)))
+
+
+def _pinv(strategy: AttributeStrategy) -> np.ndarray:
+    cached = strategy.__dict__.get("_pinv")
+    if cached is None:
+        cached = np.linalg.pinv(strategy.gram, hermitian=True)
+        object.__setattr__(strategy, "_pinv", cached)
+    return cached
+
+
+def kronecker_strategy(
+    terms: Sequence[tuple[float, Sequence[np.ndarray]]], rounds: int = 8, rtol: float = 1e-6
+) -> tuple[list[AttributeStrategy], float]:
+    """The best Kronecker strategy ⊗B_i, each factor of privacy cost 1, for a residual set that workload
+    entries of different query types reach: its queries' Gram is Σ_e w_e ⊗_i Ḡ_{e,i} (``terms``: (w_e,
+    [Ḡ_{e,1}, …, Ḡ_{e,k}]), the Grams centred, one per attribute of the set), and the loss of ⊗B_i is
+    Σ_e w_e ∏_i tr(Ḡ_{e,i} (B_iᵀB_i)⁺).
+
+    Block-coordinate descent: with the other factors fixed the loss is linear in one attribute's
+    tr(· (B_iᵀB_i)⁺), so each step is one per-attribute problem (:func:`attribute_strategy`) on
+    Σ_e w_e ∏_{j≠i} tr(Ḡ_{e,j} (B_jᵀB_j)⁺) Ḡ_{e,i}. It starts from the identity strategies
+    (ResidualPlanner's), stops when a round gains less than ``rtol``, and returns the best strategies seen
+    and their loss. With one term it is that term's per-attribute optimum."""
+    if not terms:
+        raise PlanError("internal: a residual set that no workload entry reaches")
+    k = len(terms[0][1])
+    sizes = [int(g.shape[0]) for g in terms[0][1]]
+    current = [attribute_strategy(np.eye(n) - 1.0 / n) for n in sizes]
+
+    def loss(strategies: list[AttributeStrategy]) -> float:
+        return math.fsum(
+            w * math.prod(strategy_loss(g, b) for g, b in zip(grams, strategies, strict=True))
+            for w, grams in terms
+        )
+
+    best, best_loss = list(current), loss(current)
+    for _ in range(rounds):
+        for i in range(k):
+            weighted = sum(
+                w * math.prod(strategy_loss(g, current[j]) for j, g in enumerate(grams) if j != i) * grams[i]
+                for w, grams in terms
+            )
+            current[i] = attribute_strategy(weighted)
+        now = loss(current)
+        gained = best_loss - now
+        if now < best_loss:
+            best, best_loss = list(current), now
+        if gained <= rtol * best_loss:
+            break
+    return best, best_loss
+
+
 def _convex_strategy(a: np.ndarray, u: np.ndarray) -> AttributeStrategy:
     """min tr(Ā M⁻¹) s.t. diag(U M Uᵀ) ≤ 1 through its dual, a smooth concave problem in n multipliers:
     with K = Uᵀ diag(λ) U, the minimising M is K^{-1/2} (K^{1/2} Ā K^{1/2})^{1/2} K^{-1/2}, the dual value
