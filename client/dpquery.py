@@ -456,11 +456,10 @@ class DPQuery:
                 clique = tuple(names[a] for a in attrs)
                 lo = int(offsets[k] - offsets[start])
                 strategies = None
-                if pl.res_types is not None:  # prefix/range queries: their attributes' strategies
-                    kinds = pl.residual_types(k)
+                if pl.res_strategy is not None:  # prefix/range queries: their attributes' strategies
                     strategies = tuple(
-                        None if t == "identity" else pl.factors(a, t).matrix
-                        for a, t in zip(attrs, kinds, strict=True)
+                        None if name.startswith("identity:") else pl.strategy(name).matrix
+                        for name in pl.set_strategies(k)
                     )
                 out.append(
                     ResidualMeasurement(
@@ -520,7 +519,7 @@ class DPQuery:
         estimate = variance = 0.0
         for s in parts:
             k = index[s]
-            factors = [pl.factors(a, t) for a, t in zip(s, pl.residual_types(k), strict=True)]
+            factors = [pl.strategy(name) for name in pl.set_strategies(k)]
             outside = math.prod(mean[i] for i in attrs if i not in s)
             centred = [(q[i] - mean[i])[None, :] for i in s]  # the piece on S: ⊗ q_i(I − J/n_i)
             y = np.asarray(values[k]).reshape([f.n - 1 for f in factors])

@@ -84,18 +84,6 @@ def test_query_types_need_an_order_and_a_domain_the_solver_takes():
         parse_spec(wide)
 
 
-def test_an_attribute_queried_two_ways_in_one_residual_set_is_refused_naming_both_marginals():
-    doc = general_doc(
-        "data/p.parquet",
-        [{"attributes": ["sex", "age"], "queries": {"age": "prefix"}}, {"attributes": ["age"]}],
-    )
-    with pytest.raises(SpecError) as err:
-        planner.plan(parse_spec(doc))
-    assert "workload.1" in str(err.value) and "'age' is queried as 'identity' here" in str(err.value)
-    assert "'prefix' by workload.0" in str(err.value)
-    assert err.value.errors == [{"field": "workload.1.queries", "error": "attribute 'age': two query types"}]
-
-
 def test_max_variance_is_for_identity_marginals():
     with pytest.raises(SpecError, match="max_variance"):
         planner.plan(parse_spec(general_doc("data/p.parquet", loss="max_variance")))
@@ -133,16 +121,16 @@ def test_the_vectorised_plan_is_querysmashers(domains, entries):
         # the contrasts measure an identity attribute at privacy cost (n−1)/n, the reference's strategy at 1
         scale = math.prod(
             (domains[i] - 1) / domains[i]
-            for i, t in zip(part, pl.residual_types(k), strict=True)
-            if t == "identity"
+            for i, how in zip(part, pl.set_strategies(k), strict=True)
+            if how.startswith("identity:")
         )
         assert pl.sigma2[k] == pytest.approx(sigma2 * scale, rel=1e-8)
     assert pl.weighted_sse == pytest.approx(ref.total, rel=1e-8)
     assert pl.privacy_cost() == pytest.approx(2 * pl.rho_planned, rel=1e-12)
     again = planner.Plan.from_doc(pl.to_doc())  # the strategies travel with the plan document
     for k in range(pl.num_residuals):
-        for a, t in zip(pl.residual(k), pl.residual_types(k), strict=True):
-            assert np.array_equal(again.factors(a, t).matrix, pl.factors(a, t).matrix)
+        for how in pl.set_strategies(k):
+            assert np.array_equal(again.strategy(how).matrix, pl.strategy(how).matrix)
 
 
 def test_identity_queries_plan_as_residual_planner():
@@ -150,7 +138,7 @@ def test_identity_queries_plan_as_residual_planner():
     plain = planner.plan(parse_spec(doc))
     doc["workload"][2]["queries"] = {"age": "identity"}
     same = planner.plan(parse_spec(doc))
-    assert same.res_types is None and same.to_doc() == plain.to_doc()
+    assert same.res_strategy is None and same.to_doc() == plain.to_doc()
 
 
 def test_the_plan_shows_the_rmse_of_each_query_type():
@@ -175,60 +163,79 @@ def _answers_truth(idx, attributes, queries):
     return x
 
 
-def test_every_answer_is_exact_with_the_noise_seam_and_has_the_variance_of_its_pieces(tmp_path):
+RANGES = [
+    {"attributes": ["sex", "age"], "queries": {"age": "range"}},
+    {"attributes": ["region", "age"], "queries": {"age": "range"}},
+    {"attributes": ["age"], "queries": {"age": "range"}, "weight": 2.0},
+]
+# the residual set {age} is reached by identity, prefix and range queries of age: one Kronecker strategy
+MIXED = [
+    {"attributes": ["age"]},
+    {"attributes": ["sex", "age"], "queries": {"age": "prefix"}},
+    {"attributes": ["region", "age"], "queries": {"age": "range"}},
+]
+
+
+def _bins(lo: int, hi: int) -> tuple[int, int]:
+    """The first and last age bin (of width 10 from 20) of an answer's bounds."""
+    return (lo - 20) // 10, (hi - 20) // 10
+
+
+@pytest.mark.parametrize("workload", [RANGES, MIXED], ids=["one type", "mixed types in one set"])
+def test_every_answer_is_exact_with_the_noise_seam_and_has_the_variance_of_its_pieces(tmp_path, workload):
     root = f"file://{tmp_path}"
     dataset, idx = make_dataset(root)
-    workload = [
-        {"attributes": ["sex", "age"], "queries": {"age": "range"}},
-        {"attributes": ["region", "age"], "queries": {"age": "range"}},
-        {"attributes": ["age"], "queries": {"age": "range"}, "weight": 2.0},
-    ]
     spec = parse_spec(general_doc(dataset, workload))
     job_id, result = run_core(root, general_doc(dataset, workload), noise=False)
     _, pl = core.load_plan(root, job_id)
+    assert pl.privacy_cost() == pytest.approx(2 * pl.rho_planned, rel=1e-12)
+    mixed = [pl.set_strategies(k) for k in range(pl.num_residuals) if pl.residual(k) == (2,)]
+    assert (mixed[0][0].startswith("mixed:")) == (workload is MIXED)
     domains = [int(n) for n in pl.domains]
-    mats = {}
-    for k in range(pl.num_residuals):
-        kinds = pl.residual_types(k)
-        mats[pl.residual(k)] = [pl.factors(a, t).matrix for a, t in zip(pl.residual(k), kinds, strict=True)]
-    # smasher.answer reads the plan's σ² per partition only
+    # smasher.answer reads each measured set's matrices and σ² only
+    mats = {
+        pl.residual(k): [pl.strategy(h).matrix for h in pl.set_strategies(k)] for k in range(pl.num_residuals)
+    }
     sigma2 = {pl.residual(k): float(pl.sigma2[k]) for k in range(pl.num_residuals)}
     reference = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
     names = [a.name for a in spec.attributes]
+    labels = {"sex": ["f", "m"], "region": [1, 2, 3]}
     for t in result["tables"]:
         tbl = read_table(t["parquet"])
-        expected = _answers_truth(idx, t["attributes"], t["queries"])
+        expected = _answers_truth(idx, t["attributes"], t.get("queries", {}))
         est = tbl.column("estimate").to_numpy()
         assert np.max(np.abs(est - expected.reshape(-1))) < 1e-8
-        assert t["cells"] == expected.size == tbl.num_rows and t["queries"] == {"age": "range"}
+        assert t["cells"] == expected.size == tbl.num_rows
         # each answer's variance, against smasher.answer's sum over the query's pieces (no noise: the value
         # is exact; the variance is the plan's)
         attrs = tuple(names.index(n) for n in t["attributes"])
-        shape = [domains[a] for a in attrs]
-        estimates = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
-        spans = smasher.intervals("range", 4)
+        zeros = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
         variances = tbl.column("variance").to_numpy()
-        for row in range(tbl.num_rows):
-            cell = np.unravel_index(row, expected.shape)
-            q = np.zeros(shape)
-            where = [slice(None)] * len(shape)
-            for axis, name in enumerate(t["attributes"]):
+        for row, values in enumerate(tbl.to_pylist()):
+            q = np.zeros([domains[a] for a in attrs])
+            where = []
+            for name in t["attributes"]:
                 if name == "age":
-                    a, b = spans[cell[axis]]
-                    where[axis] = slice(a, b + 1)
+                    a, b = _bins(values["age_lo"], values["age_hi"])
+                    where.append(slice(a, b + 1))
                 else:
-                    where[axis] = cell[axis]
+                    where.append(labels[name].index(values[name]))
             q[tuple(where)] = 1.0
-            _, var = smasher.answer(q.reshape(-1), attrs, domains, estimates, reference, mats)
-            assert variances[row] == pytest.approx(var, rel=1e-9)
+            _, var = smasher.answer(q.reshape(-1), attrs, domains, zeros, reference, mats)
+            assert variances[row] == pytest.approx(var, rel=1e-9), (t["attributes"], row)
         assert t["std_error"] == pytest.approx(math.sqrt(variances.mean()), rel=1e-12)
-        assert t["max_std_error"] == pytest.approx(math.sqrt(variances.max()), rel=1e-12)
-    ages = read_table(result["tables"][2]["parquet"])
-    assert ages.column("age").to_pylist()[:5] == ["20..29", "20..39", "20..49", "20..59", "30..39"]
-    assert ages.column("age_lo").to_pylist()[:5] == [20, 20, 20, 20, 30]
-    assert ages.column("age_hi").to_pylist()[:5] == [29, 39, 49, 59, 39]
-    small = core.store.get_json(result["tables"][0]["json"])
-    assert small["columns"][-2:] == ["estimate", "std_error"] and "std_error" not in small
+    if workload is RANGES:
+        t = result["tables"][0]
+        assert t["queries"] == {"age": "range"}
+        assert t["max_std_error"] == pytest.approx(
+            math.sqrt(read_table(t["parquet"]).column("variance").to_numpy().max())
+        )
+        ages = read_table(result["tables"][2]["parquet"])
+        assert ages.column("age").to_pylist()[:5] == ["20..29", "20..39", "20..49", "20..59", "30..39"]
+        assert ages.column("age_lo").to_pylist()[:5] == [20, 20, 20, 20, 30]
+        assert ages.column("age_hi").to_pylist()[:5] == [29, 39, 49, 59, 39]
+        small = core.store.get_json(result["tables"][0]["json"])
+        assert small["columns"][-2:] == ["estimate", "std_error"] and "std_error" not in small
 
 
 def test_a_noisy_job_spends_within_its_budget_and_releases_no_true_count(tmp_path):
@@ -317,8 +324,7 @@ def _box_variance(pl, attrs, q):
     domains = [int(n) for n in pl.domains]
     mats, sigma2 = {}, {}
     for k in range(pl.num_residuals):
-        kinds = pl.residual_types(k)
-        mats[pl.residual(k)] = [pl.factors(a, t).matrix for a, t in zip(pl.residual(k), kinds, strict=True)]
+        mats[pl.residual(k)] = [pl.strategy(how).matrix for how in pl.set_strategies(k)]
         sigma2[pl.residual(k)] = float(pl.sigma2[k])
     vector = np.ones(())
     for v in q:

@@ -255,8 +255,8 @@ def measure(
     for k in range(start, stop):
         attrs = pl.residual(k)
         mats = None  # the contrasts (ResidualPlanner), else each attribute's query type's strategy
-        if pl.res_types is not None:
-            mats = tuple(pl.factors(a, t).matrix for a, t in zip(attrs, pl.residual_types(k), strict=True))
+        if pl.res_strategy is not None:
+            mats = tuple(pl.strategy(name).matrix for name in pl.set_strategies(k))
         sets.append(
             mz.SetSpec(
                 index=k,
@@ -390,13 +390,14 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
         else:  # general queries: each answer has its own variance
             kinds = pl.marginal_types(j)
             at = {a: k for k, a in enumerate(attrs)}
-            terms = [
-                (tuple(at[a] for a in pl.residual(int(k))), values[int(k)], float(sigma2[int(k)]))
-                for k in pl.subsets(j)
-            ]
-            estimate, cell_var = rc.answers(
-                [pl.factors(a, t) for a, t in zip(attrs, kinds, strict=True)], terms
-            )
+            terms = []
+            for k in pl.subsets(j).tolist():
+                pos = tuple(at[a] for a in pl.residual(k))
+                how = pl.set_strategies(k)
+                inverses = [pl.strategy(name).inverse for name in how]
+                insides = [pl.inside(kinds[p], name) for p, name in zip(pos, how, strict=True)]
+                terms.append((pos, values[k], float(sigma2[k]), inverses, insides))
+            estimate, cell_var = rc.answers(kinds, [int(pl.domains[a]) for a in attrs], terms)
             axes = [rc.query_labels(attributes[a], t) for a, t in zip(attrs, kinds, strict=True)]
             asked = {n: t for n, t in zip(names, kinds, strict=True) if t != "identity"}
             v = float(cell_var.mean())

@@ -64,7 +64,15 @@ import numpy as np
 
 from functions.dpquery.measure import charge_factor, log1p_gamma
 from functions.dpquery.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
-from functions.dpquery.smasher import QUERY_TYPES, AttributeFactors, attribute_factors
+from functions.dpquery.smasher import (
+    QUERY_TYPES,
+    AttributeFactors,
+    attribute_factors,
+    block_sums,
+    centred_gram,
+    kronecker_strategy,
+    strategy_matrix,
+)
 from functions.errors import PlanError, SpecError
 
 DOC_VERSION = 1
@@ -176,10 +184,13 @@ class Plan:
     solver: dict[str, Any] = field(default_factory=dict)  # max_variance: cvxpy status, solver, time
     unit_rows: int = 1  # k: rows one person may contribute (the privacy unit; 1 = a row is a person)
     rows_bound: int | None = None  # N: the public bound on rows counted (None: rounding not charged)
-    # General linear queries (QuerySmasher): each attribute's query type code (an index of QUERY_TYPES) beside
-    # res_attrs and marg_attrs, the queries each marginal answers, and the measured B_i of every non-identity
-    # (type, n) as "type:n". None / empty: every query is an identity (a ResidualPlanner plan).
-    res_types: np.ndarray | None = None  # (Σ|S|,) int8
+    # General linear queries (QuerySmasher): beside res_attrs, the strategy each set measures each attribute
+    # through (an index of strategy_names: "identity:n" the contrasts, "prefix:n" ... a type's own strategy,
+    # "mixed:n:i" a set's Kronecker strategy for several types); beside marg_attrs, each attribute's query
+    # type code (an index of QUERY_TYPES); the queries each marginal answers; and the measured B_i of every
+    # strategy but the contrasts. None / empty: every query is an identity (a ResidualPlanner plan).
+    res_strategy: np.ndarray | None = None  # (Σ|S|,) int32
+    strategy_names: list[str] = field(default_factory=list)
     marg_types: np.ndarray | None = None  # (Σ|A|,) int8
     num_q: np.ndarray | None = None  # (|W|,) int64, ∏_{i∈A} m_i
     strategies: dict[str, np.ndarray] = field(default_factory=dict)
@@ -205,31 +216,43 @@ class Plan:
         """Residual indices S ⊆ A_j, ascending (so ∅ = 0 first)."""
         return self.sub_idx[self.sub_ptr[j] : self.sub_ptr[j + 1]]
 
-    def residual_types(self, k: int) -> tuple[str, ...]:
-        """The query type of each attribute of residual set k (all ``identity`` in a ResidualPlanner plan)."""
-        return self._types(self.res_types, self.res_ptr, k)
+    def set_strategies(self, k: int) -> tuple[str, ...]:
+        """The strategy each attribute of residual set k is measured through (see ``res_strategy``)."""
+        a, b = int(self.res_ptr[k]), int(self.res_ptr[k + 1])
+        if self.res_strategy is None:
+            return tuple(f"identity:{int(self.domains[i])}" for i in self.res_attrs[a:b])
+        return tuple(self.strategy_names[int(x)] for x in self.res_strategy[a:b])
 
     def marginal_types(self, j: int) -> tuple[str, ...]:
         """The query type of each attribute of workload marginal j."""
-        return self._types(self.marg_types, self.marg_ptr, j)
-
-    @staticmethod
-    def _types(codes: np.ndarray | None, ptr: np.ndarray, k: int) -> tuple[str, ...]:
-        a, b = int(ptr[k]), int(ptr[k + 1])
-        if codes is None:
+        a, b = int(self.marg_ptr[j]), int(self.marg_ptr[j + 1])
+        if self.marg_types is None:
             return ("identity",) * (b - a)
-        return tuple(QUERY_TYPES[int(c)] for c in codes[a:b])
+        return tuple(QUERY_TYPES[int(c)] for c in self.marg_types[a:b])
 
-    def factors(self, attribute: int, kind: str) -> AttributeFactors:
-        """What measuring and answering ``kind`` queries of ``attribute`` uses (the plan's own B_i)."""
-        n = int(self.domains[attribute])
-        if kind == "identity":
-            return attribute_factors(kind, n)
-        key = f"{kind}:{n}"
-        cache = self.__dict__.setdefault("_factors", {})
-        if key not in cache:
-            cache[key] = AttributeFactors.of(kind, self.strategies[key])
-        return cache[key]
+    def strategy(self, name: str) -> AttributeFactors:
+        """A strategy by name: its matrix B_i (what measure applies) and pseudo-inverse (what reconstruct
+        applies), as :class:`~functions.dpquery.smasher.AttributeFactors` of the type it was made for."""
+        cache = self.__dict__.setdefault("_strategies", {})
+        if name not in cache:
+            kind, _, rest = name.partition(":")
+            if kind == "identity":
+                cache[name] = attribute_factors("identity", int(rest))
+            elif kind in QUERY_TYPES:
+                cache[name] = AttributeFactors.of(kind, self.strategies[name], orthonormal=False)
+            else:  # a mixed set's strategy answers no one type: Plan.inside takes its factors per type
+                cache[name] = AttributeFactors.of("identity", self.strategies[name], orthonormal=False)
+        return cache[name]
+
+    def inside(self, kind: str, name: str) -> np.ndarray:
+        """diag(W P Wᵀ) of ``kind`` queries measured through strategy ``name``: each one's variance factor
+        when its attribute is in the measured set."""
+        cache = self.__dict__.setdefault("_inside", {})
+        if (kind, name) not in cache:
+            f = self.strategy(name)
+            same = f.kind == kind and not name.startswith("mixed:")
+            cache[(kind, name)] = f.inside if same else block_sums(kind, f.inverse @ f.inverse.T)
+        return cache[(kind, name)]
 
     def residual_index(self) -> dict[tuple[int, ...], int]:
         """{attribute tuple: residual index} (builds a dict of |C| entries: use for small plans/tests)."""
@@ -391,7 +414,7 @@ class Plan:
         "sub_ptr",
         "sub_idx",
     )
-    _GENERAL = ("res_types", "marg_types", "num_q")  # present when a query type is not identity
+    _GENERAL = ("res_strategy", "marg_types", "num_q")  # present when a query type is not identity
 
     def to_doc(self) -> dict[str, Any]:
         """A JSON-safe dict that :meth:`from_doc` turns back into an identical plan."""
@@ -412,6 +435,7 @@ class Plan:
                 if getattr(self, name) is not None
             },
             "strategies": {key: _encode(b) for key, b in sorted(self.strategies.items())},
+            **({"strategy_names": self.strategy_names} if self.strategy_names else {}),
         }
 
     @classmethod
@@ -435,6 +459,7 @@ class Plan:
             unit_rows=int(doc.get("unit_rows", 1)),
             rows_bound=None if doc.get("rows_bound") is None else int(doc["rows_bound"]),
             strategies={key: _decode(b) for key, b in (doc.get("strategies") or {}).items()},
+            strategy_names=list(doc.get("strategy_names") or []),
             **arrays,
         )
 
@@ -463,8 +488,8 @@ def plan(
     ``queries``: beside ``workload``, each marginal's ``{attribute index: query type}`` (types of
     :data:`~functions.dpquery.smasher.QUERY_TYPES`; an attribute not named is ``identity``). With any type
     other than identity the plan is QuerySmasher's (:mod:`functions.dpquery.smasher`): each residual set is
-    measured through its attributes' best strategies instead of the contrasts, and an attribute must have
-    one type across the marginals that share a residual set with it.
+    measured through its attributes' best strategies instead of the contrasts (a set that marginals ask
+    in different ways through one Kronecker strategy fitted to all of them).
 
     ``unit_rows`` (k) and ``rows_bound`` (N) set the charged sensitivity (module docstring); a spec gives
     its privacy unit's ``max_rows`` (default 1) and its ``max_rows_total`` (default
@@ -745,31 +770,39 @@ def _plan(
     res_of_pair[order] = np.cumsum(new, dtype=idx_t) - 1
     del new
 
-    res_ptr = np.zeros(c + 1, dtype=np.int64)
-    np.cumsum(uniq_size, out=res_ptr[1:])
-    col = np.arange(width)[None, :]
-    in_set = col < uniq_size[:, None]
-    res_attrs = real_ext[uniq_rows[in_set]].astype(np.int32)  # row-major: each set in order
-    res_types = None
-    if codes is not None:
-        res_types = kind_ext[uniq_rows[in_set]]
-        _one_type_per_set(real_ext[uniq_rows], uniq_size, kind_ext[uniq_rows], res_of_pair, pair_marg, names)
-
+    # per column set u: the privacy factor, Σ(log ℓ − log o), the weights' LSE, the rounding charge
     log_p = log_pfac_ext[uniq_rows].sum(axis=1)
-    # charged sensitivity: q_S = p_S·c_S², c_S = k + 2·η_S·N (privacy unit and transform rounding)
+    log_lo = log_nn1_ext[uniq_rows].sum(axis=1)
+    lse_a = _grouped_lse(log_a[pair_marg[order]], starts)
+    del order
     # the rounding of the mode-wise products: measure.charged_sensitivity's γ_{n+2} for the contrasts alone,
     # measure.charged_norm's γ_n when the sets are measured through matrices charged entry by entry
     log_gamma_ext = np.append(log1p_gamma(n, 2 if codes is None else 0), 0.0)[real_ext]
-    c_s = charge_factor(log_gamma_ext[uniq_rows].sum(axis=1), unit_rows, rows_bound)
-    log_q = log_p + 2.0 * np.log(c_s)
+    log_gamma = log_gamma_ext[uniq_rows].sum(axis=1)
     noise_count = np.prod(n1_ext[uniq_rows], axis=1)
-    # v_S = ∏_{i∈S} n_i(n_i−1) · Σ_{A⊇S} w_A/cells_A  (see the module docstring); in general
-    # ∏_{i∈S} ℓ_i/o_i · Σ_{A⊇S} w_A ∏_{i∈A} o_i, ℓ_i = Σ inside, o_i = Σ outside (smasher.AttributeFactors)
-    log_lo = log_nn1_ext[uniq_rows].sum(axis=1)
-    log_v = log_lo + _grouped_lse(log_a[pair_marg[order]], starts)
-    del order
+    res_strategy = None
+    strategy_names: list[str] = []
+    if codes is None:  # columns are attributes: each column set is a residual set
+        r_of_u = np.arange(c, dtype=idx_t)
+        log_v = log_lo + lse_a
+    else:  # column sets of one attribute set are one residual set, measured once (_residual_sets)
+        merged = _residual_sets(
+            uniq_rows, uniq_size, real_ext, kind_ext, n, log_o_ext, log_lo, log_p, lse_a, strategies
+        )
+        r_of_u, first, log_v, res_strategy, strategy_names = merged
+        uniq_rows, uniq_size = real_ext[uniq_rows[first]], uniq_size[first]
+        log_p, log_gamma, noise_count = log_p[first], log_gamma[first], noise_count[first]
+        c = int(first.size)
+    # charged sensitivity: q_S = p_S·c_S², c_S = k + 2·η_S·N (privacy unit and transform rounding)
+    log_q = log_p + 2.0 * np.log(charge_factor(log_gamma, unit_rows, rows_bound))
+    res_ptr = np.zeros(c + 1, dtype=np.int64)
+    np.cumsum(uniq_size, out=res_ptr[1:])
+    col = np.arange(width)[None, :]
+    res_attrs = real_ext[uniq_rows[col < uniq_size[:, None]]].astype(np.int32)  # row-major: each set in order
     log_n_sum_s = log_n_ext[real_ext[uniq_rows]].sum(axis=1)  # Σ_{i∈S} log n_i
     del uniq_rows
+    pair_lo = log_lo[res_of_pair]  # each pair's Σ(log ℓ − log o): its column set's, in its residual set
+    res_of_pair = r_of_u[res_of_pair]
 
     rho_planned = rho * (1.0 - RHO_SLACK)
     two_rho = 2.0 * rho_planned
@@ -789,7 +822,7 @@ def _plan(
         log_var = _grouped_lse(term, sub_ptr[:-1]) - 2.0 * cells_log
     else:
         # mean variance of A's queries: Σ_{S⊆A} σ_S² ∏_{i∈S} ℓ_i ∏_{i∈A∖S} o_i / ∏_{i∈A} m_i
-        term = (log_sigma2 + log_lo)[res_of_pair]
+        term = log_sigma2[res_of_pair] + pair_lo
         log_var = _grouped_lse(term, sub_ptr[:-1]) + log_a - np.log(weights) - queries_log
 
     # S ⊆ A lists in ascending residual order, per marginal
@@ -824,7 +857,8 @@ def _plan(
         solver=solver,
         unit_rows=int(unit_rows),
         rows_bound=None if rows_bound is None else int(rows_bound),
-        res_types=res_types,
+        res_strategy=res_strategy,
+        strategy_names=strategy_names,
         marg_types=None if codes is None else kind_ext[padded_c][inside_a],
         num_q=num_q,
         strategies=strategies,
@@ -835,33 +869,69 @@ def _plan(
     return result
 
 
-def _one_type_per_set(real_rows, size, kinds, res_of_pair, pair_marg, names) -> None:
-    """Refuse a workload that reaches one residual set with two query types of an attribute (the
-    Kronecker solver measures each set once, one strategy per attribute), naming both marginals."""
-    width = real_rows.shape[1]
-    order = np.lexsort([real_rows[:, c] for c in range(width - 1, -1, -1)] + [size])
-    same = np.all(real_rows[order][1:] == real_rows[order][:-1], axis=1) & (
-        size[order][1:] == size[order][:-1]
+def _residual_sets(uniq_rows, uniq_size, real_ext, kind_ext, n, log_o_ext, log_lo, log_p, lse_a, strategies):
+    """Group the column sets by their attributes: each group is one residual set, measured once.
+
+    A set that marginals of one type per attribute reach keeps its columns' strategies. A set reached with
+    different types for an attribute (``[age]`` and ``[age, sex]`` asking ``age`` as prefix, say) gets the
+    Kronecker strategy of its summed workload (:func:`functions.dpquery.smasher.kronecker_strategy`): its
+    column sets' ``log_lo`` and ``log_p`` are recomputed for that strategy (in place) and its matrices are
+    added to ``strategies``. Returns (the residual set of each column set, one column set per residual set,
+    log v per residual set, the strategy id of each set's attributes, the strategy names), residual sets in
+    (size, attributes) order."""
+    c, width = uniq_rows.shape
+    d = int(n.size)
+    real = real_ext[uniq_rows]
+    order = np.lexsort([real[:, k] for k in range(width - 1, -1, -1)] + [uniq_size])
+    new = np.ones(c, dtype=bool)
+    new[1:] = np.any(real[order][1:] != real[order][:-1], axis=1) | (
+        uniq_size[order][1:] != uniq_size[order][:-1]
     )
-    if not same.any():
-        return
-    k = int(np.argmax(same))
-    u, v = int(order[k]), int(order[k + 1])
-    first_of = {}
-    for r in (u, v):
-        first_of[r] = int(pair_marg[int(np.argmax(res_of_pair == r))])
-    (ju, jv) = sorted((first_of[u], first_of[v]))
-    ru = u if first_of[u] == ju else v
-    rv = v if ru == u else u
-    diff = next(c for c in range(int(size[u])) if kinds[ru, c] != kinds[rv, c])
-    attr = int(real_rows[u, diff])
-    name = repr(names[attr]) if names is not None else str(attr)
-    raise SpecError(
-        f"workload.{jv}: attribute {name} is queried as {QUERY_TYPES[kinds[rv, diff]]!r} here and as "
-        f"{QUERY_TYPES[kinds[ru, diff]]!r} by workload.{ju}, and both marginals reach its residual set; "
-        "give the attribute one query type across the marginals that share it",
-        [{"field": f"workload.{jv}.queries", "error": f"attribute {name}: two query types"}],
+    r_of_u = np.empty(c, dtype=np.int64)
+    r_of_u[order] = np.cumsum(new) - 1
+    first = order[new]
+    names: dict[str, int] = {}
+
+    def name_id(name: str) -> int:
+        return names.setdefault(name, len(names))
+
+    def column_name(col: int) -> str:
+        return f"{QUERY_TYPES[int(kind_ext[col])]}:{int(n[real_ext[col]])}"
+
+    ids = np.array(
+        [-1 if col == d else name_id(column_name(col)) for col in range(real_ext.size)], dtype=np.int32
     )
+    set_ids = ids[uniq_rows[first]]
+    groups = np.split(order, np.flatnonzero(new)[1:])
+    for r in np.flatnonzero(np.diff(np.flatnonzero(np.append(new, True))) > 1):
+        members = groups[int(r)]
+        k = int(uniq_size[members[0]])
+        cols = uniq_rows[members, :k]
+        weights = lse_a[members] - log_o_ext[cols].sum(axis=1)  # log c_u = log Σ w_A ∏_{A∖S} o_i
+        terms = [
+            (
+                math.exp(float(wu - weights.max())),
+                [centred_gram(QUERY_TYPES[int(kind_ext[t])], int(n[real_ext[t]])) for t in row],
+            )
+            for wu, row in zip(weights, cols, strict=True)
+        ]
+        chosen, _ = kronecker_strategy(terms)
+        mats = [strategy_matrix(b) for b in chosen]
+        privacy = sum(math.log(float(np.max(np.einsum("ij,ij->j", m, m)))) for m in mats)
+        inverses = [np.linalg.pinv(m) for m in mats]
+        for pos, m in enumerate(mats):
+            name = f"mixed:{int(n[real_ext[cols[0, pos]]])}:{len(names)}"
+            strategies[name] = m
+            set_ids[int(r), pos] = name_id(name)
+        for u, row in zip(members, cols, strict=True):
+            log_p[u] = privacy
+            log_lo[u] = sum(
+                math.log(float(block_sums(QUERY_TYPES[int(kind_ext[t])], inv @ inv.T).sum())) - log_o_ext[t]
+                for t, inv in zip(row, inverses, strict=True)
+            )
+    log_v = _grouped_lse((log_lo + lse_a)[order], np.flatnonzero(new))
+    width_mask = np.arange(width)[None, :] < uniq_size[first][:, None]
+    return r_of_u, first, log_v, set_ids[width_mask].astype(np.int32), list(names)
 
 
 def _label(attrs: tuple[int, ...], names: list[str] | None) -> str:

@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from functions.dpquery.measure import contrasts, mode_product
-from functions.dpquery.smasher import AttributeFactors, answer_axis, intervals
+from functions.dpquery.smasher import answer_axis, intervals, query_lengths
 
 JSON_MAX_CELLS = 1000  # marginals up to this many cells also get a JSON table
 VALUE_COLUMN = "estimate"
@@ -72,30 +72,30 @@ def reconstruct(
 
 
 def answers(
-    factors: Sequence[AttributeFactors], terms: Sequence[tuple[tuple[int, ...], np.ndarray, float]]
+    kinds: Sequence[str], sizes: Sequence[int], terms: Sequence[tuple]
 ) -> tuple[np.ndarray, np.ndarray]:
     """A marginal's answers under general query types (QuerySmasher) and each answer's variance.
 
-    ``factors``: per attribute of the marginal A (schema order), its query type's
-    :class:`~functions.dpquery.smasher.AttributeFactors`; ``terms``: (positions in A of S, y_S, σ_S²) for
-    every S ⊆ A. x̂_A = Σ_S (⊗_{i∈S} B_i⁺ ⊗_{i∈A∖S} 1/n_i) y_S, then W_i along every axis; an answer's
-    variance is Σ_S σ_S² ∏_{i∈S} inside_i ∏_{i∈A∖S} outside_i (the measurements are independent)."""
-    shape = [f.n for f in factors]
+    ``kinds`` and ``sizes``: each attribute's query type and domain size, in the marginal's (schema) order;
+    ``terms``: for every residual set S ⊆ A, (the positions of S's attributes in A, y_S, σ_S², each
+    attribute's B_i⁺, each attribute's inside factor diag(W_i (B_iᵀB_i)⁺ W_iᵀ)). x̂_A = Σ_S (⊗_{i∈S} B_i⁺
+    ⊗_{i∈A∖S} 1/n_i) y_S, then W_i along every axis; an answer's variance is Σ_S σ_S² ∏_{i∈S} inside_i
+    ∏_{i∈A∖S} (W_i 1/n_i)² (the measurements are independent)."""
+    shape = [int(n) for n in sizes]
+    outside = [(query_lengths(kind, n) / n) ** 2 for kind, n in zip(kinds, shape, strict=True)]
     x = np.zeros(shape, dtype=np.float64)
-    var = np.zeros([f.queries for f in factors], dtype=np.float64)
-    for pos, y, s2 in terms:
-        z = mode_product(
-            [factors[k].inverse for k in pos],
-            np.asarray(y, dtype=np.float64).reshape([shape[k] - 1 for k in pos]),
-        )
+    var = np.zeros([o.size for o in outside], dtype=np.float64)
+    for pos, y, s2, inverses, insides in terms:
+        z = mode_product(inverses, np.asarray(y, dtype=np.float64).reshape([shape[k] - 1 for k in pos]))
         full = [shape[k] if k in pos else 1 for k in range(len(shape))]
         x += z.reshape(full) / math.prod(shape[k] for k in range(len(shape)) if k not in pos)
+        inside = dict(zip(pos, insides, strict=True))
         v = np.asarray(float(s2))
-        for k, f in enumerate(factors):
-            v = np.multiply.outer(v, f.inside if k in pos else f.outside)
+        for k in range(len(shape)):
+            v = np.multiply.outer(v, inside[k] if k in inside else outside[k])
         var += v
-    for k, f in enumerate(factors):
-        x = answer_axis(f.kind, x, k)
+    for k, kind in enumerate(kinds):
+        x = answer_axis(kind, x, k)
     return x, var
 
 

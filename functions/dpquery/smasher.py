@@ -16,6 +16,8 @@ one unit vector). With one query type per attribute across the entries that reac
 each attribute is one convex problem of size n_i − 1 (:func:`attribute_strategy`):
 minimise tr(Ā M⁻¹) subject to diag(U M Uᵀ) ≤ 1, M ≻ 0, with U an orthonormal basis of 1^⊥ and
 Ā = Uᵀ G_iᵀ G_i U. For the identity the optimum is M = n/(n−1)·I (RP's Helmert strategy) in closed form.
+Entries asking an attribute different ways make the partition's Gram a weighted sum of Kronecker products;
+:func:`kronecker_strategy` then fits one Kronecker strategy to the sum, a per-attribute problem at a time.
 
 **Assemble.** With L_{A′} the partition's loss at privacy cost 1, the total privacy cost c = 2ρ is split as
 σ²_{A′} = (Σ √L)/(c·√L_{A′}), and the weighted sum of variances is (Σ_{A′} √L_{A′})²/c: ResidualPlanner's
@@ -333,11 +335,14 @@ class AttributeFactors:
         return int(self.inside.size)
 
     @classmethod
-    def of(cls, kind: str, matrix: np.ndarray) -> AttributeFactors:
-        """The factors of measuring ``kind``'s queries through ``matrix`` (a plan's stored B_i)."""
+    def of(cls, kind: str, matrix: np.ndarray, orthonormal: bool | None = None) -> AttributeFactors:
+        """The factors of measuring ``kind``'s queries through ``matrix`` (a plan's stored B_i), whose rows
+        are ``orthonormal`` (default: for identity, whose strategy is the contrasts) or not."""
         b = np.asarray(matrix, dtype=np.float64)
         n = b.shape[1]
-        inverse = b.T if kind == "identity" else np.linalg.pinv(b)  # the contrasts' rows are orthonormal
+        if orthonormal is None:
+            orthonormal = kind == "identity"
+        inverse = b.T if orthonormal else np.linalg.pinv(b)
         inside = block_sums(kind, inverse @ inverse.T)  # diag(W B⁺B⁺ᵀ Wᵀ)
         outside = (query_lengths(kind, n) / n) ** 2
         privacy = float(np.max(np.einsum("ij,ij->j", b, b)))
