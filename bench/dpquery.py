@@ -24,9 +24,11 @@ below, registered in ``PARTS`` and run in order (``--parts plan,measure,e2e``; d
            summing its cells, and against the authors' QuerySmasher (bench/qs_reference.py) where it
            finishes; plan time and peak memory.
 
-  mixed    All 1-, 2- and 3-way marginals of [n]^d (n = 10, 20, 40; d = 10 … 50), attribute i asked as
-           range, prefix or circular_range by i mod 3: the job's plan time, memory and RMSE, the authors'
-           QuerySmasher on the same workload at d = 10, and the largest d planned in under 60 s at n = 10.
+  mixed    Workloads on [n]^d (n = 10, 20, 40; d = 10 … 50): every attribute's 1-way ranges and every
+           3-way marginal's prefixes (or, --mixed-shape cycle, all 1/2/3-way marginals with attribute i
+           asked as range, prefix or circular_range by i mod 3): the job's plan time, memory and RMSE, the
+           authors' QuerySmasher on the same workload at d = 10, and the largest d planned in under 60 s
+           at n = 10.
 
 The benchmark prints tables and writes JSON to bench/results/dpquery.json. It never asserts on timing:
 targets are reported as PASS/FAIL lines. Children run through ``benchutil.Children`` (peak memory read
