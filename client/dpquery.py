@@ -18,7 +18,8 @@ variance within its marginal: :meth:`DPQuery.std_errors`, ``result["tables"][i][
 ``std_error`` and ``variance`` columns of every table, and the same keys of each Parquet file's schema
 metadata (which also names the mechanism, ρ, the privacy unit and the dataset's fingerprint). A marginal
 that asks prefix or range queries along an attribute (``queries`` in the spec) has a row per answer, each
-with its own ``std_error``; its entry's ``std_error`` is their RMSE.
+with its own ``std_error``; its entry's ``std_error`` is their RMSE (so for a marginal asked cell by cell
+that shares a residual set with prefix or range queries, whose cells' variances differ too).
 
 Nothing here reads the dataset: :meth:`DPQuery.plan` is the pure planner, and the tables are the job's
 released (noisy) output.

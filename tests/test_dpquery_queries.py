@@ -7,9 +7,11 @@ the same on the local executor and on moto's ASL interpreter."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from test_dpquery_job import (
     WAIT_S,
@@ -377,3 +379,49 @@ def test_a_box_the_release_did_not_measure_or_that_cuts_a_bin_is_refused(client_
         client.dpquery.answer(result, {"region": 7})
     with pytest.raises(SpecError, match="no attribute 'height'"):
         client.dpquery.answer(result, {"height": 3})
+
+
+def test_identity_cells_read_through_a_mixed_set_get_each_its_own_variance(tmp_path):
+    """Ten age bins: the [age] marginal's cells are read through the {age} set's strategy fitted to cells,
+    prefixes and ranges together, whose variance differs from bin to bin; each row states its own."""
+    root = f"file://{tmp_path}"
+    dataset, _ = make_dataset(root)
+    doc = general_doc(dataset, MIXED)
+    doc["schema"][2] = {"name": "age", "range": [20, 59], "bin_width": 4}
+    job_id, result = run_core(root, doc, noise=False)
+    _, pl = core.load_plan(root, job_id)
+    assert any(h.startswith("mixed:") for k in range(pl.num_residuals) for h in pl.set_strategies(k))
+    ages = pq.read_table(io.BytesIO(core.store.get(dataset))).column("age").to_numpy()
+    counts = np.bincount((ages - 20) // 4, minlength=10)
+    domains = [int(n) for n in pl.domains]
+    mats = {
+        pl.residual(k): [pl.strategy(h).matrix for h in pl.set_strategies(k)] for k in range(pl.num_residuals)
+    }
+    sigma2 = {pl.residual(k): float(pl.sigma2[k]) for k in range(pl.num_residuals)}
+    zeros = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
+    reference = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
+    entry = result["tables"][0]
+    assert entry["attributes"] == ["age"] and "queries" not in entry
+    tbl = read_table(entry["parquet"])
+    assert np.max(np.abs(tbl.column("estimate").to_numpy() - counts)) < 1e-8
+    variances = tbl.column("variance").to_numpy()
+    expected = [smasher.answer(np.eye(10)[b], (2,), domains, zeros, reference, mats)[1] for b in range(10)]
+    assert variances == pytest.approx(expected, rel=1e-9)
+    assert np.ptp(variances) > 1e-3 * variances.max()  # they do differ
+    assert entry["max_std_error"] == pytest.approx(math.sqrt(variances.max()))
+    assert "std_error" not in core.store.get_json(entry["json"])  # per row, not once
+
+
+def test_an_attribute_every_entry_asks_cell_by_cell_keeps_the_contrasts_in_a_mixed_set():
+    """No dense matrix for an identity attribute of a mixed set, whatever its size."""
+    pl = planner.plan(
+        domains=[1500, 10, 2],
+        workload=[((0, 1), 1.0), ((0, 1, 2), 1.0)],
+        rho=0.5,
+        queries=[{1: "prefix"}, {1: "range"}],
+    )
+    index = pl.residual_index()
+    mixed = pl.set_strategies(index[(0, 1)])
+    assert mixed[0] == "identity:1500" and mixed[1].startswith("mixed:10:")
+    assert not any(name.startswith("mixed:1500") for name in pl.strategies)
+    assert pl.privacy_cost() == pytest.approx(2 * pl.rho_planned, rel=1e-12)

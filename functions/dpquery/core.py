@@ -374,6 +374,7 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
         names = [attributes[a].name for a in attrs]
         meta = {**release_meta, "job_id": job_id, "attributes": json.dumps(names), "marginal": str(j)}
         asked: dict[str, str] = {}
+        per_answer = False  # every cell of the marginal has one variance
         if pl.marg_types is None:  # identity marginals: every cell has the plan's variance
             terms = [(pl.residual(int(k)), values[int(k)]) for k in pl.subsets(j)]
             sizes = [int(pl.domains[a]) for a in attrs]
@@ -401,7 +402,10 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
             axes = [rc.query_labels(attributes[a], t) for a, t in zip(attrs, kinds, strict=True)]
             asked = {n: t for n, t in zip(names, kinds, strict=True) if t != "identity"}
             v = float(cell_var.mean())
-            cells_var = cell_var if asked else v  # identity cells all have one variance
+            # cells of one variance (identity cells measured through the contrasts) get it once; a set
+            # measured through a strategy fitted to several query types gives each cell its own
+            per_answer = bool(np.ptp(cell_var) > 1e-12 * float(cell_var.max()))
+            cells_var = cell_var if per_answer else v
             tbl = rc.table(estimate, names, [a[0] for a in axes], cells_var, meta, [a[1] for a in axes])
         stem = rc.file_stem(j, names)
         buf = io.BytesIO()
@@ -417,11 +421,13 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
             "weight": float(pl.weights[j]),
             "parquet": parquet_uri,
         }
-        if asked:  # variance and std_error: the mean over the answers (the RMSE); each row has its own
-            entry |= {"queries": asked, "max_std_error": math.sqrt(float(cell_var.max()))}
+        if asked:
+            entry["queries"] = asked
+        if per_answer:  # variance and std_error: the mean over the answers (the RMSE); each row has its own
+            entry["max_std_error"] = math.sqrt(float(cell_var.max()))
         if estimate.size <= rc.JSON_MAX_CELLS:
             json_uri = f"{prefix}/{stem}.json"
-            store.put_json(json_uri, rc.json_doc(tbl, None if asked else v, names, release))
+            store.put_json(json_uri, rc.json_doc(tbl, None if per_answer else v, names, release))
             entry["json"] = json_uri
         entries.append(entry)
     store.put_json(_tables_uri(store_root, job_id, group), entries)

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from functions.dpquery.measure import charge_factor, log1p_gamma
+from functions.dpquery.measure import charge_factor, contrasts, log1p_gamma
 from functions.dpquery.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
 from functions.dpquery.smasher import (
     QUERY_TYPES,
@@ -915,14 +915,22 @@ def _residual_sets(uniq_rows, uniq_size, real_ext, kind_ext, n, log_o_ext, log_l
             )
             for wu, row in zip(weights, cols, strict=True)
         ]
-        chosen, _ = kronecker_strategy(terms)
-        mats = [strategy_matrix(b) for b in chosen]
-        privacy = sum(math.log(float(np.max(np.einsum("ij,ij->j", m, m)))) for m in mats)
-        inverses = [np.linalg.pinv(m) for m in mats]
-        for pos, m in enumerate(mats):
-            name = f"mixed:{int(n[real_ext[cols[0, pos]]])}:{len(names)}"
-            strategies[name] = m
+        # an attribute every entry asks cell by cell keeps the contrasts (optimal, and no stored matrix)
+        fixed = [bool(np.all(kind_ext[cols[:, pos]] == 0)) for pos in range(k)]
+        chosen, _ = kronecker_strategy(terms, fixed=fixed)
+        mats, inverses = [], []
+        for pos, b in enumerate(chosen):
+            size = int(n[real_ext[cols[0, pos]]])
+            if fixed[pos]:
+                mats.append(contrasts(size))
+                inverses.append(mats[-1].T)
+                continue  # set_ids keeps the column's "identity:n"
+            mats.append(strategy_matrix(b))
+            inverses.append(np.linalg.pinv(mats[-1]))
+            name = f"mixed:{size}:{len(names)}"
+            strategies[name] = mats[-1]
             set_ids[int(r), pos] = name_id(name)
+        privacy = sum(math.log(float(np.max(np.einsum("ij,ij->j", m, m)))) for m in mats)
         for u, row in zip(members, cols, strict=True):
             log_p[u] = privacy
             log_lo[u] = sum(

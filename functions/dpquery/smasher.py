@@ -225,7 +225,10 @@ def _pinv(strategy: AttributeStrategy) -> np.ndarray:
 
 
 def kronecker_strategy(
-    terms: Sequence[tuple[float, Sequence[np.ndarray]]], rounds: int = 8, rtol: float = 1e-6
+    terms: Sequence[tuple[float, Sequence[np.ndarray]]],
+    rounds: int = 8,
+    rtol: float = 1e-6,
+    fixed: Sequence[bool] | None = None,
 ) -> tuple[list[AttributeStrategy], float]:
     """The best Kronecker strategy ⊗B_i, each factor of privacy cost 1, for a residual set that workload
     entries of different query types reach: its queries' Gram is Σ_e w_e ⊗_i Ḡ_{e,i} (``terms``: (w_e,
@@ -236,7 +239,8 @@ def kronecker_strategy(
     tr(· (B_iᵀB_i)⁺), so each step is one per-attribute problem (:func:`attribute_strategy`) on
     Σ_e w_e ∏_{j≠i} tr(Ḡ_{e,j} (B_jᵀB_j)⁺) Ḡ_{e,i}. It starts from the identity strategies
     (ResidualPlanner's), stops when a round gains less than ``rtol``, and returns the best strategies seen
-    and their loss. With one term it is that term's per-attribute optimum."""
+    and their loss. With one term it is that term's per-attribute optimum. ``fixed`` attributes keep the
+    identity strategy (one every term asks cell by cell: it is already optimal, and costs no matrix)."""
     if not terms:
         raise PlanError("internal: a residual set that no workload entry reaches")
     k = len(terms[0][1])
@@ -250,8 +254,9 @@ def kronecker_strategy(
         )
 
     best, best_loss = list(current), loss(current)
+    free = [i for i in range(k) if not (fixed and fixed[i])]
     for _ in range(rounds):
-        for i in range(k):
+        for i in free:
             weighted = sum(
                 w * math.prod(strategy_loss(g, current[j]) for j, g in enumerate(grams) if j != i) * grams[i]
                 for w, grams in terms
