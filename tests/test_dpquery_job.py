@@ -107,6 +107,14 @@ def submit(executor, root: str, doc: dict) -> str:
     return job_id
 
 
+def finished(executor, root: str, doc: dict) -> dict:
+    """Submit ``doc`` to ``executor``, wait for it to succeed and return its result."""
+    job_id = submit(executor, root, doc)
+    status = executor.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "SUCCEEDED", status.error
+    return store.get_json(join(root, "jobs", job_id, "result.json"))
+
+
 def run_core(root: str, doc: dict, *, noise: bool = True) -> tuple[str, dict]:
     """Every stage of a job through the pure core, in order; returns the job id and its result."""
     spec = parse_spec(doc)
@@ -360,17 +368,11 @@ def test_both_executors_are_exact_with_the_noise_seam(moto_client, tmp_path, mon
     bucket = moto_client.store_root
     dataset, idx = make_dataset(bucket, seed=5, name="exact.parquet")
     doc = spec_doc(dataset, dataset_id="people-exact")
-    moto_job = submit(moto_client.executor, bucket, doc)
-    status = moto_client.executor.wait(moto_job, timeout_s=WAIT_S)
-    assert status.state == "SUCCEEDED", status.error
-    assert_exact(store.get_json(join(bucket, "jobs", moto_job, "result.json")), idx)
+    assert_exact(finished(moto_client.executor, bucket, doc), idx)
 
     root = f"file://{tmp_path}/local"
     with LocalExecutor(store_root=root, workflows=thread_mode_workflows(), retry_delay_scale=0) as ex:
-        local_job = submit(ex, root, doc)
-        status = ex.wait(local_job, timeout_s=WAIT_S)
-        assert status.state == "SUCCEEDED", status.error
-    assert_exact(store.get_json(join(root, "jobs", local_job, "result.json")), idx)
+        assert_exact(finished(ex, root, doc), idx)
 
 
 @pytest.mark.slow

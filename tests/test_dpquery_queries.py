@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from test_dpquery_job import (
-    WAIT_S,
+    finished,
     ledger_types,
     make_dataset,
     moto_client,  # noqa: F401 - a fixture
@@ -23,7 +23,6 @@ from test_dpquery_job import (
     read_table,
     run_core,
     spec_doc,
-    submit,
     thread_mode_workflows,
     truth,
 )
@@ -280,17 +279,11 @@ def test_local_and_moto_executors_answer_general_queries_alike(moto_client, tmp_
     bucket = moto_client.store_root
     dataset, idx = make_dataset(bucket, seed=7, name="general.parquet")
     doc = general_doc(dataset, dataset_id="people-general")
-    moto_job = submit(moto_client.executor, bucket, doc)
-    status = moto_client.executor.wait(moto_job, timeout_s=WAIT_S)
-    assert status.state == "SUCCEEDED", status.error
-    on_moto = core.store.get_json(join(bucket, "jobs", moto_job, "result.json"))
+    on_moto = finished(moto_client.executor, bucket, doc)
 
     root = f"file://{tmp_path}/local"
     with LocalExecutor(store_root=root, workflows=thread_mode_workflows(), retry_delay_scale=0) as ex:
-        local_job = submit(ex, root, doc)
-        status = ex.wait(local_job, timeout_s=WAIT_S)
-        assert status.state == "SUCCEEDED", status.error
-    on_local = core.store.get_json(join(root, "jobs", local_job, "result.json"))
+        on_local = finished(ex, root, doc)
     for a, b in zip(on_moto["tables"], on_local["tables"], strict=True):
         ta, tb = read_table(a["parquet"]), read_table(b["parquet"])
         assert ta.column_names == tb.column_names and a.get("queries") == b.get("queries")

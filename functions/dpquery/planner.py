@@ -664,7 +664,7 @@ def _plan(
     log_pfac_ext = np.append(np.log1p(-1.0 / n.astype(np.float64)), 0.0)  # log p: log((n−1)/n)
     log_nn1_ext = np.append(log_n + np.log(n.astype(np.float64) - 1.0), 0.0)  # log(ℓ/o): log(n(n−1))
     log_o_ext = np.append(-log_n, 0.0)  # log Σ (W 1/n)²: log(1/n)
-    log_m_ext = log_n_ext  # log m: the queries of the attribute, n
+    m_ext = n_ext  # m: the queries of a column, n for identity (1 for the padding)
     real_ext = np.arange(d + 1)  # the attribute of each column (d: the padding)
     kind_ext = np.zeros(d + 1, dtype=np.int8)
     strategies: dict[str, np.ndarray] = {}
@@ -685,7 +685,7 @@ def _plan(
         log_nn1_ext = np.append(
             log_nn1_ext, [math.log(float(f.inside.sum())) - math.log(float(f.outside.sum())) for f in extra]
         )
-        log_m_ext = np.append(log_m_ext, [math.log(f.queries) for f in extra])
+        m_ext = np.append(m_ext, [f.queries for f in extra]).astype(np.int64)
         real_ext = np.append(real_ext, extra_attr)
         kind_ext = np.append(kind_ext, extra_kind)
     n1_ext = np.append(n - 1, 1).astype(np.int64)[real_ext]  # the noise samples of a column: n − 1
@@ -695,33 +695,29 @@ def _plan(
     inside_a = np.arange(padded_a.shape[1])[None, :] < sizes[:, None]
     marg_attrs = padded_a[inside_a]  # row-major, each sorted
     cells_log = log_n_ext[padded_a].sum(axis=1)
-    big = np.flatnonzero(cells_log > math.log(MAX_MARGINAL_CELLS) + 1e-9)
-    if big.size:
-        j = int(big[0])
-        attrs = tuple(padded_a[j, : sizes[j]].tolist())
-        raise PlanError(
-            f"workload.{j} {_label(attrs, names)} has about {math.exp(cells_log[j]):.3g} cells; "
-            f"a marginal may have at most {MAX_MARGINAL_CELLS:,} "
-            "(coarsen the attributes' bins or split the marginal)"
-        )
+    _refuse_large(
+        cells_log,
+        padded_a,
+        sizes,
+        names,
+        "has about {:.3g} cells; a marginal may have at most",
+        "split the marginal",
+    )
     cells = np.prod(n_ext[padded_a], axis=1)
     num_q = None
     if codes is None:
         log_a = np.log(weights) - cells_log  # log(w_A / cells_A)
     else:
         log_a = np.log(weights) + log_o_ext[padded_c].sum(axis=1)  # log(w_A ∏ o_i)
-        queries_log = log_m_ext[padded_c].sum(axis=1)
-        big = np.flatnonzero(queries_log > math.log(MAX_MARGINAL_CELLS) + 1e-9)
-        if big.size:
-            j = int(big[0])
-            attrs = tuple(padded_a[j, : sizes[j]].tolist())
-            raise PlanError(
-                f"workload.{j} {_label(attrs, names)} asks about {math.exp(queries_log[j]):.3g} queries; a "
-                f"marginal may answer at most {MAX_MARGINAL_CELLS:,} (coarsen the attributes' bins, or ask "
-                "prefixes instead of all ranges)"
-            )
-        m_ext = np.rint(np.exp(log_m_ext)).astype(np.int64)
-        m_ext[d] = 1
+        queries_log = np.log(m_ext.astype(np.float64))[padded_c].sum(axis=1)
+        _refuse_large(
+            queries_log,
+            padded_a,
+            sizes,
+            names,
+            "asks about {:.3g} queries; a marginal may answer at most",
+            "ask prefixes instead of all ranges",
+        )
         num_q = np.prod(m_ext[padded_c], axis=1)
 
     # ---- enumerate every (A, S ⊆ A) pair, grouped by |A|, A-major ---------------------------------------
@@ -940,6 +936,19 @@ def _residual_sets(uniq_rows, uniq_size, real_ext, kind_ext, n, log_o_ext, log_l
     log_v = _grouped_lse((log_lo + lse_a)[order], np.flatnonzero(new))
     width_mask = np.arange(width)[None, :] < uniq_size[first][:, None]
     return r_of_u, first, log_v, set_ids[width_mask].astype(np.int32), list(names)
+
+
+def _refuse_large(log_size, padded_a, sizes, names, what: str, advice: str) -> None:
+    """PlanError naming the first marginal whose size (cells or answers, as logs) passes
+    MAX_MARGINAL_CELLS: ``what`` says which, with a {} for the size."""
+    big = np.flatnonzero(log_size > math.log(MAX_MARGINAL_CELLS) + 1e-9)
+    if big.size:
+        j = int(big[0])
+        attrs = tuple(padded_a[j, : sizes[j]].tolist())
+        raise PlanError(
+            f"workload.{j} {_label(attrs, names)} {what.format(math.exp(log_size[j]))} "
+            f"{MAX_MARGINAL_CELLS:,} (coarsen the attributes' bins or {advice})"
+        )
 
 
 def _label(attrs: tuple[int, ...], names: list[str] | None) -> str:
