@@ -14,6 +14,7 @@ import gc
 import importlib
 import sys
 import tracemalloc
+from importlib.machinery import PathFinder
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,8 +23,27 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from benchutil import PeakRSS, child_main  # noqa: E402
 
 
+class _Absent:
+    """The import system's path finder, except that it finds none of ``names``: importing one fails, and
+    ``importlib.util.find_spec`` answers None, as where it is not installed."""
+
+    def __init__(self, finder, names: list[str]):
+        self.finder, self.names = finder, set(names)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.names:
+            return None
+        return self.finder.find_spec(fullname, path, target)
+
+    def __getattr__(self, name):  # invalidate_caches, find_distributions
+        return getattr(self.finder, name)
+
+
 def run_task(req: dict) -> dict:
-    """``{"handler": "module:name", "event": {...}, "imports": [...], "tracemalloc": bool}``."""
+    """``{"handler": "module:name", "event": {...}, "imports": [...], "absent": [...], "tracemalloc": bool}``:
+    the packages in ``absent`` cannot be imported (as where they are not installed)."""
+    if req.get("absent"):
+        sys.meta_path[:] = [_Absent(f, req["absent"]) if f is PathFinder else f for f in sys.meta_path]
     for name in req.get("imports", ()):
         importlib.import_module(name)
     module, name = req["handler"].split(":")
