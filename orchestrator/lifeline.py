@@ -1,8 +1,9 @@
 """Worker processes of the local executor end when the process that started them ends.
 
 The local executor starts two kinds of worker process: the process pool's (CPU-bound tasks) and the Batch
-containers (``python -m functions.container`` as a child). When the process running the job ends in an
-orderly way (``shardfold run`` gets SIGTERM, SIGINT or SIGHUP) it kills them itself
+containers (``python -m functions.container`` as a child, or forked by :mod:`orchestrator.container_server`,
+which ends with the process that started it, its children with it). When the process running the job ends
+in an orderly way (``shardfold run`` gets SIGTERM, SIGINT or SIGHUP) it kills them itself
 (:meth:`orchestrator.local.LocalExecutor.interrupt`). When it is killed outright (``kill -9``, the
 out-of-memory killer) nothing runs in it, so each worker watches for itself:
 

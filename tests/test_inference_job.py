@@ -93,16 +93,19 @@ def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, m
 
 
 def _worker_container(timeout_s: float = WAIT_S):
-    """The running ``python -m functions.container`` child of this process (the local Batch job)."""
+    """The running local Batch container under this process: forked by the container server, or
+    ``python -m functions.container`` where there is none."""
     import time
 
     import psutil
+
+    from orchestrator.container_server import NAME
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for p in psutil.Process().children(recursive=True):
             try:
-                if "functions.container" in " ".join(p.cmdline()):
+                if p.name() == NAME or "functions.container" in " ".join(p.cmdline()):
                     return p
             except psutil.Error:
                 continue

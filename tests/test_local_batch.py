@@ -20,6 +20,14 @@ from orchestrator.local_batch import Cancelled, run_container
 HERE = f"{__name__}"
 
 
+@pytest.fixture(autouse=True, params=["forked", "fresh"])
+def container_start(request, monkeypatch):
+    """Every behaviour holds both for a container forked by the container server and for a fresh
+    ``python -m functions.container`` (elsewhere than Linux, or ``SHARDFOLD_CONTAINER_SERVER=0``)."""
+    monkeypatch.setenv("SHARDFOLD_CONTAINER_SERVER", "1" if request.param == "forked" else "0")
+    return request.param
+
+
 def _log(event, what):
     with open(event["log"], "a") as fh:
         fh.write(json.dumps({"pid": os.getpid(), "what": what}) + "\n")

@@ -59,7 +59,7 @@ from functions.errors import ShardfoldError
 from functions.inference import shards as layout
 from functions.inference.batcher import token_budget_batches
 from functions.inference.spec import InferenceJob
-from functions.runtime import JobEvent, task
+from functions.runtime import JobEvent, load_spec, task
 
 logger = Logger(service="shardfold")
 
@@ -475,6 +475,16 @@ def attempt_of(event: dict[str, Any]) -> int:
 def handler(e: WorkerEvent, spec: InferenceJob) -> dict[str, Any]:
     """Entry point ``inference.worker`` (BatchJob steps ``infer`` and ``repair_infer``)."""
     return run_worker(spec, e.job_id, e.store_root, attempt_of(e.model_dump()))
+
+
+def preload(event: dict[str, Any]) -> None:
+    """Import what a worker for ``event`` will, and parse its spec: the local executor's container server
+    calls this before it forks the worker (:mod:`orchestrator.container_server`), so every worker it forks
+    starts with torch (and the model's code) imported and the spec in the per-process cache."""
+    from functions.inference import models
+
+    e = WorkerEvent.model_validate(event)
+    models.preload(load_spec(e.spec_uri, "inference").model)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,356 @@
+"""Local Batch containers forked from a server that imported their heavy modules once (Linux).
+
+On AWS each Batch job runs in a fresh container. Locally each runs in a fresh process too, with its own pid,
+exit code and signals (:mod:`orchestrator.local_batch`), but a new ``python -m functions.container`` paid
+torch's and transformers' imports, about 5 s of CPU, on every start: twice that for a job of two GPU
+workers, again for its repair worker and for the next job. Instead, the first container of a process starts
+one server process, and every container after it is forked from that server:
+
+1. The executor sends a request (the container's environment, working directory and ``module:function``,
+   and its own stdout and stderr as file descriptors) over a Unix socket pair.
+2. When the handler's module defines ``preload(event)``, the server imports that module and calls it, so
+   that the server itself imports what the container will (the inference worker imports torch and, for the
+   built-in model, transformers' BERT code). A module without it is not imported in the server, so a
+   container always imports the handler code as it is on disk.
+3. The server forks. The child takes the request's stdout, stderr, working directory, environment and
+   ``sys.path``, then runs :func:`functions.container.main` and exits with its code, as the container
+   would. The server answers with the child's pid, and later with its exit code (a death by signal ``N`` is
+   ``-N``, as :class:`subprocess.Popen` reports it).
+4. The executor signals a container through the server, which signals only a child it has not reaped yet:
+   a pid it reaped may already belong to another process.
+
+A child dies with the server (``PR_SET_PDEATHSIG``, and :func:`orchestrator.lifeline.watch_parent`). The
+server ends when the process that owns it ends (a pidfd in its select loop), killing its children first, or
+when that process closes the socket. Its only thread is the one that forks.
+
+Elsewhere than Linux, and where ``SHARDFOLD_CONTAINER_SERVER=0``, each container is a fresh
+``python -m functions.container`` (:func:`orchestrator.local_batch.run_container`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from concurrent.futures import Future
+from typing import Any
+
+from orchestrator.lifeline import PARENT_ENV, kill_with_parent, watch_parent
+
+ENABLE_ENV = "SHARDFOLD_CONTAINER_SERVER"
+NAME = "shardfold-batch"  # a forked container's process name (ps, top): its command line is the server's
+_HEAD = struct.Struct("!I")
+_PR_SET_NAME = 15
+_SERVER_GONE = -signal.SIGKILL  # the exit code of a container whose server ended under it
+
+
+def enabled() -> bool:
+    """Whether local Batch containers are forked from a server: on Linux, unless
+    ``SHARDFOLD_CONTAINER_SERVER=0``."""
+    return sys.platform.startswith("linux") and os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+# --- framing: a 4-byte length, then JSON; file descriptors ride with the length --------------------------
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(message).encode()
+    head = _HEAD.pack(len(data))
+    if fds:
+        socket.send_fds(sock, [head], list(fds))
+    else:
+        sock.sendall(head)
+    sock.sendall(data)
+
+
+def _exactly(sock: socket.socket, n: int, got: bytes = b"") -> bytes:
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        if not chunk:
+            raise EOFError
+        got += chunk
+    return got
+
+
+def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """The next message and the descriptors sent with it; EOFError once the peer has closed its end."""
+    if max_fds:
+        head, fds, _, _ = socket.recv_fds(sock, _HEAD.size, max_fds)
+        if not head:
+            raise EOFError
+    else:
+        head, fds = sock.recv(_HEAD.size), []
+        if not head:
+            raise EOFError
+    (size,) = _HEAD.unpack(_exactly(sock, _HEAD.size, head))
+    return json.loads(_exactly(sock, size)), fds
+
+
+# --- the executor's side ----------------------------------------------------------------------------------
+
+
+class Container:
+    """A container forked by the server, with the part of :class:`subprocess.Popen` the executor uses."""
+
+    def __init__(self, server: _Server, pid: int):
+        self._server = server
+        self.pid = pid
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def _exited(self, code: int) -> None:
+        self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"container {self.pid}", timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            self._server.signal(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Server:
+    """The executor's handle on one server process: requests go out under a lock; one reader thread
+    matches the answers (pids in request order, then exit codes by pid)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env[PARENT_ENV] = str(os.getpid())
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.container_server", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.owner = os.getpid()
+        self._sock = ours
+        self._lock = threading.Lock()
+        self._starting: list[Future[Container]] = []
+        self._running: dict[int, Container] = {}
+        self.alive = True
+        threading.Thread(target=self._read, name="shardfold-container-server", daemon=True).start()
+
+    def start(self, handler_path: str, env: dict[str, str], preload: bool) -> Container:
+        started: Future[Container] = Future()
+        request = {"handler": handler_path, "env": env, "cwd": os.getcwd(), "preload": preload}
+        with self._lock:
+            if not self.alive:
+                raise OSError("the container server has ended")
+            self._starting.append(started)
+            try:
+                _send(self._sock, {"start": request}, fds=(1, 2))  # where a Popen child would write
+            except OSError:
+                self._starting.remove(started)
+                raise
+        return started.result()
+
+    def signal(self, pid: int, sig: int) -> None:
+        with self._lock:
+            if self.alive:
+                try:
+                    _send(self._sock, {"signal": [pid, int(sig)]})
+                except OSError:
+                    pass
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message, _ = _receive(self._sock)
+                if "started" in message:
+                    container = Container(self, message["started"])
+                    with self._lock:
+                        self._running[container.pid] = container
+                        self._starting.pop(0).set_result(container)
+                elif "failed" in message:
+                    with self._lock:
+                        self._starting.pop(0).set_exception(OSError(message["failed"]))
+                elif "exited" in message:
+                    pid, code = message["exited"]
+                    with self._lock:
+                        container = self._running.pop(pid, None)
+                    if container is not None:
+                        container._exited(code)
+        except (EOFError, OSError, ValueError):
+            pass
+        with self._lock:  # the server is gone, and its children with it (they die with their parent)
+            self.alive = False
+            starting, self._starting = self._starting, []
+            running, self._running = list(self._running.values()), {}
+        for started in starting:
+            started.set_exception(OSError("the container server ended"))
+        for container in running:
+            container._exited(_SERVER_GONE)
+
+
+_server: _Server | None = None
+_server_lock = threading.Lock()
+
+
+def start(handler_path: str, env: dict[str, str], preload: bool) -> Container:
+    """Fork a container that runs ``handler_path`` with ``env`` from this process's server (started on
+    first use, and again if it ended). ``preload``: the handler's module defines ``preload(event)``."""
+    global _server
+    with _server_lock:
+        if _server is None or not _server.alive or _server.owner != os.getpid():
+            _server = _Server()
+        server = _server
+    return server.start(handler_path, env, preload)
+
+
+# --- the server's side ------------------------------------------------------------------------------------
+
+
+def _take_path(env: dict[str, str]) -> None:
+    """Put the request's ``PYTHONPATH`` in front of ``sys.path``, as a fresh interpreter would."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [p for p in dict.fromkeys(paths) if p not in sys.path]
+    importlib.invalidate_caches()  # modules written since the server started are found
+
+
+def _preload(handler_path: str, env: dict[str, str]) -> None:
+    _take_path(env)
+    module = importlib.import_module(handler_path.partition(":")[0])
+    event = json.loads(env.get("SHARDFOLD_EVENT") or "{}")
+    module.preload(event)
+
+
+def _name_process(name: str) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _child(request: dict[str, Any], fds: list[int], server_pid: int) -> None:
+    """In the forked child: become the container the request describes, run it, exit with its code."""
+    code = 1
+    try:
+        kill_with_parent()
+        _name_process(NAME)
+        watch_parent(server_pid)  # also covers a server that ended before prctl took effect
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ.pop(PARENT_ENV, None)
+        _take_path(request["env"])
+        from functions.container import main
+
+        code = main()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        from functions.container import exit_now
+
+        exit_now(code)
+
+
+def serve(sock: socket.socket, owner: int) -> None:
+    """Fork containers on request until ``owner`` ends or closes the socket; then kill them and return."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the owner, which stops its containers
+    try:
+        owner_fd: int | None = os.pidfd_open(owner)
+    except (AttributeError, OSError):
+        owner_fd = None
+    children: set[int] = set()
+    try:
+        while True:
+            watched = [sock, wake_r] + ([owner_fd] if owner_fd is not None else [])
+            ready, _, _ = select.select(watched, [], [], None if owner_fd is not None else 0.5)
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+            while children:  # reap, and report, every child that ended
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                children.discard(pid)
+                _send(sock, {"exited": [pid, os.waitstatus_to_exitcode(status)]})
+            if owner_fd in ready or os.getppid() != owner:
+                return
+            if sock not in ready:
+                continue
+            message, fds = _receive(sock, max_fds=2)
+            if "signal" in message:
+                pid, sig = message["signal"]
+                if pid in children:
+                    os.kill(pid, sig)
+                continue
+            request = message["start"]
+            try:
+                if request["preload"]:
+                    _preload(request["handler"], request["env"])
+            except Exception:  # the container imports what it needs itself, and reports what fails
+                traceback.print_exc()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"failed": f"cannot fork a container: {exc}"})
+                continue
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                for fd in (sock.detach(), wake_r, wake_w, owner_fd):
+                    if fd is not None:
+                        os.close(fd)
+                _child(request, fds, os.getppid())
+            for fd in fds:
+                os.close(fd)
+            children.add(pid)
+            _send(sock, {"started": pid})
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def main(argv: list[str]) -> None:
+    owner = int(os.environ.pop(PARENT_ENV, "0") or 0) or os.getppid()
+    sock = socket.socket(fileno=int(argv[0]))
+    from functions.container import main as _  # noqa: F401  (the code every container runs)
+
+    serve(sock, owner)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
