@@ -177,7 +177,15 @@ class AwsExecutor:
     ) -> JobStatus:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         last: JobStatus | None = None
+        # with nobody watching the steps, a poll asks only whether the execution ended (one call, not the
+        # history and Map runs the steps are read from)
+        record = None if on_progress else JobStatus.from_record(read_status(self.store_root, job_id))
+        arn = record.execution_arn if record is not None else None
         while True:
+            expired = deadline is not None and time.monotonic() >= deadline
+            if arn and not expired and self._sfn.describe_execution(executionArn=arn)["status"] == "RUNNING":
+                time.sleep(self.poll_s)
+                continue
             status = self.status(job_id)
             if on_progress is not None and status != last:
                 on_progress(status)
