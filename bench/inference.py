@@ -70,6 +70,8 @@ from benchutil import (  # noqa: E402
     reset_peak,
 )
 
+from orchestrator.container_server import NAME as CONTAINER_NAME  # noqa: E402  (a forked container's name)
+
 RESULTS = HERE / "results" / "inference.json"
 SEED = 2026
 MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length, and the job's default truncation
@@ -487,7 +489,7 @@ def run_recovery(texts: list[str], lengths: list[int], shard_rows: int) -> dict[
         while time.monotonic() < deadline and not killed:
             if len(list(home.glob("jobs/*/inference/out/*/*.done"))) >= n_shards // 2:
                 for p in psutil.Process().children(recursive=True):
-                    if "functions.container" in " ".join(p.cmdline()):
+                    if p.name() == CONTAINER_NAME or "functions.container" in " ".join(p.cmdline()):
                         p.kill()
                         killed = {"pid": p.pid, "at_s": time.perf_counter() - t0}
             time.sleep(0.02)

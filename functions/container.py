@@ -6,9 +6,10 @@ The state machine's ``batch:submitJob.sync`` task passes everything in container
 handler's result is discarded (outputs go to the store); a raised exception fails the Batch job, which fails
 the task. The moto harness calls :func:`run` in-process.
 
-A handler's module may also define ``preload(event)``: the local executor's container server calls it
-before it forks the container, to import once what every such container imports
-(:mod:`orchestrator.container_server`). It must not do the handler's work; on AWS nothing calls it.
+A handler's module may also define ``preload()``: the local executor's container server calls it before
+it forks the container, to import once what every such container imports
+(:mod:`orchestrator.container_server`). It must only import: no I/O, no torch op, no GPU (a process that
+forks must not have started them). On AWS nothing calls it.
 
 Exit codes: 0 success; 75 (``EX_TEMPFAIL``) for a transient fault, which the job definition's retry table
 retries; 1 for anything else, which it does not.

@@ -6,30 +6,36 @@ torch's and transformers' imports, about 5 s of CPU, on every start: twice that 
 workers, again for its repair worker and for the next job. Instead, the first container of a process starts
 one server process, and every container after it is forked from that server:
 
-1. The executor sends a request (the container's environment, working directory and ``module:function``,
-   and its own stdout and stderr as file descriptors) over a Unix socket pair.
-2. When the handler's module defines ``preload(event)``, the server imports that module and calls it, so
-   that the server itself imports what the container will (the inference worker imports torch and, for the
-   built-in model, transformers' BERT code). A module without it is not imported in the server, so a
-   container always imports the handler code as it is on disk.
+1. The executor sends a request (an id, the container's environment, working directory and
+   ``module:function``, and its own stdout and stderr as file descriptors) over a Unix socket pair.
+2. When the handler's module defines ``preload()``, the server takes the request's environment and
+   ``sys.path``, imports that module and calls it, so that the server itself imports what the container
+   will (the inference worker: torch and transformers' BERT code; no weights, no spec, no I/O). A module
+   without it is not imported in the server, so such a container imports its handler as it is on disk.
+   Modules the server imported stay as they were imported, for the life of the server.
 3. The server forks. The child takes the request's stdout, stderr, working directory, environment and
-   ``sys.path``, then runs :func:`functions.container.main` and exits with its code, as the container
-   would. The server answers with the child's pid, and later with its exit code (a death by signal ``N`` is
-   ``-N``, as :class:`subprocess.Popen` reports it).
-4. The executor signals a container through the server, which signals only a child it has not reaped yet:
-   a pid it reaped may already belong to another process.
+   ``sys.path`` (as a fresh interpreter started there would have it), then runs
+   :func:`functions.container.main` and exits with its code, as the container would (``sys.exit(n)``
+   exits ``n``; Ctrl-C dies of SIGINT). The server answers with the child's pid, and later with its exit
+   code (a death by signal ``N`` is ``-N``, as :class:`subprocess.Popen` reports it).
+4. The executor signals a container through the server, by the request's id: the server signals only a
+   child it has not reaped yet, so a pid it reaped, which may already belong to another process, is never
+   signalled.
 
 A child dies with the server (``PR_SET_PDEATHSIG``, and :func:`orchestrator.lifeline.watch_parent`). The
 server ends when the process that owns it ends (a pidfd in its select loop), killing its children first, or
-when that process closes the socket. Its only thread is the one that forks.
+when that process closes the socket. It forks from its main thread; the libraries it imported may have
+started threads of their own (OpenBLAS), which a forked child does not have, so ``preload`` must only
+import: a torch op or a GPU initialised before a fork breaks every child.
 
-Elsewhere than Linux, and where ``SHARDFOLD_CONTAINER_SERVER=0``, each container is a fresh
-``python -m functions.container`` (:func:`orchestrator.local_batch.run_container`).
+Elsewhere than Linux, where ``SHARDFOLD_CONTAINER_SERVER=0``, or when the server cannot start a container,
+each container is a fresh ``python -m functions.container`` (:func:`orchestrator.local_batch.run_container`).
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import select
@@ -41,12 +47,14 @@ import sys
 import threading
 import traceback
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from orchestrator.lifeline import PARENT_ENV, kill_with_parent, watch_parent
 
 ENABLE_ENV = "SHARDFOLD_CONTAINER_SERVER"
 NAME = "shardfold-batch"  # a forked container's process name (ps, top): its command line is the server's
+START_TIMEOUT_S = 300.0  # the first start imports torch in the server: seconds, minutes on a loaded machine
 _HEAD = struct.Struct("!I")
 _PR_SET_NAME = 15
 _SERVER_GONE = -signal.SIGKILL  # the exit code of a container whose server ended under it
@@ -100,8 +108,9 @@ def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], lis
 class Container:
     """A container forked by the server, with the part of :class:`subprocess.Popen` the executor uses."""
 
-    def __init__(self, server: _Server, pid: int):
+    def __init__(self, server: _Server, request_id: int, pid: int):
         self._server = server
+        self._id = request_id
         self.pid = pid
         self.returncode: int | None = None
         self._ended = threading.Event()
@@ -121,7 +130,7 @@ class Container:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            self._server.signal(self.pid, sig)
+            self._server.signal(self._id, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -132,7 +141,7 @@ class Container:
 
 class _Server:
     """The executor's handle on one server process: requests go out under a lock; one reader thread
-    matches the answers (pids in request order, then exit codes by pid)."""
+    matches the answers to requests by id."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,30 +159,36 @@ class _Server:
         self.owner = os.getpid()
         self._sock = ours
         self._lock = threading.Lock()
-        self._starting: list[Future[Container]] = []
+        self._ids = itertools.count(1)
+        self._starting: dict[int, Future[Container]] = {}
         self._running: dict[int, Container] = {}
         self.alive = True
         threading.Thread(target=self._read, name="shardfold-container-server", daemon=True).start()
 
     def start(self, handler_path: str, env: dict[str, str], preload: bool) -> Container:
         started: Future[Container] = Future()
-        request = {"handler": handler_path, "env": env, "cwd": os.getcwd(), "preload": preload}
         with self._lock:
             if not self.alive:
                 raise OSError("the container server has ended")
-            self._starting.append(started)
+            request_id = next(self._ids)
+            request = {"id": request_id, "handler": handler_path, "env": env, "cwd": os.getcwd()}
+            self._starting[request_id] = started
             try:
-                _send(self._sock, {"start": request}, fds=(1, 2))  # where a Popen child would write
+                _send(self._sock, {"start": {**request, "preload": preload}}, fds=(1, 2))  # as Popen's
             except OSError:
-                self._starting.remove(started)
+                self._starting.pop(request_id, None)
                 raise
-        return started.result()
+        try:
+            return started.result(timeout=START_TIMEOUT_S)
+        except FutureTimeout:  # a server stuck in an import: end it, and its containers with it
+            self.proc.kill()
+            raise OSError(f"the container server started no container in {START_TIMEOUT_S:.0f} s") from None
 
-    def signal(self, pid: int, sig: int) -> None:
+    def signal(self, request_id: int, sig: int) -> None:
         with self._lock:
             if self.alive:
                 try:
-                    _send(self._sock, {"signal": [pid, int(sig)]})
+                    _send(self._sock, {"signal": [request_id, int(sig)]})
                 except OSError:
                     pass
 
@@ -182,29 +197,35 @@ class _Server:
             while True:
                 message, _ = _receive(self._sock)
                 if "started" in message:
-                    container = Container(self, message["started"])
+                    request_id, pid = message["started"]
+                    container = Container(self, request_id, pid)
                     with self._lock:
-                        self._running[container.pid] = container
-                        self._starting.pop(0).set_result(container)
+                        self._running[request_id] = container
+                        started = self._starting.pop(request_id)
+                    started.set_result(container)
                 elif "failed" in message:
+                    request_id, why = message["failed"]
                     with self._lock:
-                        self._starting.pop(0).set_exception(OSError(message["failed"]))
+                        started = self._starting.pop(request_id)
+                    started.set_exception(OSError(why))
                 elif "exited" in message:
-                    pid, code = message["exited"]
+                    request_id, code = message["exited"]
                     with self._lock:
-                        container = self._running.pop(pid, None)
+                        container = self._running.pop(request_id, None)
                     if container is not None:
                         container._exited(code)
-        except (EOFError, OSError, ValueError):
+        except Exception:  # EOF, a broken socket, or a message it cannot read: the server is done for
             pass
         with self._lock:  # the server is gone, and its children with it (they die with their parent)
             self.alive = False
-            starting, self._starting = self._starting, []
+            starting, self._starting = list(self._starting.values()), {}
             running, self._running = list(self._running.values()), {}
         for started in starting:
             started.set_exception(OSError("the container server ended"))
         for container in running:
             container._exited(_SERVER_GONE)
+        self.proc.kill()
+        self.proc.wait()
 
 
 _server: _Server | None = None
@@ -213,7 +234,8 @@ _server_lock = threading.Lock()
 
 def start(handler_path: str, env: dict[str, str], preload: bool) -> Container:
     """Fork a container that runs ``handler_path`` with ``env`` from this process's server (started on
-    first use, and again if it ended). ``preload``: the handler's module defines ``preload(event)``."""
+    first use, and again if it ended). ``preload``: the handler's module defines ``preload()``. OSError
+    when the server cannot start it."""
     global _server
     with _server_lock:
         if _server is None or not _server.alive or _server.owner != os.getpid():
@@ -224,19 +246,24 @@ def start(handler_path: str, env: dict[str, str], preload: bool) -> Container:
 
 # --- the server's side ------------------------------------------------------------------------------------
 
+_BASE_PATH: list[str] = []  # the server's sys.path less its working directory and PYTHONPATH
 
-def _take_path(env: dict[str, str]) -> None:
-    """Put the request's ``PYTHONPATH`` in front of ``sys.path``, as a fresh interpreter would."""
+
+def _become(request: dict[str, Any]) -> None:
+    """Take the request's environment and ``sys.path``: its working directory, its ``PYTHONPATH``, then
+    the interpreter's own entries, as a fresh ``python -m`` started there would have them."""
+    env = request["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.pop(PARENT_ENV, None)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:0] = [p for p in dict.fromkeys(paths) if p not in sys.path]
+    sys.path[:] = list(dict.fromkeys([request["cwd"], *paths, *_BASE_PATH]))
     importlib.invalidate_caches()  # modules written since the server started are found
 
 
-def _preload(handler_path: str, env: dict[str, str]) -> None:
-    _take_path(env)
-    module = importlib.import_module(handler_path.partition(":")[0])
-    event = json.loads(env.get("SHARDFOLD_EVENT") or "{}")
-    module.preload(event)
+def _preload(request: dict[str, Any]) -> None:
+    _become(request)
+    importlib.import_module(request["handler"].partition(":")[0]).preload()
 
 
 def _name_process(name: str) -> None:
@@ -248,33 +275,58 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _child(request: dict[str, Any], fds: list[int], server_pid: int) -> None:
-    """In the forked child: become the container the request describes, run it, exit with its code."""
+def _child(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
+    """In the forked child: become the container the request describes and run it; its exit code."""
+    kill_with_parent()
+    _name_process(NAME)
+    watch_parent(server_pid)  # also covers a server that ended before prctl took effect
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in fds:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    _become(request)
+    from functions.container import main
+
+    try:
+        return main()
+    except SystemExit as exc:  # as the interpreter exits on sys.exit(code)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # as an interpreter that Ctrl-C ended: dead of SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise
+
+
+def _fork(request: dict[str, Any], fds: list[int]) -> int:
+    """Fork a container; its pid. The child never returns from here."""
+    server_pid = os.getpid()  # before the fork: the child's getppid() is the reaper once the server is gone
+    sys.stdout.flush()
+    sys.stderr.flush()  # what the server printed would otherwise be printed again by every child
+    pid = os.fork()
+    if pid:
+        return pid
     code = 1
     try:
-        kill_with_parent()
-        _name_process(NAME)
-        watch_parent(server_pid)  # also covers a server that ended before prctl took effect
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.dup2(fds[0], 1)
-        os.dup2(fds[1], 2)
-        for fd in fds:
+        signal.set_wakeup_fd(-1)
+        for fd in _SERVER_FDS:
             os.close(fd)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.environ.pop(PARENT_ENV, None)
-        _take_path(request["env"])
-        from functions.container import main
-
-        code = main()
+        code = _child(request, fds, server_pid)
     except BaseException:
         traceback.print_exc()
     finally:
         from functions.container import exit_now
 
-        exit_now(code)
+        exit_now(code)  # never back into the server's loop, whatever happened
+    raise AssertionError("unreachable")
+
+
+_SERVER_FDS: list[int] = []  # the server's own descriptors, closed in every child
 
 
 def serve(sock: socket.socket, owner: int) -> None:
@@ -288,7 +340,8 @@ def serve(sock: socket.socket, owner: int) -> None:
         owner_fd: int | None = os.pidfd_open(owner)
     except (AttributeError, OSError):
         owner_fd = None
-    children: set[int] = set()
+    _SERVER_FDS[:] = [sock.fileno(), wake_r, wake_w, *([owner_fd] if owner_fd is not None else [])]
+    children: dict[int, int] = {}  # request id -> pid, until reaped
     try:
         while True:
             watched = [sock, wake_r] + ([owner_fd] if owner_fd is not None else [])
@@ -299,45 +352,39 @@ def serve(sock: socket.socket, owner: int) -> None:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                children.discard(pid)
-                _send(sock, {"exited": [pid, os.waitstatus_to_exitcode(status)]})
+                for request_id in [r for r, p in children.items() if p == pid]:
+                    del children[request_id]
+                    _send(sock, {"exited": [request_id, os.waitstatus_to_exitcode(status)]})
             if owner_fd in ready or os.getppid() != owner:
                 return
             if sock not in ready:
                 continue
             message, fds = _receive(sock, max_fds=2)
             if "signal" in message:
-                pid, sig = message["signal"]
-                if pid in children:
-                    os.kill(pid, sig)
+                request_id, sig = message["signal"]
+                if request_id in children:
+                    os.kill(children[request_id], sig)
                 continue
             request = message["start"]
             try:
                 if request["preload"]:
-                    _preload(request["handler"], request["env"])
+                    _preload(request)
             except Exception:  # the container imports what it needs itself, and reports what fails
                 traceback.print_exc()
             try:
-                pid = os.fork()
+                pid = _fork(request, fds)
             except OSError as exc:
+                _send(sock, {"failed": [request["id"], f"cannot fork a container: {exc}"]})
+                continue
+            finally:
                 for fd in fds:
                     os.close(fd)
-                _send(sock, {"failed": f"cannot fork a container: {exc}"})
-                continue
-            if pid == 0:
-                signal.set_wakeup_fd(-1)
-                for fd in (sock.detach(), wake_r, wake_w, owner_fd):
-                    if fd is not None:
-                        os.close(fd)
-                _child(request, fds, os.getppid())
-            for fd in fds:
-                os.close(fd)
-            children.add(pid)
-            _send(sock, {"started": pid})
+            children[request["id"]] = pid
+            _send(sock, {"started": [request["id"], pid]})
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass
     finally:
-        for pid in children:
+        for pid in children.values():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -346,6 +393,8 @@ def serve(sock: socket.socket, owner: int) -> None:
 
 def main(argv: list[str]) -> None:
     owner = int(os.environ.pop(PARENT_ENV, "0") or 0) or os.getppid()
+    own = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]  # sys.path[0]: the directory it started in
     sock = socket.socket(fileno=int(argv[0]))
     from functions.container import main as _  # noqa: F401  (the code every container runs)
 

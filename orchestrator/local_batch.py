@@ -77,10 +77,17 @@ def _environment(
 
 
 def _start(handler_path: str, env: dict[str, str]) -> Container:
-    if not container_server.enabled():
-        return subprocess.Popen(child_command("functions.container"), env=env)
-    module = importlib.import_module(handler_path.partition(":")[0])
-    return container_server.start(handler_path, env, preload=callable(getattr(module, "preload", None)))
+    if container_server.enabled():
+        try:
+            module = importlib.import_module(handler_path.partition(":")[0])
+            preload = callable(getattr(module, "preload", None))
+        except Exception:  # the container reports it, as a fresh one would
+            preload = False
+        try:
+            return container_server.start(handler_path, env, preload=preload)
+        except OSError as exc:
+            logger.warning("starting the container afresh: %s", exc)
+    return subprocess.Popen(child_command("functions.container"), env=env)
 
 
 def _stop(proc: Container) -> None:

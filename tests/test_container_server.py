@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import psutil
 import pytest
 
 from orchestrator import container_server
-from orchestrator.local_batch import _environment
+from orchestrator.local_batch import _environment, run_container
 
 pytestmark = [
     pytest.mark.slow,  # child processes
@@ -109,28 +110,60 @@ def test_preload_runs_in_the_server_and_its_imports_are_inherited(tmp_path, monk
         "sf_cs_preloaded",
         """
         import json, os
+        import numpy as np  # imported in the server, so every child inherits its generator's state
+
         PRELOADED_IN = None
 
-        def preload(event):
+        def preload():
             global PRELOADED_IN
             PRELOADED_IN = os.getpid()
-            with open(event["calls"], "a") as fh:
+            with open(os.environ["CALLS"], "a") as fh:  # the request's environment
                 fh.write(f"{os.getpid()}\\n")
 
         def handler(event, context):
+            seen = {"pid": os.getpid(), "ppid": os.getppid(), "preloaded_in": PRELOADED_IN}
             with open(event["out"], "w") as fh:
-                json.dump({"pid": os.getpid(), "ppid": os.getppid(), "preloaded_in": PRELOADED_IN}, fh)
+                json.dump({**seen, "draw": float(np.random.random())}, fh)
         """,
     )
     calls, seen = tmp_path / "calls", []
+    monkeypatch.setenv("CALLS", str(calls))
     for k in range(2):
         out = tmp_path / f"out{k}.json"
-        container = _start(mod, "handler", tmp_path, preload=True, out=str(out), calls=str(calls))
+        container = _start(mod, "handler", tmp_path, preload=True, out=str(out))
         assert container.wait(WAIT_S) == 0
         seen.append(json.loads(out.read_text()))
     server = container_server._server.proc.pid
     assert [int(pid) for pid in calls.read_text().split()] == [server, server]  # preload ran in the server
     assert all(s["preloaded_in"] == s["ppid"] == server != s["pid"] for s in seen)  # and the child has it
+    assert seen[0]["draw"] != seen[1]["draw"]  # numpy reseeds its generator in a forked child
+
+
+def test_sys_exit_and_a_failed_start_behave_as_a_fresh_container(tmp_path, monkeypatch):
+    mod = _module(
+        tmp_path,
+        monkeypatch,
+        "sf_cs_exits",
+        """
+        import os, sys
+
+        def exits(event, context):
+            sys.exit(event["code"])
+
+        def where(event, context):
+            open(event["out"], "w").write(str(os.getppid()))
+        """,
+    )
+    assert _start(mod, "exits", tmp_path, code=75).wait(WAIT_S) == 75  # retried by Batch's table, as fresh
+    assert _start(mod, "exits", tmp_path, code=None).wait(WAIT_S) == 0
+
+    def broken(*args, **kwargs):
+        raise OSError("the container server has ended")
+
+    monkeypatch.setattr(container_server, "start", broken)  # the executor starts the container afresh
+    out = tmp_path / "ppid"
+    run_container(f"{mod}:where", "test.where", {"out": str(out)}, timeout_s=WAIT_S, cancel=threading.Event())
+    assert int(out.read_text()) == os.getpid()  # a child of this process, not of a server
 
 
 def test_a_handler_without_preload_is_imported_by_the_container_as_it_is_on_disk(tmp_path, monkeypatch):
@@ -169,7 +202,7 @@ def test_the_server_and_its_containers_end_with_the_process_that_owns_them(tmp_p
         import json, os, sys, time
         sys.path.insert(0, {str(tmp_path)!r})
         from orchestrator import container_server
-        from orchestrator.local_batch import _environment
+        from orchestrator.local_batch import _environment, run_container
         out = {str(tmp_path / "pid")!r}
         env = _environment("sf_cs_handlers:sleepy", "t", {{"out": out}}, {str(tmp_path / "s.json")!r}, "t")
         c = container_server.start("sf_cs_handlers:sleepy", env, preload=False)

@@ -134,17 +134,17 @@ def load_model(spec_model: Any, device: Any = None, pin: Any = None) -> LoadedMo
     return _load_user(uri, device, pin)
 
 
-def preload(spec_model: Any) -> None:
-    """Import what :func:`load_model` imports for ``spec_model``, loading no weights: torch, and for the
-    built-in model transformers' BERT code (which ``from_pretrained`` would import lazily, ~2.5 s of CPU).
-    The local executor's container server calls it, through the worker's ``preload``, before it forks a
-    worker (:mod:`orchestrator.container_server`)."""
+def preload() -> None:
+    """Import what :func:`load_model` imports, loading no weights and running no op: torch, and
+    transformers' BERT code (which ``from_pretrained`` would import lazily, ~2.5 s of CPU). The local
+    executor's container server calls it, through the worker's ``preload``, before it forks a worker
+    (:mod:`orchestrator.container_server`); a process that forks must not have started torch's thread
+    pools or a GPU, which importing does not do."""
     import torch  # noqa: F401
 
-    if spec_model_uri(spec_model) is None:
-        with _TRANSFORMERS_LOCK:
-            _import_transformers()
-            import transformers.models.bert.modeling_bert  # noqa: F401
+    with _TRANSFORMERS_LOCK:
+        _import_transformers()
+        import transformers.models.bert.modeling_bert  # noqa: F401
 
 
 def _import_transformers() -> Any:

@@ -59,18 +59,24 @@ from functions.errors import ShardfoldError
 from functions.inference import shards as layout
 from functions.inference.batcher import token_budget_batches
 from functions.inference.spec import InferenceJob
-from functions.runtime import JobEvent, load_spec, task
+from functions.runtime import JobEvent, task
 
 logger = Logger(service="shardfold")
 
-POLL_S = float(os.environ.get("SHARDFOLD_INFERENCE_POLL_S", "1.0"))  # the longest wait between listings
+POLL_ENV, POLL_S = "SHARDFOLD_INFERENCE_POLL_S", 1.0  # the longest wait between listings
 FIRST_POLL_S = 0.05  # the first wait after progress; doubled while idle, up to POLL_S
 PREFETCH = 2  # claimed shards read ahead of the one being computed
 # Give up (an error: the job fails) when, before cpu_done.json, no new preprocessed shard appeared for this
 # long: the CPU stage has died. On AWS a failed CPU branch stops the Batch job anyway (Parallel); locally
 # this bounds the wait. A CPU task is bounded by the Lambda timeout (900 s) times its retries.
 CPU_BATCH_TOKENS = 2048  # token budget cap when no GPU is present (see run_worker)
-IDLE_S = float(os.environ.get("SHARDFOLD_INFERENCE_IDLE_S", "3600"))
+IDLE_ENV, IDLE_S = "SHARDFOLD_INFERENCE_IDLE_S", 3600.0
+
+
+def _setting(env: str, default: float) -> float:
+    """Read when a worker starts, not at import: a container forked from the local container server
+    imported this module under an earlier environment."""
+    return float(os.environ.get(env) or default)
 
 
 class WorkerEvent(JobEvent):
@@ -237,8 +243,8 @@ def run_worker(
 ) -> dict[str, Any]:
     """Claim, embed and commit shards until the CPU stage is done and nothing is left; return a summary."""
     started = time.monotonic()
-    poll_s = POLL_S if poll_s is None else poll_s
-    idle_s = IDLE_S if idle_s is None else idle_s
+    poll_s = _setting(POLL_ENV, POLL_S) if poll_s is None else poll_s
+    idle_s = _setting(IDLE_ENV, IDLE_S) if idle_s is None else idle_s
     stop = stop or threading.Event()
     plan = layout.load_plan(store_root, job_id)
     h = plan["config_hash"]
@@ -477,14 +483,12 @@ def handler(e: WorkerEvent, spec: InferenceJob) -> dict[str, Any]:
     return run_worker(spec, e.job_id, e.store_root, attempt_of(e.model_dump()))
 
 
-def preload(event: dict[str, Any]) -> None:
-    """Import what a worker for ``event`` will, and parse its spec: the local executor's container server
-    calls this before it forks the worker (:mod:`orchestrator.container_server`), so every worker it forks
-    starts with torch (and the model's code) imported and the spec in the per-process cache."""
+def preload() -> None:
+    """Import what a worker imports, loading nothing (:func:`models.preload`): the local executor's
+    container server calls this before it forks a worker (:mod:`orchestrator.container_server`)."""
     from functions.inference import models
 
-    e = WorkerEvent.model_validate(event)
-    models.preload(load_spec(e.spec_uri, "inference").model)
+    models.preload()
 
 
 def main(argv: list[str] | None = None) -> int:
