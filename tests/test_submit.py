@@ -7,7 +7,9 @@ the deployed size, and the refusal names the stack setting that raises it.
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -346,3 +348,19 @@ def test_a_found_credential_is_looked_up_once_per_environment_and_a_missing_one_
         with pytest.raises(NoCredentials, match="s3://some-bucket/a.bin"):
             submit_mod.check_credentials(spec, "file:///tmp/store")
     assert len(looks) == 3
+
+
+@pytest.mark.slow  # end to end: a job through the local executor
+def test_a_one_object_5_mib_getbatch_runs_from_the_cli(local, tmp_path):
+    """Issue 10's report: the estimate multiplied the read window by the largest item even for one item,
+    and `shardfold run` refused this spec (~1347 MiB against 1024)."""
+    body = bytes(range(256)) * (5 * 4096)  # 5 MiB
+    store.put(local.uri("data/big.bin"), body)
+    spec = tmp_path / "one.json"
+    spec.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "data/big.bin"}]}))
+    run = CliRunner().invoke(cli, ["run", str(spec)], catch_exceptions=False)
+    assert run.exit_code == 0 and "SUCCEEDED" in run.output, run.output
+    (status,) = local.jobs()
+    with tarfile.open(fileobj=io.BytesIO(store.get(local.job(status.job_id).result()["archive"]))) as tf:
+        (member,) = tf.getmembers()
+        assert tf.extractfile(member).read() == body
