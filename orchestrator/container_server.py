@@ -14,10 +14,10 @@ one server process, and every container after it is forked from that server:
    without it is not imported in the server, so such a container imports its handler as it is on disk.
    Modules the server imported stay as they were imported, for the life of the server.
 3. The server forks. The child takes the request's stdout, stderr, working directory, environment and
-   ``sys.path`` (as a fresh interpreter started there would have it), then runs
-   :func:`functions.container.main` and exits with its code, as the container would (``sys.exit(n)``
-   exits ``n``; Ctrl-C dies of SIGINT). The server answers with the child's pid, and later with its exit
-   code (a death by signal ``N`` is ``-N``, as :class:`subprocess.Popen` reports it).
+   ``sys.path`` (as a fresh interpreter started there would have it), reseeds numpy's global generator,
+   then runs :func:`functions.container.main` and exits with its code, as the container would
+   (``sys.exit(n)`` exits ``n``; Ctrl-C dies of SIGINT). The server answers with the child's pid, and
+   later with its exit code (a death by signal ``N`` is ``-N``, as :class:`subprocess.Popen` reports it).
 4. The executor signals a container through the server, by the request's id: the server signals only a
    child it has not reaped yet, so a pid it reaped, which may already belong to another process, is never
    signalled.
@@ -288,6 +288,8 @@ def _child(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
         os.close(fd)
     os.chdir(request["cwd"])
     _become(request)
+    if "numpy" in sys.modules:  # a fresh interpreter seeds it from the OS; a fork copies the server's state
+        sys.modules["numpy"].random.seed()
     from functions.container import main
 
     try:
