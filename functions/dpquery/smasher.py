@@ -202,12 +202,37 @@ def attribute_strategy(g: np.ndarray) -> AttributeStrategy:
     if scale > 0 and np.allclose(a, scale * np.eye(n - 1), rtol=1e-12, atol=1e-12 * scale):
         m = n / (n - 1) * np.eye(n - 1)  # diag(U M Uᵀ) = n/(n−1)·(n−1)/n = 1
         return AttributeStrategy(u @ m @ u.T, float(scale * (n - 1) * (n - 1) / n), "identity")
+    if _circulant(g):
+        return _fourier_strategy(g)
     if n > MAX_QUERY_DOMAIN:
         raise PlanError(
             f"a query type other than identity on a domain of {n} values: the per-attribute convex problem "
             f"is solved up to {MAX_QUERY_DOMAIN} values (coarsen the attribute's bins)"
         )
     return _convex_strategy(a, u)
+
+
+def _circulant(g: np.ndarray) -> bool:
+    """Whether ``g`` is unchanged by a cyclic shift of the values (circular ranges, and their mixes with
+    identity queries): each row the one above it rotated by one."""
+    scale = float(np.abs(g).max())
+    return scale > 0 and np.allclose(g, np.roll(g, (1, 1), axis=(0, 1)), rtol=0, atol=1e-12 * scale)
+
+
+def _fourier_strategy(g: np.ndarray) -> AttributeStrategy:
+    """The optimum for a circulant Gram, in closed form (WFF's Fourier strategy). The problem is unchanged
+    by cyclic shifts and convex, so a circulant M is optimal; the Fourier vectors diagonalise it with g,
+    whose eigenvalues are λ_k = FFT of its first row, and diag(M) = mean of M's eigenvalues μ_k. So:
+    min Σ λ_k/μ_k s.t. Σ μ_k ≤ n, whose solution is μ_k = n √λ_k / Σ √λ_j, of loss (Σ √λ_k)² / n. A
+    frequency no query has (λ_k = 0) gets nothing."""
+    n = g.shape[0]
+    lam = np.clip(np.fft.fft(g[0]).real, 0.0, None)
+    lam[0] = 0.0  # the constant vector: not in the residual space (rows of g sum to 0)
+    roots = np.sqrt(lam)
+    mu = n * roots / roots.sum()
+    gram = np.array([np.roll(np.fft.ifft(mu).real, k) for k in range(n)])
+    gram = (gram + gram.T) / 2
+    return AttributeStrategy(gram / float(np.diag(gram).max()), float(roots.sum() ** 2 / n), "fourier")
 
 
 def strategy_loss(g: np.ndarray, strategy: AttributeStrategy) -> float:
