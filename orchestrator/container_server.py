@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -394,6 +395,11 @@ def serve(sock: socket.socket, owner: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+    # Python 3.12+ warns at every fork from a process with threads; this one forks from its only Python
+    # thread, and the native threads its imports start (OpenBLAS) are fork-safe (module doc)
+    warnings.filterwarnings(
+        "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
+    )
     owner = int(os.environ.pop(PARENT_ENV, "0") or 0) or os.getppid()
     own = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     _BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]  # sys.path[0]: the directory it started in
