@@ -19,6 +19,13 @@ minimise tr(Ā M⁻¹) subject to diag(U M Uᵀ) ≤ 1, M ≻ 0, with U an ortho
 Entries asking an attribute different ways make the partition's Gram a weighted sum of Kronecker products;
 :func:`kronecker_strategy` then fits one Kronecker strategy to the sum, a per-attribute problem at a time.
 
+**Explicit queries.** A query that is not a Kronecker product (the 2-way ``affine`` and ``abs_diff``
+queries, :func:`pair_queries`, or any matrix on a small marginal) is split into its pieces the same way;
+a partition's pieces are solved together, as the best of ResidualPlanner's contrasts and the full convex
+optimum over the partition's residual space ⊗U_i (:func:`set_strategy`, small partitions only), and
+:func:`plan_dense` fuses the partitions as below. This is the reference the job's planner is checked
+against; the job does not take such queries yet.
+
 **Assemble.** With L_{A′} the partition's loss at privacy cost 1, the total privacy cost c = 2ρ is split as
 σ²_{A′} = (Σ √L)/(c·√L_{A′}), and the weighted sum of variances is (Σ_{A′} √L_{A′})²/c: ResidualPlanner's
 formula with each partition's own optimum in place of RP's fixed p_S, v_S. For an identity workload it *is*
@@ -230,7 +237,8 @@ def _fourier_strategy(g: np.ndarray) -> AttributeStrategy:
     lam[0] = 0.0  # the constant vector: not in the residual space (rows of g sum to 0)
     roots = np.sqrt(lam)
     mu = n * roots / roots.sum()
-    gram = np.array([np.roll(np.fft.ifft(mu).real, k) for k in range(n)])
+    row = np.fft.ifft(mu).real
+    gram = row[(np.arange(n)[None, :] - np.arange(n)[:, None]) % n]  # row k: the first rotated by k
     gram = (gram + gram.T) / 2
     return AttributeStrategy(gram / float(np.diag(gram).max()), float(roots.sum() ** 2 / n), "fourier")
 
@@ -464,6 +472,119 @@ def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> S
     total_root = sum(roots.values())
     sigma2 = {part: total_root / (cost * r) for part, r in roots.items()}
     return SmashPlan(n, cost, loss, sigma2, strategies, total_root**2 / cost)
+
+
+# --- queries that are not Kronecker products: explicit matrices on small domains -------------------------
+
+PAIR_TYPES = ("affine", "abs_diff")  # 2-way queries along two ordered attributes
+MAX_SET_DIM = 400  # the full convex solver's largest residual space, ∏(n_i − 1)
+_FLOORS = (1e-2, 1e-3, 1e-4)  # of the mean eigenvalue, added to a set's Gram for the full convex solve
+
+
+def pair_queries(kind: str, n1: int, n2: int) -> np.ndarray:
+    """The 2-way queries ``kind`` on an n1 × n2 marginal, one row per query over its cells (C order):
+    ``affine`` counts the cells with i + j ≤ c for c = 0 … n1 + n2 − 2, ``abs_diff`` those with |i − j| ≤ c
+    for c = 0 … max(n1, n2) − 1 (the last row of each is the whole table)."""
+    i, j = np.indices((n1, n2))
+    if kind == "affine":
+        score, top = i + j, n1 + n2 - 1
+    elif kind == "abs_diff":
+        score, top = np.abs(i - j), max(n1, n2)
+    else:
+        raise ValueError(f"unknown 2-way query type {kind!r}; one of {', '.join(PAIR_TYPES)}")
+    return (score.reshape(1, -1) <= np.arange(top).reshape(-1, 1)).astype(np.float64)
+
+
+@dataclass(frozen=True)
+class SetStrategy:
+    """A residual set's strategy over the cells of its marginal, not necessarily a Kronecker product:
+    BᵀB (∏n × ∏n, rows and columns in the set's residual space, max diagonal 1) and its loss at cost 1."""
+
+    gram: np.ndarray
+    loss: float
+    solver: str
+
+
+def set_strategy(g: np.ndarray, sizes: Sequence[int]) -> SetStrategy:
+    """The best strategy for a residual set of attributes of ``sizes`` whose queries' pieces have the Gram
+    ``g`` (over the set's cells): ResidualPlanner's Kronecker product of contrasts, or the full convex
+    optimum over the set's residual space (⊗U_i, when it has at most :data:`MAX_SET_DIM` dimensions)."""
+    if not sizes:  # the empty set: the total count, measured as itself
+        return SetStrategy(np.ones((1, 1)), float(g[0, 0]), "identity")
+    rp = functools.reduce(np.kron, [n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes])
+    best = SetStrategy(rp, float(np.einsum("ij,ji->", g, np.linalg.pinv(rp, hermitian=True))), "identity")
+    dim = math.prod(n - 1 for n in sizes)
+    if dim <= MAX_SET_DIM:
+        u = functools.reduce(np.kron, [residual_basis(n) for n in sizes])
+        a = u.T @ g @ u
+        a = (a + a.T) / 2
+        # A few 2-way queries leave most of the residual space unasked (affine: n1 + n2 − 1 of them), and
+        # the optimum for a singular Ā measures nothing there: no other query could be answered, and the
+        # dual solver does not converge. Some weight on every direction keeps M invertible; the best of a
+        # few weights is kept, by its loss on the queries themselves.
+        for floor in _FLOORS:
+            convex = _convex_strategy(a + floor * np.trace(a) / a.shape[0] * np.eye(a.shape[0]), u)
+            m = u.T @ convex.gram @ u
+            loss = float(np.trace(np.linalg.solve((m + m.T) / 2, a)))
+            if loss < best.loss:
+                best = SetStrategy(convex.gram, loss, "convex")
+    return best
+
+
+@dataclass
+class DensePlan:
+    """QuerySmasher's plan of explicit query matrices: per partition A′ its strategy, loss at cost 1 and
+    noise scale σ²_{A′}; the total weighted sum of variances at privacy cost ``cost`` (= 2ρ)."""
+
+    domains: list[int]
+    cost: float
+    loss: dict[tuple[int, ...], float]
+    sigma2: dict[tuple[int, ...], float]
+    strategies: dict[tuple[int, ...], SetStrategy]
+    total: float
+
+    def variance(self, q: np.ndarray, attrs: Sequence[int]) -> float:
+        """The variance of the answer to the query ``q`` over the cells of ``attrs`` (ascending), in the
+        workload or not: Σ_{A′} σ²_{A′} q^{⇒A′} (B_{A′}ᵀB_{A′})⁺ q^{⇒A′}ᵀ."""
+        total = 0.0
+        for pos, piece in pieces(q, [self.domains[i] for i in attrs]).items():
+            part = tuple(attrs[k] for k in pos)
+            if part in self.sigma2:
+                inverse = np.linalg.pinv(self.strategies[part].gram, hermitian=True)
+                total += self.sigma2[part] * float(piece @ inverse @ piece)
+            elif not np.allclose(piece, 0.0):
+                raise PlanError(f"the plan measured no residual of {part}, which the query needs")
+        return total
+
+
+def plan_dense(
+    domains: Sequence[int], workload: Sequence[tuple[Sequence[int], np.ndarray, float]], rho: float
+) -> DensePlan:
+    """QuerySmasher's plan at zCDP ``rho`` for a workload of explicit query matrices: each entry (attributes
+    ascending, W over their cells in C order, weight). Each query is split into its pieces; a partition's
+    pieces are solved together (:func:`set_strategy`) and the partitions fused as :func:`plan_kron` does."""
+    n = [int(x) for x in domains]
+    grams: dict[tuple[int, ...], np.ndarray] = {}
+    for j, (attrs, w, weight) in enumerate(workload):
+        attrs = tuple(int(i) for i in attrs)
+        if list(attrs) != sorted(set(attrs)):
+            raise SpecError(f"workload.{j}: attributes must be distinct and ascending, got {list(attrs)}")
+        w = np.atleast_2d(np.asarray(w, dtype=np.float64))
+        cells = math.prod(n[i] for i in attrs)
+        if w.shape[1] != cells:
+            raise SpecError(f"workload.{j}: a query matrix over {cells} cells needs {cells} columns")
+        for q in w:
+            for pos, piece in pieces(q, [n[i] for i in attrs]).items():
+                part = tuple(attrs[k] for k in pos)
+                gram = grams.setdefault(part, np.zeros((piece.size, piece.size)))
+                gram += weight * np.outer(piece, piece)
+    strategies = {part: set_strategy(g, [n[i] for i in part]) for part, g in grams.items()}
+    loss = {part: s.loss for part, s in strategies.items()}
+    roots = {part: math.sqrt(v) for part, v in loss.items() if v > 1e-12 * max(loss.values())}
+    total_root = sum(roots.values())
+    sigma2 = {part: total_root / (2.0 * rho * r) for part, r in roots.items()}
+    kept = {part: strategies[part] for part in roots}
+    return DensePlan(n, 2.0 * rho, loss, sigma2, kept, total_root**2 / (2.0 * rho))
 
 
 # --- measure and answer ---------------------------------------------------------------------------------
