@@ -12,7 +12,7 @@ import pytest
 
 from functions.dpquery import measure, smasher
 from functions.dpquery.planner import plan as rp_plan
-from functions.errors import SpecError
+from functions.errors import PlanError, SpecError
 
 
 def test_the_papers_worked_example():
@@ -310,6 +310,13 @@ def test_only_a_circulant_gram_takes_the_fourier_form():
     assert smasher.attribute_strategy(mixed).solver == "fourier"  # identity cells are circulant too
     for kind in ("prefix", "range"):
         assert smasher.attribute_strategy(smasher.centred_gram(kind, 7)).solver == "convex"
+    c = np.zeros(8)
+    c[[0, 4]] = [2.0, -2.0]  # queries x_i − x_{i+4}: five of the seven frequencies never asked
+    g = np.array([np.roll(c, k) for k in range(8)])
+    sparse = smasher.attribute_strategy(g)
+    assert sparse.solver == "fourier" and np.linalg.matrix_rank(sparse.gram) == 7  # still answers any query
+    assert math.isclose(sparse.loss, smasher.strategy_loss(g, sparse), rel_tol=1e-9)
+    assert math.isclose(sparse.loss, 8.0, rel_tol=1e-5)  # (Σ√λ)²/n, the optimum, all but exactly
     big = smasher.attribute_strategy(
         smasher.centred_gram("circular_range", 256)
     )  # milliseconds in closed form
@@ -427,11 +434,14 @@ def test_a_pair_workload_is_planned_through_its_pieces(kind, sizes):
     explicit = sum(pl.variance(q, (0, 1)) for q in rows)
     assert math.isclose(explicit, pl.total, rel_tol=1e-9)  # the loss it claims is the loss it gives
     assert pl.total < substitute * 0.95, (pl.total, substitute)  # better than summing RP's cells
-    assert pl.strategies[(0, 1)].solver == "convex"
     # within 2 % of the best over the whole set's space (a generic conic solver; it may answer nothing else)
     g = sum(np.outer(p, p) for p in (smasher.pieces(q, sizes)[(0, 1)] for q in rows))
     u = _kron([smasher.residual_basis(n) for n in sizes])
     assert pl.loss[(0, 1)] <= _conic_optimum(u.T @ g @ u, u) * 1.02
+    contrasts = np.trace(g) * math.prod((n - 1) / n for n in sizes)  # RP's loss on the set
+    assert pl.loss[(0, 1)] <= contrasts * (1 + 1e-12)
+    if min(sizes) > 3:  # on the smallest sets the contrasts are already optimal
+        assert pl.strategies[(0, 1)].solver == "convex" and pl.loss[(0, 1)] < 0.6 * contrasts
     # the joint privacy cost is at most 2ρ: each set's strategy costs 1 where its diagonal peaks (the
     # convex ones' diagonals vary over the cells, so the peaks need not fall on one cell)
     cost = _cost_per_cell(pl)
@@ -453,8 +463,23 @@ def test_a_dense_plan_of_cells_is_residual_planner_and_of_prefixes_no_worse_than
     assert smasher.plan_dense(domains, workload, 0.5).total <= kron.total * (1 + 1e-6)
 
 
+def test_a_lightly_weighted_partition_is_still_measured_and_a_missing_one_is_refused():
+    rows = smasher.pair_queries("abs_diff", 3, 3)
+    pl = smasher.plan_dense([3, 3, 3], [((0, 1), rows, 1.0), ((2,), np.eye(3), 1e-14)], 0.5)
+    assert (2,) in pl.sigma2 and 0 < pl.variance(np.eye(3)[0], (2,)) < np.inf  # asked, however lightly
+    only = smasher.plan_dense([3, 3, 3], [((0, 1), rows, 1.0)], 0.5)
+    with pytest.raises(PlanError, match=r"measured no residual of \(2,\)"):
+        only.variance(1e-9 * np.eye(3)[0], (2,))  # however small the query
+    with pytest.raises(ValueError, match="ascending"):
+        only.variance(rows[0], (1, 0))
+
+
 def test_a_dense_workload_is_refused_naming_the_entry():
     with pytest.raises(SpecError, match=r"workload\.0: attributes must be distinct and ascending"):
         smasher.plan_dense([3, 3], [((1, 0), np.ones((1, 9)), 1.0)], 0.5)
     with pytest.raises(SpecError, match=r"workload\.1: a query matrix over 9 cells needs 9 columns"):
         smasher.plan_dense([3, 3], [((0,), np.ones((1, 3)), 1.0), ((0, 1), np.ones((1, 8)), 1.0)], 0.5)
+    with pytest.raises(SpecError, match=r"workload\.0: the weight must be positive, got -1"):
+        smasher.plan_dense([3, 3], [((0,), np.ones((1, 3)), -1)], 0.5)
+    with pytest.raises(SpecError, match="workload: no query to plan"):
+        smasher.plan_dense([3, 3], [], 0.5)

@@ -230,17 +230,19 @@ def _fourier_strategy(g: np.ndarray) -> AttributeStrategy:
     """The optimum for a circulant Gram, in closed form (WFF's Fourier strategy). The problem is unchanged
     by cyclic shifts and convex, so a circulant M is optimal; the Fourier vectors diagonalise it with g,
     whose eigenvalues are λ_k = FFT of its first row, and diag(M) = mean of M's eigenvalues μ_k. So:
-    min Σ λ_k/μ_k s.t. Σ μ_k ≤ n, whose solution is μ_k = n √λ_k / Σ √λ_j, of loss (Σ √λ_k)² / n. A
-    frequency no query has (λ_k = 0) gets nothing."""
+    min Σ λ_k/μ_k s.t. Σ μ_k ≤ n, whose solution is μ_k = n √λ_k / Σ √λ_j, of loss (Σ √λ_k)² / n."""
     n = g.shape[0]
     lam = np.clip(np.fft.fft(g[0]).real, 0.0, None)
     lam[0] = 0.0  # the constant vector: not in the residual space (rows of g sum to 0)
-    roots = np.sqrt(lam)
+    # a frequency no query has still gets a little, so that every other query stays answerable
+    roots = np.sqrt(np.maximum(lam, 1e-12 * lam.max()))
+    roots[0] = 0.0
     mu = n * roots / roots.sum()
     row = np.fft.ifft(mu).real
     gram = row[(np.arange(n)[None, :] - np.arange(n)[:, None]) % n]  # row k: the first rotated by k
     gram = (gram + gram.T) / 2
-    return AttributeStrategy(gram / float(np.diag(gram).max()), float(roots.sum() ** 2 / n), "fourier")
+    loss = float(np.sum(lam[1:] / mu[1:]))
+    return AttributeStrategy(gram / float(np.diag(gram).max()), loss, "fourier")
 
 
 def strategy_loss(g: np.ndarray, strategy: AttributeStrategy) -> float:
@@ -478,6 +480,7 @@ def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> S
 
 PAIR_TYPES = ("affine", "abs_diff")  # 2-way queries along two ordered attributes
 MAX_SET_DIM = 400  # the full convex solver's largest residual space, ∏(n_i − 1)
+_ROUNDING = 1e-12  # a query's piece this small against its largest entry is rounding, not a piece
 _FLOORS = (1e-2, 1e-3, 1e-4)  # of the mean eigenvalue, added to a set's Gram for the full convex solve
 
 
@@ -512,7 +515,8 @@ def set_strategy(g: np.ndarray, sizes: Sequence[int]) -> SetStrategy:
     if not sizes:  # the empty set: the total count, measured as itself
         return SetStrategy(np.ones((1, 1)), float(g[0, 0]), "identity")
     rp = functools.reduce(np.kron, [n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes])
-    best = SetStrategy(rp, float(np.einsum("ij,ji->", g, np.linalg.pinv(rp, hermitian=True))), "identity")
+    # (BᵀB)⁺ = ⊗ (n−1)/n·(I − J/n), and g lies in the set's residual space
+    best = SetStrategy(rp, float(np.trace(g)) * math.prod((n - 1) / n for n in sizes), "identity")
     dim = math.prod(n - 1 for n in sizes)
     if dim <= MAX_SET_DIM:
         u = functools.reduce(np.kron, [residual_basis(n) for n in sizes])
@@ -546,13 +550,17 @@ class DensePlan:
     def variance(self, q: np.ndarray, attrs: Sequence[int]) -> float:
         """The variance of the answer to the query ``q`` over the cells of ``attrs`` (ascending), in the
         workload or not: Σ_{A′} σ²_{A′} q^{⇒A′} (B_{A′}ᵀB_{A′})⁺ q^{⇒A′}ᵀ."""
+        attrs = tuple(int(i) for i in attrs)
+        if list(attrs) != sorted(set(attrs)):
+            raise ValueError(f"attributes must be distinct and ascending, got {list(attrs)}")
+        q = np.asarray(q, dtype=np.float64)
         total = 0.0
         for pos, piece in pieces(q, [self.domains[i] for i in attrs]).items():
             part = tuple(attrs[k] for k in pos)
             if part in self.sigma2:
                 inverse = np.linalg.pinv(self.strategies[part].gram, hermitian=True)
                 total += self.sigma2[part] * float(piece @ inverse @ piece)
-            elif not np.allclose(piece, 0.0):
+            elif np.abs(piece).max() > _ROUNDING * np.abs(q).max():
                 raise PlanError(f"the plan measured no residual of {part}, which the query needs")
         return total
 
@@ -564,8 +572,12 @@ def plan_dense(
     ascending, W over their cells in C order, weight). Each query is split into its pieces; a partition's
     pieces are solved together (:func:`set_strategy`) and the partitions fused as :func:`plan_kron` does."""
     n = [int(x) for x in domains]
+    if not workload:
+        raise SpecError("workload: no query to plan")
     grams: dict[tuple[int, ...], np.ndarray] = {}
     for j, (attrs, w, weight) in enumerate(workload):
+        if not weight > 0:
+            raise SpecError(f"workload.{j}: the weight must be positive, got {weight}")
         attrs = tuple(int(i) for i in attrs)
         if list(attrs) != sorted(set(attrs)):
             raise SpecError(f"workload.{j}: attributes must be distinct and ascending, got {list(attrs)}")
@@ -575,12 +587,14 @@ def plan_dense(
             raise SpecError(f"workload.{j}: a query matrix over {cells} cells needs {cells} columns")
         for q in w:
             for pos, piece in pieces(q, [n[i] for i in attrs]).items():
+                if np.abs(piece).max() <= _ROUNDING * np.abs(q).max():
+                    continue  # no piece on this partition, only the rounding of the others'
                 part = tuple(attrs[k] for k in pos)
                 gram = grams.setdefault(part, np.zeros((piece.size, piece.size)))
                 gram += weight * np.outer(piece, piece)
     strategies = {part: set_strategy(g, [n[i] for i in part]) for part, g in grams.items()}
     loss = {part: s.loss for part, s in strategies.items()}
-    roots = {part: math.sqrt(v) for part, v in loss.items() if v > 1e-12 * max(loss.values())}
+    roots = {part: math.sqrt(v) for part, v in loss.items() if v > 0}
     total_root = sum(roots.values())
     sigma2 = {part: total_root / (2.0 * rho * r) for part, r in roots.items()}
     kept = {part: strategies[part] for part in roots}
