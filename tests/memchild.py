@@ -14,7 +14,7 @@ import gc
 import importlib
 import sys
 import tracemalloc
-from importlib.machinery import PathFinder
+from importlib.machinery import PathFinder, SourceFileLoader
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,27 +23,47 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from benchutil import PeakRSS, child_main  # noqa: E402
 
 
-class _Absent:
-    """The import system's path finder, except that it finds none of ``names``: importing one fails, and
-    ``importlib.util.find_spec`` answers None, as where it is not installed."""
+class _FromSource(SourceFileLoader):
+    """Compiles the module from its source, whatever ``__pycache__`` holds."""
 
-    def __init__(self, finder, names: list[str]):
-        self.finder, self.names = finder, set(names)
+    def get_code(self, fullname):
+        path = self.get_filename(fullname)
+        return self.source_to_code(self.get_data(path), path)
+
+
+class _AsDeployed:
+    """The import system's path finder, as the deployed tasks see it:
+
+    - it finds none of ``absent``: importing one fails, and ``importlib.util.find_spec`` answers None, as
+      where it is not installed;
+    - the repository's own modules compile from source, as in the Lambda package (which ships no bytecode):
+      compiling leaves tens of MiB in the runtime baseline, so whether a developer's run wrote
+      ``__pycache__`` (CI's environment sets PYTHONDONTWRITEBYTECODE) must not change the measurement."""
+
+    def __init__(self, finder, absent: list[str]):
+        self.finder, self.absent = finder, set(absent)
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in self.names:
+        if fullname.split(".")[0] in self.absent:
             return None
-        return self.finder.find_spec(fullname, path, target)
+        spec = self.finder.find_spec(fullname, path, target)
+        if spec is not None and isinstance(spec.loader, SourceFileLoader) and _ours(spec.origin):
+            spec.loader = _FromSource(fullname, spec.origin)
+        return spec
 
     def __getattr__(self, name):  # invalidate_caches, find_distributions
         return getattr(self.finder, name)
 
 
+def _ours(origin: str | None) -> bool:
+    return origin is not None and Path(origin).resolve().is_relative_to(REPO) and ".venv" not in origin
+
+
 def run_task(req: dict) -> dict:
     """``{"handler": "module:name", "event": {...}, "imports": [...], "absent": [...], "tracemalloc": bool}``:
-    the packages in ``absent`` cannot be imported (as where they are not installed)."""
-    if req.get("absent"):
-        sys.meta_path[:] = [_Absent(f, req["absent"]) if f is PathFinder else f for f in sys.meta_path]
+    the packages in ``absent`` cannot be imported (as where they are not installed): :class:`_AsDeployed`."""
+    absent = req.get("absent", ())
+    sys.meta_path[:] = [_AsDeployed(f, absent) if f is PathFinder else f for f in sys.meta_path]
     for name in req.get("imports", ()):
         importlib.import_module(name)
     module, name = req["handler"].split(":")
