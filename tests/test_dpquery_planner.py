@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 
-import cvxpy as cp
 import numpy as np
 import pytest
 
@@ -142,6 +141,8 @@ def test_d100_all_3way_from_a_spec():
 
 def sdp_weighted_sse(domains, marginals, weights) -> float:
     """min over all Gaussian matrix mechanisms at privacy cost 1: min tr(D W X⁻¹ Wᵀ) s.t. diag X ≤ 1."""
+    import cvxpy as cp  # here, not at the top: 2 s to import, paid by each test worker that collects this
+
     rows = np.vstack(
         [math.sqrt(w) * marginal_matrix(domains, a) for a, w in zip(marginals, weights, strict=True)]
     )
@@ -153,6 +154,8 @@ def sdp_weighted_sse(domains, marginals, weights) -> float:
 
 def sdp_max_variance(domains, marginals, weights) -> float:
     """min over all Gaussian matrix mechanisms at privacy cost 1 of max_q w_q·qᵀX⁻¹q over workload rows."""
+    import cvxpy as cp
+
     n = int(np.prod(domains))
     x = cp.Variable((n, n), PSD=True)
     t = cp.Variable()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 
@@ -398,20 +399,39 @@ def test_a_state_input_over_256_kib_fails(stack):
 
 
 def test_a_wide_map_runs_its_children_on_few_threads_and_never_recurses(aws, monkeypatch):
-    """moto's Map worker took each next child by recursing (past ~970 children: RecursionError, the job
-    never closed, the execution RUNNING for ever), and with no MaxConcurrency it started a thread per child.
-    One worker thread (the harness's cap, lowered) runs 1,200 children: both fixes at once."""
+    """moto's Map worker took each next child by recursing, a few frames per child (past ~970 children:
+    RecursionError, the job never closed, the execution RUNNING for ever), and with no MaxConcurrency it
+    started a thread per child. One worker thread (the harness's cap, lowered) runs 300 children: its stack
+    is as deep at the last child as at the first, and the threads stay few."""
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.itemprocessor import (
+        distributed_item_processor_worker as dipw,
+    )
+
+    Worker = dipw.DistributedItemProcessorWorker
+
+    depths = []  # the worker thread's stack depth as it takes each child
+    eval_job = Worker._eval_job
+
+    def measured(self, *args, **kwargs):
+        depth, frame = 0, sys._getframe()
+        while frame is not None:
+            depth, frame = depth + 1, frame.f_back
+        depths.append(depth)
+        return eval_job(self, *args, **kwargs)
+
+    monkeypatch.setattr(Worker, "_eval_job", measured)
     monkeypatch.setattr(moto_harness, "MAP_WORKER_THREADS", 1)
     WIDEST["threads"] = 0
     before = threading.active_count()
     job_id = new_job_id("toywide")
-    aws.start(job_id, "toywide", write_spec(aws.store_root, job_id, n=1200))
+    aws.start(job_id, "toywide", write_spec(aws.store_root, job_id, n=300))
     status = aws.wait(job_id, timeout_s=WAIT_S)
     assert status.state == "SUCCEEDED", status.error
-    assert status.steps["wide"] == {"done": 1200, "total": 1200}
+    assert status.steps["wide"] == {"done": 300, "total": 300}
+    assert len(depths) == 300 and max(depths) == min(depths), (min(depths), max(depths))
     # each child outputs {} (its last state's OutputPath is null): the gathered result stays small
     gathered = moto_harness.gathered_results(status.execution_arn)
-    assert gathered == {"wide": {"children": 1200, "bytes": len(json.dumps([{}] * 1200))}}
+    assert gathered == {"wide": {"children": 300, "bytes": len(json.dumps([{}] * 300))}}
     # the worker, its task's timeout thread, and the server's request threads (the executor polling)
     assert WIDEST["threads"] - before < 20, (before, WIDEST)
 
