@@ -36,7 +36,10 @@ lint: $(VENV)/.installed-dev
 # moto, so a third worker fills the waits (quiet 2-core machine: 4:10 with two workers, 3:50 with three).
 # Work stealing keeps the few 10-30 s tests (inference jobs, the Lambda package build) from ending the run
 # on one worker.
-PYTEST := $(BIN)/python -m pytest -n 3 --dist worksteal
+# Bytecode is cached even where the environment sets PYTHONDONTWRITEBYTECODE (CI's does): the suite starts
+# about a hundred Python processes (CLI runs, examples, Batch containers), each of which would otherwise
+# compile the project's modules again.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 3 --dist worksteal
 
 test: lint
 	$(PYTEST)
