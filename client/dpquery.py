@@ -28,6 +28,7 @@ released (noisy) output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import itertools
 import json
@@ -211,6 +212,38 @@ class KroneckerQuery:
         return self is other
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class DenseQuery:
+    """The linear query of a residual set that a 2-way query type reaches: y = B x_S, one matrix B over the
+    cells of the marginal x_S (axes in ``attributes`` order, flattened in C order; rows in its residual
+    space). Called as :class:`KroneckerQuery` is (numpy arrays, Private-PGM ``Factor``s)."""
+
+    attributes: tuple[str, ...]
+    sizes: tuple[int, ...]
+    matrix: np.ndarray  # B, (∏(n_i − 1)) × (∏n_i)
+
+    @property
+    def factors(self) -> list[np.ndarray]:
+        """[B]: one factor, over all the set's cells."""
+        return [self.matrix]
+
+    def __call__(self, x: Any) -> Any:
+        if hasattr(x, "domain") and hasattr(x, "values"):  # an mbi Factor
+            import jax.numpy as jnp
+
+            if tuple(x.domain.attributes) != self.attributes:
+                x = x.transpose(self.attributes)
+            return jnp.asarray(self.matrix) @ x.values.reshape(-1)
+        return self.matrix @ np.asarray(x, dtype=np.float64).reshape(-1)
+
+    def op_norm_sq(self) -> float:
+        """‖B‖₂², its largest squared singular value."""
+        return float(np.linalg.norm(self.matrix, 2) ** 2)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
 @dataclasses.dataclass(frozen=True)
 class ResidualMeasurement:
     """One released residual measurement: ``noisy_measurement`` = ``query(x_clique)`` + N(0, stddev² I).
@@ -227,11 +260,12 @@ class ResidualMeasurement:
     noisy_measurement: np.ndarray  # (∏(n_i − 1),) float64
     stddev: float  # σ_S, the noise's standard deviation (per entry, i.i.d.)
     rho: float  # the sampler's privacy-map value for this set (0 with noise disabled)
-    query: KroneckerQuery
+    query: KroneckerQuery | DenseQuery
 
     @property
     def factors(self) -> list[np.ndarray]:
-        """The query's Kronecker factors, one per attribute of the set (see :class:`KroneckerQuery`)."""
+        """The query's Kronecker factors, one per attribute of the set (see :class:`KroneckerQuery`), or
+        its one matrix over the set's cells (:class:`DenseQuery`)."""
         return self.query.factors
 
     def matrix(self) -> np.ndarray:
@@ -457,7 +491,8 @@ class DPQuery:
                 clique = tuple(names[a] for a in attrs)
                 lo = int(offsets[k] - offsets[start])
                 strategies = None
-                if pl.res_strategy is not None:  # prefix/range queries: their attributes' strategies
+                dense = pl.dense(k) if pl.res_strategy is not None else None
+                if pl.res_strategy is not None and dense is None:  # their attributes' strategies
                     strategies = tuple(
                         None if name.startswith("identity:") else pl.strategy(name).matrix
                         for name in pl.set_strategies(k)
@@ -471,7 +506,11 @@ class DPQuery:
                         noisy_measurement=values[lo : lo + int(pl.noise_count[k])],
                         stddev=float(scale),
                         rho=float(rho),
-                        query=KroneckerQuery(clique, sizes, strategies),
+                        query=(
+                            KroneckerQuery(clique, sizes, strategies)
+                            if dense is None
+                            else DenseQuery(clique, sizes, dense)
+                        ),
                     )
                 )
         if [m.index for m in out] != list(range(pl.num_residuals)):
@@ -520,9 +559,17 @@ class DPQuery:
         estimate = variance = 0.0
         for s in parts:
             k = index[s]
-            factors = [pl.strategy(name) for name in pl.set_strategies(k)]
             outside = math.prod(mean[i] for i in attrs if i not in s)
             centred = [(q[i] - mean[i])[None, :] for i in s]  # the piece on S: ⊗ q_i(I − J/n_i)
+            dense = pl.dense(k) if pl.res_strategy is not None else None
+            if dense is not None:  # measured through one matrix over its cells: B⁺ y
+                piece = functools.reduce(np.kron, [c[0] for c in centred])
+                inverse = pl.dense_inverse(k)
+                estimate += outside * float(piece @ (inverse @ np.asarray(values[k])))
+                spread = float(np.sum((piece @ inverse) ** 2))
+                variance += float(pl.sigma2[k]) * outside**2 * spread
+                continue
+            factors = [pl.strategy(name) for name in pl.set_strategies(k)]
             y = np.asarray(values[k]).reshape([f.n - 1 for f in factors])
             x_s = mode_product([f.inverse for f in factors], y)  # x̂_S, the measured residual of x_S
             estimate += outside * float(mode_product(centred, x_s).reshape(()))

@@ -59,7 +59,7 @@ def test_pieces_are_orthogonal_and_sum_to_the_answer(domains):
             np.testing.assert_allclose(shaped.sum(axis=axis), 0, atol=1e-10)
 
 
-@pytest.mark.parametrize("kind", smasher.QUERY_TYPES)
+@pytest.mark.parametrize("kind", smasher.ATTRIBUTE_TYPES)
 def test_query_matrices(kind):
     w = smasher.attribute_queries(kind, 4)
     rows = {"identity": 4, "prefix": 4, "range": 10, "circular_range": 13}[kind]

@@ -48,7 +48,7 @@ from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
 from functions.dpquery.planner import Plan
 from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps, unit_report
-from functions.dpquery.spec import DPQueryJob
+from functions.dpquery.spec import PAIR_TYPES, DPQueryJob
 from functions.dpquery.unit import ContributionBound, job_seed
 from functions.errors import DatasetError, InputChanged, PlanError, StoreError
 from functions.manifest import write_manifest
@@ -255,7 +255,10 @@ def measure(
     for k in range(start, stop):
         attrs = pl.residual(k)
         mats = None  # the contrasts (ResidualPlanner), else each attribute's query type's strategy
-        if pl.res_strategy is not None:
+        dense = pl.dense(k) if pl.res_strategy is not None else None
+        if dense is not None:  # one matrix over the set's cells (a set that a 2-way type reaches)
+            mats = (dense,)
+        elif pl.res_strategy is not None:
             mats = tuple(pl.strategy(name).matrix for name in pl.set_strategies(k))
         sets.append(
             mz.SetSpec(
@@ -267,6 +270,7 @@ def measure(
                 unit_rows=pl.unit_rows,
                 rows_bound=pl.rows_bound,
                 mats=mats,
+                flat=dense is not None,
             )
         )
     hist = data.marginals(
@@ -356,6 +360,13 @@ def read_residuals(
     return out
 
 
+def _inverses(pl: Plan, k: int) -> list[np.ndarray] | np.ndarray:
+    """What maps residual set k's measurement back to its cells: B_i⁺ per attribute, or one B⁺."""
+    if pl.res_strategy is not None and pl.dense(k) is not None:
+        return pl.dense_inverse(k)
+    return [pl.strategy(name).inverse for name in pl.set_strategies(k)]
+
+
 def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> dict[str, Any]:
     """Reconstruct one group of workload marginals and write their tables."""
     doc, pl = load_plan(store_root, job_id)
@@ -388,15 +399,32 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
                 meta,
                 [rc.attribute_bounds(attributes[a]) for a in attrs],
             )
+        elif pl.marginal_types(j)[:1] and pl.marginal_types(j)[0] in PAIR_TYPES:  # a list of answers
+            kind = pl.marginal_types(j)[0]
+            sizes = [int(pl.domains[a]) for a in attrs]
+            at = {a: k for k, a in enumerate(attrs)}
+            terms = [
+                (tuple(at[a] for a in pl.residual(k)), values[k], float(sigma2[k]), _inverses(pl, k))
+                for k in pl.subsets(j).tolist()
+            ]
+            estimate, cell_var = rc.pair_answers(kind, sizes, terms)
+            asked = kind
+            v = float(cell_var.mean())
+            per_answer = True
+            tbl = rc.table(estimate, ["query"], [rc.pair_labels(kind, names, sizes)], cell_var, meta)
         else:  # general queries: each answer has its own variance
             kinds = pl.marginal_types(j)
             at = {a: k for k, a in enumerate(attrs)}
             terms = []
             for k in pl.subsets(j).tolist():
                 pos = tuple(at[a] for a in pl.residual(k))
-                how = pl.set_strategies(k)
-                inverses = [pl.strategy(name).inverse for name in how]
-                insides = [pl.inside(kinds[p], name) for p, name in zip(pos, how, strict=True)]
+                inverses = _inverses(pl, k)
+                if isinstance(inverses, np.ndarray):  # one matrix over the set's cells
+                    sizes = [int(pl.domains[attrs[p]]) for p in pos]
+                    insides = rc.dense_inside([kinds[p] for p in pos], sizes, inverses)
+                else:
+                    how = pl.set_strategies(k)
+                    insides = [pl.inside(kinds[p], name) for p, name in zip(pos, how, strict=True)]
                 terms.append((pos, values[k], float(sigma2[k]), inverses, insides))
             estimate, cell_var = rc.answers(kinds, [int(pl.domains[a]) for a in attrs], terms)
             axes = [rc.query_labels(attributes[a], t) for a, t in zip(attrs, kinds, strict=True)]
@@ -421,7 +449,7 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
             "weight": float(pl.weights[j]),
             "parquet": parquet_uri,
         }
-        if asked:
+        if asked:  # the types asked: per attribute, or a 2-way type's name
             entry["queries"] = asked
         if per_answer:  # variance and std_error: the mean over the answers (the RMSE); each row has its own
             entry["max_std_error"] = math.sqrt(float(cell_var.max()))

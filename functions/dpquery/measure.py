@@ -246,6 +246,7 @@ class SetSpec:
     unit_rows: int = 1  # k, the privacy unit's rows per person
     rows_bound: int | None = None  # N, the public bound on rows counted (None: rounding not charged)
     mats: tuple[np.ndarray, ...] | None = None  # B_i per attribute (general queries); None: the contrasts
+    flat: bool = False  # mats is one matrix over the marginal's cells, C order (a set solved whole)
 
 
 def measure_sets(
@@ -269,7 +270,10 @@ def measure_sets(
             y = residual(x)
             d_in = charged_sensitivity(s.sizes, s.unit_rows, s.rows_bound)
         else:
-            y = np.ascontiguousarray(mode_product(s.mats, x)).reshape(-1)
+            if s.flat:
+                y = s.mats[0] @ x.reshape(-1).astype(np.float64)
+            else:
+                y = np.ascontiguousarray(mode_product(s.mats, x)).reshape(-1)
             d_in = charged_norm(s.mats, s.unit_rows, s.rows_bound)
         if noise:
             cost = privacy_map(y.size, s.scale, d_in)

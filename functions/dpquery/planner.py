@@ -65,14 +65,19 @@ import numpy as np
 from functions.dpquery.measure import charge_factor, contrasts, log1p_gamma
 from functions.dpquery.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
 from functions.dpquery.smasher import (
-    QUERY_TYPES,
     AttributeFactors,
     attribute_factors,
+    attribute_strategy,
     block_sums,
     centred_gram,
+    dense_matrix,
     kronecker_strategy,
+    pair_piece_grams,
+    pair_queries,
+    set_strategy,
     strategy_matrix,
 )
+from functions.dpquery.spec import ATTRIBUTE_TYPES, MAX_PAIR_DIM, PAIR_TYPES, QUERY_TYPES
 from functions.errors import PlanError, SpecError
 
 DOC_VERSION = 1
@@ -222,6 +227,21 @@ class Plan:
         if self.res_strategy is None:
             return tuple(f"identity:{int(self.domains[i])}" for i in self.res_attrs[a:b])
         return tuple(self.strategy_names[int(x)] for x in self.res_strategy[a:b])
+
+    def dense(self, k: int) -> np.ndarray | None:
+        """The one matrix residual set k is measured through, over the cells of its marginal (C order):
+        a set that a 2-way query type reaches, solved whole; None where it is measured attribute by
+        attribute (:meth:`set_strategies`)."""
+        how = self.set_strategies(k)
+        return self.strategies[how[0]] if how and how[0].startswith("dense:") else None
+
+    def dense_inverse(self, k: int) -> np.ndarray:
+        """B⁺ (cells × rows) of :meth:`dense` (cached): what maps the set's measurement to its cells."""
+        how = self.set_strategies(k)[0]
+        cache = self.__dict__.setdefault("_dense_inverse", {})
+        if how not in cache:
+            cache[how] = np.linalg.pinv(self.strategies[how])
+        return cache[how]
 
     def marginal_types(self, j: int) -> tuple[str, ...]:
         """The query type of each attribute of workload marginal j."""
@@ -489,7 +509,9 @@ def plan(
     :data:`~functions.dpquery.smasher.QUERY_TYPES`; an attribute not named is ``identity``). With any type
     other than identity the plan is QuerySmasher's (:mod:`functions.dpquery.smasher`): each residual set is
     measured through its attributes' best strategies instead of the contrasts (a set that marginals ask
-    in different ways through one Kronecker strategy fitted to all of them).
+    in different ways through one Kronecker strategy fitted to all of them). A 2-way type (``affine``,
+    ``abs_diff``) is given for both attributes of a 2-way marginal; every residual set it reaches is solved
+    whole (:func:`_solve_whole`; the {a, b} set possibly through one matrix over its cells, :meth:`Plan.dense`).
 
     ``unit_rows`` (k) and ``rows_bound`` (N) set the charged sensitivity (module docstring); a spec gives
     its privacy unit's ``max_rows`` (default 1) and its ``max_rows_total`` (default
@@ -614,6 +636,13 @@ def _type_codes(queries, padded_a, sizes, loss) -> np.ndarray | None:
         if not q:
             continue
         row = padded_a[j, : sizes[j]].tolist()
+        pair = set(q.values()) & set(PAIR_TYPES)
+        if pair and (len(row) != 2 or set(q) != set(row) or len(set(q.values())) != 1):
+            raise SpecError(
+                f"workload.{j}: a 2-way query type ({', '.join(sorted(pair))}) names both attributes of a "
+                f"2-way marginal, and no other type",
+                [{"field": f"workload.{j}.queries", "error": "a 2-way type needs a 2-way marginal"}],
+            )
         for i, kind in q.items():
             if kind not in code_of:
                 raise SpecError(
@@ -676,10 +705,13 @@ def _plan(
         pair_keys = np.unique(slot_key[used])
         padded_c = np.where(used, d + 1 + np.searchsorted(pair_keys, slot_key), padded_a).astype(np.int32)
         extra_attr, extra_kind = pair_keys // types, (pair_keys % types).astype(np.int8)
+        # a 2-way type's columns take the identity's factors as placeholders: every set they reach is
+        # solved whole (_residual_sets) and their marginals' variances computed apart (_pair_variances)
         extra = [
-            attribute_factors(QUERY_TYPES[c], int(n[i])) for i, c in zip(extra_attr, extra_kind, strict=True)
+            attribute_factors(QUERY_TYPES[c] if c < len(ATTRIBUTE_TYPES) else "identity", int(n[i]))
+            for i, c in zip(extra_attr, extra_kind, strict=True)
         ]
-        strategies = {f"{f.kind}:{f.n}": f.matrix for f in extra}
+        strategies = {f"{f.kind}:{f.n}": f.matrix for f in extra if f.kind != "identity"}
         log_pfac_ext = np.append(log_pfac_ext, [math.log(f.privacy) for f in extra])
         log_o_ext = np.append(log_o_ext, [math.log(float(f.outside.sum())) for f in extra])
         log_nn1_ext = np.append(
@@ -705,10 +737,27 @@ def _plan(
     )
     cells = np.prod(n_ext[padded_a], axis=1)
     num_q = None
+    pairs: dict[int, tuple[str, int, int]] = {}  # marginal -> its 2-way type and domain sizes
+    pair_grams: dict[tuple[int, ...], np.ndarray] = {}  # column set -> Σ w_A·Gram of its pieces there
     if codes is None:
         log_a = np.log(weights) - cells_log  # log(w_A / cells_A)
     else:
         log_a = np.log(weights) + log_o_ext[padded_c].sum(axis=1)  # log(w_A ∏ o_i)
+        for j in np.flatnonzero(codes[:, 0] >= len(ATTRIBUTE_TYPES)).tolist():
+            kind = QUERY_TYPES[int(codes[j, 0])]
+            a, b = (int(i) for i in padded_a[j, :2])
+            if (n[a] - 1) * (n[b] - 1) > MAX_PAIR_DIM:
+                raise SpecError(
+                    f"workload.{j}: {kind!r} on {int(n[a])} x {int(n[b])} values; a 2-way query type takes "
+                    f"at most {MAX_PAIR_DIM} for (n_a − 1)(n_b − 1) (coarsen the attributes' bins)",
+                    [{"field": f"workload.{j}.queries", "error": "the attributes have too many values"}],
+                )
+            pairs[j] = (kind, int(n[a]), int(n[b]))
+            cols = padded_c[j, :2].tolist()
+            for pos, g in pair_piece_grams(kind, int(n[a]), int(n[b])).items():
+                key = tuple(cols[p] for p in pos)
+                pair_grams[key] = pair_grams.get(key, 0.0) + weights[j] * g
+            log_a[j] = math.log(weights[j] * float(pair_piece_grams(kind, int(n[a]), int(n[b]))[()][0, 0]))
         queries_log = np.log(m_ext.astype(np.float64))[padded_c].sum(axis=1)
         _refuse_large(
             queries_log,
@@ -719,6 +768,8 @@ def _plan(
             "ask prefixes instead of all ranges",
         )
         num_q = np.prod(m_ext[padded_c], axis=1)
+        for j, (kind, na, nb) in pairs.items():
+            num_q[j] = pair_queries(kind, na, nb).shape[0]
 
     # ---- enumerate every (A, S ⊆ A) pair, grouped by |A|, A-major ---------------------------------------
     sub_ptr = np.zeros(m + 1, dtype=np.int64)
@@ -783,9 +834,20 @@ def _plan(
         log_v = log_lo + lse_a
     else:  # column sets of one attribute set are one residual set, measured once (_residual_sets)
         merged = _residual_sets(
-            uniq_rows, uniq_size, real_ext, kind_ext, n, log_o_ext, log_lo, log_p, lse_a, strategies
+            uniq_rows,
+            uniq_size,
+            real_ext,
+            kind_ext,
+            n,
+            log_o_ext,
+            log_lo,
+            log_p,
+            lse_a,
+            strategies,
+            pair_grams,
+            log_gamma,
         )
-        r_of_u, first, log_v, res_strategy, strategy_names = merged
+        r_of_u, first, log_v, res_strategy, strategy_names, solved = merged
         uniq_rows, uniq_size = real_ext[uniq_rows[first]], uniq_size[first]
         log_p, log_gamma, noise_count = log_p[first], log_gamma[first], noise_count[first]
         c = int(first.size)
@@ -820,6 +882,9 @@ def _plan(
         # mean variance of A's queries: Σ_{S⊆A} σ_S² ∏_{i∈S} ℓ_i ∏_{i∈A∖S} o_i / ∏_{i∈A} m_i
         term = log_sigma2[res_of_pair] + pair_lo
         log_var = _grouped_lse(term, sub_ptr[:-1]) + log_a - np.log(weights) - queries_log
+        for j, (kind, na, nb) in pairs.items():
+            subsets = res_of_pair[sub_ptr[j] : sub_ptr[j + 1]]
+            log_var[j] = _pair_log_var(kind, na, nb, subsets, log_sigma2, solved)
 
     # S ⊆ A lists in ascending residual order, per marginal
     sub_idx = res_of_pair  # reordered in place below: ascending within each marginal
@@ -865,16 +930,32 @@ def _plan(
     return result
 
 
-def _residual_sets(uniq_rows, uniq_size, real_ext, kind_ext, n, log_o_ext, log_lo, log_p, lse_a, strategies):
+def _residual_sets(
+    uniq_rows,
+    uniq_size,
+    real_ext,
+    kind_ext,
+    n,
+    log_o_ext,
+    log_lo,
+    log_p,
+    lse_a,
+    strategies,
+    pair_grams,
+    log_gamma,
+):
     """Group the column sets by their attributes: each group is one residual set, measured once.
 
     A set that marginals of one type per attribute reach keeps its columns' strategies. A set reached with
     different types for an attribute (``[age]`` and ``[age, sex]`` asking ``age`` as prefix, say) gets the
-    Kronecker strategy of its summed workload (:func:`functions.dpquery.smasher.kronecker_strategy`): its
-    column sets' ``log_lo`` and ``log_p`` are recomputed for that strategy (in place) and its matrices are
-    added to ``strategies``. Returns (the residual set of each column set, one column set per residual set,
-    log v per residual set, the strategy id of each set's attributes, the strategy names), residual sets in
-    (size, attributes) order."""
+    Kronecker strategy of its summed workload (:func:`functions.dpquery.smasher.kronecker_strategy`). A set
+    that a 2-way type reaches (``pair_grams``: the Gram of its pieces per column set) is solved whole from
+    the Gram of every piece on it (:func:`_solve_whole`). Either way its column sets' ``log_lo`` and
+    ``log_p`` (and ``log_gamma``, for a set measured through one dense matrix) are recomputed for the
+    chosen strategy, in place, and its matrices added to ``strategies``. Returns (the residual set of each
+    column set, one column set per residual set, log v per residual set, the strategy id of each set's
+    attributes, the strategy names, {residual set: (BᵀB)⁺ over its cells} of the sets solved whole),
+    residual sets in (size, attributes) order."""
     c, width = uniq_rows.shape
     d = int(n.size)
     real = real_ext[uniq_rows]
@@ -894,15 +975,51 @@ def _residual_sets(uniq_rows, uniq_size, real_ext, kind_ext, n, log_o_ext, log_l
     def column_name(col: int) -> str:
         return f"{QUERY_TYPES[int(kind_ext[col])]}:{int(n[real_ext[col]])}"
 
+    pair_col = kind_ext >= len(ATTRIBUTE_TYPES)  # a 2-way type's column: its sets are all solved whole
     ids = np.array(
-        [-1 if col == d else name_id(column_name(col)) for col in range(real_ext.size)], dtype=np.int32
+        [-1 if col == d or pair_col[col] else name_id(column_name(col)) for col in range(real_ext.size)],
+        dtype=np.int32,
     )
     set_ids = ids[uniq_rows[first]]
     groups = np.split(order, np.flatnonzero(new)[1:])
-    for r in np.flatnonzero(np.diff(np.flatnonzero(np.append(new, True))) > 1):
+    has_pair = pair_col[uniq_rows].any(axis=1)
+    mixed = np.diff(np.flatnonzero(np.append(new, True))) > 1
+    whole = np.zeros(len(groups), dtype=bool)
+    whole[np.unique(r_of_u[has_pair])] = True
+    solved: dict[int, np.ndarray] = {}
+    for r in np.flatnonzero(mixed | whole):
         members = groups[int(r)]
         k = int(uniq_size[members[0]])
         cols = uniq_rows[members, :k]
+        if whole[r]:
+            sizes = [int(n[real_ext[t]]) for t in cols[0]]
+            how, mats, cover = _solve_whole(
+                members, cols, sizes, kind_ext, real_ext, log_o_ext, lse_a, pair_grams
+            )
+            if how == "identity":
+                for pos in range(k):
+                    set_ids[int(r), pos] = name_id(f"identity:{sizes[pos]}")
+            else:  # one matrix: an attribute's ("mixed:n") or one over the set's cells ("dense:n_axn_b")
+                name = f"{how}:{len(names)}"
+                strategies[name] = mats[0]
+                set_ids[int(r), :k] = name_id(name)
+                if how.startswith("dense:"):  # one product over all the cells: γ of their number
+                    log_gamma[members] = float(log1p_gamma(np.array([math.prod(sizes)]), 0)[0])
+            if len(mats) == 1:
+                inverse = np.linalg.pinv(mats[0])
+                gram_inv = inverse @ inverse.T
+            else:  # the contrasts: (⊗EᵢᵀEᵢ)⁺ = ⊗(I − J/nᵢ), a projection
+                gram_inv = _kron_all([m.T @ m for m in mats])
+            solved[int(r)] = gram_inv
+            privacy = sum(math.log(float(np.max(np.einsum("ij,ij->j", m, m)))) for m in mats)
+            for u, row in zip(members, cols, strict=True):
+                log_p[u] = privacy
+                log_lo[u] = math.log(max(float(np.einsum("ij,ji->", cover[int(u)], gram_inv)), _TINY))
+                if has_pair[u]:
+                    log_lo[u] -= lse_a[u]
+                else:
+                    log_lo[u] -= float(log_o_ext[row].sum())
+            continue
         weights = lse_a[members] - log_o_ext[cols].sum(axis=1)  # log c_u = log Σ w_A ∏_{A∖S} o_i
         terms = [
             (
@@ -935,7 +1052,80 @@ def _residual_sets(uniq_rows, uniq_size, real_ext, kind_ext, n, log_o_ext, log_l
             )
     log_v = _grouped_lse((log_lo + lse_a)[order], np.flatnonzero(new))
     width_mask = np.arange(width)[None, :] < uniq_size[first][:, None]
-    return r_of_u, first, log_v, set_ids[width_mask].astype(np.int32), list(names)
+    res_ids = set_ids[width_mask].astype(np.int32)
+    if np.any(res_ids < 0):
+        raise PlanError("internal: a residual set's attribute has no strategy")
+    return r_of_u, first, log_v, res_ids, list(names), solved
+
+
+_TINY = np.finfo(np.float64).tiny  # a piece of zero variance: its log stays finite
+
+
+def _kron_all(mats: list[np.ndarray]) -> np.ndarray:
+    out = np.ones((1, 1))
+    for m in mats:
+        out = np.kron(out, m)
+    return out
+
+
+def _solve_whole(members, cols, sizes, kind_ext, real_ext, log_o_ext, lse_a, pair_grams):
+    """A residual set that a 2-way query type reaches, solved from the Gram of every piece on it: the
+    Kronecker column sets' (c_u ⊗ Ḡ_i) and the 2-way types' (``pair_grams``). One attribute: its best
+    strategy (:func:`~functions.dpquery.smasher.attribute_strategy`); two: the best of the contrasts and the
+    full convex optimum (:func:`~functions.dpquery.smasher.set_strategy`). Returns (``"identity"``,
+    ``"mixed:<n>"`` or ``"dense:<n_a>x<n_b>"``; the matrices measured, one per attribute or one over the
+    cells; {column set: the Gram of its pieces, unweighted by the c_u its log_lo is taken against})."""
+    cover: dict[int, np.ndarray] = {}
+    total = np.zeros((math.prod(sizes),) * 2)
+    for u, row in zip(members, cols, strict=True):
+        if any(kind_ext[t] >= len(ATTRIBUTE_TYPES) for t in row):
+            g = pair_grams[tuple(int(t) for t in row)]
+            cover[int(u)] = g
+            total += g
+        else:
+            g = _kron_all(
+                [
+                    centred_gram(QUERY_TYPES[int(kind_ext[t])], int(size))
+                    for t, size in zip(row, sizes, strict=True)
+                ]
+            )
+            cover[int(u)] = g
+            total += math.exp(float(lse_a[u] - log_o_ext[row].sum())) * g
+    chosen = set_strategy(total, sizes)
+    if len(sizes) == 1:
+        # the per-attribute solver has closed forms and no floor, but needs a Gram of full rank on the
+        # residual space (a few 2-way pieces may leave most of it unasked) and may stall near one;
+        # set_strategy's floors do not: the better of the two, by loss
+        u = contrasts(sizes[0])
+        eig = np.linalg.eigvalsh(u @ total @ u.T)
+        if not eig[0] > 1e-9 * eig[-1]:
+            return _one_matrix(chosen, sizes, cover)
+        own = attribute_strategy(total)
+        losses = [
+            float(np.einsum("ij,ji->", total, np.linalg.pinv(c.gram, hermitian=True))) for c in (own, chosen)
+        ]
+        return _one_matrix(own if losses[0] <= losses[1] else chosen, sizes, cover)
+    if chosen.solver == "identity":
+        return "identity", [contrasts(size) for size in sizes], cover
+    return f"dense:{'x'.join(map(str, sizes))}", [dense_matrix(chosen.gram, sizes)], cover
+
+
+def _one_matrix(chosen, sizes, cover):
+    """_solve_whole's answer for a one-attribute set measured through ``chosen``."""
+    if chosen.solver == "identity":
+        return "identity", [contrasts(sizes[0])], cover
+    return f"mixed:{sizes[0]}", [strategy_matrix(chosen)], cover
+
+
+def _pair_log_var(kind: str, na: int, nb: int, subsets: np.ndarray, log_sigma2: np.ndarray, solved) -> float:
+    """log of the mean variance of a 2-way type's queries: Σ_{S ⊆ {a, b}} σ_S² tr(G_S (B_SᵀB_S)⁺) over the
+    queries (``subsets``: the residual sets of ∅, {a}, {b}, {a, b}, in that order)."""
+    grams = pair_piece_grams(kind, na, nb)
+    total = 0.0
+    for pos, r in zip(((), (0,), (1,), (0, 1)), subsets.tolist(), strict=True):
+        inv = solved.get(int(r), np.ones((1, 1)))
+        total += math.exp(float(log_sigma2[int(r)])) * float(np.einsum("ij,ji->", grams[pos], inv))
+    return math.log(total / pair_queries(kind, na, nb).shape[0])
 
 
 def _refuse_large(log_size, padded_a, sizes, names, what: str, advice: str) -> None:

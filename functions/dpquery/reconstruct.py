@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from functions.dpquery.measure import contrasts, mode_product
-from functions.dpquery.smasher import answer_axis, intervals, query_lengths
+from functions.dpquery.smasher import answer_axis, intervals, pair_queries, pieces, query_lengths
 
 JSON_MAX_CELLS = 1000  # marginals up to this many cells also get a JSON table
 VALUE_COLUMN = "estimate"
@@ -80,23 +80,88 @@ def answers(
     ``terms``: for every residual set S ⊆ A, (the positions of S's attributes in A, y_S, σ_S², each
     attribute's B_i⁺, each attribute's inside factor diag(W_i (B_iᵀB_i)⁺ W_iᵀ)). x̂_A = Σ_S (⊗_{i∈S} B_i⁺
     ⊗_{i∈A∖S} 1/n_i) y_S, then W_i along every axis; an answer's variance is Σ_S σ_S² ∏_{i∈S} inside_i
-    ∏_{i∈A∖S} (W_i 1/n_i)² (the measurements are independent)."""
+    ∏_{i∈A∖S} (W_i 1/n_i)² (the measurements are independent). A set measured through one matrix B over
+    its cells (a 2-way type's, solved whole) gives B⁺ as one array and its inside factors as one table
+    over its attributes' queries (:func:`dense_inside`)."""
     shape = [int(n) for n in sizes]
     outside = [(query_lengths(kind, n) / n) ** 2 for kind, n in zip(kinds, shape, strict=True)]
     x = np.zeros(shape, dtype=np.float64)
     var = np.zeros([o.size for o in outside], dtype=np.float64)
     for pos, y, s2, inverses, insides in terms:
-        z = mode_product(inverses, np.asarray(y, dtype=np.float64).reshape([shape[k] - 1 for k in pos]))
-        full = [shape[k] if k in pos else 1 for k in range(len(shape))]
-        x += z.reshape(full) / math.prod(shape[k] for k in range(len(shape)) if k not in pos)
-        inside = dict(zip(pos, insides, strict=True))
-        v = np.asarray(float(s2))
+        x += _spread(shape, pos, _residual_estimate(shape, pos, y, inverses))
+        if isinstance(insides, np.ndarray):  # one table over the set's queries
+            v = float(s2) * insides.reshape([outside[k].size if k in pos else 1 for k in range(len(shape))])
+        else:
+            inside = dict(zip(pos, insides, strict=True))
+            v = np.asarray(float(s2))
+            for k in pos:
+                v = np.multiply.outer(v, inside[k])
+            v = v.reshape([outside[k].size if k in pos else 1 for k in range(len(shape))])
         for k in range(len(shape)):
-            v = np.multiply.outer(v, inside[k] if k in inside else outside[k])
+            if k not in pos:
+                v = v * outside[k].reshape([outside[k].size if j == k else 1 for j in range(len(shape))])
         var += v
     for k, kind in enumerate(kinds):
         x = answer_axis(kind, x, k)
     return x, var
+
+
+def _residual_estimate(shape, pos, y, inverses) -> np.ndarray:
+    """x̂_S over the cells of S (axes ``pos`` of ``shape``): ⊗ B_i⁺ y_S, or B⁺ y_S for one matrix."""
+    y = np.asarray(y, dtype=np.float64)
+    if isinstance(inverses, np.ndarray):
+        return (inverses @ y).reshape([shape[k] for k in pos])
+    return mode_product(inverses, y.reshape([shape[k] - 1 for k in pos]))
+
+
+def _spread(shape, pos, z: np.ndarray) -> np.ndarray:
+    """x̂_S spread evenly over the attributes of A not in S: its term of x̂_A (broadcast)."""
+    full = [shape[k] if k in pos else 1 for k in range(len(shape))]
+    return z.reshape(full) / math.prod(shape[k] for k in range(len(shape)) if k not in pos)
+
+
+def dense_inside(kinds: Sequence[str], sizes: Sequence[int], inverse: np.ndarray) -> np.ndarray:
+    """diag(W (BᵀB)⁺ Wᵀ) for the queries W = ⊗W_i (``kinds``) of a set measured through one matrix B over
+    its cells (``inverse`` = B⁺, cells × rows): each query's variance factor there, one axis per attribute.
+    Taken a few columns of B⁺ at a time, so range queries crossed with range queries stay small."""
+    out = np.zeros([int(query_lengths(kind, int(n)).size) for kind, n in zip(kinds, sizes, strict=True)])
+    for lo in range(0, inverse.shape[1], 32):
+        z = inverse[:, lo : lo + 32].reshape([*map(int, sizes), -1])
+        for axis, kind in enumerate(kinds):
+            z = answer_axis(kind, z, axis)
+        out += np.einsum("...k,...k->...", z, z)
+    return out
+
+
+def pair_answers(kind: str, sizes: Sequence[int], terms: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray]:
+    """A 2-way type's answers on a marginal of ``sizes`` (:func:`functions.dpquery.smasher.pair_queries`)
+    and each one's variance. ``terms``: for each S ⊆ {a, b}, (positions, y_S, σ_S², B_S⁺ — per attribute or
+    one matrix, as in :func:`answers`). Each query q is Σ_S q^{⇒S}·x̂_S, of variance
+    Σ_S σ_S² q^{⇒S} (B_SᵀB_S)⁺ q^{⇒S}ᵀ (QuerySmasher's decomposition)."""
+    shape = [int(n) for n in sizes]
+    q = pair_queries(kind, *shape)
+    x = np.zeros(shape, dtype=np.float64)
+    var = np.zeros(q.shape[0], dtype=np.float64)
+    parts = [pieces(row, shape) for row in q]
+    for pos, y, s2, inverses in terms:
+        x += _spread(shape, pos, _residual_estimate(shape, pos, y, inverses))
+        if isinstance(inverses, np.ndarray):
+            left = inverses
+        else:  # ⊗B_i⁺ over the set's cells (small: a 2-way type's attributes have few values)
+            left = np.ones((1, 1))
+            for b in inverses:
+                left = np.kron(left, b)
+        rows = np.stack([p[tuple(pos)] for p in parts]) @ left
+        var += float(s2) * np.einsum("ij,ij->i", rows, rows)
+    return q @ x.reshape(-1), var
+
+
+def pair_labels(kind: str, names: Sequence[str], sizes: Sequence[int]) -> list[str]:
+    """One label per query of a 2-way type, in bins counted from 0: ``"age_bin + tenure_bin <= 3"``."""
+    a, b = (f"{name}_bin" for name in names)
+    top = pair_queries(kind, *map(int, sizes)).shape[0]
+    form = f"{a} + {b}" if kind == "affine" else f"|{a} - {b}|"
+    return [f"{form} <= {c}" for c in range(top)]
 
 
 def query_labels(attribute, kind: str) -> tuple[list, tuple[np.ndarray, np.ndarray] | None]:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from functions import pricing
-from functions.dpquery.spec import DPQueryJob, marginal_name
+from functions.dpquery.spec import PAIR_TYPES, DPQueryJob, marginal_name
 from functions.dpquery.workflow import (
     FINALIZE,
     MEASURE,
@@ -93,9 +93,13 @@ def _residual_cells(pl: Any) -> np.ndarray:
 
 def _names(spec: Any, pl: Any, j: int) -> str:
     """The marginal's name as ``client.dpquery.tables`` keys it (``"sex,region"``, ``"(total)"``), with the
-    query type of each attribute not asked cell by cell (``"sex,age (age: prefix)"``)."""
+    query type of each attribute not asked cell by cell (``"sex,age (age: prefix)"``), or its 2-way type
+    (``"region,age (affine)"``)."""
     names = [spec.attributes[i].name for i in pl.marginal(j)]
-    asked = [f"{n}: {t}" for n, t in zip(names, pl.marginal_types(j), strict=True) if t != "identity"]
+    kinds = pl.marginal_types(j)
+    if kinds and kinds[0] in PAIR_TYPES:
+        return f"{marginal_name(names)} ({kinds[0]})"
+    asked = [f"{n}: {t}" for n, t in zip(names, kinds, strict=True) if t != "identity"]
     return marginal_name(names) + (f" ({', '.join(asked)})" if asked else "")
 
 

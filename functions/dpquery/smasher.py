@@ -23,8 +23,9 @@ Entries asking an attribute different ways make the partition's Gram a weighted 
 queries, :func:`pair_queries`, or any matrix on a small marginal) is split into its pieces the same way;
 a partition's pieces are solved together, as the best of ResidualPlanner's contrasts and the full convex
 optimum over the partition's residual space ⊗U_i (:func:`set_strategy`, small partitions only), and
-:func:`plan_dense` fuses the partitions as below. This is the reference the job's planner is checked
-against; the job does not take such queries yet.
+:func:`plan_dense` fuses the partitions as below. The job's planner (:mod:`functions.dpquery.planner`)
+solves the partitions that 2-way queries reach this way, each from the summed Gram of every piece on it
+(the Kronecker entries' too); :func:`plan_dense` is the reference it is checked against.
 
 **Assemble.** With L_{A′} the partition's loss at privacy cost 1, the total privacy cost c = 2ρ is split as
 σ²_{A′} = (Σ √L)/(c·√L_{A′}), and the weighted sum of variances is (Σ_{A′} √L_{A′})²/c: ResidualPlanner's
@@ -51,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from functions.dpquery.measure import contrasts, mode_product
-from functions.dpquery.spec import MAX_QUERY_DOMAIN, QUERY_TYPES
+from functions.dpquery.spec import ATTRIBUTE_TYPES, MAX_QUERY_DOMAIN, PAIR_TYPES
 from functions.errors import PlanError, SpecError
 
 
@@ -70,7 +71,7 @@ def intervals(kind: str, n: int) -> list[tuple[int, int]]:
         return [(a, b) for a in range(n) for b in range(a, n)]
     if kind == "circular_range":
         return [(a, (a + length - 1) % n) for a in range(n) for length in range(1, n)] + [(0, n - 1)]
-    raise SpecError(f"unknown query type {kind!r}; expected one of {list(QUERY_TYPES)}")
+    raise SpecError(f"unknown query type {kind!r}; expected one of {list(ATTRIBUTE_TYPES)}")
 
 
 def attribute_queries(kind: str, n: int) -> np.ndarray:
@@ -478,7 +479,6 @@ def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> S
 
 # --- queries that are not Kronecker products: explicit matrices on small domains -------------------------
 
-PAIR_TYPES = ("affine", "abs_diff")  # 2-way queries along two ordered attributes
 MAX_SET_DIM = 400  # the full convex solver's largest residual space, ∏(n_i − 1)
 _ROUNDING = 1e-12  # a query's piece this small against its largest entry is rounding, not a piece
 _FLOORS = (1e-2, 1e-3, 1e-4)  # of the mean eigenvalue, added to a set's Gram for the full convex solve
@@ -496,6 +496,32 @@ def pair_queries(kind: str, n1: int, n2: int) -> np.ndarray:
     else:
         raise ValueError(f"unknown 2-way query type {kind!r}; one of {', '.join(PAIR_TYPES)}")
     return (score.reshape(1, -1) <= np.arange(top).reshape(-1, 1)).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=32)
+def pair_piece_grams(kind: str, n1: int, n2: int) -> dict[tuple[int, ...], np.ndarray]:
+    """Σ_q q^{⇒A′}ᵀ q^{⇒A′} over the queries of the 2-way type ``kind`` on n1 × n2 (:func:`pair_queries`),
+    for each A′ ⊆ {0, 1}: the Gram of its pieces over the cells of A′ (read-only)."""
+    out: dict[tuple[int, ...], np.ndarray] = {}
+    for q in pair_queries(kind, n1, n2):
+        for pos, piece in pieces(q, [n1, n2]).items():
+            g = out.setdefault(pos, np.zeros((piece.size, piece.size)))
+            g += np.outer(piece, piece)
+    for g in out.values():
+        g.setflags(write=False)
+    return out
+
+
+def dense_matrix(gram: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
+    """B (∏(n_i − 1) × ∏n_i, rows in the set's residual space) with BᵀB = ``gram`` (to rounding): a
+    :class:`SetStrategy` as the matrix a measurement applies to the flattened marginal (as
+    :func:`strategy_matrix` does for one attribute)."""
+    u = functools.reduce(np.kron, [residual_basis(int(n)) for n in sizes])
+    m = u.T @ gram @ u
+    w, v = np.linalg.eigh((m + m.T) / 2)
+    b = (v * np.sqrt(np.clip(w, 0.0, None))).T @ u.T
+    b.setflags(write=False)
+    return b
 
 
 @dataclass(frozen=True)

@@ -156,12 +156,20 @@ class DPAttribute(StrictModel):
         return [f"{a}..{min(a + w - 1, hi)}" for a in range(lo, hi + 1, w)] + extra
 
 
-QueryType = Literal["identity", "prefix", "range", "circular_range"]
-QUERY_TYPES: tuple[str, ...] = get_args(QueryType)  # a type's code in a plan is its index here
+QueryType = Literal["identity", "prefix", "range", "circular_range"]  # along one attribute
+PairType = Literal["affine", "abs_diff"]  # over a 2-way marginal of two ordered attributes
+ATTRIBUTE_TYPES: tuple[str, ...] = get_args(QueryType)
+PAIR_TYPES: tuple[str, ...] = get_args(PairType)
+QUERY_TYPES: tuple[str, ...] = ATTRIBUTE_TYPES + PAIR_TYPES  # a type's code in a plan is its index here
+# A 2-way query type's queries are not a product of per-attribute queries: its residual set is solved as
+# one convex problem over (n_a − 1)(n_b − 1) dimensions (functions.dpquery.smasher.set_strategy), at most
+# this many.
+MAX_PAIR_DIM = 400
 QUERIES_DESCRIPTION = (
     "per ordered attribute (a range), what to count along it: identity (each bin, the default), prefix "
     "(bins up to each one), range (every interval of bins) or circular_range (every arc of the bins on a "
-    "circle)"
+    "circle); or, for a marginal of two ordered attributes, one 2-way type: affine (the rows whose bins "
+    "i, j have i + j <= c, for every c) or abs_diff (|i - j| <= c, for every c)"
 )
 
 
@@ -172,11 +180,13 @@ class DPMarginal(StrictModel):
     variances count ``weight`` times in ``sum_of_variances``; ``max_variance`` minimises max weight·Var.
     ``queries`` asks, along an ordered attribute, for sums of bins instead of each bin: e.g.
     ``{"age": "prefix"}`` answers "age ≤ t" for every t, crossed with the marginal's other attributes.
+    A 2-way type names the marginal's queries as a whole: ``"affine"`` on ``["age", "tenure"]`` answers
+    "age bin + tenure bin ≤ c" for every c (bins counted from 0, in schema order).
     """
 
     attributes: list[str] = Field(description="attribute names (any order; output uses schema order)")
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    queries: dict[str, QueryType] | None = Field(default=None, description=QUERIES_DESCRIPTION)
+    queries: dict[str, QueryType] | PairType | None = Field(default=None, description=QUERIES_DESCRIPTION)
 
 
 class DPMarginalGenerator(StrictModel):
@@ -397,7 +407,10 @@ class DPQueryJob(JobOptions):
                 if len(set(m.attributes)) != len(m.attributes):
                     problems.append((("workload", i, "attributes"), "lists an attribute more than once"))
                     bad = True
-                problems += self._query_problems(m.queries, m.attributes, ("workload", i, "queries"))
+                if isinstance(m.queries, str):
+                    problems += self._pair_problems(m.queries, m.attributes, ("workload", i, "queries"))
+                else:
+                    problems += self._query_problems(m.queries, m.attributes, ("workload", i, "queries"))
                 key = frozenset(m.attributes)
                 if not bad:
                     if key in seen:
@@ -476,13 +489,41 @@ class DPQueryJob(JobOptions):
                 )
         return problems
 
+    def _pair_problems(self, kind: str, attributes: Sequence[str], at: tuple) -> list[tuple[tuple, str]]:
+        """What is wrong with a 2-way query type on a marginal: it needs exactly two attributes, both
+        ordered (as :meth:`_query_problems` checks), whose residual space is small enough to solve whole."""
+        if len(attributes) != 2:
+            return [(at, f"{kind!r} asks about two attributes; the marginal has {len(attributes)}")]
+        problems = self._query_problems({name: kind for name in attributes}, attributes, at)
+        if problems:
+            return [(at, msg) for _, msg in problems]
+        schema = {a.name: a for a in self.schema_}
+        dim = math.prod(schema[name].size - 1 for name in attributes)
+        if dim > MAX_PAIR_DIM:
+            sizes = " x ".join(str(schema[name].size) for name in attributes)
+            problems.append(
+                (
+                    at,
+                    f"{kind!r} on {sizes} bins: a 2-way query type takes at most {MAX_PAIR_DIM} for "
+                    f"(bins - 1) x (bins - 1), here {dim:,} (raise the attributes' bin_width)",
+                )
+            )
+        return problems
+
     def marginal_queries(self) -> list[dict[int, str]]:
-        """Beside :meth:`marginals`, each marginal's ``{schema index: query type}`` (identity omitted)."""
+        """Beside :meth:`marginals`, each marginal's ``{schema index: query type}`` (identity omitted; a
+        2-way type is given for both of its attributes)."""
         index = {a.name: j for j, a in enumerate(self.schema_)}
         if isinstance(self.workload, DPMarginalGenerator):
             asked = {index[n]: k for n, k in (self.workload.queries or {}).items() if k != "identity"}
             return [{i: asked[i] for i in attrs if i in asked} for attrs, _ in self.marginals()]
-        return [{index[n]: k for n, k in (m.queries or {}).items() if k != "identity"} for m in self.workload]
+        out = []
+        for m in self.workload:
+            if isinstance(m.queries, str):
+                out.append({index[n]: m.queries for n in m.attributes})
+            else:
+                out.append({index[n]: k for n, k in (m.queries or {}).items() if k != "identity"})
+        return out
 
     def domains(self) -> list[int]:
         """n_i of every schema attribute, in schema order."""
