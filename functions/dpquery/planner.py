@@ -511,7 +511,7 @@ def plan(
     measured through its attributes' best strategies instead of the contrasts (a set that marginals ask
     in different ways through one Kronecker strategy fitted to all of them). A 2-way type (``affine``,
     ``abs_diff``) is given for both attributes of a 2-way marginal; every residual set it reaches is solved
-    whole (:func:`_solve_whole`; the {a, b} set possibly through one matrix over its cells, :meth:`Plan.dense`).
+    whole (:func:`_solve_whole`; {a, b} possibly through one matrix over its cells, :meth:`Plan.dense`).
 
     ``unit_rows`` (k) and ``rows_bound`` (N) set the charged sensitivity (module docstring); a spec gives
     its privacy unit's ``max_rows`` (default 1) and its ``max_rows_total`` (default
