@@ -738,7 +738,9 @@ def _plan(
     cells = np.prod(n_ext[padded_a], axis=1)
     num_q = None
     pairs: dict[int, tuple[str, int, int]] = {}  # marginal -> its 2-way type and domain sizes
-    pair_grams: dict[tuple[int, ...], np.ndarray] = {}  # column set -> Σ w_A·Gram of its pieces there
+    # column set -> (w_A, Gram of A's pieces there) of each 2-way marginal reaching it: the Grams are shared
+    # (pair_piece_grams' cache), summed per set when it is solved, so d(d−1)/2 pairs hold no copies
+    pair_grams: dict[tuple[int, ...], list[tuple[float, np.ndarray]]] = {}
     if codes is None:
         log_a = np.log(weights) - cells_log  # log(w_A / cells_A)
     else:
@@ -756,7 +758,7 @@ def _plan(
             cols = padded_c[j, :2].tolist()
             for pos, g in pair_piece_grams(kind, int(n[a]), int(n[b])).items():
                 key = tuple(cols[p] for p in pos)
-                pair_grams[key] = pair_grams.get(key, 0.0) + weights[j] * g
+                pair_grams.setdefault(key, []).append((float(weights[j]), g))
             log_a[j] = math.log(weights[j] * float(pair_piece_grams(kind, int(n[a]), int(n[b]))[()][0, 0]))
         queries_log = np.log(m_ext.astype(np.float64))[padded_c].sum(axis=1)
         _refuse_large(
@@ -987,6 +989,9 @@ def _residual_sets(
     whole = np.zeros(len(groups), dtype=bool)
     whole[np.unique(r_of_u[has_pair])] = True
     solved: dict[int, np.ndarray] = {}
+    solves: dict = {}  # _solve_whole's cache
+    stored: dict[int, str] = {}  # a solved matrix (by id) -> its name in strategies
+    inverses_of: dict[tuple[int, ...], np.ndarray] = {}
     for r in np.flatnonzero(mixed | whole):
         members = groups[int(r)]
         k = int(uniq_size[members[0]])
@@ -994,22 +999,27 @@ def _residual_sets(
         if whole[r]:
             sizes = [int(n[real_ext[t]]) for t in cols[0]]
             how, mats, cover = _solve_whole(
-                members, cols, sizes, kind_ext, real_ext, log_o_ext, lse_a, pair_grams
+                members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, solves
             )
             if how == "identity":
                 for pos in range(k):
                     set_ids[int(r), pos] = name_id(f"identity:{sizes[pos]}")
             else:  # one matrix: an attribute's ("mixed:n") or one over the set's cells ("dense:n_axn_b")
-                name = f"{how}:{len(names)}"
-                strategies[name] = mats[0]
+                name = stored.get(id(mats[0]))
+                if name is None:  # stored once, whichever sets share it
+                    name = stored[id(mats[0])] = f"{how}:{len(names)}"
+                    strategies[name] = mats[0]
                 set_ids[int(r), :k] = name_id(name)
                 if how.startswith("dense:"):  # one product over all the cells: γ of their number
                     log_gamma[members] = float(log1p_gamma(np.array([math.prod(sizes)]), 0)[0])
-            if len(mats) == 1:
-                inverse = np.linalg.pinv(mats[0])
-                gram_inv = inverse @ inverse.T
-            else:  # the contrasts: (⊗EᵢᵀEᵢ)⁺ = ⊗(I − J/nᵢ), a projection
-                gram_inv = _kron_all([m.T @ m for m in mats])
+            key = tuple(id(m) for m in mats)  # the matrices live in `solves` (or contrasts' cache)
+            if key not in inverses_of:
+                if len(mats) == 1:
+                    inverse = np.linalg.pinv(mats[0])
+                    inverses_of[key] = inverse @ inverse.T
+                else:  # the contrasts: (⊗EᵢᵀEᵢ)⁺ = ⊗(I − J/nᵢ), a projection
+                    inverses_of[key] = _kron_all([m.T @ m for m in mats])
+            gram_inv = inverses_of[key]
             solved[int(r)] = gram_inv
             privacy = sum(math.log(float(np.max(np.einsum("ij,ij->j", m, m)))) for m in mats)
             for u, row in zip(members, cols, strict=True):
@@ -1068,18 +1078,20 @@ def _kron_all(mats: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def _solve_whole(members, cols, sizes, kind_ext, real_ext, log_o_ext, lse_a, pair_grams):
+def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, solves):
     """A residual set that a 2-way query type reaches, solved from the Gram of every piece on it: the
-    Kronecker column sets' (c_u ⊗ Ḡ_i) and the 2-way types' (``pair_grams``). One attribute: its best
-    strategy (:func:`~functions.dpquery.smasher.attribute_strategy`); two: the best of the contrasts and the
-    full convex optimum (:func:`~functions.dpquery.smasher.set_strategy`). Returns (``"identity"``,
-    ``"mixed:<n>"`` or ``"dense:<n_a>x<n_b>"``; the matrices measured, one per attribute or one over the
-    cells; {column set: the Gram of its pieces, unweighted by the c_u its log_lo is taken against})."""
+    Kronecker column sets' (c_u ⊗ Ḡ_i) and the 2-way types' (``pair_grams``): the best of the contrasts
+    and the full convex optimum (:func:`~functions.dpquery.smasher.set_strategy`), and for one attribute
+    its per-attribute optimum too (:func:`~functions.dpquery.smasher.attribute_strategy`). Returns
+    (``"identity"``, ``"mixed:<n>"`` or ``"dense:<n_a>x<n_b>"``; the matrices measured, one per attribute
+    or one over the cells; {column set: the Gram of its pieces, unweighted by the c_u its log_lo is taken
+    against}).
+    ``solves`` caches the strategy by the summed Gram."""
     cover: dict[int, np.ndarray] = {}
     total = np.zeros((math.prod(sizes),) * 2)
     for u, row in zip(members, cols, strict=True):
         if any(kind_ext[t] >= len(ATTRIBUTE_TYPES) for t in row):
-            g = pair_grams[tuple(int(t) for t in row)]
+            g = sum(w * gram for w, gram in pair_grams[tuple(int(t) for t in row)])
             cover[int(u)] = g
             total += g
         else:
@@ -1091,6 +1103,14 @@ def _solve_whole(members, cols, sizes, kind_ext, real_ext, log_o_ext, lse_a, pai
             )
             cover[int(u)] = g
             total += math.exp(float(lse_a[u] - log_o_ext[row].sum())) * g
+    key = (tuple(sizes), total.tobytes())
+    if key not in solves:  # sets of one structure (every pair of a workload on [n]^d) solve once
+        solves[key] = _best_whole(total, sizes)
+    return (*solves[key], cover)
+
+
+def _best_whole(total: np.ndarray, sizes: list[int]) -> tuple[str, list[np.ndarray]]:
+    """:func:`_solve_whole`'s strategy for the summed Gram ``total``: (its kind, its matrices)."""
     chosen = set_strategy(total, sizes)
     if len(sizes) == 1:
         # the per-attribute solver has closed forms and no floor, but needs a Gram of full rank on the
@@ -1099,22 +1119,22 @@ def _solve_whole(members, cols, sizes, kind_ext, real_ext, log_o_ext, lse_a, pai
         u = contrasts(sizes[0])
         eig = np.linalg.eigvalsh(u @ total @ u.T)
         if not eig[0] > 1e-9 * eig[-1]:
-            return _one_matrix(chosen, sizes, cover)
+            return _one_matrix(chosen, sizes)
         own = attribute_strategy(total)
         losses = [
             float(np.einsum("ij,ji->", total, np.linalg.pinv(c.gram, hermitian=True))) for c in (own, chosen)
         ]
-        return _one_matrix(own if losses[0] <= losses[1] else chosen, sizes, cover)
+        return _one_matrix(own if losses[0] <= losses[1] else chosen, sizes)
     if chosen.solver == "identity":
-        return "identity", [contrasts(size) for size in sizes], cover
-    return f"dense:{'x'.join(map(str, sizes))}", [dense_matrix(chosen.gram, sizes)], cover
+        return "identity", [contrasts(size) for size in sizes]
+    return f"dense:{'x'.join(map(str, sizes))}", [dense_matrix(chosen.gram, sizes)]
 
 
-def _one_matrix(chosen, sizes, cover):
-    """_solve_whole's answer for a one-attribute set measured through ``chosen``."""
+def _one_matrix(chosen, sizes) -> tuple[str, list[np.ndarray]]:
+    """_best_whole's answer for a one-attribute set measured through ``chosen``."""
     if chosen.solver == "identity":
-        return "identity", [contrasts(sizes[0])], cover
-    return f"mixed:{sizes[0]}", [strategy_matrix(chosen)], cover
+        return "identity", [contrasts(sizes[0])]
+    return f"mixed:{sizes[0]}", [strategy_matrix(chosen)]
 
 
 def _pair_log_var(kind: str, na: int, nb: int, subsets: np.ndarray, log_sigma2: np.ndarray, solved) -> float:
