@@ -69,9 +69,12 @@ def _dataset_id_pattern() -> str:
 
 def table_layout(tbl: pa.Table) -> tuple[list[str], str]:
     """(attribute columns, estimate column) of a released table, from its schema metadata (``attributes``,
-    ``value_column``); for a table without them, every column but the last, and the last."""
+    ``value_column``; a 2-way query type's table, ``query_type``, has the one axis ``query``); for a table
+    without them, every column but the last, and the last."""
     meta = tbl.schema.metadata or {}
     names = tbl.column_names
+    if b"query_type" in meta:  # a 2-way query type's answers: one row per query, labelled in "query"
+        return ["query"], (meta.get(b"value_column") or b"estimate").decode()
     if b"attributes" in meta:
         attributes = list(json.loads(meta[b"attributes"]))
         value = meta.get(b"value_column")

@@ -249,6 +249,10 @@ def test_a_box_and_the_measurements_of_a_release_with_a_2_way_type(tmp_path, mon
                 inverse = functools.reduce(np.kron, inverse, np.ones((1, 1)))
             variance += float(pl.sigma2[k]) * float(np.sum((piece @ inverse) ** 2))
         assert got["variance"] == pytest.approx(variance, rel=1e-9)
+        # tables() and arrays() take the 2-way table: one axis, its queries
+        arr = client.dpquery.arrays(result, ["region,age"])["region,age"]
+        assert arr.values.shape == (6,) and arr.labels["query"][-1] == "region_bin + age_bin <= 5"
+        assert read_table(result["tables"][0]["parquet"]).schema.metadata[b"query_type"] == b"affine"
         (whole,) = [m for m in client.dpquery.measurements(result) if m.clique == ("region", "age")]
         x = truth(idx, ["region", "age"])
         assert np.allclose(whole.query(x), whole.noisy_measurement)  # the noise seam: y = B x exactly

@@ -411,7 +411,8 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
             asked = kind
             v = float(cell_var.mean())
             per_answer = True
-            tbl = rc.table(estimate, ["query"], [rc.pair_labels(kind, names, sizes)], cell_var, meta)
+            labels = rc.pair_labels(kind, names, sizes)
+            tbl = rc.table(estimate, ["query"], [labels], cell_var, {**meta, "query_type": kind})
         else:  # general queries: each answer has its own variance
             kinds = pl.marginal_types(j)
             at = {a: k for k, a in enumerate(attrs)}
