@@ -47,6 +47,10 @@ def pair_doc(dataset: str, workload=None, **over) -> dict:
         ([{"attributes": ["sex", "region", "age"], "queries": "abs_diff"}], "the marginal has 3"),
         ([{"attributes": ["sex", "age"], "queries": "affine"}], "attribute 'sex' has categories"),
         ([{"attributes": ["region", "age"], "queries": "median"}], "affine"),
+        (
+            [{"attributes": ["region", "age"], "queries": {"region": "affine", "age": "affine"}}],
+            '"queries": "affine"',
+        ),
     ],
 )
 def test_a_bad_2_way_type_is_refused_naming_the_field(workload, words):
@@ -121,6 +125,23 @@ def test_the_job_planner_equals_the_dense_reference(domains, workload, queries):
         assert pl.var[j] == pytest.approx(mean, rel=2e-2), j
     pair_sets = [k for k in range(pl.num_residuals) if pl.dense(k) is not None]
     assert [pl.residual(k) for k in pair_sets] == [(0, 1)]
+
+
+def test_pairs_of_one_structure_share_one_solve_whatever_their_weights():
+    """Two disjoint affine pairs of other weights: the best strategy of a multiple of a Gram is the same,
+    so the plan solves and stores it once, and still equals the dense reference."""
+    pl = planner.plan(
+        domains=[6, 6, 6, 6],
+        workload=[((0, 1), 1.0), ((2, 3), 4.0)],
+        rho=0.5,
+        queries=[{0: "affine", 1: "affine"}, {2: "affine", 3: "affine"}],
+    )
+    # one matrix for the 1-way sets (a square affine pair's {a} and {b} have one Gram), one for {a, b}
+    assert len(pl.strategies) == 2
+    assert pl.privacy_cost() == pytest.approx(2 * pl.rho_planned, rel=1e-12)
+    q = smasher.pair_queries("affine", 6, 6)
+    ref = smasher.plan_dense([6, 6, 6, 6], [((0, 1), q, 1.0), ((2, 3), q, 4.0)], 0.5)
+    assert ref.total * 0.99 <= pl.weighted_sse <= ref.total * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("kind, ratio", [("affine", 7.5), ("abs_diff", 11.0)])

@@ -1103,9 +1103,12 @@ def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, s
             )
             cover[int(u)] = g
             total += math.exp(float(lse_a[u] - log_o_ext[row].sum())) * g
-    key = (tuple(sizes), total.tobytes())
-    if key not in solves:  # sets of one structure (every pair of a workload on [n]^d) solve once
-        solves[key] = _best_whole(total, sizes)
+    # the best strategy is the same for any multiple of the Gram: sets of one structure (every pair of a
+    # workload on [n]^d, or pairs of other weights) solve once; a miss only costs a solve
+    unit = total / max(float(np.trace(total)), _TINY)
+    key = (tuple(sizes), np.round(unit, 12).tobytes())
+    if key not in solves:
+        solves[key] = _best_whole(unit, sizes)
     return (*solves[key], cover)
 
 

@@ -288,6 +288,7 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     latency = pricing.S3_GET_LATENCY_S
 
     arrays_bytes = sum(getattr(pl, name).nbytes for name in planner.Plan._ARRAYS)
+    arrays_bytes += sum(b.nbytes for b in pl.strategies.values())  # general queries' strategy matrices
     plan_doc_bytes = PLAN_DOC_FACTOR * arrays_bytes
     pairs = int(pl.sub_ptr[-1])
 

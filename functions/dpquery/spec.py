@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import (
     ConfigDict,
@@ -165,11 +165,14 @@ QUERY_TYPES: tuple[str, ...] = ATTRIBUTE_TYPES + PAIR_TYPES  # a type's code in 
 # one convex problem over (n_a − 1)(n_b − 1) dimensions (functions.dpquery.smasher.set_strategy), at most
 # this many.
 MAX_PAIR_DIM = 400
-QUERIES_DESCRIPTION = (
+ATTRIBUTE_QUERIES_DESCRIPTION = (
     "per ordered attribute (a range), what to count along it: identity (each bin, the default), prefix "
     "(bins up to each one), range (every interval of bins) or circular_range (every arc of the bins on a "
-    "circle); or, for a marginal of two ordered attributes, one 2-way type: affine (the rows whose bins "
-    "i, j have i + j <= c, for every c) or abs_diff (|i - j| <= c, for every c)"
+    "circle)"
+)
+QUERIES_DESCRIPTION = (
+    ATTRIBUTE_QUERIES_DESCRIPTION + "; or, for a marginal of two ordered attributes, one 2-way type: affine "
+    "(the rows whose bins i, j have i + j <= c, for every c) or abs_diff (|i - j| <= c, for every c)"
 )
 
 
@@ -188,6 +191,14 @@ class DPMarginal(StrictModel):
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     queries: dict[str, QueryType] | PairType | None = Field(default=None, description=QUERIES_DESCRIPTION)
 
+    @field_validator("queries", mode="before")
+    @classmethod
+    def _pair_type_as_a_whole(cls, v: Any) -> Any:
+        if isinstance(v, dict) and any(k in PAIR_TYPES for k in v.values()):
+            kind = next(k for k in v.values() if k in PAIR_TYPES)
+            raise ValueError(f'a 2-way type names the marginal\'s queries as a whole: "queries": "{kind}"')
+        return v
+
 
 class DPMarginalGenerator(StrictModel):
     """All marginals over at most ``all_marginals_up_to`` attributes (the 0-way total included) of
@@ -197,7 +208,8 @@ class DPMarginalGenerator(StrictModel):
     attributes: list[str] | None = Field(default=None, description="default: every schema attribute")
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     queries: dict[str, QueryType] | None = Field(
-        default=None, description=QUERIES_DESCRIPTION + "; applies to every marginal holding the attribute"
+        default=None,
+        description=ATTRIBUTE_QUERIES_DESCRIPTION + "; applies to every marginal holding the attribute",
     )
 
 
