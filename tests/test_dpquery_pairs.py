@@ -278,3 +278,20 @@ def test_a_box_and_the_measurements_of_a_release_with_a_2_way_type(tmp_path, mon
         x = truth(idx, ["region", "age"])
         assert np.allclose(whole.query(x), whole.noisy_measurement)  # the noise seam: y = B x exactly
         assert whole.query.factors[0].shape == (2 * 3, 12) and whole.matrix().shape == (6, 12)
+
+
+def test_the_estimate_counts_the_convex_solves_of_a_2_way_type(tmp_path):
+    """shardfold plan's prepare time includes the whole-set solves (PLAN_S_PER_SOLVED_DIM3 per dim³ of each
+    strategy stored), which the same workload asked cell by cell does not have."""
+    from functions.dpquery.sizing import PLAN_S_PER_SOLVED_DIM3
+    from functions.estimate import estimate
+
+    root = f"file://{tmp_path}"
+    dataset, _ = make_dataset(root)
+    cells = [{"attributes": ["region", "age"]}]
+    prepare = {}
+    for name, workload in (("affine", [{**cells[0], "queries": "affine"}]), ("cells", cells)):
+        steps = estimate(parse_spec(pair_doc(dataset, workload)), root).steps
+        prepare[name] = next(s.duration_s for s in steps if s.name == "prepare")
+    # region x age: 3 x 4 values, {region, age} solved over (3 - 1)(4 - 1) = 6 dimensions
+    assert prepare["affine"] - prepare["cells"] == pytest.approx(PLAN_S_PER_SOLVED_DIM3 * 6**3, abs=1e-6)

@@ -67,6 +67,10 @@ ARROW_WRITE_BYTES = 16 * MiB
 SAMPLER_SAMPLES_PER_S = 19_000  # OpenDP 0.16 float-vector make_gaussian, one core
 SCAN_BYTES_PER_S = {"csv": 40 * MiB, "parquet": 12 * MiB}  # parse + map to domain indices, one core
 PLAN_S_PER_PAIR = 0.5e-6  # d = 100, <=3-way: 1.3 M pairs planned in 0.65 s
+# A residual set solved whole (2-way types) runs convex solves of eigendecompositions of its dimension:
+# 0.5-2.8 µs per dim³ measured (12 x 12, 20 x 20 and 21 x 21 affine pairs: 5 to 72 s), one per distinct
+# strategy the plan stores
+PLAN_S_PER_SOLVED_DIM3 = 1.5e-6
 RECON_S_PER_CELL_TERM = 0.15e-6  # one Kronecker-vector term of one cell
 TABLE_S_PER_CELL = 1.5e-6  # labels, Arrow table and Parquet encoding
 OUTPUT_BYTES_PER_CELL = 12  # Parquet: float64 estimate (noisy: incompressible) + dictionary-coded labels
@@ -291,6 +295,8 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     arrays_bytes += sum(b.nbytes for b in pl.strategies.values())  # general queries' strategy matrices
     plan_doc_bytes = PLAN_DOC_FACTOR * arrays_bytes
     pairs = int(pl.sub_ptr[-1])
+    # the strategies 2-way types' sets were solved for (a Kronecker set's per-attribute ones are cheap)
+    solved_dim3 = sum(b.shape[0] ** 3 for name, b in pl.strategies.items() if name.startswith("dense:"))
 
     ledger_entries = len(state.entries) if state is not None else 0
 
@@ -303,6 +309,7 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         puts=4 + (1 if state is not None and state.total_rho is None else 0) + 1,
         duration_s=pricing.TASK_OVERHEAD_S
         + PLAN_S_PER_PAIR * pairs
+        + PLAN_S_PER_SOLVED_DIM3 * solved_dim3
         + (1 + unit_scans) * scan_s
         + data_bytes / HASH_BYTES_PER_S
         + (5 + ledger_entries) * latency,
