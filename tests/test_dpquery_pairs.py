@@ -11,13 +11,24 @@ import math
 
 import numpy as np
 import pytest
-from test_dpquery_job import make_dataset, read_table, run_core, spec_doc, truth
+from test_dpquery_job import (
+    finished,
+    make_dataset,
+    moto_client,  # noqa: F401 - a fixture
+    no_noise,
+    read_table,
+    run_core,
+    spec_doc,
+    thread_mode_workflows,
+    truth,
+)
 
 from functions.dpquery import core, planner, smasher
 from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
 from functions.errors import SpecError
 from functions.specs import parse_spec
+from orchestrator.local import LocalExecutor
 
 # region as an ordered range (codes 1..3) beside age (4 bins of 10 years): two ordered attributes
 SCHEMA = [
@@ -295,3 +306,25 @@ def test_the_estimate_counts_the_convex_solves_of_a_2_way_type(tmp_path):
         prepare[name] = next(s.duration_s for s in steps if s.name == "prepare")
     # region x age: 3 x 4 values, {region, age} solved over (3 - 1)(4 - 1) = 6 dimensions
     assert prepare["affine"] - prepare["cells"] == pytest.approx(PLAN_S_PER_SOLVED_DIM3 * 6**3, abs=1e-6)
+
+
+@pytest.mark.slow  # moto
+def test_local_and_moto_executors_answer_2_way_types_alike(moto_client, tmp_path, monkeypatch):  # noqa: F811
+    """The workflow on S3 (moto's ASL interpreter) and on the local store gives the same tables, exact with
+    the noise seam: the set measured through one matrix goes through the same tasks on either store."""
+    no_noise(monkeypatch)
+    bucket = moto_client.store_root
+    dataset, idx = make_dataset(bucket, seed=5, name="pairs.parquet")
+    doc = pair_doc(dataset, dataset_id="people-pairs")
+    on_moto = finished(moto_client.executor, bucket, doc)
+    root = f"file://{tmp_path}/local"
+    with LocalExecutor(store_root=root, workflows=thread_mode_workflows(), retry_delay_scale=0) as ex:
+        on_local = finished(ex, root, doc)
+    for a, b in zip(on_moto["tables"], on_local["tables"], strict=True):
+        ta, tb = read_table(a["parquet"]), read_table(b["parquet"])
+        assert ta.column_names == tb.column_names and a.get("queries") == b.get("queries")
+        assert np.array_equal(ta.column("std_error").to_numpy(), tb.column("std_error").to_numpy())
+        assert np.allclose(ta.column("estimate").to_numpy(), tb.column("estimate").to_numpy(), atol=1e-8)
+    affine = read_table(on_moto["tables"][0]["parquet"]).column("estimate").to_numpy()
+    expected = smasher.pair_queries("affine", 3, 4) @ truth(idx, ["region", "age"]).reshape(-1)
+    assert on_moto["tables"][0]["queries"] == "affine" and np.max(np.abs(affine - expected)) < 1e-8
