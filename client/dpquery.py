@@ -28,7 +28,6 @@ released (noisy) output.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import itertools
 import json
@@ -494,7 +493,7 @@ class DPQuery:
                 clique = tuple(names[a] for a in attrs)
                 lo = int(offsets[k] - offsets[start])
                 strategies = None
-                dense = pl.dense(k) if pl.res_strategy is not None else None
+                dense = pl.dense(k)
                 if pl.res_strategy is not None and dense is None:  # their attributes' strategies
                     strategies = tuple(
                         None if name.startswith("identity:") else pl.strategy(name).matrix
@@ -536,6 +535,7 @@ class DPQuery:
         (QuerySmasher's decomposition; :mod:`functions.dpquery.smasher`)."""
         from functions.dpquery import core
         from functions.dpquery.measure import mode_product
+        from functions.dpquery.smasher import kron_all
 
         job_id, doc, pl = self._job_plan(result)
         spec = self.spec(store.get_json(self._client.uri(spec_key(job_id))))
@@ -564,9 +564,9 @@ class DPQuery:
             k = index[s]
             outside = math.prod(mean[i] for i in attrs if i not in s)
             centred = [(q[i] - mean[i])[None, :] for i in s]  # the piece on S: ⊗ q_i(I − J/n_i)
-            dense = pl.dense(k) if pl.res_strategy is not None else None
+            dense = pl.dense(k)
             if dense is not None:  # measured through one matrix over its cells: B⁺ y
-                piece = functools.reduce(np.kron, [c[0] for c in centred])
+                piece = kron_all([c[0] for c in centred])[0]
                 inverse = pl.dense_inverse(k)
                 estimate += outside * float(piece @ (inverse @ np.asarray(values[k])))
                 spread = float(np.sum((piece @ inverse) ** 2))

@@ -255,7 +255,7 @@ def measure(
     for k in range(start, stop):
         attrs = pl.residual(k)
         mats = None  # the contrasts (ResidualPlanner), else each attribute's query type's strategy
-        dense = pl.dense(k) if pl.res_strategy is not None else None
+        dense = pl.dense(k)
         if dense is not None:  # one matrix over the set's cells (a set that a 2-way type reaches)
             mats = (dense,)
         elif pl.res_strategy is not None:
@@ -362,7 +362,7 @@ def read_residuals(
 
 def _inverses(pl: Plan, k: int) -> list[np.ndarray] | np.ndarray:
     """What maps residual set k's measurement back to its cells: B_i⁺ per attribute, or one B⁺."""
-    if pl.res_strategy is not None and pl.dense(k) is not None:
+    if pl.dense(k) is not None:
         return pl.dense_inverse(k)
     return [pl.strategy(name).inverse for name in pl.set_strategies(k)]
 
@@ -399,8 +399,8 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
                 meta,
                 [rc.attribute_bounds(attributes[a]) for a in attrs],
             )
-        elif pl.marginal_types(j)[:1] and pl.marginal_types(j)[0] in PAIR_TYPES:  # a list of answers
-            kind = pl.marginal_types(j)[0]
+        elif set(pl.marginal_types(j)) & set(PAIR_TYPES):  # a 2-way type: a list of answers
+            (kind,) = set(pl.marginal_types(j))
             sizes = [int(pl.domains[a]) for a in attrs]
             at = {a: k for k, a in enumerate(attrs)}
             terms = [

@@ -71,6 +71,7 @@ from functions.dpquery.smasher import (
     block_sums,
     centred_gram,
     dense_matrix,
+    kron_all,
     kronecker_strategy,
     pair_piece_grams,
     pair_queries,
@@ -1018,7 +1019,7 @@ def _residual_sets(
                     inverse = np.linalg.pinv(mats[0])
                     inverses_of[key] = inverse @ inverse.T
                 else:  # the contrasts: (⊗EᵢᵀEᵢ)⁺ = ⊗(I − J/nᵢ), a projection
-                    inverses_of[key] = _kron_all([m.T @ m for m in mats])
+                    inverses_of[key] = kron_all([m.T @ m for m in mats])
             gram_inv = inverses_of[key]
             solved[int(r)] = gram_inv
             privacy = sum(math.log(float(np.max(np.einsum("ij,ij->j", m, m)))) for m in mats)
@@ -1071,13 +1072,6 @@ def _residual_sets(
 _TINY = np.finfo(np.float64).tiny  # a piece of zero variance: its log stays finite
 
 
-def _kron_all(mats: list[np.ndarray]) -> np.ndarray:
-    out = np.ones((1, 1))
-    for m in mats:
-        out = np.kron(out, m)
-    return out
-
-
 def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, solves):
     """A residual set that a 2-way query type reaches, solved from the Gram of every piece on it: the
     Kronecker column sets' (c_u ⊗ Ḡ_i) and the 2-way types' (``pair_grams``): the best of the contrasts
@@ -1095,7 +1089,7 @@ def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, s
             cover[int(u)] = g
             total += g
         else:
-            g = _kron_all(
+            g = kron_all(
                 [
                     centred_gram(QUERY_TYPES[int(kind_ext[t])], int(size))
                     for t, size in zip(row, sizes, strict=True)

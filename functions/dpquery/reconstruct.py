@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from functions.dpquery.measure import contrasts, mode_product
-from functions.dpquery.smasher import answer_axis, intervals, pair_queries, pieces, query_lengths
+from functions.dpquery.smasher import answer_axis, intervals, kron_all, pair_queries, pieces, query_lengths
 
 JSON_MAX_CELLS = 1000  # marginals up to this many cells also get a JSON table
 VALUE_COLUMN = "estimate"
@@ -145,12 +145,8 @@ def pair_answers(kind: str, sizes: Sequence[int], terms: Sequence[tuple]) -> tup
     parts = [pieces(row, shape) for row in q]
     for pos, y, s2, inverses in terms:
         x += _spread(shape, pos, _residual_estimate(shape, pos, y, inverses))
-        if isinstance(inverses, np.ndarray):
-            left = inverses
-        else:  # ⊗B_i⁺ over the set's cells (small: a 2-way type's attributes have few values)
-            left = np.ones((1, 1))
-            for b in inverses:
-                left = np.kron(left, b)
+        # B⁺, or ⊗B_i⁺ over the set's cells (small: a 2-way type's attributes have few values)
+        left = inverses if isinstance(inverses, np.ndarray) else kron_all(inverses)
         rows = np.stack([p[tuple(pos)] for p in parts]) @ left
         var += float(s2) * np.einsum("ij,ij->i", rows, rows)
     return q @ x.reshape(-1), var

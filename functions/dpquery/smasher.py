@@ -184,6 +184,11 @@ def pieces(q: np.ndarray, domains: Sequence[int]) -> dict[tuple[int, ...], np.nd
     return out
 
 
+def kron_all(mats: Sequence[np.ndarray]) -> np.ndarray:
+    """⊗ mats, in order (the 1 × 1 identity for none)."""
+    return functools.reduce(np.kron, mats, np.ones((1, 1)))
+
+
 def residual_basis(n: int) -> np.ndarray:
     """U: n × (n−1), orthonormal columns orthogonal to 1 (the Helmert contrasts, transposed)."""
     return contrasts(n).T
@@ -516,7 +521,7 @@ def dense_matrix(gram: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
     """B (∏(n_i − 1) × ∏n_i, rows in the set's residual space) with BᵀB = ``gram`` (to rounding): a
     :class:`SetStrategy` as the matrix a measurement applies to the flattened marginal (as
     :func:`strategy_matrix` does for one attribute)."""
-    u = functools.reduce(np.kron, [residual_basis(int(n)) for n in sizes])
+    u = kron_all([residual_basis(int(n)) for n in sizes])
     m = u.T @ gram @ u
     w, v = np.linalg.eigh((m + m.T) / 2)
     b = (v * np.sqrt(np.clip(w, 0.0, None))).T @ u.T
@@ -540,12 +545,12 @@ def set_strategy(g: np.ndarray, sizes: Sequence[int]) -> SetStrategy:
     optimum over the set's residual space (⊗U_i, when it has at most :data:`MAX_SET_DIM` dimensions)."""
     if not sizes:  # the empty set: the total count, measured as itself
         return SetStrategy(np.ones((1, 1)), float(g[0, 0]), "identity")
-    rp = functools.reduce(np.kron, [n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes])
+    rp = kron_all([n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes])
     # (BᵀB)⁺ = ⊗ (n−1)/n·(I − J/n), and g lies in the set's residual space
     best = SetStrategy(rp, float(np.trace(g)) * math.prod((n - 1) / n for n in sizes), "identity")
     dim = math.prod(n - 1 for n in sizes)
     if dim <= MAX_SET_DIM:
-        u = functools.reduce(np.kron, [residual_basis(n) for n in sizes])
+        u = kron_all([residual_basis(n) for n in sizes])
         a = u.T @ g @ u
         a = (a + a.T) / 2
         # A few 2-way queries leave most of the residual space unasked (affine: n1 + n2 − 1 of them), and
