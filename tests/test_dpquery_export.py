@@ -327,7 +327,8 @@ def test_private_pgm_fits_the_exported_measurements(client):
         by_index = {m.index: m.noisy_measurement for m in noisy}
         domain, lms = to_mbi(noisy)
         assert all(isinstance(m, mbi.LinearMeasurement) for m in lms)
-        model = mbi.estimation.MirrorDescent().estimate(domain, lms, iters=1500)
+        # 500 iterations: the ratios agree with 1,500 to 2e-3 (0.998, 0.906, 0.922)
+        model = mbi.estimation.MirrorDescent().estimate(domain, lms, iters=500)
         err_sf, err_pgm = [], []
         for j, e in enumerate(result["tables"]):
             a = pl.marginal(j)

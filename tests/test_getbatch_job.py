@@ -92,22 +92,24 @@ def test_strict_job_fails_naming_the_item_and_writes_no_archive(moto_client):
 
 
 def test_state_payloads_stay_small_for_a_manifest_past_the_payload_limit(tmp_path):
-    # 30,000 items: the manifest (480 KB) alone is past Step Functions' 256 KiB, and the states stay small
+    # 3,000 items of a 100-character key: the manifest (309 KB) alone is past Step Functions' 256 KiB, and
+    # the states stay small
     root = f"file://{tmp_path}/store"
-    store.put(join(root, "data", "tiny.bin"), b"x")
+    key = "data/" + "k" * 91 + ".bin"
+    store.put(join(root, key), b"x")
     job_id = new_job_id("getbatch")
     manifest = join(root, "requests", "big.jsonl")
-    store.put(manifest, b'"data/tiny.bin"\n' * 30_000)
+    store.put(manifest, f'"{key}"\n'.encode() * 3_000)
     assert store.size(manifest) > 256 * 1024
     spec_uri = join(root, "jobs", job_id, "spec.json")
-    store.put_json(spec_uri, {"kind": "getbatch", "manifest": manifest, "items_per_part": 5000})
+    store.put_json(spec_uri, {"kind": "getbatch", "manifest": manifest, "items_per_part": 500})
     with LocalExecutor(store_root=root) as ex:
         ex.start(job_id, "getbatch", spec_uri)
         status = ex.wait(job_id, timeout_s=WAIT_S)
         assert status.state == "SUCCEEDED", status.error
         assert ex.max_state_bytes(job_id) < 4 * 1024  # Step Functions allows 256 KiB
     result = store.get_json(join(root, "jobs", job_id, "result.json"))
-    assert result["items"] == 30_000 and result["parts"] == 6
+    assert result["items"] == 3_000 and result["parts"] == 6
     assert len(json.dumps(result)) < 1024
 
 
