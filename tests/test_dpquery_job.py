@@ -115,6 +115,15 @@ def finished(executor, root: str, doc: dict) -> dict:
     return store.get_json(join(root, "jobs", job_id, "result.json"))
 
 
+def on_both_executors(moto_client, tmp_path, doc: dict) -> tuple[dict, dict]:
+    """``doc`` run to success on moto (its ASL interpreter over S3) and on the local executor over a local
+    store, its tasks on threads so that a patched core (the noise seam) reaches them: the two results."""
+    on_moto = finished(moto_client.executor, moto_client.store_root, doc)
+    root = f"file://{tmp_path}/local"
+    with LocalExecutor(store_root=root, workflows=thread_mode_workflows(), retry_delay_scale=0) as ex:
+        return on_moto, finished(ex, root, doc)
+
+
 def run_core(root: str, doc: dict, *, noise: bool = True) -> tuple[str, dict]:
     """Every stage of a job through the pure core, in order; returns the job id and its result."""
     spec = parse_spec(doc)
@@ -368,11 +377,8 @@ def test_both_executors_are_exact_with_the_noise_seam(moto_client, tmp_path, mon
     bucket = moto_client.store_root
     dataset, idx = make_dataset(bucket, seed=5, name="exact.parquet")
     doc = spec_doc(dataset, dataset_id="people-exact")
-    assert_exact(finished(moto_client.executor, bucket, doc), idx)
-
-    root = f"file://{tmp_path}/local"
-    with LocalExecutor(store_root=root, workflows=thread_mode_workflows(), retry_delay_scale=0) as ex:
-        assert_exact(finished(ex, root, doc), idx)
+    for result in on_both_executors(moto_client, tmp_path, doc):
+        assert_exact(result, idx)
 
 
 @pytest.mark.slow

@@ -12,14 +12,13 @@ import math
 import numpy as np
 import pytest
 from test_dpquery_job import (
-    finished,
     make_dataset,
     moto_client,  # noqa: F401 - a fixture
     no_noise,
+    on_both_executors,
     read_table,
     run_core,
     spec_doc,
-    thread_mode_workflows,
     truth,
 )
 
@@ -28,7 +27,6 @@ from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
 from functions.errors import SpecError
 from functions.specs import parse_spec
-from orchestrator.local import LocalExecutor
 
 # region as an ordered range (codes 1..3) beside age (4 bins of 10 years): two ordered attributes
 SCHEMA = [
@@ -316,10 +314,7 @@ def test_local_and_moto_executors_answer_2_way_types_alike(moto_client, tmp_path
     bucket = moto_client.store_root
     dataset, idx = make_dataset(bucket, seed=5, name="pairs.parquet")
     doc = pair_doc(dataset, dataset_id="people-pairs")
-    on_moto = finished(moto_client.executor, bucket, doc)
-    root = f"file://{tmp_path}/local"
-    with LocalExecutor(store_root=root, workflows=thread_mode_workflows(), retry_delay_scale=0) as ex:
-        on_local = finished(ex, root, doc)
+    on_moto, on_local = on_both_executors(moto_client, tmp_path, doc)
     for a, b in zip(on_moto["tables"], on_local["tables"], strict=True):
         ta, tb = read_table(a["parquet"]), read_table(b["parquet"])
         assert ta.column_names == tb.column_names and a.get("queries") == b.get("queries")

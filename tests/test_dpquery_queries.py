@@ -14,16 +14,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from test_dpquery_job import (
-    finished,
     ledger_types,
     make_dataset,
     moto_client,  # noqa: F401 - a fixture
     no_noise,
     numbers,
+    on_both_executors,
     read_table,
     run_core,
     spec_doc,
-    thread_mode_workflows,
     truth,
 )
 
@@ -33,7 +32,6 @@ from functions.dpquery.sizing import marginal_rows, privacy_rows
 from functions.errors import SpecError
 from functions.specs import parse_spec
 from functions.store.uri import join
-from orchestrator.local import LocalExecutor
 
 # sex: 2 categories, region: 3 categories, age: a range of 4 bins (20..29, ..., 50..59)
 WORKLOAD = [
@@ -279,11 +277,7 @@ def test_local_and_moto_executors_answer_general_queries_alike(moto_client, tmp_
     bucket = moto_client.store_root
     dataset, idx = make_dataset(bucket, seed=7, name="general.parquet")
     doc = general_doc(dataset, dataset_id="people-general")
-    on_moto = finished(moto_client.executor, bucket, doc)
-
-    root = f"file://{tmp_path}/local"
-    with LocalExecutor(store_root=root, workflows=thread_mode_workflows(), retry_delay_scale=0) as ex:
-        on_local = finished(ex, root, doc)
+    on_moto, on_local = on_both_executors(moto_client, tmp_path, doc)
     for a, b in zip(on_moto["tables"], on_local["tables"], strict=True):
         ta, tb = read_table(a["parquet"]), read_table(b["parquet"])
         assert ta.column_names == tb.column_names and a.get("queries") == b.get("queries")
