@@ -76,6 +76,7 @@ from functions.dpquery.smasher import (
     pair_piece_grams,
     pair_queries,
     set_strategy,
+    strategy_loss,
     strategy_matrix,
 )
 from functions.dpquery.spec import ATTRIBUTE_TYPES, MAX_PAIR_DIM, PAIR_TYPES, QUERY_TYPES
@@ -1118,10 +1119,8 @@ def _best_whole(total: np.ndarray, sizes: list[int]) -> tuple[str, list[np.ndarr
         if not eig[0] > 1e-9 * eig[-1]:
             return _one_matrix(chosen, sizes)
         own = attribute_strategy(total)
-        losses = [
-            float(np.einsum("ij,ji->", total, np.linalg.pinv(c.gram, hermitian=True))) for c in (own, chosen)
-        ]
-        return _one_matrix(own if losses[0] <= losses[1] else chosen, sizes)
+        better = strategy_loss(total, own) <= strategy_loss(total, chosen)
+        return _one_matrix(own if better else chosen, sizes)
     if chosen.solver == "identity":
         return "identity", [contrasts(size) for size in sizes]
     return f"dense:{'x'.join(map(str, sizes))}", [dense_matrix(chosen.gram, sizes)]

@@ -251,13 +251,13 @@ def _fourier_strategy(g: np.ndarray) -> AttributeStrategy:
     return AttributeStrategy(gram / float(np.diag(gram).max()), loss, "fourier")
 
 
-def strategy_loss(g: np.ndarray, strategy: AttributeStrategy) -> float:
+def strategy_loss(g: np.ndarray, strategy: AttributeStrategy | SetStrategy) -> float:
     """tr(Ḡ (BᵀB)⁺): the summed variance, at privacy cost 1, of the queries whose centred Gram is ``g``
-    when the attribute is measured through ``strategy``."""
+    when the attribute (or residual set) is measured through ``strategy``."""
     return float(np.einsum("ij,ji->", g, _pinv(strategy)))
 
 
-def _pinv(strategy: AttributeStrategy) -> np.ndarray:
+def _pinv(strategy: AttributeStrategy | SetStrategy) -> np.ndarray:
     cached = strategy.__dict__.get("_pinv")
     if cached is None:
         cached = np.linalg.pinv(strategy.gram, hermitian=True)
