@@ -117,4 +117,7 @@ def test_shard_task_peak_memory_is_flat_in_n(children, model_file, tmp_path, mon
         assert stats["rss_growth"] <= predicted + 16 * MiB, (n, stats, predicted)
     small, large = runs[ns[0]][0], runs[ns[-1]][0]
     assert large["traced"] <= small["traced"] * 1.10 + 2 * MiB, (small, large)
-    assert large["rss_growth"] <= small["rss_growth"] * 1.10 + 8 * MiB, (small, large)
+    # the resident size also holds what glibc keeps after free (its mmap threshold moves with the sizes
+    # freed): median's growth measured 20-31 MiB over runs at N = 8, 16, 32 and 64, with no trend in N. A leak
+    # of 1 MiB per client would still add 24 MiB from N = 8 to 32.
+    assert large["rss_growth"] <= small["rss_growth"] * 1.10 + 12 * MiB, (small, large)
