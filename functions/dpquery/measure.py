@@ -182,12 +182,23 @@ def charged_norm(mats: Sequence[np.ndarray], unit_rows: int = 1, rows_bound: int
     sq = Fraction(1)
     eta = Fraction(1)
     for b in mats:
-        sq *= max(sum(Fraction(float(v)) ** 2 for v in b[:, j]) for j in range(b.shape[1]))
+        sq *= max(_exact_square_norm(b[:, j]) for j in range(b.shape[1]))
         eta *= 1 + gamma(b.shape[1])
     c = Fraction(int(unit_rows))
     if rows_bound is not None and mats:
         c += 2 * (eta - 1) * int(rows_bound)
     return sqrt_up(sq * c * c)
+
+
+def _exact_square_norm(column: np.ndarray) -> Fraction:
+    """Σ v² over the column, exactly: each float is n/d with d a power of two, so over the largest d every
+    term is an integer (a sum of Python ints, ~20× faster than of Fractions: a dense 2-way strategy has
+    millions of entries)."""
+    ratios = [v.as_integer_ratio() for v in column.tolist() if v]
+    if not ratios:
+        return Fraction(0)
+    den = max(d for _, d in ratios)
+    return Fraction(sum((n * (den // d)) ** 2 for n, d in ratios), den * den)
 
 
 def charge_factor(log_gamma_sum: np.ndarray, unit_rows: int, rows_bound: int | None) -> np.ndarray:

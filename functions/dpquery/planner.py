@@ -54,6 +54,7 @@ marginals (166,751 residual sets) is a few MB. :meth:`Plan.summary` is the small
 from __future__ import annotations
 
 import base64
+import hashlib
 import itertools
 import math
 import zlib
@@ -994,6 +995,7 @@ def _residual_sets(
     solves: dict = {}  # _solve_whole's cache
     stored: dict[int, str] = {}  # a solved matrix (by id) -> its name in strategies
     inverses_of: dict[tuple[int, ...], np.ndarray] = {}
+    lo_of: dict[tuple[int, int], float] = {}  # tr(cover · (BᵀB)⁺) by the ids of both
     for r in np.flatnonzero(mixed | whole):
         members = groups[int(r)]
         k = int(uniq_size[members[0]])
@@ -1026,7 +1028,11 @@ def _residual_sets(
             privacy = sum(math.log(float(np.max(np.einsum("ij,ij->j", m, m)))) for m in mats)
             for u, row in zip(members, cols, strict=True):
                 log_p[u] = privacy
-                log_lo[u] = math.log(max(float(np.einsum("ij,ji->", cover[int(u)], gram_inv)), _TINY))
+                gram, log_factor = cover[int(u)]
+                pair = (id(gram), id(gram_inv))  # both shared by the sets of one structure
+                if pair not in lo_of:
+                    lo_of[pair] = math.log(max(float(np.einsum("ij,ji->", gram, gram_inv)), _TINY))
+                log_lo[u] = lo_of[pair] + log_factor
                 if has_pair[u]:
                     log_lo[u] -= lse_a[u]
                 else:
@@ -1075,41 +1081,67 @@ _TINY = np.finfo(np.float64).tiny  # a piece of zero variance: its log stays fin
 
 def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, solves):
     """A residual set that a 2-way query type reaches, solved from the Gram of every piece on it: the
-    Kronecker column sets' (c_u ⊗ Ḡ_i) and the 2-way types' (``pair_grams``): the best of the contrasts
-    and the full convex optimum (:func:`~functions.dpquery.smasher.set_strategy`), and for one attribute
-    its per-attribute optimum too (:func:`~functions.dpquery.smasher.attribute_strategy`). Returns
+    Kronecker column sets' (c_u ⊗ Ḡ_i) and the 2-way types' (``pair_grams``): the best of the contrasts,
+    the Kronecker-factored and low-rank strategies and, on small sets, the full convex optimum
+    (:func:`~functions.dpquery.smasher.set_strategy`), and for one attribute its per-attribute optimum
+    too (:func:`~functions.dpquery.smasher.attribute_strategy`). Returns
     (``"identity"``, ``"mixed:<n>"`` or ``"dense:<n_a>x<n_b>"``; the matrices measured, one per attribute
-    or one over the cells; {column set: the Gram of its pieces, unweighted by the c_u its log_lo is taken
-    against}).
-    ``solves`` caches the strategy by the summed Gram."""
+    or one over the cells; {column set: (a Gram of its pieces, log of the factor that makes it the Gram
+    unweighted by the c_u its log_lo is taken against)}).
+    ``solves`` caches the Grams by what they are made of, and the strategy by the set's structure."""
+    # each column set's Gram, cached by what it is made of: the sets of one structure (every pair of a
+    # workload on [n]^d) share their Grams and their solve, so d(d−1)/2 pairs build no matrices of their own
     cover: dict[int, np.ndarray] = {}
-    total = np.zeros((math.prod(sizes),) * 2)
+    parts = []  # (what the Gram is made of, its weight in the set's sum, whether a 2-way type's)
     for u, row in zip(members, cols, strict=True):
         if any(kind_ext[t] >= len(ATTRIBUTE_TYPES) for t in row):
-            g = sum(w * gram for w, gram in pair_grams[tuple(int(t) for t in row)])
-            cover[int(u)] = g
-            total += g
+            sources = pair_grams[tuple(int(t) for t in row)]
+            weight, few = float(sources[0][0]), True  # the marginals' weights, relative to the first's
+            made_of = ("pair", tuple((float(w) / weight, _digest(solves, gram)) for w, gram in sources))
+            if made_of not in solves:
+                solves[made_of] = sum(float(w) / weight * gram for w, gram in sources)
         else:
-            g = kron_all(
-                [
-                    centred_gram(QUERY_TYPES[int(kind_ext[t])], int(size))
-                    for t, size in zip(row, sizes, strict=True)
-                ]
+            made_of = (
+                "kron",
+                tuple((int(kind_ext[t]), int(size)) for t, size in zip(row, sizes, strict=True)),
             )
-            cover[int(u)] = g
-            total += math.exp(float(lse_a[u] - log_o_ext[row].sum())) * g
-    # the best strategy is the same for any multiple of the Gram: sets of one structure (every pair of a
-    # workload on [n]^d, or pairs of other weights) solve once; a miss only costs a solve
-    unit = total / max(float(np.trace(total)), _TINY)
-    key = (tuple(sizes), np.round(unit, 12).tobytes())
+            if made_of not in solves:
+                solves[made_of] = kron_all([centred_gram(QUERY_TYPES[k], size) for k, size in made_of[1]])
+            weight, few = math.exp(float(lse_a[u] - log_o_ext[row].sum())), False
+        cover[int(u)] = (solves[made_of], math.log(weight) if few else 0.0)
+        parts.append((made_of, weight, few))
+    # the best strategy is the same for any multiple of the Gram: sets of one structure solve once; a miss
+    # only costs a solve
+    scale = max(math.fsum(w * _trace(solves, made_of) for made_of, w, _ in parts), _TINY)
+    key = (tuple(sizes), tuple(sorted((made_of, round(w / scale, 12), few) for made_of, w, few in parts)))
     if key not in solves:
-        solves[key] = _best_whole(unit, sizes)
+        total = sum(w * solves[made_of] for made_of, w, _ in parts)
+        low = sum(w * solves[made_of] for made_of, w, few in parts if few)
+        trace = max(float(np.trace(total)), _TINY)
+        solves[key] = _best_whole(total / trace, sizes, low / trace if len(sizes) > 1 else None)
     return (*solves[key], cover)
 
 
-def _best_whole(total: np.ndarray, sizes: list[int]) -> tuple[str, list[np.ndarray]]:
-    """:func:`_solve_whole`'s strategy for the summed Gram ``total``: (its kind, its matrices)."""
-    chosen = set_strategy(total, sizes)
+def _digest(solves: dict, gram: np.ndarray) -> bytes:
+    """A Gram's content, as a key (cached by the object: equal Grams of other pieces share their solve)."""
+    key = ("digest", id(gram))
+    if key not in solves:
+        solves[key] = (hashlib.blake2b(np.round(gram, 12).tobytes(), digest_size=16).digest(), gram)
+    return solves[key][0]  # the Gram is kept beside its digest, so its id is not reused
+
+
+def _trace(solves: dict, made_of: tuple) -> float:
+    """The trace of a cached Gram (cached beside it)."""
+    key = ("trace", made_of)
+    if key not in solves:
+        solves[key] = float(np.trace(solves[made_of]))
+    return solves[key]
+
+
+def _best_whole(total: np.ndarray, sizes: list[int], few: np.ndarray | None) -> tuple[str, list[np.ndarray]]:
+    """:func:`_solve_whole`'s strategy for the summed Gram ``total`` (``few``: its 2-way types' part): (its
+    kind, its matrices)."""
+    chosen = set_strategy(total, sizes, few)
     if len(sizes) == 1:
         # the per-attribute solver has closed forms and no floor, but needs a Gram of full rank on the
         # residual space (a few 2-way pieces may leave most of it unasked) and may stall near one;

@@ -71,6 +71,12 @@ PLAN_S_PER_PAIR = 0.5e-6  # d = 100, <=3-way: 1.3 M pairs planned in 0.65 s
 # 0.5-2.8 µs per dim³ measured (12 x 12, 20 x 20 and 21 x 21 affine pairs: 5 to 72 s), one per distinct
 # strategy the plan stores
 PLAN_S_PER_SOLVED_DIM3 = 1.5e-6
+# Past smasher.MAX_SET_DIM a set is solved in its queries' row space (smasher.low_rank_strategy): 3.8, 12
+# and 26 s for 20 x 20, 30 x 30 and 40 x 40 affine pairs measured, ~4.5e-4 s per dim^1.5
+PLAN_S_PER_LOW_RANK_DIM15 = 4.5e-4
+# ... holding ~21 matrices of the set's cells x cells (its Grams, the residual bases, both strategies):
+# 414 MiB traced for 40 x 40 (tracemalloc), 129 MiB for 30 x 30
+SOLVE_MATRICES = 24
 RECON_S_PER_CELL_TERM = 0.15e-6  # one Kronecker-vector term of one cell
 TABLE_S_PER_CELL = 1.5e-6  # labels, Arrow table and Parquet encoding
 OUTPUT_BYTES_PER_CELL = 12  # Parquet: float64 estimate (noisy: incompressible) + dictionary-coded labels
@@ -275,7 +281,7 @@ def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
 
 
 def loads(spec: DPQueryJob, probed: Probe) -> Loads:
-    from functions.dpquery import planner
+    from functions.dpquery import planner, smasher
     from functions.dpquery import reconstruct as rc
 
     pl, state, size = probed.model
@@ -296,20 +302,31 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     plan_doc_bytes = PLAN_DOC_FACTOR * arrays_bytes
     pairs = int(pl.sub_ptr[-1])
     # the strategies 2-way types' sets were solved for (a Kronecker set's per-attribute ones are cheap)
-    solved_dim3 = sum(b.shape[0] ** 3 for name, b in pl.strategies.items() if name.startswith("dense:"))
+    solved = [b for name, b in pl.strategies.items() if name.startswith("dense:")]
+    solve_s = sum(
+        PLAN_S_PER_SOLVED_DIM3 * b.shape[0] ** 3
+        if b.shape[0] <= smasher.MAX_SET_DIM
+        else PLAN_S_PER_LOW_RANK_DIM15 * b.shape[0] ** 1.5
+        for b in solved
+    )
+    solve_bytes = max((SOLVE_MATRICES * 8 * b.shape[1] ** 2 for b in solved), default=0)
 
     ledger_entries = len(state.entries) if state is not None else 0
 
     # plan: allocate, scan once, reserve on the ledger, write the plan document and two manifests
     unit_scans = 1 if spec.privacy_unit is not None else 0  # the id column, at plan and again in measure
     plan_load = TaskLoad(
-        peak_bytes=RUNTIME_BYTES + PLAN_BYTES_PER_PAIR * pairs + plan_doc_bytes + SCAN_BYTES[fmt],
+        peak_bytes=RUNTIME_BYTES
+        + PLAN_BYTES_PER_PAIR * pairs
+        + plan_doc_bytes
+        + SCAN_BYTES[fmt]
+        + solve_bytes,
         # + the fingerprint's reads, the ledger's LIST and entries, the fingerprint index
         gets=(2 + unit_scans) * scan_gets + 2 + ledger_entries,
         puts=4 + (1 if state is not None and state.total_rho is None else 0) + 1,
         duration_s=pricing.TASK_OVERHEAD_S
         + PLAN_S_PER_PAIR * pairs
-        + PLAN_S_PER_SOLVED_DIM3 * solved_dim3
+        + solve_s
         + (1 + unit_scans) * scan_s
         + data_bytes / HASH_BYTES_PER_S
         + (5 + ledger_entries) * latency,

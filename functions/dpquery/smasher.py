@@ -484,9 +484,12 @@ def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> S
 
 # --- queries that are not Kronecker products: explicit matrices on small domains -------------------------
 
-MAX_SET_DIM = 400  # the full convex solver's largest residual space, ∏(n_i − 1)
+# the full convex solver's largest residual space, ∏(n_i − 1): 44 s for 19 × 19, against 3 s for the
+# low-rank strategy within 2.5 % of its loss (docs/benchmarks.md)
+MAX_SET_DIM = 100
 _ROUNDING = 1e-12  # a query's piece this small against its largest entry is rounding, not a piece
 _FLOORS = (1e-2, 1e-3, 1e-4)  # of the mean eigenvalue, added to a set's Gram for the full convex solve
+_TINY = np.finfo(np.float64).tiny
 
 
 def pair_queries(kind: str, n1: int, n2: int) -> np.ndarray:
@@ -539,15 +542,26 @@ class SetStrategy:
     solver: str
 
 
-def set_strategy(g: np.ndarray, sizes: Sequence[int]) -> SetStrategy:
+def set_strategy(g: np.ndarray, sizes: Sequence[int], few: np.ndarray | None = None) -> SetStrategy:
     """The best strategy for a residual set of attributes of ``sizes`` whose queries' pieces have the Gram
-    ``g`` (over the set's cells): ResidualPlanner's Kronecker product of contrasts, or the full convex
+    ``g`` (over the set's cells): ResidualPlanner's Kronecker product of contrasts; for several attributes
+    the Kronecker-factored optimum (:func:`factored_strategy`) and, where ``few`` (the part of ``g`` from
+    2-way query types, which reach few directions) is given, :func:`low_rank_strategy`; and the full convex
     optimum over the set's residual space (⊗U_i, when it has at most :data:`MAX_SET_DIM` dimensions)."""
     if not sizes:  # the empty set: the total count, measured as itself
         return SetStrategy(np.ones((1, 1)), float(g[0, 0]), "identity")
     rp = kron_all([n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes])
     # (BᵀB)⁺ = ⊗ (n−1)/n·(I − J/n), and g lies in the set's residual space
     best = SetStrategy(rp, float(np.trace(g)) * math.prod((n - 1) / n for n in sizes), "identity")
+    candidates = []
+    if len(sizes) > 1:
+        candidates.append(lambda: factored_strategy(g, sizes))
+        if few is not None:
+            candidates.append(lambda: low_rank_strategy(g, few, sizes))
+    for make in candidates:
+        found = make()
+        if found.loss < best.loss:
+            best = found
     dim = math.prod(n - 1 for n in sizes)
     if dim <= MAX_SET_DIM:
         u = kron_all([residual_basis(n) for n in sizes])
@@ -564,6 +578,102 @@ def set_strategy(g: np.ndarray, sizes: Sequence[int]) -> SetStrategy:
             if loss < best.loss:
                 best = SetStrategy(convex.gram, loss, "convex")
     return best
+
+
+LOW_RANK_SHARE = 1e-2  # of the budget the low-rank strategy leaves to every other direction when alone
+
+
+def low_rank_strategy(g: np.ndarray, few: np.ndarray, sizes: Sequence[int]) -> SetStrategy:
+    """A strategy for a set whose Gram ``g`` holds a part ``few`` of low rank (the pieces of 2-way query
+    types: an affine workload on n_a × n_b reaches n_a + n_b − 1 of its (n_a − 1)(n_b − 1) directions).
+
+    The convex problem restricted to the row space of ``few`` has as many unknowns as the set has cells
+    but r × r matrices (r: the rank), so it is solved exactly where the full one is out of reach; it
+    measures nothing outside that space. The rest of ``g`` (pieces of Kronecker entries) gets its
+    Kronecker-factored optimum, or, where there is none, the contrasts with :data:`LOW_RANK_SHARE` of the
+    budget, so any query on the set stays answerable. The two are measured together, scaled to privacy
+    cost 1, in the budget split that minimises the bound l₁/α + l₂/(1 − α) of their losses; the loss
+    returned is the exact one of the sum on ``g``."""
+    u = kron_all([residual_basis(int(n)) for n in sizes])
+    a_few = u.T @ few @ u
+    w, v = np.linalg.eigh((a_few + a_few.T) / 2)
+    keep = w > 1e-10 * max(float(w[-1]), _TINY)
+    part = _convex_strategy(np.diag(w[keep]), u @ v[:, keep])
+    rest = g - few
+    a = u.T @ g @ u
+    a = (a + a.T) / 2
+    m_part = u.T @ part.gram @ u
+    diag_part = np.diag(part.gram)
+    if float(np.trace(rest)) > 1e-12 * float(np.trace(g)):
+        other = factored_strategy(rest, sizes)
+        # the bound's split, l₁/α + l₂/(1 − α) at its minimum, then the exact loss's minimum near it
+        start = math.sqrt(other.loss) / (math.sqrt(part.loss) + math.sqrt(other.loss))
+        bounds = (start / 4, min(1.0 - (1.0 - start) / 4, 1.0 - 1e-9))
+    else:  # nothing else asked: every other direction gets a small fixed share
+        other = SetStrategy(kron_all([n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes]), 0.0, "identity")
+        bounds = (LOW_RANK_SHARE, LOW_RANK_SHARE)
+    m_other = u.T @ other.gram @ u
+    diag_other = np.diag(other.gram)
+
+    def loss(share: float) -> float:
+        scale = float(np.max((1.0 - share) * diag_part + share * diag_other))
+        m = ((1.0 - share) * m_part + share * m_other) / scale
+        return float(np.trace(np.linalg.solve((m + m.T) / 2, a)))
+
+    if bounds[0] == bounds[1]:
+        share = bounds[0]
+    else:
+        from scipy.optimize import minimize_scalar  # deferred, as in _convex_strategy
+
+        found = minimize_scalar(loss, bounds=bounds, method="bounded", options={"xatol": 1e-3})
+        share = float(found.x)
+    gram = (1.0 - share) * part.gram + share * other.gram
+    gram /= float(np.diag(gram).max())
+    loss_at = loss(share)
+    return SetStrategy(gram, loss_at, "low-rank")
+
+
+def factored_strategy(
+    g: np.ndarray, sizes: Sequence[int], rounds: int = 8, rtol: float = 1e-6
+) -> SetStrategy:
+    """The best Kronecker product ⊗B_i (each factor of privacy cost 1) for a residual set whose pieces'
+    Gram ``g`` (over its cells) is not a Kronecker product, as 2-way query types give: the Kronecker-factored
+    solver, one per-attribute problem of size n_i − 1 at a time, for sets too large for the full convex one.
+
+    Block-coordinate descent, as :func:`kronecker_strategy` does for a sum of Kronecker terms: the loss
+    tr(g ⊗P_j), P_j = (B_jᵀB_j)⁺, is linear in P_i with the others fixed, with the partial trace of g
+    against them as the attribute's Gram (positive semidefinite, since g is). It starts from the contrasts
+    (ResidualPlanner's), stops when a round gains less than ``rtol`` and returns the best product seen."""
+    k = len(sizes)
+    tensor = g.reshape(*sizes, *sizes)
+    rows, cols = "abcdefgh"[:k], "ijklmnop"[:k]  # g's row and column index of each attribute
+
+    def loss(inverses: list[np.ndarray]) -> float:
+        spec = ",".join(f"{c}{r}" for r, c in zip(rows, cols, strict=True))
+        return float(np.einsum(f"{rows}{cols},{spec}->", tensor, *inverses))
+
+    current = [attribute_strategy(np.eye(n) - 1.0 / n) for n in sizes]
+    inverses = [_pinv(b) for b in current]
+    best, best_loss = list(current), loss(inverses)
+    for _ in range(rounds):
+        for i, n in enumerate(sizes):
+            others = [j for j in range(k) if j != i]
+            spec = ",".join(f"{cols[j]}{rows[j]}" for j in others)
+            out = f"{rows}{cols},{spec}->{rows[i]}{cols[i]}"
+            part = np.einsum(out, tensor, *(inverses[j] for j in others))
+            part = (part + part.T) / 2
+            # a direction no piece reaches would get no measurement (and the dual solver no optimum): a
+            # little weight on each keeps every query answerable, as set_strategy's floors do
+            part += _FLOORS[-1] * max(float(np.trace(part)), _TINY) / (n - 1) * (np.eye(n) - 1.0 / n)
+            current[i] = attribute_strategy(part)
+            inverses[i] = _pinv(current[i])
+        now = loss(inverses)
+        gained = best_loss - now
+        if now < best_loss:
+            best, best_loss = list(current), now
+        if gained <= rtol * best_loss:
+            break
+    return SetStrategy(kron_all([b.gram for b in best]), best_loss, "factored")
 
 
 @dataclass

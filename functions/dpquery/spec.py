@@ -161,10 +161,11 @@ PairType = Literal["affine", "abs_diff"]  # over a 2-way marginal of two ordered
 ATTRIBUTE_TYPES: tuple[str, ...] = get_args(QueryType)
 PAIR_TYPES: tuple[str, ...] = get_args(PairType)
 QUERY_TYPES: tuple[str, ...] = ATTRIBUTE_TYPES + PAIR_TYPES  # a type's code in a plan is its index here
-# A 2-way query type's queries are not a product of per-attribute queries: its residual set is solved as
-# one convex problem over (n_a − 1)(n_b − 1) dimensions (functions.dpquery.smasher.set_strategy), at most
-# this many.
-MAX_PAIR_DIM = 400
+# A 2-way query type's queries are not a product of per-attribute queries: its residual set is measured
+# through one matrix over the marginal's cells, solved from the Gram of its pieces over the set's
+# (n_a − 1)(n_b − 1) dimensions (functions.dpquery.smasher.set_strategy), at most this many: 40 × 40
+# bins, a Gram of 20 MB and a plan of ~20 s for each pair of its own structure.
+MAX_PAIR_DIM = 1600
 ATTRIBUTE_QUERIES_DESCRIPTION = (
     "per ordered attribute (a range), what to count along it: identity (each bin, the default), prefix "
     "(bins up to each one), range (every interval of bins) or circular_range (every arc of the bins on a "
