@@ -273,8 +273,21 @@ def dpquery_general(root: str) -> tuple[dict, str]:
     return doc, "20,000 rows CSV, all <=2-way of 6, range/prefix/circular queries"
 
 
+def dpquery_pair(root: str) -> tuple[dict, str]:
+    """A 2-way type past the full convex solver's reach: affine queries on 72 ages x 8 household sizes
+    (497 dimensions, the low-rank strategy), whose solve holds matrices of its 576 cells squared at plan."""
+    doc, _ = dpquery_large(root, rows=20_000)
+    doc["workload"] = [
+        {"attributes": ["age", "household_size"], "queries": "affine"},
+        {"attributes": ["sex", "region"]},
+    ]
+    return doc, "20,000 rows CSV, affine on 72 x 8 bins"
+
+
 @pytest.mark.parametrize(
-    "make", [dpquery_small, dpquery_large, dpquery_general], ids=["small", "large", "general"]
+    "make",
+    [dpquery_small, dpquery_large, dpquery_general, dpquery_pair],
+    ids=["small", "large", "general", "pair"],
 )
 def test_dpquery(children, root, make):
     from functions.dpquery import handlers
