@@ -553,15 +553,11 @@ def set_strategy(g: np.ndarray, sizes: Sequence[int], few: np.ndarray | None = N
     rp = kron_all([n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes])
     # (BᵀB)⁺ = ⊗ (n−1)/n·(I − J/n), and g lies in the set's residual space
     best = SetStrategy(rp, float(np.trace(g)) * math.prod((n - 1) / n for n in sizes), "identity")
-    candidates = []
     if len(sizes) > 1:
-        candidates.append(lambda: factored_strategy(g, sizes))
+        found = [factored_strategy(g, sizes)]
         if few is not None:
-            candidates.append(lambda: low_rank_strategy(g, few, sizes))
-    for make in candidates:
-        found = make()
-        if found.loss < best.loss:
-            best = found
+            found.append(low_rank_strategy(g, few, sizes))
+        best = min([best, *found], key=lambda s: s.loss)
     dim = math.prod(n - 1 for n in sizes)
     if dim <= MAX_SET_DIM:
         u = kron_all([residual_basis(n) for n in sizes])
@@ -592,8 +588,8 @@ def low_rank_strategy(g: np.ndarray, few: np.ndarray, sizes: Sequence[int]) -> S
     measures nothing outside that space. The rest of ``g`` (pieces of Kronecker entries) gets its
     Kronecker-factored optimum, or, where there is none, the contrasts with :data:`LOW_RANK_SHARE` of the
     budget, so any query on the set stays answerable. The two are measured together, scaled to privacy
-    cost 1, in the budget split that minimises the bound l₁/α + l₂/(1 − α) of their losses; the loss
-    returned is the exact one of the sum on ``g``."""
+    cost 1, in the budget split of least exact loss on ``g``: a bounded 1-D search around the split that
+    minimises the bound l₁/α + l₂/(1 − α) of their losses. The loss returned is that exact loss."""
     u = kron_all([residual_basis(int(n)) for n in sizes])
     a_few = u.T @ few @ u
     w, v = np.linalg.eigh((a_few + a_few.T) / 2)
