@@ -1088,7 +1088,8 @@ def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, s
     (``"identity"``, ``"mixed:<n>"`` or ``"dense:<n_a>x<n_b>"``; the matrices measured, one per attribute
     or one over the cells; {column set: (a Gram of its pieces, log of the factor that makes it the Gram
     unweighted by the c_u its log_lo is taken against)}).
-    ``solves`` caches the Grams by what they are made of, and the strategy by the set's structure."""
+    ``solves`` caches the Grams (with their traces) by what they are made of, and the strategy by the set's
+    structure."""
     # each column set's Gram, cached by what it is made of: the sets of one structure (every pair of a
     # workload on [n]^d) share their Grams and their solve, so d(d−1)/2 pairs build no matrices of their own
     cover: dict[int, np.ndarray] = {}
@@ -1099,24 +1100,26 @@ def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, s
             weight, few = float(sources[0][0]), True  # the marginals' weights, relative to the first's
             made_of = ("pair", tuple((float(w) / weight, _digest(solves, gram)) for w, gram in sources))
             if made_of not in solves:
-                solves[made_of] = sum(float(w) / weight * gram for w, gram in sources)
+                solves[made_of] = _with_trace(sum(float(w) / weight * gram for w, gram in sources))
         else:
             made_of = (
                 "kron",
                 tuple((int(kind_ext[t]), int(size)) for t, size in zip(row, sizes, strict=True)),
             )
             if made_of not in solves:
-                solves[made_of] = kron_all([centred_gram(QUERY_TYPES[k], size) for k, size in made_of[1]])
+                solves[made_of] = _with_trace(
+                    kron_all([centred_gram(QUERY_TYPES[k], size) for k, size in made_of[1]])
+                )
             weight, few = math.exp(float(lse_a[u] - log_o_ext[row].sum())), False
-        cover[int(u)] = (solves[made_of], math.log(weight) if few else 0.0)
+        cover[int(u)] = (solves[made_of][0], math.log(weight) if few else 0.0)
         parts.append((made_of, weight, few))
     # the best strategy is the same for any multiple of the Gram: sets of one structure solve once; a miss
     # only costs a solve
-    scale = max(math.fsum(w * _trace(solves, made_of) for made_of, w, _ in parts), _TINY)
+    scale = max(math.fsum(w * solves[made_of][1] for made_of, w, _ in parts), _TINY)
     key = (tuple(sizes), tuple(sorted((made_of, round(w / scale, 12), few) for made_of, w, few in parts)))
     if key not in solves:
-        total = sum(w * solves[made_of] for made_of, w, _ in parts)
-        low = sum(w * solves[made_of] for made_of, w, few in parts if few)
+        total = sum(w * solves[made_of][0] for made_of, w, _ in parts)
+        low = sum(w * solves[made_of][0] for made_of, w, few in parts if few)
         trace = max(float(np.trace(total)), _TINY)
         solves[key] = _best_whole(total / trace, sizes, low / trace if len(sizes) > 1 else None)
     return (*solves[key], cover)
@@ -1130,12 +1133,8 @@ def _digest(solves: dict, gram: np.ndarray) -> bytes:
     return solves[key][0]  # the Gram is kept beside its digest, so its id is not reused
 
 
-def _trace(solves: dict, made_of: tuple) -> float:
-    """The trace of a cached Gram (cached beside it)."""
-    key = ("trace", made_of)
-    if key not in solves:
-        solves[key] = float(np.trace(solves[made_of]))
-    return solves[key]
+def _with_trace(gram: np.ndarray) -> tuple[np.ndarray, float]:
+    return gram, float(np.trace(gram))
 
 
 def _best_whole(total: np.ndarray, sizes: list[int], few: np.ndarray | None) -> tuple[str, list[np.ndarray]]:

@@ -74,8 +74,8 @@ PLAN_S_PER_SOLVED_DIM3 = 1.5e-6
 # Past smasher.MAX_SET_DIM a set is solved in its queries' row space (smasher.low_rank_strategy): 3.8, 12
 # and 26 s for 20 x 20, 30 x 30 and 40 x 40 affine pairs measured, ~4.5e-4 s per dim^1.5
 PLAN_S_PER_LOW_RANK_DIM15 = 4.5e-4
-# ... holding ~21 matrices of the set's cells x cells (its Grams, the residual bases, both strategies):
-# 414 MiB traced for 40 x 40 (tracemalloc), 129 MiB for 30 x 30
+# ... holding up to ~21 matrices of the set's cells x cells at once (its Grams, the residual bases, both
+# strategies): 394-414 MiB traced for 40 x 40 (tracemalloc), 129 MiB for 30 x 30; 24 leaves a margin
 SOLVE_MATRICES = 24
 RECON_S_PER_CELL_TERM = 0.15e-6  # one Kronecker-vector term of one cell
 TABLE_S_PER_CELL = 1.5e-6  # labels, Arrow table and Parquet encoding

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -286,7 +286,6 @@ def kronecker_strategy(
         raise PlanError("internal: a residual set that no workload entry reaches")
     k = len(terms[0][1])
     sizes = [int(g.shape[0]) for g in terms[0][1]]
-    current = [attribute_strategy(np.eye(n) - 1.0 / n) for n in sizes]
 
     def loss(strategies: list[AttributeStrategy]) -> float:
         return math.fsum(
@@ -294,15 +293,32 @@ def kronecker_strategy(
             for w, grams in terms
         )
 
-    best, best_loss = list(current), loss(current)
+    def weighted(i: int, current: list[AttributeStrategy]) -> np.ndarray:
+        return sum(
+            w * math.prod(strategy_loss(g, current[j]) for j, g in enumerate(grams) if j != i) * grams[i]
+            for w, grams in terms
+        )
+
     free = [i for i in range(k) if not (fixed and fixed[i])]
+    return _coordinate_descent(sizes, free, weighted, loss, rounds, rtol)
+
+
+def _coordinate_descent(
+    sizes: Sequence[int],
+    free: Sequence[int],
+    weighted: Callable[[int, list[AttributeStrategy]], np.ndarray],
+    loss: Callable[[list[AttributeStrategy]], float],
+    rounds: int,
+    rtol: float,
+) -> tuple[list[AttributeStrategy], float]:
+    """Block-coordinate descent over per-attribute strategies, from the contrasts (ResidualPlanner's): each
+    step replaces attribute i's (for i in ``free``) by the optimum for the Gram ``weighted(i, current)``;
+    it stops when a round gains less than ``rtol`` and returns the best strategies seen and their loss."""
+    current = [attribute_strategy(np.eye(n) - 1.0 / n) for n in sizes]
+    best, best_loss = list(current), loss(current)
     for _ in range(rounds):
         for i in free:
-            weighted = sum(
-                w * math.prod(strategy_loss(g, current[j]) for j, g in enumerate(grams) if j != i) * grams[i]
-                for w, grams in terms
-            )
-            current[i] = attribute_strategy(weighted)
+            current[i] = attribute_strategy(weighted(i, current))
         now = loss(current)
         gained = best_loss - now
         if now < best_loss:
@@ -550,7 +566,7 @@ def set_strategy(g: np.ndarray, sizes: Sequence[int], few: np.ndarray | None = N
     optimum over the set's residual space (⊗U_i, when it has at most :data:`MAX_SET_DIM` dimensions)."""
     if not sizes:  # the empty set: the total count, measured as itself
         return SetStrategy(np.ones((1, 1)), float(g[0, 0]), "identity")
-    rp = kron_all([n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes])
+    rp = _contrasts_gram(sizes)
     # (BᵀB)⁺ = ⊗ (n−1)/n·(I − J/n), and g lies in the set's residual space
     best = SetStrategy(rp, float(np.trace(g)) * math.prod((n - 1) / n for n in sizes), "identity")
     if len(sizes) > 1:
@@ -574,6 +590,11 @@ def set_strategy(g: np.ndarray, sizes: Sequence[int], few: np.ndarray | None = N
             if loss < best.loss:
                 best = SetStrategy(convex.gram, loss, "convex")
     return best
+
+
+def _contrasts_gram(sizes: Sequence[int]) -> np.ndarray:
+    """⊗ n/(n−1)·(I − J/n): BᵀB of ResidualPlanner's contrasts over a set's cells, max diagonal 1."""
+    return kron_all([n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes])
 
 
 LOW_RANK_SHARE = 1e-2  # of the budget the low-rank strategy leaves to every other direction when alone
@@ -606,7 +627,7 @@ def low_rank_strategy(g: np.ndarray, few: np.ndarray, sizes: Sequence[int]) -> S
         start = math.sqrt(other.loss) / (math.sqrt(part.loss) + math.sqrt(other.loss))
         bounds = (start / 4, min(1.0 - (1.0 - start) / 4, 1.0 - 1e-9))
     else:  # nothing else asked: every other direction gets a small fixed share
-        other = SetStrategy(kron_all([n / (n - 1) * (np.eye(n) - 1.0 / n) for n in sizes]), 0.0, "identity")
+        other = SetStrategy(_contrasts_gram(sizes), 0.0, "identity")
         bounds = (LOW_RANK_SHARE, LOW_RANK_SHARE)
     m_other = u.T @ other.gram @ u
     diag_other = np.diag(other.gram)
@@ -644,31 +665,23 @@ def factored_strategy(
     tensor = g.reshape(*sizes, *sizes)
     rows, cols = "abcdefgh"[:k], "ijklmnop"[:k]  # g's row and column index of each attribute
 
-    def loss(inverses: list[np.ndarray]) -> float:
+    def loss(strategies: list[AttributeStrategy]) -> float:
         spec = ",".join(f"{c}{r}" for r, c in zip(rows, cols, strict=True))
-        return float(np.einsum(f"{rows}{cols},{spec}->", tensor, *inverses))
+        return float(np.einsum(f"{rows}{cols},{spec}->", tensor, *map(_pinv, strategies)))
 
-    current = [attribute_strategy(np.eye(n) - 1.0 / n) for n in sizes]
-    inverses = [_pinv(b) for b in current]
-    best, best_loss = list(current), loss(inverses)
-    for _ in range(rounds):
-        for i, n in enumerate(sizes):
-            others = [j for j in range(k) if j != i]
-            spec = ",".join(f"{cols[j]}{rows[j]}" for j in others)
-            out = f"{rows}{cols},{spec}->{rows[i]}{cols[i]}"
-            part = np.einsum(out, tensor, *(inverses[j] for j in others))
-            part = (part + part.T) / 2
-            # a direction no piece reaches would get no measurement (and the dual solver no optimum): a
-            # little weight on each keeps every query answerable, as set_strategy's floors do
-            part += _FLOORS[-1] * max(float(np.trace(part)), _TINY) / (n - 1) * (np.eye(n) - 1.0 / n)
-            current[i] = attribute_strategy(part)
-            inverses[i] = _pinv(current[i])
-        now = loss(inverses)
-        gained = best_loss - now
-        if now < best_loss:
-            best, best_loss = list(current), now
-        if gained <= rtol * best_loss:
-            break
+    def weighted(i: int, current: list[AttributeStrategy]) -> np.ndarray:
+        others = [j for j in range(k) if j != i]
+        spec = ",".join(f"{cols[j]}{rows[j]}" for j in others)
+        part = np.einsum(
+            f"{rows}{cols},{spec}->{rows[i]}{cols[i]}", tensor, *(_pinv(current[j]) for j in others)
+        )
+        part = (part + part.T) / 2
+        # a direction no piece reaches would get no measurement (and the dual solver no optimum): a
+        # little weight on each keeps every query answerable, as set_strategy's floors do
+        n = sizes[i]
+        return part + _FLOORS[-1] * max(float(np.trace(part)), _TINY) / (n - 1) * (np.eye(n) - 1.0 / n)
+
+    best, best_loss = _coordinate_descent(sizes, range(k), weighted, loss, rounds, rtol)
     return SetStrategy(kron_all([b.gram for b in best]), best_loss, "factored")
 
 
