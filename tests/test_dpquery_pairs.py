@@ -211,9 +211,11 @@ def test_a_job_answers_every_2_way_query_exactly_with_the_plans_variance(tmp_pat
 # 4 x 5: the best of the full convex and the low-rank strategies; 13 x 12 (132 dimensions): the low-rank
 @pytest.mark.parametrize("n", [(4, 5), (13, 12)])
 def test_measured_through_one_matrix_the_answers_are_unbiased_with_their_variance(n):
-    """OpenDP's noise on a set measured whole (the dense path of measure.measure_sets), 400 times: every
-    affine answer's mean is within 4 standard errors of the truth and its sample variance within 25 % of the
-    variance reconstruct.pair_answers states."""
+    """OpenDP's noise on a set measured whole (the dense path of measure.measure_sets), R = 400 times: every
+    affine answer's mean is within 5 standard errors of the truth, and its sample variance within 5 standard
+    errors (5 v sqrt(2 / (R - 1)), 35 %) of the variance reconstruct.pair_answers states. That is the other
+    Monte Carlo tests' bound, at which none of the 32 answers fails by chance; at 4 standard errors and 25 %
+    one did, in about one run in a hundred."""
     pl = planner.plan(domains=list(n), workload=[(0, 1)], rho=2.0, queries=[{0: "affine", 1: "affine"}])
     rng = np.random.default_rng(3)
     x = rng.integers(0, 50, n)
@@ -252,8 +254,9 @@ def test_measured_through_one_matrix_the_answers_are_unbiased_with_their_varianc
         est, var = rc.pair_answers("affine", n, terms)
         draws.append(est)
     draws = np.array(draws)
-    assert np.all(np.abs(draws.mean(axis=0) - truth_q) <= 4 * np.sqrt(var / len(draws)))
-    assert np.allclose(draws.var(axis=0, ddof=1), var, rtol=0.25)
+    runs = len(draws)
+    assert np.all(np.abs(draws.mean(axis=0) - truth_q) < 5 * np.sqrt(var / runs))
+    assert np.all(np.abs(draws.var(axis=0, ddof=1) - var) < 5 * var * math.sqrt(2 / (runs - 1)))
     assert var.mean() == pytest.approx(float(pl.var[0]), rel=1e-9)
     assert pl.privacy_cost() == pytest.approx(2 * pl.rho_planned, rel=1e-12)
     if math.prod(k - 1 for k in n) > smasher.MAX_SET_DIM:  # past the full convex solver's reach
