@@ -267,26 +267,47 @@ def test_cli_report_and_logs(local_client):
 def test_every_kind_records_every_task_and_dpquery_withholds_its_private_steps(
     backend, tmp_path, monkeypatch
 ):
+    """Every demo job's records. On the local backend the demos run as ``shardfold demo`` does for a new
+    user, through the CLI, whose summary is checked too (one run of the four jobs for both checks); on moto
+    through the SDK's demo functions."""
     from client import demo
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    if backend == "local":
+        monkeypatch.setenv("COLUMNS", "200")
+        monkeypatch.delenv("SHARDFOLD_BACKEND", raising=False)
+        res = CliRunner().invoke(cli, ["demo", "--items", "24", "--no-progress"], catch_exceptions=False)
+        out = res.output
+        assert res.exit_code == 0, out
+        assert "getbatch" in out and "yes" in out and "SUCCEEDED" in out
+        assert "8 clients" in out and "2 shards" in out and "fedavg: 10 tensors" in out
+        # dpquery: the expected vs observed error of a release of every <=2-way marginal of 100,000 rows
+        assert "100,000 rows" in out and "22 marginals" in out and "workload RMSE predicted" in out
+        assert "dpquery: standardised errors" in out and "(exact Gaussian)" in out
+        with Client(backend=backend) as client:
+            jobs = sorted((s.kind, s.job_id) for s in client.jobs())
+            assert [k for k, _ in jobs] == sorted(demo.DEMOS), jobs
+            for kind, job_id in jobs:
+                check_every_field(client, kind, job_id)
+        return
     with Client(backend=backend) as client:
         for run in (demo.demo_getbatch, demo.demo_fedavg, demo.demo_dpquery, demo.demo_inference):
-            check_every_field(client, run(client, 24) if run is demo.demo_getbatch else run(client))
+            shown = run(client, 24) if run is demo.demo_getbatch else run(client)
+            check_every_field(client, shown.kind, shown.job_id)
 
 
-def check_every_field(client: Client, shown) -> None:
+def check_every_field(client: Client, kind_name: str, job_id: str) -> None:
     """Every field in every record of a demo job; dpquery's private steps withheld (records, estimate)."""
     from functions import kinds
 
-    job = client.job(shown.job_id)
+    job = client.job(job_id)
     records = telemetry.read_records(client.store_root, job.job_id)
-    kind = kinds.find(shown.kind)
+    kind = kinds.find(kind_name)
     ran = {r["step"] for r in records}
     steps = {s.name for s in kind.workflow.walk() if isinstance(s, BatchJob) or hasattr(s, "function")}
-    assert ran <= steps and len(ran) >= 3, (shown.kind, ran)
+    assert ran <= steps and len(ran) >= 3, (kind_name, ran)
     for r in records:
-        assert FIELDS <= set(r) and r["outcome"] == "succeeded", (shown.kind, r)
+        assert FIELDS <= set(r) and r["outcome"] == "succeeded", (kind_name, r)
         if r["step"] in kind.private_steps:  # nothing measured leaves: a proxy of the row count
             assert r["withheld"] is True and r["duration_s"] is None and r["bytes_read"] is None
             assert r["requests"] is None and r["peak_memory_mib"] is None and r["started_at"] is None
@@ -294,10 +315,10 @@ def check_every_field(client: Client, shown) -> None:
                 lines = telemetry.log_lines(r)
                 assert all("timestamp" not in json.loads(line) for line in lines), lines
         else:
-            assert r["duration_s"] is not None and r["peak_memory_mib"] > 10, (shown.kind, r)
+            assert r["duration_s"] is not None and r["peak_memory_mib"] > 10, (kind_name, r)
     doc = job.report()
     assert doc["tasks"] == len({(r["step"], r["task"]) for r in records})
-    if shown.kind == "dpquery":
+    if kind_name == "dpquery":
         assert kind.private_steps <= ran
         private_lines = [
             ln for r in records if r["step"] in kind.private_steps for ln in telemetry.log_lines(r)
@@ -307,7 +328,7 @@ def check_every_field(client: Client, shown) -> None:
         private = [s for s in estimate["steps"] if s["name"] in kind.private_steps]
         assert private and all(s["duration_s"] is None and s["gets"] is None for s in private)
         assert estimate["cost_usd"] == {}
-    if shown.kind == "inference":  # the Batch container's attempt is named by its step
+    if kind_name == "inference":  # the Batch container's attempt is named by its step
         assert "infer" in ran and "repair_infer" not in ran  # a clean run starts no repair job
         if client.backend == "local":  # a container process of its own
             assert all(r["memory_scope"] == "task" for r in records if r["step"] == "infer")
