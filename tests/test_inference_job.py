@@ -25,6 +25,10 @@ EVENTS = REPO / "events"
 WAIT_S = 300  # a deadline, not a timing assumption
 ROWS = 48
 SHARD_ROWS = 16
+# Rows of at most this many words where 320 rows are embedded twice (a job with a killed worker, then a clean
+# run): 2.6x less CPU than the default of 60 words, and a shard of 16 rows still takes ~0.1 s, so a kill
+# after two commits leaves 18 shards to do.
+SHORT = 20
 
 
 def corpus_bytes(rows: list[dict]) -> bytes:
@@ -123,7 +127,7 @@ def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_
 
     monkeypatch.setattr(store, "delete_prefix", lambda prefix: 0)  # keep the scratch to see who did what
 
-    rows = inference_corpus(320, seed=5)
+    rows = inference_corpus(320, seed=5, max_words=SHORT)
     key = put_corpus(local_client, "corpora/kill.jsonl", rows)
     spec = {"kind": "inference", "inputs": [key], "field": "text", "id_field": "id", "shard_rows": 16}
     job = local_client.submit(spec)
@@ -170,7 +174,7 @@ def test_two_workers_share_the_shards_and_survive_one_killed(local_client, monke
 
     monkeypatch.setattr(store, "delete_prefix", lambda prefix: 0)  # keep the scratch to see who did what
 
-    rows = inference_corpus(320, seed=6)
+    rows = inference_corpus(320, seed=6, max_words=SHORT)
     key = put_corpus(local_client, "corpora/two.jsonl", rows)
     spec = {"kind": "inference", "inputs": [key], "field": "text", "id_field": "id", "shard_rows": 16}
     job = local_client.submit({**spec, "gpu_workers": 2})
