@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import itertools
 import json
 import math
 import re
@@ -106,6 +105,37 @@ def table_to_array(tbl: pa.Table, attributes: Sequence[str] | None = None) -> La
         stride //= n
         labels[name] = tbl.column(name).slice(0, n * stride).to_pylist()[::stride]
     return LabelledArray(values.reshape(shape), labels)
+
+
+def _weighted_queries(
+    names: list[str], sizes: list[int], on: str | Sequence[str], weights: Any
+) -> tuple[tuple[int, ...], np.ndarray, bool]:
+    """``answer``'s ``on`` and ``weights`` as (attributes sorted, one row per query over their cells in C
+    order, whether one query was given), checked: each refusal names the argument."""
+    wanted = [n.strip() for n in on.split(",")] if isinstance(on, str) else [str(n) for n in on]
+    unknown = [n for n in wanted if n not in names]
+    if unknown or not wanted or len(set(wanted)) != len(wanted):
+        raise SpecError(
+            f"answer: on {wanted} must name distinct attributes of this release ({', '.join(names)})"
+            + (f"; it has no {unknown[0]!r}" if unknown else "")
+        )
+    given = [names.index(n) for n in wanted]
+    shape = tuple(sizes[i] for i in given)
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"answer: weights must be numbers: {exc}") from None
+    if w.shape != shape and w.shape[1:] != shape:
+        raise SpecError(
+            f"answer: weights has shape {w.shape}; on {wanted} needs {shape} (one query) or (k, *{shape})"
+        )
+    if not np.all(np.isfinite(w)):
+        raise SpecError("answer: weights must be finite numbers")
+    single = w.ndim == len(shape)
+    order = sorted(range(len(given)), key=lambda p: given[p])  # the cells' axes in schema order
+    stack = w[None] if single else w
+    stack = np.transpose(stack, [0, *(p + 1 for p in order)])
+    return tuple(given[p] for p in order), stack.reshape(stack.shape[0], -1), single
 
 
 def _selection(attribute: Any, chosen: Any) -> np.ndarray:
@@ -521,66 +551,89 @@ class DPQuery:
 
     to_mbi = staticmethod(to_mbi)
 
-    def answer(self, result: Any, where: dict[str, Any] | None = None) -> dict[str, float]:
-        """The count of the records in a box of the schema, from the release: ``{"estimate", "std_error",
-        "variance"}``, unbiased, with its exact variance. Post-processing: no privacy cost, no data read.
+    def answer(
+        self,
+        result: Any,
+        where: dict[str, Any] | None = None,
+        *,
+        on: str | Sequence[str] | None = None,
+        weights: Any = None,
+    ) -> dict[str, float] | list[dict[str, float]]:
+        """A linear query's answer from the release: ``{"estimate", "std_error", "variance"}``, unbiased, with
+        its exact variance. Post-processing: no privacy cost, no data read.
 
-        ``where`` maps attributes to what they select: a label as the tables show it (``"female"``,
-        ``"18..27"``, ``42``), a list of labels, or for a ``range`` attribute an inclusive ``(lo, hi)`` of
-        values that starts and ends on bin bounds (``(18, 47)`` with bins of width 10 from 18 → 3 bins).
-        Attributes not named are summed over; ``{}`` (or None) is the total. The box may be one the workload
-        never asked, e.g. ages 18–47 of women when the workload asked ``[age, sex]`` cell by cell; every
-        subset of its attributes must lie within a workload marginal (the release measured it), or it is
-        refused naming what is missing. The answer sums the box's piece on each measured residual set
-        (QuerySmasher's decomposition; :mod:`functions.dpquery.smasher`)."""
+        **A box**, ``where``: the count of the records in a box of the schema. ``where`` maps attributes to
+        what they select: a label as the tables show it (``"female"``, ``"18..27"``, ``42``), a list of
+        labels, or for a ``range`` attribute an inclusive ``(lo, hi)`` of values that starts and ends on bin
+        bounds (``(18, 47)`` with bins of width 10 from 18 → 3 bins). Attributes not named are summed over;
+        ``{}`` (or None) is the total.
+
+        **Any linear query**, ``on`` and ``weights``: Σ weights · counts over the cells of the marginal on the
+        attributes ``on`` (names, or one string ``"a,b"``); ``weights`` has one number per cell, shaped by
+        the attributes in the order of ``on`` (``age_bin + sex_bin <= 3`` on 10 × 2 bins:
+        ``np.add.outer(range(10), range(2)) <= 3``), or a stack of such arrays (a leading axis, one query
+        each), answered as a list.
+
+        The query may be one the workload never asked, e.g. ages 18–47 of women when the workload asked
+        ``[age, sex]`` cell by cell. It is the sum of its pieces on the residual sets of its attributes
+        (QuerySmasher's decomposition; :mod:`functions.dpquery.smasher`), each answered from that set's
+        measurement; a piece that is zero (a query constant along an attribute) needs nothing. A piece on a
+        set the release did not measure is refused, naming what is missing. A query that is one of the
+        release's answers gets that answer's estimate and standard error."""
         from functions.dpquery import core
-        from functions.dpquery.measure import mode_product
-        from functions.dpquery.smasher import kron_all
+        from functions.dpquery.smasher import pieces
 
         job_id, doc, pl = self._job_plan(result)
         spec = self.spec(store.get_json(self._client.uri(spec_key(job_id))))
         names = [a.name for a in spec.attributes]
-        where = dict(where or {})
+        sizes = [len(a.labels()) for a in spec.attributes]
+        if on is None and weights is None:
+            attrs, queries, single = self._box(spec, names, dict(where or {}))
+        elif on is None or weights is None or where:
+            raise SpecError("answer: give a box (where) or a query (on and weights together), not both")
+        else:
+            attrs, queries, single = _weighted_queries(names, sizes, on, weights)
+        index = pl.residual_index()
+        shape = [sizes[i] for i in attrs]
+        parts: list[dict[int, np.ndarray]] = []
+        missing: set[tuple[int, ...]] = set()
+        for q in queries:
+            tiny = 1e-12 * float(np.max(np.abs(q), initial=0.0))
+            parts.append({})
+            for pos, piece in pieces(q, shape).items():
+                subset = tuple(attrs[p] for p in pos)
+                if not np.any(np.abs(piece) > tiny):
+                    continue
+                if subset not in index:
+                    missing.add(subset)
+                else:
+                    parts[-1][index[subset]] = piece
+        if missing:
+            lacking = marginal_name([names[i] for i in max(missing, key=len)])
+            raise ShardfoldError(
+                f"answer: the release did not measure {lacking!r}, which a query over "
+                f"{marginal_name([names[i] for i in attrs])!r} needs (ask for a marginal holding those "
+                "attributes in the workload)"
+            )
+        needed = np.array(sorted({k for p in parts for k in p}), dtype=np.int64)
+        values = core.read_residuals(self._client.store_root, job_id, doc, pl, needed)
+        answers = []
+        for p in parts:
+            estimate, variance = core.answer_pieces(pl, values, p)
+            answers.append({"estimate": estimate, "std_error": math.sqrt(variance), "variance": variance})
+        return answers[0] if single else answers
+
+    @staticmethod
+    def _box(spec: Any, names: list[str], where: dict[str, Any]) -> tuple[tuple[int, ...], np.ndarray, bool]:
+        """A box as one query over the cells of its attributes (sorted): the product of its selections."""
         unknown = [n for n in where if n not in names]
         if unknown:
             raise SpecError(f"answer: no attribute {unknown[0]!r} in this release; it has {', '.join(names)}")
         attrs = tuple(sorted(names.index(n) for n in where))
-        q = {i: _selection(spec.attributes[i], where[names[i]]) for i in attrs}
-        index = pl.residual_index()
-        parts = [s for k in range(len(attrs) + 1) for s in itertools.combinations(attrs, k)]
-        missing = [s for s in parts if s not in index]
-        if missing:
-            lacking = marginal_name([names[i] for i in missing[-1]])
-            raise ShardfoldError(
-                f"answer: the release did not measure {lacking!r}, which a box over "
-                f"{marginal_name([names[i] for i in attrs])!r} needs (ask for a marginal holding those "
-                "attributes in the workload)"
-            )
-        needed = np.array(sorted(index[s] for s in parts), dtype=np.int64)
-        values = core.read_residuals(self._client.store_root, job_id, doc, pl, needed)
-        mean = {i: float(q[i].mean()) for i in attrs}
-        estimate = variance = 0.0
-        for s in parts:
-            k = index[s]
-            outside = math.prod(mean[i] for i in attrs if i not in s)
-            centred = [(q[i] - mean[i])[None, :] for i in s]  # the piece on S: ⊗ q_i(I − J/n_i)
-            dense = pl.dense(k)
-            if dense is not None:  # measured through one matrix over its cells: B⁺ y
-                piece = kron_all([c[0] for c in centred])[0]
-                inverse = pl.dense_inverse(k)
-                estimate += outside * float(piece @ (inverse @ np.asarray(values[k])))
-                spread = float(np.sum((piece @ inverse) ** 2))
-                variance += float(pl.sigma2[k]) * outside**2 * spread
-                continue
-            factors = [pl.strategy(name) for name in pl.set_strategies(k)]
-            y = np.asarray(values[k]).reshape([f.n - 1 for f in factors])
-            x_s = mode_product([f.inverse for f in factors], y)  # x̂_S, the measured residual of x_S
-            estimate += outside * float(mode_product(centred, x_s).reshape(()))
-            spread = math.prod(
-                float(c[0] @ f.inverse @ (f.inverse.T @ c[0])) for c, f in zip(centred, factors, strict=True)
-            )
-            variance += float(pl.sigma2[k]) * outside**2 * spread
-        return {"estimate": estimate, "std_error": math.sqrt(variance), "variance": variance}
+        box = np.ones(())
+        for i in attrs:
+            box = np.multiply.outer(box, _selection(spec.attributes[i], where[names[i]]))
+        return attrs, box.reshape(1, -1), True
 
     def covariance(
         self, release: Any, a: str | Sequence[str], b: str | Sequence[str] | None = None

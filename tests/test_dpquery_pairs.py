@@ -266,7 +266,8 @@ def test_measured_through_one_matrix_the_answers_are_unbiased_with_their_varianc
 
 def test_a_box_and_the_measurements_of_a_release_with_a_2_way_type(tmp_path, monkeypatch):
     """client.dpquery.answer sums a box's pieces through the set measured whole (exact with the noise seam;
-    its variance by the pieces, independently), and measurements() exports that set's one matrix."""
+    its variance by the pieces, independently) and, asked as weights, gives the release's own affine answers
+    with their standard errors; measurements() exports that set's one matrix."""
     from client import Client
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
@@ -289,6 +290,12 @@ def test_a_box_and_the_measurements_of_a_release_with_a_2_way_type(tmp_path, mon
                 inverse = functools.reduce(np.kron, inverse, np.ones((1, 1)))
             variance += float(pl.sigma2[k]) * float(np.sum((piece @ inverse) ** 2))
         assert got["variance"] == pytest.approx(variance, rel=1e-9)
+        # the release's own affine answers, asked again as weights over region x age: the same answers
+        asked = np.add.outer(np.arange(3), np.arange(4))[None] <= np.arange(6)[:, None, None]
+        again = client.dpquery.answer(result, on=["region", "age"], weights=asked)
+        rows = read_table(result["tables"][0]["parquet"]).to_pylist()
+        assert [a["estimate"] for a in again] == pytest.approx([r["estimate"] for r in rows], abs=1e-8)
+        assert [a["std_error"] for a in again] == pytest.approx([r["std_error"] for r in rows], rel=1e-9)
         # tables() and arrays() take the 2-way table: one axis, its queries
         arr = client.dpquery.arrays(result, ["region,age"])["region,age"]
         assert arr.values.shape == (6,) and arr.labels["query"][-1] == "region_bin + age_bin <= 5"

@@ -308,19 +308,25 @@ def released(root: str, doc: dict) -> dict:
     return result
 
 
-def _box_variance(pl, attrs, q):
-    """The box's variance by smasher.answer on its dense query vector (the pieces, independently)."""
+def _query_variance(pl, attrs, vector):
+    """A query's variance by smasher.answer on its dense vector over the cells of ``attrs`` (sorted, C
+    order): the pieces, independently of the client's code."""
     domains = [int(n) for n in pl.domains]
     mats, sigma2 = {}, {}
     for k in range(pl.num_residuals):
         mats[pl.residual(k)] = [pl.strategy(how).matrix for how in pl.set_strategies(k)]
         sigma2[pl.residual(k)] = float(pl.sigma2[k])
-    vector = np.ones(())
-    for v in q:
-        vector = np.multiply.outer(vector, v)
     zeros = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
     plan = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
     return smasher.answer(np.asarray(vector).reshape(-1), attrs, domains, zeros, plan, mats)[1]
+
+
+def _box_variance(pl, attrs, q):
+    """The box's variance: :func:`_query_variance` of the product of its selections."""
+    vector = np.ones(())
+    for v in q:
+        vector = np.multiply.outer(vector, v)
+    return _query_variance(pl, attrs, vector)
 
 
 @pytest.mark.parametrize("general", [False, True], ids=["identity release", "prefix release"])
@@ -352,6 +358,76 @@ def test_any_box_inside_the_release_is_answered_exactly_with_its_variance(client
         got = client.dpquery.answer(result, {"sex": row["sex"], "age": (row["age_lo"], row["age_hi"])})
         assert got["std_error"] == pytest.approx(row["std_error"], rel=1e-9)
         assert got["estimate"] == pytest.approx(row["estimate"], abs=1e-8)
+
+
+@pytest.mark.parametrize("general", [False, True], ids=["identity release", "prefix release"])
+def test_any_linear_query_is_answered_from_its_pieces_with_its_variance(client_root, general):
+    """Weights over a marginal's cells, the attributes in the caller's order (age before region here, the
+    schema's order reversed): exact with the noise seam, the variance smasher.answer gives its dense vector,
+    a stack answered query by query, and a box equal to its weights."""
+    client, root = client_root
+    dataset, idx = make_dataset(root)
+    result = released(root, general_doc(dataset) if general else spec_doc(dataset))
+    _, pl = core.load_plan(root, result["job_id"])
+    region_age = truth(idx, ["region", "age"]).astype(float)  # 3 regions x 4 age bins
+    # age_bin + region_bin <= c for c = 0..5, and a weighted query: no box and no answer of either release
+    affine = (np.add.outer(np.arange(4), np.arange(3))[None] <= np.arange(6)[:, None, None]).astype(float)
+    weighted = np.arange(12, dtype=float).reshape(4, 3) ** 1.5
+    for w in [*affine, weighted]:
+        got = client.dpquery.answer(result, on=["age", "region"], weights=w)
+        assert got["estimate"] == pytest.approx(float(np.sum(w.T * region_age)), abs=1e-8)
+        assert got["variance"] == pytest.approx(_query_variance(pl, (1, 2), w.T), rel=1e-9)
+        assert got["std_error"] == pytest.approx(math.sqrt(got["variance"]), rel=1e-12)
+    stack = client.dpquery.answer(result, on="age,region", weights=affine)
+    assert [a["estimate"] for a in stack] == pytest.approx(
+        [float(np.sum(w.T * region_age)) for w in affine], abs=1e-8
+    )
+    box = client.dpquery.answer(result, {"region": [1, 3], "age": (30, 49)})
+    as_weights = client.dpquery.answer(
+        result, on=["age", "region"], weights=np.outer([0, 1, 1, 0], [1, 0, 1])
+    )
+    assert as_weights["estimate"] == pytest.approx(box["estimate"], abs=1e-8)
+    assert as_weights["variance"] == pytest.approx(box["variance"], rel=1e-12)
+
+
+def test_a_query_needs_only_the_sets_its_nonzero_pieces_reach(client_root):
+    """The identity release measured no [sex, age]: a query on it that varies along sex only has zero
+    pieces on {age} and {sex, age} and is answered from {sex}; one that varies along both is refused."""
+    client, root = client_root
+    dataset, idx = make_dataset(root)
+    result = released(root, spec_doc(dataset))
+    by_sex = np.repeat([[0.5], [2.0]], 4, axis=1)  # (sex, age), constant along age
+    got = client.dpquery.answer(result, on=["sex", "age"], weights=by_sex)
+    assert got["estimate"] == pytest.approx(float(truth(idx, ["sex"]) @ [0.5, 2.0]), abs=1e-8)
+    assert got["variance"] == pytest.approx(
+        client.dpquery.answer(result, on=["sex"], weights=[0.5 * 4, 2.0 * 4])["variance"] / 16, rel=1e-12
+    )
+    with pytest.raises(Exception, match="did not measure 'sex,age'"):
+        client.dpquery.answer(result, on=["sex", "age"], weights=np.outer([1, 0], [1, 1, 0, 0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"where": {"sex": "f"}, "on": ["sex"], "weights": [1, 0]}, "a box .* or a query .*, not both"),
+        ({"on": ["sex"]}, "on and weights together"),
+        ({"on": ["sex", "height"], "weights": np.ones((2, 3))}, "it has no 'height'"),
+        ({"on": ["sex", "sex"], "weights": np.ones((2, 2))}, "distinct attributes"),
+        (
+            {"on": ["sex", "age"], "weights": np.ones((4, 2))},
+            r"shape \(4, 2\); on \['sex', 'age'\] needs \(2, 4\)",
+        ),
+        ({"on": ["sex"], "weights": [1, float("nan")]}, "finite"),
+        ({"on": ["sex"], "weights": ["f", "m"]}, "must be numbers"),
+    ],
+)
+def test_a_bad_linear_query_is_refused_naming_the_argument(client_root, kwargs, words):
+    client, root = client_root
+    dataset, _ = make_dataset(root)
+    result = released(root, spec_doc(dataset))
+    where = kwargs.pop("where", None)
+    with pytest.raises(SpecError, match=words):
+        client.dpquery.answer(result, where, **kwargs)
 
 
 def test_a_box_the_release_did_not_measure_or_that_cuts_a_bin_is_refused(client_root):

@@ -367,6 +367,31 @@ def _inverses(pl: Plan, k: int) -> list[np.ndarray] | np.ndarray:
     return [pl.strategy(name).inverse for name in pl.set_strategies(k)]
 
 
+def answer_pieces(
+    pl: Plan, values: dict[int, np.ndarray], pieces: dict[int, np.ndarray]
+) -> tuple[float, float]:
+    """A linear query's estimate Σ_k p_k·x̂_k and its exact variance Σ_k σ_k² ‖p_k B_k⁺‖², from its piece p_k
+    on each residual set k it reaches (QuerySmasher's decomposition, :func:`smasher.pieces`: an array over
+    the set's cells, C order) and the sets' noisy measurements ``values`` (y_k). x̂_k = B_k⁺ y_k, through the
+    set's one matrix where it was measured whole, else mode-wise through its per-attribute strategies.
+    Post-processing: no data, no budget."""
+    estimate = variance = 0.0
+    for k, piece in pieces.items():
+        inverse = _inverses(pl, k)
+        y = np.asarray(values[k], dtype=np.float64)
+        if isinstance(inverse, np.ndarray):
+            flat = np.asarray(piece, dtype=np.float64).reshape(-1)
+            estimate += float(flat @ (inverse @ y))
+            spread = float(np.sum((flat @ inverse) ** 2))
+        else:
+            shaped = np.asarray(piece, dtype=np.float64).reshape([b.shape[0] for b in inverse])
+            x_k = mz.mode_product(inverse, y.reshape([b.shape[1] for b in inverse]))
+            estimate += float(np.sum(shaped * x_k))
+            spread = float(np.sum(mz.mode_product([b.T for b in inverse], shaped) ** 2))
+        variance += float(pl.sigma2[k]) * spread
+    return estimate, variance
+
+
 def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> dict[str, Any]:
     """Reconstruct one group of workload marginals and write their tables."""
     doc, pl = load_plan(store_root, job_id)
