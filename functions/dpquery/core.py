@@ -48,7 +48,7 @@ from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
 from functions.dpquery.planner import Plan
 from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps, unit_report
-from functions.dpquery.spec import PAIR_TYPES, DPQueryJob
+from functions.dpquery.spec import MATRIX, WHOLE_TYPES, DPQueryJob
 from functions.dpquery.unit import ContributionBound, job_seed
 from functions.errors import DatasetError, InputChanged, PlanError, StoreError
 from functions.manifest import write_manifest
@@ -405,6 +405,7 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
     release_meta = rc.parquet_metadata(release)
     sigma2 = pl.sigma2
     entries = []
+    whole = None  # each marginal's queries as the spec gives them, read for an explicit matrix only
     for j in range(start, stop):
         attrs = pl.marginal(j)
         names = [attributes[a].name for a in attrs]
@@ -424,8 +425,11 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
                 meta,
                 [rc.attribute_bounds(attributes[a]) for a in attrs],
             )
-        elif set(pl.marginal_types(j)) & set(PAIR_TYPES):  # a 2-way type: a list of answers
-            (kind,) = set(pl.marginal_types(j))
+        elif pl.marginal_types(j)[0] in WHOLE_TYPES:  # a 2-way type or a matrix: a list of answers
+            kind = asked = pl.marginal_types(j)[0]
+            if kind == MATRIX:
+                whole = whole if whole is not None else spec.marginal_queries()
+                kind = next(iter(whole[j].values()))
             sizes = [int(pl.domains[a]) for a in attrs]
             at = {a: k for k, a in enumerate(attrs)}
             terms = [
@@ -433,11 +437,10 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
                 for k in pl.subsets(j).tolist()
             ]
             estimate, cell_var = rc.pair_answers(kind, sizes, terms)
-            asked = kind
             v = float(cell_var.mean())
             per_answer = True
             labels = rc.pair_labels(kind, names, sizes)
-            tbl = rc.table(estimate, ["query"], [labels], cell_var, {**meta, "query_type": kind})
+            tbl = rc.table(estimate, ["query"], [labels], cell_var, {**meta, "query_type": asked})
         else:  # general queries: each answer has its own variance
             kinds = pl.marginal_types(j)
             at = {a: k for k, a in enumerate(attrs)}

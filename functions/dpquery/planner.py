@@ -79,8 +79,17 @@ from functions.dpquery.smasher import (
     set_strategy,
     strategy_loss,
     strategy_matrix,
+    whole_piece_grams,
 )
-from functions.dpquery.spec import ATTRIBUTE_TYPES, MAX_PAIR_DIM, PAIR_TYPES, QUERY_TYPES
+from functions.dpquery.spec import (
+    ATTRIBUTE_TYPES,
+    MATRIX,
+    MAX_MATRICES,
+    MAX_PAIR_DIM,
+    PAIR_TYPES,
+    QUERY_TYPES,
+    QueryMatrix,
+)
 from functions.errors import PlanError, SpecError
 
 DOC_VERSION = 1
@@ -251,7 +260,7 @@ class Plan:
         a, b = int(self.marg_ptr[j]), int(self.marg_ptr[j + 1])
         if self.marg_types is None:
             return ("identity",) * (b - a)
-        return tuple(QUERY_TYPES[int(c)] for c in self.marg_types[a:b])
+        return tuple(QUERY_TYPES[int(c)] if c < len(QUERY_TYPES) else MATRIX for c in self.marg_types[a:b])
 
     def strategy(self, name: str) -> AttributeFactors:
         """A strategy by name: its matrix B_i (what measure applies) and pseudo-inverse (what reconstruct
@@ -513,8 +522,11 @@ def plan(
     other than identity the plan is QuerySmasher's (:mod:`functions.dpquery.smasher`): each residual set is
     measured through its attributes' best strategies instead of the contrasts (a set that marginals ask
     in different ways through one Kronecker strategy fitted to all of them). A 2-way type (``affine``,
-    ``abs_diff``) is given for both attributes of a 2-way marginal; every residual set it reaches is solved
-    whole (:func:`_solve_whole`; {a, b} possibly through one matrix over its cells, :meth:`Plan.dense`).
+    ``abs_diff``) is given for both attributes of a 2-way marginal, and an explicit
+    :class:`~functions.dpquery.spec.QueryMatrix` for every attribute of a 1- or 2-way marginal; every
+    residual set such a type reaches is solved whole (:func:`_solve_whole`; {a, b} possibly through one
+    matrix over its cells, :meth:`Plan.dense`), a set none of its queries reaches at a floor
+    (:func:`functions.dpquery.smasher.whole_piece_grams`).
 
     ``unit_rows`` (k) and ``rows_bound`` (N) set the charged sensitivity (module docstring); a spec gives
     its privacy unit's ``max_rows`` (default 1) and its ``max_rows_total`` (default
@@ -535,13 +547,16 @@ def plan(
     delta = DEFAULT_REPORT_DELTA if delta is None else float(delta)
     n = np.asarray(domains, dtype=np.int64)
     sizes, padded_a, weights = _check_parts(n, workload, float(rho), loss, names)
-    codes = _type_codes(queries, padded_a, sizes, loss)
+    typed = _type_codes(queries, padded_a, sizes, loss)
+    codes, kinds = typed if typed is not None else (None, QUERY_TYPES)
     unit_rows = 1 if unit_rows is None else int(unit_rows)
     if unit_rows < 1:
         raise SpecError(f"unit_rows must be >= 1, got {unit_rows}")
     if rows_bound is not None and not (1 <= int(rows_bound) <= MAX_ROWS_BOUND):
         raise SpecError(f"rows_bound must lie in [1, 2^53], got {rows_bound}")
-    return _plan(n, sizes, padded_a, weights, float(rho), loss, names, delta, unit_rows, rows_bound, codes)
+    return _plan(
+        n, sizes, padded_a, weights, float(rho), loss, names, delta, unit_rows, rows_bound, codes, kinds
+    )
 
 
 def neighbouring(unit_rows: int) -> str:
@@ -620,9 +635,10 @@ def _check_parts(n, workload, rho, loss, names) -> tuple[np.ndarray, np.ndarray,
     return sizes, padded.astype(np.int32), weights
 
 
-def _type_codes(queries, padded_a, sizes, loss) -> np.ndarray | None:
-    """Each workload slot's query type code, aligned with ``padded_a`` (0, identity, for the padding);
-    None when every query is an identity."""
+def _type_codes(queries, padded_a, sizes, loss) -> tuple[np.ndarray, tuple] | None:
+    """Each workload slot's query type code, aligned with ``padded_a`` (0, identity, for the padding), and
+    the type of each code: QUERY_TYPES, then the workload's explicit matrices (:class:`QueryMatrix`). None
+    when every query is an identity."""
     if not queries or not any(q for q in queries):
         return None
     if len(queries) != sizes.size:
@@ -634,11 +650,25 @@ def _type_codes(queries, padded_a, sizes, loss) -> np.ndarray | None:
             [{"field": "loss", "error": "max_variance needs identity queries"}],
         )
     codes = np.zeros(padded_a.shape, dtype=np.int8)
-    code_of = {kind: c for c, kind in enumerate(QUERY_TYPES)}
+    code_of: dict[str | QueryMatrix, int] = {kind: c for c, kind in enumerate(QUERY_TYPES)}
     for j, q in enumerate(queries):
         if not q:
             continue
         row = padded_a[j, : sizes[j]].tolist()
+        if any(isinstance(k, QueryMatrix) for k in q.values()):
+            if len(row) not in (1, 2) or set(q) != set(row) or len(set(q.values())) != 1:
+                raise SpecError(
+                    f"workload.{j}: an explicit query matrix names every attribute of a marginal of one or "
+                    "two attributes, and no other type",
+                    [{"field": f"workload.{j}.queries", "error": "a matrix needs a 1- or 2-way marginal"}],
+                )
+            kind = next(iter(q.values()))
+            if kind not in code_of:
+                if len(code_of) >= len(QUERY_TYPES) + MAX_MATRICES:
+                    raise SpecError(f"workload: more than {MAX_MATRICES} explicit query matrices")
+                code_of[kind] = len(code_of)
+            codes[j, : len(row)] = code_of[kind]
+            continue
         pair = set(q.values()) & set(PAIR_TYPES)
         if pair and (len(row) != 2 or set(q) != set(row) or len(set(q.values())) != 1):
             raise SpecError(
@@ -659,7 +689,7 @@ def _type_codes(queries, padded_a, sizes, loss) -> np.ndarray | None:
                     [{"field": f"workload.{j}.queries", "error": f"attribute {i} is not in the marginal"}],
                 )
             codes[j, pos] = code_of[kind]
-    return codes if codes.any() else None
+    return (codes, tuple(code_of)) if codes.any() else None
 
 
 def _error_order(error: dict[str, str]) -> tuple[int, int]:
@@ -671,10 +701,21 @@ def _error_order(error: dict[str, str]) -> tuple[int, int]:
 
 
 def _plan(
-    n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows=1, rows_bound=None, codes=None
+    n,
+    sizes,
+    padded_a,
+    weights,
+    rho,
+    loss,
+    names,
+    delta,
+    unit_rows=1,
+    rows_bound=None,
+    codes=None,
+    kinds=QUERY_TYPES,
 ) -> Plan:
-    """``sizes``, ``padded_a`` and ``weights`` as :func:`_check_parts` returns them, ``codes`` as
-    :func:`_type_codes` does.
+    """``sizes``, ``padded_a`` and ``weights`` as :func:`_check_parts` returns them, ``codes`` and ``kinds``
+    (the type of each code) as :func:`_type_codes` does.
 
     The sets are enumerated over *columns*: column i < d is attribute i queried as identity, column d pads
     short rows, and column d + 1 + k is the k-th (attribute, other query type) pair of the workload. Every
@@ -703,7 +744,7 @@ def _plan(
     padded_c = padded_a
     if codes is not None:
         used = codes > 0
-        types = len(QUERY_TYPES)
+        types = len(kinds)
         slot_key = padded_a.astype(np.int64) * types + codes
         pair_keys = np.unique(slot_key[used])
         padded_c = np.where(used, d + 1 + np.searchsorted(pair_keys, slot_key), padded_a).astype(np.int32)
@@ -740,7 +781,8 @@ def _plan(
     )
     cells = np.prod(n_ext[padded_a], axis=1)
     num_q = None
-    pairs: dict[int, tuple[str, int, int]] = {}  # marginal -> its 2-way type and domain sizes
+    # marginal -> the type naming its queries as a whole (a 2-way type, an explicit matrix), its domain sizes
+    pairs: dict[int, tuple[str | QueryMatrix, tuple[int, ...]]] = {}
     # column set -> (w_A, Gram of A's pieces there) of each 2-way marginal reaching it: the Grams are shared
     # (pair_piece_grams' cache), summed per set when it is solved, so d(d−1)/2 pairs hold no copies
     pair_grams: dict[tuple[int, ...], list[tuple[float, np.ndarray]]] = {}
@@ -749,20 +791,21 @@ def _plan(
     else:
         log_a = np.log(weights) + log_o_ext[padded_c].sum(axis=1)  # log(w_A ∏ o_i)
         for j in np.flatnonzero(codes[:, 0] >= len(ATTRIBUTE_TYPES)).tolist():
-            kind = QUERY_TYPES[int(codes[j, 0])]
-            a, b = (int(i) for i in padded_a[j, :2])
-            if (n[a] - 1) * (n[b] - 1) > MAX_PAIR_DIM:
+            kind = kinds[int(codes[j, 0])]
+            dims = tuple(int(n[i]) for i in padded_a[j, : sizes[j]])
+            if math.prod(k - 1 for k in dims) > MAX_PAIR_DIM:
                 raise SpecError(
-                    f"workload.{j}: {kind!r} on {int(n[a])} x {int(n[b])} values; a 2-way query type takes "
-                    f"at most {MAX_PAIR_DIM} for (n_a − 1)(n_b − 1) (coarsen the attributes' bins)",
+                    f"workload.{j}: {kind!r} on {' x '.join(map(str, dims))} values; a type over a marginal "
+                    f"as a whole takes at most {MAX_PAIR_DIM} for ∏(n_i − 1) (coarsen the attributes' bins)",
                     [{"field": f"workload.{j}.queries", "error": "the attributes have too many values"}],
                 )
-            pairs[j] = (kind, int(n[a]), int(n[b]))
-            cols = padded_c[j, :2].tolist()
-            for pos, g in pair_piece_grams(kind, int(n[a]), int(n[b])).items():
+            pairs[j] = (kind, dims)
+            cols = padded_c[j, : len(dims)].tolist()
+            grams = whole_piece_grams(kind, *dims)
+            for pos, g in grams.items():
                 key = tuple(cols[p] for p in pos)
                 pair_grams.setdefault(key, []).append((float(weights[j]), g))
-            log_a[j] = math.log(weights[j] * float(pair_piece_grams(kind, int(n[a]), int(n[b]))[()][0, 0]))
+            log_a[j] = math.log(weights[j] * float(grams[()][0, 0]))
         queries_log = np.log(m_ext.astype(np.float64))[padded_c].sum(axis=1)
         _refuse_large(
             queries_log,
@@ -773,8 +816,8 @@ def _plan(
             "ask prefixes instead of all ranges",
         )
         num_q = np.prod(m_ext[padded_c], axis=1)
-        for j, (kind, na, nb) in pairs.items():
-            num_q[j] = pair_queries(kind, na, nb).shape[0]
+        for j, (kind, dims) in pairs.items():
+            num_q[j] = pair_queries(kind, *dims).shape[0]
 
     # ---- enumerate every (A, S ⊆ A) pair, grouped by |A|, A-major ---------------------------------------
     sub_ptr = np.zeros(m + 1, dtype=np.int64)
@@ -887,9 +930,9 @@ def _plan(
         # mean variance of A's queries: Σ_{S⊆A} σ_S² ∏_{i∈S} ℓ_i ∏_{i∈A∖S} o_i / ∏_{i∈A} m_i
         term = log_sigma2[res_of_pair] + pair_lo
         log_var = _grouped_lse(term, sub_ptr[:-1]) + log_a - np.log(weights) - queries_log
-        for j, (kind, na, nb) in pairs.items():
+        for j, (kind, dims) in pairs.items():
             subsets = res_of_pair[sub_ptr[j] : sub_ptr[j + 1]]
-            log_var[j] = _pair_log_var(kind, na, nb, subsets, log_sigma2, solved)
+            log_var[j] = _pair_log_var(kind, dims, subsets, log_sigma2, solved)
 
     # S ⊆ A lists in ascending residual order, per marginal
     sub_idx = res_of_pair  # reordered in place below: ascending within each marginal
@@ -1164,15 +1207,20 @@ def _one_matrix(chosen, sizes) -> tuple[str, list[np.ndarray]]:
     return f"mixed:{sizes[0]}", [strategy_matrix(chosen)]
 
 
-def _pair_log_var(kind: str, na: int, nb: int, subsets: np.ndarray, log_sigma2: np.ndarray, solved) -> float:
-    """log of the mean variance of a 2-way type's queries: Σ_{S ⊆ {a, b}} σ_S² tr(G_S (B_SᵀB_S)⁺) over the
-    queries (``subsets``: the residual sets of ∅, {a}, {b}, {a, b}, in that order)."""
-    grams = pair_piece_grams(kind, na, nb)
+def _pair_log_var(kind, dims: tuple[int, ...], subsets: np.ndarray, log_sigma2: np.ndarray, solved) -> float:
+    """log of the mean variance of the queries of a type over a marginal as a whole (a 2-way type, an
+    explicit matrix): Σ_{S ⊆ A} σ_S² tr(G_S (B_SᵀB_S)⁺) over the queries (``subsets``: the residual sets of
+    the subsets of A in mask order, ∅, {a}, {b}, {a, b} for two attributes)."""
+    grams = pair_piece_grams(kind, *dims)
+    k = len(dims)
     total = 0.0
-    for pos, r in zip(((), (0,), (1,), (0, 1)), subsets.tolist(), strict=True):
+    for mask, r in enumerate(subsets.tolist()):
+        pos = tuple(p for p in range(k) if mask >> p & 1)
+        if pos not in grams:  # no query has a piece there
+            continue
         inv = solved.get(int(r), np.ones((1, 1)))
         total += math.exp(float(log_sigma2[int(r)])) * float(np.einsum("ij,ji->", grams[pos], inv))
-    return math.log(total / pair_queries(kind, na, nb).shape[0])
+    return math.log(total / pair_queries(kind, *dims).shape[0])
 
 
 def _refuse_large(log_size, padded_a, sizes, names, what: str, advice: str) -> None:

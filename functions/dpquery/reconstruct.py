@@ -36,6 +36,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -133,10 +134,11 @@ def dense_inside(kinds: Sequence[str], sizes: Sequence[int], inverse: np.ndarray
     return out
 
 
-def pair_answers(kind: str, sizes: Sequence[int], terms: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray]:
-    """A 2-way type's answers on a marginal of ``sizes`` (:func:`functions.dpquery.smasher.pair_queries`)
-    and each one's variance. ``terms``: for each S ⊆ {a, b}, (positions, y_S, σ_S², B_S⁺ — per attribute or
-    one matrix, as in :func:`answers`). Each query q is Σ_S q^{⇒S}·x̂_S, of variance
+def pair_answers(kind: Any, sizes: Sequence[int], terms: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray]:
+    """The answers of a type over a marginal as a whole (a 2-way type, an explicit
+    :class:`~functions.dpquery.spec.QueryMatrix`; :func:`functions.dpquery.smasher.pair_queries`) on a
+    marginal of ``sizes``, and each one's variance. ``terms``: for each S ⊆ A, (positions, y_S, σ_S², B_S⁺ —
+    per attribute or one matrix, as in :func:`answers`). Each query q is Σ_S q^{⇒S}·x̂_S, of variance
     Σ_S σ_S² q^{⇒S} (B_SᵀB_S)⁺ q^{⇒S}ᵀ (QuerySmasher's decomposition)."""
     shape = [int(n) for n in sizes]
     q = pair_queries(kind, *shape)
@@ -152,10 +154,13 @@ def pair_answers(kind: str, sizes: Sequence[int], terms: Sequence[tuple]) -> tup
     return q @ x.reshape(-1), var
 
 
-def pair_labels(kind: str, names: Sequence[str], sizes: Sequence[int]) -> list[str]:
-    """One label per query of a 2-way type, in bins counted from 0: ``"age_bin + tenure_bin <= 3"``."""
-    a, b = (f"{name}_bin" for name in names)
+def pair_labels(kind: Any, names: Sequence[str], sizes: Sequence[int]) -> list[str]:
+    """One label per query of a 2-way type, in bins counted from 0 (``"age_bin + tenure_bin <= 3"``), or of
+    an explicit matrix, its row (``"row 0"``, …)."""
     top = pair_queries(kind, *map(int, sizes)).shape[0]
+    if not isinstance(kind, str):
+        return [f"row {r}" for r in range(top)]
+    a, b = (f"{name}_bin" for name in names)
     form = f"{a} + {b}" if kind == "affine" else f"|{a} - {b}|"
     return [f"{form} <= {c}" for c in range(top)]
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from functions import pricing
-from functions.dpquery.spec import PAIR_TYPES, DPQueryJob, marginal_name
+from functions.dpquery.spec import WHOLE_TYPES, DPQueryJob, marginal_name
 from functions.dpquery.workflow import (
     FINALIZE,
     MEASURE,
@@ -107,7 +107,7 @@ def _names(spec: Any, pl: Any, j: int) -> str:
     (``"region,age (affine)"``)."""
     names = [spec.attributes[i].name for i in pl.marginal(j)]
     kinds = pl.marginal_types(j)
-    if kinds and kinds[0] in PAIR_TYPES:
+    if kinds and kinds[0] in WHOLE_TYPES:
         return f"{marginal_name(names)} ({kinds[0]})"
     asked = [f"{n}: {t}" for n, t in zip(names, kinds, strict=True) if t != "identity"]
     return marginal_name(names) + (f" ({', '.join(asked)})" if asked else "")

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from functions.dpquery.measure import contrasts, mode_product
-from functions.dpquery.spec import ATTRIBUTE_TYPES, MAX_QUERY_DOMAIN, PAIR_TYPES
+from functions.dpquery.spec import ATTRIBUTE_TYPES, MAX_QUERY_DOMAIN, PAIR_TYPES, QueryMatrix
 from functions.errors import PlanError, SpecError
 
 
@@ -508,10 +508,16 @@ _FLOORS = (1e-2, 1e-3, 1e-4)  # of the mean eigenvalue, added to a set's Gram fo
 _TINY = np.finfo(np.float64).tiny
 
 
-def pair_queries(kind: str, n1: int, n2: int) -> np.ndarray:
-    """The 2-way queries ``kind`` on an n1 × n2 marginal, one row per query over its cells (C order):
+def pair_queries(kind: str | QueryMatrix, *sizes: int) -> np.ndarray:
+    """The queries of a type that names a marginal's queries as a whole, one row per query over its cells
+    (C order): an explicit :class:`QueryMatrix`'s rows, or the 2-way type ``kind`` on an n1 × n2 marginal:
     ``affine`` counts the cells with i + j ≤ c for c = 0 … n1 + n2 − 2, ``abs_diff`` those with |i − j| ≤ c
     for c = 0 … max(n1, n2) − 1 (the last row of each is the whole table)."""
+    if isinstance(kind, QueryMatrix):
+        if kind.rows.shape[1] != math.prod(sizes):
+            raise ValueError(f"{kind!r} is not over the {math.prod(sizes)} cells of {sizes}")
+        return kind.rows
+    n1, n2 = sizes
     i, j = np.indices((n1, n2))
     if kind == "affine":
         score, top = i + j, n1 + n2 - 1
@@ -523,16 +529,42 @@ def pair_queries(kind: str, n1: int, n2: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=32)
-def pair_piece_grams(kind: str, n1: int, n2: int) -> dict[tuple[int, ...], np.ndarray]:
-    """Σ_q q^{⇒A′}ᵀ q^{⇒A′} over the queries of the 2-way type ``kind`` on n1 × n2 (:func:`pair_queries`),
-    for each A′ ⊆ {0, 1}: the Gram of its pieces over the cells of A′ (read-only)."""
+def pair_piece_grams(kind: str | QueryMatrix, *sizes: int) -> dict[tuple[int, ...], np.ndarray]:
+    """Σ_q q^{⇒A′}ᵀ q^{⇒A′} over the queries of ``kind`` on a marginal of ``sizes`` (:func:`pair_queries`),
+    for each A′ of the attribute positions: the Gram of its pieces over the cells of A′ (read-only)."""
     out: dict[tuple[int, ...], np.ndarray] = {}
-    for q in pair_queries(kind, n1, n2):
-        for pos, piece in pieces(q, [n1, n2]).items():
+    for q in pair_queries(kind, *sizes):
+        for pos, piece in pieces(q, sizes).items():
             g = out.setdefault(pos, np.zeros((piece.size, piece.size)))
             g += np.outer(piece, piece)
     for g in out.values():
         g.setflags(write=False)
+    return out
+
+
+ZERO_PIECE_FLOOR = (
+    1e-4  # a residual set no query reaches is solved for this much of the largest per-cell load
+)
+
+
+@functools.lru_cache(maxsize=32)
+def whole_piece_grams(kind: str | QueryMatrix, *sizes: int) -> dict[tuple[int, ...], np.ndarray]:
+    """:func:`pair_piece_grams` as the planner solves them: where no query has a piece (an explicit matrix
+    constant along an attribute, or whose rows sum to zero), ResidualPlanner's contrasts at
+    :data:`ZERO_PIECE_FLOOR` of the largest per-cell trace instead of zero, so that every residual set of
+    the marginal is measured (any query on it stays answerable) for about 1 % of the budget. The variances
+    the plan states come from the exact Grams."""
+    exact = pair_piece_grams(kind, *sizes)
+    load = max(float(np.trace(g)) / g.shape[0] for g in exact.values())
+    tiny = _ROUNDING * max(float(np.abs(g).max()) for g in exact.values())
+    out = {}
+    for pos, g in exact.items():
+        if np.abs(g).max() > tiny:
+            out[pos] = g
+            continue
+        floor = ZERO_PIECE_FLOOR * load * _contrasts_gram([sizes[p] for p in pos])
+        floor.setflags(write=False)
+        out[pos] = floor
     return out
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
+import numpy as np
 from pydantic import (
     ConfigDict,
     Field,
+    FiniteFloat,
     PrivateAttr,
     StrictBool,
     StrictInt,
@@ -166,6 +169,38 @@ QUERY_TYPES: tuple[str, ...] = ATTRIBUTE_TYPES + PAIR_TYPES  # a type's code in 
 # (n_a − 1)(n_b − 1) dimensions (functions.dpquery.smasher.set_strategy), at most this many: 40 × 40
 # bins, a Gram of 20 MB and a plan of ~20 s for each pair of its own structure.
 MAX_PAIR_DIM = 1600
+# An explicit query matrix (a marginal's ``queries`` given as rows of numbers, one per cell) is solved as a
+# 2-way type is, on a marginal of one or two attributes within MAX_PAIR_DIM; the spec carries its entries.
+MATRIX = "matrix"  # its query type's name in plans, tables and `shardfold plan`
+WHOLE_TYPES: tuple[str, ...] = (*PAIR_TYPES, MATRIX)  # types that name a marginal's queries as a whole
+MAX_MATRIX_ROWS = 10_000
+MAX_MATRIX_ENTRIES = 1_000_000
+MAX_MATRICES = 100  # distinct explicit matrices in one workload (each is a query type code of the plan)
+
+
+class QueryMatrix:
+    """An explicit query matrix of a marginal, one row per query over its cells in C order of its attributes
+    in schema order (read-only ``rows``); equal and hashed by its entries, so the planner's caches of a
+    type's Grams key it as they key a named type."""
+
+    __slots__ = ("digest", "rows")
+
+    def __init__(self, rows: Any):
+        a = np.array(rows, dtype=np.float64)
+        a.setflags(write=False)
+        self.rows = a
+        self.digest = hashlib.blake2b(repr(a.shape).encode() + a.tobytes(), digest_size=16).hexdigest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, QueryMatrix) and other.digest == self.digest
+
+    def __repr__(self) -> str:
+        return f"QueryMatrix({self.rows.shape[0]} x {self.rows.shape[1]})"
+
+
 ATTRIBUTE_QUERIES_DESCRIPTION = (
     "per ordered attribute (a range), what to count along it: identity (each bin, the default), prefix "
     "(bins up to each one), range (every interval of bins) or circular_range (every arc of the bins on a "
@@ -173,7 +208,9 @@ ATTRIBUTE_QUERIES_DESCRIPTION = (
 )
 QUERIES_DESCRIPTION = (
     ATTRIBUTE_QUERIES_DESCRIPTION + "; or, for a marginal of two ordered attributes, one 2-way type: affine "
-    "(the rows whose bins i, j have i + j <= c, for every c) or abs_diff (|i - j| <= c, for every c)"
+    "(the rows whose bins i, j have i + j <= c, for every c) or abs_diff (|i - j| <= c, for every c); or, "
+    "for a marginal of one or two attributes, an explicit query matrix: a list of rows, each one weight per "
+    "cell of the marginal (C order of its attributes as listed: the last varies fastest)"
 )
 
 
@@ -190,7 +227,9 @@ class DPMarginal(StrictModel):
 
     attributes: list[str] = Field(description="attribute names (any order; output uses schema order)")
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    queries: dict[str, QueryType] | PairType | None = Field(default=None, description=QUERIES_DESCRIPTION)
+    queries: dict[str, QueryType] | PairType | list[list[FiniteFloat]] | None = Field(
+        default=None, description=QUERIES_DESCRIPTION
+    )
 
     @field_validator("queries", mode="before")
     @classmethod
@@ -198,6 +237,13 @@ class DPMarginal(StrictModel):
         if isinstance(v, dict) and any(k in PAIR_TYPES for k in v.values()):
             kind = next(k for k in v.values() if k in PAIR_TYPES)
             raise ValueError(f'a 2-way type names the marginal\'s queries as a whole: "queries": "{kind}"')
+        if isinstance(v, list):  # an explicit matrix: one message, not one per member of the union
+            for r, row in enumerate(v):
+                if not isinstance(row, list):
+                    raise ValueError(f"an explicit query matrix is a list of rows; row {r} is not a list")
+                for c, x in enumerate(row):
+                    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+                        raise ValueError(f"explicit query matrix: row {r}, entry {c} is not a finite number")
         return v
 
 
@@ -411,6 +457,7 @@ class DPQueryJob(JobOptions):
                     (("workload",), f"{len(self.workload):,} marginals; the limit is {DP_MAX_MARGINALS:,}")
                 )
             seen: dict[frozenset, int] = {}
+            matrices = 0
             for i, m in enumerate(self.workload):
                 bad = False
                 for k, name in enumerate(m.attributes):
@@ -422,6 +469,10 @@ class DPQueryJob(JobOptions):
                     bad = True
                 if isinstance(m.queries, str):
                     problems += self._pair_problems(m.queries, m.attributes, ("workload", i, "queries"))
+                elif isinstance(m.queries, list):
+                    if not bad:
+                        problems += self._matrix_problems(m.queries, m.attributes, ("workload", i, "queries"))
+                    matrices += 1
                 else:
                     problems += self._query_problems(m.queries, m.attributes, ("workload", i, "queries"))
                 key = frozenset(m.attributes)
@@ -436,6 +487,10 @@ class DPQueryJob(JobOptions):
                         )
                     else:
                         seen[key] = i
+            if matrices > MAX_MATRICES:
+                problems.append(
+                    (("workload",), f"{matrices} explicit query matrices; the limit is {MAX_MATRICES}")
+                )
         if self.dataset_budget_rho is not None and self.budget.rho is not None:
             if self.budget.rho > self.dataset_budget_rho:
                 problems.append(
@@ -523,9 +578,60 @@ class DPQueryJob(JobOptions):
             )
         return problems
 
-    def marginal_queries(self) -> list[dict[int, str]]:
+    def _matrix_problems(
+        self, rows: list[list[float]], attributes: Sequence[str], at: tuple
+    ) -> list[tuple[tuple, str]]:
+        """What is wrong with an explicit query matrix: a marginal of one or two attributes whose residual
+        space is small enough to solve whole (as a 2-way type's), one weight per cell in every row, not all
+        zero, and within the size limits."""
+        if len(attributes) not in (1, 2):
+            return [
+                (
+                    at,
+                    "an explicit query matrix is for one or two attributes; the marginal has "
+                    f"{len(attributes)}",
+                )
+            ]
+        schema = {a.name: a for a in self.schema_}
+        sizes = [schema[name].size for name in attributes]
+        cells = math.prod(sizes)
+        dim = math.prod(n - 1 for n in sizes)
+        shape = " x ".join(map(str, sizes))
+        if dim > MAX_PAIR_DIM:
+            return [
+                (
+                    at,
+                    f"an explicit query matrix on {shape} values takes at most {MAX_PAIR_DIM} for the "
+                    f"product of (values - 1), here {dim:,} (coarsen the attributes' bins)",
+                )
+            ]
+        if not rows:
+            return [(at, "an explicit query matrix needs at least one row")]
+        if len(rows) > MAX_MATRIX_ROWS or len(rows) * cells > MAX_MATRIX_ENTRIES:
+            return [
+                (
+                    at,
+                    f"{len(rows):,} rows of {cells:,} cells; an explicit query matrix may have at most "
+                    f"{MAX_MATRIX_ROWS:,} rows and {MAX_MATRIX_ENTRIES:,} entries",
+                )
+            ]
+        for r, row in enumerate(rows):
+            if len(row) != cells:
+                return [
+                    (
+                        at + (r,),
+                        f"{len(row)} entries; the marginal has {cells} cells ({shape}, the last attribute "
+                        f"listed varying fastest)",
+                    )
+                ]
+        if not any(x for row in rows for x in row):
+            return [(at, "every entry of the explicit query matrix is zero: it asks nothing")]
+        return []
+
+    def marginal_queries(self) -> list[dict[int, Any]]:
         """Beside :meth:`marginals`, each marginal's ``{schema index: query type}`` (identity omitted; a
-        2-way type is given for both of its attributes)."""
+        2-way type is given for both of its attributes, and so is an explicit matrix, as a
+        :class:`QueryMatrix` over the cells in schema order)."""
         index = {a.name: j for j, a in enumerate(self.schema_)}
         if isinstance(self.workload, DPMarginalGenerator):
             asked = {index[n]: k for n, k in (self.workload.queries or {}).items() if k != "identity"}
@@ -534,6 +640,9 @@ class DPQueryJob(JobOptions):
         for m in self.workload:
             if isinstance(m.queries, str):
                 out.append({index[n]: m.queries for n in m.attributes})
+            elif isinstance(m.queries, list):
+                matrix = _schema_order(m.queries, [index[n] for n in m.attributes], self.domains())
+                out.append({index[n]: matrix for n in m.attributes})
             else:
                 out.append({index[n]: k for n, k in (m.queries or {}).items() if k != "identity"})
         return out
@@ -568,3 +677,11 @@ class DPQueryJob(JobOptions):
     def rows_bound(self) -> int:
         """N: the public bound on the rows counted (``max_rows_total`` or its default)."""
         return self.max_rows_total if self.max_rows_total is not None else DEFAULT_MAX_ROWS_TOTAL
+
+
+def _schema_order(rows: list[list[float]], attrs: list[int], domains: list[int]) -> QueryMatrix:
+    """An explicit matrix's rows over the cells of ``attrs`` as listed, re-ordered to the cells of the same
+    attributes in schema order (the planner's and the tables' order)."""
+    a = np.asarray(rows, dtype=np.float64).reshape([len(rows), *(domains[i] for i in attrs)])
+    order = sorted(range(len(attrs)), key=lambda p: attrs[p])
+    return QueryMatrix(np.transpose(a, [0, *(p + 1 for p in order)]).reshape(len(rows), -1))
