@@ -103,6 +103,15 @@ def test_the_planner_equals_the_dense_reference_and_a_named_type_given_as_its_ma
     np.testing.assert_allclose(given.sigma2, named.sigma2, rtol=1e-9)
 
 
+def test_a_pairs_cells_and_its_affine_queries_are_one_matrix():
+    """A marginal is listed once: its cells and its affine queries together are one matrix of both."""
+    both = QueryMatrix(np.vstack([np.eye(20), smasher.pair_queries("affine", 5, 4)]))
+    pl = planner.plan(domains=[5, 4], workload=[(0, 1)], rho=0.5, queries=[{0: both, 1: both}])
+    ref = smasher.plan_dense([5, 4], [((0, 1), both.rows, 1.0)], 0.5)
+    assert ref.total * 0.99 <= pl.weighted_sse <= ref.total * (1 + 1e-6)
+    assert int(pl.queries[0]) == 20 + 8
+
+
 def test_bare_plans_check_the_matrices_too():
     m = QueryMatrix(np.ones((1, 4)))
     with pytest.raises(SpecError, match="names every attribute"):
