@@ -326,11 +326,14 @@ def test_the_estimate_counts_the_convex_solves_of_a_2_way_type(tmp_path):
 @pytest.mark.slow  # moto
 def test_local_and_moto_executors_answer_2_way_types_alike(moto_client, tmp_path, monkeypatch):  # noqa: F811
     """The workflow on S3 (moto's ASL interpreter) and on the local store gives the same tables, exact with
-    the noise seam: the set measured through one matrix goes through the same tasks on either store."""
+    the noise seam: the set measured through one matrix goes through the same tasks on either store, and so
+    does an explicit query matrix (on [sex, region])."""
     no_noise(monkeypatch)
     bucket = moto_client.store_root
     dataset, idx = make_dataset(bucket, seed=5, name="pairs.parquet")
-    doc = pair_doc(dataset, dataset_id="people-pairs")
+    rows = [[1, 1, 1, 0, 0, 0], [1, -1, 0, 1, -1, 0], [0, 0, 1, 0, 0, 1]]  # over sex x region
+    workload = [*WORKLOAD[:3], {"attributes": ["sex", "region"], "weight": 2.0, "queries": rows}]
+    doc = pair_doc(dataset, workload, dataset_id="people-pairs")
     on_moto, on_local = on_both_executors(moto_client, tmp_path, doc)
     for a, b in zip(on_moto["tables"], on_local["tables"], strict=True):
         ta, tb = read_table(a["parquet"]), read_table(b["parquet"])
@@ -340,3 +343,7 @@ def test_local_and_moto_executors_answer_2_way_types_alike(moto_client, tmp_path
     affine = read_table(on_moto["tables"][0]["parquet"]).column("estimate").to_numpy()
     expected = smasher.pair_queries("affine", 3, 4) @ truth(idx, ["region", "age"]).reshape(-1)
     assert on_moto["tables"][0]["queries"] == "affine" and np.max(np.abs(affine - expected)) < 1e-8
+    (matrix,) = [t for t in on_moto["tables"] if t["attributes"] == ["sex", "region"]]
+    got = read_table(matrix["parquet"]).column("estimate").to_numpy()
+    assert matrix["queries"] == "matrix"
+    assert np.max(np.abs(got - np.array(rows) @ truth(idx, ["sex", "region"]).reshape(-1))) < 1e-8
