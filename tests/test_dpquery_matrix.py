@@ -30,6 +30,7 @@ WORKLOAD = [
     {"attributes": ["age"], "queries": AGE_STEPS},
     {"attributes": ["sex", "age"], "queries": BY_AGE.tolist()},
     {"attributes": ["sex"]},
+    {"attributes": []},  # the total: a marginal with no attribute, so no type to read
 ]
 
 

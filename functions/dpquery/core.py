@@ -425,7 +425,7 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
                 meta,
                 [rc.attribute_bounds(attributes[a]) for a in attrs],
             )
-        elif pl.marginal_types(j)[0] in WHOLE_TYPES:  # a 2-way type or a matrix: a list of answers
+        elif attrs and pl.marginal_types(j)[0] in WHOLE_TYPES:  # a 2-way type, a matrix: a list of answers
             kind = asked = pl.marginal_types(j)[0]
             if kind == MATRIX:
                 whole = whole if whole is not None else spec.marginal_queries()
