@@ -122,15 +122,20 @@ def _weighted_queries(
     given = [names.index(n) for n in wanted]
     shape = tuple(sizes[i] for i in given)
     try:
-        w = np.asarray(weights, dtype=np.float64)
+        w = np.asarray(weights)
     except (TypeError, ValueError) as exc:
         raise SpecError(f"answer: weights must be numbers: {exc}") from None
+    if w.dtype.kind not in "biuf":  # 0/1 masks are weights; text and objects, which float() takes, are not
+        raise SpecError(f"answer: weights must be numbers, not {w.dtype}")
+    w = w.astype(np.float64)
     if w.shape != shape and w.shape[1:] != shape:
         raise SpecError(
             f"answer: weights has shape {w.shape}; on {wanted} needs {shape} (one query) or (k, *{shape})"
         )
     if not np.all(np.isfinite(w)):
         raise SpecError("answer: weights must be finite numbers")
+    if w.size == 0:
+        raise SpecError("answer: weights holds no query")
     single = w.ndim == len(shape)
     order = sorted(range(len(given)), key=lambda p: given[p])  # the cells' axes in schema order
     stack = w[None] if single else w

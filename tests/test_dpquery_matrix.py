@@ -48,9 +48,12 @@ WORKLOAD = [
         ),
         ({"attributes": ["age"], "queries": [[0, 0, 0, 0]]}, "queries", "asks nothing"),
         ({"attributes": ["age"], "queries": []}, "queries", "at least one row"),
-        ({"attributes": ["age"], "queries": [[1, "2", 0, 0]]}, "queries", "row 0, entry 1 is not a finite"),
-        ({"attributes": ["age"], "queries": [[1, True, 0, 0]]}, "queries", "row 0, entry 1 is not a finite"),
+        ({"attributes": ["age"], "queries": [[1, "2", 0, 0]]}, "queries", "row 0, entry 1 is not 0 or"),
+        ({"attributes": ["age"], "queries": [[1, True, 0, 0]]}, "queries", "row 0, entry 1 is not 0 or"),
         ({"attributes": ["age"], "queries": [1, 0, 0, 0]}, "queries", "row 0 is not a list"),
+        ({"attributes": ["age"], "queries": [[10**400, 0, 0, 1]]}, "queries", "row 0, entry 0 is not 0 or"),
+        ({"attributes": ["age"], "queries": [[1e200, 0, 0, 1]]}, "queries", "magnitude 1e-12 to 1e\\+12"),
+        ({"attributes": ["age"], "queries": [[1, -1e-200, 0, 0]]}, "queries", "row 0, entry 1 is not 0 or"),
     ],
 )
 def test_a_bad_matrix_is_refused_naming_the_field(entry, field, words):
@@ -113,10 +116,32 @@ def test_a_pairs_cells_and_its_affine_queries_are_one_matrix():
     assert int(pl.queries[0]) == 20 + 8
 
 
+def test_matrices_of_small_weights_are_planned_as_their_multiples():
+    """Two 1-way matrices of rates (weights ~1e-7): each set gets its own solve, and the variances are the
+    weights' scale squared times those of the same matrices at scale 1 (their Grams once shared a key)."""
+
+    def variances(s):
+        a, b = QueryMatrix([[s, s, 0, 0, 0]]), QueryMatrix([[s, 3 * s, 0, 0, 0]])
+        return planner.plan(domains=[5, 5], workload=[(0,), (1,)], rho=1.0, queries=[{0: a}, {1: b}]).var
+
+    np.testing.assert_allclose(variances(1e-7) / 1e-14, variances(1.0), rtol=1e-6)
+
+
+def test_named_types_are_not_floored():
+    """abs_diff on 2 x 2 has no piece on {a} or {b}: as a named type its plan spends nothing there."""
+    assert smasher.whole_piece_grams("abs_diff", 2, 2) is smasher.pair_piece_grams("abs_diff", 2, 2)
+    pl = planner.plan(domains=[2, 2], workload=[(0, 1)], rho=1.0, queries=[{0: "abs_diff", 1: "abs_diff"}])
+    index = pl.residual_index()
+    assert float(pl.rho_s[index[(0,)]]) < 1e-12 and float(pl.rho_s[index[(1,)]]) < 1e-12
+    assert float(pl.var[0]) == pytest.approx(0.6545, abs=1e-4)  # 0.6636 with those sets floored
+
+
 def test_bare_plans_check_the_matrices_too():
     m = QueryMatrix(np.ones((1, 4)))
     with pytest.raises(SpecError, match="names every attribute"):
         planner.plan(domains=[4, 5], workload=[(0, 1)], rho=1.0, queries=[{0: m}])
+    with pytest.raises(SpecError, match="4 columns on a marginal of 5 cells"):
+        planner.plan(domains=[4, 5], workload=[(1,)], rho=1.0, queries=[{1: m}])
     with pytest.raises(SpecError, match=r"60 x 30 values"):
         big = QueryMatrix(np.ones((1, 1800)))
         planner.plan(domains=[60, 30], workload=[(0, 1)], rho=1.0, queries=[{0: big, 1: big}])
@@ -167,3 +192,32 @@ def test_a_job_answers_every_row_exactly_with_the_variance_of_its_pieces(tmp_pat
     assert math.isfinite(pl.weighted_sse)
     assert any(row[0] == "RMSE of matrix answers" for row in rmse_by_query_type(pl))  # `shardfold plan`
     assert {(0,), (0, 2)} <= set(index)
+
+
+def test_the_estimate_prices_a_matrix_solve_at_the_full_rank_rate(tmp_path):
+    """A set past the full convex solver (11 x 10 dimensions) that a matrix reaches may be solved in its
+    whole space, not an affine type's few directions: shardfold plan's prepare time says so."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from functions import store
+    from functions.dpquery import sizing
+    from functions.estimate import estimate
+    from functions.store.uri import join
+
+    root = f"file://{tmp_path}"
+    uri = join(root, "data", "ab.parquet")
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"a": np.arange(100) % 12, "b": np.arange(100) % 11}), buf)
+    store.put(uri, buf.getvalue())
+    schema = [{"name": "a", "range": [0, 11]}, {"name": "b", "range": [0, 10]}]
+    affine = smasher.pair_queries("affine", 12, 11)
+    prepare = {}
+    for name, queries in (("affine", "affine"), ("matrix", affine.tolist())):
+        doc = spec_doc(uri, schema=schema, workload=[{"attributes": ["a", "b"], "queries": queries}])
+        steps = estimate(parse_spec(doc), root).steps
+        prepare[name] = next(s.duration_s for s in steps if s.name == "prepare")
+    rates = sizing.PLAN_S_PER_FULL_RANK_DIM15 - sizing.PLAN_S_PER_LOW_RANK_DIM15
+    assert prepare["matrix"] - prepare["affine"] == pytest.approx(rates * 110**1.5, rel=1e-3)

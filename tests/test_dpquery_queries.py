@@ -419,6 +419,8 @@ def test_a_query_needs_only_the_sets_its_nonzero_pieces_reach(client_root):
         ),
         ({"on": ["sex"], "weights": [1, float("nan")]}, "finite"),
         ({"on": ["sex"], "weights": ["f", "m"]}, "must be numbers"),
+        ({"on": ["sex"], "weights": ["1", "2"]}, "must be numbers"),
+        ({"on": ["sex"], "weights": np.ones((0, 2))}, "no query"),
     ],
 )
 def test_a_bad_linear_query_is_refused_naming_the_argument(client_root, kwargs, words):

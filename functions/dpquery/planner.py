@@ -547,7 +547,7 @@ def plan(
     delta = DEFAULT_REPORT_DELTA if delta is None else float(delta)
     n = np.asarray(domains, dtype=np.int64)
     sizes, padded_a, weights = _check_parts(n, workload, float(rho), loss, names)
-    typed = _type_codes(queries, padded_a, sizes, loss)
+    typed = _type_codes(queries, padded_a, sizes, loss, n)
     codes, kinds = typed if typed is not None else (None, QUERY_TYPES)
     unit_rows = 1 if unit_rows is None else int(unit_rows)
     if unit_rows < 1:
@@ -635,7 +635,7 @@ def _check_parts(n, workload, rho, loss, names) -> tuple[np.ndarray, np.ndarray,
     return sizes, padded.astype(np.int32), weights
 
 
-def _type_codes(queries, padded_a, sizes, loss) -> tuple[np.ndarray, tuple] | None:
+def _type_codes(queries, padded_a, sizes, loss, domain_of) -> tuple[np.ndarray, tuple] | None:
     """Each workload slot's query type code, aligned with ``padded_a`` (0, identity, for the padding), and
     the type of each code: QUERY_TYPES, then the workload's explicit matrices (:class:`QueryMatrix`). None
     when every query is an identity."""
@@ -663,6 +663,13 @@ def _type_codes(queries, padded_a, sizes, loss) -> tuple[np.ndarray, tuple] | No
                     [{"field": f"workload.{j}.queries", "error": "a matrix needs a 1- or 2-way marginal"}],
                 )
             kind = next(iter(q.values()))
+            cells = int(np.prod([int(domain_of[i]) for i in row]))
+            if kind.rows.ndim != 2 or kind.rows.shape[1] != cells:
+                raise SpecError(
+                    f"workload.{j}: an explicit query matrix of {kind.rows.shape[-1]} columns on a "
+                    f"marginal of {cells} cells",
+                    [{"field": f"workload.{j}.queries", "error": "one weight per cell in every row"}],
+                )
             if kind not in code_of:
                 if len(code_of) >= len(QUERY_TYPES) + MAX_MATRICES:
                     raise SpecError(f"workload: more than {MAX_MATRICES} explicit query matrices")
@@ -1169,10 +1176,15 @@ def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, s
 
 
 def _digest(solves: dict, gram: np.ndarray) -> bytes:
-    """A Gram's content, as a key (cached by the object: equal Grams of other pieces share their solve)."""
+    """A Gram's content, as a key (cached by the object: equal Grams of other pieces share their solve):
+    its entries to 12 digits relative to its largest, and that scale, so that Grams of small entries (an
+    explicit matrix of rates) are told apart as well as large ones."""
     key = ("digest", id(gram))
     if key not in solves:
-        solves[key] = (hashlib.blake2b(np.round(gram, 12).tobytes(), digest_size=16).digest(), gram)
+        scale = float(np.abs(gram).max())
+        shape = np.round(gram / scale, 12) if scale > 0 else gram
+        content = repr(scale).encode() + np.ascontiguousarray(shape).tobytes()
+        solves[key] = (hashlib.blake2b(content, digest_size=16).digest(), gram)
     return solves[key][0]  # the Gram is kept beside its digest, so its id is not reused
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from functions import pricing
-from functions.dpquery.spec import WHOLE_TYPES, DPQueryJob, marginal_name
+from functions.dpquery.spec import QUERY_TYPES, WHOLE_TYPES, DPQueryJob, marginal_name
 from functions.dpquery.workflow import (
     FINALIZE,
     MEASURE,
@@ -74,6 +74,10 @@ PLAN_S_PER_SOLVED_DIM3 = 1.5e-6
 # Past smasher.MAX_SET_DIM a set is solved in its queries' row space (smasher.low_rank_strategy): 3.8, 12
 # and 26 s for 20 x 20, 30 x 30 and 40 x 40 affine pairs measured, ~4.5e-4 s per dim^1.5
 PLAN_S_PER_LOW_RANK_DIM15 = 4.5e-4
+# ... and for an explicit query matrix, whose pieces may span the whole set (rank up to dim, not
+# n_a + n_b − 1): 1.7, 5.1 and 8.0 s for 100, 200 and 1,000 random 0/1 rows on 21 x 21 (ranks 100, 200,
+# 400), against 3.7 s for affine there; a plan holding one prices every set it solves whole at this rate
+PLAN_S_PER_FULL_RANK_DIM15 = 1.0e-3
 # ... holding up to ~21 matrices of the set's cells x cells at once (its Grams, the residual bases, both
 # strategies): 394-414 MiB traced for 40 x 40 (tracemalloc), 129 MiB for 30 x 30; 24 leaves a margin
 SOLVE_MATRICES = 24
@@ -303,10 +307,12 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     pairs = int(pl.sub_ptr[-1])
     # the strategies 2-way types' sets were solved for (a Kronecker set's per-attribute ones are cheap)
     solved = [b for name, b in pl.strategies.items() if name.startswith("dense:")]
+    matrices = pl.marg_types is not None and bool(np.any(pl.marg_types >= len(QUERY_TYPES)))
+    low_rank = PLAN_S_PER_FULL_RANK_DIM15 if matrices else PLAN_S_PER_LOW_RANK_DIM15
     solve_s = sum(
         PLAN_S_PER_SOLVED_DIM3 * b.shape[0] ** 3
         if b.shape[0] <= smasher.MAX_SET_DIM
-        else PLAN_S_PER_LOW_RANK_DIM15 * b.shape[0] ** 1.5
+        else low_rank * b.shape[0] ** 1.5
         for b in solved
     )
     solve_bytes = max((SOLVE_MATRICES * 8 * b.shape[1] ** 2 for b in solved), default=0)

@@ -549,13 +549,17 @@ ZERO_PIECE_FLOOR = (
 
 @functools.lru_cache(maxsize=32)
 def whole_piece_grams(kind: str | QueryMatrix, *sizes: int) -> dict[tuple[int, ...], np.ndarray]:
-    """:func:`pair_piece_grams` as the planner solves them: where no query has a piece (an explicit matrix
-    constant along an attribute, or whose rows sum to zero), ResidualPlanner's contrasts at
+    """:func:`pair_piece_grams` as the planner solves them: where no row of an explicit matrix has a piece
+    (a matrix constant along an attribute, or whose rows sum to zero), ResidualPlanner's contrasts at
     :data:`ZERO_PIECE_FLOOR` of the largest per-cell trace instead of zero, so that every residual set of
     the marginal is measured (any query on it stays answerable) for about 1 % of the budget. The variances
     the plan states come from the exact Grams."""
     exact = pair_piece_grams(kind, *sizes)
+    if isinstance(kind, str):  # a named type's plan stays as it is (abs_diff on 2 × 2 has no 1-way pieces)
+        return exact
     load = max(float(np.trace(g)) / g.shape[0] for g in exact.values())
+    if not load > 0:
+        raise PlanError(f"{kind!r} has no piece anywhere: it asks nothing")
     tiny = _ROUNDING * max(float(np.abs(g).max()) for g in exact.values())
     out = {}
     for pos, g in exact.items():

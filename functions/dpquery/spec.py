@@ -176,6 +176,19 @@ WHOLE_TYPES: tuple[str, ...] = (*PAIR_TYPES, MATRIX)  # types that name a margin
 MAX_MATRIX_ROWS = 10_000
 MAX_MATRIX_ENTRIES = 1_000_000
 MAX_MATRICES = 100  # distinct explicit matrices in one workload (each is a query type code of the plan)
+# A matrix's nonzero weights lie within these magnitudes: their Grams (squares, sums of squares) stay normal
+# float64 numbers with room to spare, so no piece underflows to zero or overflows
+MATRIX_MIN_WEIGHT, MATRIX_MAX_WEIGHT = 1e-12, 1e12
+
+
+def _weight_ok(x: int | float) -> bool:
+    """0, or a finite number within [MATRIX_MIN_WEIGHT, MATRIX_MAX_WEIGHT] in magnitude (an integer too
+    large for a float is not)."""
+    try:
+        m = abs(float(x))
+    except OverflowError:
+        return False
+    return m == 0 or MATRIX_MIN_WEIGHT <= m <= MATRIX_MAX_WEIGHT
 
 
 class QueryMatrix:
@@ -242,8 +255,11 @@ class DPMarginal(StrictModel):
                 if not isinstance(row, list):
                     raise ValueError(f"an explicit query matrix is a list of rows; row {r} is not a list")
                 for c, x in enumerate(row):
-                    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-                        raise ValueError(f"explicit query matrix: row {r}, entry {c} is not a finite number")
+                    if isinstance(x, bool) or not isinstance(x, int | float) or not _weight_ok(x):
+                        raise ValueError(
+                            f"explicit query matrix: row {r}, entry {c} is not 0 or a number of magnitude "
+                            f"{MATRIX_MIN_WEIGHT:g} to {MATRIX_MAX_WEIGHT:g}"
+                        )
         return v
 
 
