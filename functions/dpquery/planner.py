@@ -1165,7 +1165,11 @@ def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, s
         parts.append((made_of, weight, few))
     # the best strategy is the same for any multiple of the Gram: sets of one structure solve once; a miss
     # only costs a solve
-    scale = max(math.fsum(w * solves[made_of][1] for made_of, w, _ in parts), _TINY)
+    scale = math.fsum(w * solves[made_of][1] for made_of, w, _ in parts)
+    if (
+        not scale > 0
+    ):  # no piece on the set at all (abs_diff on 2 x 2 reaches neither 1-way set): nothing to fit
+        return "identity", [contrasts(n) for n in sizes], cover
     key = (tuple(sizes), tuple(sorted((made_of, round(w / scale, 12), few) for made_of, w, few in parts)))
     if key not in solves:
         total = sum(w * solves[made_of][0] for made_of, w, _ in parts)
