@@ -438,9 +438,8 @@ CORPUS_WORDS = (
 ).split()
 DEMO_INFERENCE_ROWS = 200
 DEMO_INFERENCE_SHARD_ROWS = 50
-DEMO_INFERENCE_MAX_WORDS = (
-    20  # sentences of 5-20 words: a third of the CPU of up to 60, still of mixed lengths
-)
+# sentences of 5-20 words: a third of the embedding CPU of up to 60, still of mixed lengths
+DEMO_INFERENCE_MAX_WORDS = 20
 
 
 def inference_corpus(n: int, seed: int = 0, min_words: int = 5, max_words: int = 60) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from functions import store
-from functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name
+from functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name, schema_order
 from functions.errors import ShardfoldError, SpecError
 from functions.jobs import spec_key
 
@@ -137,10 +137,8 @@ def _weighted_queries(
     if w.size == 0:
         raise SpecError("answer: weights holds no query")
     single = w.ndim == len(shape)
-    order = sorted(range(len(given)), key=lambda p: given[p])  # the cells' axes in schema order
-    stack = w[None] if single else w
-    stack = np.transpose(stack, [0, *(p + 1 for p in order)])
-    return tuple(given[p] for p in order), stack.reshape(stack.shape[0], -1), single
+    attrs, rows = schema_order(w[None] if single else w, given, sizes)
+    return attrs, rows, single
 
 
 def _selection(attribute: Any, chosen: Any) -> np.ndarray:
@@ -586,7 +584,7 @@ class DPQuery:
         set the release did not measure is refused, naming what is missing. A query that is one of the
         release's answers gets that answer's estimate and standard error."""
         from functions.dpquery import core
-        from functions.dpquery.smasher import pieces
+        from functions.dpquery.smasher import PIECE_ROUNDING, pieces
 
         job_id, doc, pl = self._job_plan(result)
         spec = self.spec(store.get_json(self._client.uri(spec_key(job_id))))
@@ -603,7 +601,7 @@ class DPQuery:
         parts: list[dict[int, np.ndarray]] = []
         missing: set[tuple[int, ...]] = set()
         for q in queries:
-            tiny = 1e-12 * float(np.max(np.abs(q), initial=0.0))
+            tiny = PIECE_ROUNDING * float(np.max(np.abs(q), initial=0.0))
             parts.append({})
             for pos, piece in pieces(q, shape).items():
                 subset = tuple(attrs[p] for p in pos)

@@ -503,7 +503,7 @@ def plan_kron(domains: Sequence[int], entries: Sequence[Entry], rho: float) -> S
 # the full convex solver's largest residual space, ∏(n_i − 1): 44 s for 19 × 19, against 3 s for the
 # low-rank strategy within 2.5 % of its loss (docs/benchmarks.md)
 MAX_SET_DIM = 100
-_ROUNDING = 1e-12  # a query's piece this small against its largest entry is rounding, not a piece
+PIECE_ROUNDING = 1e-12  # a query's piece this small against its largest entry is rounding, not a piece
 _FLOORS = (1e-2, 1e-3, 1e-4)  # of the mean eigenvalue, added to a set's Gram for the full convex solve
 _TINY = np.finfo(np.float64).tiny
 
@@ -542,9 +542,8 @@ def pair_piece_grams(kind: str | QueryMatrix, *sizes: int) -> dict[tuple[int, ..
     return out
 
 
-ZERO_PIECE_FLOOR = (
-    1e-4  # a residual set no query reaches is solved for this much of the largest per-cell load
-)
+# a residual set no row of an explicit matrix reaches is solved for this much of the largest per-cell load
+ZERO_PIECE_FLOOR = 1e-4
 
 
 @functools.lru_cache(maxsize=32)
@@ -560,7 +559,7 @@ def whole_piece_grams(kind: str | QueryMatrix, *sizes: int) -> dict[tuple[int, .
     load = max(float(np.trace(g)) / g.shape[0] for g in exact.values())
     if not load > 0:
         raise PlanError(f"{kind!r} has no piece anywhere: it asks nothing")
-    tiny = _ROUNDING * max(float(np.abs(g).max()) for g in exact.values())
+    tiny = PIECE_ROUNDING * max(float(np.abs(g).max()) for g in exact.values())
     out = {}
     for pos, g in exact.items():
         if np.abs(g).max() > tiny:
@@ -746,7 +745,7 @@ class DensePlan:
             if part in self.sigma2:
                 inverse = np.linalg.pinv(self.strategies[part].gram, hermitian=True)
                 total += self.sigma2[part] * float(piece @ inverse @ piece)
-            elif np.abs(piece).max() > _ROUNDING * np.abs(q).max():
+            elif np.abs(piece).max() > PIECE_ROUNDING * np.abs(q).max():
                 raise PlanError(f"the plan measured no residual of {part}, which the query needs")
         return total
 
@@ -773,7 +772,7 @@ def plan_dense(
             raise SpecError(f"workload.{j}: a query matrix over {cells} cells needs {cells} columns")
         for q in w:
             for pos, piece in pieces(q, [n[i] for i in attrs]).items():
-                if np.abs(piece).max() <= _ROUNDING * np.abs(q).max():
+                if np.abs(piece).max() <= PIECE_ROUNDING * np.abs(q).max():
                     continue  # no piece on this partition, only the rounding of the others'
                 part = tuple(attrs[k] for k in pos)
                 gram = grams.setdefault(part, np.zeros((piece.size, piece.size)))

@@ -657,7 +657,8 @@ class DPQueryJob(JobOptions):
             if isinstance(m.queries, str):
                 out.append({index[n]: m.queries for n in m.attributes})
             elif isinstance(m.queries, list):
-                matrix = _schema_order(m.queries, [index[n] for n in m.attributes], self.domains())
+                _, rows = schema_order(m.queries, [index[n] for n in m.attributes], self.domains())
+                matrix = QueryMatrix(rows)
                 out.append({index[n]: matrix for n in m.attributes})
             else:
                 out.append({index[n]: k for n, k in (m.queries or {}).items() if k != "identity"})
@@ -695,9 +696,14 @@ class DPQueryJob(JobOptions):
         return self.max_rows_total if self.max_rows_total is not None else DEFAULT_MAX_ROWS_TOTAL
 
 
-def _schema_order(rows: list[list[float]], attrs: list[int], domains: list[int]) -> QueryMatrix:
-    """An explicit matrix's rows over the cells of ``attrs`` as listed, re-ordered to the cells of the same
-    attributes in schema order (the planner's and the tables' order)."""
-    a = np.asarray(rows, dtype=np.float64).reshape([len(rows), *(domains[i] for i in attrs)])
+def schema_order(
+    rows: Any, attrs: Sequence[int], domains: Sequence[int]
+) -> tuple[tuple[int, ...], np.ndarray]:
+    """Queries over the cells of ``attrs`` as listed (``rows``: one row per query, or one array per query
+    shaped by those attributes), re-ordered to the cells of the same attributes in schema order (the
+    planner's and the tables' order): (the attributes sorted, one row per query over their cells)."""
+    a = np.asarray(rows, dtype=np.float64)
+    a = a.reshape([a.shape[0], *(domains[i] for i in attrs)])
     order = sorted(range(len(attrs)), key=lambda p: attrs[p])
-    return QueryMatrix(np.transpose(a, [0, *(p + 1 for p in order)]).reshape(len(rows), -1))
+    ordered = np.transpose(a, [0, *(p + 1 for p in order)]).reshape(a.shape[0], -1)
+    return tuple(attrs[p] for p in order), ordered
