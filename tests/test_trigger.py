@@ -159,6 +159,28 @@ def test_invalid_spec_reports_every_error_and_starts_nothing(root):
     )
 
 
+def test_a_hostile_dpquery_matrix_is_reported_naming_its_row(root):
+    """A dpquery spec dropped in the bucket with an explicit query matrix whose weight is 10^400, or whose row
+    is short: refused by the same spec model as every other entry path, the error naming its field."""
+    start = Starter()
+    for name, queries, field, words in [
+        ("huge.json", [[10**400, 0, 0, 0, 0, 0, 0, 1]], "workload.0.queries", "row 0, entry 0 is not 0"),
+        ("short.json", [[1, 0, 0, 0, 0, 0, 0, 1], [1, 1]], "workload.0.queries.1", "2 entries; the marginal"),
+    ]:
+        doc = {
+            "kind": "dpquery",
+            "dataset": "data/people.csv",
+            "schema": [{"name": "sex", "categories": ["f", "m"]}, {"name": "age", "range": [0, 3]}],
+            "workload": [{"attributes": ["sex", "age"], "queries": queries}],
+            "budget": {"rho": 0.1},
+            "dataset_id": "people",
+            "dataset_budget_rho": 1.0,
+        }
+        report = dispatch(put_spec(root, name, doc), start)
+        assert [e["field"] for e in report["errors"]] == [field] and words in report["error"], report
+    assert start.calls == []
+
+
 def test_unknown_kind_is_reported(root):
     report = dispatch(put_spec(root, "what.json", {"kind": "teleport"}), Starter())
     assert report["errors"][0]["field"] == "kind" and "teleport" in report["error"]
