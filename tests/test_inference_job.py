@@ -25,9 +25,9 @@ EVENTS = REPO / "events"
 WAIT_S = 300  # a deadline, not a timing assumption
 ROWS = 48
 SHARD_ROWS = 16
-# Rows of at most this many words where 320 rows are embedded twice (a job with a killed worker, then a clean
-# run): 2.6x less CPU than the default of 60 words, and a shard of 16 rows still takes ~0.1 s, so a kill
-# after two commits leaves 18 shards to do.
+# Rows of at most this many words wherever a corpus is embedded twice (on local and on moto; a job with a
+# killed worker, then a clean run): 2.6x less CPU than the default of 60 words, and a shard of 16 rows still
+# takes ~0.1 s, so a kill after two commits leaves 18 shards to do.
 SHORT = 20
 
 
@@ -64,7 +64,7 @@ def put_corpus(client: Client, key: str, rows: list[dict]) -> str:
 
 @pytest.mark.slow
 def test_local_and_moto_executors_give_equal_embeddings(moto_client, tmp_path, monkeypatch):
-    rows = inference_corpus(ROWS, seed=3)
+    rows = inference_corpus(ROWS, seed=3, max_words=SHORT)
     key = put_corpus(moto_client, "corpora/a.jsonl", rows)  # relative key: under the moto bucket
     on_moto = inference.run(
         key, field="text", id_field="id", shard_rows=SHARD_ROWS, gpu_workers=2, client=moto_client
