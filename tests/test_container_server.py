@@ -212,7 +212,9 @@ def test_the_server_and_its_containers_end_with_the_process_that_owns_them(tmp_p
         c = container_server.start("sf_cs_handlers:sleepy", env, preload=False)
         while not os.path.exists(out):
             time.sleep(0.02)
-        open({str(pids)!r}, "w").write(json.dumps([container_server._server.proc.pid, c.pid]))
+        # written whole, then renamed: the test reads it as soon as the name exists
+        open({str(pids)!r} + ".tmp", "w").write(json.dumps([container_server._server.proc.pid, c.pid]))
+        os.replace({str(pids)!r} + ".tmp", {str(pids)!r})
         time.sleep(60)
         """
     )
