@@ -57,6 +57,15 @@ class PlanError(ShardfoldError):
     """A job cannot be planned as asked, e.g. a task would not fit the configured function memory."""
 
 
+class TooFewClients(PlanError):
+    """A federated round has fewer usable client updates than its ``min_clients``/``min_fraction`` need.
+    ``excluded`` lists each client left out (``{"client", "uri", "reason"}``)."""
+
+    def __init__(self, message: str, excluded: list[dict] | None = None):
+        super().__init__(message)
+        self.excluded = excluded or []
+
+
 class JobNotFound(ShardfoldError):
     """No job with this id exists on the selected backend."""
 

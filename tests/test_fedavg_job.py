@@ -100,9 +100,11 @@ def assert_tensors_equal(got: dict, want: dict) -> None:
 
 @pytest.mark.slow
 def test_local_and_moto_executors_give_the_identical_model(moto_client, tmp_path, monkeypatch):
+    """Both executors, one round, a client among them that never uploaded (left out: min_clients)."""
     updates = fedavg_updates(MODEL, 3, seed=11)
     keys = save_all(moto_client, "rounds/1", updates)  # relative keys: under the moto bucket
-    spec = moto_client.fedavg.spec(keys, shards=2).model_dump(mode="json", exclude_none=True)
+    keys.insert(1, "rounds/1/client-dropped.safetensors")
+    spec = moto_client.fedavg.spec(keys, shards=2, min_clients=3).model_dump(mode="json", exclude_none=True)
     assert all(c["uri"].startswith(moto_client.store_root + "/rounds/1/") for c in spec["clients"])
     job_id = new_job_id("fedavg")
 
@@ -117,6 +119,10 @@ def test_local_and_moto_executors_give_the_identical_model(moto_client, tmp_path
     assert hashlib.sha256(moto_bytes).hexdigest() == hashlib.sha256(local_bytes).hexdigest()
     for key in ("clients", "total_weight", "bytes", "tensors", "dtypes"):
         assert on_moto[key] == on_local[key]
+    assert on_moto["clients"] == 3 and on_moto["clients_listed"] == on_local["clients_listed"] == 4
+    for left in (on_moto["excluded"], on_local["excluded"]):
+        dropped = spec["clients"][1]["uri"]
+        assert [(e["client"], e["reason"]) for e in left] == [(1, f"no object at {dropped}")]
 
     weights = [n for _, n in updates]
     assert_tensors_equal(decode_update(local_bytes), fedavg_reference([u for u, _ in updates], weights))
@@ -349,6 +355,27 @@ def test_cli_run_and_plan_the_example_spec(home):
         assert word in out
     data = json.loads(invoke("plan", str(EVENTS / "fedavg.json"), "--json").output)
     assert data["items"] == 3 and {s["name"]: s["tasks"] for s in data["steps"]}["aggregate_shard"] == 1
+
+
+@pytest.mark.slow
+def test_cli_plans_and_runs_a_round_with_a_client_missing_and_says_who_was_left_out(home, tmp_path):
+    spec = json.loads((EVENTS / "fedavg.json").read_text())
+    for c in spec["clients"]:
+        c["uri"] = (EVENTS / c["uri"]).resolve().as_uri()
+    spec["clients"].insert(2, {"uri": (tmp_path / "late.safetensors").as_uri()})
+    spec["min_clients"] = 3
+    path = tmp_path / "round.json"
+    path.write_text(json.dumps(spec))
+    out = invoke("plan", str(path)).output
+    assert "1 of the 4 updates read would be left out now (client 2: no object at" in out
+    assert "the round needs 3 of 4" in out
+    out = invoke("run", str(path)).output
+    assert "SUCCEEDED" in out and "left out of the round: 1 of 4 clients" in out
+    assert "late.safetensors" in out and "no object at" in out
+    spec["min_clients"] = 4
+    path.write_text(json.dumps(spec))
+    out = invoke("run", str(path), ok=False).output
+    assert "needs 4 of its 4 client updates but only 3 can be aggregated" in out
 
 
 def test_cli_invoke_steps_through_a_job_by_hand(home):

@@ -73,8 +73,9 @@ import ctypes
 import ctypes.util
 import math
 import tempfile
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -95,6 +96,7 @@ from functions.errors import (
     ShardfoldError,
     SpecError,
     StoreError,
+    TooFewClients,
 )
 from functions.fedavg import kernels
 from functions.fedavg.layout import (
@@ -177,29 +179,114 @@ def _client_uris(spec: FedAvgJob, store_root: str) -> list[str]:
     return uris
 
 
-def _batch_error(exc: BatchItemError, uris: list[str], what: str) -> ShardfoldError | TransientError:
-    """A GetBatch failure as an error naming the client (the item index is the client's)."""
-    i, uri = exc.index, uris[exc.index] if exc.index < len(uris) else exc.item
+def _batch_error(exc: BatchItemError, i: int, uri: str, what: str) -> ShardfoldError | TransientError:
+    """A GetBatch failure as an error naming client ``i`` (its place in the spec) and its ``uri``."""
     cause = exc.__cause__
+    label = where(i, uri)
     if isinstance(cause, InputChanged):
-        return InputChanged(f"{where(i, uri)}: {cause}", uri=uri)
+        return InputChanged(f"{label}: {cause}", uri=uri)
     if isinstance(cause, ObjectNotFound):
-        return ObjectNotFound(f"{where(i, uri)}: no object at {uri}")
+        return ObjectNotFound(f"{label}: no object at {uri}")
     if isinstance(cause, InvalidRange):
-        return InvalidModelFile(f"{where(i, uri)}: {what}", client=i, uri=uri)
+        return InvalidModelFile(f"{label}: {what}", client=i, uri=uri)
     if isinstance(cause, TransientError):
-        return TransientError(f"{where(i, uri)}: {exc.reason}")
-    return StoreError(f"{where(i, uri)}: {exc.reason}")
+        return TransientError(f"{label}: {exc.reason}")
+    return StoreError(f"{label}: {exc.reason}")
 
 
-def inspect(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None) -> ShardPlan:
+POLL_S = 2.0  # how often a round waiting for late updates (wait_s) looks for them again
+
+
+def _await_updates(uris: list[str], wait_s: float) -> dict[str, Pin | None]:
+    """Every update's pin (HEAD), looking again for the missing ones every :data:`POLL_S` until all are
+    there or ``wait_s`` has passed."""
+    found = store.pins(uris)  # all in flight at once (the CRT client, or the shared thread pool)
+    deadline = time.monotonic() + wait_s
+    while (missing := [u for u in uris if found[u] is None]) and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(POLL_S, left))
+        found.update(store.pins(missing))
+    return found
+
+
+class _Round:
+    """Who is in the round: a failure that names a client either fails the round (every update needed) or
+    leaves that client out (``min_clients``/``min_fraction``), with its reason."""
+
+    def __init__(self, spec: FedAvgJob, uris: list[str]):
+        self.spec, self.uris = spec, uris
+        self.left_out: dict[int, str] = {}
+
+    def out(self, i: int, exc: ShardfoldError | TransientError) -> None:
+        """Leave client ``i`` out for ``exc``, or raise it when the round needs every client (and always for
+        a transient fault, which a retry of the task may not meet)."""
+        if not self.spec.tolerant or isinstance(exc, TransientError):
+            raise exc
+        prefix = f"{where(i, self.uris[i])}: "
+        text = str(exc)
+        self.left_out[i] = text[len(prefix) :] if text.startswith(prefix) else text
+
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.uris)) if i not in self.left_out]
+
+    def excluded(self) -> list[dict[str, Any]]:
+        return [{"client": i, "uri": self.uris[i], "reason": r} for i, r in sorted(self.left_out.items())]
+
+    def check_enough(self) -> None:
+        n, need, have = len(self.uris), self.spec.required_clients, len(self.live())
+        if have >= need:
+            return
+        listed = "; ".join(f"client {e['client']} ({e['uri']}): {e['reason']}" for e in self.excluded()[:10])
+        more = f" and {len(self.left_out) - 10} more" if len(self.left_out) > 10 else ""
+        raise TooFewClients(
+            f"the round needs {need} of its {n} client updates but only {have} can be aggregated; left out: "
+            f"{listed}{more}",
+            self.excluded(),
+        )
+
+    def read_each(
+        self,
+        items: dict[int, dict[str, Any]],
+        pins: dict[str, Pin],
+        what: Callable[[int], str],
+        take: Callable[[int, bytes], None],
+    ) -> None:
+        """One ranged read per client (``items``: client -> GetBatch item), in client order, ``take(i, data)``
+        each; a client whose read or ``take`` fails is left out (or fails the round), and the reads after a
+        failed one are made again."""
+        pending = dict(items)
+        while pending:
+            order = list(pending)
+            try:
+                with store.get_batch([pending[i] for i in order], pins=pins) as stream:
+                    for entry in stream:
+                        i = order[entry.index]
+                        del pending[i]
+                        try:
+                            take(i, entry.data)
+                        except InvalidModelFile as exc:
+                            self.out(i, exc)
+            except BatchItemError as exc:
+                i = order[exc.index]
+                del pending[i]
+                self.out(i, _batch_error(exc, i, self.uris[i], what(i)))
+
+
+def inspect(
+    spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None, wait_s: float = 0.0
+) -> ShardPlan:
     """Read and check every client's header and size, resolve weights, choose shards; write nothing.
 
     Requests: 1 HEAD (the client's pin: size and ETag, or size, mtime and inode) then 2 ranged GETs per
     client, the GETs pinned, so the plan describes exactly the objects the aggregate tasks will read (they
-    refuse any other: :class:`InputChanged`). Memory: client 0's parsed header plus one other at a time,
-    and one offset list per distinct layout. ``budget`` defaults to :class:`Budget()` (the deployed
-    functions); tests pass small ones.
+    refuse any other: :class:`InputChanged`). ``wait_s``: how long to wait for updates not there yet (HEADs
+    of the missing ones every :data:`POLL_S`). Memory: one parsed header per distinct set of tensors (one,
+    for a sound round) plus the one being read, and one offset list per distinct layout. ``budget``
+    defaults to :class:`Budget()` (the deployed functions); tests pass small ones.
+
+    Every update is needed unless the spec sets ``min_clients``/``min_fraction``: then a client whose update
+    is missing, unreadable, not safetensors, unlike the round's (the tensors most clients have; a tie goes to
+    the earliest), or without a needed weight is left out, and :class:`TooFewClients` is raised when fewer
+    than needed remain. Otherwise the first such problem fails the round naming the client.
     """
     budget = budget or Budget()
     uris = _client_uris(spec, store_root)
@@ -210,70 +297,110 @@ def inspect(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
             f"output {out} must be in the job's store ({store_root.split('://')[0]}://): the parts are "
             "assembled into it server-side"
         )
-    found = store.pins(uris)  # all in flight at once (the CRT client, or the shared thread pool)
-    pins: list[Pin] = []
+    found = _await_updates(uris, wait_s)
+    members = _Round(spec, uris)
     for i, u in enumerate(uris):
-        if (p := found[u]) is None:
-            raise ObjectNotFound(f"{where(i, u)}: no object at {u}")
-        pins.append(p)
-    return _inspect(spec, job_id, uris, out, pins, budget)
+        if found[u] is None:
+            members.out(i, ObjectNotFound(f"{where(i, u)}: no object at {u}"))
+    pins = {u: p for u, p in found.items() if p is not None}
+    return _inspect(spec, job_id, members, out, pins, budget)
+
+
+def _signature(header: FileHeader) -> tuple:
+    """What clients must share to be averaged: tensor names, dtypes and shapes (not offsets)."""
+    return tuple(sorted((t.name, t.dtype, tuple(t.shape)) for t in header.tensors.values()))
 
 
 def _inspect(
-    spec: FedAvgJob, job_id: str, uris: list[str], out: str, pins: list[Pin], budget: Budget
+    spec: FedAvgJob, job_id: str, members: _Round, out: str, pins: dict[str, Pin], budget: Budget
 ) -> ShardPlan:
-    n = len(uris)
-    pinned = dict(zip(uris, pins, strict=True))
+    uris = members.uris
+    lengths: dict[int, int] = {}
 
-    lengths: list[int] = []
-    prefixes = [{"uri": u, "start": 0, "length": PREFIX_BYTES} for u in uris]
-    try:
-        with store.get_batch(prefixes, pins=pinned) as stream:
-            for entry in stream:
-                lengths.append(parse_length_prefix(entry.data, entry.index, uris[entry.index]))
-    except BatchItemError as exc:
-        raise _batch_error(exc, uris, "shorter than 8 bytes: not a safetensors file") from None
+    def take_length(i: int, data: bytes) -> None:
+        lengths[i] = parse_length_prefix(data, i, uris[i])
 
-    weight_needed = spec.aggregator == "mean" and not spec.uniform
-    first: FileHeader | None = None
-    layouts: dict[tuple[int, ...], int] = {}
-    clients: list[ClientRef] = []
-    metadata: list[dict[str, str]] = []  # each client's __metadata__, for its weight
-    data_bytes = 0
-    items = [{"uri": u, "start": PREFIX_BYTES, "length": n_} for u, n_ in zip(uris, lengths, strict=True)]
-    try:
-        with store.get_batch(items, pins=pinned) as stream:
-            for entry in stream:
-                i, uri = entry.index, uris[entry.index]
-                header = parse_header(entry.data, i, uri)
-                if first is None:
-                    first = header
-                    order = output_tensors(first)
-                    data_bytes = first.data_bytes
-                else:
-                    check_like_first(first, header, i, uri)
-                key = tuple(header.tensors[t.name].begin for t in order)
-                layout = layouts.setdefault(key, len(layouts))
-                clients.append(ClientRef(uri, None, header.data_start, layout, pins[i]))
-                metadata.append(header.metadata)
-    except BatchItemError as exc:
-        i = exc.index
-        raise _batch_error(
-            exc,
-            uris,
+    prefixes = {i: {"uri": uris[i], "start": 0, "length": PREFIX_BYTES} for i in members.live()}
+    members.read_each(prefixes, pins, lambda i: "shorter than 8 bytes: not a safetensors file", take_length)
+
+    # Each client's tensors (by signature, one parsed header kept per distinct one) and offsets (by name).
+    tolerant = spec.tolerant
+    kinds: dict[tuple, tuple[int, FileHeader]] = {}  # signature -> (its first client, that client's header)
+    sig_of: dict[int, tuple] = {}
+    # client -> its tensors' data offsets in tensor-name order; equal tuples are one object (a layout)
+    begins: dict[int, tuple[int, ...]] = {}
+    distinct: dict[tuple[int, ...], tuple[int, ...]] = {}
+    data_start: dict[int, int] = {}
+    metadata: dict[int, dict[str, str]] = {}  # each client's __metadata__, for its weight
+
+    def take_header(i: int, data: bytes) -> None:
+        header = parse_header(data, i, uris[i])
+        sig = _signature(header)
+        if not kinds and not tolerant:
+            kinds[sig] = (i, header)
+        elif sig not in kinds:
+            if not tolerant:  # every update needed: the first one's tensors are the round's
+                ref, first = next(iter(kinds.values()))
+                check_like_first(first, header, i, uris[i], ref)
+            kinds[sig] = (i, header)
+        sig_of[i] = sig
+        offsets = tuple(header.tensors[name].begin for name in sorted(header.tensors))
+        begins[i] = distinct.setdefault(offsets, offsets)
+        data_start[i] = header.data_start
+        metadata[i] = header.metadata
+
+    headers = {i: {"uri": uris[i], "start": PREFIX_BYTES, "length": lengths[i]} for i in members.live()}
+    members.read_each(
+        headers,
+        pins,
+        lambda i: (
             f"its length prefix announces a {lengths[i]}-byte header, past the end of the object "
-            "(truncated, or not a safetensors file)",
-        ) from None
-    assert first is not None
-    for i in range(n):
-        check_object_size(_header_of(clients[i], data_bytes), pins[i].size, i, uris[i])
+            "(truncated, or not a safetensors file)"
+        ),
+        take_header,
+    )
+    if not kinds:
+        members.check_enough()  # no client left: raises
+    # The round's tensors: those most clients have (a tie: the earliest client's).
+    votes: dict[tuple, int] = {}
+    for i in members.live():
+        votes[sig_of[i]] = votes.get(sig_of[i], 0) + 1
+    sig = max(votes, key=lambda k: (votes[k], -kinds[k][0]))
+    ref, first = kinds[sig]
+    for i in members.live():
+        if sig_of[i] != sig:
+            try:
+                check_like_first(first, kinds[sig_of[i]][1], i, uris[i], ref)
+            except InvalidModelFile as exc:
+                members.out(i, exc)
+    order = output_tensors(first)
+    data_bytes = first.data_bytes
+    names = sorted(first.tensors)
+    position = {name: k for k, name in enumerate(names)}
+    layouts: dict[tuple[int, ...], int] = {}
+    for i in members.live():
+        try:
+            check_object_size(_header_of(data_start[i], data_bytes), pins[uris[i]].size, i, uris[i])
+        except InvalidModelFile as exc:
+            members.out(i, exc)
 
     # Weights last: a broken file is reported as broken before its metadata is judged.
-    weights = [_weight(spec, metadata[i], i, uris[i], weight_needed) for i in range(n)]
-    clients = [
-        ClientRef(c.uri, w, c.data_start, c.layout, c.pin) for c, w in zip(clients, weights, strict=True)
-    ]
-    total = _total_weight(spec, weights, uris) if all(w is not None for w in weights) else None
+    weight_needed = spec.aggregator == "mean" and not spec.uniform
+    weights: dict[int, float | None] = {}
+    for i in members.live():
+        try:
+            weights[i] = _weight(spec, metadata[i], i, uris[i], weight_needed)
+        except InvalidModelFile as exc:
+            members.out(i, exc)
+    members.check_enough()
+    clients: list[ClientRef] = []
+    for i in members.live():
+        key = tuple(begins[i][position[t.name]] for t in order)
+        layout = layouts.setdefault(key, len(layouts))
+        clients.append(ClientRef(uris[i], weights[i], data_start[i], layout, pins[uris[i]], i))
+    known = [c.weight for c in clients]
+    total = _total_weight(spec, known, uris, clients) if all(w is not None for w in known) else None
+    n = len(clients)
     # Only inputs and options go into the header, so the same round gives the same bytes in any job.
     out_meta = {"format": first.metadata.get("format", DEFAULT_FORMAT)}
     out_meta["shardfold_aggregator"] = spec.aggregator + (" (uniform)" if spec.uniform else "")
@@ -299,6 +426,8 @@ def _inspect(
         metadata=out_meta,
         total_weight=total,
         budget=budget,
+        clients_listed=len(uris),
+        excluded=members.excluded(),
     )
     choice = choose_shards(data_bytes, n, len(plan.header()), budget, spec.shards)
     plan.bounds = Geometry(tensors).shard_bounds(choice.shards)
@@ -308,13 +437,14 @@ def _inspect(
     return plan
 
 
-def _total_weight(spec: FedAvgJob, weights: list[float], uris: list[str]) -> float:
+def _total_weight(spec: FedAvgJob, weights: list[float], uris: list[str], clients: list[ClientRef]) -> float:
     """The weights' total (``math.fsum``); a :class:`SpecError` naming the largest weight's field when the
     total is beyond float64 (each weight is finite, but N of them near 1e308 are not)."""
     total = kernels.weight_total(weights)
     if math.isfinite(total):
         return total
-    i = max(range(len(weights)), key=weights.__getitem__)
+    k = max(range(len(weights)), key=weights.__getitem__)
+    i = clients[k].index
     field = (
         f"clients.{i}.weight"
         if spec.clients[i].weight is not None
@@ -322,15 +452,13 @@ def _total_weight(spec: FedAvgJob, weights: list[float], uris: list[str]) -> flo
     )
     raise SpecError(
         f"the clients' weights add up to more than float64 holds (~1.8e308; the largest is {field} = "
-        f"{weights[i]!r}); divide them all by one factor: only their ratios matter",
+        f"{weights[k]!r}); divide them all by one factor: only their ratios matter",
         [{"field": field, "error": "the weights' total overflows float64"}],
     )
 
 
-def _header_of(client: ClientRef, data_bytes: int) -> FileHeader:
-    return FileHeader(
-        header_len=client.data_start - PREFIX_BYTES, tensors={}, metadata={}, data_bytes=data_bytes
-    )
+def _header_of(data_start: int, data_bytes: int) -> FileHeader:
+    return FileHeader(header_len=data_start - PREFIX_BYTES, tensors={}, metadata={}, data_bytes=data_bytes)
 
 
 def _weight(spec: FedAvgJob, metadata: dict[str, str], i: int, uri: str, needed: bool) -> float | None:
@@ -351,7 +479,7 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
     Returns ``{"manifest": manifest_ref, "shards", "clients", "tensors", "bytes", "plan", "notes"}``. Refuses
     (:class:`PlanError`) a plan whose aggregate task would not fit ``budget.memory_mb``.
     """
-    p = inspect(spec, job_id, store_root, budget=budget)
+    p = inspect(spec, job_id, store_root, budget=budget, wait_s=spec.wait_s)
     peak = task_loads(p, on_s3=is_s3(store_root))["aggregate"].peak_bytes
     if peak > p.budget.memory_mb * 2**20:
         raise PlanError(
@@ -362,6 +490,8 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
     items = [{"shard": k, "start": p.bounds[k], "end": p.bounds[k + 1]} for k in range(p.shards)]
     muri = manifest_uri(store_root, job_id)
     store.put_json(muri, items)
+    for e in p.excluded:
+        logger.warning("client left out of the round", extra={"job_id": job_id, **e})
     logger.info(
         "planned fedavg",
         extra={"job_id": job_id, "clients": p.n_clients, "bytes": p.data_bytes, "shards": p.shards},
@@ -370,6 +500,7 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
         "manifest": manifest_ref(muri, p.shards),
         "shards": p.shards,
         "clients": p.n_clients,
+        "left_out": len(p.excluded),
         "tensors": len(p.tensors),
         "bytes": p.data_bytes,
         "plan": plan_uri(store_root, job_id),
@@ -448,7 +579,6 @@ def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
     )
     arena = kernels.Arena(largest)  # one allocation for the whole shard
     pending: deque[tuple[_Chunk, int, RunRead]] = deque()
-    uris = [c.uri for c in plan.clients]
     written = 0
     if shard == 0:
         written += out.write(plan.header())
@@ -500,7 +630,11 @@ def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
                     reducers = []
         stats = stream.stats
     except BatchItemError as exc:
-        raise _batch_error(exc, uris, "shorter than its header says (truncated since the plan?)") from None
+        # reads fail in request order, after every read before them was taken: it is the first pending one
+        k = pending[0][1]
+        c = plan.clients[k]
+        what = "shorter than its header says (truncated since the plan?)"
+        raise _batch_error(exc, c.place(k), c.uri, what) from None
     if pending or (current is not None and current.remaining):
         raise AssertionError(f"shard {shard}: the read stream ended early")
     return {
@@ -577,12 +711,13 @@ def _check_nonfinite_output(plan: ShardPlan, chunk: _Chunk, j: int, bad: np.ndar
 
 
 def _nonfinite_error(plan: ShardPlan, client: int, tensor: str, element: int) -> NonFiniteUpdate:
-    uri = plan.clients[client].uri
+    """``client``: the client's place in the plan (its place in the spec is the one named)."""
+    c = plan.clients[client]
     return NonFiniteUpdate(
-        f"{where(client, uri)}: tensor {tensor!r} holds NaN or Inf (first at flat element {element}); fix "
+        f"{c.label(client)}: tensor {tensor!r} holds NaN or Inf (first at flat element {element}); fix "
         "the update, or set allow_nonfinite=true to aggregate it anyway",
-        client=client,
-        uri=uri,
+        client=c.place(client),
+        uri=c.uri,
         tensor=tensor,
     )
 
@@ -606,6 +741,8 @@ def commit(spec: FedAvgJob, job_id: str, store_root: str, shards: int) -> dict:
         "kind": "fedavg",
         "output": p.output,
         "clients": p.n_clients,
+        "clients_listed": p.clients_listed if p.clients_listed is not None else p.n_clients,
+        "excluded": p.excluded,
         "total_weight": p.total_weight,
         "tensors": len(p.tensors),
         "elements": sum(t.elements for t in p.tensors),

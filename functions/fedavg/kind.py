@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from functions.fedavg.spec import FedAvgJob
 from functions.fedavg.workflow import WORKFLOW
 from functions.kinds import JobKind
+from functions.tables import ResultView, Table
+
+RESULT_ROWS = 20  # clients left out listed at the terminal (the result document lists them all)
+
+
+def result_view(result: dict[str, Any]) -> ResultView:
+    """Every field of the result, the clients left out of the round as a table of who and why."""
+    excluded = result.get("excluded") or []
+    summary = {k: v for k, v in result.items() if k != "excluded"}
+    if not excluded:
+        return ResultView(summary)
+    rows = [[e["client"], e["uri"], e["reason"]] for e in excluded[:RESULT_ROWS]]
+    title = f"left out of the round: {len(excluded)} of {result.get('clients_listed', '?')} clients"
+    more = len(excluded) - RESULT_ROWS
+    notes = [f"{more} more in the result document"] if more > 0 else []
+    return ResultView(summary, tables=[Table(title, ["client", "uri", "reason"], rows)], notes=notes)
+
 
 KIND = JobKind(
     name="fedavg",
@@ -12,4 +31,5 @@ KIND = JobKind(
     spec=FedAvgJob,
     workflow=WORKFLOW,
     sizing="functions.fedavg.sizing",
+    result_view=result_view,
 )

@@ -265,22 +265,24 @@ class Tensor:
         return math.prod(self.shape)
 
 
-def check_like_first(first: FileHeader, h: FileHeader, client: int, uri: str) -> None:
-    """Client ``client`` must have exactly client 0's tensors, with the same dtypes and shapes (its offsets
-    may differ). The first difference, in tensor-name order, is the error."""
+def check_like_first(first: FileHeader, h: FileHeader, client: int, uri: str, ref: int = 0) -> None:
+    """Client ``client`` must have exactly client ``ref``'s tensors (``first``: the round's), with the same
+    dtypes and shapes (its offsets may differ). The first difference, in tensor-name order, is the error."""
     for name in sorted(first.tensors.keys() - h.tensors.keys()):
-        raise _bad(client, uri, f"has no tensor {name!r}, which client 0 has", tensor=name)
+        raise _bad(client, uri, f"has no tensor {name!r}, which client {ref} has", tensor=name)
     for name in sorted(h.tensors.keys() - first.tensors.keys()):
-        raise _bad(client, uri, f"has a tensor {name!r} that client 0 does not have", tensor=name)
+        raise _bad(client, uri, f"has a tensor {name!r} that client {ref} does not have", tensor=name)
     for name in sorted(first.tensors):
         a, b = first.tensors[name], h.tensors[name]
         if a.dtype != b.dtype:
-            raise _bad(client, uri, f"tensor {name!r} is {b.dtype}, but client 0's is {a.dtype}", tensor=name)
+            raise _bad(
+                client, uri, f"tensor {name!r} is {b.dtype}, but client {ref}'s is {a.dtype}", tensor=name
+            )
         if a.shape != b.shape:
             raise _bad(
                 client,
                 uri,
-                f"tensor {name!r} has shape {list(b.shape)}, but client 0's has {list(a.shape)}",
+                f"tensor {name!r} has shape {list(b.shape)}, but client {ref}'s has {list(a.shape)}",
                 tensor=name,
             )
 

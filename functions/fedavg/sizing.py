@@ -105,6 +105,15 @@ class ClientRef:
     data_start: int  # 8 + its header length
     layout: int  # index into ShardPlan.layouts
     pin: Pin | None = None  # the object read at plan time; the aggregate tasks read only that one
+    index: int | None = None  # its place in the spec's list (None: its place in the plan's), for messages
+
+    def place(self, position: int) -> int:
+        """The client's place in the spec (``position``: its place in the plan)."""
+        return position if self.index is None else self.index
+
+    def label(self, position: int) -> str:
+        """``client <i> (<uri>)``, ``i`` being the client's place in the spec."""
+        return f"client {self.place(position)} ({self.uri})"
 
 
 @dataclass
@@ -133,6 +142,9 @@ class ShardPlan:
     total_weight: float | None
     budget: Budget = field(default_factory=Budget)
     notes: list[str] = field(default_factory=list)
+    # clients listed in the spec and those left out of the round ({"client", "uri", "reason"}: min_clients)
+    clients_listed: int | None = None
+    excluded: list[dict[str, Any]] = field(default_factory=list)
     version: int = 1
 
     # --- derived ---------------------------------------------------------------------------------------
@@ -202,7 +214,7 @@ class ShardPlan:
         doc = asdict(self)
         doc["tensors"] = [[t.name, t.dtype, list(t.shape), t.begin, t.end] for t in self.tensors]
         doc["clients"] = [
-            [c.uri, c.weight, c.data_start, c.layout, *([c.pin.to_doc()] if c.pin else [])]
+            [c.uri, c.weight, c.data_start, c.layout, c.pin.to_doc() if c.pin else None, c.index]
             for c in self.clients
         ]
         return doc
@@ -214,7 +226,8 @@ class ShardPlan:
             raise PlanError(f"plan document version {doc.get('version')!r} is not supported (expected 1)")
         doc["tensors"] = [Tensor(n, d, tuple(s), b, e) for n, d, s, b, e in doc["tensors"]]
         doc["clients"] = [
-            ClientRef(*c[:4], Pin.from_doc(c[4]) if len(c) > 4 else None) for c in doc["clients"]
+            ClientRef(*c[:4], Pin.from_doc(c[4]) if len(c) > 4 and c[4] else None, *c[5:6])
+            for c in doc["clients"]
         ]
         doc["budget"] = Budget.from_doc(doc.get("budget"))
         return cls(**doc)
@@ -569,7 +582,7 @@ def scaled(plan: ShardPlan, n: int, shards: int | None) -> ShardPlan:
 def probe(spec: Any, store_root: str, budget: Any) -> Any:
     """Client headers, as the job's prepare step reads them, for at most ``budget.objects`` clients (evenly
     sampled beyond); an unreadable update becomes a note (the job fails at its prepare step naming it)."""
-    from functions.errors import InvalidModelFile, StoreError
+    from functions.errors import InvalidModelFile, StoreError, TooFewClients
     from functions.estimate import Probe
     from functions.fedavg import core
 
@@ -578,14 +591,23 @@ def probe(spec: Any, store_root: str, budget: Any) -> Any:
     sample = (
         spec if k == n else spec.model_copy(update={"clients": [spec.clients[i * n // k] for i in range(k)]})
     )
+    if spec.tolerant:  # the sizes of the updates there now; the round counts its clients when it runs
+        sample = sample.model_copy(update={"min_clients": 1, "min_fraction": None})
     try:
         plan = core.inspect(sample, ESTIMATE_JOB_ID, store_root)
-    except (StoreError, InvalidModelFile) as exc:
+    except (StoreError, InvalidModelFile, TooFewClients) as exc:
         return Probe(
             facts={"clients": n, "headers_read": 0},
             notes=[f"{exc}: the job will fail at its prepare step; sizes, shards and memory are not known"],
         )
     notes = [] if k == n else [f"headers read for {k} of {n} clients (evenly sampled); the job reads all"]
+    if plan.excluded:
+        left = "; ".join(f"client {e['client']}: {e['reason']}" for e in plan.excluded[:5])
+        notes.append(
+            f"{len(plan.excluded)} of the {k} updates read would be left out now ({left}); the round needs "
+            f"{spec.required_clients} of {n}"
+            + (f" and waits up to {spec.wait_s:g} s for late ones" if spec.wait_s else "")
+        )
     if k < n:
         plan = scaled(plan, n, spec.shards)
     facts = {"clients": n, "headers_read": k, "data_bytes": plan.data_bytes, "shards": plan.shards}

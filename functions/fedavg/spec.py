@@ -9,6 +9,10 @@ from pydantic import Field, model_validator
 
 from functions.specs import InputUri, JobOptions, OutputUri, StrictModel, fail, repeated_uris
 
+# The longest a round's prepare step waits for late updates (``wait_s``): the prepare function's timeout
+# leaves this much beside the header reads.
+MAX_WAIT_S = 600
+
 
 class FedAvgClient(StrictModel):
     """One client's model update: a safetensors object and its weight (number of training examples).
@@ -55,6 +59,56 @@ class FedAvgJob(JobOptions):
     )
     allow_nonfinite: bool = Field(default=False, description="accept NaN/Inf in updates instead of failing")
     shards: int | None = Field(default=None, ge=1, le=10_000, description="default: chosen from model size")
+    min_clients: int | None = Field(
+        default=None,
+        ge=1,
+        description="leave out missing or invalid updates if at least this many remain (default: all needed)",
+    )
+    min_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="as min_clients, as a share of the clients listed (with both, the larger count holds)",
+    )
+    wait_s: float = Field(
+        default=0,
+        ge=0,
+        le=MAX_WAIT_S,
+        allow_inf_nan=False,
+        description="seconds the round waits for updates not yet uploaded before it starts without them",
+    )
+
+    @property
+    def tolerant(self) -> bool:
+        """Whether missing or invalid updates are left out (``min_clients`` or ``min_fraction`` given)."""
+        return self.min_clients is not None or self.min_fraction is not None
+
+    @property
+    def required_clients(self) -> int:
+        """How many updates the round needs: every one listed unless ``min_clients``/``min_fraction`` say
+        fewer (a fraction rounds up, ignoring float noise: 0.3 of 10 is 3)."""
+        n = len(self.clients)
+        if not self.tolerant:
+            return n
+        by_fraction = math.ceil(self.min_fraction * n - 1e-9) if self.min_fraction is not None else 1
+        return max(self.min_clients or 1, by_fraction, 1)
+
+    @model_validator(mode="after")
+    def _enough_clients_listed(self) -> FedAvgJob:
+        if self.min_clients is not None and self.min_clients > len(self.clients):
+            fail(
+                "FedAvgJob",
+                [
+                    (
+                        ("min_clients",),
+                        f"min_clients {self.min_clients} is more than the {len(self.clients)} client(s) "
+                        "listed",
+                    )
+                ],
+                self.min_clients,
+            )
+        return self
 
     @model_validator(mode="after")
     def _distinct_clients(self) -> FedAvgJob:

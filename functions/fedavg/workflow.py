@@ -9,11 +9,13 @@ references cross the control plane.
 from __future__ import annotations
 
 from functions.fedavg.sizing import AGGREGATE_MEMORY_MB, COMMIT_MEMORY_MB, LAMBDA_TIMEOUT_S, PLAN_MEMORY_MB
+from functions.fedavg.spec import MAX_WAIT_S
 from functions.workflow import Map, Task, Workflow
 
 # aggregate is CPU-bound once its reads overlap (a process locally; 1769 MB = one full vCPU on Lambda). Its
 # memory does not grow with N or the model size; the prepare step sizes shards to the 900 s timeout.
-PREPARE = Task("prepare", "fedavg.prepare", memory_mb=PLAN_MEMORY_MB, timeout_s=300)
+# prepare reads the headers in well under 300 s; a round may also wait up to MAX_WAIT_S for late updates
+PREPARE = Task("prepare", "fedavg.prepare", memory_mb=PLAN_MEMORY_MB, timeout_s=300 + MAX_WAIT_S)
 AGGREGATE_SHARD = Task(
     "aggregate_shard",
     "fedavg.aggregate",

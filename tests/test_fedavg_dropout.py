@@ -1,0 +1,217 @@
+"""A fedavg round that survives missing clients (``min_clients``, ``min_fraction``, ``wait_s``).
+
+Every update is needed by default (tests/test_fedavg_core.py: the first bad one fails the round naming it).
+With ``min_clients`` or ``min_fraction`` a client whose update is missing, unreadable, not safetensors,
+unlike the round's, or without a needed weight is left out, with its reason in the result, and the round
+proceeds on the others, re-weighted: the output is bit for bit the round of the remaining clients alone.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from test_fedavg_core import JOB, TINY, bad_files, encode, good, load, put_clients, reference, run_job
+
+from functions import store
+from functions.errors import InvalidModelFile, ObjectNotFound, SpecError, TooFewClients
+from functions.fedavg import core
+from functions.fedavg.spec import MAX_WAIT_S, FedAvgJob
+from functions.specs import parse_spec
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    return store.uri.store_root()
+
+
+def updates(n: int, seed: int = 3) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [good(rng) for _ in range(n)]
+
+
+def assert_round_of(result: dict, ups: list, weights: list[float], keep: list[int]) -> None:
+    """The job's output is bit for bit the reference round of the clients ``keep`` alone."""
+    got = load(result["output"])
+    want = reference([ups[i] for i in keep], [weights[i] for i in keep])
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].tobytes() == want[name].tobytes(), name
+
+
+@pytest.mark.parametrize("case", sorted(bad_files()))
+def test_a_bad_update_is_left_out_naming_why_and_the_rest_are_averaged(root, case):
+    data, error, fragment = bad_files()[case]
+    ups, weights = updates(4), [3.0, 5.0, 7.0, 11.0]
+    uris = put_clients(root, ups, [int(w) for w in weights])
+    if data is None:
+        store.delete(uris[1])
+    else:
+        store.put(uris[1], data)
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=3)
+    result = run_job(spec, root)
+    assert result["clients"] == 3 and result["clients_listed"] == 4
+    ((left,),) = [result["excluded"]]
+    assert left["client"] == 1 and left["uri"] == uris[1] and fragment in left["reason"], left
+    assert not left["reason"].startswith("client 1")  # the reason, without the label the entry holds
+    assert result["total_weight"] == 3 + 7 + 11  # weights renormalised over the remaining clients
+    assert_round_of(result, ups, weights, [0, 2, 3])
+    # the same round without the bad client: the same bytes, and the output's header counts the clients
+    alone = FedAvgJob(clients=[{"uri": uris[i]} for i in (0, 2, 3)])
+    other = run_job(alone, root, job_id=JOB.replace("abcdef", "bcdefa"))
+    assert store.get(other["output"]) == store.get(result["output"])
+    assert b'"shardfold_clients":"3"' in store.get(result["output"])[:4096]
+
+
+def test_without_min_clients_the_first_bad_update_still_fails_the_round(root):
+    uris = put_clients(root, updates(3), [1, 2, 3])
+    store.delete(uris[2])
+    with pytest.raises(ObjectNotFound, match=r"client 2 \("):
+        run_job(FedAvgJob(clients=[{"uri": u} for u in uris]), root)
+
+
+def test_too_few_usable_updates_fail_the_round_listing_every_one_left_out(root):
+    uris = put_clients(root, updates(5), [1, 2, 3, 4, 5])
+    store.delete(uris[0])
+    store.put(uris[3], b"not a model")
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=4)
+    with pytest.raises(TooFewClients) as exc:
+        run_job(spec, root)
+    msg = str(exc.value)
+    assert "needs 4 of its 5 client updates but only 3" in msg
+    assert f"client 0 ({uris[0]}): no object" in msg and f"client 3 ({uris[3]})" in msg
+    assert [e["client"] for e in exc.value.excluded] == [0, 3]
+    assert not store.exists(core.output_uri(spec, root, JOB))
+    # three of five is enough at min_fraction 0.6 (0.6 x 5 = 3, whatever float rounding says)
+    ok = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_fraction=0.6), root)
+    assert ok["clients"] == 3 and [e["client"] for e in ok["excluded"]] == [0, 3]
+
+
+@pytest.mark.parametrize(
+    ("n", "kw", "need"),
+    [
+        (10, {"min_fraction": 0.3}, 3),  # 0.3 * 10 = 3.0000000000000004 in floats
+        (10, {"min_fraction": 0.31}, 4),
+        (7, {"min_fraction": 1.0}, 7),
+        (7, {"min_clients": 2, "min_fraction": 0.5}, 4),  # both: the larger
+        (7, {"min_clients": 6, "min_fraction": 0.5}, 6),
+        (7, {}, 7),
+        (3, {"min_fraction": 0.01}, 1),
+    ],
+)
+def test_required_clients(n, kw, need):
+    spec = FedAvgJob(clients=[{"uri": f"c{i}"} for i in range(n)], **kw)
+    assert spec.required_clients == need and spec.tolerant == bool(kw)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("min_clients", 0, "greater than or equal to 1"),
+        ("min_clients", -2, "greater than or equal to 1"),
+        ("min_clients", 4, "more than the 3 client(s) listed"),
+        ("min_clients", "two", "integer"),
+        ("min_clients", 2.5, "integer"),
+        ("min_fraction", 0, "greater than 0"),
+        ("min_fraction", 1.5, "less than or equal to 1"),
+        ("min_fraction", float("nan"), "finite number"),
+        ("min_fraction", "half", "valid number"),
+        ("wait_s", -1, "greater than or equal to 0"),
+        ("wait_s", float("inf"), "finite number"),
+        ("wait_s", MAX_WAIT_S + 1, f"less than or equal to {MAX_WAIT_S}"),
+        ("wait_s", 1e300, f"less than or equal to {MAX_WAIT_S}"),
+    ],
+)
+def test_bad_dropout_options_are_refused_naming_the_field(field, value, fragment):
+    doc = {"kind": "fedavg", "clients": [{"uri": f"c{i}"} for i in range(3)], field: value}
+    with pytest.raises(SpecError) as exc:
+        parse_spec(doc)
+    assert [e["field"] for e in exc.value.errors] == [field], exc.value.errors
+    assert fragment in str(exc.value), str(exc.value)
+
+
+def test_the_round_takes_the_tensors_most_clients_have_not_client_0s(root):
+    ups, weights = updates(4), [2.0, 3.0, 5.0, 7.0]
+    uris = put_clients(root, ups, [int(w) for w in weights])
+    store.put(uris[0], encode({**good(), "a": good()["a"].reshape(2, 8)}, {"num_examples": "2"}))
+    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2), root)
+    ((left,),) = [result["excluded"]]
+    assert left["client"] == 0 and "tensor 'a' has shape [2, 8], but client 1's has [4, 4]" in left["reason"]
+    assert_round_of(result, ups, weights, [1, 2, 3])
+
+
+def test_a_tie_between_tensor_sets_goes_to_the_earliest_client(root):
+    ups = updates(4)
+    uris = put_clients(root, ups, [1, 1, 1, 1])
+    for i in (1, 3):
+        store.put(uris[i], encode({"z": np.ones(3, np.float32)}, {"num_examples": "1"}))
+    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2), root)
+    assert [e["client"] for e in result["excluded"]] == [1, 3]
+    assert all("has no tensor 'a', which client 0 has" in e["reason"] for e in result["excluded"])
+
+
+def test_a_needed_weight_that_is_missing_leaves_the_client_out(root):
+    ups = updates(3)
+    uris = put_clients(root, ups, [4, None, 6])
+    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_fraction=0.5), root)
+    assert [e["client"] for e in result["excluded"]] == [1]
+    assert "no 'num_examples'" in result["excluded"][0]["reason"]
+    assert_round_of(result, ups, [4.0, 0.0, 6.0], [0, 2])
+    # a uniform round needs no weight: nobody is left out
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=1, uniform=True)
+    uniform = run_job(spec, root, job_id=JOB.replace("abcdef", "fedcba"))
+    assert uniform["excluded"] == [] and uniform["clients"] == 3
+
+
+def test_integer_policy_first_takes_the_first_client_in_the_round(root):
+    ups = [{"a": np.full(2, float(i), np.float32), "b": np.full(2, 10 + i, np.int64)} for i in range(3)]
+    uris = put_clients(root, ups, [1, 1, 1])
+    store.delete(uris[0])
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2, integer_policy="first")
+    assert load(run_job(spec, root)["output"])["b"].tolist() == [11, 11]
+
+
+def test_an_error_found_while_aggregating_names_the_client_by_its_place_in_the_spec(root):
+    ups = updates(4)
+    ups[3]["a"][1, 1] = np.nan
+    uris = put_clients(root, ups, [1, 1, 1, 1])
+    store.delete(uris[1])
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=3)
+    with pytest.raises(InvalidModelFile) as exc:
+        run_job(spec, root)
+    assert f"client 3 ({uris[3]})" in str(exc.value) and exc.value.client == 3
+
+
+def test_wait_s_waits_for_a_late_update_and_no_longer(root, monkeypatch):
+    monkeypatch.setattr(core, "POLL_S", 0.05)
+    ups, weights = updates(3), [1.0, 2.0, 3.0]
+    uris = put_clients(root, ups, [1, 2, 3])
+    late = store.get(uris[2])
+    store.delete(uris[2])
+    timer = threading.Timer(0.3, store.put, (uris[2], late))
+    timer.start()
+    try:
+        spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=30)
+        result = run_job(spec, root)
+    finally:
+        timer.cancel()
+    assert result["excluded"] == [] and result["clients"] == 3
+    assert_round_of(result, ups, weights, [0, 1, 2])
+    # nobody comes: after wait_s the round goes on without the missing client
+    store.delete(uris[2])
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=0.2)
+    result = run_job(spec, root, job_id=JOB.replace("abcdef", "fedcba"))
+    assert [e["client"] for e in result["excluded"]] == [2]
+
+
+def test_the_plan_document_and_manifest_count_only_the_clients_in_the_round(root):
+    uris = put_clients(root, updates(4), [1, 2, 3, 4])
+    store.delete(uris[2])
+    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=3)
+    planned = core.prepare(spec, JOB, root, budget=TINY)
+    assert planned["clients"] == 3 and planned["left_out"] == 1
+    plan = core.load_plan(root, JOB)
+    assert [c.index for c in plan.clients] == [0, 1, 3] and plan.clients_listed == 4
+    assert plan.params().weights == [1.0, 2.0, 4.0]
