@@ -696,8 +696,8 @@ class DPQuery:
         * ``epsilon``: ε of ``spent`` at ``delta`` by the CKS bound (zCDP composes by adding ρ);
         * ``jobs``: one entry per job: ``job_id``, ``reserved``, ``spent`` (None while unfinished).
         """
-        from functions.dpquery import ledger
-        from functions.dpquery.privacy import cdp_eps
+        from functions import ledger
+        from functions.privacy import cdp_eps
 
         if not isinstance(dataset_id, str) or not re.fullmatch(_dataset_id_pattern(), dataset_id):
             raise SpecError(

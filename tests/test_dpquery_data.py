@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiers import examples
 
-from functions.dpquery import data, ledger, planner
+from functions import ledger
+from functions.dpquery import data, planner
 from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
 from functions.dpquery.spec import DPAttribute

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from client import Client
-from functions import store
-from functions.dpquery import core, handlers, ledger
+from functions import ledger, store
+from functions.dpquery import core, handlers
 from functions.dpquery import measure as mz
 from functions.errors import BudgetExceeded, DatasetError, SpecError
 from functions.jobs import new_job_id

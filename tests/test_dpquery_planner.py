@@ -20,7 +20,9 @@ from functions.dpquery.planner import (
     Plan,
     plan,
 )
-from functions.dpquery.privacy import (
+from functions.dpquery.spec import DPQueryJob
+from functions.errors import PlanError, SpecError
+from functions.privacy import (
     MAX_RHO,
     cdp_delta,
     cdp_eps,
@@ -29,8 +31,6 @@ from functions.dpquery.privacy import (
     gaussian_eps,
     simple_eps,
 )
-from functions.dpquery.spec import DPQueryJob
-from functions.errors import PlanError, SpecError
 from functions.specs import parse_spec
 
 HALF = 0.5  # ρ = 1/2, i.e. privacy cost 2ρ = 1, the reference's unit

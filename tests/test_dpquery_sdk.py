@@ -22,11 +22,11 @@ from client.dpquery import table_to_array
 from client.errors import JobFailed
 from functions import store
 from functions.dpquery import core
-from functions.dpquery.privacy import cdp_rho
 from functions.dpquery.spec import TOTAL_NAME, marginal_name
 from functions.errors import ShardfoldError, SpecError
 from functions.estimate import estimate
 from functions.kinds import WORKFLOWS
+from functions.privacy import cdp_rho
 from functions.specs import parse_spec
 from functions.store.uri import join
 from functions.workflow import Map, Task

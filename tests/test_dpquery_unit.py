@@ -15,8 +15,8 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from functions import store
-from functions.dpquery import core, data, ledger, unit
+from functions import ledger, store
+from functions.dpquery import core, data, unit
 from functions.dpquery import measure as mz
 from functions.dpquery.planner import plan
 from functions.dpquery.spec import DEFAULT_MAX_ROWS_TOTAL

@@ -5,7 +5,7 @@ workload marginals) → finalize.
   of the dataset that checks the public facts (columns, Parquet types, that the file can be read) and never
   fails on a row's contents (:func:`functions.dpquery.data.scan`: values outside the domain follow the
   schema's ``out_of_domain`` policy), then the budget reservation on the dataset's ledger
-  (:mod:`functions.dpquery.ledger`). Only then are the plan document and the two manifests written. Every
+  (:mod:`functions.ledger`). Only then are the plan document and the two manifests written. Every
   bad input therefore fails before any budget is spent, and whether it fails depends on no row.
 * **measure** (:func:`measure`): one contiguous range of residual sets (about equal noise-sample counts):
   count the covering marginals in one pass over the needed columns, transform, add OpenDP noise, and write
@@ -42,16 +42,16 @@ import numpy as np
 import pyarrow.parquet as pq
 from aws_lambda_powertools import Logger
 
-from functions import access, store
-from functions.dpquery import data, ledger, planner
+from functions import access, ledger, store
+from functions.dpquery import data, planner
 from functions.dpquery import measure as mz
 from functions.dpquery import reconstruct as rc
 from functions.dpquery.planner import Plan
-from functions.dpquery.privacy import cdp_eps, gaussian_eps, simple_eps, unit_report
 from functions.dpquery.spec import MATRIX, WHOLE_TYPES, DPQueryJob
-from functions.dpquery.unit import ContributionBound, job_seed
+from functions.dpquery.unit import ContributionBound, job_seed, unit_report
 from functions.errors import DatasetError, InputChanged, PlanError, StoreError
 from functions.manifest import write_manifest
+from functions.privacy import cdp_eps, gaussian_eps, simple_eps
 from functions.store.uri import join
 
 logger = Logger(service="shardfold")

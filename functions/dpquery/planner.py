@@ -64,7 +64,6 @@ from typing import Any
 import numpy as np
 
 from functions.dpquery.measure import charge_factor, contrasts, log1p_gamma
-from functions.dpquery.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
 from functions.dpquery.smasher import (
     AttributeFactors,
     attribute_factors,
@@ -91,6 +90,7 @@ from functions.dpquery.spec import (
     QueryMatrix,
 )
 from functions.errors import PlanError, SpecError
+from functions.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
 
 DOC_VERSION = 1
 # The plan spends ρ·(1 − RHO_SLACK): room for the sampler's rounding term in its privacy map.

@@ -128,7 +128,7 @@ def _dataset_size(spec: Any, store_root: str) -> tuple[int | None, str | None]:
 
 
 def _ledger(spec: Any, store_root: str) -> tuple[Any, str | None]:
-    from functions.dpquery import ledger
+    from functions import ledger
 
     try:
         return ledger.read(store_root, spec.dataset_id), None

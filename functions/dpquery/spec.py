@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from functions.dpquery.privacy import MAX_RHO, cdp_rho
+from functions.privacy import MAX_RHO, cdp_rho
 from functions.specs import InputUri, JobOptions, OutputPrefix, StrictModel, fail
 
 DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".pq": "parquet"}

@@ -233,3 +233,34 @@ def bounded_mask_all(bound: ContributionBound, batches: Iterable) -> list[np.nda
         bound.count(b)
     bound.finish()
     return [bound.keep(b) for b in batches]
+
+
+def unit_report(privacy_unit, unit_rows: int, rows_bound: int | None) -> dict:
+    """The privacy report's statement of WHO is protected and what sensitivity was charged: the privacy
+    unit (one row, or a person of at most k rows of an id column), the neighbouring relation, and the
+    public row bound N for which the float64 rounding of the residual transform was charged (Δ_S =
+    √p_S·(k + 2·η_S·N), :mod:`functions.dpquery.measure`). Nothing here depends on the data."""
+    if privacy_unit is None:
+        unit = {"unit": "row", "max_rows": 1}
+        neighbouring = "add or remove one record"
+    else:
+        unit = {"unit": "person", "id_column": privacy_unit.id_column, "max_rows": int(unit_rows)}
+        neighbouring = (
+            f"add or remove one person (all rows sharing a value of {privacy_unit.id_column!r}); at most "
+            f"{unit_rows} rows per person are counted, chosen independently of the data"
+        )
+    return {
+        "neighbouring": neighbouring,
+        "privacy_unit": unit,
+        "sensitivity": {
+            "rows_per_unit": int(unit_rows),
+            "rows_bound": rows_bound,
+            "rounding": (
+                "charged: the L2 sensitivity of each residual set is sqrt(p_S)*(k + 2*eta_S*N), with k the "
+                "rows per unit, N the public row bound and eta_S the worst-case float64 rounding of the "
+                "transform"
+                if rows_bound is not None
+                else "not charged (a plan written before the rounding was charged)"
+            ),
+        },
+    }

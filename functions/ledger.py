@@ -24,7 +24,7 @@ has one, else with its reservation (a job that failed after reserving keeps its 
 noise may have been drawn; a reservation is never released automatically).
 
 Composition: zCDP composes by addition, so the ledger sums ρ; the (ε, δ) statement for the dataset as a
-whole is the CKS conversion of that sum (:func:`functions.dpquery.privacy.cdp_eps`).
+whole is the CKS conversion of that sum (:func:`functions.privacy.cdp_eps`).
 
 **The ledger is bound to the data** (so the same data under a new id cannot open a fresh budget).
 

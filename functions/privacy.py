@@ -1,6 +1,8 @@
-"""Privacy accounting for ``dpquery``: conversions between ρ-zCDP and (ε, δ)-DP. Pure, stdlib only.
+"""Privacy accounting: conversions between ρ-zCDP and (ε, δ)-DP. Pure, stdlib only.
 
-A dpquery release is one (correlated) Gaussian mechanism, so three (ε, δ) statements can be made about it:
+Shared by the kinds that release through a Gaussian mechanism (a dpquery release, a DP-FedAvg round) and
+by the budget ledger (:mod:`functions.ledger`). Such a release is one (correlated) Gaussian mechanism, so
+three (ε, δ) statements can be made about it:
 
 * :func:`cdp_eps` / :func:`cdp_rho` / :func:`cdp_delta` — the Canonne–Kamath–Steinke bound (arXiv:2004.00010,
   Prop. 12) for *any* ρ-zCDP mechanism: δ = inf_{α>1} exp((α−1)(αρ−ε)) / (α−1) · (1 − 1/α)^α. The budget
@@ -134,34 +136,3 @@ def gaussian_eps(rho: float, delta: float) -> float:
         return 0.0
     lo, hi = _bisect(0.0, simple_eps(rho, delta), lambda e: gaussian_delta(rho, e) > delta)
     return hi
-
-
-def unit_report(privacy_unit, unit_rows: int, rows_bound: int | None) -> dict:
-    """The privacy report's statement of WHO is protected and what sensitivity was charged: the privacy
-    unit (one row, or a person of at most k rows of an id column), the neighbouring relation, and the
-    public row bound N for which the float64 rounding of the residual transform was charged (Δ_S =
-    √p_S·(k + 2·η_S·N), :mod:`functions.dpquery.measure`). Nothing here depends on the data."""
-    if privacy_unit is None:
-        unit = {"unit": "row", "max_rows": 1}
-        neighbouring = "add or remove one record"
-    else:
-        unit = {"unit": "person", "id_column": privacy_unit.id_column, "max_rows": int(unit_rows)}
-        neighbouring = (
-            f"add or remove one person (all rows sharing a value of {privacy_unit.id_column!r}); at most "
-            f"{unit_rows} rows per person are counted, chosen independently of the data"
-        )
-    return {
-        "neighbouring": neighbouring,
-        "privacy_unit": unit,
-        "sensitivity": {
-            "rows_per_unit": int(unit_rows),
-            "rows_bound": rows_bound,
-            "rounding": (
-                "charged: the L2 sensitivity of each residual set is sqrt(p_S)*(k + 2*eta_S*N), with k the "
-                "rows per unit, N the public row bound and eta_S the worst-case float64 rounding of the "
-                "transform"
-                if rows_bound is not None
-                else "not charged (a plan written before the rounding was charged)"
-            ),
-        },
-    }
