@@ -9,7 +9,9 @@ No entry is ever rewritten or removed, so the ledger is also the audit trail.
 Entries (``type``):
 
 * ``open`` (seq 0): the dataset's total budget ``total_rho`` (ρ-zCDP), registered by the first job that
-  names the dataset (its spec's ``dataset_budget_rho``). A total never changes.
+  names the dataset (its spec's ``dataset_budget_rho``), and its privacy ``unit``: ``row`` (a dataset that
+  dpquery releases; absent in ledgers opened before units) or ``client`` (a federation whose DP-FedAvg
+  rounds charge it). A total and a unit never change: a job of the other unit is refused.
 * ``reserve``: a job's ``rho`` (its whole budget), appended at plan time, BEFORE any measurement. It is
   refused with :class:`BudgetExceeded` if the committed total plus ``rho`` would exceed ``total_rho``.
   Idempotent per job id: a retried plan finds its reservation and gets it back.
@@ -67,6 +69,7 @@ from functions import store
 from functions.errors import BudgetExceeded, ShardfoldError, SpecError, StoreError
 from functions.store.uri import join
 
+DATASET_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a ledger's key (and a dataset version's name)
 MAX_ATTEMPTS = 200  # optimistic-append attempts before giving up (each lost race means progress elsewhere)
 _SEQ_DIGITS = 8
 HASH_CHUNK_BYTES = 8 << 20  # the fingerprint streams the dataset in reads of this size
@@ -148,6 +151,9 @@ def _public(identity: dict[str, Any]) -> dict[str, Any]:
     return {k: identity[k] for k in ("uri", "fingerprint")}
 
 
+_UNIT_TEXT = {"row": "a dataset's rows (dpquery)", "client": "a federation's clients (DP-FedAvg)"}
+
+
 def _version_text(version: str | None) -> str:
     return f"version {version!r}" if version is not None else "its initial version"
 
@@ -158,6 +164,7 @@ class LedgerState:
 
     dataset_id: str
     total_rho: float | None = None
+    unit: str = "row"
     bindings: dict[str | None, dict[str, Any]] = field(default_factory=dict)  # version -> identity
     reserved: dict[str, float] = field(default_factory=dict)
     spent: dict[str, float] = field(default_factory=dict)
@@ -183,6 +190,7 @@ class LedgerState:
             "jobs": len(self.reserved),
             "entries": len(self.entries),
             "versions": [v for v in self.bindings],
+            "unit": self.unit,
         }
 
 
@@ -204,6 +212,7 @@ def _fold(state: LedgerState, entry: dict[str, Any]) -> None:
     kind = entry.get("type")
     if kind == "open":
         state.total_rho = float(entry["total_rho"])
+        state.unit = entry.get("unit", "row")
         if entry.get("dataset") is not None:
             state.bindings[entry.get("version")] = entry["dataset"]
     elif kind == "bind":
@@ -278,6 +287,7 @@ def reserve(
     total_rho: float | None = None,
     identity: dict[str, Any] | None = None,
     version: str | None = None,
+    unit: str = "row",
 ) -> dict[str, Any]:
     """Reserve ``rho`` for ``job_id`` on the dataset's ledger, opening the ledger with ``total_rho`` if
     it has none. Raises :class:`BudgetExceeded` if the dataset's total would be exceeded, and
@@ -286,7 +296,9 @@ def reserve(
 
     With ``identity`` (:func:`identify`) the ledger is bound to the data (module docstring): the content
     must be the one bound to ``(dataset_id, version)``, or a content no other id (or version) has bound,
-    which this call then binds. Without it (unit tests of the budget logic) no binding is checked."""
+    which this call then binds. Without it (unit tests of the budget logic, and a federation, whose rounds
+    read new updates each time) no binding is checked. ``unit``: the job's privacy unit, ``row`` or
+    ``client``; a ledger opened for the other is refused."""
     if not (rho > 0 and math.isfinite(rho)):
         raise SpecError(f"budget: rho must be a finite number > 0, got {rho}")
     for _ in range(MAX_ATTEMPTS):
@@ -301,12 +313,25 @@ def reserve(
                 )
             if not (total_rho > 0 and math.isfinite(total_rho)):
                 raise SpecError(f"dataset_budget_rho must be a finite number > 0, got {total_rho}")
-            entry = {"type": "open", "total_rho": float(total_rho), "job_id": job_id, "time": _now()}
+            entry = {
+                "type": "open",
+                "total_rho": float(total_rho),
+                "unit": unit,
+                "job_id": job_id,
+                "time": _now(),
+            }
             if identity is not None:
                 _claim(store_root, dataset_id, version, job_id, identity)
                 entry.update(dataset=_public(identity), version=version)
             _append(store_root, dataset_id, 0, entry)  # lost race: someone else opened it; re-read
             continue
+        if state.unit != unit:
+            raise SpecError(
+                f"dataset_id {dataset_id!r} is the budget ledger of {_UNIT_TEXT[state.unit]}, but this job "
+                f"protects {_UNIT_TEXT[unit]}; budgets of different privacy units do not add up: give this "
+                "job its own dataset_id",
+                [{"field": "dataset_id", "error": f"a ledger of privacy unit {state.unit!r}"}],
+            )
         if total_rho is not None and float(total_rho) != state.total_rho:
             raise SpecError(
                 f"dataset_budget_rho {total_rho} differs from the total {state.total_rho} registered for "

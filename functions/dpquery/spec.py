@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from functions.ledger import DATASET_ID
 from functions.privacy import MAX_RHO, cdp_rho
 from functions.specs import InputUri, JobOptions, OutputPrefix, StrictModel, fail
 
@@ -32,7 +33,6 @@ DP_MAX_DOMAIN = 10_000_000
 DP_MAX_MARGINALS = 1_000_000
 # Reported ε is given at this δ when the budget is a plain ``rho``.
 DP_REPORT_DELTA = 1e-9
-_DATASET_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 TOTAL_NAME = "(total)"  # the name of the 0-way marginal (the total count)
 # What happens to a value outside an attribute's domain (or missing): see DPAttribute.
 OutOfDomain = Literal["drop", "clip", "other"]
@@ -354,7 +354,7 @@ class DPQueryJob(JobOptions):
         description="weighted sum of per-cell variances (closed form), or the largest weighted variance",
     )
     dataset_id: str = Field(
-        pattern=_DATASET_ID, description="ledger key: letters, digits, '.', '_', '-' (at most 128)"
+        pattern=DATASET_ID, description="ledger key: letters, digits, '.', '_', '-' (at most 128)"
     )
     dataset_budget_rho: float | None = Field(
         default=None,
@@ -364,7 +364,7 @@ class DPQueryJob(JobOptions):
     )
     dataset_version: str | None = Field(
         default=None,
-        pattern=_DATASET_ID,
+        pattern=DATASET_ID,
         description="a deliberately new version of dataset_id's data (shares its budget); default: the "
         "content the ledger was opened with",
     )

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import math
 import tempfile
 import time
@@ -82,7 +83,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from functions import access, store
+from functions import access, ledger, store
 from functions.errors import (
     AggregationOverflow,
     BatchItemError,
@@ -98,7 +99,7 @@ from functions.errors import (
     StoreError,
     TooFewClients,
 )
-from functions.fedavg import kernels
+from functions.fedavg import dp, kernels
 from functions.fedavg.layout import (
     PREFIX_BYTES,
     FileHeader,
@@ -128,6 +129,7 @@ from functions.fedavg.sizing import (
 from functions.fedavg.spec import FedAvgJob
 from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
+from functions.privacy import cdp_eps
 from functions.store.pinning import Pin
 from functions.store.retry import TransientError
 from functions.store.uri import is_s3, join
@@ -135,6 +137,7 @@ from functions.store.uri import is_s3, join
 logger = Logger(service="shardfold")
 
 STAGE = "fedavg"
+DP_REPORT_DELTA = 1e-9  # the δ a DP round's ε is reported at (the ledger counts ρ)
 DEFAULT_FORMAT = "pt"  # __metadata__["format"] when client 0's file has none (what transformers expects)
 
 
@@ -151,6 +154,18 @@ def plan_uri(store_root: str, job_id: str) -> str:
 
 def manifest_uri(store_root: str, job_id: str) -> str:
     return job_uri(store_root, job_id, STAGE, "manifest.json")
+
+
+def norms_manifest_uri(store_root: str, job_id: str) -> str:
+    return job_uri(store_root, job_id, STAGE, "norms-manifest.json")
+
+
+def norms_uri(store_root: str, job_id: str, shard: int) -> str:
+    return job_uri(store_root, job_id, STAGE, "norms", f"{shard:05d}.f64")
+
+
+def clip_uri(store_root: str, job_id: str) -> str:
+    return job_uri(store_root, job_id, STAGE, "clip.f64")
 
 
 def part_uri(store_root: str, job_id: str, shard: int) -> str:
@@ -291,19 +306,47 @@ def inspect(
     budget = budget or Budget()
     uris = _client_uris(spec, store_root)
     out = output_uri(spec, store_root, job_id)
-    access.not_an_input(out, [(f"clients.{i}.uri", u) for i, u in enumerate(uris)], "output")
+    inputs = [(f"clients.{i}.uri", u) for i, u in enumerate(uris)]
+    base_uri = _base_uri(spec, store_root)
+    if base_uri is not None:
+        inputs.append(("dp.base", base_uri))
+    access.not_an_input(out, inputs, "output")
     if is_s3(out) != is_s3(store_root):
         raise SpecError(
             f"output {out} must be in the job's store ({store_root.split('://')[0]}://): the parts are "
             "assembled into it server-side"
         )
     found = _await_updates(uris, wait_s)
+    base = _read_base(base_uri) if base_uri is not None else None
     members = _Round(spec, uris)
     for i, u in enumerate(uris):
         if found[u] is None:
             members.out(i, ObjectNotFound(f"{where(i, u)}: no object at {u}"))
     pins = {u: p for u, p in found.items() if p is not None}
-    return _inspect(spec, job_id, members, out, pins, budget)
+    return _inspect(spec, job_id, members, out, pins, budget, base)
+
+
+def _base_uri(spec: FedAvgJob, store_root: str) -> str | None:
+    if spec.dp is None or spec.dp.base is None:
+        return None
+    try:
+        return access.input_uri(spec.dp.base, store_root)
+    except StoreError as exc:
+        raise SpecError(f"dp.base: {exc}", [{"field": "dp.base", "error": str(exc)}]) from None
+
+
+def _read_base(uri: str) -> tuple[FileHeader, Pin, str]:
+    """dp.base's header and pin: the server's own model, so any problem with it fails the round."""
+    pin = store.pins([uri])[uri]
+    if pin is None:
+        raise ObjectNotFound(f"dp.base: no object at {uri}")
+    try:
+        length = parse_length_prefix(store.get(uri, 0, PREFIX_BYTES, pin), -1, uri)
+        header = parse_header(store.get(uri, PREFIX_BYTES, length, pin), -1, uri)
+        check_object_size(header, pin.size, -1, uri)
+    except (InvalidModelFile, InvalidRange) as exc:
+        raise InvalidModelFile(f"dp.base ({uri}): {str(exc).split(': ', 1)[-1]}", uri=uri) from None
+    return header, pin, uri
 
 
 def _signature(header: FileHeader) -> tuple:
@@ -312,7 +355,13 @@ def _signature(header: FileHeader) -> tuple:
 
 
 def _inspect(
-    spec: FedAvgJob, job_id: str, members: _Round, out: str, pins: dict[str, Pin], budget: Budget
+    spec: FedAvgJob,
+    job_id: str,
+    members: _Round,
+    out: str,
+    pins: dict[str, Pin],
+    budget: Budget,
+    base: tuple[FileHeader, Pin, str] | None = None,
 ) -> ShardPlan:
     uris = members.uris
     lengths: dict[int, int] = {}
@@ -385,7 +434,7 @@ def _inspect(
             members.out(i, exc)
 
     # Weights last: a broken file is reported as broken before its metadata is judged.
-    weight_needed = spec.aggregator == "mean" and not spec.uniform
+    weight_needed = spec.aggregator == "mean" and not spec.uniform and spec.dp is None
     weights: dict[int, float | None] = {}
     for i in members.live():
         try:
@@ -403,10 +452,27 @@ def _inspect(
     n = len(clients)
     # Only inputs and options go into the header, so the same round gives the same bytes in any job.
     out_meta = {"format": first.metadata.get("format", DEFAULT_FORMAT)}
-    out_meta["shardfold_aggregator"] = spec.aggregator + (" (uniform)" if spec.uniform else "")
-    out_meta["shardfold_clients"] = str(n)
-    if total is not None:
-        out_meta["num_examples"] = format_number(total)
+    dp_doc, base_ref = None, None
+    if spec.dp is None:
+        out_meta["shardfold_aggregator"] = spec.aggregator + (" (uniform)" if spec.uniform else "")
+        out_meta["shardfold_clients"] = str(n)
+        if total is not None:
+            out_meta["num_examples"] = format_number(total)
+    else:
+        # Nothing that depends on the clients goes into a DP round's output beyond the noisy mean: not how
+        # many took part, nor their example counts.
+        total = None
+        dp_doc = {
+            "clip_norm": spec.dp.clip_norm,
+            "noise_multiplier": spec.dp.noise_multiplier,
+            "denominator": spec.dp.expected_clients or len(uris),
+        }
+        out_meta["shardfold_aggregator"] = (
+            f"dp-fedavg (clip_norm {spec.dp.clip_norm!r}, noise_multiplier {spec.dp.noise_multiplier!r}, "
+            f"expected_clients {dp_doc['denominator']})"
+        )
+        base_ref = _base_ref(spec, first, ref, order, position, layouts, base)
+        budget = _with_noise_time(budget, order, len(uris))
     tensors = order
     plan = ShardPlan(
         job_id=job_id,
@@ -428,6 +494,8 @@ def _inspect(
         budget=budget,
         clients_listed=len(uris),
         excluded=members.excluded(),
+        dp=dp_doc,
+        base=base_ref,
     )
     choice = choose_shards(data_bytes, n, len(plan.header()), budget, spec.shards)
     plan.bounds = Geometry(tensors).shard_bounds(choice.shards)
@@ -435,6 +503,48 @@ def _inspect(
     plan.read_window = read_window(plan.chunk_bytes, budget)
     plan.notes = list(choice.notes)
     return plan
+
+
+def _base_ref(
+    spec: FedAvgJob,
+    first: FileHeader,
+    ref: int,
+    order: list,
+    position: dict[str, int],
+    layouts: dict[tuple[int, ...], int],
+    base: tuple[FileHeader, Pin, str] | None,
+) -> ClientRef | None:
+    """dp.base's reads (its layout among the clients'), checked to hold the round's tensors; without a base
+    every tensor must be a float one (integer and bool tensors are copied from the base)."""
+    if base is None:
+        for t in order:
+            if t.dt.kind != "float":
+                raise PlanError(
+                    f"tensor {t.name!r} is {t.dtype}: a DP round takes integer and bool tensors from dp.base "
+                    "(the global model), and the spec gives none; give dp.base or leave the tensor out of "
+                    "the updates"
+                )
+        return None
+    header, pin, uri = base
+    try:
+        check_like_first(first, header, -1, uri, ref)
+    except InvalidModelFile as exc:
+        raise InvalidModelFile(f"dp.base ({uri}): {str(exc).split(': ', 1)[-1]}", uri=uri) from None
+    names = sorted(header.tensors)
+    offsets = [header.tensors[name].begin for name in names]
+    key = tuple(offsets[position[t.name]] for t in order)
+    layout = layouts.setdefault(key, len(layouts))
+    return ClientRef(uri, None, header.data_start, layout, pin, None)
+
+
+def _with_noise_time(budget: Budget, tensors: list, clients: int) -> Budget:
+    """The budget with its read rate lowered to count OpenDP's sampling too, so a DP shard's reads (twice:
+    norms, then the mean) and noise fit the same share of the timeout: one element per float byte /
+    itemsize, at :data:`dp.NOISE_SAMPLES_PER_S`."""
+    floats = [t.dt.itemsize for t in tensors if t.dt.kind == "float"]
+    per_byte = 1.0 / min(floats) if floats else 0.0
+    seconds_per_byte = 2 * (clients + 1) / budget.read_bytes_per_s + per_byte / dp.NOISE_SAMPLES_PER_S
+    return dataclasses.replace(budget, read_bytes_per_s=(clients + 1) / seconds_per_byte)
 
 
 def _total_weight(spec: FedAvgJob, weights: list[float], uris: list[str], clients: list[ClientRef]) -> float:
@@ -486,10 +596,13 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
             f"an aggregate task would need ~{peak / 2**20:.0f} MiB but the function has "
             f"{p.budget.memory_mb} MiB"
         )
+    ledger_summary = _reserve(spec, job_id, store_root, p) if p.dp is not None else None
     store.put_json(plan_uri(store_root, job_id), p.to_doc())
     items = [{"shard": k, "start": p.bounds[k], "end": p.bounds[k + 1]} for k in range(p.shards)]
     muri = manifest_uri(store_root, job_id)
     store.put_json(muri, items)
+    nuri = norms_manifest_uri(store_root, job_id)  # a DP round's first pass; empty otherwise
+    store.put_json(nuri, items if p.dp is not None else [])
     for e in p.excluded:
         logger.warning("client left out of the round", extra={"job_id": job_id, **e})
     logger.info(
@@ -498,14 +611,28 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
     )
     return {
         "manifest": manifest_ref(muri, p.shards),
+        "norms": manifest_ref(nuri, p.shards if p.dp is not None else 0),
         "shards": p.shards,
         "clients": p.n_clients,
         "left_out": len(p.excluded),
+        **({"ledger": ledger_summary} if ledger_summary is not None else {}),
         "tensors": len(p.tensors),
         "bytes": p.data_bytes,
         "plan": plan_uri(store_root, job_id),
         "notes": p.notes,
     }
+
+
+def _reserve(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dict:
+    """Charge the round's ρ (OpenDP's map of its mechanism) to the federation's ledger, before any noise."""
+    return ledger.reserve(
+        store_root,
+        spec.dp.dataset_id,
+        job_id,
+        p.mechanism().rho(),
+        spec.dp.dataset_budget_rho,
+        unit="client",
+    )
 
 
 def load_plan(store_root: str, job_id: str) -> ShardPlan:
@@ -527,15 +654,52 @@ class _Chunk:
 def aggregate(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict:
     """Aggregate one shard into its part object ``jobs/<id>/fedavg/parts/<shard>.bin``.
 
-    Returns ``{"shard", "bytes", "reads", "read_bytes", "peak_buffered_bytes", "arena_bytes"}``.
+    Returns ``{"shard", "bytes", "reads", "read_bytes", ...}``. A DP round's part is written only if absent:
+    its noise is drawn once, and a retried task finds the part and draws none.
     """
     p = load_plan(store_root, job_id)
+    uri = part_uri(store_root, job_id, shard)
+    if p.dp is not None and store.exists(uri):
+        return {"shard": shard, "bytes": None, "reads": 0, "read_bytes": 0, "written_before": True}
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
-        stats = aggregate_into(p, shard, spool)
+        if p.dp is None:
+            stats = aggregate_into(p, shard, spool)
+        else:
+            factors = np.frombuffer(store.get(clip_uri(store_root, job_id)), np.float64)
+            stats = aggregate_dp_into(p, shard, spool, factors)
         spool.seek(0)
-        store.put_file(part_uri(store_root, job_id, shard), spool)
+        if p.dp is None:
+            store.put_file(uri, spool)
+        elif not store.put_file_if_absent(uri, spool):
+            stats["written_before"] = True  # another attempt's part stands; this one's noise is dropped
     logger.info("aggregated shard", extra={"job_id": job_id, **stats})
     return stats
+
+
+def norms(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict:
+    """A DP round's first pass over one shard: each client's partial squared norm of its update there, as
+    N float64 (plan order) in ``jobs/<id>/fedavg/norms/<shard>.f64``. Returns read statistics only."""
+    p = load_plan(store_root, job_id)
+    sums, stats = norms_into(p, shard)
+    store.put(norms_uri(store_root, job_id, shard), sums.astype("<f8").tobytes())
+    return stats
+
+
+def clip(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
+    """A DP round's clip factors from every shard's partial norms (``jobs/<id>/fedavg/clip.f64``); nothing
+    for a round without DP. Returns no figure that depends on the updates."""
+    p = load_plan(store_root, job_id)
+    if p.dp is None:
+        return {"clip": False}
+    total = np.zeros(p.n_clients, np.float64)
+    for k in range(p.shards):
+        part = np.frombuffer(store.get(norms_uri(store_root, job_id, k)), "<f8")
+        if part.size != p.n_clients:
+            raise PlanError(f"norms of shard {k} hold {part.size} clients, the plan {p.n_clients}")
+        total += part
+    factors = dp.clip_factors(total, p.dp["clip_norm"])
+    store.put(clip_uri(store_root, job_id), factors.astype("<f8").tobytes())
+    return {"clip": True, "clients": p.n_clients}
 
 
 _malloc_tuned = False
@@ -562,8 +726,70 @@ def one_malloc_arena() -> None:
         pass
 
 
+BASE = -1  # the position of dp.base's reads in a shard's stream (the clients are 0..N-1)
+
+
+@dataclass
+class _Stream:
+    """What a shard's reads came to: reads and bytes taken, GetBatch's peak of buffered bytes."""
+
+    reads: int = 0
+    read_bytes: int = 0
+    peak_buffered_bytes: int = 0
+
+
+def _shard_reads(plan: ShardPlan, shard: int, stats: _Stream) -> Iterator[tuple[_Chunk, int, RunRead, bytes]]:
+    """Shard ``shard``'s reads, chunk by chunk: ``(chunk, position, run, data)``, the base's reads first
+    (position :data:`BASE`), then each client's in plan order; ``chunk.remaining`` is 0 with its last
+    read. One GetBatch with a bounded window of ranged reads in flight, pinned to the objects planned."""
+    start, end = plan.shard_range(shard)
+    geo = Geometry(plan.tensors)
+    pending: deque[tuple[_Chunk, int, RunRead]] = deque()
+    sources = ([(BASE, plan.base)] if plan.base is not None else []) + list(enumerate(plan.clients))
+
+    def items() -> Iterator[dict[str, Any]]:
+        for a, b in geo.chunks(start, end, plan.chunk_bytes):
+            segs = geo.segments(a, b)
+            layout_runs = [runs(plan.tensors, lay, segs) for lay in plan.layouts]
+            total = sum(len(layout_runs[c.layout]) for _, c in sources)
+            chunk = _Chunk(a, b, segs, layout_runs, total)
+            for i, c in sources:
+                for r in layout_runs[c.layout]:
+                    pending.append((chunk, i, r))
+                    yield {"uri": c.uri, "start": c.data_start + r.start, "length": r.length}
+
+    pins = {c.uri: c.pin for _, c in sources if c.pin is not None}
+    stream = store.get_batch(items(), window=plan.read_window, concurrency=plan.read_window, pins=pins)
+    last: _Chunk | None = None
+    try:
+        with stream:
+            for entry in stream:
+                chunk, i, r = pending.popleft()
+                data = entry.data
+                del entry
+                stats.reads += 1
+                stats.read_bytes += len(data)
+                chunk.remaining -= 1
+                last = chunk
+                yield chunk, i, r, data
+                del data
+        stats.peak_buffered_bytes = stream.stats.peak_buffered_bytes
+    except BatchItemError as exc:
+        # reads fail in request order, after every read before them was taken: it is the first pending one
+        k = pending[0][1]
+        if k == BASE:
+            raise StoreError(f"dp.base ({plan.base.uri}): {exc.reason}") from None
+        c = plan.clients[k]
+        what = "shorter than its header says (truncated since the plan?)"
+        raise _batch_error(exc, c.place(k), c.uri, what) from None
+    if pending or (last is not None and last.remaining):
+        raise AssertionError(f"shard {shard}: the read stream ended early")
+
+
 def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
     """Write shard ``shard``'s part (the header first for shard 0) to the binary file ``out``."""
+    if plan.dp is not None:
+        raise AssertionError("a DP round aggregates through aggregate_dp_into")
     one_malloc_arena()
     start, end = plan.shard_range(shard)
     n = plan.n_clients
@@ -578,73 +804,131 @@ def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
         default=0,
     )
     arena = kernels.Arena(largest)  # one allocation for the whole shard
-    pending: deque[tuple[_Chunk, int, RunRead]] = deque()
     written = 0
     if shard == 0:
         written += out.write(plan.header())
-
-    def items() -> Iterator[dict[str, Any]]:
-        for a, b in geo.chunks(start, end, plan.chunk_bytes):
-            segs = geo.segments(a, b)
-            layout_runs = [runs(plan.tensors, lay, segs) for lay in plan.layouts]
-            total = sum(len(layout_runs[c.layout]) for c in plan.clients)
-            chunk = _Chunk(a, b, segs, layout_runs, total)
-            for i, c in enumerate(plan.clients):
-                for r in layout_runs[c.layout]:
-                    pending.append((chunk, i, r))
-                    yield {"uri": c.uri, "start": c.data_start + r.start, "length": r.length}
-
-    reads = read_bytes = 0
     current: _Chunk | None = None
     reducers: list[kernels.Reducer] = []
-    pins = {c.uri: c.pin for c in plan.clients if c.pin is not None}
-    stream = store.get_batch(items(), window=plan.read_window, concurrency=plan.read_window, pins=pins)
-    try:
-        # Overflow and NaN arithmetic is detected on the results (or allowed), not warned about.
-        with stream, np.errstate(over="ignore", invalid="ignore"):
-            for entry in stream:
-                chunk, i, r = pending.popleft()
-                if chunk is not current:
-                    current = chunk
-                    arena.reserve(sum(kernels.need(rules[s.tensor], s.count, n) for s in chunk.segs))
-                    reducers = [kernels.reducer(rules[s.tensor], s.count, params, arena) for s in chunk.segs]
-                data = entry.data
-                reads += 1
-                read_bytes += len(data)
-                for j, off in r.pieces:
-                    s = chunk.segs[j]
-                    x = np.frombuffer(data, dtype=plan.tensors[s.tensor].dt.np, count=s.count, offset=off)
-                    reducers[j].add(i, x)
-                del data, entry
-                chunk.remaining -= 1
-                if chunk.remaining == 0:
-                    for j, red in enumerate(reducers):
-                        try:
-                            values = red.finish()
-                        except kernels.NonFinite as exc:
-                            raise _nonfinite(plan, chunk, j, exc) from None
-                        if red.nonfinite is not None:  # never written unless allowed
-                            _check_nonfinite_output(plan, chunk, j, red.nonfinite)
-                        written += out.write(values.view(np.uint8))
-                        del values
-                    reducers = []
-        stats = stream.stats
-    except BatchItemError as exc:
-        # reads fail in request order, after every read before them was taken: it is the first pending one
-        k = pending[0][1]
-        c = plan.clients[k]
-        what = "shorter than its header says (truncated since the plan?)"
-        raise _batch_error(exc, c.place(k), c.uri, what) from None
-    if pending or (current is not None and current.remaining):
-        raise AssertionError(f"shard {shard}: the read stream ended early")
+    stats = _Stream()
+    # Overflow and NaN arithmetic is detected on the results (or allowed), not warned about.
+    with np.errstate(over="ignore", invalid="ignore"):
+        for chunk, i, r, data in _shard_reads(plan, shard, stats):
+            if chunk is not current:
+                current = chunk
+                arena.reserve(sum(kernels.need(rules[s.tensor], s.count, n) for s in chunk.segs))
+                reducers = [kernels.reducer(rules[s.tensor], s.count, params, arena) for s in chunk.segs]
+            for j, off in r.pieces:
+                s = chunk.segs[j]
+                x = np.frombuffer(data, dtype=plan.tensors[s.tensor].dt.np, count=s.count, offset=off)
+                reducers[j].add(i, x)
+            del data
+            if chunk.remaining == 0:
+                for j, red in enumerate(reducers):
+                    try:
+                        values = red.finish()
+                    except kernels.NonFinite as exc:
+                        raise _nonfinite(plan, chunk, j, exc) from None
+                    if red.nonfinite is not None:  # never written unless allowed
+                        _check_nonfinite_output(plan, chunk, j, red.nonfinite)
+                    written += out.write(values.view(np.uint8))
+                    del values
+                reducers = []
     return {
         "shard": shard,
         "bytes": written,
-        "reads": reads,
-        "read_bytes": read_bytes,
+        "reads": stats.reads,
+        "read_bytes": stats.read_bytes,
         "peak_buffered_bytes": stats.peak_buffered_bytes,
         "arena_bytes": arena.peak,
     }
+
+
+# --- DP-FedAvg: the norms pass, the clip factors, the noisy mean ------------------------------------------
+
+
+def _base_values(plan: ShardPlan, chunk: _Chunk, j: int, data: bytes, off: int) -> np.ndarray:
+    s = chunk.segs[j]
+    return np.frombuffer(data, dtype=plan.tensors[s.tensor].dt.np, count=s.count, offset=off)
+
+
+def _float_segments(plan: ShardPlan, chunk: _Chunk) -> list[bool]:
+    return [plan.tensors[s.tensor].dt.kind == "float" for s in chunk.segs]
+
+
+def norms_into(plan: ShardPlan, shard: int) -> tuple[np.ndarray, dict]:
+    """Each client's partial ‖xᵢ − base‖² over shard ``shard``'s float elements (float64, plan order;
+    NaN or Inf where the update is not finite there), and the read statistics."""
+    n = plan.n_clients
+    sums = np.zeros(n, np.float64)
+    stats = _Stream()
+    base: dict[int, np.ndarray] = {}  # the chunk's base values per float segment, as float64
+    with np.errstate(over="ignore", invalid="ignore"):
+        for chunk, i, r, data in _shard_reads(plan, shard, stats):
+            floats = _float_segments(plan, chunk)
+            for j, off in r.pieces:
+                if not floats[j]:
+                    continue
+                x = _base_values(plan, chunk, j, data, off)
+                if i == BASE:
+                    base[j] = x.astype(np.float64)
+                    continue
+                d = x.astype(np.float64)
+                if j in base:
+                    d -= base[j]
+                sums[i] += float(np.dot(d, d))
+            del data
+            if chunk.remaining == 0:
+                base = {}
+    return sums, {"shard": shard, "reads": stats.reads, "read_bytes": stats.read_bytes}
+
+
+def aggregate_dp_into(plan: ShardPlan, shard: int, out: BinaryIO, factors: np.ndarray) -> dict:
+    """Write shard ``shard``'s part of a DP round: per float element base + Σᵢ cᵢ(xᵢ − base)/m + noise,
+    cast to the tensor's dtype; integer and bool elements are the base's."""
+    mech = plan.mechanism()
+    written = out.write(plan.header()) if shard == 0 else 0
+    stats = _Stream()
+    acc: list[np.ndarray | None] = []
+    base: dict[int, np.ndarray] = {}
+    current: _Chunk | None = None
+    with np.errstate(over="ignore", invalid="ignore"):
+        for chunk, i, r, data in _shard_reads(plan, shard, stats):
+            if chunk is not current:
+                current = chunk
+                floats = _float_segments(plan, chunk)
+                acc = [
+                    np.zeros(s.count, np.float64) if f else None
+                    for s, f in zip(chunk.segs, floats, strict=True)
+                ]
+            for j, off in r.pieces:
+                x = _base_values(plan, chunk, j, data, off)
+                a = acc[j]
+                if i == BASE:
+                    base[j] = x.copy()
+                    continue
+                if a is None or factors[i] == 0.0:  # an integer tensor, or an update that adds nothing
+                    continue
+                d = x.astype(np.float64)
+                if j in base:
+                    d -= base[j]
+                d *= factors[i]
+                a += d
+            del data
+            if chunk.remaining == 0:
+                for j, s in enumerate(chunk.segs):
+                    dtype = plan.tensors[s.tensor].dt.np
+                    a = acc[j]
+                    if a is None:
+                        values = base[j]  # an integer or bool tensor: the base's (the plan needs a base)
+                    else:
+                        a /= mech.denominator
+                        mech.add_noise(a)
+                        if j in base:
+                            a += base[j]
+                        values = a.astype(dtype)
+                    written += out.write(np.ascontiguousarray(values).view(np.uint8))
+                acc, base = [], {}
+    return {"shard": shard, "bytes": written, "reads": stats.reads, "read_bytes": stats.read_bytes}
 
 
 def _piece_inputs(plan: ShardPlan, chunk: _Chunk, j: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -725,6 +1009,26 @@ def _nonfinite_error(plan: ShardPlan, client: int, tensor: str, element: int) ->
 # --- commit -------------------------------------------------------------------------------------------------
 
 
+def _spend(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dict:
+    """Record the round's ρ on the ledger; the privacy report of the result."""
+    mech = p.mechanism()
+    rho = mech.rho()
+    summary = ledger.spend(store_root, spec.dp.dataset_id, job_id, rho)
+    return {
+        "mechanism": "DP-FedAvg: clip each update to clip_norm, mean over expected_clients, Gaussian noise",
+        "neighbouring": "add or remove one client (its whole update)",
+        "clip_norm": mech.clip_norm,
+        "noise_multiplier": mech.noise_multiplier,
+        "expected_clients": mech.denominator,
+        "noise_std": mech.sigma,
+        "rho_spent": rho,
+        "epsilon_cks": cdp_eps(rho, DP_REPORT_DELTA),
+        "delta": DP_REPORT_DELTA,
+        "sampler": dp.sampler_id(mech),
+        "ledger": summary,
+    }
+
+
 def commit(spec: FedAvgJob, job_id: str, store_root: str, shards: int) -> dict:
     """Assemble the parts into the output, write ``jobs/<id>/result.json``, remove the temporaries."""
     result_uri = job_uri(store_root, job_id, "result.json")
@@ -736,6 +1040,7 @@ def commit(spec: FedAvgJob, job_id: str, store_root: str, shards: int) -> dict:
         raise PlanError(f"commit was told {shards} shards but the plan has {p.shards}")
     store.assemble([part_uri(store_root, job_id, k) for k in range(p.shards)], p.output)
     header_bytes = len(p.header())
+    privacy = _spend(spec, job_id, store_root, p) if p.dp is not None else None
     result = {
         "job_id": job_id,
         "kind": "fedavg",
@@ -760,6 +1065,7 @@ def commit(spec: FedAvgJob, job_id: str, store_root: str, shards: int) -> dict:
         else 0,
         "dtypes": p.dtype_counts(),
         "notes": p.notes,
+        **({"privacy": privacy} if privacy is not None else {}),
     }
     store.put_json(result_uri, result)
     store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))

@@ -40,6 +40,16 @@ def aggregate(e: AggregateEvent, spec: FedAvgJob) -> dict:
     return core.aggregate(spec, e.job_id, e.store_root, e.item.shard)
 
 
+@task(AggregateEvent, kind="fedavg")
+def norms(e: AggregateEvent, spec: FedAvgJob) -> dict:
+    return core.norms(spec, e.job_id, e.store_root, e.item.shard)
+
+
+@task(JobEvent, kind="fedavg")
+def clip(e: JobEvent, spec: FedAvgJob) -> dict:
+    return core.clip(spec, e.job_id, e.store_root)
+
+
 @task(CommitEvent, kind="fedavg")
 def commit(e: CommitEvent, spec: FedAvgJob) -> dict:
     return core.commit(spec, e.job_id, e.store_root, e.prepare.shards)

@@ -60,6 +60,9 @@ DELETE_BATCH = 1000  # objects per DeleteObjects call
 # (a few thousand), interned paths, the store clients.
 OBJECT_BYTES = 4 * MiB
 
+# A DP round's aggregate task also imports OpenDP's sampler (opendp.prelude and its extras): 109 MiB measured
+# over the fedavg runtime.
+DP_RUNTIME_BYTES = 128 * MiB
 AGGREGATE_MEMORY_MB = 1769  # 1 vCPU: the aggregate is CPU-bound once reads overlap
 PLAN_MEMORY_MB = 1024
 COMMIT_MEMORY_MB = 512
@@ -145,6 +148,9 @@ class ShardPlan:
     # clients listed in the spec and those left out of the round ({"client", "uri", "reason"}: min_clients)
     clients_listed: int | None = None
     excluded: list[dict[str, Any]] = field(default_factory=list)
+    # DP-FedAvg: {"clip_norm", "noise_multiplier", "denominator"}, and the base model's reads (None: none)
+    dp: dict[str, Any] | None = None
+    base: ClientRef | None = None
     version: int = 1
 
     # --- derived ---------------------------------------------------------------------------------------
@@ -202,6 +208,14 @@ class ShardPlan:
             weights=weights, total=total, n_clients=n, trim=kernels.trim_count(self.trim_fraction, n)
         )
 
+    def mechanism(self) -> Any:
+        """The round's noise (:class:`functions.fedavg.dp.Mechanism`); a DP plan only."""
+        from functions.fedavg.dp import Mechanism
+
+        if self.dp is None:
+            raise PlanError("not a DP round")
+        return Mechanism(self.dp["clip_norm"], self.dp["denominator"], self.dp["noise_multiplier"])
+
     def dtype_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for t in self.tensors:
@@ -213,10 +227,8 @@ class ShardPlan:
     def to_doc(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["tensors"] = [[t.name, t.dtype, list(t.shape), t.begin, t.end] for t in self.tensors]
-        doc["clients"] = [
-            [c.uri, c.weight, c.data_start, c.layout, c.pin.to_doc() if c.pin else None, c.index]
-            for c in self.clients
-        ]
+        doc["clients"] = [_client_row(c) for c in self.clients]
+        doc["base"] = _client_row(self.base) if self.base is not None else None
         return doc
 
     @classmethod
@@ -225,12 +237,18 @@ class ShardPlan:
         if doc.get("version") != 1:
             raise PlanError(f"plan document version {doc.get('version')!r} is not supported (expected 1)")
         doc["tensors"] = [Tensor(n, d, tuple(s), b, e) for n, d, s, b, e in doc["tensors"]]
-        doc["clients"] = [
-            ClientRef(*c[:4], Pin.from_doc(c[4]) if len(c) > 4 and c[4] else None, *c[5:6])
-            for c in doc["clients"]
-        ]
+        doc["clients"] = [_client_ref(c) for c in doc["clients"]]
+        doc["base"] = _client_ref(doc["base"]) if doc.get("base") else None
         doc["budget"] = Budget.from_doc(doc.get("budget"))
         return cls(**doc)
+
+
+def _client_row(c: ClientRef) -> list[Any]:
+    return [c.uri, c.weight, c.data_start, c.layout, c.pin.to_doc() if c.pin else None, c.index]
+
+
+def _client_ref(row: list[Any]) -> ClientRef:
+    return ClientRef(*row[:4], Pin.from_doc(row[4]) if len(row) > 4 and row[4] else None, *row[5:6])
 
 
 # --- shard count ------------------------------------------------------------------------------------------
@@ -551,7 +569,82 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
         write_bytes=max_write,
         components=comps,
     )
-    return {"prepare": plan_step, "aggregate": aggregate_step, "commit": commit_step}
+    steps = {"prepare": plan_step, "aggregate": aggregate_step, "commit": commit_step}
+    if plan.dp is not None:
+        steps.update(_dp_loads(plan, aggregate_step, on_s3))
+    else:  # the DP steps run empty: no norms task, a clip task that reads the plan
+        steps["norms"] = StepLoad(tasks=0, peak_bytes=0, gets=0, puts=0, read_bytes=0, write_bytes=0)
+        steps["clip"] = StepLoad(
+            tasks=1,
+            peak_bytes=RUNTIME_BYTES + 2 * plan_doc_bytes,
+            gets=2,
+            puts=0,
+            read_bytes=plan_doc_bytes,
+            write_bytes=0,
+            components={"runtime": RUNTIME_BYTES},
+        )
+    return steps
+
+
+def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad]:
+    """A DP round's norms, clip and aggregate tasks (:func:`functions.fedavg.core.norms_into`, ``clip``,
+    ``aggregate_dp_into``): float64 copies of a chunk take the place of the reducers' accumulators."""
+    from functions.fedavg import dp
+
+    n = plan.n_clients
+    floats = [t.dt.itemsize for t in plan.tensors if t.dt.kind == "float"]
+    widen = 8 // min(floats) if floats else 1  # float64 bytes per input byte, at the narrowest float
+    chunk = plan.chunk_bytes
+    buffers = (plan.read_window + 1) * chunk
+    plan_doc_bytes = 200 * (len(plan.tensors) * (1 + len(plan.layouts)) + n) + 50 * plan.shards
+    objects = OBJECT_BYTES + 2 * plan_doc_bytes
+    sources = n + (plan.base is not None)
+    gets = 2 * plan.shards + (agg.gets - 2 * plan.shards) * sources // max(n, 1)  # + the base's reads
+    norms = StepLoad(
+        tasks=plan.shards,
+        # the chunk's base values and one update's difference, both float64
+        peak_bytes=RUNTIME_BYTES + buffers + 2 * widen * chunk + objects,
+        gets=gets,
+        puts=plan.shards,
+        read_bytes=agg.read_bytes * sources // max(n, 1),
+        write_bytes=8 * n,
+        components={
+            "runtime": RUNTIME_BYTES,
+            "reads_in_flight": buffers,
+            "float64_base_and_difference": 2 * widen * chunk,
+            "objects": objects,
+        },
+    )
+    clip = StepLoad(
+        tasks=1,
+        peak_bytes=RUNTIME_BYTES + 3 * 8 * n + 2 * plan_doc_bytes,
+        gets=2 + plan.shards,
+        puts=1,
+        read_bytes=8 * n * plan.shards,
+        write_bytes=8 * n,
+        components={"runtime": RUNTIME_BYTES},
+    )
+    largest = max(b - a for a, b in zip(plan.bounds, plan.bounds[1:], strict=False))
+    spool = 2 * min(largest, SPOOL_BYTES + chunk)
+    # the mean's float64 accumulators and one update's difference, the base's values, OpenDP's working
+    # block and the cast of the noisy chunk
+    working = 2 * widen * chunk + 2 * chunk + dp.NOISE_BLOCK_BYTES
+    aggregate = StepLoad(
+        tasks=plan.shards,
+        peak_bytes=RUNTIME_BYTES + DP_RUNTIME_BYTES + buffers + working + spool + objects,
+        gets=gets + 1,  # + the clip factors
+        puts=agg.puts,
+        read_bytes=agg.read_bytes * sources // max(n, 1),
+        write_bytes=agg.write_bytes,
+        components={
+            "runtime": RUNTIME_BYTES + DP_RUNTIME_BYTES,
+            "reads_in_flight": buffers,
+            "float64_mean_and_noise": working,
+            "spool_in_memory": spool,
+            "objects": objects,
+        },
+    )
+    return {"norms": norms, "clip": clip, "aggregate": aggregate}
 
 
 # --- the estimate's contract (functions.estimate) ----------------------------------------------------------
@@ -617,7 +710,15 @@ def probe(spec: Any, store_root: str, budget: Any) -> Any:
 def loads(spec: Any, probed: Any) -> Any:
     from functions import pricing
     from functions.estimate import Loads, TaskLoad
-    from functions.fedavg.workflow import AGGREGATE, AGGREGATE_SHARD, COMMIT, PREPARE
+    from functions.fedavg.workflow import (
+        AGGREGATE,
+        AGGREGATE_SHARD,
+        CLIP,
+        COMMIT,
+        NORMS,
+        NORMS_SHARD,
+        PREPARE,
+    )
 
     plan: ShardPlan | None = probed.model
     if plan is None:  # unreadable: one shard, runtime memory, one read each
@@ -626,14 +727,17 @@ def loads(spec: Any, probed: Any) -> Any:
         return Loads(
             items=n,
             tasks={
-                PREPARE: TaskLoad(**{**asdict(base), "gets": 1 + 3 * n, "puts": 2}),
+                PREPARE: TaskLoad(**{**asdict(base), "gets": 1 + 3 * n, "puts": 3}),
+                NORMS_SHARD: TaskLoad(**{**asdict(base), "gets": 2 + n, "puts": 1}),
+                CLIP: TaskLoad(**{**asdict(base), "gets": 3, "puts": 1}),
                 AGGREGATE_SHARD: TaskLoad(**{**asdict(base), "gets": 2 + n, "puts": 1}),
                 COMMIT: TaskLoad(**{**asdict(base), "gets": 4, "puts": 4}),
             },
-            map_items={AGGREGATE: 1},
+            map_items={NORMS: 1 if spec.dp is not None else 0, AGGREGATE: 1},
         )
     steps = task_loads(plan, on_s3=True)  # the requests AWS would bill
     p, a, c = steps["prepare"], steps["aggregate"], steps["commit"]
+    nm, cl = steps["norms"], steps["clip"]
     net = pricing.LAMBDA_NET_BYTES_PER_S
     latency = pricing.S3_GET_LATENCY_S
     n, m = plan.n_clients, plan.shards
@@ -658,6 +762,35 @@ def loads(spec: Any, probed: Any) -> Any:
         total_puts=a.puts,
         why=parts,
     )
+    norms_load = TaskLoad(
+        peak_bytes=nm.peak_bytes,
+        gets=-(-nm.gets // max(m, 1)),
+        puts=1,
+        duration_s=pricing.TASK_OVERHEAD_S + nm.read_bytes / pricing.FEDAVG_READ_BYTES_PER_S,
+        total_gets=nm.gets,
+        total_puts=nm.puts,
+        why="DP: each client's squared norm over the shard (float64 copies of a chunk)"
+        if plan.dp is not None
+        else "no task: a round without DP",
+    )
+    clip_load = TaskLoad(
+        peak_bytes=cl.peak_bytes,
+        gets=cl.gets,
+        puts=cl.puts,
+        duration_s=pricing.TASK_OVERHEAD_S + cl.gets * latency,
+        why="DP: the clip factors from every shard's norms" if plan.dp is not None else "returns at once",
+    )
+    if plan.dp is not None:  # the aggregate task also draws the noise
+        floats = sum(t.elements for t in plan.tensors if t.dt.kind == "float")
+        from functions.fedavg import dp
+
+        noise_s = floats / m / dp.NOISE_SAMPLES_PER_S
+        aggregate_load.duration_s = (
+            pricing.TASK_OVERHEAD_S
+            + a.read_bytes / pricing.FEDAVG_READ_BYTES_PER_S
+            + noise_s
+            + a.write_bytes / net
+        )
     commit_load = TaskLoad(
         peak_bytes=c.peak_bytes,
         gets=c.gets,
@@ -690,8 +823,14 @@ def loads(spec: Any, probed: Any) -> Any:
         notes.append("to fit: the headers are too large for the plan function; merge small tensors")
     return Loads(
         items=n,
-        tasks={PREPARE: plan_load, AGGREGATE_SHARD: aggregate_load, COMMIT: commit_load},
-        map_items={AGGREGATE: m},
+        tasks={
+            PREPARE: plan_load,
+            NORMS_SHARD: norms_load,
+            CLIP: clip_load,
+            AGGREGATE_SHARD: aggregate_load,
+            COMMIT: commit_load,
+        },
+        map_items={NORMS: m if plan.dp is not None else 0, AGGREGATE: m},
         notes=notes,
         output_bytes=len(plan.header()) + plan.data_bytes,
     )

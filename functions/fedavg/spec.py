@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from functions.ledger import DATASET_ID
+from functions.privacy import MAX_RHO
 from functions.specs import InputUri, JobOptions, OutputUri, StrictModel, fail, repeated_uris
 
 # The longest a round's prepare step waits for late updates (``wait_s``): the prepare function's timeout
@@ -28,6 +30,34 @@ class FedAvgClient(StrictModel):
         if self.weight is not None and not (self.weight > 0 and math.isfinite(self.weight)):
             raise ValueError(f"weight of {self.uri} must be a finite number > 0, got {self.weight}")
         return self
+
+
+class FedAvgDP(StrictModel):
+    """DP-FedAvg with server-side fixed clipping (McMahan et al. 2018): each client's update is clipped to
+    L2 norm ``clip_norm`` over the whole model, the clipped updates are averaged over a fixed denominator
+    (``expected_clients``) and Gaussian noise of std ``noise_multiplier x clip_norm / expected_clients`` is
+    added, drawn by OpenDP. Each round charges ``dataset_id``'s budget ledger (the privacy unit: a client)."""
+
+    clip_norm: float = Field(gt=0, le=1e12, allow_inf_nan=False, description="C: the L2 bound of one update")
+    noise_multiplier: float = Field(
+        gt=0, le=1e6, allow_inf_nan=False, description="z: noise std = z x C / expected_clients"
+    )
+    dataset_id: str = Field(pattern=DATASET_ID, description="the federation's budget ledger key")
+    dataset_budget_rho: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_RHO,
+        allow_inf_nan=False,
+        description="total ρ of dataset_id; required by the first round on it, fixed afterwards",
+    )
+    expected_clients: int | None = Field(
+        default=None, ge=1, description="m, the mean's fixed denominator; default: the clients listed"
+    )
+    base: InputUri | None = Field(
+        default=None,
+        description="the global model the clients trained from: an update is client - base, and the output "
+        "base + the noisy mean update (default: the files are the updates themselves)",
+    )
 
 
 class FedAvgJob(JobOptions):
@@ -78,6 +108,7 @@ class FedAvgJob(JobOptions):
         allow_inf_nan=False,
         description="seconds the round waits for updates not yet uploaded before it starts without them",
     )
+    dp: FedAvgDP | None = Field(default=None, description="DP-FedAvg: clip, average and add Gaussian noise")
 
     @property
     def tolerant(self) -> bool:
@@ -108,6 +139,33 @@ class FedAvgJob(JobOptions):
                 ],
                 self.min_clients,
             )
+        return self
+
+    @model_validator(mode="after")
+    def _dp_options(self) -> FedAvgJob:
+        """A DP round is the uniform, clipped mean in float64, its integer and bool tensors the base's:
+        weights, another aggregator and allow_nonfinite are refused; ``uniform``, ``accumulate`` and
+        ``integer_policy`` do not apply (a dumped spec carries their defaults)."""
+        if self.dp is None:
+            return self
+        why = "with dp, clients are averaged uniformly (the noise is sized for one client's clipped update)"
+        problems: list[tuple[tuple, str]] = [
+            (("clients", i, "weight"), f"clients.{i}.weight: {why}")
+            for i, c in enumerate(self.clients)
+            if c.weight is not None
+        ]
+        if self.aggregator != "mean":
+            problems.append((("aggregator",), f"aggregator {self.aggregator!r}: {why}; use 'mean'"))
+        if self.allow_nonfinite:
+            problems.append(
+                (
+                    ("allow_nonfinite",),
+                    "with dp, an update holding NaN or Inf counts as a zero update (its norm is not finite); "
+                    "nothing fails on an update's values",
+                )
+            )
+        if problems:
+            fail("FedAvgJob", problems, self.dp)
         return self
 
     @model_validator(mode="after")

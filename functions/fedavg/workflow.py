@@ -1,4 +1,8 @@
-"""The fedavg workflow: prepare → Map(aggregate one shard each) → commit (GradsSharding).
+"""The fedavg workflow: prepare → Map(norms) → clip → Map(aggregate one shard each) → commit (GradsSharding).
+
+norms and clip are DP-FedAvg's (:mod:`functions.fedavg.dp`): each norms task reads its shard from every
+client once to sum each client's squared update there, and clip turns the sums into clip factors. A round
+without DP runs them empty: a Map of no items and a clip task that returns at once.
 
 The prepare step reads every client's safetensors header, checks them and writes the shard manifest
 (Distributed Map's ``ItemReader`` reads it on AWS); each aggregate task streams one byte range of the model
@@ -23,11 +27,18 @@ AGGREGATE_SHARD = Task(
     memory_mb=AGGREGATE_MEMORY_MB,
     timeout_s=LAMBDA_TIMEOUT_S,
 )
+# DP-FedAvg's first pass (each client's squared norm, shard by shard) and its clip factors; for a round
+# without DP the norms manifest is empty and clip returns at once.
+NORMS_SHARD = Task(
+    "norms_shard", "fedavg.norms", mode="process", memory_mb=AGGREGATE_MEMORY_MB, timeout_s=LAMBDA_TIMEOUT_S
+)
+NORMS = Map("norms", items="$.prepare.norms", body=(NORMS_SHARD,))
+CLIP = Task("clip", "fedavg.clip", memory_mb=COMMIT_MEMORY_MB, timeout_s=300)
 AGGREGATE = Map("aggregate", items="$.prepare.manifest", body=(AGGREGATE_SHARD,))
 COMMIT = Task("commit", "fedavg.commit", memory_mb=COMMIT_MEMORY_MB, timeout_s=LAMBDA_TIMEOUT_S)
 
 WORKFLOW = Workflow(
     kind="fedavg",
     comment="FedAvg: N client updates averaged shard by shard into one safetensors file",
-    steps=(PREPARE, AGGREGATE, COMMIT),
+    steps=(PREPARE, NORMS, CLIP, AGGREGATE, COMMIT),
 )

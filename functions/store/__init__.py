@@ -49,6 +49,7 @@ __all__ = [
     "pins",
     "put",
     "put_file",
+    "put_file_if_absent",
     "put_if_absent",
     "put_json",
     "resolve",
@@ -106,6 +107,15 @@ def put_if_absent(uri: str, data: bytes) -> bool:
     if is_s3(uri):
         return s3.put_if_absent(uri, bytes(data))
     return local.put_if_absent(local_path(uri), data)
+
+
+def put_file_if_absent(uri: str, fileobj: BinaryIO) -> bool:
+    """:func:`put_if_absent` streaming from a seekable binary file object (at most
+    :data:`functions.store.s3.MAX_SINGLE_PUT` bytes on S3: one conditional PUT)."""
+    uri = resolve(uri)
+    if is_s3(uri):
+        return s3.put_file_if_absent(uri, fileobj)
+    return local.put_file_if_absent(local_path(uri), fileobj)
 
 
 def exists(uri: str) -> bool:

@@ -7,6 +7,7 @@ to its name, which fails if the name exists: race-free between processes, and ne
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import uuid
@@ -136,8 +137,12 @@ def _commit(path: Path, chunks: Iterable[bytes]) -> None:
 
 
 def put_if_absent(path: Path, data: bytes) -> bool:
-    telemetry.count("PUT", written=len(data))
-    tmp = _write_tmp(path, [data])
+    return put_file_if_absent(path, io.BytesIO(data))
+
+
+def put_file_if_absent(path: Path, fileobj: BinaryIO) -> bool:
+    tmp = _write_tmp(path, iter(lambda: fileobj.read(8 << 20), b""))
+    telemetry.count("PUT", written=tmp.stat().st_size)
     try:
         os.link(tmp, path)
         return True

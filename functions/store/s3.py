@@ -390,18 +390,27 @@ def _abort_quietly(upload: _StreamedUpload) -> None:
 
 
 def put_if_absent(uri: str, data: bytes) -> bool:
+    return put_file_if_absent(uri, io.BytesIO(data))
+
+
+def put_file_if_absent(uri: str, fileobj: BinaryIO) -> bool:
+    """:func:`put_if_absent` from a seekable file object (its current position on): one conditional PUT."""
+    start = fileobj.tell()
+    size = fileobj.seek(0, io.SEEK_END) - start
+    if size > MAX_SINGLE_PUT:
+        raise StoreError(f"put_if_absent {uri}: {size} bytes, over the {MAX_SINGLE_PUT} of one PUT")
     bucket, key = split_s3(uri)
     client = s3_client()
     for attempt in range(5):
+        fileobj.seek(start)
         try:
-            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            client.put_object(Bucket=bucket, Key=key, Body=fileobj, ContentLength=size, IfNoneMatch="*")
             return True
         except botocore.exceptions.ClientError as exc:
             code, status = _code_status(exc)
             if code == "PreconditionFailed" or status == 412:
                 return False
-            # 409: another conditional write to this key is in flight; S3 says to retry.
-            if code == "ConditionalRequestConflict" or status == 409:
+            if code == "ConditionalRequestConflict" or status == 409:  # S3 says to retry
                 time.sleep(0.05 * 2**attempt)
                 continue
             raise translate(exc, uri, "PUT") from None
