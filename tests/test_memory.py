@@ -231,6 +231,40 @@ def test_fedavg(children, root, model, clients, aggregator, label):
     job.check()
 
 
+def test_fedavg_dp(children, root):
+    """A DP round's tasks (norms, clip, the noisy aggregate), with a base model: 4 clients x 1 MiB (float32
+    and bfloat16 tensors, and an integer one taken from the base). OpenDP draws ~0.4 M samples of noise."""
+    import ml_dtypes
+
+    from client import Client
+    from client.demo import fedavg_updates
+
+    model = {"w": ((384, 512), np.float32), "e": ((256, 512), "bfloat16"), "steps": ((), np.int64)}
+    model = {k: (sh, ml_dtypes.bfloat16 if d == "bfloat16" else np.dtype(d)) for k, (sh, d) in model.items()}
+    with Client() as c:
+        saved = [
+            c.fedavg.save_update(t, f"data/client-{i}.safetensors")
+            for i, (t, _) in enumerate(fedavg_updates(model, 5, seed=3))
+        ]
+    doc = {
+        "kind": "fedavg",
+        "clients": [{"uri": u} for u in saved[1:]],
+        "dp": {"clip_norm": 1.0, "noise_multiplier": 1.0, "dataset_id": "fed", "dataset_budget_rho": 1.0,
+               "base": saved[0]},
+    }  # fmt: skip
+    job = Job.create(root, doc, "4 clients x 1 MiB, dp, base")
+    h = "functions.fedavg.handlers"
+    planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
+    shards = store.get_json(planned["manifest"]["uri"])
+    assert len(shards) == 1
+    job.measure(children, "norms_shard", f"{h}:norms", job.event(item=shards[0], index=0))
+    job.measure(children, "clip", f"{h}:clip", job.event())
+    job.measure(children, "aggregate_shard", f"{h}:aggregate", job.event(item=shards[0], index=0))
+    result = job.measure(children, "commit", f"{h}:commit", job.event(prepare=planned))
+    assert result["clients"] == 4 and result["privacy"]["rho_spent"] > 0
+    job.check()
+
+
 # --- dpquery ------------------------------------------------------------------------------------------------
 
 

@@ -484,9 +484,10 @@ def _inspect(
         chunk_bytes=1,
         read_window=1,
         aggregator=spec.aggregator,
-        uniform=spec.uniform,
-        accumulate=spec.accumulate,
-        integer_policy=spec.integer_policy,
+        # a DP round: the uniform mean in float64, its integer and bool tensors the base's
+        uniform=spec.uniform or spec.dp is not None,
+        accumulate="float64" if spec.dp is not None else spec.accumulate,
+        integer_policy="base" if spec.dp is not None else spec.integer_policy,
         trim_fraction=spec.trim_fraction,
         allow_nonfinite=spec.allow_nonfinite,
         metadata=out_meta,

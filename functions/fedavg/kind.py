@@ -15,7 +15,18 @@ RESULT_ROWS = 20  # clients left out listed at the terminal (the result document
 def result_view(result: dict[str, Any]) -> ResultView:
     """Every field of the result, the clients left out of the round as a table of who and why."""
     excluded = result.get("excluded") or []
-    summary = {k: v for k, v in result.items() if k != "excluded"}
+    summary = {k: v for k, v in result.items() if k not in ("excluded", "privacy")}
+    if (rep := result.get("privacy")) is not None:  # DP-FedAvg
+        led = rep["ledger"]
+        summary["privacy"] = (
+            f"ρ {rep['rho_spent']:.6g} this round; ε at δ {rep['delta']:g}: {rep['epsilon_cks']:.4g} (CKS); "
+            f"clip_norm {rep['clip_norm']:g}, noise std {rep['noise_std']:.4g} over "
+            f"{rep['expected_clients']} expected clients"
+        )
+        summary["ledger"] = (
+            f"{led['dataset_id']}: total ρ {led['total_rho']:.6g}, committed {led['committed_rho']:.6g}, "
+            f"remaining {led['remaining_rho']:.6g} ({led['jobs']} round(s))"
+        )
     if not excluded:
         return ResultView(summary)
     rows = [[e["client"], e["uri"], e["reason"]] for e in excluded[:RESULT_ROWS]]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from functions import pricing
@@ -571,6 +571,14 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
     )
     steps = {"prepare": plan_step, "aggregate": aggregate_step, "commit": commit_step}
     if plan.dp is not None:
+        # prepare and commit ask OpenDP for the round's ρ (the ledger's charge)
+        for name in ("prepare", "commit"):
+            step = steps[name]
+            steps[name] = replace(
+                step,
+                peak_bytes=step.peak_bytes + DP_RUNTIME_BYTES,
+                components={**step.components, "opendp": DP_RUNTIME_BYTES},
+            )
         steps.update(_dp_loads(plan, aggregate_step, on_s3))
     else:  # the DP steps run empty: no norms task, a clip task that reads the plan
         steps["norms"] = StepLoad(tasks=0, peak_bytes=0, gets=0, puts=0, read_bytes=0, write_bytes=0)
@@ -594,7 +602,8 @@ def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad
     n = plan.n_clients
     floats = [t.dt.itemsize for t in plan.tensors if t.dt.kind == "float"]
     widen = 8 // min(floats) if floats else 1  # float64 bytes per input byte, at the narrowest float
-    chunk = plan.chunk_bytes
+    largest = max(b - a for a, b in zip(plan.bounds, plan.bounds[1:], strict=False))
+    chunk = min(plan.chunk_bytes, largest)  # a chunk, and a read, never spans more than its shard
     buffers = (plan.read_window + 1) * chunk
     plan_doc_bytes = 200 * (len(plan.tensors) * (1 + len(plan.layouts)) + n) + 50 * plan.shards
     objects = OBJECT_BYTES + 2 * plan_doc_bytes
@@ -624,7 +633,6 @@ def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad
         write_bytes=8 * n,
         components={"runtime": RUNTIME_BYTES},
     )
-    largest = max(b - a for a, b in zip(plan.bounds, plan.bounds[1:], strict=False))
     spool = 2 * min(largest, SPOOL_BYTES + chunk)
     # the mean's float64 accumulators and one update's difference, the base's values, OpenDP's working
     # block and the cast of the noisy chunk
