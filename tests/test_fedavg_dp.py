@@ -316,3 +316,21 @@ def test_a_dp_round_runs_on_the_local_and_moto_executors(tmp_path, monkeypatch):
             # the noise is there: the output is not the clipped mean (which is within 0.5/4 of the base)
             w = out["w"].astype(np.float64) - base["w"]
             assert 0.05 < w.std() < 0.2
+
+
+def test_dp_shards_leave_time_for_the_noise():
+    """A DP shard's two passes of reads and its noise fit the share of the timeout a plain shard's reads do:
+    at 40,000 samples a second, 64 MiB shards of float32 would take 420 s of noise alone."""
+    from functions.fedavg.layout import Tensor
+    from functions.fedavg.sizing import choose_shards, shard_caps
+
+    tensors = [Tensor("w", "F32", (1 << 28,), 0, 1 << 30)]  # 1 GiB of float32
+    n, budget = 10, Budget()
+    plain = choose_shards(1 << 30, n, 100, budget).shards
+    dp_budget = core._with_noise_time(budget, tensors, n)
+    shards = choose_shards(1 << 30, n, 100, dp_budget).shards
+    assert shards > plain
+    largest = shard_caps(n, 100, dp_budget)[1]
+    seconds = 2 * (n + 1) * largest / budget.read_bytes_per_s + largest / 4 / dp.NOISE_SAMPLES_PER_S
+    assert seconds <= budget.time_fraction * budget.timeout_s * (1 + 1e-9)
+    assert (1 << 30) / shards <= largest
