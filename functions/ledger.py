@@ -30,11 +30,12 @@ whole is the CKS conversion of that sum (:func:`functions.privacy.cdp_eps`).
 
 **The ledger is bound to the data** (so the same data under a new id cannot open a fresh budget).
 
-* The identity of a dataset (:func:`identify`) is its URI, its size, its S3 ETag (or local mtime/inode),
-  and a **content fingerprint**: ``sha256:<hex>`` of the object's bytes, streamed (one extra read of the
-  dataset at plan time, locally and on S3 alike). The ETag is recorded but not used to decide sameness: a
-  multipart upload's ETag depends on the part size, and an SSE-KMS object's is not an MD5 at all, so the
-  same bytes uploaded twice can have two ETags (and a re-upload would otherwise open a fresh budget).
+* The identity of a dataset (:func:`functions.dpquery.data.identify`) is its URI, its size, its S3 ETag (or
+  local mtime/inode), and a **content fingerprint**: ``sha256:<hex>`` of the object's bytes, streamed (one
+  extra read of the dataset at plan time, locally and on S3 alike). The ETag is recorded but not used to
+  decide sameness: a multipart upload's ETag depends on the part size, and an SSE-KMS object's is not an MD5
+  at all, so the same bytes uploaded twice can have two ETags (and a re-upload would otherwise open a fresh
+  budget).
 * The ``open`` entry records the identity and the ``version`` (the spec's ``dataset_version``, null by
   default); a ``bind`` entry binds a further version of the same dataset id (or, for a ledger opened
   before binding existed, its first one). Versions of one id share its ledger and total budget: a new
@@ -59,7 +60,6 @@ whole is the CKS conversion of that sum (:func:`functions.privacy.cdp_eps`).
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -72,7 +72,6 @@ from functions.store.uri import join
 DATASET_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a ledger's key (and a dataset version's name)
 MAX_ATTEMPTS = 200  # optimistic-append attempts before giving up (each lost race means progress elsewhere)
 _SEQ_DIGITS = 8
-HASH_CHUNK_BYTES = 8 << 20  # the fingerprint streams the dataset in reads of this size
 INDEX = "_by-fingerprint"  # ledger/_by-fingerprint/<hex>.json; "_" cannot start a dataset id
 
 
@@ -90,58 +89,6 @@ def _now() -> str:
 
 def index_uri(store_root: str, fingerprint: str) -> str:
     return join(store_root, "ledger", INDEX, fingerprint.split(":", 1)[-1] + ".json")
-
-
-def identify(uri: str, fmt: str, pin: Any = None) -> dict[str, Any]:
-    """The dataset's identity: URI, size, pin (ETag / mtime+inode) and the sha256 of its bytes (streamed),
-    plus ``rows_at_most``, an upper bound on its rows that the prepare step checks against the spec's
-    public row bound: for CSV the number of line breaks (every line but maybe the last ends with one, the
-    header is a line, and a quoted field may hold more), for Parquet the row count in its footer.
-    Private: never returned to the submitter."""
-    from functions.store.uri import is_s3, local_path
-
-    h = hashlib.sha256()
-    breaks = 0
-    prev_cr = False
-    size = 0
-
-    last = b""
-
-    def feed(chunk: bytes) -> None:
-        nonlocal breaks, prev_cr, size, last
-        h.update(chunk)
-        size += len(chunk)
-        last = chunk[-1:] or last
-        if fmt == "csv" and chunk:
-            # line breaks: \n, \r\n, or a lone \r (a \r\n split across chunks is counted once)
-            breaks += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
-            if prev_cr and chunk[:1] == b"\n":
-                breaks -= 1
-            prev_cr = chunk[-1:] == b"\r"
-
-    resolved = store.resolve(uri)
-    if is_s3(resolved):
-        total = store.size(resolved)
-        for start in range(0, total, HASH_CHUNK_BYTES):
-            feed(store.get(resolved, start, min(HASH_CHUNK_BYTES, total - start)))
-    else:
-        with open(local_path(resolved), "rb") as f:
-            while chunk := f.read(HASH_CHUNK_BYTES):
-                feed(chunk)
-    if fmt == "parquet":
-        from functions.dpquery import data
-
-        with data._open(uri) as f:
-            import pyarrow.parquet as pq
-
-            rows = int(pq.ParquetFile(f).metadata.num_rows)
-    else:  # lines: the breaks, plus one if the last line has none; one line is the header
-        rows = max(0, breaks - (1 if last in (b"\n", b"\r") else 0))
-    ident: dict[str, Any] = {"uri": uri, "bytes": size, "fingerprint": "sha256:" + h.hexdigest()}
-    if pin is not None:
-        ident["pin"] = pin.to_doc()
-    ident["rows_at_most"] = rows
-    return ident
 
 
 def _public(identity: dict[str, Any]) -> dict[str, Any]:
@@ -294,11 +241,11 @@ def reserve(
     :class:`SpecError` if ``total_rho`` is missing for a new ledger or differs from the registered one.
     Returns the ledger summary after the reservation (the same on a retry).
 
-    With ``identity`` (:func:`identify`) the ledger is bound to the data (module docstring): the content
-    must be the one bound to ``(dataset_id, version)``, or a content no other id (or version) has bound,
-    which this call then binds. Without it (unit tests of the budget logic, and a federation, whose rounds
-    read new updates each time) no binding is checked. ``unit``: the job's privacy unit, ``row`` or
-    ``client``; a ledger opened for the other is refused."""
+    With ``identity`` (:func:`functions.dpquery.data.identify`) the ledger is bound to the data (module
+    docstring): the content must be the one bound to ``(dataset_id, version)``, or a content no other id (or
+    version) has bound, which this call then binds. Without it (unit tests of the budget logic, and a
+    federation, whose rounds read new updates each time) no binding is checked. ``unit``: the job's privacy
+    unit, ``row`` or ``client``; a ledger opened for the other is refused."""
     if not (rho > 0 and math.isfinite(rho)):
         raise SpecError(f"budget: rho must be a finite number > 0, got {rho}")
     for _ in range(MAX_ATTEMPTS):

@@ -201,7 +201,7 @@ def test_the_plan_charges_the_rounding_and_the_sampler_map_stays_within_the_plan
 def _identity(root: str, name: str, body: bytes) -> dict:
     uri = join(root, name)
     store.put(uri, body)
-    return ledger.identify(uri, "csv", store.pin(uri))
+    return data.identify(uri, "csv", store.pin(uri))
 
 
 def test_identify_fingerprints_the_bytes_and_bounds_csv_rows(tmp_path):

@@ -414,7 +414,7 @@ def test_host_package_imports_every_handler_in_isolation(host_build, host_dir, t
     """Each Lambda handler imports, with ``sys.path`` = the package plus the standard library only."""
     _, python, _ = host_build
     handlers = package.lambda_handlers()
-    assert "dispatch" in handlers and "getbatch.prepare" in handlers and "fedavg.aggregate" in handlers
+    assert "dispatch" in handlers and "getbatch.prepare" in handlers and "getbatch.gather" in handlers
     assert not set(handlers) & set(package.lambda_handlers("image"))  # those run from Dockerfile.lambda
     assert_imported_like_lambda(run_import_check([python], host_dir, tmp_path), host_dir)
 

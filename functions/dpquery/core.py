@@ -135,7 +135,7 @@ def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
     pin = pin or store.pin(dataset)
     if spec.privacy_unit is not None:  # the id column exists and its type holds ids
         _check_unit(spec, dataset, job_id)
-    identity = ledger.identify(dataset, spec.format, pin)
+    identity = data.identify(dataset, spec.format, pin)
     store.verify(dataset, pin)  # the bytes fingerprinted are the bytes pinned (and scanned)
     _check_rows_bound(spec, dataset, identity)
     summary = ledger.reserve(

@@ -49,11 +49,13 @@ from __future__ import annotations
 import codecs
 import contextlib
 import csv
+import hashlib
 import io
 import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -688,3 +690,52 @@ def _count(
 def _rows_only(uri: str, fmt: str, attributes: Sequence[DPAttribute]) -> Iterator[pa.RecordBatch]:
     """Batches of the first schema column only (to count rows when only the total is wanted)."""
     yield from record_batches(uri, fmt, [attributes[0].name])
+
+
+HASH_CHUNK_BYTES = 8 << 20  # the fingerprint streams the dataset in reads of this size
+
+
+def identify(uri: str, fmt: str, pin: Any = None) -> dict[str, Any]:
+    """The dataset's identity, which binds a budget ledger to its data (:mod:`functions.ledger`): URI, size,
+    pin (ETag / mtime+inode) and the sha256 of its bytes (streamed), plus ``rows_at_most``, an upper bound on
+    its rows that the prepare step checks against the spec's public row bound: for CSV the number of line
+    breaks (every line but maybe the last ends with one, the header is a line, and a quoted field may hold
+    more), for Parquet the row count in its footer. Private: never returned to the submitter."""
+    h = hashlib.sha256()
+    breaks = 0
+    prev_cr = False
+    size = 0
+
+    last = b""
+
+    def feed(chunk: bytes) -> None:
+        nonlocal breaks, prev_cr, size, last
+        h.update(chunk)
+        size += len(chunk)
+        last = chunk[-1:] or last
+        if fmt == "csv" and chunk:
+            # line breaks: \n, \r\n, or a lone \r (a \r\n split across chunks is counted once)
+            breaks += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+            if prev_cr and chunk[:1] == b"\n":
+                breaks -= 1
+            prev_cr = chunk[-1:] == b"\r"
+
+    resolved = store.resolve(uri)
+    if is_s3(resolved):
+        total = store.size(resolved)
+        for start in range(0, total, HASH_CHUNK_BYTES):
+            feed(store.get(resolved, start, min(HASH_CHUNK_BYTES, total - start)))
+    else:
+        with open(local_path(resolved), "rb") as f:
+            while chunk := f.read(HASH_CHUNK_BYTES):
+                feed(chunk)
+    if fmt == "parquet":
+        with _open(uri) as f:
+            rows = int(pq.ParquetFile(f).metadata.num_rows)
+    else:  # lines: the breaks, plus one if the last line has none; one line is the header
+        rows = max(0, breaks - (1 if last in (b"\n", b"\r") else 0))
+    ident: dict[str, Any] = {"uri": uri, "bytes": size, "fingerprint": "sha256:" + h.hexdigest()}
+    if pin is not None:
+        ident["pin"] = pin.to_doc()
+    ident["rows_at_most"] = rows
+    return ident

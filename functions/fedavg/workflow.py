@@ -41,4 +41,6 @@ WORKFLOW = Workflow(
     kind="fedavg",
     comment="FedAvg: N client updates averaged shard by shard into one safetensors file",
     steps=(PREPARE, NORMS, CLIP, AGGREGATE, COMMIT),
+    # DP-FedAvg's noise is OpenDP's, which only the container image holds (too big for a zip)
+    lambda_package="image",
 )
