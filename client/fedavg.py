@@ -17,6 +17,7 @@ torch is imported only when a torch tensor is passed in or ``framework="torch"``
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -149,6 +150,22 @@ def _header(uri: str) -> dict[str, Any]:
     return header
 
 
+_ST_NAMES = {
+    np.dtype(np.float64): "F64",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
+}
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _check_client_id(client_id: str) -> None:
+    if not isinstance(client_id, str) or not _CLIENT_ID.match(client_id):
+        raise UpdateError(f"client_id {client_id!r}: letters, digits, '.', '_', '-' (at most 128)")
+
+
 class FedAvg:
     """The ``client.fedavg`` namespace: write and read model updates, run a FedAvg round.
 
@@ -185,6 +202,102 @@ class FedAvg:
         """The ``__metadata__`` of a safetensors object (e.g. ``num_examples``), read with ranged GETs."""
         meta = _header(self.uri(uri)).get("__metadata__") or {}
         return {str(k): str(v) for k, v in meta.items()}
+
+    # -- secure aggregation (client side) ------------------------------------------------------------------
+
+    def secure_keys(self, round_prefix: str, client_id: str) -> bytes:
+        """Join a secure round: make this client's X25519 key pair, publish the public key at
+        ``<round_prefix>/keys/<client_id>.pub`` and return the private key (32 bytes; keep it secret, and
+        keep it until :meth:`mask_update`). Every client of the round publishes before any masks."""
+        from client import secagg
+
+        _check_client_id(client_id)
+        private = secagg.new_private_key()
+        key = self.uri(f"{round_prefix.rstrip('/')}/keys/{client_id}.pub")
+        if not store.put_if_absent(key, secagg.public_key(private)):
+            raise UpdateError(f"client {client_id!r} already published a key for round {round_prefix}")
+        return private
+
+    def round_keys(self, round_prefix: str) -> dict[str, bytes]:
+        """The public keys published for a secure round: client id -> key."""
+        prefix = self.uri(f"{round_prefix.rstrip('/')}/keys/")
+        keys = {}
+        for uri in store.list_uris(prefix):
+            name = uri.rsplit("/", 1)[-1]
+            if name.endswith(".pub"):
+                keys[name[: -len(".pub")]] = store.get(uri)
+        return keys
+
+    def mask_update(
+        self,
+        tensors: Mapping[str, Any],
+        uri: str,
+        *,
+        round_prefix: str,
+        client_id: str,
+        private_key: bytes,
+        clip_range: float = 8.0,
+        seed: int | None = None,
+    ) -> str:
+        """Quantise and mask one client's update for a secure round; write it (U32 safetensors) to ``uri``.
+
+        Every float value is clipped to [-clip_range, clip_range] and rounded stochastically to the round's
+        integer grid (:mod:`functions.fedavg.secagg`), then masked with one pairwise mask per other client
+        whose key is published under ``round_prefix`` (:meth:`round_keys`): the masks cancel only in the
+        sum of all of them, so the job (``"secure": true``) learns the mean and no single update. Integer
+        and bool tensors cannot be masked: leave them out. ``seed`` seeds the rounding (tests only).
+        """
+        from client import secagg as masks
+        from functions.fedavg import secagg
+
+        _check_client_id(client_id)
+        if not (isinstance(clip_range, int | float) and 0 < clip_range < float("inf")):
+            raise UpdateError(f"clip_range must be a finite number > 0, got {clip_range!r}")
+        arrays = to_numpy(tensors)
+        peers = self.round_keys(round_prefix)
+        if peers.get(client_id) != masks.public_key(private_key):
+            raise UpdateError(
+                f"client {client_id!r} has no key published for round {round_prefix} matching private_key; "
+                "call secure_keys first"
+            )
+        dtypes = {}
+        for name, arr in arrays.items():
+            if not (arr.dtype.kind == "f" or arr.dtype in _EXTRA_DTYPES.values()):
+                raise UpdateError(
+                    f"tensor {name!r} is {arr.dtype}: a secure round masks float tensors only; leave it out"
+                )
+            dtypes[name] = _ST_NAMES.get(arr.dtype, arr.dtype.name)
+        round_id = self.uri(round_prefix.rstrip("/"))
+        params = secagg.RoundParams(
+            round=round_id,
+            clients=len(peers),
+            clip_range=float(clip_range),
+            scale=secagg.scale(len(peers)),
+            dtypes=dtypes,
+        )
+        names = sorted(arrays)
+        rng = np.random.default_rng(seed)
+        flat = (
+            np.concatenate(
+                [
+                    secagg.quantise(
+                        arrays[n].astype(np.float64).ravel(), params.clip_range, params.scale, rng
+                    )
+                    for n in names
+                ]
+            )
+            if names
+            else np.zeros(0, np.uint32)
+        )
+        masked = masks.mask(flat, private_key, client_id, peers, round_id)
+        out, at = {}, 0
+        for n in names:
+            size = arrays[n].size
+            out[n] = masked[at : at + size].reshape(arrays[n].shape)
+            at += size
+        full = self.uri(uri)
+        store.put(full, safetensors.numpy.save(out, metadata={secagg.METADATA_KEY: params.to_json()}))
+        return full
 
     # -- jobs ---------------------------------------------------------------------------------------------
 

@@ -88,6 +88,7 @@ LAMBDA_EXCLUDE: dict[str, str] = {
     "click": "the CLI only",
     "rich": "the CLI only",
     "safetensors": "client.fedavg only; the fedavg functions parse safetensors headers themselves",
+    "cryptography": "client.fedavg's secure aggregation (key agreement, masks); the job only sums",
 }
 # Runtime dependencies too big for the zip (its 250 MiB limit): kept out of it, installed only in the
 # container image (Dockerfile.lambda) that the functions of `lambda_package="image"` kinds run from. Only

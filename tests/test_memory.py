@@ -265,6 +265,32 @@ def test_fedavg_dp(children, root):
     job.check()
 
 
+def test_fedavg_secure(children, root):
+    """A secure round's tasks: 3 masked updates of 1.5 MiB (U32), summed mod 2^32 and dequantised."""
+    from client import Client
+
+    rng = np.random.default_rng(2)
+    with Client() as c:
+        keys = {f"c{i}": c.fedavg.secure_keys("data/round", f"c{i}") for i in range(3)}
+        saved = [
+            c.fedavg.mask_update(
+                {"w": rng.standard_normal((384, 1024)).astype(np.float32)},
+                f"data/round/{cid}.safetensors", round_prefix="data/round", client_id=cid, private_key=key,
+            )
+            for cid, key in keys.items()
+        ]  # fmt: skip
+    job = Job.create(
+        root, {"kind": "fedavg", "clients": [{"uri": u} for u in saved], "secure": True}, "3 x 1.5 MiB"
+    )
+    h = "functions.fedavg.handlers"
+    planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
+    shards = store.get_json(planned["manifest"]["uri"])
+    job.measure(children, "aggregate_shard", f"{h}:aggregate", job.event(item=shards[0], index=0))
+    result = job.measure(children, "commit", f"{h}:commit", job.event(prepare=planned))
+    assert result["clients"] == 3
+    job.check()
+
+
 # --- dpquery ------------------------------------------------------------------------------------------------
 
 

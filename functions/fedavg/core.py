@@ -72,6 +72,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import json
 import math
 import tempfile
 import time
@@ -99,7 +100,7 @@ from functions.errors import (
     StoreError,
     TooFewClients,
 )
-from functions.fedavg import dp, kernels
+from functions.fedavg import dp, kernels, secagg
 from functions.fedavg.layout import (
     PREFIX_BYTES,
     FileHeader,
@@ -434,7 +435,7 @@ def _inspect(
             members.out(i, exc)
 
     # Weights last: a broken file is reported as broken before its metadata is judged.
-    weight_needed = spec.aggregator == "mean" and not spec.uniform and spec.dp is None
+    weight_needed = spec.aggregator == "mean" and not spec.uniform and spec.dp is None and not spec.secure
     weights: dict[int, float | None] = {}
     for i in members.live():
         try:
@@ -453,7 +454,13 @@ def _inspect(
     # Only inputs and options go into the header, so the same round gives the same bytes in any job.
     out_meta = {"format": first.metadata.get("format", DEFAULT_FORMAT)}
     dp_doc, base_ref = None, None
-    if spec.dp is None:
+    secure_doc = _secure_round(order, metadata, members, ref) if spec.secure else None
+    if secure_doc is not None:
+        out_meta["shardfold_aggregator"] = (
+            f"secure mean (clip_range {secure_doc['clip_range']!r}, scale {secure_doc['scale']})"
+        )
+        out_meta["shardfold_clients"] = str(n)
+    elif spec.dp is None:
         out_meta["shardfold_aggregator"] = spec.aggregator + (" (uniform)" if spec.uniform else "")
         out_meta["shardfold_clients"] = str(n)
         if total is not None:
@@ -485,7 +492,7 @@ def _inspect(
         read_window=1,
         aggregator=spec.aggregator,
         # a DP round: the uniform mean in float64, its integer and bool tensors the base's
-        uniform=spec.uniform or spec.dp is not None,
+        uniform=spec.uniform or spec.dp is not None or spec.secure,
         accumulate="float64" if spec.dp is not None else spec.accumulate,
         integer_policy="base" if spec.dp is not None else spec.integer_policy,
         trim_fraction=spec.trim_fraction,
@@ -497,6 +504,7 @@ def _inspect(
         excluded=members.excluded(),
         dp=dp_doc,
         base=base_ref,
+        secure=secure_doc,
     )
     choice = choose_shards(data_bytes, n, len(plan.header()), budget, spec.shards)
     plan.bounds = Geometry(tensors).shard_bounds(choice.shards)
@@ -536,6 +544,54 @@ def _base_ref(
     key = tuple(offsets[position[t.name]] for t in order)
     layout = layouts.setdefault(key, len(layouts))
     return ClientRef(uri, None, header.data_start, layout, pin, None)
+
+
+def _secure_round(order: list, metadata: dict[int, dict[str, str]], members: _Round, ref: int) -> dict:
+    """The round's secure-aggregation parameters, the same in every masked update, for as many clients as
+    the spec lists (each one's masks cancel only against all the others'); every tensor a masked U32 one."""
+    uris = members.uris
+    for t in order:
+        if t.dtype != "U32":
+            raise InvalidModelFile(
+                f"{where(ref, uris[ref])}: tensor {t.name!r} is {t.dtype}, not a masked update's U32 "
+                "(write it with client.fedavg.mask_update)",
+                client=ref,
+                uri=uris[ref],
+                tensor=t.name,
+            )
+    first: secagg.RoundParams | None = None
+    for i in members.live():
+        text = metadata[i].get(secagg.METADATA_KEY)
+        try:
+            params = secagg.RoundParams.from_json(text) if text is not None else None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidModelFile(f"{where(i, uris[i])}: {exc}", client=i, uri=uris[i]) from None
+        if params is None:
+            raise InvalidModelFile(
+                f"{where(i, uris[i])}: no __metadata__.{secagg.METADATA_KEY}: not a masked update (write it "
+                "with client.fedavg.mask_update)",
+                client=i,
+                uri=uris[i],
+            )
+        if first is None:
+            first = params
+            if params.clients != len(uris) or set(params.dtypes) != {t.name for t in order}:
+                raise InvalidModelFile(
+                    f"{where(i, uris[i])}: masked for a round of {params.clients} clients and tensors "
+                    f"{sorted(params.dtypes)}; the spec lists {len(uris)} clients: every client whose key "
+                    "was published must be listed",
+                    client=i,
+                    uri=uris[i],
+                )
+        elif params != first:
+            raise InvalidModelFile(
+                f"{where(i, uris[i])}: masked for another round than client {members.live()[0]} "
+                f"({params.round!r}, {params.clients} clients, clip_range {params.clip_range!r})",
+                client=i,
+                uri=uris[i],
+            )
+    assert first is not None
+    return json.loads(first.to_json())
 
 
 def _with_noise_time(budget: Budget, tensors: list, clients: int) -> Budget:
@@ -663,7 +719,9 @@ def aggregate(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict
     if p.dp is not None and store.exists(uri):
         return {"shard": shard, "bytes": None, "reads": 0, "read_bytes": 0, "written_before": True}
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
-        if p.dp is None:
+        if p.secure is not None:
+            stats = aggregate_secure_into(p, shard, spool)
+        elif p.dp is None:
             stats = aggregate_into(p, shard, spool)
         else:
             factors = np.frombuffer(store.get(clip_uri(store_root, job_id)), np.float64)
@@ -842,6 +900,30 @@ def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
         "peak_buffered_bytes": stats.peak_buffered_bytes,
         "arena_bytes": arena.peak,
     }
+
+
+def aggregate_secure_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
+    """Write shard ``shard``'s part of a secure round: the uint32 sum of the masked updates (the masks
+    cancel; wrapping is the arithmetic mod 2³²), dequantised to the float32 mean."""
+    params = secagg.RoundParams.from_json(json.dumps(plan.secure))
+    n = plan.n_clients
+    written = out.write(plan.header()) if shard == 0 else 0
+    stats = _Stream()
+    acc: list[np.ndarray] = []
+    current: _Chunk | None = None
+    for chunk, _i, r, data in _shard_reads(plan, shard, stats):
+        if chunk is not current:
+            current = chunk
+            acc = [np.zeros(s.count, np.uint32) for s in chunk.segs]
+        for j, off in r.pieces:
+            x = np.frombuffer(data, dtype=np.uint32, count=chunk.segs[j].count, offset=off)
+            np.add(acc[j], x, out=acc[j])
+        del data
+        if chunk.remaining == 0:
+            for a in acc:
+                written += out.write(secagg.dequantise(a, params, n).astype(np.float32).view(np.uint8))
+            acc = []
+    return {"shard": shard, "bytes": written, "reads": stats.reads, "read_bytes": stats.read_bytes}
 
 
 # --- DP-FedAvg: the norms pass, the clip factors, the noisy mean ------------------------------------------

@@ -151,6 +151,8 @@ class ShardPlan:
     # DP-FedAvg: {"clip_norm", "noise_multiplier", "denominator"}, and the base model's reads (None: none)
     dp: dict[str, Any] | None = None
     base: ClientRef | None = None
+    # secure aggregation: the round's parameters (functions.fedavg.secagg.RoundParams); None: a plain round
+    secure: dict[str, Any] | None = None
     version: int = 1
 
     # --- derived ---------------------------------------------------------------------------------------
@@ -168,8 +170,12 @@ class ShardPlan:
         return len(self.clients)
 
     def header(self) -> bytes:
-        """The output's length prefix and header (shard 0's part starts with it)."""
-        return encode_header(self.tensors, self.metadata)
+        """The output's length prefix and header (shard 0's part starts with it). A secure round's masked
+        U32 tensors come out as float32 means: the same size, so the same offsets."""
+        tensors = self.tensors
+        if self.secure is not None:
+            tensors = [Tensor(t.name, "F32", t.shape, t.begin, t.end) for t in tensors]
+        return encode_header(tensors, self.metadata)
 
     def shard_range(self, shard: int) -> tuple[int, int]:
         if not 0 <= shard < self.shards:
@@ -217,9 +223,11 @@ class ShardPlan:
         return Mechanism(self.dp["clip_norm"], self.dp["denominator"], self.dp["noise_multiplier"])
 
     def dtype_counts(self) -> dict[str, int]:
+        """The output's tensors by dtype (a secure round's are float32)."""
         out: dict[str, int] = {}
         for t in self.tensors:
-            out[t.dtype] = out.get(t.dtype, 0) + 1
+            dtype = "F32" if self.secure is not None else t.dtype
+            out[dtype] = out.get(dtype, 0) + 1
         return dict(sorted(out.items()))
 
     # --- JSON ------------------------------------------------------------------------------------------

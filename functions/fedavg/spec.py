@@ -109,6 +109,10 @@ class FedAvgJob(JobOptions):
         description="seconds the round waits for updates not yet uploaded before it starts without them",
     )
     dp: FedAvgDP | None = Field(default=None, description="DP-FedAvg: clip, average and add Gaussian noise")
+    secure: bool = Field(
+        default=False,
+        description="the updates are masked (client.fedavg.mask_update): sum them exactly, output the mean",
+    )
 
     @property
     def tolerant(self) -> bool:
@@ -166,6 +170,38 @@ class FedAvgJob(JobOptions):
             )
         if problems:
             fail("FedAvgJob", problems, self.dp)
+        return self
+
+    @model_validator(mode="after")
+    def _secure_options(self) -> FedAvgJob:
+        """A secure round sums every masked update: a client's masks cancel only against all the others'."""
+        if not self.secure:
+            return self
+        problems: list[tuple[tuple, str]] = [
+            (
+                ("clients", i, "weight"),
+                f"clients.{i}.weight: a secure round is the uniform mean of its clients",
+            )
+            for i, c in enumerate(self.clients)
+            if c.weight is not None
+        ]
+        if self.aggregator != "mean":
+            problems.append((("aggregator",), "a secure round sums masked updates: only 'mean' is possible"))
+        if self.dp is not None:
+            problems.append(
+                (("dp",), "DP-FedAvg clips each update on the server, which never sees one in a secure round")
+            )
+        for name in ("min_clients", "min_fraction"):
+            if getattr(self, name) is not None:
+                problems.append(
+                    (
+                        (name,),
+                        f"{name}: a secure round needs every masked update (a missing client's masks would "
+                        "stay in the sum)",
+                    )
+                )
+        if problems:
+            fail("FedAvgJob", problems, self.secure)
         return self
 
     @model_validator(mode="after")
