@@ -145,14 +145,8 @@ class FedAvgJob(JobOptions):
             )
         return self
 
-    @model_validator(mode="after")
-    def _dp_options(self) -> FedAvgJob:
-        """A DP round is the uniform, clipped mean in float64, its integer and bool tensors the base's:
-        weights, another aggregator and allow_nonfinite are refused; ``uniform``, ``accumulate`` and
-        ``integer_policy`` do not apply (a dumped spec carries their defaults)."""
-        if self.dp is None:
-            return self
-        why = "with dp, clients are averaged uniformly (the noise is sized for one client's clipped update)"
+    def _uniform_mean_only(self, why: str) -> list[tuple[tuple, str]]:
+        """Client weights and another aggregator than the mean, refused where a round is the uniform mean."""
         problems: list[tuple[tuple, str]] = [
             (("clients", i, "weight"), f"clients.{i}.weight: {why}")
             for i, c in enumerate(self.clients)
@@ -160,6 +154,18 @@ class FedAvgJob(JobOptions):
         ]
         if self.aggregator != "mean":
             problems.append((("aggregator",), f"aggregator {self.aggregator!r}: {why}; use 'mean'"))
+        return problems
+
+    @model_validator(mode="after")
+    def _dp_options(self) -> FedAvgJob:
+        """A DP round is the uniform, clipped mean in float64, its integer and bool tensors the base's:
+        weights, another aggregator and allow_nonfinite are refused; ``uniform``, ``accumulate`` and
+        ``integer_policy`` do not apply (a dumped spec carries their defaults)."""
+        if self.dp is None:
+            return self
+        problems = self._uniform_mean_only(
+            "with dp, clients are averaged uniformly (the noise is sized for one client's clipped update)"
+        )
         if self.allow_nonfinite:
             problems.append(
                 (
@@ -177,16 +183,7 @@ class FedAvgJob(JobOptions):
         """A secure round sums every masked update: a client's masks cancel only against all the others'."""
         if not self.secure:
             return self
-        problems: list[tuple[tuple, str]] = [
-            (
-                ("clients", i, "weight"),
-                f"clients.{i}.weight: a secure round is the uniform mean of its clients",
-            )
-            for i, c in enumerate(self.clients)
-            if c.weight is not None
-        ]
-        if self.aggregator != "mean":
-            problems.append((("aggregator",), "a secure round sums masked updates: only 'mean' is possible"))
+        problems = self._uniform_mean_only("a secure round is the uniform mean of its masked updates")
         if self.dp is not None:
             problems.append(
                 (("dp",), "DP-FedAvg clips each update on the server, which never sees one in a secure round")
