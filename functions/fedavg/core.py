@@ -653,6 +653,8 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
             f"an aggregate task would need ~{peak / 2**20:.0f} MiB but the function has "
             f"{p.budget.memory_mb} MiB"
         )
+    if p.dp is not None:  # the round's ρ, OpenDP's map: reserved now, spent by commit (which needs no OpenDP)
+        p.dp["rho"] = p.mechanism().rho()
     ledger_summary = _reserve(spec, job_id, store_root, p) if p.dp is not None else None
     store.put_json(plan_uri(store_root, job_id), p.to_doc())
     items = [{"shard": k, "start": p.bounds[k], "end": p.bounds[k + 1]} for k in range(p.shards)]
@@ -686,7 +688,7 @@ def _reserve(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dic
         store_root,
         spec.dp.dataset_id,
         job_id,
-        p.mechanism().rho(),
+        p.dp["rho"],
         spec.dp.dataset_budget_rho,
         unit="client",
     )
@@ -1095,7 +1097,7 @@ def _nonfinite_error(plan: ShardPlan, client: int, tensor: str, element: int) ->
 def _spend(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dict:
     """Record the round's ρ on the ledger; the privacy report of the result."""
     mech = p.mechanism()
-    rho = mech.rho()
+    rho = p.dp["rho"]
     summary = ledger.spend(store_root, spec.dp.dataset_id, job_id, rho)
     return {
         "mechanism": "DP-FedAvg: clip each update to clip_norm, mean over expected_clients, Gaussian noise",

@@ -579,14 +579,12 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
     )
     steps = {"prepare": plan_step, "aggregate": aggregate_step, "commit": commit_step}
     if plan.dp is not None:
-        # prepare and commit ask OpenDP for the round's ρ (the ledger's charge)
-        for name in ("prepare", "commit"):
-            step = steps[name]
-            steps[name] = replace(
-                step,
-                peak_bytes=step.peak_bytes + DP_RUNTIME_BYTES,
-                components={**step.components, "opendp": DP_RUNTIME_BYTES},
-            )
+        # prepare asks OpenDP for the round's ρ (the ledger's charge)
+        steps["prepare"] = replace(
+            plan_step,
+            peak_bytes=plan_step.peak_bytes + DP_RUNTIME_BYTES,
+            components={**plan_step.components, "opendp": DP_RUNTIME_BYTES},
+        )
         steps.update(_dp_loads(plan, aggregate_step, on_s3))
     else:  # the DP steps run empty: no norms task, a clip task that reads the plan
         steps["norms"] = StepLoad(tasks=0, peak_bytes=0, gets=0, puts=0, read_bytes=0, write_bytes=0)
