@@ -266,6 +266,8 @@ class FedAvg:
                 raise UpdateError(
                     f"tensor {name!r} is {arr.dtype}: a secure round masks float tensors only; leave it out"
                 )
+            if not np.isfinite(arr.astype(np.float64)).all():
+                raise UpdateError(f"tensor {name!r} holds NaN or Inf, which cannot be quantised")
             dtypes[name] = _ST_NAMES.get(arr.dtype, arr.dtype.name)
         round_id = self.uri(round_prefix.rstrip("/"))
         params = secagg.RoundParams(
@@ -289,6 +291,14 @@ class FedAvg:
             if names
             else np.zeros(0, np.uint32)
         )
+        # One masked update per key and round: a second one under the same masks would show the server the
+        # difference of the two updates.
+        marker = self.uri(f"{round_prefix.rstrip('/')}/masked/{client_id}")
+        if not store.put_if_absent(marker, b""):
+            raise UpdateError(
+                f"client {client_id!r} already masked an update for round {round_prefix}; a second one with "
+                "the same keys would reveal the difference of the two: join a new round (secure_keys)"
+            )
         masked = masks.mask(flat, private_key, client_id, peers, round_id)
         out, at = {}, 0
         for n in names:

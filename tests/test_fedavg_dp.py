@@ -69,7 +69,7 @@ def dp_reference(updates, base, clip_norm: float, m: int, factors=None) -> tuple
     for u in updates:
         d = {k: u[k].astype(np.float64) - (base[k].astype(np.float64) if base else 0.0) for k in names}
         deltas.append(d)
-    target = clip_norm * (1 - dp.CLIP_MARGIN)
+    target = clip_norm * (1 - dp.clip_margin(len(updates)))
     out = {}
     if factors is None:
         factors = []
@@ -233,7 +233,8 @@ def test_a_base_unlike_the_clients_is_refused_naming_it(root):
 @pytest.mark.parametrize(
     ("change", "field", "fragment"),
     [
-        ({"dp": {"clip_norm": 0}}, "dp.clip_norm", "greater than 0"),
+        ({"dp": {"clip_norm": 0}}, "dp.clip_norm", "greater than or equal to 0.000000000001"),
+        ({"dp": {"clip_norm": 1e-13}}, "dp.clip_norm", "greater than or equal to 0.000000000001"),
         ({"dp": {"clip_norm": float("inf")}}, "dp.clip_norm", "finite"),
         ({"dp": {"noise_multiplier": -1}}, "dp.noise_multiplier", "greater than 0"),
         ({"dp": {"noise_multiplier": "1"}}, "dp.noise_multiplier", "valid number"),
@@ -274,11 +275,30 @@ def test_dp_base_is_an_input_the_submit_policy_checks():
     assert refused.value.errors[0]["field"] == "output"
 
 
+@pytest.mark.parametrize("elements", [1, 65_536, 10**8, 7 * 10**9])
+def test_the_charge_bounds_every_noise_block_whatever_the_models_size(elements):
+    """The ledger's ρ is OpenDP's map over all D coordinates, which bounds the sum of the maps of the
+    blocks the noise is drawn in (each at its share of the sensitivity), and stays within a few parts per
+    million of 1/(2z²) at any D: the grid shrinks with √D."""
+    z = 2.0
+    mech = dp.Mechanism(clip_norm=2.0, denominator=10, noise_multiplier=z, elements=elements)
+    ideal = 1 / (2 * z**2)
+    assert ideal <= mech.rho() <= ideal * (1 + 1e-5)
+    assert mech.sigma / 2**mech.grid >= 2**dp.GRID_BITS * math.sqrt(elements) / 2
+    blocks = min(elements, 50)  # the split of the sensitivity between blocks that costs the most
+    size = min(elements, dp.NOISE_BLOCK)
+    share = mech.sensitivity / math.sqrt(blocks)
+    per_block = float(dp._gaussian(size, mech.sigma, mech.grid).map(share))
+    if elements >= blocks * size:
+        assert blocks * per_block <= mech.rho()
+
+
 def test_the_mechanism():
     mech = dp.Mechanism(clip_norm=2.0, denominator=10, noise_multiplier=1.5)
     assert mech.sigma == pytest.approx(0.3) and mech.sensitivity == pytest.approx(0.2)
     assert mech.sigma / 2**mech.grid >= 2**dp.GRID_BITS
     assert 1 / (2 * 1.5**2) <= mech.rho() <= 1 / (2 * 1.5**2) * 1.001
+    assert dp.clip_margin(3) < 1e-8 and dp.clip_margin(100_000) > 4e-6
     f = dp.clip_factors(np.array([0.0, 1.0, 16.0, np.nan, np.inf]), 2.0)
     assert f[0] == f[1] == 1.0 and f[2] == pytest.approx(0.5) and f[2] < 0.5 and f[3] == f[4] == 0.0
 
@@ -334,3 +354,13 @@ def test_dp_shards_leave_time_for_the_noise():
     seconds = 2 * (n + 1) * largest / budget.read_bytes_per_s + largest / 4 / dp.NOISE_SAMPLES_PER_S
     assert seconds <= budget.time_fraction * budget.timeout_s * (1 + 1e-9)
     assert (1 << 30) / shards <= largest
+
+
+def test_a_dp_shard_that_could_not_finish_is_refused_before_any_budget_is_reserved(root, monkeypatch):
+    """shards=1 on a model whose one shard's noise would outlast its share of the timeout."""
+    monkeypatch.setattr(dp, "NOISE_SAMPLES_PER_S", 0.1)  # as if OpenDP drew a sample in 10 s
+    uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
+    spec = FedAvgJob(**spec_doc(uris), shards=1)
+    with pytest.raises(PlanError, match="raise 'shards' to"):
+        core.prepare(spec, JOB, root, budget=TINY)
+    assert ledger.read(root, "fed").entries == []

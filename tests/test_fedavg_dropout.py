@@ -215,3 +215,35 @@ def test_the_plan_document_and_manifest_count_only_the_clients_in_the_round(root
     plan = core.load_plan(root, JOB)
     assert [c.index for c in plan.clients] == [0, 1, 3] and plan.clients_listed == 4
     assert plan.params().weights == [1.0, 2.0, 4.0]
+
+
+def test_truncated_updates_do_not_vote_on_the_rounds_tensors(root):
+    """Two truncated files of one shape cannot outvote the one sound update of another shape."""
+    sound = {"a": np.arange(5, dtype=np.float32)}
+    uris = put_clients(root, [{"a": np.zeros(4, np.float32)}] * 2 + [sound], [1, 1, 1])
+    for u in uris[:2]:
+        store.put(u, store.get(u)[:-3])
+    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=1), root)
+    assert [e["client"] for e in result["excluded"]] == [0, 1] and result["clients"] == 1
+    assert all("truncated" in e["reason"] for e in result["excluded"])
+    assert load(result["output"])["a"].tolist() == sound["a"].tolist()
+
+
+def test_an_update_whose_head_is_refused_is_left_out_naming_the_error(root, monkeypatch):
+    """Access denied (S3's answer for a key the role may not read) leaves the client out, not the round."""
+    from functions.errors import StoreError
+
+    uris = put_clients(root, updates(3), [1, 2, 3])
+    real = store.pins
+
+    def pins(batch):
+        if uris[1] in batch:
+            raise StoreError(f"HEAD {uris[1]}: AccessDenied")
+        return real(batch)
+
+    monkeypatch.setattr(store, "pins", pins)
+    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2), root)
+    ((left,),) = [result["excluded"]]
+    assert left["client"] == 1 and "AccessDenied" in left["reason"]
+    with pytest.raises(StoreError, match="AccessDenied"):  # every update needed: the round fails
+        run_job(FedAvgJob(clients=[{"uri": u} for u in uris]), root, job_id=JOB.replace("abcdef", "fedcba"))

@@ -160,6 +160,12 @@ def test_the_sdk_refuses_what_it_cannot_mask(client):
         )
     with pytest.raises(UpdateError, match="clip_range"):
         client.fedavg.mask_update(updates(1)[0], "u.safetensors", **kw, clip_range=0)
+    with pytest.raises(UpdateError, match="NaN or Inf"):
+        client.fedavg.mask_update({"w": np.array([1.0, np.nan], np.float32)}, "u.safetensors", **kw)
+    # one masked update per key and round: a second would show the server the difference of the two
+    client.fedavg.mask_update(updates(1)[0], "rounds/x/me.safetensors", **kw)
+    with pytest.raises(UpdateError, match="already masked an update"):
+        client.fedavg.mask_update(updates(1, seed=1)[0], "rounds/x/me-again.safetensors", **kw)
 
 
 def test_pair_keys_are_symmetric_and_per_round():
@@ -200,3 +206,13 @@ def test_local_and_moto_executors_give_the_same_secure_mean(tmp_path, monkeypatc
             assert result["clients"] == 3
             outputs.append(c.fedavg.load(result["output"]))
     assert all(outputs[0][k].tobytes() == outputs[1][k].tobytes() for k in outputs[0])
+
+
+def test_quantising_never_passes_the_grid_whatever_the_clip_range():
+    """clip(x)·T/c can round past T in floating point; T + 1 would wrap to −2³¹ for a round of one client."""
+    rng = np.random.default_rng(0)
+    for c in rng.uniform(0.1, 1000, 200):
+        for n in (1, 2):
+            t = secagg.scale(n)
+            q = secagg.quantise(np.full(1000, c), float(c), t, rng).view(np.int32)
+            assert q.max() <= t and q.min() >= -t

@@ -125,6 +125,7 @@ from functions.fedavg.sizing import (
     chunk_bytes_for,
     read_window,
     runs,
+    shard_caps,
     task_loads,
 )
 from functions.fedavg.spec import FedAvgJob
@@ -133,6 +134,7 @@ from functions.manifest import manifest_ref
 from functions.privacy import cdp_eps
 from functions.store.pinning import Pin
 from functions.store.retry import TransientError
+from functions.store.s3 import MAX_SINGLE_PUT
 from functions.store.uri import is_s3, join
 
 logger = Logger(service="shardfold")
@@ -211,16 +213,36 @@ def _batch_error(exc: BatchItemError, i: int, uri: str, what: str) -> ShardfoldE
 
 
 POLL_S = 2.0  # how often a round waiting for late updates (wait_s) looks for them again
+_LEFT_OUT = Pin(size=-1)  # stands for an update whose HEAD failed and whose client is out (not "missing")
 
 
-def _await_updates(uris: list[str], wait_s: float) -> dict[str, Pin | None]:
+def _await_updates(members: _Round, wait_s: float) -> dict[str, Pin | None]:
     """Every update's pin (HEAD), looking again for the missing ones every :data:`POLL_S` until all are
-    there or ``wait_s`` has passed."""
-    found = store.pins(uris)  # all in flight at once (the CRT client, or the shared thread pool)
+    there or ``wait_s`` has passed. Under ``min_clients`` an update whose HEAD fails otherwise (access
+    denied, a KMS key it may not use) leaves its client out instead of failing the round."""
+    uris = members.uris
+    found = _pins_of(members, uris)
     deadline = time.monotonic() + wait_s
     while (missing := [u for u in uris if found[u] is None]) and (left := deadline - time.monotonic()) > 0:
         time.sleep(min(POLL_S, left))
-        found.update(store.pins(missing))
+        found.update(_pins_of(members, missing))
+    return found
+
+
+def _pins_of(members: _Round, uris: list[str]) -> dict[str, Pin | None]:
+    try:
+        return store.pins(uris)  # all in flight at once (the CRT client, or the shared thread pool)
+    except StoreError:
+        if not members.spec.tolerant:
+            raise
+    found: dict[str, Pin | None] = {}
+    place = {u: i for i, u in enumerate(members.uris)}
+    for u in uris:  # one by one, to tell which ones fail
+        try:
+            found[u] = store.pins([u])[u]
+        except StoreError as exc:
+            members.out(place[u], StoreError(f"{where(place[u], u)}: {exc}"))
+            found[u] = _LEFT_OUT
     return found
 
 
@@ -317,13 +339,13 @@ def inspect(
             f"output {out} must be in the job's store ({store_root.split('://')[0]}://): the parts are "
             "assembled into it server-side"
         )
-    found = _await_updates(uris, wait_s)
-    base = _read_base(base_uri) if base_uri is not None else None
     members = _Round(spec, uris)
+    found = _await_updates(members, wait_s)
+    base = _read_base(base_uri) if base_uri is not None else None
     for i, u in enumerate(uris):
         if found[u] is None:
             members.out(i, ObjectNotFound(f"{where(i, u)}: no object at {u}"))
-    pins = {u: p for u, p in found.items() if p is not None}
+    pins = {u: p for u, p in found.items() if p is not None and p is not _LEFT_OUT}
     return _inspect(spec, job_id, members, out, pins, budget, base)
 
 
@@ -377,6 +399,7 @@ def _inspect(
     tolerant = spec.tolerant
     kinds: dict[tuple, tuple[int, FileHeader]] = {}  # signature -> (its first client, that client's header)
     sig_of: dict[int, tuple] = {}
+    signatures: dict[tuple, tuple] = {}
     # client -> its tensors' data offsets in tensor-name order; equal tuples are one object (a layout)
     begins: dict[int, tuple[int, ...]] = {}
     distinct: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -385,7 +408,10 @@ def _inspect(
 
     def take_header(i: int, data: bytes) -> None:
         header = parse_header(data, i, uris[i])
+        # a truncated file is out before it is counted: it may not vote on the round's tensors
+        check_object_size(header, pins[uris[i]].size, i, uris[i])
         sig = _signature(header)
+        sig = signatures.setdefault(sig, sig)  # one tuple per distinct set of tensors, however many clients
         if not kinds and not tolerant:
             kinds[sig] = (i, header)
         elif sig not in kinds:
@@ -428,11 +454,6 @@ def _inspect(
     names = sorted(first.tensors)
     position = {name: k for k, name in enumerate(names)}
     layouts: dict[tuple[int, ...], int] = {}
-    for i in members.live():
-        try:
-            check_object_size(_header_of(data_start[i], data_bytes), pins[uris[i]].size, i, uris[i])
-        except InvalidModelFile as exc:
-            members.out(i, exc)
 
     # Weights last: a broken file is reported as broken before its metadata is judged.
     weight_needed = spec.aggregator == "mean" and not spec.uniform and spec.dp is None and not spec.secure
@@ -452,7 +473,9 @@ def _inspect(
     total = _total_weight(spec, known, uris, clients) if all(w is not None for w in known) else None
     n = len(clients)
     # Only inputs and options go into the header, so the same round gives the same bytes in any job.
-    out_meta = {"format": first.metadata.get("format", DEFAULT_FORMAT)}
+    # a DP round's output holds nothing a client wrote: the format is the base's (or the default)
+    fmt_from = base[0] if spec.dp is not None and base is not None else first if spec.dp is None else None
+    out_meta = {"format": fmt_from.metadata.get("format", DEFAULT_FORMAT) if fmt_from else DEFAULT_FORMAT}
     dp_doc, base_ref = None, None
     secure_doc = _secure_round(order, metadata, members, ref) if spec.secure else None
     if secure_doc is not None:
@@ -624,10 +647,6 @@ def _total_weight(spec: FedAvgJob, weights: list[float], uris: list[str], client
     )
 
 
-def _header_of(data_start: int, data_bytes: int) -> FileHeader:
-    return FileHeader(header_len=data_start - PREFIX_BYTES, tensors={}, metadata={}, data_bytes=data_bytes)
-
-
 def _weight(spec: FedAvgJob, metadata: dict[str, str], i: int, uri: str, needed: bool) -> float | None:
     given = spec.clients[i].weight
     if given is not None:
@@ -654,6 +673,7 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
             f"{p.budget.memory_mb} MiB"
         )
     if p.dp is not None:  # the round's ρ, OpenDP's map: reserved now, spent by commit (which needs no OpenDP)
+        _check_dp_shards(p)
         p.dp["rho"] = p.mechanism().rho()
     ledger_summary = _reserve(spec, job_id, store_root, p) if p.dp is not None else None
     store.put_json(plan_uri(store_root, job_id), p.to_doc())
@@ -680,6 +700,21 @@ def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | N
         "plan": plan_uri(store_root, job_id),
         "notes": p.notes,
     }
+
+
+def _check_dp_shards(p: ShardPlan) -> None:
+    """Refuse, before any budget is reserved, a DP plan whose shard could not finish: one part is written
+    in one conditional PUT, and a shard's reads and noise must fit the share of the timeout that
+    :func:`~functions.fedavg.sizing.choose_shards` allows (a spec's ``shards`` may ask for fewer)."""
+    header = len(p.header())
+    largest = max(p.bounds[k + 1] - p.bounds[k] + (header if k == 0 else 0) for k in range(p.shards))
+    cap = shard_caps(p.n_clients, header, p.budget)[1]
+    if largest > min(MAX_SINGLE_PUT, cap + header):
+        raise PlanError(
+            f"a DP round's shard of {largest / 2**20:.0f} MiB could not be read twice, noised and written "
+            f"within its task (at most {min(MAX_SINGLE_PUT, cap) / 2**20:.0f} MiB): raise 'shards' to "
+            f"{math.ceil(p.data_bytes / min(MAX_SINGLE_PUT, cap))} or more, or leave it out"
+        )
 
 
 def _reserve(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dict:
@@ -752,6 +787,9 @@ def clip(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
     p = load_plan(store_root, job_id)
     if p.dp is None:
         return {"clip": False}
+    out = clip_uri(store_root, job_id)
+    if store.exists(out):  # a retry after success: the norms are gone, the factors stand
+        return {"clip": True, "clients": p.n_clients}
     total = np.zeros(p.n_clients, np.float64)
     for k in range(p.shards):
         part = np.frombuffer(store.get(norms_uri(store_root, job_id, k)), "<f8")
@@ -759,7 +797,10 @@ def clip(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
             raise PlanError(f"norms of shard {k} hold {part.size} clients, the plan {p.n_clients}")
         total += part
     factors = dp.clip_factors(total, p.dp["clip_norm"])
-    store.put(clip_uri(store_root, job_id), factors.astype("<f8").tobytes())
+    store.put(out, factors.astype("<f8").tobytes())
+    # each client's exact norm is no longer needed: it does not stay in the store until commit
+    for k in range(p.shards):
+        store.delete(norms_uri(store_root, job_id, k))
     return {"clip": True, "clients": p.n_clients}
 
 

@@ -13,16 +13,22 @@ C/m and noise σ: ρ = (C/m)²/(2σ²) = 1/(2z²)-zCDP, whatever the model's siz
 draws the noise of its own coordinates; together they are one draw of N(0, σ²I)). Integer and bool tensors
 are the base's: nothing of the clients' reaches them.
 
-**The clip margin.** The norm is computed in float64 from per-shard partial sums, so it may be below the
-true norm by a few ulps; clipping to C' = C·(1 − :data:`CLIP_MARGIN`) keeps every clipped update's true norm
-at most C.
+**The clip margin.** The norm is computed in float64 from per-shard partial sums, and the clipped updates
+are summed in float64, so the released sum may differ from the exact one by rounding: at most about
+2·N²·u·C over N clients (u = 2⁻⁵³, a sum of N terms of norm ≤ C, for the dataset and its neighbour). So
+updates are clipped to C' = C·(1 − :func:`clip_margin`), which leaves that much room: the sensitivity of
+what is released stays at most C/m. (``clip_norm`` is at least 1e-12, so a norm's squares do not all
+underflow.)
 
 **The noise** comes from OpenDP's ``make_gaussian`` on float vectors (exact discrete Gaussian sampling on a
-2^k grid with a CSPRNG, immune to the floating-point attacks on textbook samplers). Its grid is
-k = ⌊log₂ σ⌋ − :data:`GRID_BITS`: a step of at most σ/2^20, whose rounding OpenDP charges in its privacy map
-(≈ 0.03 % above 1/(2z²)); that map value, at d_in = C/m, is what the ledger is charged. OpenDP draws about
-40,000–60,000 samples per second on one core, which the shard sizing allows for. numpy's generator is
-never used for noise.
+2^k grid with a CSPRNG, immune to the floating-point attacks on textbook samplers), drawn in blocks of
+:data:`NOISE_BLOCK` coordinates, each block its own mechanism. OpenDP charges the rounding to its grid in its
+privacy map: a vector of D coordinates costs (d + 2^k·√D)²/(2σ²) at L2 distance d. The blocks of a round
+split one neighbour's distance C/m between them, and by Cauchy–Schwarz their maps add up to at most the map
+of ONE mechanism over all D float coordinates of the model at C/m: that is what the ledger is charged. The
+grid, k = ⌊log₂ σ⌋ − :data:`GRID_BITS` − ⌈log₂ √D⌉, keeps 2^k·√D below σ/2^20, so the charge is
+1/(2z²) plus a few parts per million whatever the model's size. OpenDP draws about 40,000–60,000 samples per
+second on one core, which the shard sizing allows for. numpy's generator is never used for noise.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from importlib.metadata import version
 
 import numpy as np
 
-CLIP_MARGIN = 1e-9
+CLIP_MARGIN = 1e-9  # the norm's own rounding (its partial sums), beside the sum's (clip_margin)
+MAX_OPENDP_SIZE = 2**31 - 1  # OpenDP's vector_domain sizes are i32
 GRID_BITS = 20
 # Samples OpenDP's Gaussian draws per second on one Lambda vCPU (measured 40-60 thousand on this machine's
 # cores); the shard sizing keeps a shard's noise within its share of the task timeout.
@@ -50,6 +57,7 @@ class Mechanism:
     clip_norm: float
     denominator: int
     noise_multiplier: float
+    elements: int = 1  # D: the float coordinates the noise is drawn for (the model's float elements)
 
     @property
     def sigma(self) -> float:
@@ -62,12 +70,18 @@ class Mechanism:
 
     @property
     def grid(self) -> int:
-        return math.floor(math.log2(self.sigma)) - GRID_BITS
+        root_d = math.ceil(0.5 * math.log2(max(self.elements, 1)))  # ⌈log₂ √D⌉
+        return math.floor(math.log2(self.sigma)) - GRID_BITS - root_d
 
     def rho(self) -> float:
-        """The round's zCDP cost: OpenDP's map of its Gaussian mechanism at the sensitivity (any length: the
-        map of an L2 mechanism does not depend on it)."""
-        return float(_gaussian(1, self.sigma, self.grid).map(self.sensitivity))
+        """The round's zCDP cost: OpenDP's map of one Gaussian mechanism over all D float coordinates at the
+        sensitivity, which bounds the sum of its blocks' maps (module docstring). OpenDP's vectors hold at
+        most 2³¹ − 1 elements; its rounding term is 2^k·√D, so a larger D is asked as ⌈D/4ʲ⌉ at grid k + j
+        (the same term, or a little more)."""
+        size, k = max(self.elements, 1), self.grid
+        while size > MAX_OPENDP_SIZE:
+            size, k = -(-size // 4), k + 1
+        return float(_gaussian(size, self.sigma, k).map(self.sensitivity))
 
     def add_noise(self, mean: np.ndarray) -> None:
         """Add N(0, σ²) to each element of ``mean`` (float64, finite) in place, drawn by OpenDP
@@ -94,11 +108,17 @@ def _gaussian(size: int, scale: float, k: int):
     return dp.m.make_gaussian(domain, dp.l2_distance(T=float), scale=float(scale), k=k)
 
 
+def clip_margin(clients: int) -> float:
+    """How far below C updates are clipped for a round of ``clients``: the norm's rounding and the float64
+    sum's over one client more (module docstring)."""
+    return CLIP_MARGIN + 4.0 * (clients + 1) ** 2 * 2.0**-53
+
+
 def clip_factors(squared_norms: np.ndarray, clip_norm: float) -> np.ndarray:
     """cᵢ = min(1, C'/‖Δᵢ‖) from the squared norms (float64); 0 where a norm is NaN or Inf."""
     sq = np.asarray(squared_norms, dtype=np.float64)
     norms = np.sqrt(sq)
-    target = clip_norm * (1.0 - CLIP_MARGIN)
+    target = clip_norm * (1.0 - clip_margin(sq.size))
     with np.errstate(divide="ignore", invalid="ignore"):
         factors = np.where(norms > target, target / norms, 1.0)
     factors[~np.isfinite(norms)] = 0.0

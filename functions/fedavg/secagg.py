@@ -81,6 +81,7 @@ class RoundParams:
 def quantise(x: np.ndarray, clip_range: float, t: int, rng: np.random.Generator) -> np.ndarray:
     """x clipped to [−c, c], times T/c, rounded stochastically (unbiased) to an integer, as uint32 mod 2³²."""
     v = np.clip(np.asarray(x, dtype=np.float64), -clip_range, clip_range) * (t / clip_range)
+    np.clip(v, -t, t, out=v)  # the product may round past T, and T + 1 would overflow for one client
     low = np.floor(v)
     q = low + (rng.random(v.shape) < (v - low))
     return q.astype(np.int64).astype(np.uint32)  # two's complement: mod 2³²

@@ -220,7 +220,8 @@ class ShardPlan:
 
         if self.dp is None:
             raise PlanError("not a DP round")
-        return Mechanism(self.dp["clip_norm"], self.dp["denominator"], self.dp["noise_multiplier"])
+        elements = sum(t.elements for t in self.tensors if t.dt.kind == "float")
+        return Mechanism(self.dp["clip_norm"], self.dp["denominator"], self.dp["noise_multiplier"], elements)
 
     def dtype_counts(self) -> dict[str, int]:
         """The output's tensors by dtype (a secure round's are float32)."""

@@ -38,7 +38,9 @@ class FedAvgDP(StrictModel):
     (``expected_clients``) and Gaussian noise of std ``noise_multiplier x clip_norm / expected_clients`` is
     added, drawn by OpenDP. Each round charges ``dataset_id``'s budget ledger (the privacy unit: a client)."""
 
-    clip_norm: float = Field(gt=0, le=1e12, allow_inf_nan=False, description="C: the L2 bound of one update")
+    clip_norm: float = Field(
+        ge=1e-12, le=1e12, allow_inf_nan=False, description="C: the L2 bound of one update"
+    )
     noise_multiplier: float = Field(
         gt=0, le=1e6, allow_inf_nan=False, description="z: noise std = z x C / expected_clients"
     )
