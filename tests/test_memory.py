@@ -232,15 +232,15 @@ def test_fedavg(children, root, model, clients, aggregator, label):
 
 
 def test_fedavg_dp(children, root):
-    """A DP round's tasks (norms, clip, the noisy aggregate), with a base model: 4 clients x 0.4 MiB (float32
-    and bfloat16 tensors, and an integer one taken from the base). OpenDP draws ~0.13 M samples of noise (a
-    few seconds: the sampler's own speed)."""
+    """A DP round's tasks (norms, clip, the noisy aggregate), with a base model: 4 clients x 0.1 MiB (float32
+    and bfloat16 tensors, and an integer one taken from the base). OpenDP draws 32,768 samples of noise
+    (~0.6 s: the sampler's own speed sets the size)."""
     import ml_dtypes
 
     from client import Client
     from client.demo import fedavg_updates
 
-    model = {"w": ((256, 256), np.float32), "e": ((256, 256), "bfloat16"), "steps": ((), np.int64)}
+    model = {"w": ((128, 128), np.float32), "e": ((128, 128), "bfloat16"), "steps": ((), np.int64)}
     model = {k: (sh, ml_dtypes.bfloat16 if d == "bfloat16" else np.dtype(d)) for k, (sh, d) in model.items()}
     with Client() as c:
         saved = [
@@ -253,7 +253,7 @@ def test_fedavg_dp(children, root):
         "dp": {"clip_norm": 1.0, "noise_multiplier": 1.0, "dataset_id": "fed", "dataset_budget_rho": 1.0,
                "base": saved[0]},
     }  # fmt: skip
-    job = Job.create(root, doc, "4 clients x 0.4 MiB, dp, base")
+    job = Job.create(root, doc, "4 clients x 0.1 MiB, dp, base")
     h = "functions.fedavg.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
     shards = store.get_json(planned["manifest"]["uri"])
