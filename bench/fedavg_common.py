@@ -458,17 +458,19 @@ def fedavg_workflow() -> Any:
 
 
 def split_workflow(wf: Any) -> tuple[list[Any], Any, list[Any]]:
-    """(tasks before the first Map, the Map, steps after it)."""
+    """(steps before the aggregate Map, the aggregate Map, steps after it). The steps before it may hold
+    DP-FedAvg's norms Map, which a round without ``dp`` runs empty."""
+    from functions.fedavg.workflow import AGGREGATE
     from functions.workflow import Map, Task
 
     pre: list[Any] = []
     for i, step in enumerate(wf.steps):
-        if isinstance(step, Map):
+        if step is AGGREGATE:
             return pre, step, list(wf.steps[i + 1 :])
-        if not isinstance(step, Task):
+        if not isinstance(step, Task | Map):
             raise FedAvgUnavailable(f"fedavg workflow step {step.name!r} is a {type(step).__name__}")
         pre.append(step)
-    raise FedAvgUnavailable("the fedavg workflow has no Map step to measure")
+    raise FedAvgUnavailable("the fedavg workflow has no aggregate Map to measure")
 
 
 def spec_doc(uris: list[str], weights: list[int], options: dict) -> dict:
@@ -487,6 +489,7 @@ def prepare_shard_tasks(store_root: str, doc: dict) -> tuple[list[dict], list[di
     from functions.manifest import read_manifest
     from functions.specs import parse_spec
     from functions.store.uri import join
+    from functions.workflow import Map
     from orchestrator.invoke import HandlerFailed, call
     from orchestrator.registry import handler_path
 
@@ -498,19 +501,30 @@ def prepare_shard_tasks(store_root: str, doc: dict) -> tuple[list[dict], list[di
     store.put_json(spec_uri, spec.model_dump(mode="json", exclude_none=True))
     state: dict[str, Any] = {"job_id": job_id, "spec_uri": spec_uri, "store_root": store_root}
     pre_results = {}
-    for task in pre:
+
+    def run(task: Any, event: dict) -> Any:
         try:
-            res = call(
+            return call(
                 handler_path(task.function),
-                state,
+                event,
                 function_name=task.function,
                 memory_mb=task.memory_mb,
                 timeout_s=task.timeout_s,
             )
         except HandlerFailed as exc:
             raise FedAvgUnavailable(f"{task.function} failed: {exc.error}: {exc.message}") from None
-        state = {**state, task.name: res}
-        pre_results[task.name] = res
+
+    for step in pre:
+        if isinstance(step, Map):  # DP-FedAvg's norms: its children, one after another (none without dp)
+            ref = state[step.items.removeprefix("$.").split(".")[0]]["norms"]
+            base = {k: state[k] for k in ("job_id", "spec_uri", "store_root")}
+            for i, item in enumerate(read_manifest(ref)):
+                for task in step.body:
+                    run(task, {**base, "item": item, "index": i})
+            continue
+        res = run(step, state)
+        state = {**state, step.name: res}
+        pre_results[step.name] = res
     ref: Any = state
     for part in map_step.items.removeprefix("$.").split("."):
         ref = ref[part]
