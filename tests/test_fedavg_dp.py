@@ -364,3 +364,18 @@ def test_a_dp_shard_that_could_not_finish_is_refused_before_any_budget_is_reserv
     with pytest.raises(PlanError, match="raise 'shards' to"):
         core.prepare(spec, JOB, root, budget=TINY)
     assert ledger.read(root, "fed").entries == []
+
+
+def test_the_aggregate_task_checks_the_clip_factors_it_reads(root):
+    """A clip document of the wrong length, or a factor above 1 (an unclipped update), is refused before
+    any noise is drawn or part written."""
+    uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
+    spec = FedAvgJob(**spec_doc(uris))
+    core.prepare(spec, JOB, root, budget=TINY)
+    core.norms(spec, JOB, root, 0)
+    core.clip(spec, JOB, root)
+    for bad in (np.ones(3), np.array([1.0, 2.0])):
+        store.put(core.clip_uri(root, JOB), bad.astype("<f8").tobytes())
+        with pytest.raises(PlanError, match="clip factors"):
+            core.aggregate(spec, JOB, root, 0)
+        assert not store.exists(core.part_uri(root, JOB, 0))

@@ -181,6 +181,29 @@ def test_a_hostile_dpquery_matrix_is_reported_naming_its_row(root):
     assert start.calls == []
 
 
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"min_clients": 0}, "min_clients"),
+        ({"wait_s": 10**9}, "wait_s"),
+        ({"secure": True, "min_clients": 1}, "min_clients"),
+        ({"dp": {"clip_norm": -1, "noise_multiplier": 1, "dataset_id": "fed"}}, "dp.clip_norm"),
+        ({"dp": {"clip_norm": 1, "noise_multiplier": 1, "dataset_id": "../../ledger"}}, "dp.dataset_id"),
+    ],
+)
+def test_a_hostile_fedavg_round_is_reported_naming_the_field(root, extra, field):
+    """A fedavg spec dropped in the bucket with bad dropout, DP or secure options is refused naming the
+    field, as on every other entry path, and starts nothing (a local base model on the S3 store: below)."""
+    start = Starter()
+    doc = {
+        "kind": "fedavg",
+        "clients": [{"uri": "rounds/1/a.safetensors"}, {"uri": "rounds/1/b.safetensors"}],
+    }
+    report = dispatch(put_spec(root, "round.json", {**doc, **extra}), start)
+    assert field in [e["field"] for e in report["errors"]], report
+    assert start.calls == []
+
+
 def test_unknown_kind_is_reported(root):
     report = dispatch(put_spec(root, "what.json", {"kind": "teleport"}), Starter())
     assert report["errors"][0]["field"] == "kind" and "teleport" in report["error"]
@@ -311,6 +334,20 @@ def test_handler_starts_state_machine(aws):
     assert parse_spec(s3_json(aws, f"jobs/{job_id}/spec.json")) == parse_spec(GOOD)
     status = s3_json(aws, f"jobs/{job_id}/status.json")
     assert status["execution_arn"] == report["execution"] and status["backend"] == "aws"
+
+
+@pytest.mark.slow
+def test_handler_refuses_a_dp_round_whose_base_model_is_a_local_file(aws):
+    """dp.base is an input like any other: on the S3 store a local file is refused, naming the field."""
+    doc = {
+        "kind": "fedavg",
+        "clients": [{"uri": "rounds/1/a.safetensors"}, {"uri": "rounds/1/b.safetensors"}],
+        "dp": {"clip_norm": 1, "noise_multiplier": 1, "dataset_id": "fed", "base": "file:///etc/passwd"},
+    }
+    aws["s3"].put_object(Bucket=BUCKET, Key="jobs/round.json", Body=json.dumps(doc).encode())
+    report = handler(event_for("jobs/round.json"), None)
+    assert [e["field"] for e in report["errors"]] == ["dp.base"], report
+    assert aws["sfn"].list_executions(stateMachineArn=aws["arn"])["executions"] == []
 
 
 @pytest.mark.slow

@@ -761,7 +761,9 @@ def aggregate(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict
         elif p.dp is None:
             stats = aggregate_into(p, shard, spool)
         else:
-            factors = np.frombuffer(store.get(clip_uri(store_root, job_id)), np.float64)
+            factors = np.frombuffer(store.get(clip_uri(store_root, job_id)), "<f8")
+            if factors.size != p.n_clients or not np.all((factors >= 0) & (factors <= 1)):
+                raise PlanError(f"the clip factors hold {factors.size} values, not {p.n_clients} in [0, 1]")
             stats = aggregate_dp_into(p, shard, spool, factors)
         spool.seek(0)
         if p.dp is None:
@@ -972,7 +974,8 @@ def aggregate_secure_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
 # --- DP-FedAvg: the norms pass, the clip factors, the noisy mean ------------------------------------------
 
 
-def _base_values(plan: ShardPlan, chunk: _Chunk, j: int, data: bytes, off: int) -> np.ndarray:
+def _values(plan: ShardPlan, chunk: _Chunk, j: int, data: bytes, off: int) -> np.ndarray:
+    """Piece ``j`` of ``chunk`` in one read's bytes, as its tensor's dtype (a view)."""
     s = chunk.segs[j]
     return np.frombuffer(data, dtype=plan.tensors[s.tensor].dt.np, count=s.count, offset=off)
 
@@ -994,7 +997,7 @@ def norms_into(plan: ShardPlan, shard: int) -> tuple[np.ndarray, dict]:
             for j, off in r.pieces:
                 if not floats[j]:
                     continue
-                x = _base_values(plan, chunk, j, data, off)
+                x = _values(plan, chunk, j, data, off)
                 if i == BASE:
                     base[j] = x.astype(np.float64)
                     continue
@@ -1027,7 +1030,7 @@ def aggregate_dp_into(plan: ShardPlan, shard: int, out: BinaryIO, factors: np.nd
                     for s, f in zip(chunk.segs, floats, strict=True)
                 ]
             for j, off in r.pieces:
-                x = _base_values(plan, chunk, j, data, off)
+                x = _values(plan, chunk, j, data, off)
                 a = acc[j]
                 if i == BASE:
                     base[j] = x.copy()
