@@ -28,7 +28,9 @@ import safetensors.numpy
 
 from functions import store
 from functions.errors import ShardfoldError, SpecError
+from functions.fedavg.layout import DTYPES
 from functions.fedavg.spec import FedAvgClient, FedAvgJob
+from functions.ledger import DATASET_ID
 from functions.specs import parse_spec
 from functions.store.uri import resolve
 
@@ -150,15 +152,13 @@ def _header(uri: str) -> dict[str, Any]:
     return header
 
 
-_ST_NAMES = {
-    np.dtype(np.float64): "F64",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float16): "F16",
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
-}
-_CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# the float dtypes a secure update may hold, by their safetensors names (the job's own table)
+_FLOAT_NAMES = {d.np.newbyteorder("="): name for name, d in DTYPES.items() if d.kind == "float"}
+_CLIENT_ID = re.compile(DATASET_ID)  # the same safe-id rule as a ledger key: it names a store object
+
+
+def _round_key(round_prefix: str, *parts: str) -> str:
+    return "/".join([round_prefix.rstrip("/"), *parts])
 
 
 def _check_client_id(client_id: str) -> None:
@@ -213,14 +213,14 @@ class FedAvg:
 
         _check_client_id(client_id)
         private = secagg.new_private_key()
-        key = self.uri(f"{round_prefix.rstrip('/')}/keys/{client_id}.pub")
+        key = self.uri(_round_key(round_prefix, "keys", f"{client_id}.pub"))
         if not store.put_if_absent(key, secagg.public_key(private)):
             raise UpdateError(f"client {client_id!r} already published a key for round {round_prefix}")
         return private
 
     def round_keys(self, round_prefix: str) -> dict[str, bytes]:
         """The public keys published for a secure round: client id -> key."""
-        prefix = self.uri(f"{round_prefix.rstrip('/')}/keys/")
+        prefix = self.uri(_round_key(round_prefix, "keys", ""))
         keys = {}
         for uri in store.list_uris(prefix):
             name = uri.rsplit("/", 1)[-1]
@@ -262,14 +262,14 @@ class FedAvg:
             )
         dtypes = {}
         for name, arr in arrays.items():
-            if not (arr.dtype.kind == "f" or arr.dtype in _EXTRA_DTYPES.values()):
+            if arr.dtype.newbyteorder("=") not in _FLOAT_NAMES:
                 raise UpdateError(
                     f"tensor {name!r} is {arr.dtype}: a secure round masks float tensors only; leave it out"
                 )
             if not np.isfinite(arr.astype(np.float64)).all():
                 raise UpdateError(f"tensor {name!r} holds NaN or Inf, which cannot be quantised")
-            dtypes[name] = _ST_NAMES.get(arr.dtype, arr.dtype.name)
-        round_id = self.uri(round_prefix.rstrip("/"))
+            dtypes[name] = _FLOAT_NAMES[arr.dtype.newbyteorder("=")]
+        round_id = self.uri(_round_key(round_prefix))
         params = secagg.RoundParams(
             round=round_id,
             clients=len(peers),
@@ -279,21 +279,12 @@ class FedAvg:
         )
         names = sorted(arrays)
         rng = np.random.default_rng(seed)
-        flat = (
-            np.concatenate(
-                [
-                    secagg.quantise(
-                        arrays[n].astype(np.float64).ravel(), params.clip_range, params.scale, rng
-                    )
-                    for n in names
-                ]
-            )
-            if names
-            else np.zeros(0, np.uint32)
+        flat = np.concatenate(  # to_numpy refuses an update without tensors
+            [secagg.quantise(arrays[n].ravel(), params.clip_range, params.scale, rng) for n in names]
         )
         # One masked update per key and round: a second one under the same masks would show the server the
         # difference of the two updates.
-        marker = self.uri(f"{round_prefix.rstrip('/')}/masked/{client_id}")
+        marker = self.uri(_round_key(round_prefix, "masked", client_id))
         if not store.put_if_absent(marker, b""):
             raise UpdateError(
                 f"client {client_id!r} already masked an update for round {round_prefix}; a second one with "
