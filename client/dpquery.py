@@ -44,8 +44,7 @@ from functions import store
 from functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name, schema_order
 from functions.errors import ShardfoldError, SpecError
 from functions.jobs import spec_key
-
-LEDGER_REPORT_DELTA = 1e-9  # δ at which budget() states the dataset's ε (CKS) by default
+from functions.privacy import REPORT_DELTA
 
 
 class LabelledArray(NamedTuple):
@@ -686,7 +685,7 @@ class DPQuery:
 
     # -- the budget ledger --------------------------------------------------------------------------------
 
-    def budget(self, dataset_id: str, delta: float = LEDGER_REPORT_DELTA) -> dict[str, Any]:
+    def budget(self, dataset_id: str, delta: float = REPORT_DELTA) -> dict[str, Any]:
         """The privacy-budget ledger of ``dataset_id`` on this client's store (ρ-zCDP throughout):
 
         * ``total``: the dataset's total ρ (None until a first job registers it);

@@ -26,6 +26,8 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 # plan and the ε reports are float64 arithmetic checked up to it (2ρ overflows near 9e307; the analytic
 # Gaussian's tail series near 1e77).
 MAX_RHO = 1e6
+# The δ at which a release's ε is reported when its budget is a plain ρ (a dpquery job, a DP-FedAvg round).
+REPORT_DELTA = 1e-9
 
 
 def _check_rho(rho: float) -> None:

@@ -90,7 +90,7 @@ from functions.dpquery.spec import (
     QueryMatrix,
 )
 from functions.errors import PlanError, SpecError
-from functions.privacy import MAX_RHO, cdp_eps, gaussian_eps, simple_eps
+from functions.privacy import MAX_RHO, REPORT_DELTA, cdp_eps, gaussian_eps, simple_eps
 
 DOC_VERSION = 1
 # The plan spends ρ·(1 − RHO_SLACK): room for the sampler's rounding term in its privacy map.
@@ -104,7 +104,6 @@ MAX_SUBSET_PAIRS = 50_000_000
 # Default fan-out sizes.
 DEFAULT_SAMPLES_PER_TASK = 2_000_000
 DEFAULT_CELLS_PER_TASK = 20_000_000
-DEFAULT_REPORT_DELTA = 1e-9
 # The largest public row bound N: counts up to 2^53 are exact in float64 (the transform's input).
 MAX_ROWS_BOUND = 2**53
 LOSSES = ("sum_of_variances", "max_variance")
@@ -544,7 +543,7 @@ def plan(
     if domains is None or workload is None or rho is None:
         raise SpecError("plan needs a spec, or domains, workload and rho")
     loss = loss or "sum_of_variances"
-    delta = DEFAULT_REPORT_DELTA if delta is None else float(delta)
+    delta = REPORT_DELTA if delta is None else float(delta)
     n = np.asarray(domains, dtype=np.int64)
     sizes, padded_a, weights = _check_parts(n, workload, float(rho), loss, names)
     typed = _type_codes(queries, padded_a, sizes, loss, n)

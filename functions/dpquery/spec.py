@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from functions.ledger import DATASET_ID
-from functions.privacy import MAX_RHO, cdp_rho
+from functions.privacy import MAX_RHO, REPORT_DELTA, cdp_rho
 from functions.specs import InputUri, JobOptions, OutputPrefix, StrictModel, fail
 
 DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".pq": "parquet"}
@@ -31,8 +31,6 @@ DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".p
 DP_MAX_DOMAIN = 10_000_000
 # The expanded workload may not list more marginals than this.
 DP_MAX_MARGINALS = 1_000_000
-# Reported ε is given at this δ when the budget is a plain ``rho``.
-DP_REPORT_DELTA = 1e-9
 TOTAL_NAME = "(total)"  # the name of the 0-way marginal (the total count)
 # What happens to a value outside an attribute's domain (or missing): see DPAttribute.
 OutOfDomain = Literal["drop", "clip", "other"]
@@ -310,7 +308,7 @@ class DPBudget(StrictModel):
         return cdp_rho(self.epsilon, self.delta)
 
     def report_delta(self) -> float:
-        return self.delta if self.delta is not None else DP_REPORT_DELTA
+        return self.delta if self.delta is not None else REPORT_DELTA
 
 
 class DPPrivacyUnit(StrictModel):

@@ -131,7 +131,7 @@ from functions.fedavg.sizing import (
 from functions.fedavg.spec import FedAvgJob
 from functions.jobs import scratch_key
 from functions.manifest import manifest_ref
-from functions.privacy import cdp_eps
+from functions.privacy import REPORT_DELTA, cdp_eps
 from functions.store.pinning import Pin
 from functions.store.retry import TransientError
 from functions.store.s3 import MAX_SINGLE_PUT
@@ -140,7 +140,6 @@ from functions.store.uri import is_s3, join
 logger = Logger(service="shardfold")
 
 STAGE = "fedavg"
-DP_REPORT_DELTA = 1e-9  # the δ a DP round's ε is reported at (the ledger counts ρ)
 DEFAULT_FORMAT = "pt"  # __metadata__["format"] when client 0's file has none (what transformers expects)
 
 
@@ -1151,8 +1150,8 @@ def _spend(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dict:
         "expected_clients": mech.denominator,
         "noise_std": mech.sigma,
         "rho_spent": rho,
-        "epsilon_cks": cdp_eps(rho, DP_REPORT_DELTA),
-        "delta": DP_REPORT_DELTA,
+        "epsilon_cks": cdp_eps(rho, REPORT_DELTA),
+        "delta": REPORT_DELTA,
         "sampler": dp.sampler_id(mech),
         "ledger": summary,
     }
