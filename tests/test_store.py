@@ -1,10 +1,12 @@
 """The store interface on both schemes: local files and S3 (moto)."""
 
+import errno
 import io
 import os
 import threading
 
 import boto3
+import botocore.exceptions
 import pytest
 
 from functions import store
@@ -275,6 +277,62 @@ def test_assemble_on_s3_handles_small_parts(s3_root, sizes):
     dest = store.join(s3_root, "assembled")
     store.assemble(parts, dest)
     assert store.get(dest) == b"".join(bytes([i + 1]) * n for i, n in enumerate(sizes))
+
+
+@pytest.mark.parametrize("how", ["EXDEV", "absent"])
+def test_local_assemble_copies_by_reading_where_the_kernel_cannot(local_root, monkeypatch, how):
+    if how == "absent":  # not Linux
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    else:  # e.g. parts and output on different filesystems with an older kernel
+
+        def refuse(*a, **kw):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    parts = [store.join(local_root, f"p{i}") for i in range(3)]
+    for i, p in enumerate(parts):
+        store.put(p, bytes([65 + i]) * (100_000 * i + 7))
+    store.assemble(parts, store.join(local_root, "out"))
+    assert store.get(store.join(local_root, "out")) == b"".join(store.get(p) for p in parts)
+
+
+@pytest.mark.slow
+def test_assemble_on_s3_copies_parts_at_once(s3_root, monkeypatch):
+    parts = [store.join(s3_root, f"big{i}") for i in range(2)]
+    for i, p in enumerate(parts):
+        store.put(p, bytes([i + 1]) * (5 * MiB))
+    client = s3mod.s3_client()
+    real = client.upload_part_copy
+    both = threading.Barrier(2, timeout=20)  # broken (the test fails) unless the two copies overlap
+
+    def copy(*a, **kw):
+        both.wait()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(client, "upload_part_copy", copy)
+    store.assemble(parts, store.join(s3_root, "out"))
+    assert store.get(store.join(s3_root, "out")) == bytes([1]) * (5 * MiB) + bytes([2]) * (5 * MiB)
+
+
+@pytest.mark.slow
+def test_assemble_on_s3_aborts_when_a_copy_fails(s3_root, monkeypatch):
+    parts = [store.join(s3_root, f"big{i}") for i in range(3)]
+    for i, p in enumerate(parts):
+        store.put(p, bytes([i + 1]) * (5 * MiB))
+    client = s3mod.s3_client()
+    real = client.upload_part_copy
+
+    def copy(*a, **kw):
+        if kw["PartNumber"] == 2:
+            raise botocore.exceptions.ClientError({"Error": {"Code": "InternalError"}}, "UploadPartCopy")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(client, "upload_part_copy", copy)
+    with pytest.raises(botocore.exceptions.ClientError):
+        store.assemble(parts, store.join(s3_root, "out"))
+    assert not store.exists(store.join(s3_root, "out"))
+    bucket, _ = s3mod.split_s3(s3_root + "/x")
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
 def test_assemble_refuses_mixed_schemes(local_root):

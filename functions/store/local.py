@@ -8,17 +8,23 @@ to its name, which fails if the name exists: race-free between processes, and ne
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import stat
+import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from functions import telemetry
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
 from functions.store.pinning import Pin, TooLarge, check_local, local_pin
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Temporary files carry this prefix so listings skip objects that are still being written.
 TMP_PREFIX = ".sf-tmp-"
@@ -45,6 +51,49 @@ def check_range(uri: str, size: int, start: int, length: int | None) -> None:
         )
 
 
+class Buffers:
+    """Page-aligned read buffers of ``size`` bytes, reused: what a reader that takes many large ranges in
+    turn (a fedavg shard) reads into instead of a new ``bytes`` per range.
+
+    Why: the kernel copies a file's pages to a destination 16 bytes past a 32-byte boundary about six times
+    slower than to an aligned one (measured here: 1.7 against 11 GB/s), and ``bytes`` land wherever malloc
+    puts them; a new buffer per read also faults its pages in afresh. :meth:`read` returns a numpy
+    ``uint8`` view of a buffer, which goes back to the pool only when nothing refers to that view any more
+    (CPython drops it at once): no buffer is reused while anything can still see it. The pool grows to the
+    most views alive at once (a GetBatch window plus one) and is freed with its last buffer.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.made = 0  # buffers allocated: the pool's high-water mark
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def read(self, fd: int, uri: str, start: int, length: int) -> np.ndarray:
+        """``length`` (<= ``size``) bytes of ``fd`` at ``start``, read into a pooled buffer."""
+        import numpy as np
+
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+            if buf is None:
+                self.made += 1
+        if buf is None:
+            buf = mmap.mmap(-1, max(self.size, 1))  # anonymous memory is page-aligned
+        view = np.frombuffer(buf, np.uint8, count=length)
+        weakref.finalize(view, self._give, buf).atexit = False
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [view[got:]], start + got)
+            if n == 0:
+                raise InvalidRange(f"{uri}: the file ended at byte {start + got} while it was read")
+            got += n
+        return view
+
+    def _give(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
 def get(
     path: Path,
     uri: str,
@@ -52,12 +101,22 @@ def get(
     length: int | None = None,
     pin: Pin | None = None,
     limit: int | None = None,
-) -> bytes:
+    into: Buffers | None = None,
+) -> bytes | np.ndarray:
     """``length`` bytes at ``start``; with a ``pin``, only from the very file it pinned (:class:`InputChanged`
     otherwise: the opened file's size, mtime and inode are compared before reading). ``limit`` (with
-    ``length=None``): :class:`TooLarge` instead of reading more than ``limit`` bytes."""
+    ``length=None``): :class:`TooLarge` instead of reading more than ``limit`` bytes. ``into``: a range of
+    known length that fits is read into one of its buffers (see :class:`Buffers`), not a new ``bytes``."""
     try:
         with open(path, "rb") as f:
+            if into is not None and length is not None and length <= into.size:
+                st = os.fstat(f.fileno())
+                if pin is not None:
+                    check_local(uri, pin, st)
+                check_range(uri, st.st_size, start, length)
+                data = into.read(f.fileno(), uri, start, length)
+                telemetry.count("GET", read=length)
+                return data
             if pin is not None or limit is not None:
                 st = os.fstat(f.fileno())
                 if pin is not None:
@@ -233,9 +292,10 @@ def delete_prefix(prefix: str) -> int:
 
 
 def assemble(paths: list[Path], uris: list[str], dest: Path) -> None:
-    """Concatenate ``paths`` into ``dest`` atomically, streaming (memory does not grow with part size)."""
-
-    def chunks() -> Iterable[bytes]:
+    """Concatenate ``paths`` into ``dest`` atomically. The kernel copies (``copy_file_range``: no byte
+    passes through this process, and a filesystem with reflinks shares the blocks instead of copying);
+    read and write in blocks where it cannot."""
+    with writer(dest) as out:
         for path, uri in zip(paths, uris, strict=True):
             try:
                 f = open(path, "rb")
@@ -243,7 +303,24 @@ def assemble(paths: list[Path], uris: list[str], dest: Path) -> None:
                 raise ObjectNotFound(f"assemble: part {uri} does not exist") from None
             with f:
                 telemetry.count("COPY")  # a part copied, as UploadPartCopy on S3
-                while block := f.read(8 << 20):
-                    yield block
+                _append(f, out)
 
-    _commit(dest, chunks())
+
+def _append(src: BinaryIO, out: BinaryIO) -> None:
+    """Copy the whole of ``src`` to the end of what ``out`` has been written so far."""
+    out.flush()
+    at = out.tell()
+    size = os.fstat(src.fileno()).st_size
+    done = 0
+    try:
+        while done < size:
+            n = os.copy_file_range(src.fileno(), out.fileno(), size - done, done, at + done)
+            if n == 0:
+                break  # shorter than its size said: what is left, if anything, is read below
+            done += n
+    except (AttributeError, OSError):  # not Linux, or not between these filesystems
+        pass
+    out.seek(at + done)
+    src.seek(done)
+    while block := src.read(8 << 20):
+        out.write(block)

@@ -36,6 +36,7 @@ MIN_PART = 5 * 1024 * 1024  # S3's smallest multipart part (all but the last)
 MAX_COPY_PART = 5 * 1024**3  # S3's largest UploadPartCopy source range
 MAX_PARTS = 10_000
 WRITE_PART = 8 * 1024 * 1024  # a streamed write's multipart part (and what it buffers)
+COPY_CONCURRENCY = 16  # UploadPartCopy requests of one assemble in flight at once
 # put_file sends one PUT up to this size (S3 allows 5 GiB; a failed PUT is retried whole, so stay well below)
 MAX_SINGLE_PUT = 512 * 1024 * 1024
 
@@ -507,6 +508,8 @@ class _Multipart:
         self.client = s3_client()
         self.parts: list[dict] = []
         self.buf = bytearray()
+        self.copies: list[Future] = []
+        self.pool = ThreadPoolExecutor(COPY_CONCURRENCY, thread_name_prefix="sf-s3-copy")
 
     def run(self, part_uris: list[str], sizes: list[int]) -> None:
         upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.key)
@@ -516,6 +519,8 @@ class _Multipart:
                 self._add(uri, n, last=i == len(sizes) - 1)
             if self.buf or not self.parts:
                 self._flush()
+            for copy in self.copies:
+                copy.result()
             self.client.complete_multipart_upload(
                 Bucket=self.bucket,
                 Key=self.key,
@@ -523,8 +528,11 @@ class _Multipart:
                 MultipartUpload={"Parts": self.parts},
             )
         except BaseException:
+            self.pool.shutdown(wait=True, cancel_futures=True)  # no copy lands after the abort
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self.upload_id)
             raise
+        finally:
+            self.pool.shutdown(wait=True)
 
     def _add(self, uri: str, n: int, last: bool) -> None:
         pos = 0
@@ -556,18 +564,25 @@ class _Multipart:
         self.buf = bytearray()
 
     def _copy(self, uri: str, start: int, length: int) -> None:
+        """Copy a range server-side as one or more parts, in the background: S3 copies each part on its
+        side, so a commit's copies overlap instead of queueing one after another."""
         src_bucket, src_key = split_s3(uri)
         pieces = -(-length // MAX_COPY_PART)  # equal pieces: each is >= 5 MiB when length is
         step = -(-length // pieces)
         for off in range(start, start + length, step):
             end = min(off + step, start + length) - 1
-            num = self._number()
-            resp = self.client.upload_part_copy(
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                PartNumber=num,
-                CopySource={"Bucket": src_bucket, "Key": src_key},
-                CopySourceRange=f"bytes={off}-{end}",
-            )
-            self.parts.append({"PartNumber": num, "ETag": resp["CopyPartResult"]["ETag"]})
+            part = {"PartNumber": self._number()}
+            self.parts.append(part)
+
+            def copy(part: dict = part, off: int = off, end: int = end) -> None:
+                resp = self.client.upload_part_copy(
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    PartNumber=part["PartNumber"],
+                    CopySource={"Bucket": src_bucket, "Key": src_key},
+                    CopySourceRange=f"bytes={off}-{end}",
+                )
+                part["ETag"] = resp["CopyPartResult"]["ETag"]
+
+            self.copies.append(self.pool.submit(telemetry.carried(copy)))

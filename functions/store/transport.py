@@ -107,12 +107,16 @@ class _ThreadTransport:
 
 
 class LocalTransport(_ThreadTransport):
-    """``file://`` objects, read on a thread pool (reads release the GIL)."""
+    """``file://`` objects, read on a thread pool (reads release the GIL); with ``buffers``, ranges that fit
+    are read into its reused buffers (numpy views, see :class:`~functions.store.local.Buffers`)."""
 
     name = "local"
 
+    def __init__(self, buffers: local.Buffers | None = None):
+        self.buffers = buffers
+
     def _read(self, uri: str, start: int, length: int | None, pin: Pin | None, limit: int | None) -> bytes:
-        return local.get(Path(uri[len(FILE) :]), uri, start, length, pin, limit=limit)
+        return local.get(Path(uri[len(FILE) :]), uri, start, length, pin, limit=limit, into=self.buffers)
 
 
 class Boto3Transport(_ThreadTransport):

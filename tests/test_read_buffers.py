@@ -1,0 +1,117 @@
+"""Reads into reused, page-aligned buffers (``local.Buffers``; ``get_batch(buffer_bytes=...)``), what a
+fedavg shard reads its ranges into: the same bytes as a plain read, the same checks (pin, range), and no
+buffer reused while anything can still see it."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from functions import store
+from functions.errors import BatchItemError, InputChanged, InvalidRange
+from functions.store import local
+from functions.store.uri import join, local_path
+
+
+@pytest.fixture
+def blob(local_root):
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    uri = join(local_root, "in", "blob.bin")
+    store.put(uri, data)
+    return uri, data
+
+
+def read(uri: str, start: int, length: int, buffers: local.Buffers, pin=None):
+    return local.get(local_path(uri), uri, start, length, pin, into=buffers)
+
+
+def test_a_read_into_buffers_gives_the_bytes_in_a_page_aligned_view(blob):
+    uri, data = blob
+    bufs = local.Buffers(64 << 10)
+    got = read(uri, 12345, 50_000, bufs)
+    assert isinstance(got, np.ndarray) and got.dtype == np.uint8
+    assert got.tobytes() == data[12345 : 12345 + 50_000]
+    assert got.ctypes.data % 4096 == 0
+
+
+def test_a_buffer_is_reused_only_once_nothing_sees_it(blob):
+    uri, data = blob
+    bufs = local.Buffers(64 << 10)
+    first = read(uri, 0, 4096, bufs)
+    kept = np.frombuffer(first, np.uint32)  # a view made from the read keeps its buffer too
+    del first
+    second = read(uri, 8192, 4096, bufs)
+    assert bufs.made == 2  # the first buffer is still seen through ``kept``: a new one
+    assert kept.tobytes() == data[:4096]  # and the later read did not write over it
+    del second
+    third = read(uri, 65536, 4096, bufs)
+    assert bufs.made == 2  # the second buffer came back
+    assert third.tobytes() == data[65536 : 65536 + 4096]
+    del kept, third
+    gc.collect()
+    for k in range(20):
+        assert read(uri, k * 4096, 4096, bufs).tobytes() == data[k * 4096 : (k + 1) * 4096]
+    assert bufs.made == 2
+
+
+def test_a_range_larger_than_a_buffer_is_read_as_bytes(blob):
+    uri, data = blob
+    got = read(uri, 0, 100_000, local.Buffers(64 << 10))
+    assert isinstance(got, bytes) and got == data[:100_000]
+
+
+def test_buffered_reads_keep_the_range_and_pin_checks(blob):
+    uri, data = blob
+    bufs = local.Buffers(64 << 10)
+    with pytest.raises(InvalidRange, match="outside the object"):
+        read(uri, len(data) - 10, 20, bufs)
+    pin = store.pin(uri)
+    assert read(uri, 0, 10, bufs, pin).tobytes() == data[:10]
+    with open(local_path(uri), "r+b") as f:  # rewritten in place: same inode, new mtime
+        f.write(b"x")
+    os.utime(local_path(uri), ns=(pin.mtime_ns + 10**9, pin.mtime_ns + 10**9))
+    with pytest.raises(InputChanged):
+        read(uri, 0, 10, bufs, pin)
+
+
+def test_get_batch_with_buffer_bytes_yields_the_same_bytes_from_a_bounded_pool(blob, monkeypatch):
+    uri, data = blob
+    pools: list[local.Buffers] = []
+    real = local.Buffers.__init__
+
+    def record(self, size):
+        real(self, size)
+        pools.append(self)
+
+    monkeypatch.setattr(local.Buffers, "__init__", record)
+    items = [{"uri": uri, "start": s, "length": 32768} for s in range(0, len(data), 32768)]
+    plain = [e.data for e in store.get_batch(items, window=4, concurrency=4)]
+    got = []
+    with store.get_batch(items, window=4, concurrency=4, buffer_bytes=32768) as stream:
+        for entry in stream:
+            view = entry.data
+            del entry
+            got.append(view.tobytes())
+            del view
+    assert got == plain == [data[s : s + 32768] for s in range(0, len(data), 32768)]
+    assert 1 <= pools[0].made <= 5  # the window, plus the one the consumer holds
+
+
+def test_get_batch_buffered_read_of_a_changed_input_names_it(blob):
+    uri, data = blob
+    pin = store.pin(uri)
+    store.put(uri, data[::-1])  # replaced: a new file
+    items = [{"uri": uri, "start": 0, "length": 4096}]
+    with pytest.raises(BatchItemError) as err:
+        list(store.get_batch(items, pins={uri: pin}, buffer_bytes=4096))
+    assert isinstance(err.value.__cause__, InputChanged)
+
+
+def test_buffer_bytes_is_for_the_default_transport_only():
+    from functions.store.transport import LocalTransport
+
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        store.get_batch([], transport=LocalTransport(), buffer_bytes=1024)
