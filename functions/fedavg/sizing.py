@@ -42,6 +42,7 @@ from functions import pricing
 from functions.errors import PlanError
 from functions.fedavg import kernels
 from functions.fedavg.layout import Tensor, encode_header
+from functions.store.local import WRITE_BUFFER
 from functions.store.pinning import Pin
 from functions.store.s3 import MAX_SINGLE_PUT
 
@@ -486,7 +487,8 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
 
     Exact request counts (the same chunk and read geometry the aggregate tasks use, computed per distinct
     client layout, so it costs O(chunks x layouts), not O(chunks x N)); memory from the buffers a task
-    holds, plus :data:`RUNTIME_BYTES`. ``on_s3=False`` drops the S3 upload buffers (local store).
+    holds, plus :data:`RUNTIME_BYTES`. ``on_s3=False``: the local store, where a part is written in place
+    (no spool, no upload buffers).
     """
     n = plan.n_clients
     geo = Geometry(plan.tensors)
@@ -517,11 +519,12 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
         part = (end - start) + (header_bytes if k == 0 else 0)
         buffers = (plan.read_window + 1) * plan.chunk_bytes
         objects = OBJECT_BYTES + 2 * plan_doc_bytes  # the parsed plan document, read descriptors, slots
-        # The spool holds up to SPOOL_BYTES plus one write, and copies it once when it rolls over to disk.
-        spool = 2 * min(part, SPOOL_BYTES + plan.chunk_bytes)
+        # S3: the spool holds up to SPOOL_BYTES plus one write, and copies it once when it rolls over to
+        # disk. Locally the part is written in place through the writer's buffer.
+        spool = 2 * min(part, SPOOL_BYTES + plan.chunk_bytes) if on_s3 else min(part, WRITE_BUFFER)
         agg_phase = buffers + arena + params_scratch + transient + spool + objects
-        # local: put_file copies in 8 MiB blocks (two alive at a time); S3: s3transfer holds up to 10 parts
-        upload = min(part, UPLOAD_BUFFER_BYTES if on_s3 else 2 * MULTIPART_CHUNK)
+        # then S3's upload of the spool: s3transfer holds up to 10 parts (one PUT streams the file)
+        upload = min(part, UPLOAD_BUFFER_BYTES) if on_s3 else 0
         upload_phase = upload + objects
         task_peak = RUNTIME_BYTES + max(agg_phase, upload_phase)
         if task_peak > peak:

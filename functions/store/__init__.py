@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
@@ -56,6 +57,7 @@ __all__ = [
     "size",
     "sizes",
     "split_s3",
+    "spooled_writer",
     "store_root",
     "verify",
     "write_tar",
@@ -99,6 +101,23 @@ def writer(uri: str) -> Iterator[BinaryIO]:
     uri = resolve(uri)
     with s3.writer(uri) if is_s3(uri) else local.writer(local_path(uri)) as f:
         yield f
+
+
+@contextmanager
+def spooled_writer(uri: str, spool_bytes: int) -> Iterator[BinaryIO]:
+    """A file to write one object that is sent whole when the block exits cleanly (nothing appears when it
+    raises). On S3 the bytes are spooled (in memory up to ``spool_bytes``, then in a temporary file) and
+    sent in one PUT (:func:`put_file`: one request where a multipart upload is ten); locally the file is
+    written in place by :func:`writer`, with no second copy."""
+    uri = resolve(uri)
+    if not is_s3(uri):
+        with local.writer(local_path(uri)) as f:
+            yield f
+        return
+    with tempfile.SpooledTemporaryFile(max_size=spool_bytes) as spool:
+        yield spool  # type: ignore[misc]
+        spool.seek(0)
+        s3.put_file(uri, spool)  # type: ignore[arg-type]
 
 
 def put_if_absent(uri: str, data: bytes) -> bool:
