@@ -139,6 +139,9 @@ def write_updates(
         safetensors.numpy.save_file(tensors, str(path), metadata={"num_examples": str(client_weight(c))})
         paths.append(path)
     del base, buf
+    # Flush the updates to disk now: otherwise the job's own writes (its parts, the output) are throttled
+    # while the kernel writes back gigabytes of set-up data, and the job is charged for the disk.
+    os.sync()
     return paths, time.perf_counter() - t0
 
 
