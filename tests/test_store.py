@@ -7,6 +7,7 @@ import threading
 
 import boto3
 import botocore.exceptions
+import numpy as np
 import pytest
 
 from functions import store
@@ -427,3 +428,28 @@ def test_writer_commits_whole_or_not_at_all(root, monkeypatch):
     with store.writer(store.join(root, "streamed/small")) as f:
         f.write(b"tiny")
     assert store.get(store.join(root, "streamed/small")) == b"tiny"
+
+
+def test_spooled_writer_sends_one_object_whole_or_not_at_all(root, monkeypatch):
+    puts: list[str] = []
+    if store.is_s3(root):
+        real = s3mod.put_file
+
+        def counted(uri, fileobj):
+            puts.append(uri)
+            return real(uri, fileobj)
+
+        monkeypatch.setattr(s3mod, "put_file", counted)
+    dest = store.join(root, "spooled/part")
+    data = bytes(range(256)) * 20_000  # past the spool's memory: rolls over to a temporary file
+    with store.spooled_writer(dest, spool_bytes=1 << 16) as f:
+        for i in range(0, len(data), 70_001):
+            f.write(np.frombuffer(data[i : i + 70_001], np.uint8))  # buffers, as the aggregate writes
+        assert not store.exists(dest)
+    assert store.get(dest) == data
+    assert puts == ([dest] if store.is_s3(root) else [])  # S3: one PUT
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.spooled_writer(store.join(root, "spooled/broken"), spool_bytes=1 << 16) as f:
+            f.write(data)
+            raise RuntimeError("boom")
+    assert store.list_uris(store.join(root, "spooled")) == [dest]  # nothing else, no temporaries
