@@ -403,10 +403,9 @@ def child_shard(req: dict) -> dict:
 
 def child_core_split(req: dict) -> dict:
     """``functions.fedavg.core.aggregate`` taken apart to time its two phases: ``aggregate_into`` (ranged
-    reads + the weighted sum, written to the in-memory/ephemeral spool) and the part upload."""
+    reads + the weighted sum, written as the task writes its part: in place locally, spooled on S3) and
+    the part's upload (locally the rename into place, on S3 the PUT)."""
     quiet_logs(False)
-    import tempfile as _tempfile
-
     from functions import store
     from functions.fedavg import core
     from functions.fedavg.sizing import SPOOL_BYTES
@@ -417,12 +416,10 @@ def child_core_split(req: dict) -> dict:
     c0 = time.process_time()
     plan = core.load_plan(store_root, job_id)
     t1 = time.perf_counter()
-    with _tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
-        stats = core.aggregate_into(plan, shard, spool)
+    with store.spooled_writer(core.part_uri(store_root, job_id, shard), SPOOL_BYTES) as out:
+        stats = core.aggregate_into(plan, shard, out)
         t2 = time.perf_counter()
         c2 = time.process_time()
-        spool.seek(0)
-        store.put_file(core.part_uri(store_root, job_id, shard), spool)
     t3 = time.perf_counter()
     return {
         "load_plan_s": t1 - t0,
