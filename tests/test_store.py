@@ -297,41 +297,48 @@ def test_local_assemble_copies_by_reading_where_the_kernel_cannot(local_root, mo
     assert store.get(store.join(local_root, "out")) == b"".join(store.get(p) for p in parts)
 
 
-@pytest.mark.slow
-def test_assemble_on_s3_copies_parts_at_once(s3_root, monkeypatch):
-    parts = [store.join(s3_root, f"big{i}") for i in range(2)]
+def _big_parts(root: str, n: int) -> list[str]:
+    """``n`` parts of S3's smallest multipart size; part i is byte i + 1 repeated."""
+    parts = [store.join(root, f"big{i}") for i in range(n)]
     for i, p in enumerate(parts):
         store.put(p, bytes([i + 1]) * (5 * MiB))
+    return parts
+
+
+def _before_each_copy(monkeypatch, hook) -> None:
+    """Call ``hook(**request)`` before each UploadPartCopy the store's S3 client sends."""
     client = s3mod.s3_client()
     real = client.upload_part_copy
-    both = threading.Barrier(2, timeout=20)  # broken (the test fails) unless the two copies overlap
 
     def copy(*a, **kw):
-        both.wait()
+        hook(**kw)
         return real(*a, **kw)
 
     monkeypatch.setattr(client, "upload_part_copy", copy)
+
+
+@pytest.mark.slow
+def test_assemble_on_s3_copies_parts_at_once(s3_root, monkeypatch):
+    parts = _big_parts(s3_root, 2)
+    both = threading.Barrier(2, timeout=20)  # broken (the test fails) unless the two copies overlap
+    _before_each_copy(monkeypatch, lambda **kw: both.wait())
     store.assemble(parts, store.join(s3_root, "out"))
     assert store.get(store.join(s3_root, "out")) == bytes([1]) * (5 * MiB) + bytes([2]) * (5 * MiB)
 
 
 @pytest.mark.slow
 def test_assemble_on_s3_aborts_when_a_copy_fails(s3_root, monkeypatch):
-    parts = [store.join(s3_root, f"big{i}") for i in range(3)]
-    for i, p in enumerate(parts):
-        store.put(p, bytes([i + 1]) * (5 * MiB))
-    client = s3mod.s3_client()
-    real = client.upload_part_copy
+    parts = _big_parts(s3_root, 3)
 
-    def copy(*a, **kw):
+    def fail_part_2(**kw):
         if kw["PartNumber"] == 2:
             raise botocore.exceptions.ClientError({"Error": {"Code": "InternalError"}}, "UploadPartCopy")
-        return real(*a, **kw)
 
-    monkeypatch.setattr(client, "upload_part_copy", copy)
+    _before_each_copy(monkeypatch, fail_part_2)
     with pytest.raises(botocore.exceptions.ClientError):
         store.assemble(parts, store.join(s3_root, "out"))
     assert not store.exists(store.join(s3_root, "out"))
+    client = s3mod.s3_client()
     bucket, _ = s3mod.split_s3(s3_root + "/x")
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
