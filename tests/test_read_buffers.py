@@ -115,3 +115,41 @@ def test_buffer_bytes_is_for_the_default_transport_only():
 
     with pytest.raises(ValueError, match="buffer_bytes"):
         store.get_batch([], transport=LocalTransport(), buffer_bytes=1024)
+
+
+def test_a_file_cut_short_during_a_buffered_read_is_a_changed_input_when_pinned(blob, monkeypatch):
+    uri, data = blob
+    pin = store.pin(uri)
+    monkeypatch.setattr(os, "preadv", lambda *a: 0)  # as if truncated between the fstat and the read
+    with pytest.raises(InputChanged):
+        read(uri, 0, 4096, local.Buffers(8192), pin)
+    with pytest.raises(InvalidRange, match="ended at byte 0"):
+        read(uri, 0, 4096, local.Buffers(8192))
+
+
+def test_entries_holding_views_compare_and_stream_like_bytes(blob):
+    uri, data = blob
+    items = [{"uri": uri, "start": 0, "length": 1}, {"uri": uri, "start": 5, "length": 100}]
+    plain = list(store.get_batch(items))
+    viewed = list(store.get_batch(items, buffer_bytes=4096))
+    assert isinstance(viewed[1].data, np.ndarray)
+    assert viewed == plain
+    assert [b"".join(bytes(c) for c in e.chunks()) for e in viewed] == [data[:1], data[5:105]]
+
+
+def test_tar_members_read_through_buffers(local_root):
+    import io
+    import tarfile
+
+    members = {f"m{i}.bin": os.urandom(300_000 + i) for i in range(8)}  # a 2.4 MiB shard: 3 index blocks
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, payload in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    uri = join(local_root, "shards", "s.tar")
+    store.put(uri, out.getvalue())
+    items = [{"uri": uri, "archpath": name} for name in members]
+    got = [bytes(e.data) for e in store.get_batch(items, buffer_bytes=1 << 20)]
+    assert got == list(members.values())

@@ -4,6 +4,7 @@ import errno
 import io
 import os
 import threading
+from pathlib import Path
 
 import boto3
 import botocore.exceptions
@@ -12,8 +13,10 @@ import pytest
 
 from functions import store
 from functions.errors import InvalidRange, ObjectNotFound, StoreError, UnsafeKey
+from functions.store import local
 from functions.store import s3 as s3mod
 from functions.store import uri as urimod
+from functions.store.uri import local_path
 
 MiB = 1024 * 1024
 
@@ -429,7 +432,8 @@ def test_writer_commits_whole_or_not_at_all(root, monkeypatch):
         f.write(data)
         raise RuntimeError("boom")
     assert not store.exists(store.join(root, "streamed/broken"))
-    assert store.list_uris(store.join(root, "streamed")) == [dest]  # no temporaries left behind
+    assert store.list_uris(store.join(root, "streamed")) == [dest]
+    assert _files_under(root, "streamed") in ([], ["obj"])  # no temporaries left behind
     if store.is_s3(root):
         assert not boto3.client("s3").list_multipart_uploads(Bucket="sf-test").get("Uploads")
     with store.writer(store.join(root, "streamed/small")) as f:
@@ -459,4 +463,47 @@ def test_spooled_writer_sends_one_object_whole_or_not_at_all(root, monkeypatch):
         with store.spooled_writer(store.join(root, "spooled/broken"), spool_bytes=1 << 16) as f:
             f.write(data)
             raise RuntimeError("boom")
-    assert store.list_uris(store.join(root, "spooled")) == [dest]  # nothing else, no temporaries
+    assert store.list_uris(store.join(root, "spooled")) == [dest]
+    assert _files_under(root, "spooled") in ([], ["part"])  # no temporaries left behind
+
+
+def _files_under(root: str, prefix: str) -> list[str]:
+    """Every file under ``prefix`` on the local store, temporaries too (listings hide those); [] on S3."""
+    if store.is_s3(root):
+        return []
+    top = local_path(store.join(root, prefix))
+    return sorted(str(Path(d, f).relative_to(top)) for d, _, fs in os.walk(top) for f in fs)
+
+
+def test_local_delete_prefix_removes_what_killed_writers_left(local_root):
+    store.put(store.join(local_root, "jobs/j/parts/1.bin"), b"done")
+    left = local_path(store.join(local_root, "jobs/j/parts")) / f"{local.TMP_PREFIX}0.bin.dead"
+    left.write_bytes(b"half a part")  # a task killed while writing its part in place
+    assert store.delete_prefix(store.join(local_root, "jobs/j/")) == 1  # one object
+    assert not local_path(store.join(local_root, "jobs/j")).exists()  # temporary and directories gone
+
+
+@pytest.mark.slow
+def test_assemble_on_s3_sends_no_copy_after_its_abort(s3_root, monkeypatch):
+    monkeypatch.setattr(s3mod, "COPY_CONCURRENCY", 1)  # copies queue behind the failing one
+    parts = _big_parts(s3_root, 4)
+    aborted: list[bool] = []
+    late: list[int] = []
+    client = s3mod.s3_client()
+    real_abort = client.abort_multipart_upload
+
+    def abort(**kw):
+        aborted.append(True)
+        return real_abort(**kw)
+
+    def copy(**kw):
+        if aborted:
+            late.append(kw["PartNumber"])
+        if kw["PartNumber"] == 2:
+            raise botocore.exceptions.ClientError({"Error": {"Code": "InternalError"}}, "UploadPartCopy")
+
+    monkeypatch.setattr(client, "abort_multipart_upload", abort)
+    _before_each_copy(monkeypatch, copy)
+    with pytest.raises(botocore.exceptions.ClientError):
+        store.assemble(parts, store.join(s3_root, "out"))
+    assert aborted and late == []

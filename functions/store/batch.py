@@ -136,7 +136,7 @@ class BatchEntry:
         self._stream = stream
 
     @property
-    def data(self) -> bytes:
+    def data(self) -> bytes:  # or a numpy uint8 view, from get_batch(buffer_bytes=...)
         if self._stream is not None:
             self._data = b"".join(self.chunks())
         return self._data
@@ -146,7 +146,7 @@ class BatchEntry:
         stream, self._stream = self._stream, None
         if stream is not None:
             yield from stream
-        elif self._data:
+        elif len(self._data):  # bytes, or a numpy view (get_batch's buffer_bytes)
             yield self._data
 
     def close(self) -> None:
@@ -158,8 +158,8 @@ class BatchEntry:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, BatchEntry):
             return NotImplemented
-        mine = (self.index, self.name, self.data, self.error)
-        return mine == (other.index, other.name, other.data, other.error)
+        mine = (self.index, self.name, bytes(self.data), self.error)
+        return mine == (other.index, other.name, bytes(other.data), other.error)
 
     def __repr__(self) -> str:
         how = "streamed" if self.streamed else "bytes"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import queue
 import stat
 import threading
 import uuid
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from functions import telemetry
 from functions.errors import InvalidRange, ObjectNotFound, StoreError
-from functions.store.pinning import Pin, TooLarge, check_local, local_pin
+from functions.store.pinning import Pin, TooLarge, changed, check_local, local_pin
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,18 +67,19 @@ class Buffers:
     def __init__(self, size: int):
         self.size = size
         self.made = 0  # buffers allocated: the pool's high-water mark
-        self._free: list[mmap.mmap] = []
+        # A SimpleQueue: its put is reentrant, and _give may run from the garbage collector at any point
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     def read(self, fd: int, uri: str, start: int, length: int) -> np.ndarray:
         """``length`` (<= ``size``) bytes of ``fd`` at ``start``, read into a pooled buffer."""
         import numpy as np
 
-        with self._lock:
-            buf = self._free.pop() if self._free else None
-            if buf is None:
+        try:
+            buf = self._free.get_nowait()
+        except queue.Empty:
+            with self._lock:
                 self.made += 1
-        if buf is None:
             buf = mmap.mmap(-1, max(self.size, 1))  # anonymous memory is page-aligned
         view = np.frombuffer(buf, np.uint8, count=length)
         weakref.finalize(view, self._give, buf).atexit = False
@@ -90,8 +92,7 @@ class Buffers:
         return view
 
     def _give(self, buf: mmap.mmap) -> None:
-        with self._lock:
-            self._free.append(buf)
+        self._free.put(buf)
 
 
 def get(
@@ -114,7 +115,12 @@ def get(
                 if pin is not None:
                     check_local(uri, pin, st)
                 check_range(uri, st.st_size, start, length)
-                data = into.read(f.fileno(), uri, start, length)
+                try:
+                    data = into.read(f.fileno(), uri, start, length)
+                except InvalidRange:
+                    if pin is None:
+                        raise
+                    raise changed(uri, pin, local_pin(os.fstat(f.fileno()))) from None  # cut short meanwhile
                 telemetry.count("GET", read=length)
                 return data
             if pin is not None or limit is not None:
@@ -237,9 +243,10 @@ def pin(path: Path, uri: str) -> Pin | None:
     return local_pin(st) if stat.S_ISREG(st.st_mode) else None
 
 
-def _walk(prefix: str) -> Iterable[Path]:
+def _walk(prefix: str, temporaries: bool = False) -> Iterable[Path]:
     """Files whose path starts with ``prefix`` (S3 prefix semantics: 'a/b' matches 'a/b.txt', 'a/bc/d'),
-    visiting only the entries that can match, never the whole parent tree."""
+    visiting only the entries that can match, never the whole parent tree; writers' temporary files only
+    with ``temporaries``."""
     if prefix.endswith("/"):
         starts = [Path(prefix)]
     else:
@@ -250,12 +257,12 @@ def _walk(prefix: str) -> Iterable[Path]:
             return
     for start in starts:
         if start.is_file():
-            if not start.name.startswith(TMP_PREFIX):
+            if temporaries or not start.name.startswith(TMP_PREFIX):
                 yield start
             continue
         for dirpath, _, filenames in os.walk(start):
             for name in filenames:
-                if not name.startswith(TMP_PREFIX):
+                if temporaries or not name.startswith(TMP_PREFIX):
                     yield Path(dirpath, name)
 
 
@@ -273,15 +280,20 @@ def delete(path: Path) -> None:
 
 
 def delete_prefix(prefix: str) -> int:
+    """Remove the objects under ``prefix``, and what writers killed there left of their temporary files (a
+    writer still running under it then fails at its rename). Returns the objects removed."""
     paths = list_paths(prefix)
     telemetry.count("DELETE", times=-(-len(paths) // LIST_PAGE))  # as DeleteObjects: a page of keys each
     for path in paths:
+        path.unlink(missing_ok=True)
+    leftovers = list(_walk(prefix, temporaries=True))  # only temporaries are left
+    for path in leftovers:
         path.unlink(missing_ok=True)
     # Prune directories the deletion emptied, deepest first. A prefix ending in '/' names a directory,
     # which goes too; otherwise the prefix's parent directory stays.
     top = Path(prefix) if prefix.endswith("/") else Path(prefix).parent
     stop = top.parent if prefix.endswith("/") else top
-    for d in sorted({p.parent for p in paths}, key=lambda p: len(p.parts), reverse=True):
+    for d in sorted({p.parent for p in (*paths, *leftovers)}, key=lambda p: len(p.parts), reverse=True):
         while d != stop and d.is_relative_to(top):
             try:
                 d.rmdir()

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
@@ -519,7 +519,9 @@ class _Multipart:
                 self._add(uri, n, last=i == len(sizes) - 1)
             if self.buf or not self.parts:
                 self._flush()
-            for copy in self.copies:
+            # the first failure as soon as it happens: the copies still queued are then never sent
+            done, _ = wait(self.copies, return_when=FIRST_EXCEPTION)
+            for copy in (*done, *self.copies):
                 copy.result()
             self.client.complete_multipart_upload(
                 Bucket=self.bucket,

@@ -131,9 +131,9 @@ class _BlockReader(io.RawIOBase):
             piece = self._cached[self._pos - at :]
             if n >= 0:
                 piece = piece[: n - len(out)]
-            if not piece:
+            if len(piece) == 0:
                 break
-            out += piece
+            out += memoryview(piece)  # a block may be a numpy view (get_batch's buffer_bytes)
             self._pos += len(piece)
         return bytes(out)
 
