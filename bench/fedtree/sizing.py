@@ -1,5 +1,6 @@
-"""fedtree's task loads: a leaf holds one whole update, its weighted copy and the accumulator (λ-FL's
-aggregator holds whole objects); the root a partial and the accumulator."""
+"""fedtree's task loads: a leaf holds two whole updates (one read while the other is summed), the scratch
+for the weighted one and the accumulator (λ-FL's aggregator holds whole objects); the root a partial and
+the accumulator."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def loads(spec, probed):
         items=n,
         tasks={
             GROUP: TaskLoad(RUNTIME),
-            LEAF_TASK: TaskLoad(RUNTIME + 3 * model, gets=math.ceil(math.sqrt(n)), puts=2),
+            LEAF_TASK: TaskLoad(RUNTIME + 4 * model, gets=math.ceil(math.sqrt(n)), puts=2),
             ROOT: TaskLoad(RUNTIME + 3 * model, gets=2 * leaves + 1, puts=2),
         },
         map_items={LEAVES: leaves},
