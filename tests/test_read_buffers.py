@@ -153,3 +153,26 @@ def test_tar_members_read_through_buffers(local_root):
     items = [{"uri": uri, "archpath": name} for name in members]
     got = [bytes(e.data) for e in store.get_batch(items, buffer_bytes=1 << 20)]
     assert got == list(members.values())
+
+
+@pytest.mark.parametrize(
+    "derive",
+    [
+        lambda v: np.frombuffer(v, np.float32, count=10, offset=64),  # as a shard reads a piece
+        lambda v: v[100:200],
+        lambda v: v.view(np.uint16)[3:],
+        lambda v: memoryview(v),
+    ],
+    ids=["frombuffer", "slice", "view", "memoryview"],
+)
+def test_anything_made_from_a_read_keeps_its_buffer_out_of_the_pool(blob, derive):
+    uri, data = blob
+    bufs = local.Buffers(8192)
+    first = read(uri, 0, 4096, bufs)
+    kept = derive(first)
+    want = bytes(kept)
+    del first
+    gc.collect()
+    for k in range(1, 5):
+        read(uri, k * 4096, 4096, bufs)  # each dropped at once: their buffer is reused
+    assert bufs.made == 2 and bytes(kept) == want

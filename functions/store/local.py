@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 # Temporary files carry this prefix so listings skip objects that are still being written.
 TMP_PREFIX = ".sf-tmp-"
+PAGE = mmap.PAGESIZE
 LIST_PAGE = 1000  # keys per LIST (and per batch DELETE) request on S3, by which requests are counted here
 
 
@@ -61,14 +62,15 @@ class Buffers:
     puts them; a new buffer per read also faults its pages in afresh. :meth:`read` returns a numpy
     ``uint8`` view of a buffer, which goes back to the pool only when nothing refers to that view any more
     (CPython drops it at once): no buffer is reused while anything can still see it. The pool grows to the
-    most views alive at once (a GetBatch window plus one) and is freed with its last buffer.
+    most views alive at once (a GetBatch window plus one) and is freed with its last buffer. The buffers
+    are numpy allocations, so ``tracemalloc`` (the memory tests) sees them.
     """
 
     def __init__(self, size: int):
         self.size = size
         self.made = 0  # buffers allocated: the pool's high-water mark
         # A SimpleQueue: its put is reentrant, and _give may run from the garbage collector at any point
-        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     def read(self, fd: int, uri: str, start: int, length: int) -> np.ndarray:
@@ -80,7 +82,12 @@ class Buffers:
         except queue.Empty:
             with self._lock:
                 self.made += 1
-            buf = mmap.mmap(-1, max(self.size, 1))  # anonymous memory is page-aligned
+            raw = np.empty(self.size + PAGE, np.uint8)
+            skip = -raw.ctypes.data % PAGE
+            buf = memoryview(raw)[skip : skip + self.size]  # starts on a page
+        # A view over the memoryview, not a slice of ``raw``: numpy then makes every array derived from
+        # ``view`` refer to ``view`` (not to ``raw``), so ``view`` lives, and the buffer stays out of the
+        # pool, for as long as any of them does.
         view = np.frombuffer(buf, np.uint8, count=length)
         weakref.finalize(view, self._give, buf).atexit = False
         got = 0
@@ -91,7 +98,7 @@ class Buffers:
             got += n
         return view
 
-    def _give(self, buf: mmap.mmap) -> None:
+    def _give(self, buf: memoryview) -> None:
         self._free.put(buf)
 
 
