@@ -45,7 +45,10 @@ def run_dp(spec: FedAvgJob, root: str, job_id: str = JOB) -> dict:
     planned = core.prepare(spec, job_id, root, budget=TINY)
     for item in store.get_json(planned["norms"]["uri"]):
         core.norms(spec, job_id, root, item["shard"])
+    norms = [core.norms_uri(root, job_id, item["shard"]) for item in store.get_json(planned["norms"]["uri"])]
+    assert norms and all(store.exists(u) for u in norms)
     core.clip(spec, job_id, root)
+    assert not any(store.exists(u) for u in norms)  # each client's exact norm is gone once clipped
     FACTORS[job_id] = np.frombuffer(store.get(core.clip_uri(root, job_id)), "<f8")
     for item in store.get_json(planned["manifest"]["uri"]):
         core.aggregate(spec, job_id, root, item["shard"])

@@ -163,7 +163,7 @@ def norms_manifest_uri(store_root: str, job_id: str) -> str:
 
 
 def norms_uri(store_root: str, job_id: str, shard: int) -> str:
-    return job_uri(store_root, job_id, STAGE, "norms", f"{shard:05d}.f64")
+    return job_uri(store_root, job_id, STAGE, "norms", f"{shard:05d}.f64")  # clip deletes norms/ whole
 
 
 def clip_uri(store_root: str, job_id: str) -> str:
@@ -782,9 +782,9 @@ def norms(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict:
 def clip(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
     """A DP round's clip factors from every shard's partial norms (``jobs/<id>/fedavg/clip.f64``); nothing
     for a round without DP. Returns no figure that depends on the updates."""
-    p = load_plan(store_root, job_id)
-    if p.dp is None:
+    if spec.dp is None:  # the plan has no DP either (prepare built it from this spec): nothing to read
         return {"clip": False}
+    p = load_plan(store_root, job_id)
     out = clip_uri(store_root, job_id)
     if store.exists(out):  # a retry after success: the norms are gone, the factors stand
         return {"clip": True, "clients": p.n_clients}
@@ -797,8 +797,7 @@ def clip(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
     factors = dp.clip_factors(total, p.dp["clip_norm"])
     store.put(out, factors.astype("<f8").tobytes())
     # each client's exact norm is no longer needed: it does not stay in the store until commit
-    for k in range(p.shards):
-        store.delete(norms_uri(store_root, job_id, k))
+    store.delete_prefix(job_uri(store_root, job_id, STAGE, "norms") + "/")
     return {"clip": True, "clients": p.n_clients}
 
 

@@ -592,12 +592,12 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
         steps.update(_dp_loads(plan, aggregate_step, on_s3))
     else:  # the DP steps run empty: no norms task, a clip task that reads the plan
         steps["norms"] = StepLoad(tasks=0, peak_bytes=0, gets=0, puts=0, read_bytes=0, write_bytes=0)
-        steps["clip"] = StepLoad(
+        steps["clip"] = StepLoad(  # reads only the spec
             tasks=1,
-            peak_bytes=RUNTIME_BYTES + 2 * plan_doc_bytes,
-            gets=2,
+            peak_bytes=RUNTIME_BYTES,
+            gets=1,
             puts=0,
-            read_bytes=plan_doc_bytes,
+            read_bytes=0,
             write_bytes=0,
             components={"runtime": RUNTIME_BYTES},
         )
@@ -638,7 +638,7 @@ def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad
         tasks=1,
         peak_bytes=RUNTIME_BYTES + 3 * 8 * n + 2 * plan_doc_bytes,
         gets=2 + plan.shards,
-        puts=1,
+        puts=1 + 1 + math.ceil(plan.shards / DELETE_BATCH),  # the factors; then LIST and delete the norms
         read_bytes=8 * n * plan.shards,
         write_bytes=8 * n,
         components={"runtime": RUNTIME_BYTES},
