@@ -176,3 +176,27 @@ def test_anything_made_from_a_read_keeps_its_buffer_out_of_the_pool(blob, derive
     for k in range(1, 5):
         read(uri, k * 4096, 4096, bufs)  # each dropped at once: their buffer is reused
     assert bufs.made == 2 and bytes(kept) == want
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_file_shorter_than_its_fstat_said_is_refused_on_both_read_paths(blob, monkeypatch, buffered):
+    from types import SimpleNamespace
+
+    from functions.store.pinning import local_pin
+
+    uri, data = blob
+    real = os.fstat
+
+    def fstat(fd):  # as if the file lost its last 100 bytes between the fstat and the read
+        st = real(fd)
+        return SimpleNamespace(st_size=st.st_size + 100, st_mtime_ns=st.st_mtime_ns, st_ino=st.st_ino)
+
+    monkeypatch.setattr(os, "fstat", fstat)
+    with open(local_path(uri), "rb") as f:
+        pin = local_pin(fstat(f.fileno()))
+    bufs = local.Buffers(1 << 16) if buffered else None
+    start = len(data) - 50
+    with pytest.raises(InvalidRange, match=f"ended at byte {len(data)}"):
+        local.get(local_path(uri), uri, start, 100, into=bufs)
+    with pytest.raises(InputChanged):
+        local.get(local_path(uri), uri, start, 100, pin, into=bufs)

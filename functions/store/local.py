@@ -73,8 +73,9 @@ class Buffers:
         self._free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
-    def read(self, fd: int, uri: str, start: int, length: int) -> np.ndarray:
-        """``length`` (<= ``size``) bytes of ``fd`` at ``start``, read into a pooled buffer."""
+    def read(self, fd: int, start: int, length: int) -> np.ndarray:
+        """``length`` (<= ``size``) bytes of ``fd`` at ``start``, read into a pooled buffer; fewer where the
+        file ends first."""
         import numpy as np
 
         try:
@@ -94,7 +95,7 @@ class Buffers:
         while got < length:
             n = os.preadv(fd, [view[got:]], start + got)
             if n == 0:
-                raise InvalidRange(f"{uri}: the file ended at byte {start + got} while it was read")
+                return view[:got]
             got += n
         return view
 
@@ -113,40 +114,32 @@ def get(
 ) -> bytes | np.ndarray:
     """``length`` bytes at ``start``; with a ``pin``, only from the very file it pinned (:class:`InputChanged`
     otherwise: the opened file's size, mtime and inode are compared before reading). ``limit`` (with
-    ``length=None``): :class:`TooLarge` instead of reading more than ``limit`` bytes. ``into``: a range of
-    known length that fits is read into one of its buffers (see :class:`Buffers`), not a new ``bytes``."""
+    ``length=None``): :class:`TooLarge` instead of reading more than ``limit`` bytes. ``into``: a range that
+    fits is read into one of its buffers (see :class:`Buffers`), not a new ``bytes``. A file cut short while
+    it is read is :class:`InputChanged` with a pin, :class:`InvalidRange` without."""
     try:
         with open(path, "rb") as f:
-            if into is not None and length is not None and length <= into.size:
-                st = os.fstat(f.fileno())
-                if pin is not None:
-                    check_local(uri, pin, st)
-                check_range(uri, st.st_size, start, length)
-                try:
-                    data = into.read(f.fileno(), uri, start, length)
-                except InvalidRange:
-                    if pin is None:
-                        raise
-                    raise changed(uri, pin, local_pin(os.fstat(f.fileno()))) from None  # cut short meanwhile
-                telemetry.count("GET", read=length)
-                return data
-            if pin is not None or limit is not None:
-                st = os.fstat(f.fileno())
-                if pin is not None:
-                    check_local(uri, pin, st)
-                size = st.st_size
-            elif start == 0 and length is None:
-                data = f.read()
+            if pin is None and limit is None and into is None and start == 0 and length is None:
+                data = f.read()  # the whole file: its size need not be known
                 telemetry.count("GET", read=len(data))
                 return data
+            st = os.fstat(f.fileno())
+            if pin is not None:
+                check_local(uri, pin, st)
+            check_range(uri, st.st_size, start, length)
+            want = st.st_size - start if length is None else length
+            if limit is not None and length is None and want > limit:
+                raise TooLarge(uri, want, limit, local_pin(st))
+            if into is not None and want <= into.size:
+                data = into.read(f.fileno(), start, want)
             else:
-                size = os.fstat(f.fileno()).st_size
-            check_range(uri, size, start, length)
-            if limit is not None and length is None and size - start > limit:
-                raise TooLarge(uri, size - start, limit, local_pin(st))
-            f.seek(start)
-            data = f.read(size - start if length is None else length)
+                f.seek(start)
+                data = f.read(want)
             telemetry.count("GET", read=len(data))
+            if len(data) < want:  # cut short since the fstat
+                if pin is not None:
+                    raise changed(uri, pin, local_pin(os.fstat(f.fileno())))
+                raise InvalidRange(f"{uri}: the file ended at byte {start + len(data)} while it was read")
             return data
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         telemetry.count("GET")
