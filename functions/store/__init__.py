@@ -253,7 +253,13 @@ def assemble(part_uris: list[str], dest_uri: str) -> None:
     if any(is_s3(u) != is_s3(dest_uri) for u in parts):
         raise StoreError(f"assemble: parts and destination {dest_uri} must all be s3:// or all local")
     if is_s3(dest_uri):
-        s3.assemble(parts, dest_uri)
+        found = sizes(parts)  # the parts' HEADs all at once
+        lengths = []
+        for uri in parts:
+            if (n := found[uri]) is None:
+                raise ObjectNotFound(f"assemble: part {uri} does not exist")
+            lengths.append(n)
+        s3.assemble(parts, dest_uri, lengths)
     else:
         local.assemble([local_path(u) for u in parts], parts, local_path(dest_uri))
 

@@ -481,18 +481,12 @@ def delete_prefix(prefix_uri: str) -> int:
     return len(keys)
 
 
-def assemble(part_uris: list[str], dest_uri: str) -> None:
-    """Concatenate objects into ``dest_uri``.
+def assemble(part_uris: list[str], dest_uri: str, sizes: list[int]) -> None:
+    """Concatenate objects of the given ``sizes`` into ``dest_uri``.
 
     Parts of at least 5 MiB are copied server-side (UploadPartCopy); smaller ones are read and coalesced
     in memory into parts of at least 5 MiB, so any mix of sizes works and memory stays ~10 MiB.
     """
-    sizes = []
-    for uri in part_uris:
-        n = head_size(uri)
-        if n is None:
-            raise ObjectNotFound(f"assemble: part {uri} does not exist")
-        sizes.append(n)
     if sum(sizes) < MIN_PART:  # too small for a multipart upload to be worth it: one PUT
         put(dest_uri, b"".join(get(u) for u, n in zip(part_uris, sizes, strict=True) if n))
         return
