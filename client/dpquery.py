@@ -44,6 +44,7 @@ from functions import store
 from functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name, schema_order
 from functions.errors import ShardfoldError, SpecError
 from functions.jobs import spec_key
+from functions.ledger import DATASET_ID
 from functions.privacy import REPORT_DELTA
 
 
@@ -54,14 +55,6 @@ class LabelledArray(NamedTuple):
 
     values: np.ndarray
     labels: dict[str, list]
-
-
-def _dataset_id_pattern() -> str:
-    for meta in DPQueryJob.model_fields["dataset_id"].metadata:
-        pattern = getattr(meta, "pattern", None)
-        if pattern:
-            return pattern
-    return r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # pragma: no cover - the spec always sets one
 
 
 def table_layout(tbl: pa.Table) -> tuple[list[str], str]:
@@ -698,7 +691,7 @@ class DPQuery:
         from functions import ledger
         from functions.privacy import cdp_eps
 
-        if not isinstance(dataset_id, str) or not re.fullmatch(_dataset_id_pattern(), dataset_id):
+        if not isinstance(dataset_id, str) or not re.fullmatch(DATASET_ID, dataset_id):
             raise SpecError(
                 f"dataset_id {dataset_id!r}: letters, digits, '.', '_', '-' (at most 128), as in a spec"
             )

@@ -337,3 +337,11 @@ def spend(store_root: str, dataset_id: str, job_id: str, rho_spent: float) -> di
             state.entries.append(entry)
             return state.summary()
     raise StoreError(f"ledger of {dataset_id!r}: too many concurrent writers; retry the job")
+
+
+def summary_line(summary: dict[str, Any], jobs: str = "job(s)") -> str:
+    """A ledger summary (:meth:`LedgerState.summary`, as results carry it) in one line, for a result view."""
+    return (
+        f"total ρ {summary['total_rho']:.6g}, committed {summary['committed_rho']:.6g}, "
+        f"remaining {summary['remaining_rho']:.6g} ({summary['jobs']} {jobs})"
+    )

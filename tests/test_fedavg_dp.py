@@ -18,6 +18,7 @@ from test_fedavg_core import encode, load, put_clients
 from functions import ledger, store
 from functions.errors import BudgetExceeded, InvalidModelFile, PlanError, SpecError
 from functions.fedavg import core, dp
+from functions.fedavg.kind import KIND
 from functions.fedavg.sizing import Budget
 from functions.fedavg.spec import FedAvgJob
 from functions.specs import parse_spec
@@ -206,6 +207,8 @@ def test_each_round_charges_the_federations_ledger_once(root):
     assert [e["type"] for e in state.entries] == ["open", "reserve", "spend"]
     assert state.reserved[JOB] == state.spent[JOB] == rho
     assert result["privacy"]["ledger"]["remaining_rho"] == pytest.approx(0.3 - rho)
+    view = KIND.result_view(result).summary  # what `shardfold run` / `result` print
+    assert view["ledger"] == f"fed: total ρ 0.3, committed {rho:.6g}, remaining {0.3 - rho:.6g} (1 round(s))"
     # a retried commit does not charge again; a third round would pass the total and is refused at prepare
     core.commit(spec, JOB, root, result["shards"])
     assert len(ledger.read(root, "fed").entries) == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from functions import ledger
 from functions.dpquery.spec import DPQueryJob, marginal_name
 from functions.dpquery.workflow import WORKFLOW
 from functions.kinds import JobKind
@@ -21,8 +22,7 @@ def result_view(result: dict[str, Any]) -> ResultView:
         "privacy": f"ρ {rep['rho_spent']:.6g} spent of the job's {rep['rho_budget']:.6g}; "
         f"ε at δ {rep['delta']:g}: {rep['epsilon_cks']:.4g} (CKS), "
         f"{rep['epsilon_gaussian']:.4g} (exact Gaussian, this job alone)",
-        "ledger": f"dataset total ρ {led['total_rho']:.6g}, committed {led['committed_rho']:.6g}, "
-        f"remaining {led['remaining_rho']:.6g} ({led['jobs']} job(s))",
+        "ledger": f"dataset {ledger.summary_line(led)}",
         "accuracy": f"predicted workload RMSE {rep['predicted_rmse']:.4g} per cell, "
         f"{rep['marginals']:,} marginal(s), {rep['cells']:,} cells",
         "output": result["output"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from functions import ledger
 from functions.fedavg.spec import FedAvgJob
 from functions.fedavg.workflow import WORKFLOW
 from functions.kinds import JobKind
@@ -23,10 +24,7 @@ def result_view(result: dict[str, Any]) -> ResultView:
             f"clip_norm {rep['clip_norm']:g}, noise std {rep['noise_std']:.4g} over "
             f"{rep['expected_clients']} expected clients"
         )
-        summary["ledger"] = (
-            f"{led['dataset_id']}: total ρ {led['total_rho']:.6g}, committed {led['committed_rho']:.6g}, "
-            f"remaining {led['remaining_rho']:.6g} ({led['jobs']} round(s))"
-        )
+        summary["ledger"] = f"{led['dataset_id']}: {ledger.summary_line(led, 'round(s)')}"
     if not excluded:
         return ResultView(summary)
     rows = [[e["client"], e["uri"], e["reason"]] for e in excluded[:RESULT_ROWS]]
