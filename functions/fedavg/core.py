@@ -454,8 +454,10 @@ def _inspect(
     position = {name: k for k, name in enumerate(names)}
     layouts: dict[tuple[int, ...], int] = {}
 
-    # Weights last: a broken file is reported as broken before its metadata is judged.
-    weight_needed = spec.aggregator == "mean" and not spec.uniform and spec.dp is None and not spec.secure
+    # Weights last: a broken file is reported as broken before its metadata is judged. DP and secure rounds
+    # take the uniform mean; a weight is needed where the mean is weighted (ShardPlan.weighted's rule).
+    uniform = spec.uniform or spec.dp is not None or spec.secure
+    weight_needed = spec.aggregator == "mean" and not uniform
     weights: dict[int, float | None] = {}
     for i in members.live():
         try:
@@ -513,8 +515,8 @@ def _inspect(
         chunk_bytes=1,
         read_window=1,
         aggregator=spec.aggregator,
-        # a DP round: the uniform mean in float64, its integer and bool tensors the base's
-        uniform=spec.uniform or spec.dp is not None or spec.secure,
+        uniform=uniform,
+        # a DP round: the mean in float64, its integer and bool tensors the base's
         accumulate="float64" if spec.dp is not None else spec.accumulate,
         integer_policy="base" if spec.dp is not None else spec.integer_policy,
         trim_fraction=spec.trim_fraction,
