@@ -266,7 +266,7 @@ class FedAvg:
                 raise UpdateError(
                     f"tensor {name!r} is {arr.dtype}: a secure round masks float tensors only; leave it out"
                 )
-            if not np.isfinite(arr.astype(np.float64)).all():
+            if not np.isfinite(arr).all():
                 raise UpdateError(f"tensor {name!r} holds NaN or Inf, which cannot be quantised")
             dtypes[name] = _FLOAT_NAMES[arr.dtype.newbyteorder("=")]
         round_id = self.uri(_round_key(round_prefix))

@@ -50,7 +50,7 @@ def pair_key(private: bytes, peer_public: bytes, round_id: str, me: str, peer: s
 def mask_stream(key: bytes, words: int) -> np.ndarray:
     """``words`` uint32 words of ChaCha20's keystream under ``key``."""
     encryptor = Cipher(algorithms.ChaCha20(key, _ZERO_NONCE), mode=None).encryptor()
-    return np.frombuffer(encryptor.update(bytes(4 * words)), dtype="<u4").astype(np.uint32)
+    return np.frombuffer(encryptor.update(bytes(4 * words)), dtype="<u4")  # read-only: added, never written
 
 
 def mask(
