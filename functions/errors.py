@@ -21,6 +21,10 @@ class ObjectNotFound(StoreError):
     """The object at a URI does not exist."""
 
 
+class ObjectExists(StoreError):
+    """A write only if absent found the object there: nothing was written."""
+
+
 class InvalidRange(StoreError):
     """A byte range lies outside the object (HTTP 416) or is malformed."""
 

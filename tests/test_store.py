@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from functions import store
-from functions.errors import InvalidRange, ObjectNotFound, StoreError, UnsafeKey
+from functions.errors import InvalidRange, ObjectExists, ObjectNotFound, StoreError, UnsafeKey
 from functions.store import local
 from functions.store import s3 as s3mod
 from functions.store import uri as urimod
@@ -507,3 +507,13 @@ def test_assemble_on_s3_sends_no_copy_after_its_abort(s3_root, monkeypatch):
     with pytest.raises(botocore.exceptions.ClientError):
         store.assemble(parts, store.join(s3_root, "out"))
     assert aborted and late == []
+
+
+def test_spooled_writer_if_absent_writes_once(root):
+    dest = store.join(root, "once/part")
+    with store.spooled_writer(dest, spool_bytes=1 << 10, if_absent=True) as f:
+        f.write(b"first" * 1000)
+    with pytest.raises(ObjectExists), store.spooled_writer(dest, spool_bytes=1 << 10, if_absent=True) as f:
+        f.write(b"second" * 1000)
+    assert store.get(dest) == b"first" * 1000  # the object stands
+    assert _files_under(root, "once") in ([], ["part"])  # no temporaries left behind

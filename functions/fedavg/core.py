@@ -74,7 +74,6 @@ import ctypes.util
 import dataclasses
 import json
 import math
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -93,6 +92,7 @@ from functions.errors import (
     InvalidRange,
     NonFiniteAggregate,
     NonFiniteUpdate,
+    ObjectExists,
     ObjectNotFound,
     PlanError,
     ShardfoldError,
@@ -763,11 +763,11 @@ def aggregate(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict
         factors = np.frombuffer(store.get(clip_uri(store_root, job_id)), "<f8")
         if factors.size != p.n_clients or not np.all((factors >= 0) & (factors <= 1)):
             raise PlanError(f"the clip factors hold {factors.size} values, not {p.n_clients} in [0, 1]")
-        with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
-            stats = aggregate_dp_into(p, shard, spool, factors)
-            spool.seek(0)
-            if not store.put_file_if_absent(uri, spool):
-                stats["written_before"] = True  # another attempt's part stands; this one's noise is dropped
+        try:
+            with store.spooled_writer(uri, SPOOL_BYTES, if_absent=True) as out:
+                stats = aggregate_dp_into(p, shard, out, factors)
+        except ObjectExists:
+            stats["written_before"] = True  # another attempt's part stands; this one's noise is dropped
     logger.info("aggregated shard", extra={"job_id": job_id, **stats})
     return stats
 

@@ -643,7 +643,7 @@ def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad
         write_bytes=8 * n,
         components={"runtime": RUNTIME_BYTES},
     )
-    spool = 2 * min(largest, SPOOL_BYTES + chunk)
+    spool = 2 * min(largest, SPOOL_BYTES + chunk) if on_s3 else min(largest, WRITE_BUFFER)  # as task_loads
     # the mean's float64 accumulators and one update's difference, the base's values, OpenDP's working
     # block and the cast of the noisy chunk
     working = 2 * widen * chunk + 2 * chunk + dp.NOISE_BLOCK_BYTES

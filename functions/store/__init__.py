@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 from functions import telemetry
-from functions.errors import ObjectNotFound, StoreError
+from functions.errors import ObjectExists, ObjectNotFound, StoreError
 from functions.store import local, s3, transport
 from functions.store.batch import BatchEntry, BatchStats, BatchStream, get_batch
 from functions.store.pinning import Pin, changed
@@ -104,20 +104,24 @@ def writer(uri: str) -> Iterator[BinaryIO]:
 
 
 @contextmanager
-def spooled_writer(uri: str, spool_bytes: int) -> Iterator[BinaryIO]:
+def spooled_writer(uri: str, spool_bytes: int, if_absent: bool = False) -> Iterator[BinaryIO]:
     """A file to write one object that is sent whole when the block exits cleanly (nothing appears when it
     raises). On S3 the bytes are spooled (in memory up to ``spool_bytes``, then in a temporary file) and
     sent in one PUT (:func:`put_file`: one request where a multipart upload is ten); locally the file is
-    written in place by :func:`writer`, with no second copy."""
+    written in place by :func:`writer`, with no second copy. ``if_absent``: only if no object is there
+    (:class:`ObjectExists` when one is: nothing written), as :func:`put_if_absent`."""
     uri = resolve(uri)
     if not is_s3(uri):
-        with local.writer(local_path(uri)) as f:
+        with local.writer(local_path(uri), if_absent=if_absent) as f:
             yield f
         return
     with tempfile.SpooledTemporaryFile(max_size=spool_bytes) as spool:
         yield spool  # type: ignore[misc]
         spool.seek(0)
-        s3.put_file(uri, spool)  # type: ignore[arg-type]
+        if not if_absent:
+            s3.put_file(uri, spool)  # type: ignore[arg-type]
+        elif not s3.put_file_if_absent(uri, spool):  # type: ignore[arg-type]
+            raise ObjectExists(f"{uri} exists: not written")
 
 
 def put_if_absent(uri: str, data: bytes) -> bool:

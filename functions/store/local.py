@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from functions import telemetry
-from functions.errors import InvalidRange, ObjectNotFound, StoreError
+from functions.errors import InvalidRange, ObjectExists, ObjectNotFound, StoreError
 from functions.store.pinning import Pin, TooLarge, changed, check_local, local_pin
 
 if TYPE_CHECKING:
@@ -168,9 +168,10 @@ WRITE_BUFFER = 1 << 20
 
 
 @contextmanager
-def writer(path: Path) -> Iterator[BinaryIO]:
+def writer(path: Path, if_absent: bool = False) -> Iterator[BinaryIO]:
     """A file to write ``path`` through: a temporary file beside it, renamed into place when the block
-    exits cleanly and removed when it raises, so the object appears whole or not at all."""
+    exits cleanly and removed when it raises, so the object appears whole or not at all. ``if_absent``:
+    linked into place instead, which fails if the name exists (:class:`ObjectExists`, nothing written)."""
     if path.is_dir():
         raise StoreError(f"cannot write {path}: it is a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +180,15 @@ def writer(path: Path) -> Iterator[BinaryIO]:
         with open(tmp, "wb", buffering=WRITE_BUFFER) as f:
             yield f
         telemetry.count("PUT", written=tmp.stat().st_size)
-        os.replace(tmp, path)
+        if not if_absent:
+            os.replace(tmp, path)
+            return
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ObjectExists(f"{path} exists: not written") from None
+        finally:
+            tmp.unlink(missing_ok=True)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
