@@ -195,6 +195,22 @@ def test_a_retried_aggregate_task_draws_no_second_noise(root):
     assert store.get(core.part_uri(root, JOB, 1)) == part
 
 
+def test_of_two_concurrent_aggregate_attempts_one_part_stands(root, monkeypatch):
+    uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
+    spec = FedAvgJob(**spec_doc(uris), shards=2)
+    planned = core.prepare(spec, JOB, root, budget=TINY)
+    for k in range(planned["shards"]):
+        core.norms(spec, JOB, root, k)
+    core.clip(spec, JOB, root)
+    core.aggregate(spec, JOB, root, 0)
+    part = store.get(core.part_uri(root, JOB, 0))
+    # the other attempt wrote its part after this one looked: this one's write (other noise) is refused
+    monkeypatch.setattr(core.store, "exists", lambda uri: False)
+    late = core.aggregate(spec, JOB, root, 0)
+    assert late["written_before"]
+    assert store.get(core.part_uri(root, JOB, 0)) == part
+
+
 def test_each_round_charges_the_federations_ledger_once(root):
     uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
     z = 2.0
