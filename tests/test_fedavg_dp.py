@@ -181,13 +181,19 @@ def test_the_noise_has_the_mechanisms_variance(root):
     assert abs(np.corrcoef(noise[:half], noise[half : 2 * half])[0, 1]) < 5 / math.sqrt(half)
 
 
-def test_a_retried_aggregate_task_draws_no_second_noise(root):
+def clipped_round(root: str) -> FedAvgJob:
+    """A 2-client, 2-shard DP round taken up to its aggregate step; its spec."""
     uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
     spec = FedAvgJob(**spec_doc(uris), shards=2)
     planned = core.prepare(spec, JOB, root, budget=TINY)
     for k in range(planned["shards"]):
         core.norms(spec, JOB, root, k)
     core.clip(spec, JOB, root)
+    return spec
+
+
+def test_a_retried_aggregate_task_draws_no_second_noise(root):
+    spec = clipped_round(root)
     first = core.aggregate(spec, JOB, root, 1)
     part = store.get(core.part_uri(root, JOB, 1))
     again = core.aggregate(spec, JOB, root, 1)  # a retry after success: the part stands
@@ -196,12 +202,7 @@ def test_a_retried_aggregate_task_draws_no_second_noise(root):
 
 
 def test_of_two_concurrent_aggregate_attempts_one_part_stands(root, monkeypatch):
-    uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
-    spec = FedAvgJob(**spec_doc(uris), shards=2)
-    planned = core.prepare(spec, JOB, root, budget=TINY)
-    for k in range(planned["shards"]):
-        core.norms(spec, JOB, root, k)
-    core.clip(spec, JOB, root)
+    spec = clipped_round(root)
     core.aggregate(spec, JOB, root, 0)
     part = store.get(core.part_uri(root, JOB, 0))
     # the other attempt wrote its part after this one looked: this one's write (other noise) is refused
