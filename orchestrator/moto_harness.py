@@ -592,16 +592,16 @@ def _patch_server_dispatch() -> None:
 
 
 def _patch_redrive() -> None:
-    from moto.core.exceptions import AWSError
+    from moto.core.exceptions import ServiceException
     from moto.stepfunctions.responses import StepFunctionResponse
 
     def make(_original: Any) -> Any:
         def redrive_execution(self):
             # moto has no RedriveExecution; answer like AWS refusing one (a 400), not with a 500 that
             # clients retry, so the executor falls back to a restart at once.
-            raise AWSError(
-                "moto does not implement RedriveExecution", exception_type="ExecutionNotRedrivable"
-            )
+            # ServiceException (moto >= 5.2; 5.2.6 removed AWSError) is serialised through the botocore
+            # model, where ExecutionNotRedrivable is a 400.
+            raise ServiceException("ExecutionNotRedrivable", "moto does not implement RedriveExecution")
 
         return redrive_execution
 
