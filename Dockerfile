@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# Shardfold GPU worker image (AWS Batch): `python -m functions.container` runs the handler named in
+# Shardfold GPU worker image (AWS Batch): `python -m shardfold.functions.container` runs the handler named in
 # SHARDFOLD_HANDLER on the event in SHARDFOLD_EVENT (the state machine's batch:submitJob.sync task sets both).
 #
 #   docker build --platform linux/amd64 -t shardfold-worker .
@@ -26,13 +26,20 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/venv
 WORKDIR /src
 # torch first, in its own layer (about 3 GB with its CUDA libraries), so code changes do not re-download it.
-# Keep the pin equal to the `inference` extra in pyproject.toml (tests/test_dockerfile.py checks it).
+# Keep the pin equal to the `inference` extra in pyproject.toml (tests/test_dockerfile.py checks it). The
+# lock holds the CPU build the tests ran with; the image takes PyPI's CUDA build of the same release, and
+# pip resolves its CUDA libraries (nvidia-*): the one part of the image not installed from the lock.
 RUN pip install "torch==2.13.0"
-# The worker needs only the `functions` package (it imports nothing from client/, orchestrator/, infra/).
-COPY pyproject.toml README.md ./
+# Then everything else the worker runs with, hash-checked from the lock (requirements/worker.txt: the base
+# dependencies and the inference extra, torch left out).
+COPY requirements/worker.txt ./requirements/
+RUN pip install --require-hashes -r requirements/worker.txt
+# The worker needs only shardfold.functions (it imports nothing from client/, orchestrator/, infra/).
+COPY pyproject.toml setup.py README.md ./
+COPY shardfold ./shardfold
 COPY functions ./functions
-RUN pip install ".[inference]" \
-    && python -c "import functions.container, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+RUN pip install --no-deps . \
+    && python -c "import shardfold.functions.container, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH \
@@ -45,4 +52,4 @@ COPY --from=build /opt/venv /opt/venv
 WORKDIR /home/shardfold
 # Not root: the code and libraries stay read-only to the worker; it writes only to $HOME and /tmp.
 USER 10001:10001
-ENTRYPOINT ["python", "-m", "functions.container"]
+ENTRYPOINT ["python", "-m", "shardfold.functions.container"]

@@ -1,29 +1,38 @@
 # Two entry points for users: `make demo` and `make test`. Each creates .venv if missing and installs what
-# it needs (re-installing only when pyproject.toml changes).
+# it needs from the lock (requirements/*.txt: exact versions with hashes, the ones the suite passed with),
+# re-installing only when the lock or pyproject.toml changes. `make lock` refreshes the lock;
+# `make test-latest` runs the fast tests against the newest versions pyproject.toml allows.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+LOCK   := requirements
 
-.PHONY: demo test test-fast test-scale lint docs bench clean
+.PHONY: demo test test-fast test-scale test-latest lint lock docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# The demo runs every job kind, inference included, so it needs the inference extra (torch, the model).
-$(VENV)/.installed-base: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[inference]"
+# The lock first (hash-checked, pip and setuptools included), then the project itself, editable, with no
+# dependency of its own resolved (all came from the lock) and built by the locked setuptools.
+define install_locked
+	$(BIN)/python -m pip install --quiet --require-hashes -r $(LOCK)/$(1).txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
+endef
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	touch $@ $(VENV)/.installed-base
+# The demo runs every job kind, so it installs every extra (requirements/all.txt: shardfold[all]).
+$(VENV)/.installed-all: $(LOCK)/all.txt pyproject.toml | $(BIN)/python
+	$(call install_locked,all)
 
-$(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
-	touch $@ $(VENV)/.installed-dev $(VENV)/.installed-base
+$(VENV)/.installed-dev: $(LOCK)/dev.txt pyproject.toml | $(BIN)/python
+	$(call install_locked,dev)
+	touch $(VENV)/.installed-all
 
-demo: $(VENV)/.installed-base
+$(VENV)/.installed-bench: $(LOCK)/bench.txt pyproject.toml | $(BIN)/python
+	$(call install_locked,bench)
+	touch $(VENV)/.installed-dev $(VENV)/.installed-all
+
+demo: $(VENV)/.installed-all
 	$(BIN)/shardfold demo
 
 lint: $(VENV)/.installed-dev
@@ -39,7 +48,7 @@ lint: $(VENV)/.installed-dev
 # Bytecode is cached even where the environment sets PYTHONDONTWRITEBYTECODE (CI's does): the suite starts
 # about a hundred Python processes (CLI runs, examples, Batch containers), each of which would otherwise
 # compile the project's modules again.
-PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 3 --dist worksteal
+PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 3 --dist worksteal
 
 test: lint
 	$(PYTEST)
@@ -52,6 +61,42 @@ test-fast: lint
 test-scale: lint
 	SHARDFOLD_SCALE_TESTS=1 $(PYTEST) tests/test_map_scale.py
 
+# The lock, refreshed to the newest versions pyproject.toml's bounds allow (pip-tools' pip-compile, run
+# with the machine's pip configuration: here that finds PyTorch's CPU build). dev.txt is compiled first,
+# and the other sets are constrained to it so that a distribution has one version in all of them, but for
+# bench.txt: its peers (s3fs's aiobotocore) pin an older botocore, so it is resolved on its own.
+# lambda-image.txt and worker.txt are what Dockerfile.lambda and Dockerfile install (their .in files say
+# what they add to pyproject.toml's lists); worker.txt leaves torch out for the image's CUDA build.
+# Run `make test` on the result before committing it.
+LOCK_FLAGS := --quiet --upgrade --generate-hashes --strip-extras --no-emit-find-links --no-emit-index-url
+EVERY_EXTRA := --extra dp --extra secure --extra inference --extra pandas --extra aws
+lock: $(VENV)/.installed-dev
+	$(BIN)/pip-compile $(LOCK_FLAGS) --allow-unsafe --all-build-deps $(EVERY_EXTRA) --extra dev \
+		-o $(LOCK)/dev.txt pyproject.toml
+	$(BIN)/pip-compile $(LOCK_FLAGS) --allow-unsafe --all-build-deps -c $(LOCK)/dev.txt \
+		-o $(LOCK)/base.txt pyproject.toml
+	$(BIN)/pip-compile $(LOCK_FLAGS) --allow-unsafe --all-build-deps -c $(LOCK)/dev.txt $(EVERY_EXTRA) \
+		-o $(LOCK)/all.txt pyproject.toml
+	$(BIN)/pip-compile $(LOCK_FLAGS) --allow-unsafe --all-build-deps $(EVERY_EXTRA) --extra dev --extra bench \
+		-o $(LOCK)/bench.txt pyproject.toml
+	$(BIN)/pip-compile $(LOCK_FLAGS) --allow-unsafe -c $(LOCK)/dev.txt --extra dp \
+		-o $(LOCK)/lambda-image.txt pyproject.toml $(LOCK)/lambda-image.in
+	$(BIN)/pip-compile $(LOCK_FLAGS) --unsafe-package torch -c $(LOCK)/dev.txt --extra inference \
+		-o $(LOCK)/worker.txt pyproject.toml $(LOCK)/worker.in
+
+# The fast tier against the newest releases the bounds allow, in a venv of its own (.venv-latest, not
+# locked, by design), so that a breaking release is found by this command rather than by a user.
+LATEST := .venv-latest
+test-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST)/bin/python -m pip install --quiet --upgrade -e ".[all,dev]"
+	$(LATEST)/bin/python -m pip freeze --exclude-editable > $(LATEST)/versions.txt
+	SHARDFOLD_TEST_TIER=fast PYTHONDONTWRITEBYTECODE= $(LATEST)/bin/python -m pytest -n 3 --dist worksteal \
+		-m "not slow"
+	@echo "passed with the versions in $(LATEST)/versions.txt (the lock: $(LOCK)/dev.txt)"
+
 # docs/sdk-reference.md is generated from the SDK's docstrings; tests/test_docs.py fails when it is stale.
 docs: $(VENV)/.installed-dev
 	$(BIN)/python docs/sdk_reference.py > docs/sdk-reference.md
@@ -60,4 +105,4 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/getbatch.py
 
 clean:
-	rm -rf $(VENV) .shardfold .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) .shardfold .pytest_cache .ruff_cache

@@ -157,8 +157,8 @@ def synthetic_spec(d: int, n: int = 10, k: int = 3, rho: float = 0.5, loss: str 
 def child_plan(req: dict) -> dict:
     cpu = pin_one_core()
     quiet_logs(False)
-    from functions.dpquery.planner import Plan, plan
-    from functions.specs import parse_spec
+    from shardfold.functions.dpquery.planner import Plan, plan
+    from shardfold.functions.specs import parse_spec
 
     t0 = time.perf_counter()
     spec = parse_spec(synthetic_spec(req["d"], req["n"], req["k"], req["rho"], req["loss"]))
@@ -328,10 +328,10 @@ def synthetic_dataset(path: Path, d: int, rows: int, n: int = 10, seed: int = 0)
 
 def _start_job(executor: Any, root: str, doc: dict) -> str:
     """Record a spec and start the job on ``executor`` (Client.submit without the plan estimate)."""
-    from functions import store
-    from functions.jobs import new_job_id
-    from functions.specs import parse_spec
-    from functions.store.uri import join
+    from shardfold.functions import store
+    from shardfold.functions.jobs import new_job_id
+    from shardfold.functions.specs import parse_spec
+    from shardfold.functions.store.uri import join
 
     spec = parse_spec(doc)
     job_id = new_job_id("dpquery")
@@ -353,9 +353,9 @@ def child_measure(req: dict) -> dict:
     quiet_logs(False)
     import opendp.prelude as dp
 
-    from functions.dpquery import core, data, planner
-    from functions.dpquery import measure as mz
-    from functions.specs import parse_spec
+    from shardfold.functions.dpquery import core, data, planner
+    from shardfold.functions.dpquery import measure as mz
+    from shardfold.functions.specs import parse_spec
 
     dp.enable_features("contrib")
     tmp = Path(tempfile.mkdtemp(prefix="dpq-measure-"))
@@ -526,10 +526,10 @@ def part_e2e(args: argparse.Namespace, doc: dict, notes: list[str]) -> int:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from functions import store
-    from functions.dpquery import data, planner
-    from functions.specs import parse_spec
-    from orchestrator.local import LocalExecutor
+    from shardfold.functions import store
+    from shardfold.functions.dpquery import data, planner
+    from shardfold.functions.specs import parse_spec
+    from shardfold.orchestrator.local import LocalExecutor
 
     if args.quick:
         args.e2e_d = min(args.e2e_d, 10)
@@ -674,8 +674,8 @@ def child_queries(req: dict) -> dict:
     import numpy as np
 
     cpu = pin_one_core()
-    from functions.dpquery import smasher
-    from functions.dpquery.planner import plan as rp_plan
+    from shardfold.functions.dpquery import smasher
+    from shardfold.functions.dpquery.planner import plan as rp_plan
 
     domains, ordinal = req["domains"], req["ordinal"]
     d = len(domains)
@@ -852,7 +852,7 @@ def mixed_workload(d: int, shape: str = "issue") -> tuple[list, list]:
 def child_mixed(req: dict) -> dict:
     """The job's plan of the mixed workload on [n]^d (privacy cost 2ρ = 1): time, memory, RMSE."""
     cpu = pin_one_core()
-    from functions.dpquery import planner
+    from shardfold.functions.dpquery import planner
 
     n, d = req["n"], req["d"]
     sets, asked = mixed_workload(d, req.get("shape", "issue"))

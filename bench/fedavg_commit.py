@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 
 def read_write_assemble(paths: list[Path], dest: Path) -> None:
     """The peer: what ``local.assemble`` did before, 8 MiB blocks read and written through Python."""
-    from functions.store import local
+    from shardfold.functions.store import local
 
     with local.writer(dest) as out:
         for path in paths:
@@ -78,7 +78,7 @@ def best_of(repeats: int, fn: Any, fresh: Path | None = None) -> float:
 
 
 def local_case(work: Path, total: int, parts: int, repeats: int) -> dict:
-    from functions.store import local
+    from shardfold.functions.store import local
 
     paths = write_parts(work / f"local-{total}-{parts}", total, parts)
     dest = work / "out.bin"
@@ -94,8 +94,8 @@ def local_case(work: Path, total: int, parts: int, repeats: int) -> dict:
 
 
 def s3_case(total: int, parts: int, repeats: int, concurrency: int) -> dict:
-    from functions import store
-    from functions.store import s3
+    from shardfold.functions import store
+    from shardfold.functions.store import s3
 
     bucket = "sf-commit-bench"
     block = os.urandom(MiB)
@@ -134,7 +134,7 @@ def main() -> int:
     from getbatch import set_client_env
     from s3server import ServerHandle
 
-    from functions.store import s3
+    from shardfold.functions.store import s3
 
     rows: list[dict] = []
     report: dict[str, Any] = {}

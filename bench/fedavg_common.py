@@ -367,8 +367,8 @@ def child_shard(req: dict) -> dict:
     """One Map child of the fedavg workflow (its body's tasks, in order), exactly as the local executor's
     process pool runs it: ``orchestrator.invoke.call`` on the Map item's event."""
     quiet_logs(False)
-    from orchestrator.invoke import HandlerFailed, call
-    from orchestrator.registry import import_handler
+    from shardfold.orchestrator.invoke import HandlerFailed, call
+    from shardfold.orchestrator.registry import import_handler
 
     for step in req["steps"]:
         import_handler(step["path"])  # imports outside the measurement, as on a warm Lambda
@@ -406,9 +406,9 @@ def child_core_split(req: dict) -> dict:
     reads + the weighted sum, written as the task writes its part: in place locally, spooled on S3) and
     the part's upload (locally the rename into place, on S3 the PUT)."""
     quiet_logs(False)
-    from functions import store
-    from functions.fedavg import core
-    from functions.fedavg.sizing import SPOOL_BYTES
+    from shardfold.functions import store
+    from shardfold.functions.fedavg import core
+    from shardfold.functions.fedavg.sizing import SPOOL_BYTES
 
     event = req["event"]
     store_root, job_id, shard = event["store_root"], event["job_id"], int(event["item"]["shard"])
@@ -448,9 +448,9 @@ class FedAvgUnavailable(Exception):
 
 def fedavg_workflow() -> Any:
     try:
-        from functions.kinds import WORKFLOWS
+        from shardfold.functions.kinds import WORKFLOWS
     except Exception as exc:  # pragma: no cover - a broken checkout
-        raise FedAvgUnavailable(f"functions.kinds does not import: {exc}") from exc
+        raise FedAvgUnavailable(f"shardfold.functions.kinds does not import: {exc}") from exc
     wf = WORKFLOWS.get("fedavg")
     if wf is None:
         raise FedAvgUnavailable("no 'fedavg' workflow is registered (functions/fedavg/workflow.py)")
@@ -460,8 +460,8 @@ def fedavg_workflow() -> Any:
 def split_workflow(wf: Any) -> tuple[list[Any], Any, list[Any]]:
     """(steps before the aggregate Map, the aggregate Map, steps after it). The steps before it may hold
     DP-FedAvg's norms Map, which a round without ``dp`` runs empty."""
-    from functions.fedavg.workflow import AGGREGATE
-    from functions.workflow import Map, Task
+    from shardfold.functions.fedavg.workflow import AGGREGATE
+    from shardfold.functions.workflow import Map, Task
 
     pre: list[Any] = []
     for i, step in enumerate(wf.steps):
@@ -484,14 +484,14 @@ def spec_doc(uris: list[str], weights: list[int], options: dict) -> dict:
 def prepare_shard_tasks(store_root: str, doc: dict) -> tuple[list[dict], list[dict], dict]:
     """Record a fedavg job's spec, run the steps before its Map here, and return
     (the Map's items as child events, the Map body's steps, the pre-Map results)."""
-    from functions import store
-    from functions.jobs import new_job_id, spec_key
-    from functions.manifest import read_manifest
-    from functions.specs import parse_spec
-    from functions.store.uri import join
-    from functions.workflow import Map
-    from orchestrator.invoke import HandlerFailed, call
-    from orchestrator.registry import handler_path
+    from shardfold.functions import store
+    from shardfold.functions.jobs import new_job_id, spec_key
+    from shardfold.functions.manifest import read_manifest
+    from shardfold.functions.specs import parse_spec
+    from shardfold.functions.store.uri import join
+    from shardfold.functions.workflow import Map
+    from shardfold.orchestrator.invoke import HandlerFailed, call
+    from shardfold.orchestrator.registry import handler_path
 
     wf = fedavg_workflow()
     pre, map_step, _post = split_workflow(wf)
@@ -547,8 +547,8 @@ def prepare_shard_tasks(store_root: str, doc: dict) -> tuple[list[dict], list[di
 def job_breakdown(store_root: str, doc: dict) -> dict:
     """The job's steps run one after another in this process (no pool, no overlap), each timed: where a
     job's time goes. Same handlers and events as the executor's."""
-    from orchestrator.invoke import call
-    from orchestrator.registry import handler_path
+    from shardfold.orchestrator.invoke import call
+    from shardfold.orchestrator.registry import handler_path
 
     t0 = time.perf_counter()
     events, steps, pre = prepare_shard_tasks(store_root, doc)
@@ -583,9 +583,9 @@ def run_job(store_root: str, doc: dict, repeats: int, timeout_s: float) -> dict:
     """The whole fedavg job on the local executor: ``Client().submit(spec)``, ``wait``; best of repeats.
 
     One client (one process pool) serves every repeat, so the first run pays the pool's start."""
-    from client import Client
-    from functions import store
-    from functions.store.uri import local_path
+    from shardfold.client import Client
+    from shardfold.functions import store
+    from shardfold.functions.store.uri import local_path
 
     runs = []
     result: dict = {}
@@ -811,8 +811,8 @@ def shard_row(ws: Workspace, n: int, *, core_split: bool = False, arena_diag: bo
         row["shards"] = len(events)
         row["plan"] = pre
         try:  # what the planner's own memory model says for this very plan (local store)
-            from functions.fedavg import core as fcore
-            from functions.fedavg import sizing as fsizing
+            from shardfold.functions.fedavg import core as fcore
+            from shardfold.functions.fedavg import sizing as fsizing
 
             loads = fsizing.task_loads(fcore.load_plan(ws.store_root, events[0]["job_id"]), on_s3=False)
             row["planned_peak"] = int(loads["aggregate"].peak_bytes)

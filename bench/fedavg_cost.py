@@ -119,7 +119,7 @@ class CostParams:
     def transitions(self, shards: int) -> int:
         """Step Functions Standard transitions of one sharded round, counted as ``shardfold plan`` does."""
         try:
-            from functions.estimate import transitions
+            from shardfold.functions.estimate import transitions
 
             _pre, map_step, _post = split_workflow(fedavg_workflow())
             return int(transitions(fedavg_workflow().steps, {map_step: shards}))
@@ -400,7 +400,7 @@ def calibration(p: CostParams) -> list[dict]:
 def engine_settings() -> dict:
     """The aggregate task's range size and reads in flight, as ``functions.fedavg.sizing`` sets them."""
     try:
-        from functions.fedavg import sizing
+        from shardfold.functions.fedavg import sizing
     except Exception as exc:
         return {"chunk": None, "streams": None, "source": [], "error": f"{type(exc).__name__}: {exc}"}
     budget = sizing.Budget()
@@ -408,7 +408,7 @@ def engine_settings() -> dict:
     streams = int(sizing.read_window(chunk, budget))
     mem = {}
     try:  # the memory the workflow configures for each step, where the workflow is there
-        from functions.workflow import Map, Task
+        from shardfold.functions.workflow import Map, Task
 
         for step in fedavg_workflow().steps:
             for task in step.body if isinstance(step, Map) else (step,):
@@ -431,7 +431,7 @@ def engine_settings() -> dict:
 def _synthetic_plan(sizing: Any, model_bytes: int, n: int, budget_overrides: dict | None = None) -> Any:
     """A fedavg ShardPlan for an N-client float32 model of ``model_bytes`` (a tensor per 64 MiB, every client
     laid out like client 0), built with the planner's own shard and chunk rules."""
-    from functions.fedavg.layout import Tensor
+    from shardfold.functions.fedavg.layout import Tensor
 
     elems = max(1, model_bytes // 4)
     per = 16 * MiB  # elements per tensor (64 MiB)
@@ -471,9 +471,9 @@ def sizing_hook(budget_overrides: dict | None = None) -> tuple[Any, str]:
     """A callable (model_bytes, n) -> the sharded design's task model from ``functions.fedavg.sizing``
     (``choose_shards`` + ``task_loads`` on a synthetic plan), or (None, why not)."""
     try:
-        from functions.fedavg import sizing
+        from shardfold.functions.fedavg import sizing
     except Exception as exc:
-        return None, f"functions.fedavg.sizing does not import ({exc})"
+        return None, f"shardfold.functions.fedavg.sizing does not import ({exc})"
     cache: dict[tuple[int, int], dict] = {}
 
     def model(model_bytes: int, n: int) -> dict:
@@ -493,11 +493,11 @@ def sizing_hook(budget_overrides: dict | None = None) -> tuple[Any, str]:
                 "plan_gets": loads["plan"].gets + loads["commit"].gets,
                 "plan_puts": loads["plan"].puts,
                 "commit_puts": loads["commit"].puts,
-                "source": "functions.fedavg.sizing.task_loads",
+                "source": "shardfold.functions.fedavg.sizing.task_loads",
             }
         return cache[key]
 
-    return model, "functions.fedavg.sizing (choose_shards, task_loads)"
+    return model, "shardfold.functions.fedavg.sizing (choose_shards, task_loads)"
 
 
 COST_MODELS = [("43 MB (ResNet-18)", 44_726_568), ("528 MB", 528 * MiB), ("5 GB", 5 * GiB)]
@@ -544,7 +544,7 @@ def compute_rate(ws: Workspace) -> tuple[float, str]:
 
 def cost_part(ws: Workspace) -> None:
     """The cost model, printed; recorded in ``ws.doc["cost"]``."""
-    from functions import pricing
+    from shardfold.functions import pricing
 
     args, doc = ws.args, ws.doc
     eng = engine_settings()
@@ -588,7 +588,7 @@ def cost_part(ws: Workspace) -> None:
         f"capped at {p.nic_Bps / MB:.0f} MB/s per function (client/pricing.py); "
         f"range GETs of {p.chunk / MiB:g} MiB"
     )
-    print(f"  sharded task memory: {'functions.fedavg.sizing' if sizing else sizing_why}")
+    print(f"  sharded task memory: {'shardfold.functions.fedavg.sizing' if sizing else sizing_why}")
     print(
         f"  memory per design = the cheapest size >= its model's need (64 MB steps); prices: arm64 "
         f"${ARM_USD_PER_GB_S}/GB-s, x86 ${pricing.LAMBDA_USD_PER_GB_S}/GB-s, $0.20/1M invokes, "
@@ -756,7 +756,7 @@ def cost_part(ws: Workspace) -> None:
     doc["cost"] = {
         "params": asdict(p),
         "engine_settings": eng,
-        "sizing": "functions.fedavg.sizing" if sizing else sizing_why,
+        "sizing": "shardfold.functions.fedavg.sizing" if sizing else sizing_why,
         "designs": [asdict(d) for d in designs],
         "crossover": cross,
         "tree_limits": limits,

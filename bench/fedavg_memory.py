@@ -199,8 +199,8 @@ def print_memory_table(ws: Workspace, mem_rows: list[dict]) -> None:
         + (f": {max(base) / MiB:,.0f} MiB for the shard task" if base else "")
         + (f", {max(fbase) / MiB:,.0f} MiB for Flower" if fbase else "")
         + "); 'arena max 1': the same shard task with MALLOC_ARENA_MAX=1; 'planned task': "
-        "functions.fedavg.sizing.task_loads for this plan (local store) less its assumed runtime, to set "
-        "beside 'of which task'"
+        "shardfold.functions.fedavg.sizing.task_loads for this plan (local store) less its assumed "
+        "runtime, to set beside 'of which task'"
     )
     errs = [
         (r["n"], k, r[k]["max_rel_err_vs_float64"])

@@ -34,8 +34,8 @@ MB = 1e6
 
 def run(doc: dict, repeats: int, timeout_s: float) -> dict:
     """Submit ``doc`` ``repeats`` times on one local client; the best run, its result and task records."""
-    from client import Client
-    from functions import store, telemetry
+    from shardfold.client import Client
+    from shardfold.functions import store, telemetry
 
     best: dict = {}
     with Client() as client:

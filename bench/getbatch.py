@@ -275,10 +275,12 @@ class ModeC0(ModeC):
 class ModeD:
     def __init__(self, ctx: Ctx):
         try:
-            store = importlib.import_module("functions.store")
+            store = importlib.import_module("shardfold.functions.store")
             get_batch = store.get_batch
         except Exception as exc:
-            raise Skip(f"functions.store.get_batch not importable: {type(exc).__name__}: {exc}") from exc
+            raise Skip(
+                f"shardfold.functions.store.get_batch not importable: {type(exc).__name__}: {exc}"
+            ) from exc
         self.ctx = ctx
         self.get_batch = get_batch
         self.kw = {}
@@ -289,7 +291,7 @@ class ModeD:
         if ctx.d_concurrency:
             self.kw["concurrency"] = ctx.d_concurrency
         try:
-            default = importlib.import_module("functions.store.batch").DEFAULT_CONCURRENCY
+            default = importlib.import_module("shardfold.functions.store.batch").DEFAULT_CONCURRENCY
         except Exception:
             default = "?"
         self.concurrency_note = str(ctx.d_concurrency) if ctx.d_concurrency else f"eng {default}"
@@ -316,16 +318,16 @@ class ModeE:
     def __init__(self, ctx: Ctx):
         try:
             client_mod = importlib.import_module("client")
-            self.store = importlib.import_module("functions.store")
+            self.store = importlib.import_module("shardfold.functions.store")
             client_cls = client_mod.Client
         except Exception as exc:
             raise Skip(
-                f"client.Client / functions.store not importable: {type(exc).__name__}: {exc}"
+                f"client.Client / shardfold.functions.store not importable: {type(exc).__name__}: {exc}"
             ) from exc
         self.ctx = ctx
         try:
             self.concurrency_note = (
-                f"eng {importlib.import_module('functions.store.batch').DEFAULT_CONCURRENCY}"
+                f"eng {importlib.import_module('shardfold.functions.store.batch').DEFAULT_CONCURRENCY}"
             )
         except Exception:
             self.concurrency_note = "engine"

@@ -70,7 +70,7 @@ from benchutil import (  # noqa: E402
     reset_peak,
 )
 
-from orchestrator.container_server import NAME as CONTAINER_NAME  # noqa: E402  (a forked container's name)
+from shardfold.orchestrator.container_server import NAME as CONTAINER_NAME  # noqa: E402  (a forked container's name)
 
 RESULTS = HERE / "results" / "inference.json"
 SEED = 2026
@@ -308,11 +308,11 @@ def run_b(texts: list[str], lengths: list[int]) -> dict[str, Any]:
 
 def _shardfold_imports() -> tuple[Any, Any]:
     """The client and the inference kind; raises ImportError with a note when the kind is not there."""
-    import functions.inference  # noqa: F401
-    from client import Client
-    from functions.inference.spec import InferenceJob  # noqa: F401
+    from shardfold.client import Client
+    from shardfold.functions import inference
+    from shardfold.functions.inference.spec import InferenceJob  # noqa: F401
 
-    return Client, functions.inference
+    return Client, inference
 
 
 def _write_corpus(texts: list[str], path: Path) -> None:
@@ -354,7 +354,7 @@ def _first_marker_watch(job_dir_glob: Path, t0: float) -> tuple[Any, dict]:
 
 
 def _load_output(result: dict[str, Any]) -> tuple[int, float]:
-    from client.inference import load
+    from shardfold.client.inference import load
 
     ids, emb = load(result)
     return len(ids), float(abs(emb).sum())
@@ -394,8 +394,8 @@ def run_d(texts: list[str], lengths: list[int], shard_rows: int) -> dict[str, An
 def staged_workflow() -> Any:
     """The inference workflow with a barrier: its Parallel's branches run one after the other (every CPU
     task, then the worker), everything else unchanged: the Ray Data-staged analogue."""
-    from functions.inference.workflow import WORKFLOW
-    from functions.workflow import Parallel, Workflow
+    from shardfold.functions.inference.workflow import WORKFLOW
+    from shardfold.functions.workflow import Parallel, Workflow
 
     steps: list[Any] = []
     for step in WORKFLOW.steps:
@@ -410,7 +410,7 @@ def run_c(texts: list[str], lengths: list[int], shard_rows: int) -> dict[str, An
     """Stage-at-a-time: the same job on the same local executor, with the CPU stage completing before the
     worker starts (:func:`staged_workflow`)."""
     _shardfold_imports()
-    from orchestrator.local import LocalExecutor
+    from shardfold.orchestrator.local import LocalExecutor
 
     home = Path(os.environ["SHARDFOLD_HOME"])
     home.mkdir(parents=True, exist_ok=True)
@@ -454,9 +454,9 @@ def client_result(home: Path, job_id: str) -> dict[str, Any]:
 
 
 def _stage_job_files(store_root: str, spec: dict) -> tuple[str, str]:
-    from functions import store
-    from functions.jobs import new_job_id, spec_key
-    from functions.store.uri import join
+    from shardfold.functions import store
+    from shardfold.functions.jobs import new_job_id, spec_key
+    from shardfold.functions.store.uri import join
 
     job_id = new_job_id("inference")
     spec_uri = join(store_root, spec_key(job_id))
@@ -471,8 +471,8 @@ def run_recovery(texts: list[str], lengths: list[int], shard_rows: int) -> dict[
     import psutil
 
     Client, _ = _shardfold_imports()
-    from functions import store
-    from functions.inference import shards as layout
+    from shardfold.functions import store
+    from shardfold.functions.inference import shards as layout
 
     home = Path(os.environ["SHARDFOLD_HOME"])
     home.mkdir(parents=True, exist_ok=True)
@@ -489,7 +489,7 @@ def run_recovery(texts: list[str], lengths: list[int], shard_rows: int) -> dict[
         while time.monotonic() < deadline and not killed:
             if len(list(home.glob("jobs/*/inference/out/*/*.done"))) >= n_shards // 2:
                 for p in psutil.Process().children(recursive=True):
-                    if p.name() == CONTAINER_NAME or "functions.container" in " ".join(p.cmdline()):
+                    if p.name() == CONTAINER_NAME or "shardfold.functions.container" in " ".join(p.cmdline()):
                         p.kill()
                         killed = {"pid": p.pid, "at_s": time.perf_counter() - t0}
             time.sleep(0.02)

@@ -174,14 +174,14 @@ def kway_workload(domains: Sequence[int], ways: int, prefix: Sequence[int] = ())
 
 def attribute_matrix(kind: str, n: int):
     """One attribute's query matrix: the rows of ours (functions.dpquery.smasher.attribute_queries)."""
-    from functions.dpquery.smasher import attribute_queries
+    from shardfold.functions.dpquery.smasher import attribute_queries
 
     return attribute_queries(kind, n)
 
 
 def query_count(domains: Sequence[int], workload: Workload) -> int:
     """An entry has ∏ m_i queries, m_i the rows of its attributes' query matrices."""
-    from functions.dpquery.smasher import intervals
+    from shardfold.functions.dpquery.smasher import intervals
 
     rows = {}
 
@@ -354,7 +354,7 @@ def reference_rmse_in_child(
 def _ours(domains: Sequence[int], workload: Workload, privacy_cost: float) -> dict[str, Any]:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from functions.dpquery import smasher
+    from shardfold.functions.dpquery import smasher
 
     entries = normalise_workload(domains, workload)
     t0 = time.perf_counter()
@@ -391,7 +391,7 @@ def _ours_in_child(domains, workload, privacy_cost, timeout_s) -> dict[str, Any]
 def _ours_op(req: dict) -> dict:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    import functions.dpquery.smasher  # noqa: F401 - imports before the peak-memory window
+    import shardfold.functions.dpquery.smasher  # noqa: F401 - imports before the peak-memory window
 
     peak = benchutil.PeakRSS()
     out = _ours(

@@ -178,7 +178,7 @@ def run_aiobotocore(endpoint: str, keys: list[str], conc: int) -> None:
 
 
 def run_get_batch(endpoint: str, keys: list[str], conc: int, transport: object = None) -> None:
-    from functions.store import get_batch
+    from shardfold.functions.store import get_batch
 
     uris = [f"s3://{BUCKET}/{k}" for k in keys]
     sizes = [len(e.data) for e in get_batch(uris, concurrency=conc, transport=transport)]
@@ -186,7 +186,7 @@ def run_get_batch(endpoint: str, keys: list[str], conc: int, transport: object =
 
 
 def run_get_batch_boto3(endpoint: str, keys: list[str], conc: int) -> None:
-    from functions.store.transport import Boto3Transport, RoutingTransport
+    from shardfold.functions.store.transport import Boto3Transport, RoutingTransport
 
     run_get_batch(endpoint, keys, conc, RoutingTransport(Boto3Transport()))
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from client.errors import BackendError
-from client.stack import load_stack_outputs
-from functions.store.uri import store_root
+from shardfold.client.errors import BackendError
+from shardfold.client.stack import load_stack_outputs
+from shardfold.functions.store.uri import store_root
 
 Closer = Callable[[], None]
 
@@ -19,14 +19,14 @@ Closer = Callable[[], None]
 def make(backend: str, stack: dict[str, Any] | str | None) -> tuple[Any, str, list[Closer]]:
     """``(executor, store_root, closers)`` for a backend; closers release it (last first)."""
     if backend == "local":
-        from orchestrator.local import LocalExecutor
+        from shardfold.orchestrator.local import LocalExecutor
 
         root = store_root()
         executor = LocalExecutor(store_root=root)
         return executor, root, _closers_of(executor)
     if backend == "aws":
         outputs = load_stack_outputs(stack)  # first: a missing stack is the error to show
-        from orchestrator.aws import AwsExecutor
+        from shardfold.orchestrator.aws import AwsExecutor
 
         executor = AwsExecutor(outputs)
         return executor, f"s3://{outputs['bucket']}", _closers_of(executor)
@@ -43,10 +43,10 @@ def _closers_of(executor: Any) -> list[Closer]:
 def _moto() -> tuple[Any, str, list[Closer]]:
     """A whole Shardfold stack inside moto (bucket, functions, state machines), driven by the AWS executor."""
     try:
-        from orchestrator import moto_harness
+        from shardfold.orchestrator import moto_harness
     except ImportError as exc:  # moto is a dev dependency
         raise BackendError(f"the moto backend needs the dev extra ('shardfold[dev]'): {exc}") from exc
-    from orchestrator.aws import AwsExecutor
+    from shardfold.orchestrator.aws import AwsExecutor
 
     stack = moto_harness.MotoStack()
     outputs = stack.start()
@@ -56,9 +56,9 @@ def _moto() -> tuple[Any, str, list[Closer]]:
 
 def compile_asl(kind: str, *, region: str, account: str, stage: str) -> dict[str, Any]:
     """The validated ASL of ``kind``'s workflow, with ARNs from the naming scheme."""
-    from functions.errors import PlanError
-    from functions.kinds import WORKFLOWS
-    from orchestrator.asl import NamingResolver, compile_workflow, validate
+    from shardfold.functions.errors import PlanError
+    from shardfold.functions.kinds import WORKFLOWS
+    from shardfold.orchestrator.asl import NamingResolver, compile_workflow, validate
 
     if kind not in WORKFLOWS:
         raise PlanError(f"no workflow for job kind {kind!r}; known: {', '.join(sorted(WORKFLOWS)) or 'none'}")
@@ -72,6 +72,6 @@ def compile_asl(kind: str, *, region: str, account: str, stage: str) -> dict[str
 
 def handler_target(function: str) -> str:
     """``module:function`` registered for a workflow function name such as ``getbatch.prepare``."""
-    from orchestrator.registry import handler_path
+    from shardfold.orchestrator.registry import handler_path
 
     return handler_path(function)

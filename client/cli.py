@@ -15,6 +15,7 @@ cells) goes through :func:`_t` first, so ``[/]`` or ``[link=...]`` in it prints 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import logging
 import os
@@ -31,18 +32,20 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from functions.errors import ShardfoldError
-from functions.report import STEP_COLUMNS, step_row
-from functions.report import tables as report_tables
-from functions.tables import Table as TextTable
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.extras import MissingExtra
+from shardfold.functions.report import STEP_COLUMNS, step_row
+from shardfold.functions.report import tables as report_tables
+from shardfold.functions.tables import Table as TextTable
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 BACKEND_CHOICES = click.Choice(["local", "aws", "moto"])
-REPO_EVENTS = Path(__file__).resolve().parent.parent / "events"
+# The sample events and specs, shipped in the wheel as shardfold.events (the repository's events/ folder).
+SAMPLE_EVENTS = Path(str(importlib.resources.files("shardfold.events")))
 # Handlers that are not workflow steps (so not in orchestrator.registry) but can be invoked like one.
-EXTRA_HANDLERS = {"dispatch": "functions.trigger:handler"}
+EXTRA_HANDLERS = {"dispatch": "shardfold.functions.trigger:handler"}
 LOGS_POLL_S = 1.0  # how often `shardfold logs --follow` looks for new lines
 
 
@@ -108,8 +111,8 @@ def backend_option(f: Any) -> Any:
 
 
 def _client(backend: str, stack: str | None = None) -> Any:
-    from client import Client
-    from client.errors import BackendError
+    from shardfold.client import Client
+    from shardfold.client.errors import BackendError
 
     if stack is not None and backend != "aws":
         raise BackendError(
@@ -217,7 +220,7 @@ def _numeric(v: Any) -> bool:
 
 def _print_result(result: dict[str, Any]) -> None:
     """The result as its kind's view shows it (:attr:`functions.kinds.JobKind.result_view`)."""
-    from functions import kinds
+    from shardfold.functions import kinds
 
     kind = result.get("kind")
     view = kinds.find(kind).result_view(result) if kind in kinds.packages() else None
@@ -236,7 +239,7 @@ def _wait_and_report(job: Any) -> None:
     style = _state_style(status.state)
     out.print(f"job [bold]{_t(job.job_id)}[/] [{style}]{_t(status.state)}[/]")
     if status.state != "SUCCEEDED":
-        from client.errors import JobFailed
+        from shardfold.client.errors import JobFailed
 
         raise JobFailed(
             f"job {job.job_id} {status.state.lower()}: {status.error or 'no error recorded'}"
@@ -305,7 +308,7 @@ def run(spec: str, backend: str, stack: str | None, no_wait: bool, quiet: bool, 
 
 def _print_model() -> None:
     """The prices and model numbers behind every estimate (functions.pricing.MODEL), with their sources."""
-    from functions import pricing
+    from shardfold.functions import pricing
 
     table = Table(title="what the estimate assumes", title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("number", "value", "unit", "source"):
@@ -432,7 +435,7 @@ def jobs(
 
 
 def _submitted(status: Any) -> str:
-    from functions.jobs import submitted_at
+    from shardfold.functions.jobs import submitted_at
 
     return submitted_at(status.job_id) or status.started_at or ""
 
@@ -496,7 +499,7 @@ def report(job_id: str, backend: str, stack: str | None, as_json: bool, html: st
     with _client(backend, stack) as client:
         doc = client.job(job_id).report()
     if html:
-        from client.report_html import render
+        from shardfold.client.report_html import render
 
         Path(html).write_text(render(doc))
     if as_json:
@@ -596,7 +599,7 @@ def clean(backend: str, stack: str | None, older_than: float, failed: bool) -> N
 @click.option("--stage", default="dev", show_default=True, help="stage suffix of the function names")
 def asl(kind: str, region: str, account: str, stage: str) -> None:
     """Print the Amazon States Language of KIND's workflow (JSONPath, validated)."""
-    from client.backends import compile_asl
+    from shardfold.client.backends import compile_asl
 
     out.print_json(json.dumps(compile_asl(kind, region=region, account=account, stage=stage)))
 
@@ -612,7 +615,7 @@ def stack_name_option(f: Any) -> Any:
 
 
 def _deploy_stack_name(stack_name: str | None) -> str:
-    from client import stack as st
+    from shardfold.client import stack as st
 
     if os.environ.get("SHARDFOLD_PULUMI_STACK"):
         raise st.DeployError(
@@ -631,7 +634,7 @@ def deploy_cmd(stack_name: str | None, yes: bool) -> None:
     Needs the Pulumi CLI (logged in) and AWS credentials; `--backend aws --stack NAME` then uses the saved
     outputs (in ~/.config/shardfold/stacks/NAME.json; `shardfold stack list` shows them).
     """
-    from client import stack as st
+    from shardfold.client import stack as st
 
     name = _deploy_stack_name(stack_name)
     ident = st.check_deploy_prerequisites()
@@ -659,7 +662,7 @@ def destroy_cmd(stack_name: str | None, yes: bool) -> None:
     A bucket that still holds objects is deleted only with `shardfold:forceDestroy` set; otherwise Pulumi
     stops at it: empty it (or set the key and `shardfold deploy` again) and re-run.
     """
-    from client import stack as st
+    from shardfold.client import stack as st
 
     name = _deploy_stack_name(stack_name)
     ident = st.check_deploy_prerequisites()
@@ -682,7 +685,7 @@ def stack_group() -> None:
 @stack_group.command("list")
 def stack_list() -> None:
     """The stacks with saved outputs: name, bucket, region and file."""
-    from client import stack as st
+    from shardfold.client import stack as st
 
     names = st.known_stacks()
     if not names:
@@ -708,7 +711,7 @@ def stack_list() -> None:
 @click.argument("name", required=False)
 def stack_show(name: str | None) -> None:
     """Print the saved outputs of stack NAME ($SHARDFOLD_STACK; default dev) as JSON."""
-    from client import stack as st
+    from shardfold.client import stack as st
 
     out.print_json(json.dumps(st.load_stack_outputs(st.stack_name(name))))
 
@@ -719,7 +722,7 @@ def stack_show(name: str | None) -> None:
 def stack_import(name: str, file: str) -> None:
     """Save the outputs JSON FILE (`pulumi stack output --json`, or an old ./.shardfold/stack.json) as stack
     NAME's, for `--stack NAME`."""
-    from client import stack as st
+    from shardfold.client import stack as st
 
     path = st.import_stack_outputs(name, file)
     out.print(f"[green]imported[/] {_t(file)} as stack {_t(name)} ({_t(path)})", soft_wrap=True)
@@ -727,18 +730,23 @@ def stack_import(name: str, file: str) -> None:
 
 def _find_event(event: str) -> Path:
     candidates = [Path(event)]
-    for base in (Path("events"), REPO_EVENTS):
+    for base in (Path("events"), SAMPLE_EVENTS):
         candidates += [base / event, base / f"{event}.json"]
+    if event.startswith("events/"):  # the README's spelling, run where there is no events/ folder
+        candidates += [SAMPLE_EVENTS / event.removeprefix("events/")]
     for path in candidates:
         if path.is_file():
             return path
-    raise ShardfoldError(f"no event file {event!r} (looked in ., events/ and {REPO_EVENTS})")
+    samples = sorted(p.stem for p in SAMPLE_EVENTS.glob("*.json"))
+    raise ShardfoldError(
+        f"no event file {event!r} (looked in ., events/ and the samples: {', '.join(samples)})"
+    )
 
 
 def _resolve_handler(name: str) -> str:
     """The ``module:function`` path of a registered name, an extra handler, or a path given as such."""
-    from client.backends import handler_target
-    from orchestrator.registry import import_handler
+    from shardfold.client.backends import handler_target
+    from shardfold.orchestrator.registry import import_handler
 
     target = EXTRA_HANDLERS.get(name) or (name if ":" in name else handler_target(name))
     try:
@@ -757,15 +765,15 @@ def _stage_event(payload: Any, path: Path) -> Any:
     """
     if not isinstance(payload, dict) or "job_id" not in payload:
         return payload
-    from functions.jobs import spec_key
-    from functions.store.uri import join as uri_join
-    from functions.store.uri import store_root as local_root
+    from shardfold.functions.jobs import spec_key
+    from shardfold.functions.store.uri import join as uri_join
+    from shardfold.functions.store.uri import store_root as local_root
 
     root = payload.setdefault("store_root", local_root())
     spec_uri = payload.get("spec_uri")
     if isinstance(spec_uri, str) and spec_uri.startswith(("./", "../")):
-        from client.sdk import validate_spec
-        from functions import store
+        from shardfold.client.sdk import validate_spec
+        from shardfold.functions import store
 
         spec = validate_spec(path.parent / spec_uri)
         payload["spec_uri"] = uri_join(root, spec_key(payload["job_id"]))
@@ -777,10 +785,10 @@ def _dispatch_here(event: dict[str, Any]) -> None:
     """The bucket trigger on an "Object Created" event, run against the local store: the event's key is read
     under the local store root (its bucket is AWS's, which this machine need not reach), the job starts on
     the local executor through the trigger's own dispatch, and the command follows it to its end."""
-    from functions import store
-    from functions.store.uri import join as uri_join
-    from functions.store.uri import split_s3
-    from functions.trigger import dispatch, ignore_reason, spec_uri_from_event
+    from shardfold.functions import store
+    from shardfold.functions.store.uri import join as uri_join
+    from shardfold.functions.store.uri import split_s3
+    from shardfold.functions.trigger import dispatch, ignore_reason, spec_uri_from_event
 
     bucket, key = split_s3(spec_uri_from_event(event))
     with _client("local") as client:
@@ -794,7 +802,9 @@ def _dispatch_here(event: dict[str, Any]) -> None:
                 )
             err.print(f"[dim]s3://{_t(bucket)}/{_t(key)} read here as {_t(spec_uri)}[/]", soft_wrap=True)
 
-        report = dispatch(spec_uri, client.start, root=client.store_root, grants=client.grants)
+        report = dispatch(
+            spec_uri, client.start, root=client.store_root, grants=client.grants, runs_here=client.runs_here
+        )
         out.print_json(json.dumps(report))
         if "job_id" in report:
             final = client.job(report["job_id"]).wait(progress=False)
@@ -810,7 +820,7 @@ def _dispatch_here(event: dict[str, Any]) -> None:
 @click.argument("kind")
 def schema(kind: str) -> None:
     """Print the JSON Schema of KIND's spec (for an editor's completion and checks of spec files)."""
-    from functions import kinds
+    from shardfold.functions import kinds
 
     out.print_json(json.dumps(kinds.find(kind).spec.model_json_schema()))
 
@@ -826,7 +836,7 @@ def invoke(handler: str, event: str) -> None:
     out, the 256 KiB state limit, a Lambda context. Prints its JSON result, or a Lambda-style error object
     (exit 1).
     """
-    from orchestrator.invoke import HandlerFailed, call
+    from shardfold.orchestrator.invoke import HandlerFailed, call
 
     target = _resolve_handler(handler)
     path = _find_event(event)
@@ -856,7 +866,7 @@ def _watch_status_update(report_path: Path, job: Any) -> bool:
     data["state"] = st.state
     if st.error:
         data["error"] = st.error
-    from functions import store
+    from shardfold.functions import store
 
     store.put_json(report_path.resolve().as_uri(), data)
     return st.state in ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -872,7 +882,7 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
 
     Writes <name>.status.json (job id, state) or <name>.error.json (every validation error) beside each spec.
     """
-    from functions.trigger import REPORT_SUFFIXES, dispatch, report_uris
+    from shardfold.functions.trigger import REPORT_SUFFIXES, dispatch, report_uris
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -898,6 +908,7 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                             root=client.store_root,
                             deployed=client.deployed,
                             grants=client.grants,
+                            runs_here=client.runs_here,
                         )
                     except ShardfoldError as exc:  # e.g. the store did not answer: report, keep watching
                         err.print(f"[red]✗[/] {name}: {_t(exc)} (save it again to retry)", soft_wrap=True)
@@ -946,19 +957,26 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
 @click.option("--progress/--no-progress", default=True, help="draw progress bars")
 def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
     """Run every job kind end to end on generated data (local backend) and verify the outputs."""
-    from client.demo import DEMOS
+    from shardfold.client.demo import DEMOS
 
     selected = kinds or tuple(DEMOS)
     unknown = [k for k in selected if k not in DEMOS]
     if unknown:
         raise ShardfoldError(f"no demo for {unknown}; available: {sorted(DEMOS)}")
-    rows = []
+    rows, skipped, failed = [], {}, {}
     with _client("local") as client:
         for kind in selected:
             out.print(f"[bold]{_t(kind)}[/]: generating its inputs and running the job")
-            rows.append(
-                DEMOS[kind](client, items=n_items, wait=lambda job: job.wait(progress=progress, console=err))
-            )
+            try:
+                rows.append(
+                    DEMOS[kind](
+                        client, items=n_items, wait=lambda job: job.wait(progress=progress, console=err)
+                    )
+                )
+            except MissingExtra as exc:  # not installed here: the others still run
+                skipped[kind] = str(exc)
+            except ShardfoldError as exc:  # failed: said below, after what the others did
+                failed[kind] = str(exc)
     # collapsed padding keeps the table within 80 columns, the width rich assumes when output is piped
     table = Table(
         title="shardfold demo (local backend)",
@@ -994,6 +1012,12 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
         for check in r.checks:
             out.print(f"[green]✓[/] {_t(r.kind)}: {_t(check)}")
         out.print(f"  {_t(r.kind)} job {_t(r.job_id)}: `shardfold result {_t(r.job_id)}`", soft_wrap=True)
+    for kind, why in skipped.items():
+        out.print(f"[yellow]-[/] {_t(kind)}: skipped: {_t(why)}", soft_wrap=True)
+    for kind, why in failed.items():
+        out.print(f"[red]✗[/] {_t(kind)}: {_t(why)}", soft_wrap=True)
+    if failed:
+        sys.exit(1)
 
 
 def main() -> None:

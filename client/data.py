@@ -17,10 +17,10 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from torch.utils.data import Dataset
 
-from functions import store
-from functions.errors import BatchItemError
-from functions.specs import BatchItem
-from functions.store.uri import join, store_root
+from shardfold.functions import store
+from shardfold.functions.errors import BatchItemError
+from shardfold.functions.specs import BatchItem
+from shardfold.functions.store.uri import join, store_root
 
 logger = Logger(service="shardfold")
 
@@ -83,7 +83,7 @@ class GetBatchDataset(Dataset):
         """
         pid = os.getpid()
         if self._pid != pid:
-            from functions.store.transport import default_transport
+            from shardfold.functions.store.transport import default_transport
 
             self._transport = default_transport()
             self._pid = pid

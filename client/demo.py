@@ -20,9 +20,9 @@ import ml_dtypes
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from functions import store
-from functions.dpquery.spec import marginal_name
-from functions.errors import ShardfoldError
+from shardfold.functions import extras, store
+from shardfold.functions.dpquery.spec import marginal_name
+from shardfold.functions.errors import ShardfoldError
 
 logger = Logger(service="shardfold")
 
@@ -338,6 +338,7 @@ def demo_dpquery(client: Any, items: int = 0, wait: Callable[[Any], Any] | None 
 
     Each run is a new synthetic dataset with its own ledger id (``demo-people-<run>``) and a total budget
     of one job, so the demo never runs out of budget and never re-spends a dataset's."""
+    extras.require("dp", "the dpquery demo")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -457,7 +458,8 @@ def demo_inference(client: Any, items: int = 0, wait: Callable[[Any], Any] | Non
     """Embed a generated corpus of :data:`DEMO_INFERENCE_ROWS` sentences (of at most
     :data:`DEMO_INFERENCE_MAX_WORDS` words) with the built-in ``minilm`` model
     (``items`` is getbatch's) and check the output: every id once, in input order, unit-norm embeddings."""
-    from client.inference import load
+    extras.require("inference", "the inference demo")
+    from shardfold.client.inference import load
 
     rows = inference_corpus(DEMO_INFERENCE_ROWS, seed=5, max_words=DEMO_INFERENCE_MAX_WORDS)
     key = f"{DEMO_PREFIX}/inference/corpus.jsonl"

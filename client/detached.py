@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from client.sdk import Client
+from shardfold.client.sdk import Client
 
 
 def main(argv: list[str]) -> int:

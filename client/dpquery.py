@@ -40,12 +40,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from functions import store
-from functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name, schema_order
-from functions.errors import ShardfoldError, SpecError
-from functions.jobs import spec_key
-from functions.ledger import DATASET_ID
-from functions.privacy import REPORT_DELTA
+from shardfold.functions import store
+from shardfold.functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name, schema_order
+from shardfold.functions.errors import ShardfoldError, SpecError
+from shardfold.functions.jobs import spec_key
+from shardfold.functions.ledger import DATASET_ID
+from shardfold.functions.privacy import REPORT_DELTA
 
 
 class LabelledArray(NamedTuple):
@@ -159,7 +159,7 @@ def _selection(attribute: Any, chosen: Any) -> np.ndarray:
 
 def _bin_bounds(attribute: Any) -> tuple[np.ndarray, np.ndarray]:
     """Each bin's first and last value of a range attribute (the tables' ``_lo``/``_hi``)."""
-    from functions.dpquery.reconstruct import attribute_bounds
+    from shardfold.functions.dpquery.reconstruct import attribute_bounds
 
     lo, hi = attribute_bounds(attribute)
     return np.asarray(lo[: attribute.declared_size], dtype=np.int64), np.asarray(
@@ -205,7 +205,7 @@ class KroneckerQuery:
     @property
     def factors(self) -> list[np.ndarray]:
         """The Kronecker factors, E_{n_i} or B_i ((n_i−1)×n_i, read-only), one per attribute, in order."""
-        from functions.dpquery.measure import contrasts
+        from shardfold.functions.dpquery.measure import contrasts
 
         given = self.strategies or (None,) * len(self.sizes)
         return [contrasts(n) if b is None else b for n, b in zip(self.sizes, given, strict=True)]
@@ -349,7 +349,7 @@ class DPQuery:
     def spec(self, spec: Any) -> DPQueryJob:
         """The validated :class:`DPQueryJob` of ``spec`` (a model, a dict, JSON text or a ``.json`` file
         path, whose ``./`` URIs are then relative to the file). Reads nothing but the spec file."""
-        from client.sdk import validate_spec
+        from shardfold.client.sdk import validate_spec
 
         parsed = validate_spec(spec)
         if not isinstance(parsed, DPQueryJob):
@@ -364,7 +364,7 @@ class DPQuery:
         ``rmse``, largest per-cell standard deviation, ``privacy``); ``plan.privacy_report()`` gives ρ and ε
         at δ by CKS and by the exact Gaussian curve; ``plan.var[j]`` is the predicted per-cell variance of
         workload marginal ``j`` (attributes ``plan.marginal(j)``, indices into the schema)."""
-        from functions.dpquery import planner
+        from shardfold.functions.dpquery import planner
 
         return planner.plan(self.spec(spec))
 
@@ -373,7 +373,7 @@ class DPQuery:
         For a marginal of prefix or range queries, ``cells`` counts its answers and ``variance`` is their
         mean (``std_error``: their RMSE)."""
         parsed = self.spec(spec)
-        from functions.dpquery import planner
+        from shardfold.functions.dpquery import planner
 
         pl = planner.plan(parsed)
         names = [a.name for a in parsed.attributes]
@@ -474,7 +474,7 @@ class DPQuery:
     # -- downstream inference: the measurements and the covariance of the estimates -----------------------
 
     def _job_plan(self, result: Any) -> tuple[str, dict, Any]:
-        from functions.dpquery import core
+        from shardfold.functions.dpquery import core
 
         job_id = self._result(result)["job_id"]
         doc, pl = core.load_plan(self._client.store_root, job_id)
@@ -492,8 +492,8 @@ class DPQuery:
 
         Reads every measurement object of the job (8 bytes per noise sample: ``result["report"]
         ["noise_samples"]``); refused above ``max_samples`` samples (None: no limit)."""
-        from functions.dpquery import core
-        from functions.dpquery import measure as mz
+        from shardfold.functions.dpquery import core
+        from shardfold.functions.dpquery import measure as mz
 
         job_id, doc, pl = self._job_plan(result)
         total = pl.total_noise_samples
@@ -575,8 +575,8 @@ class DPQuery:
         measurement; a piece that is zero (a query constant along an attribute) needs nothing. A piece on a
         set the release did not measure is refused, naming what is missing. A query that is one of the
         release's answers gets that answer's estimate and standard error."""
-        from functions.dpquery import core
-        from functions.dpquery.smasher import PIECE_ROUNDING, pieces
+        from shardfold.functions.dpquery import core
+        from shardfold.functions.dpquery.smasher import PIECE_ROUNDING, pieces
 
         job_id, doc, pl = self._job_plan(result)
         spec = self.spec(store.get_json(self._client.uri(spec_key(job_id))))
@@ -642,8 +642,8 @@ class DPQuery:
         ``release`` is a result, a :class:`client.Job` or job id, or a plan (:meth:`plan`: before running);
         ``a``, ``b`` name workload marginals as in :meth:`tables`. For small releases: refused above
         :data:`functions.dpquery.reconstruct.COVARIANCE_MAX_ENTRIES` entries (4,000,000)."""
-        from functions.dpquery import reconstruct as rc
-        from functions.dpquery.planner import Plan
+        from shardfold.functions.dpquery import reconstruct as rc
+        from shardfold.functions.dpquery.planner import Plan
 
         pl = release if isinstance(release, Plan) else self._job_plan(release)[2]
         if pl.marg_types is not None:
@@ -688,8 +688,8 @@ class DPQuery:
         * ``epsilon``: ε of ``spent`` at ``delta`` by the CKS bound (zCDP composes by adding ρ);
         * ``jobs``: one entry per job: ``job_id``, ``reserved``, ``spent`` (None while unfinished).
         """
-        from functions import ledger
-        from functions.privacy import cdp_eps
+        from shardfold.functions import ledger
+        from shardfold.functions.privacy import cdp_eps
 
         if not isinstance(dataset_id, str) or not re.fullmatch(DATASET_ID, dataset_id):
             raise SpecError(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functions.errors import ShardfoldError
+from shardfold.functions.errors import ShardfoldError
 
 
 class JobFailed(ShardfoldError):

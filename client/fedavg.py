@@ -26,13 +26,13 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from functions import store
-from functions.errors import ShardfoldError, SpecError
-from functions.fedavg.layout import DTYPES
-from functions.fedavg.spec import FedAvgClient, FedAvgJob
-from functions.ledger import DATASET_ID
-from functions.specs import parse_spec
-from functions.store.uri import resolve
+from shardfold.functions import extras, store
+from shardfold.functions.errors import ShardfoldError, SpecError
+from shardfold.functions.fedavg.layout import DTYPES
+from shardfold.functions.fedavg.spec import FedAvgClient, FedAvgJob
+from shardfold.functions.ledger import DATASET_ID
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import resolve
 
 # safetensors dtype tags numpy has no type for, decoded with ml_dtypes (safetensors.numpy cannot load them)
 _EXTRA_DTYPES = {
@@ -209,7 +209,8 @@ class FedAvg:
         """Join a secure round: make this client's X25519 key pair, publish the public key at
         ``<round_prefix>/keys/<client_id>.pub`` and return the private key (32 bytes; keep it secret, and
         keep it until :meth:`mask_update`). Every client of the round publishes before any masks."""
-        from client import secagg
+        extras.require("secure", "secure aggregation")
+        from shardfold.client import secagg
 
         _check_client_id(client_id)
         private = secagg.new_private_key()
@@ -247,8 +248,9 @@ class FedAvg:
         sum of all of them, so the job (``"secure": true``) learns the mean and no single update. Integer
         and bool tensors cannot be masked: leave them out. ``seed`` seeds the rounding (tests only).
         """
-        from client import secagg as masks
-        from functions.fedavg import secagg
+        extras.require("secure", "secure aggregation")
+        from shardfold.client import secagg as masks
+        from shardfold.functions.fedavg import secagg
 
         _check_client_id(client_id)
         if not (isinstance(clip_range, int | float) and 0 < clip_range < float("inf")):

@@ -2,7 +2,7 @@
 
 Embed a corpus from the SDK::
 
-    from client import Client
+    from shardfold.client import Client
 
     with Client() as client:
         result = client.inference.run(["data/corpus.jsonl"], field="text", id_field="id")
@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from functions import store
-from functions.errors import ShardfoldError, SpecError
-from functions.inference.spec import InferenceJob
-from functions.specs import parse_spec
-from functions.store.uri import resolve
+from shardfold.functions import store
+from shardfold.functions.errors import ShardfoldError, SpecError
+from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import resolve
 
 WAIT_S = 24 * 3600.0
 
@@ -69,7 +69,7 @@ def run(
     doc = job_spec.model_dump(mode="json", exclude_none=True)
     if client is not None:
         return _run_on(client, doc, progress, timeout_s)
-    from client import Client
+    from shardfold.client import Client
 
     with Client(backend=backend) as c:
         return _run_on(c, doc, progress, timeout_s)

@@ -23,7 +23,7 @@ import math
 from html import escape
 from typing import Any
 
-from functions.report import tables
+from shardfold.functions.report import tables
 
 ROW_LIMIT = 60  # attempts drawn one per row, with a label
 LANE_LIMIT = 240  # rows of the timeline, at most (and MIN_BAND_ROWS more for each step)

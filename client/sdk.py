@@ -19,16 +19,16 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from pydantic import BaseModel
 
-from client import telemetry_table
-from client.errors import BackendError, JobFailed, JobNotFinished
-from functions import kinds, report, store, telemetry
-from functions.access import Grants
-from functions.errors import JobNotFound, ShardfoldError, SpecError
-from functions.estimate import Estimate
-from functions.jobs import kind_of, result_key, spec_key
-from functions.specs import BatchItem, JobSpec, dump_spec, parse_spec
-from functions.store.uri import join
-from functions.submit import check, submit
+from shardfold.client import telemetry_table
+from shardfold.client.errors import BackendError, JobFailed, JobNotFinished
+from shardfold.functions import extras, kinds, report, store, telemetry
+from shardfold.functions.access import Grants
+from shardfold.functions.errors import JobNotFound, ShardfoldError, SpecError
+from shardfold.functions.estimate import Estimate
+from shardfold.functions.jobs import kind_of, result_key, spec_key
+from shardfold.functions.specs import BatchItem, JobSpec, dump_spec, parse_spec
+from shardfold.functions.store.uri import join
+from shardfold.functions.submit import check, submit
 
 logger = Logger(service="shardfold")
 
@@ -112,7 +112,7 @@ class Client:
         self._fedavg: Any = None
         self._dpquery: Any = None
         self._inference: Any = None
-        from client import backends  # deferred: pulls in orchestrator (and moto for backend="moto")
+        from shardfold.client import backends  # deferred: pulls in orchestrator (and moto for backend="moto")
 
         self.executor, self.store_root, self._closers = backends.make(backend, stack)
         logger.debug("client ready", extra={"backend": backend, "store_root": self.store_root})
@@ -156,6 +156,12 @@ class Client:
         return getattr(self.executor, "deployed_sizes", None)
 
     @property
+    def runs_here(self) -> bool:
+        """Whether this machine runs the jobs' tasks (the local and moto backends), and so needs the extras
+        each kind imports (``pip install 'shardfold[dp]'``, ...); on AWS the deployed images have them."""
+        return self.backend != "aws"
+
+    @property
     def grants(self) -> Grants | None:
         """What the deployment lets jobs read and write (from the stack outputs); None locally."""
         return getattr(self.executor, "grants", None)
@@ -167,7 +173,12 @@ class Client:
         """
         doc, base = load_spec_document(spec)
         return check(
-            doc, store_root=self.store_root, base_uri=base, deployed=self.deployed, grants=self.grants
+            doc,
+            store_root=self.store_root,
+            base_uri=base,
+            deployed=self.deployed,
+            grants=self.grants,
+            runs_here=self.runs_here,
         )[1]
 
     def submit(self, spec: SpecInput, *, detach: bool = False) -> Job:
@@ -186,6 +197,7 @@ class Client:
             base_uri=base,
             deployed=self.deployed,
             grants=self.grants,
+            runs_here=self.runs_here,
         )
         logger.info("job submitted", extra={"job_id": job.job_id, "kind": job.kind, "backend": self.backend})
         return Job(self, job.job_id, job.kind)
@@ -201,13 +213,13 @@ class Client:
         import subprocess
         import sys
 
-        from functions.store.uri import local_path
+        from shardfold.functions.store.uri import local_path
 
         log = local_path(self.uri(f"jobs/{job_id}/detached.log"))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "client.detached", job_id, kind, spec_uri],
+                [sys.executable, "-m", "shardfold.client.detached", job_id, kind, spec_uri],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -246,7 +258,7 @@ class Client:
         least that long ago."""
         import datetime as dt
 
-        from functions.jobs import job_key, scratch_key
+        from shardfold.functions.jobs import job_key, scratch_key
 
         states = {"SUCCEEDED", "FAILED", "CANCELLED"} if failed else {"SUCCEEDED"}
         cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than_s)
@@ -266,7 +278,7 @@ class Client:
     @property
     def fedavg(self) -> Any:
         """The ``fedavg`` helpers (:class:`client.fedavg.FedAvg`): ``save_update``, ``load``, ``run``."""
-        from client.fedavg import FedAvg  # deferred: numpy and safetensors only when used
+        from shardfold.client.fedavg import FedAvg  # deferred: numpy and safetensors only when used
 
         if self._fedavg is None:
             self._fedavg = FedAvg(self)
@@ -276,7 +288,7 @@ class Client:
     def dpquery(self) -> Any:
         """The ``dpquery`` helpers (:class:`client.dpquery.DPQuery`): ``plan`` (no data), ``run``,
         ``tables``, ``arrays``, ``budget``."""
-        from client.dpquery import DPQuery  # deferred: pyarrow and the planner only when used
+        from shardfold.client.dpquery import DPQuery  # deferred: pyarrow and the planner only when used
 
         if self._dpquery is None:
             self._dpquery = DPQuery(self)
@@ -285,7 +297,7 @@ class Client:
     @property
     def inference(self) -> Any:
         """The ``inference`` helpers (:class:`client.inference.Inference`): ``run``, ``submit``, ``load``."""
-        from client.inference import Inference  # deferred: numpy and pyarrow only when used
+        from shardfold.client.inference import Inference  # deferred: numpy and pyarrow only when used
 
         if self._inference is None:
             self._inference = Inference(self)
@@ -361,7 +373,7 @@ class Job:
         if not progress:
             status = self.client.executor.wait(self.job_id, on_progress=None, timeout_s=timeout_s)
             return self._with_kind_progress(status)
-        from client.progress import ProgressView
+        from shardfold.client.progress import ProgressView
 
         with ProgressView(self.job_id, console=console) as view:
 
@@ -407,7 +419,8 @@ class Job:
         """One row per task attempt, as a pyarrow table (``.to_pandas()`` for pandas): step, task, attempt,
         outcome and error, start and end, duration, peak memory, bytes read and written, store requests,
         retries and where the attempt's log is (see :mod:`functions.telemetry`). Merged into
-        ``jobs/<id>/telemetry.parquet`` once the job has ended."""
+        ``jobs/<id>/telemetry.parquet`` once the job has ended. Needs pyarrow (``shardfold[pandas]``)."""
+        extras.require("pandas", "job.telemetry()", modules=("pyarrow",))
         status = self.status()
         ended = status.ended_at if status.finished else None
         return telemetry_table.table(self.client.store_root, self.job_id, ended)

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from client.errors import StackNotFound
-from functions.errors import ShardfoldError
+from shardfold.client.errors import StackNotFound
+from shardfold.functions import extras
+from shardfold.functions.errors import ShardfoldError
 
 REQUIRED = ("bucket", "state_machine_arns")
 DEFAULT_STACK = "dev"
@@ -266,7 +267,7 @@ def infra_dir() -> Path:
     if not (INFRA_DIR / "Pulumi.yaml").is_file():
         raise DeployError(
             f"no Pulumi program at {INFRA_DIR}: deploy from a Shardfold checkout, installed with "
-            "`pip install -e '.[infra]'`"
+            "`pip install -e '.[aws]'` (or `make test`)"
         )
     return INFRA_DIR
 
@@ -360,7 +361,9 @@ def stack_outputs_from_pulumi(stack: str) -> dict[str, Any]:
 
 
 def check_deploy_prerequisites(region: str | None = None) -> dict[str, str]:
-    """The Pulumi CLI, the Pulumi program and AWS credentials, in that order; returns the AWS identity."""
+    """The aws extra (Pulumi's SDK, which the program imports), the Pulumi CLI, the Pulumi program and AWS
+    credentials, in that order; returns the AWS identity."""
+    extras.require("aws", "shardfold deploy")
     pulumi_cli()
     infra_dir()
     return aws_identity(region)

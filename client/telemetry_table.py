@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from functions.telemetry import read_records
+from shardfold.functions.telemetry import read_records
 
 COLUMNS = (
     "step", "task", "attempt", "outcome", "error_type", "error", "started_at", "ended_at", "duration_s",
@@ -19,7 +19,7 @@ COLUMNS = (
 
 
 def table_uri(store_root: str, job_id: str) -> str:
-    from functions.store.uri import join
+    from shardfold.functions.store.uri import join
 
     return join(store_root, "jobs", job_id, "telemetry.parquet")
 
@@ -29,7 +29,7 @@ def to_table(records: list[dict[str, Any]]) -> Any:
     ``puts`` the requests by S3's billing class)."""
     import pyarrow as pa
 
-    from functions.report import requests_by_class
+    from shardfold.functions.report import requests_by_class
 
     rows = []
     for r in records:
@@ -69,7 +69,7 @@ def table(store_root: str, job_id: str, ended_at: str | None) -> Any:
 
     import pyarrow.parquet as pq
 
-    from functions import store
+    from shardfold.functions import store
 
     uri = table_uri(store_root, job_id)
     if ended_at is not None and store.exists(uri):

@@ -19,11 +19,14 @@ if __package__ in (None, ""):
 # (module, names): classes list their public methods and properties. client.data needs torch and is
 # documented when torch is installed (the inference extra).
 SECTIONS = [
-    ("client.sdk", ["Client", "Job"]),
-    ("client.fedavg", ["FedAvg", "encode_update", "decode_update", "to_numpy", "UpdateError"]),
-    ("client.dpquery", ["DPQuery", "LabelledArray", "table_to_array", "ResidualMeasurement", "to_mbi"]),
-    ("client.inference", ["Inference", "spec", "run", "load"]),
-    ("client.data", ["GetBatchDataset"]),
+    ("shardfold.client.sdk", ["Client", "Job"]),
+    ("shardfold.client.fedavg", ["FedAvg", "encode_update", "decode_update", "to_numpy", "UpdateError"]),
+    (
+        "shardfold.client.dpquery",
+        ["DPQuery", "LabelledArray", "table_to_array", "ResidualMeasurement", "to_mbi"],
+    ),
+    ("shardfold.client.inference", ["Inference", "spec", "run", "load"]),
+    ("shardfold.client.data", ["GetBatchDataset"]),
 ]
 
 

@@ -19,7 +19,7 @@ SPEC = REPO / "events" / "dpquery.json"
 if not os.environ.get("SHARDFOLD_HOME"):
     os.environ["SHARDFOLD_HOME"] = tempfile.mkdtemp(prefix="shardfold-example-")
 
-from client import Client  # noqa: E402  (after SHARDFOLD_HOME is settled)
+from shardfold.client import Client  # noqa: E402  (after SHARDFOLD_HOME is settled)
 
 
 def main() -> None:

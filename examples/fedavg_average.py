@@ -16,7 +16,7 @@ import numpy as np
 if not os.environ.get("SHARDFOLD_HOME"):
     os.environ["SHARDFOLD_HOME"] = tempfile.mkdtemp(prefix="shardfold-example-")
 
-from client import Client  # noqa: E402  (after SHARDFOLD_HOME is settled)
+from shardfold.client import Client  # noqa: E402  (after SHARDFOLD_HOME is settled)
 
 # Examples each client trained on: FedAvg weights a client's update by it.
 NUM_EXAMPLES = [120, 80, 200]

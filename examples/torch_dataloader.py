@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from client.data import GetBatchDataset
+from shardfold.client.data import GetBatchDataset
 
 NUM_SAMPLES = 64
 SHAPE = (3, 8, 8)

@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from functions.errors import UnsafeKey
-from functions.store.uri import FILE, S3, is_file, is_s3, join, resolve, split_s3
+from shardfold.functions.errors import UnsafeKey
+from shardfold.functions.store.uri import FILE, S3, is_file, is_s3, join, resolve, split_s3
 
 SYSTEM_PREFIXES = ("ledger/", "jobs/")
 OUTPUT_PREFIXES_ENV = "SHARDFOLD_OUTPUT_PREFIXES"

@@ -26,7 +26,7 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from functions.store.retry import TransientError
+from shardfold.functions.store.retry import TransientError
 
 logger = Logger(service="shardfold")
 
@@ -58,7 +58,7 @@ def _report(exc: BaseException) -> None:
     path = os.environ.get("SHARDFOLD_STATUS_FILE")
     if not path:
         return
-    from functions.errors import ShardfoldError
+    from shardfold.functions.errors import ShardfoldError
 
     status = {"error": type(exc).__name__, "message": str(exc), "user_error": isinstance(exc, ShardfoldError)}
     with open(path, "w") as fh:

@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from functions import pricing
-from functions.errors import PlanError
-from functions.tables import Table
-from functions.workflow import BatchJob, Map, Parallel, Step, Task, Workflow
+from shardfold.functions import pricing
+from shardfold.functions.errors import PlanError
+from shardfold.functions.tables import Table
+from shardfold.functions.workflow import BatchJob, Map, Parallel, Step, Task, Workflow
 
 MiB = 1024 * 1024
 
@@ -240,7 +240,7 @@ def _join(workflow: Workflow, loads: Loads) -> None:
 
 def probe(spec: Any, store_root: str, budget: ProbeBudget = PLAN_BUDGET) -> Probe:
     """The kind's bounded look at the job's inputs."""
-    from functions import kinds
+    from shardfold.functions import kinds
 
     return kinds.find(spec.kind).sizing_module().probe(spec, store_root, budget)
 
@@ -254,7 +254,7 @@ def estimate(
     probed: Probe | None = None,
 ) -> Estimate:
     """Size and price a validated spec on its workflow; does not refuse (see :meth:`Estimate.check`)."""
-    from functions import kinds
+    from shardfold.functions import kinds
 
     kind = kinds.find(spec.kind)
     workflow = kind.workflow

@@ -31,11 +31,12 @@ from typing import Annotated, Any, Union
 
 from pydantic import Field, TypeAdapter
 
-import functions
-from functions.errors import PlanError, SpecError
-from functions.specs import StrictModel
-from functions.tables import ResultView, result_fields
-from functions.workflow import Workflow
+from shardfold import functions
+from shardfold.functions import extras
+from shardfold.functions.errors import PlanError, SpecError
+from shardfold.functions.specs import StrictModel
+from shardfold.functions.tables import ResultView, result_fields
+from shardfold.functions.workflow import Workflow
 
 EXTRA_PACKAGES_ENV = "SHARDFOLD_KIND_PACKAGES"
 
@@ -55,6 +56,8 @@ class JobKind:
     * ``handlers``: workflow function name -> ``"module:function"``, where the convention does not hold.
     * ``private_steps``: steps whose cost depends on private data; their telemetry withholds every measured
       figure (:mod:`functions.telemetry`).
+    * ``extras``: spec -> the extras of the distribution (:mod:`functions.extras`) its tasks import where
+      they run; checked at submit when they run on this machine.
     """
 
     name: str
@@ -66,6 +69,7 @@ class JobKind:
     progress: str | None = None
     handlers: Mapping[str, str] = field(default_factory=dict)
     private_steps: frozenset[str] = frozenset()
+    extras: Callable[[Any], tuple[str, ...]] = lambda spec: ()
 
     def __post_init__(self) -> None:
         if self.workflow.kind != self.name:
@@ -96,6 +100,11 @@ class JobKind:
             return self.handlers[function]
         return f"{self.package}.handlers:{function.split('.', 1)[1]}"
 
+    def require_extras(self, spec: Any) -> None:
+        """Refuse ``spec`` here, naming the extra, when this machine lacks one its tasks import."""
+        for extra in self.extras(spec):
+            extras.require(extra, f"this {self.name} job")
+
     def counters(self, store_root: str, job_id: str) -> dict[str, dict[str, int]]:
         if self.progress is None:
             return {}
@@ -111,7 +120,7 @@ _loaded: dict[str, JobKind] = {}
 def _builtin() -> dict[str, str]:
     here = Path(functions.__file__).parent
     return {
-        m.name: f"functions.{m.name}"
+        m.name: f"{functions.__name__}.{m.name}"
         for m in pkgutil.iter_modules([str(here)])
         if m.ispkg and (here / m.name / "kind.py").is_file()
     }

@@ -65,9 +65,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from functions import store
-from functions.errors import BudgetExceeded, ShardfoldError, SpecError, StoreError
-from functions.store.uri import join
+from shardfold.functions import store
+from shardfold.functions.errors import BudgetExceeded, ShardfoldError, SpecError, StoreError
+from shardfold.functions.store.uri import join
 
 DATASET_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a ledger's key (and a dataset version's name)
 MAX_ATTEMPTS = 200  # optimistic-append attempts before giving up (each lost race means progress elsewhere)

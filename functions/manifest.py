@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from functions import store
-from functions.errors import PlanError, StoreError
-from functions.store.uri import is_s3, split_s3
+from shardfold.functions import store
+from shardfold.functions.errors import PlanError, StoreError
+from shardfold.functions.store.uri import is_s3, split_s3
 
 # 50,000 children of 5 bytes ("null," the largest a child adds) stay under 262,144 bytes.
 MAX_MAP_ITEMS = 50_000

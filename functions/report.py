@@ -29,8 +29,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from functions import pricing
-from functions.tables import Table
+from shardfold.functions import pricing
+from shardfold.functions.tables import Table
 
 # S3 request classes, as S3 bills them (https://aws.amazon.com/s3/pricing/); DELETE is free.
 PUT_CLASS = frozenset(
@@ -328,10 +328,10 @@ def for_job(
     """:func:`build` for a job in the store: its admitted estimate, records, spec deadline and workflow.
     ``default_concurrency``: how many children of a Map without ``max_concurrency`` the backend runs at
     once (None: no limit, as on AWS)."""
-    from functions import kinds, store, telemetry
-    from functions.jobs import job_key
-    from functions.store.uri import join
-    from functions.workflow import BatchJob, Map
+    from shardfold.functions import kinds, store, telemetry
+    from shardfold.functions.jobs import job_key
+    from shardfold.functions.store.uri import join
+    from shardfold.functions.workflow import BatchJob, Map
 
     kind = kinds.find(status["kind"])
     estimate_uri = join(store_root, job_key(job_id, "estimate.json"))

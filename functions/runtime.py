@@ -50,9 +50,9 @@ from aws_lambda_powertools.logging.lambda_context import build_lambda_context_mo
 from aws_lambda_powertools.utilities.parser import parse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from functions import store, telemetry
-from functions.errors import SpecError
-from functions.specs import JobSpec, parse_spec
+from shardfold.functions import store, telemetry
+from shardfold.functions.errors import SpecError
+from shardfold.functions.specs import JobSpec, parse_spec
 
 logger = Logger(service="shardfold")
 

@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from functions.errors import SpecError
+from shardfold.functions.errors import SpecError
 
 
 class StrictModel(BaseModel):
@@ -97,7 +97,7 @@ def resolve_relative(value: str, base_uri: str) -> str:
 def _resolve_against_spec_file(value: str, info: ValidationInfo) -> str:
     """``value`` resolved against the spec file (if any), in normal form."""
     # Imported here: functions.store's package imports boto3, which parsing a spec does not otherwise need.
-    from functions.store.uri import normalise
+    from shardfold.functions.store.uri import normalise
 
     base = (info.context or {}).get("base_uri")
     return normalise(resolve_relative(value, base) if base else value)
@@ -114,7 +114,7 @@ def repeated_uris(uris: Sequence[str]) -> list[tuple[int, int]]:
     """``(i, j)`` for every ``uris[i]`` that names the same object as an earlier ``uris[j]`` (the first),
     compared in normal form (:func:`functions.store.uri.normalise`): ``./c``, ``c`` and ``a/../c`` are one.
     Kinds whose inputs must be distinct (fedavg's clients, inference's inputs) refuse these by field."""
-    from functions.store.uri import normalise
+    from shardfold.functions.store.uri import normalise
 
     first: dict[str, int] = {}
     repeats = []
@@ -466,7 +466,7 @@ def parse_spec(doc: dict | str | bytes, *, base_uri: str | None = None) -> JobSp
     Only the named kind's model is imported. ``base_uri`` (the URI of the spec file) resolves ``./`` and
     ``../`` URI fields against the file's location.
     """
-    from functions import kinds
+    from shardfold.functions import kinds
 
     doc = load_document(doc)
     kind = kinds.find(doc.get("kind"))

@@ -16,12 +16,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from functions import access, kinds, store
-from functions.errors import NoCredentials, ShardfoldError, SpecError
-from functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
-from functions.jobs import job_key, new_job_id, spec_key
-from functions.specs import JobSpec, UriField, dump_spec, parse_spec, uri_fields
-from functions.store.uri import join
+from shardfold.functions import access, kinds, store
+from shardfold.functions.errors import NoCredentials, ShardfoldError, SpecError
+from shardfold.functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
+from shardfold.functions.jobs import job_key, new_job_id, spec_key
+from shardfold.functions.specs import JobSpec, UriField, dump_spec, parse_spec, uri_fields
+from shardfold.functions.store.uri import join
 
 # (job_id, kind, spec_uri) -> execution id (an ARN on AWS) or None
 Starter = Callable[[str, str, str], str | None]
@@ -154,14 +154,19 @@ def check(
     deployed: Mapping[str, Any] | None = None,
     grants: access.Grants | None = None,
     budget: ProbeBudget = PLAN_BUDGET,
+    runs_here: bool = False,
 ) -> tuple[JobSpec, Estimate]:
     """Everything a submission checks, writing nothing: the spec and its estimate (``shardfold plan``).
 
+    ``runs_here``: this machine runs the job's tasks (the local and moto backends), so it must have the
+    extras its kind imports (:class:`~functions.extras.MissingExtra` names the one to install).
     An S3 endpoint that does not answer is :class:`StoreUnreachable`, naming the endpoint."""
     size = _document_bytes(doc)
     if size is not None and size > MAX_SPEC_BYTES:  # refused before the work of parsing and checking it
         raise SpecTooLarge(size)
     spec = parse_spec(doc, base_uri=base_uri)
+    if runs_here:
+        kinds.find(spec.kind).require_extras(spec)
     check_policy(spec, store_root, grants)
     check_credentials(spec, store_root)
     limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
@@ -178,9 +183,11 @@ def submit(
     base_uri: str | None = None,
     deployed: Mapping[str, Any] | None = None,
     grants: access.Grants | None = None,
+    runs_here: bool = False,
 ) -> Submitted:
     """Check ``doc``, record it under a new job id and start it; :class:`SpecError`/``PlanError`` refuse it
-    before anything is written, :class:`StoreUnreachable` says the S3 endpoint did not answer."""
+    before anything is written, :class:`StoreUnreachable` says the S3 endpoint did not answer,
+    :class:`~functions.extras.MissingExtra` that this machine (``runs_here``) lacks an extra it needs."""
     spec, est = check(
         doc,
         store_root=store_root,
@@ -188,6 +195,7 @@ def submit(
         deployed=deployed,
         grants=grants,
         budget=SUBMIT_BUDGET,
+        runs_here=runs_here,
     )
     text = json.dumps(dump_spec(spec), sort_keys=True).encode()
     if len(text) > MAX_SPEC_BYTES:  # a dict from the SDK is held to the same limit as a file

@@ -219,13 +219,13 @@ def peak_rss_mib() -> float | None:
 
 
 def prefix(store_root: str, job_id: str) -> str:
-    from functions.store.uri import join
+    from shardfold.functions.store.uri import join
 
     return join(store_root, "jobs", job_id, "telemetry")
 
 
 def record_uri(store_root: str, job_id: str, step: str, task: int | None, attempt: int) -> str:
-    from functions.store.uri import join
+    from shardfold.functions.store.uri import join
 
     return join(prefix(store_root, job_id), step, f"{'-' if task is None else task}.{attempt}.json")
 
@@ -234,8 +234,8 @@ def step_of(kind: str, function: str, map_name: str | None, batch_step: str | No
     """The workflow step a call of ``function`` runs: the one step that calls it, or the one inside the Map
     ``map_name`` (a Map child's event names its Map), or the Batch step ``batch_step`` (the container
     passes its ``SHARDFOLD_STEP``); the function's own name where the kind is not known here."""
-    from functions import kinds
-    from functions.workflow import BatchJob, Map, Task
+    from shardfold.functions import kinds
+    from shardfold.functions.workflow import BatchJob, Map, Task
 
     try:
         workflow = kinds.find(kind).workflow
@@ -262,7 +262,7 @@ def step_of(kind: str, function: str, map_name: str | None, batch_step: str | No
 
 
 def private_steps(kind: str) -> frozenset[str]:
-    from functions import kinds
+    from shardfold.functions import kinds
 
     try:
         return kinds.find(kind).private_steps
@@ -298,7 +298,7 @@ def recording(
     batch_job_id: str | None = None,
 ) -> Iterator[None]:
     """Record one attempt of a task around the ``with`` body (see the module doc)."""
-    from functions import store
+    from shardfold.functions import store
 
     global _active, _shared
     step = step_of(kind, function, map_name, batch_step)
@@ -407,7 +407,7 @@ def _dump(doc: dict[str, Any], withheld: bool) -> bytes:
 def read_records(store_root: str, job_id: str) -> list[dict[str, Any]]:
     """Every record of the job (fetched together through the GetBatch engine), ordered by step, task and
     attempt; a record a dying task left half-written is skipped."""
-    from functions import store
+    from shardfold.functions import store
 
     uris = [u for u in store.list_uris(prefix(store_root, job_id) + "/") if u.endswith(".json")]
     out = []
@@ -442,7 +442,7 @@ def _well_formed(record: Any) -> bool:
 def log_lines(record: dict[str, Any]) -> list[str]:
     """The log lines of one attempt: its log object's (tasks run outside AWS), or its lines in CloudWatch
     Logs (a Lambda invocation: the lines of its request id in its stream; a Batch job: its stream)."""
-    from functions import store
+    from shardfold.functions import store
 
     place = record.get("log") or {}
     if place.get("uri"):

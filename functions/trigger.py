@@ -28,12 +28,12 @@ from aws_lambda_powertools.utilities.parser import parse
 from aws_lambda_powertools.utilities.parser.models import S3EventNotificationEventBridgeModel
 from pydantic import ValidationError
 
-from functions import access, store
-from functions.errors import ObjectNotFound, ShardfoldError, SpecError, StoreUnreachable
-from functions.jobs import status_key
-from functions.specs import load_document
-from functions.store.uri import is_s3, join, split_s3, store_root
-from functions.submit import MAX_SPEC_BYTES, SpecTooLarge, Starter, submit
+from shardfold.functions import access, store
+from shardfold.functions.errors import ObjectNotFound, ShardfoldError, SpecError, StoreUnreachable
+from shardfold.functions.jobs import status_key
+from shardfold.functions.specs import load_document
+from shardfold.functions.store.uri import is_s3, join, split_s3, store_root
+from shardfold.functions.submit import MAX_SPEC_BYTES, SpecTooLarge, Starter, submit
 
 logger = Logger(service="shardfold")
 
@@ -98,8 +98,10 @@ def dispatch(
     root: str | None = None,
     deployed: Mapping[str, Any] | None = None,
     grants: access.Grants | None = None,
+    runs_here: bool = False,
 ) -> dict[str, Any]:
     """Validate the spec at ``spec_uri`` and start its job; return the report written beside it.
+    ``runs_here`` as for :func:`functions.submit.submit` (``watch``: the local backend).
 
     Returns ``{"ignored": reason}`` for objects that are not job specs (nothing is written then). A spec
     that fails validation (or is not JSON) yields the error report ``{"spec_uri", "error", "errors": [...]}``
@@ -144,6 +146,7 @@ def dispatch(
             base_uri=spec_uri,
             deployed=deployed,
             grants=grants,
+            runs_here=runs_here,
         )
     except StoreUnreachable:  # not the spec's fault: raise, so the event is retried (Lambda's async retry)
         raise

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from functions.errors import PlanError
+from shardfold.functions.errors import PlanError
 
 Mode = Literal["thread", "process"]
 # How a kind's Lambda functions are packaged on AWS (see Workflow.lambda_package).
@@ -97,7 +97,7 @@ class Retry:
         if bad:
             raise PlanError(
                 f"Retry may not match {sorted(bad)}: user errors must not be retried; list the transient "
-                "error names instead (see functions.workflow.PYTHON_TRANSIENT)"
+                "error names instead (see shardfold.functions.workflow.PYTHON_TRANSIENT)"
             )
         if self.interval_s < 1 or self.max_attempts < 0 or self.backoff < 1.0:
             raise PlanError("Retry needs interval_s >= 1 (ASL seconds), max_attempts >= 0 and backoff >= 1.0")

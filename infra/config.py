@@ -81,8 +81,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from functions.access import Grants
-from functions.errors import ShardfoldError
+from shardfold.functions.access import Grants
+from shardfold.functions.errors import ShardfoldError
 
 ARCHITECTURES = ("arm64", "x86_64")
 # Amazon Linux 2023 runtimes: the Lambda package is built for their glibc (infra.package).

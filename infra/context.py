@@ -9,7 +9,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra.config import StackConfig
+from shardfold.infra.config import StackConfig
 
 
 @dataclass

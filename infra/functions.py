@@ -30,11 +30,11 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from functions.access import parse_bucket_ref
-from functions.errors import ShardfoldError
-from functions.workflow import Task, Workflow
-from infra import iam
-from infra.config import (
+from shardfold.functions.access import parse_bucket_ref
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.workflow import Task, Workflow
+from shardfold.infra import iam
+from shardfold.infra.config import (
     DISPATCH,
     DISPATCH_MEMORY_MB,
     DISPATCH_TIMEOUT_S,
@@ -42,9 +42,9 @@ from infra.config import (
     StackConfig,
     size_key,
 )
-from infra.context import Component, Context, role_name_args
-from infra.package import DISPATCH_HANDLER, function_packages
-from orchestrator.registry import lambda_handler, lambda_name
+from shardfold.infra.context import Component, Context, role_name_args
+from shardfold.infra.package import DISPATCH_HANDLER, function_packages
+from shardfold.orchestrator.registry import lambda_handler, lambda_name
 
 LAMBDA_DEFAULT_EPHEMERAL_MB = 512
 
@@ -174,7 +174,7 @@ class LambdaCode:
 
     @classmethod
     def from_zip(cls, path: str | Path) -> LambdaCode:
-        from infra.package import package_report
+        from shardfold.infra.package import package_report
 
         report = package_report(path)
         # infra.package refuses these when it builds; a zip from anywhere else is checked here too.

@@ -37,18 +37,18 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from functions.container import EXIT_TRANSIENT
-from functions.errors import ShardfoldError
-from functions.workflow import BATCH_ATTEMPTS, BatchJob, Map, Parallel, Step, Workflow
-from infra import iam
-from infra.config import BATCH_SIZE_KEYS, StackConfig, size_key
-from infra.context import Component, Context
-from infra.functions import base_environment, worker_statements
-from infra.instances import placement_problem
+from shardfold.functions.container import EXIT_TRANSIENT
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.workflow import BATCH_ATTEMPTS, BatchJob, Map, Parallel, Step, Workflow
+from shardfold.infra import iam
+from shardfold.infra.config import BATCH_SIZE_KEYS, StackConfig, size_key
+from shardfold.infra.context import Component, Context
+from shardfold.infra.functions import base_environment, worker_statements
+from shardfold.infra.instances import placement_problem
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_DOCKERFILE = REPO_ROOT / "Dockerfile"
-WORKER_COMMAND = ["python", "-m", "functions.container"]
+WORKER_COMMAND = ["python", "-m", "shardfold.functions.container"]
 EX_TEMPFAIL = EXIT_TRANSIENT
 RETRY_ATTEMPTS = BATCH_ATTEMPTS  # the local executor follows the same table (orchestrator.local_batch)
 RUNNABLE_REASONS = (

@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from functions.errors import ShardfoldError
+from shardfold.functions.errors import ShardfoldError
 
 VERSION = "2012-10-17"
 
@@ -126,8 +126,8 @@ def check_policy(doc: Mapping[str, Any]) -> None:
                 bad = [a for a in actions if a not in WILDCARD_RESOURCE_ACTIONS]
                 if bad:
                     raise ShardfoldError(
-                        f"actions {bad} are granted on Resource '*'; only those in "
-                        f"infra.iam.WILDCARD_RESOURCE_ACTIONS may be: {sorted(WILDCARD_RESOURCE_ACTIONS)}"
+                        f"actions {bad} are granted on Resource '*'; only those in shardfold.infra.iam."
+                        f"WILDCARD_RESOURCE_ACTIONS may be: {sorted(WILDCARD_RESOURCE_ACTIONS)}"
                     )
             elif not resource.startswith("arn:"):
                 raise ShardfoldError(f"resource {resource!r} is not an ARN")

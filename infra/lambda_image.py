@@ -37,9 +37,9 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra import iam
-from infra.context import Component, Context
-from infra.gpu import REPO_ROOT, docker_build_available, ecr_repository, push_image
+from shardfold.infra import iam
+from shardfold.infra.context import Component, Context
+from shardfold.infra.gpu import REPO_ROOT, docker_build_available, ecr_repository, push_image
 
 LAMBDA_DOCKERFILE = REPO_ROOT / "Dockerfile.lambda"
 # Lambda's architecture -> the image platform it runs

@@ -1,19 +1,22 @@
-"""The Lambda deployment package: the ``functions`` package plus its runtime dependencies, as one zip.
+"""The Lambda deployment package: ``shardfold.functions`` plus its runtime dependencies, as one zip.
 
 :func:`build_lambda_package` pip-installs the project's runtime dependencies for Lambda's platform
 (``manylinux_2_34`` or older: the glibc of the ``python3.12`` runtime on Amazon Linux 2023), CPU
-architecture and Python version with ``--only-binary=:all:``, adds the ``functions`` package (only: no
-``client``, ``orchestrator`` or ``infra``), strips what Lambda never reads and writes a deterministic zip:
-sorted entries, fixed timestamps and permissions, so unchanged code gives byte-identical zips and Pulumi
-deploys nothing. Builds are cached under ``.shardfold/build/<key>/`` by a hash of the dependency pins, the
-architecture, the Python version and the ``functions/`` sources.
+architecture and Python version with ``--only-binary=:all:``, adds ``shardfold/__init__.py`` and the
+``functions`` folder as ``shardfold/functions/`` (only: no ``client``, ``orchestrator`` or ``infra``),
+strips what Lambda never reads and writes a deterministic zip: sorted entries, fixed timestamps and
+permissions, so unchanged code gives byte-identical zips and Pulumi deploys nothing. Builds are cached
+under ``.shardfold/build/<key>/`` by a hash of the dependency pins, the architecture, the Python version and
+the ``functions/`` sources.
 
 Choices, documented here because they decide what runs on Lambda:
 
-- **Dependencies** are ``[project] dependencies`` from ``pyproject.toml`` minus :data:`LAMBDA_EXCLUDE`
-  (packages only the client side imports; ``tests/test_lambda_package.py`` checks that ``functions/`` never
-  imports them) and minus :data:`IMAGE_ONLY` (too big for a zip: only the functions of kinds deployed as
-  container images, ``Workflow.lambda_package == "image"``, import them; they run from ``Dockerfile.lambda``).
+- **Dependencies** are ``[project] dependencies`` from ``pyproject.toml`` (the base install) minus
+  :data:`LAMBDA_EXCLUDE` (packages only the client side imports; ``tests/test_lambda_package.py`` checks that
+  ``functions/`` never imports them), plus :data:`ZIP_FROM_EXTRAS` (awscrt, GetBatch's S3 client, from the
+  ``aws`` extra). :data:`IMAGE_ONLY` (from the ``dp`` and ``inference`` extras, too big for a zip) stays out:
+  only the functions of kinds deployed as container images, ``Workflow.lambda_package == "image"``, import
+  them; they run from ``Dockerfile.lambda``, which installs the lock's ``requirements/lambda-image.txt``.
   pip resolves the dependencies of what it is given only, so whatever only an excluded package pulls in
   (cvxpy's scipy and solvers) stays out too. ``torch`` (and any ``nvidia-*``/``cuda-*``/``triton``
   distribution) is refused before and after pip runs: it belongs in the GPU worker image only.
@@ -57,20 +60,21 @@ from typing import TYPE_CHECKING, Any
 
 from aws_lambda_powertools import Logger
 
-from functions.errors import ShardfoldError
-from infra.config import DISPATCH
+from shardfold.functions.errors import ShardfoldError
+from shardfold.infra.config import DISPATCH
 
 if TYPE_CHECKING:
-    from functions.workflow import Workflow
+    from shardfold.functions.workflow import Workflow
 
 logger = Logger(service="shardfold")
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = REPO / "pyproject.toml"
-FUNCTIONS_DIR = REPO / "functions"
+FUNCTIONS_DIR = REPO / "functions"  # shardfold.functions: the zip holds it as shardfold/functions/
+PACKAGE_INIT = REPO / "shardfold" / "__init__.py"  # the import package's root (no imports: cheap in Lambda)
 BUILD_ROOT = REPO / ".shardfold" / "build"
 
-DISPATCH_HANDLER = "functions.trigger.handler"  # the bucket trigger's Handler setting
+DISPATCH_HANDLER = "shardfold.functions.trigger.handler"  # the bucket trigger's Handler setting
 LAMBDA_RUNTIME = "python3.12"  # the ``runtime`` of every Shardfold Lambda function
 LAMBDA_PYTHON_VERSION = "3.12"
 # glibc of each Python runtime's OS: python3.12 and later run on Amazon Linux 2023 (glibc 2.34), python3.11
@@ -83,16 +87,18 @@ _ARCH_ALIASES = {"aarch64": "arm64", "amd64": "x86_64", "x86-64": "x86_64"}
 LAMBDA_UNZIPPED_MAX = 262_144_000  # "250 MB" (MiB): function code plus layers, unzipped
 LAMBDA_ZIP_DIRECT_MAX = 52_428_800  # "50 MB" (MiB): a zip uploaded directly with the API (larger: via S3)
 
-# Runtime dependencies that only the client side (SDK, CLI) imports; `functions/` must not import them.
+# Dependencies that only the client side (SDK, CLI) imports; `functions/` must not import them.
 LAMBDA_EXCLUDE: dict[str, str] = {
     "click": "the CLI only",
     "rich": "the CLI only",
-    "safetensors": "client.fedavg only; the fedavg functions parse safetensors headers themselves",
-    "cryptography": "client.fedavg's secure aggregation (key agreement, masks); the job only sums",
+    "safetensors": "shardfold.client.fedavg only; the fedavg functions parse safetensors headers themselves",
+    "cryptography": "shardfold.client.fedavg's secure aggregation (the secure extra); the job only sums",
 }
-# Runtime dependencies too big for the zip (its 250 MiB limit): kept out of it, installed only in the
-# container image (Dockerfile.lambda) that the functions of `lambda_package="image"` kinds run from. Only
-# those kinds' modules may import them (tests/test_lambda_package.py checks).
+# Dependencies of extras that every Lambda function has (the zip, and so the image too): name -> extra.
+ZIP_FROM_EXTRAS: dict[str, str] = {"awscrt": "aws"}
+# Dependencies of the dp and inference extras too big for the zip (its 250 MiB limit): kept out of it,
+# installed only in the container image (Dockerfile.lambda) that the functions of `lambda_package="image"`
+# kinds run from. Only those kinds' modules may import them (tests/test_lambda_package.py checks).
 IMAGE_ONLY: dict[str, str] = {
     "opendp": "dpquery's Gaussian sampler; its native library alone is about 250 MiB unzipped",
     "pyarrow": "dpquery's datasets and output tables; about 150 MiB unzipped",
@@ -168,10 +174,19 @@ def _requirement_name(req: str) -> str:
     return canonical(match.group(1))
 
 
+def extra_requirement(name: str, extra: str, pyproject: Path | None = None) -> str:
+    """The requirement of distribution ``name`` in ``extra`` of ``pyproject.toml`` (e.g. ``awscrt>=0.27``)."""
+    project = tomllib.loads((PYPROJECT if pyproject is None else pyproject).read_text())["project"]
+    for req in project.get("optional-dependencies", {}).get(extra, []):
+        if _requirement_name(req) == canonical(name):
+            return req
+    raise PackageError(f"the {extra!r} extra of {pyproject or PYPROJECT} has no {name!r}")
+
+
 def lambda_requirements(pyproject: Path | None = None) -> list[str]:
-    """The requirements installed into the package: the project's runtime dependencies (of
-    ``pyproject.toml``) minus :data:`LAMBDA_EXCLUDE` and :data:`IMAGE_ONLY`. Refuses torch and CUDA
-    distributions."""
+    """The requirements installed into the package: the project's base dependencies (of
+    ``pyproject.toml``) minus :data:`LAMBDA_EXCLUDE` and :data:`IMAGE_ONLY`, plus :data:`ZIP_FROM_EXTRAS`.
+    Refuses torch and CUDA distributions."""
     pyproject = PYPROJECT if pyproject is None else pyproject
     if not pyproject.is_file():
         raise PackageError(f"no {pyproject}: build the Lambda package from a Shardfold checkout")
@@ -184,6 +199,7 @@ def lambda_requirements(pyproject: Path | None = None) -> list[str]:
             f"{bad} are runtime dependencies in {pyproject}, but nothing GPU-sized may go into a Lambda "
             "package; move them to the 'inference' extra (the GPU worker image installs it)"
         )
+    reqs += [extra_requirement(n, extra, pyproject) for n, extra in ZIP_FROM_EXTRAS.items()]
     return sorted(reqs, key=_requirement_name)
 
 
@@ -257,9 +273,9 @@ def _source_files(root: Path) -> list[Path]:
 
 
 def sources_digest(root: Path | None = None) -> str:
-    """sha256 over the ``functions`` package's files (paths and bytes)."""
+    """sha256 over the ``functions`` package's files (paths and bytes) and the ``shardfold`` package root."""
     root = FUNCTIONS_DIR if root is None else root
-    h = hashlib.sha256()
+    h = hashlib.sha256(PACKAGE_INIT.read_bytes())
     for path in _source_files(root):
         h.update(path.relative_to(root).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(path.read_bytes()).digest())
@@ -340,13 +356,15 @@ def _build(inputs: dict[str, Any], cache: Path) -> Path:
         _pip_install(inputs, site, work)
         _check_forbidden_installed(site)
         _strip(site)
+        (site / "shardfold").mkdir()
+        shutil.copyfile(PACKAGE_INIT, site / "shardfold" / "__init__.py")
         shutil.copytree(
             FUNCTIONS_DIR,
-            site / "functions",
+            site / "shardfold" / "functions",
             ignore=lambda d, names: [n for n in names if n in _STRIP_DIRS or n.endswith(".pyc")],
         )
         # the key names what was copied, even if functions/ changed while pip ran
-        inputs = {**inputs, "functions": sources_digest(site / "functions")}
+        inputs = {**inputs, "functions": sources_digest(site / "shardfold" / "functions")}
         entry = cache / _key(inputs)
         unzipped = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
         if unzipped > LAMBDA_UNZIPPED_MAX:
@@ -500,7 +518,7 @@ def _dist_of(names: dict[str, int], records: dict[str, list[str]]) -> dict[str, 
         dist = owner.get(name)
         if dist is None:
             top = name.split("/", 1)[0]
-            dist = FUNCTIONS_DIST if top == "functions" else f"(unowned) {top}"
+            dist = FUNCTIONS_DIST if top == "shardfold" else f"(unowned) {top}"
         sizes[dist] = sizes.get(dist, 0) + size
     return sizes
 
@@ -611,10 +629,10 @@ def function_packages(workflows: Mapping[str, Workflow] | None = None) -> dict[s
     Task functions (not BatchJob entry points, which run in the worker image), packaged as their kind's
     ``Workflow.lambda_package`` says, plus the dispatch function (always the zip). A function that two
     kinds call, one of them an image kind, runs from the image (which has every dependency)."""
-    from functions.workflow import Task
+    from shardfold.functions.workflow import Task
 
     if workflows is None:
-        from functions.kinds import WORKFLOWS
+        from shardfold.functions.kinds import WORKFLOWS
 
         workflows = WORKFLOWS
     out = {DISPATCH: "zip"}
@@ -631,7 +649,7 @@ def lambda_handlers(
     """``{Lambda function: handler setting}`` for the functions deployed from ``package``: ``"zip"`` (the
     default: the functions this module's zip must import, the dispatch function among them), ``"image"``
     (those run from ``Dockerfile.lambda``'s image) or ``None`` (all). See :func:`function_packages`."""
-    from orchestrator.registry import lambda_handler
+    from shardfold.orchestrator.registry import lambda_handler
 
     if package not in ("zip", "image", None):
         raise PackageError(f"package must be 'zip', 'image' or None, not {package!r}")

@@ -53,16 +53,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from functions.errors import ShardfoldError
-from functions.workflow import Workflow
-from infra.config import DISPATCH, StackConfig
-from infra.context import Context
-from infra.functions import ImageCode, LambdaCode, WorkerFunctions, function_specs
-from infra.gpu import GpuQueue, batch_size, batch_steps, sized_workflows
-from infra.lambda_image import LambdaImage
-from infra.storage import Storage
-from infra.trigger import Trigger
-from infra.workflows import StateMachines
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.workflow import Workflow
+from shardfold.infra.config import DISPATCH, StackConfig
+from shardfold.infra.context import Context
+from shardfold.infra.functions import ImageCode, LambdaCode, WorkerFunctions, function_specs
+from shardfold.infra.gpu import GpuQueue, batch_size, batch_steps, sized_workflows
+from shardfold.infra.lambda_image import LambdaImage
+from shardfold.infra.storage import Storage
+from shardfold.infra.trigger import Trigger
+from shardfold.infra.workflows import StateMachines
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = REPO_ROOT / ".shardfold" / "build"
@@ -70,7 +70,7 @@ BUILD_DIR = REPO_ROOT / ".shardfold" / "build"
 
 def lambda_code(cfg: StackConfig) -> LambdaCode:
     """The Lambda package for the configured architecture and runtime (built by ``infra.package``)."""
-    from infra import package
+    from shardfold.infra import package
 
     python_version = cfg.lambda_runtime.removeprefix("python")
     path = package.build_lambda_package(cfg.lambda_architecture, BUILD_DIR, python_version=python_version)
@@ -87,11 +87,13 @@ class Stack:
         code: LambdaCode | None = None,
     ):
         if workflows is None:
-            from functions.kinds import WORKFLOWS
+            from shardfold.functions.kinds import WORKFLOWS
 
             workflows = WORKFLOWS
         if not workflows:
-            raise ShardfoldError("no workflows to deploy (no job kind is registered: functions.kinds)")
+            raise ShardfoldError(
+                "no workflows to deploy (no job kind is registered: shardfold.functions.kinds)"
+            )
         if batch_steps(workflows) and not cfg.batch:
             raise ShardfoldError(
                 "a workflow has a BatchJob (GPU) step but shardfold:batch is false; turn it on to deploy"

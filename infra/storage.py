@@ -22,8 +22,8 @@ from __future__ import annotations
 import pulumi
 import pulumi_aws as aws
 
-from infra import iam
-from infra.context import Component, Context
+from shardfold.infra import iam
+from shardfold.infra.context import Component, Context
 
 TEMP_PREFIX = "tmp/"
 JOBS_PREFIX = "jobs/"

@@ -27,10 +27,10 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from functions.trigger import SIZES_ENV
-from infra import iam
-from infra.context import Component, Context
-from infra.functions import FunctionSpec, LambdaCode, LambdaFunction, base_environment, data_refs
+from shardfold.functions.trigger import SIZES_ENV
+from shardfold.infra import iam
+from shardfold.infra.context import Component, Context
+from shardfold.infra.functions import FunctionSpec, LambdaCode, LambdaFunction, base_environment, data_refs
 
 SPEC_KEY_WILDCARD = "jobs/*.json"
 LAMBDA_ASYNC_RETRIES = 2

@@ -25,11 +25,11 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from functions.errors import ShardfoldError
-from functions.workflow import BatchJob, Map, Task, Workflow
-from infra import iam
-from infra.context import Component, Context, role_name_args
-from orchestrator.asl import compile_workflow
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.workflow import BatchJob, Map, Task, Workflow
+from shardfold.infra import iam
+from shardfold.infra.context import Component, Context, role_name_args
+from shardfold.orchestrator.asl import compile_workflow
 
 BATCH_EVENTS_RULE = "StepFunctionsGetEventsForBatchJobsRule"
 

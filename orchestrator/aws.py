@@ -30,11 +30,11 @@ from aws_lambda_powertools import Logger
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from functions.access import Grants
-from functions.errors import PlanError, ShardfoldError
-from functions.workflow import Map, Workflow, progress_steps
-from orchestrator.asl import fail_state_name
-from orchestrator.status import (
+from shardfold.functions.access import Grants
+from shardfold.functions.errors import PlanError, ShardfoldError
+from shardfold.functions.workflow import Map, Workflow, progress_steps
+from shardfold.orchestrator.asl import fail_state_name
+from shardfold.orchestrator.status import (
     JobStatus,
     ProgressCallback,
     now,
@@ -95,7 +95,7 @@ class AwsExecutor:
         session: boto3.session.Session | None = None,
     ):
         if workflows is None:
-            from functions.kinds import WORKFLOWS
+            from shardfold.functions.kinds import WORKFLOWS
 
             workflows = WORKFLOWS
         self.outputs = dict(outputs)

@@ -51,7 +51,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from orchestrator.lifeline import PARENT_ENV, kill_with_parent, watch_parent
+from shardfold.orchestrator.lifeline import PARENT_ENV, kill_with_parent, watch_parent
 
 ENABLE_ENV = "SHARDFOLD_CONTAINER_SERVER"
 NAME = "shardfold-batch"  # a forked container's process name (ps, top): its command line is the server's
@@ -151,7 +151,7 @@ class _Server:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.container_server", str(theirs.fileno())],
+            [sys.executable, "-m", "shardfold.orchestrator.container_server", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -291,7 +291,7 @@ def _child(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
     _become(request)
     if "numpy" in sys.modules:  # a fresh interpreter seeds it from the OS; a fork copies the server's state
         sys.modules["numpy"].random.seed()
-    from functions.container import main
+    from shardfold.functions.container import main
 
     try:
         return main()
@@ -323,7 +323,7 @@ def _fork(request: dict[str, Any], fds: list[int]) -> int:
     except BaseException:
         traceback.print_exc()
     finally:
-        from functions.container import exit_now
+        from shardfold.functions.container import exit_now
 
         exit_now(code)  # never back into the server's loop, whatever happened
     raise AssertionError("unreachable")
@@ -404,7 +404,7 @@ def main(argv: list[str]) -> None:
     own = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     _BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]  # sys.path[0]: the directory it started in
     sock = socket.socket(fileno=int(argv[0]))
-    from functions.container import main as _  # noqa: F401  (the code every container runs)
+    from shardfold.functions.container import main as _  # noqa: F401  (the code every container runs)
 
     serve(sock, owner)
 

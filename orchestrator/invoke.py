@@ -25,9 +25,9 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from functions.errors import ShardfoldError
-from functions.workflow import LAMBDA_TIMEOUT
-from orchestrator.registry import import_handler
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.workflow import LAMBDA_TIMEOUT
+from shardfold.orchestrator.registry import import_handler
 
 logger = Logger(service="shardfold")
 

@@ -104,12 +104,12 @@ def pool_worker_init(owner: int) -> None:
 def child_command(module: str) -> list[str]:
     """The command that runs ``python -m module`` tied to this process; set :data:`PARENT_ENV` to
     ``str(os.getpid())`` in its environment."""
-    return [sys.executable, "-m", "orchestrator.lifeline", module]
+    return [sys.executable, "-m", "shardfold.orchestrator.lifeline", module]
 
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
-        raise SystemExit("usage: python -m orchestrator.lifeline MODULE")
+        raise SystemExit("usage: python -m shardfold.orchestrator.lifeline MODULE")
     parent = int(os.environ.pop(PARENT_ENV, "0") or 0) or os.getppid()
     kill_with_parent()
     watch_parent(parent)  # also covers a parent that ended before prctl took effect

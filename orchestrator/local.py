@@ -46,13 +46,13 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from functions import store
-from functions.errors import JobNotFound, PlanError, ShardfoldError
-from functions.jobs import job_key
-from functions.manifest import is_manifest_ref, read_manifest
-from functions.store.uri import is_file, join, local_path
-from functions.store.uri import store_root as default_store_root
-from functions.workflow import (
+from shardfold.functions import store
+from shardfold.functions.errors import JobNotFound, PlanError, ShardfoldError
+from shardfold.functions.jobs import job_key
+from shardfold.functions.manifest import is_manifest_ref, read_manifest
+from shardfold.functions.store.uri import is_file, join, local_path
+from shardfold.functions.store.uri import store_root as default_store_root
+from shardfold.functions.workflow import (
     LAMBDA_TIMEOUT,
     BatchJob,
     Map,
@@ -63,12 +63,12 @@ from functions.workflow import (
     progress_steps,
     selectable,
 )
-from orchestrator import owner as ownership
-from orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call, call_in_worker
-from orchestrator.lifeline import pool_worker_init
-from orchestrator.local_batch import Cancelled, run_container
-from orchestrator.registry import handler_path
-from orchestrator.status import (
+from shardfold.orchestrator import owner as ownership
+from shardfold.orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call, call_in_worker
+from shardfold.orchestrator.lifeline import pool_worker_init
+from shardfold.orchestrator.local_batch import Cancelled, run_container
+from shardfold.orchestrator.registry import handler_path
+from shardfold.orchestrator.status import (
     JobStatus,
     ProgressCallback,
     now,
@@ -86,7 +86,7 @@ logger = Logger(service="shardfold")
 WORKER_START_S = 60
 # What the built-in kinds' process-mode handlers import first, imported once by the fork server (about 2 s;
 # the handler modules themselves add 0.1-0.6 s in each worker, and only the kind in use is imported).
-POOL_PRELOAD = ("functions.runtime", "functions.store", "numpy", "pyarrow.parquet")
+POOL_PRELOAD = ("shardfold.functions.runtime", "shardfold.functions.store", "numpy", "pyarrow.parquet")
 
 
 class _Cancelled(Exception):
@@ -160,7 +160,7 @@ class LocalExecutor:
         lease_s: float = ownership.LEASE_S,
     ):
         if workflows is None:
-            from functions.kinds import WORKFLOWS
+            from shardfold.functions.kinds import WORKFLOWS
 
             workflows = WORKFLOWS
         self.store_root = (store_root or default_store_root()).rstrip("/")
@@ -604,7 +604,8 @@ class LocalExecutor:
                     index,
                     "States.Runtime",
                     f"{step.items} is {json.dumps(ref)[:200]}, not a manifest reference "
-                    "(return functions.manifest.manifest_ref(...) from the task that writes the manifest)",
+                    "(return shardfold.functions.manifest.manifest_ref(...) from the task that writes the "
+                    "manifest)",
                 )
             )
         try:

@@ -37,12 +37,12 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-import functions
-from functions.container import EXIT_TRANSIENT
-from functions.workflow import BATCH_ATTEMPTS
-from orchestrator import container_server
-from orchestrator.invoke import HandlerFailed
-from orchestrator.lifeline import PARENT_ENV, child_command
+import shardfold
+from shardfold.functions.container import EXIT_TRANSIENT
+from shardfold.functions.workflow import BATCH_ATTEMPTS
+from shardfold.orchestrator import container_server
+from shardfold.orchestrator.invoke import HandlerFailed
+from shardfold.orchestrator.lifeline import PARENT_ENV, child_command
 
 logger = Logger(service="shardfold")
 
@@ -62,7 +62,7 @@ def _environment(
     env = dict(os.environ)
     # the child imports what this process can (as a spawned process-pool worker does): this code, installed
     # or not, and handlers registered from modules on this process's path
-    root = str(Path(functions.__file__).resolve().parent.parent)
+    root = str(Path(shardfold.__file__).resolve().parent.parent)
     paths = [root, *(p or os.getcwd() for p in sys.path), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     env.update(
@@ -87,7 +87,7 @@ def _start(handler_path: str, env: dict[str, str]) -> Container:
             return container_server.start(handler_path, env, preload=preload)
         except OSError as exc:
             logger.warning("starting the container afresh: %s", exc)
-    return subprocess.Popen(child_command("functions.container"), env=env)
+    return subprocess.Popen(child_command("shardfold.functions.container"), env=env)
 
 
 def _stop(proc: Container) -> None:

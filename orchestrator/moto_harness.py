@@ -87,14 +87,14 @@ import boto3
 import botocore.session
 from aws_lambda_powertools import Logger
 
-from functions import telemetry
-from functions.access import Grants
-from functions.errors import ShardfoldError
-from functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
-from functions.workflow import BatchJob, Task, Workflow
-from orchestrator.asl import StackResolver, compile_workflow
-from orchestrator.invoke import HandlerFailed, call
-from orchestrator.registry import handler_path, lambda_handler, lambda_name
+from shardfold.functions import telemetry
+from shardfold.functions.access import Grants
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
+from shardfold.functions.workflow import BatchJob, Task, Workflow
+from shardfold.orchestrator.asl import StackResolver, compile_workflow
+from shardfold.orchestrator.invoke import HandlerFailed, call
+from shardfold.orchestrator.registry import handler_path, lambda_handler, lambda_name
 
 logger = Logger(service="shardfold")
 
@@ -772,7 +772,9 @@ def _patch_batch() -> None:
             job.log_stream_name = job._stream_name
             if include_start_attempt:
                 job._start_attempt()
-            from functions.container import run as run_worker  # the container's entry point, in-process
+            from shardfold.functions.container import (
+                run as run_worker,
+            )  # the container's entry point, in-process
 
             env["AWS_BATCH_JOB_ID"] = job.job_id  # as Batch sets it in the container
             try:
@@ -941,7 +943,7 @@ def _build_batch(
             type="container",
             containerProperties={
                 "image": "shardfold-worker:moto",
-                "command": ["python", "-m", "functions.container"],
+                "command": ["python", "-m", "shardfold.functions.container"],
                 "resourceRequirements": requirements,
             },
             timeout={"attemptDurationSeconds": size["timeout_s"]},
@@ -961,7 +963,7 @@ class MotoStack:
         stage: str = "moto",
     ):
         if workflows is None:
-            from functions.kinds import WORKFLOWS
+            from shardfold.functions.kinds import WORKFLOWS
 
             workflows = WORKFLOWS
         self.workflows = dict(workflows)

@@ -33,11 +33,11 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
-from functions import store
-from functions.errors import ObjectNotFound, ShardfoldError
-from functions.jobs import job_key
-from functions.store.uri import join
-from orchestrator.status import now
+from shardfold.functions import store
+from shardfold.functions.errors import ObjectNotFound, ShardfoldError
+from shardfold.functions.jobs import job_key
+from shardfold.functions.store.uri import join
+from shardfold.orchestrator.status import now
 
 logger = Logger(service="shardfold")
 

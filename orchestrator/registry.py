@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from functions.errors import PlanError
+from shardfold.functions.errors import PlanError
 
 Handler = Callable[[dict[str, Any], Any], Any]
 
@@ -56,7 +56,7 @@ def _path_of(fn: Handler) -> str:
 
 def handler_path(function: str) -> str:
     """The ``module:function`` path that runs ``function``: registered here, or a kind's by convention."""
-    from functions import kinds
+    from shardfold.functions import kinds
 
     path = _handlers.get(function) or kinds.handler_path(function)
     if path is None:
@@ -81,7 +81,7 @@ def resolve(function: str) -> Handler:
 
 def registered() -> dict[str, str]:
     """Every function with its handler: every kind's, then the explicit registrations."""
-    from functions import kinds
+    from shardfold.functions import kinds
 
     table = {f: k.handler_path(f) for k in kinds.every() for f in k.workflow.functions()}
     with _lock:

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 
-from functions import store
-from functions.errors import JobNotFound, ObjectNotFound
-from functions.jobs import status_key
-from functions.store.uri import join
+from shardfold.functions import store
+from shardfold.functions.errors import JobNotFound, ObjectNotFound
+from shardfold.functions.jobs import status_key
+from shardfold.functions.store.uri import join
 
 JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "INTERRUPTED"]
 # Step Functions prefixes a States.Runtime cause with where it happened; our Fail states already say so.

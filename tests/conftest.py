@@ -53,7 +53,7 @@ def aws_env(monkeypatch):
 def local_root(tmp_path, monkeypatch):
     """A fresh local store root (``SHARDFOLD_HOME`` under the test's tmp dir)."""
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
-    from functions import store
+    from shardfold.functions import store
 
     return store.store_root()
 

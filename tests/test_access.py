@@ -9,12 +9,12 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from functions import access, store
-from functions.errors import ShardfoldError, SpecError, UnsafeKey
-from functions.getbatch import core as getbatch
-from functions.getbatch.spec import GetBatchJob
-from functions.specs import parse_spec
-from functions.submit import check_policy
+from shardfold.functions import access, store
+from shardfold.functions.errors import ShardfoldError, SpecError, UnsafeKey
+from shardfold.functions.getbatch import core as getbatch
+from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.submit import check_policy
 
 S3_ROOT = "s3://jobs-bucket"
 LOCAL_ROOT = "file:///srv/store"

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from client import Client
-from client.cli import REPO_EVENTS, cli
-from functions import store
-from functions.store.uri import join, store_root
+from shardfold.client import Client
+from shardfold.client.cli import SAMPLE_EVENTS, cli
+from shardfold.functions import store
+from shardfold.functions.store.uri import join, store_root
 
 REPO = Path(__file__).resolve().parent.parent
 EVENTS = REPO / "events"
@@ -141,7 +141,7 @@ def probe(event, context):
 
 
 def test_invoke_calls_the_handler_as_the_executors_do(home, tmp_path):
-    from orchestrator.invoke import LocalContext
+    from shardfold.orchestrator.invoke import LocalContext
 
     path = tmp_path / "event.json"
     path.write_text(json.dumps({"n": 1}))
@@ -284,7 +284,7 @@ def test_watch_prints_markup_in_errors_literally_and_keeps_going(home, tmp_path,
 def test_watch_loop_survives_a_spec_with_markup(home, tmp_path, monkeypatch):
     # without --once: the bad spec is reported on the first poll, a spec dropped later still starts a job,
     # and a restart (which sees the bad spec again) does not crash either
-    import client.cli as cli_module
+    import shardfold.client.cli as cli_module
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()
@@ -316,7 +316,7 @@ def test_progress_bars_print_step_names_literally():
 
     from rich.console import Console
 
-    from client.progress import ProgressView
+    from shardfold.client.progress import ProgressView
 
     buf = io.StringIO()
     console = Console(file=buf, width=200, force_terminal=False)
@@ -340,7 +340,7 @@ def test_progress_ends_without_spinners(state, want):
 
     from rich.console import Console
 
-    from client.progress import ProgressView
+    from shardfold.client.progress import ProgressView
 
     buf = io.StringIO()
     console = Console(file=buf, width=200, force_terminal=False)
@@ -395,12 +395,13 @@ def test_help_and_version_import_no_sdk_boto3_or_planner():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "from client.cli import cli\n"
+        "from shardfold.client.cli import cli\n"
         "for args in (['--help'], ['--version'], ['report', '--help']):\n"
         "    r = CliRunner().invoke(cli, args, prog_name='shardfold')\n"
         "    assert r.exit_code == 0, r.output\n"
         "    print(r.output.splitlines()[0])\n"
-        "names = ('boto3', 'botocore', 'client.sdk', 'functions.kinds', 'pyarrow', 'numpy')\n"
+        "names = ('boto3', 'botocore', 'shardfold.client.sdk', 'shardfold.functions.kinds', 'pyarrow',\n"
+        "         'numpy')\n"
         "heavy = sorted(m for m in names if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
@@ -414,7 +415,7 @@ def test_help_and_version_import_no_sdk_boto3_or_planner():
 
 
 def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path, monkeypatch):
-    from functions import jobs as job_ids
+    from shardfold.functions import jobs as job_ids
 
     stamps = iter(["20260101T000001", "20260101T000003", "20260101T000002"])  # submitted out of order
     real = job_ids.new_job_id
@@ -423,7 +424,7 @@ def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path
         "new_job_id",
         lambda kind, now=None: real(kind).replace(real(kind).split("-")[1], next(stamps)),
     )
-    monkeypatch.setattr("functions.submit.new_job_id", job_ids.new_job_id)
+    monkeypatch.setattr("shardfold.functions.submit.new_job_id", job_ids.new_job_id)
     spec = str(spec_file(tmp_path, n=2))
     first = invoke("run", "-q", spec).output.strip()  # --quiet: the id alone
     second = json.loads(invoke("run", "--json", spec).stdout)[
@@ -455,7 +456,7 @@ def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path
 def test_a_moto_result_says_its_objects_vanish_with_the_process(capsys):
     from types import SimpleNamespace
 
-    from client import cli as cli_module
+    from shardfold.client import cli as cli_module
 
     status = SimpleNamespace(state="SUCCEEDED", error=None)
     result = {"kind": "getbatch", "job_id": "j", "archive": "s3://shardfold-moto/jobs/j/output/batch.tar"}
@@ -478,7 +479,7 @@ def test_the_shipped_getbatch_example_gives_one_archive_from_any_folder(home, tm
     archives = []
     for where in ("a", "b/deeper"):
         events = tmp_path / where / "events"
-        shutil.copytree(REPO_EVENTS, events)
+        shutil.copytree(SAMPLE_EVENTS, events)
         result = json.loads(invoke("run", "--json", str(events / "getbatch.json")).stdout)
         archives.append(store.get(result["archive"]))
     assert archives[0] == archives[1]  # byte-identical: nothing of the folder it ran from
@@ -492,7 +493,7 @@ def test_schema_validates_the_shipped_example_and_refuses_a_typo(kind):
     import jsonschema
 
     schema = json.loads(invoke("schema", kind).output)
-    example = json.loads((REPO_EVENTS / f"{kind}.json").read_text())
+    example = json.loads((SAMPLE_EVENTS / f"{kind}.json").read_text())
     jsonschema.validate(example, schema)  # what an editor checks a spec file against
     with pytest.raises(jsonschema.ValidationError, match="itemz|Additional properties"):
         jsonschema.validate({**example, "itemz": []}, schema)
@@ -504,7 +505,7 @@ def test_shell_completion_script_is_generated():
     import sys
 
     env = {**os.environ, "_SHARDFOLD_COMPLETE": "bash_source"}
-    code = "from client.cli import main; main()"
+    code = "from shardfold.client.cli import main; main()"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert "_shardfold_completion" in out.stdout and "complete " in out.stdout, out.stderr
 
@@ -532,8 +533,8 @@ def test_s3_uris_without_aws_credentials_are_one_line_at_plan_run_and_submit(hom
         assert res.exit_code == 1 and "Traceback" not in res.output, res.output
         assert res.output.startswith("error: no AWS credentials found") and "AWS_PROFILE" in res.output
         assert len(res.output.strip().splitlines()) == 1
-    from client import Client
-    from functions.errors import NoCredentials
+    from shardfold.client import Client
+    from shardfold.functions.errors import NoCredentials
 
     with Client() as client, pytest.raises(NoCredentials, match="s3://some-bucket/a.bin"):
         client.submit(path)
@@ -544,7 +545,7 @@ def test_s3_uris_without_aws_credentials_are_one_line_at_plan_run_and_submit(hom
 def test_run_no_wait_runs_the_job_detached_and_wait_follows_it(home, tmp_path):
     job_id = invoke("run", "--no-wait", "-q", str(spec_file(tmp_path, n=3))).output.strip()
     # this process holds nothing of the job: its own process runs it, in a session of its own
-    from client import Client
+    from shardfold.client import Client
 
     with Client() as client:
         owner = store.get_json(client.uri(f"jobs/{job_id}/owner.json"))

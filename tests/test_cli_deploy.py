@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 from moto import mock_aws
 
-from client import stack as st
-from client.cli import cli
-from functions.errors import ShardfoldError
+from shardfold.client import stack as st
+from shardfold.client.cli import cli
+from shardfold.functions.errors import ShardfoldError
 
 pytestmark = pytest.mark.slow
 
@@ -183,7 +183,7 @@ class _Picked(ShardfoldError):
 def two_stacks(fake_pulumi, monkeypatch):
     """Stacks ``prod`` and ``staging`` deployed (different buckets); the AWS executor replaced by one that
     stops at once naming the bucket of the outputs it was given, so each verb shows which stack it picked."""
-    import orchestrator.aws
+    from shardfold.orchestrator import aws
 
     with mock_aws():
         assert invoke("deploy", "--stack", "prod", "--yes").exit_code == 0
@@ -193,7 +193,7 @@ def two_stacks(fake_pulumi, monkeypatch):
     def picked(outputs):
         raise _Picked(f"picked bucket {outputs['bucket']}")
 
-    monkeypatch.setattr(orchestrator.aws, "AwsExecutor", picked)
+    monkeypatch.setattr(aws, "AwsExecutor", picked)
     return fake_pulumi
 
 
@@ -215,7 +215,7 @@ def test_stack_name_selects_the_same_stack_in_every_verb(two_stacks, monkeypatch
 
 
 def test_sdk_client_selects_a_stack_by_name(two_stacks):
-    from client import Client
+    from shardfold.client import Client
 
     with pytest.raises(_Picked, match="shardfold-staging-jobs-9z"):
         Client(backend="aws", stack="staging")

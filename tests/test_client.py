@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, Job
-from client.errors import JobFailed, JobNotFinished, StackNotFound
-from client.stack import save_stack_outputs
-from functions import store
-from functions.errors import JobNotFound, PlanError, SpecError
-from functions.estimate import SUBMIT_BUDGET, estimate
-from functions.getbatch.spec import GetBatchJob
-from functions.specs import parse_spec
-from functions.store.uri import join, store_root
+from shardfold.client import Client, Job
+from shardfold.client.errors import JobFailed, JobNotFinished, StackNotFound
+from shardfold.client.stack import save_stack_outputs
+from shardfold.functions import store
+from shardfold.functions.errors import JobNotFound, PlanError, SpecError
+from shardfold.functions.estimate import SUBMIT_BUDGET, estimate
+from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import join, store_root
 
 N = 25
 
@@ -211,7 +211,7 @@ def test_jobs_status_and_unknown_job(client):
 @pytest.mark.slow
 def test_result_before_the_end_and_cancel(client, monkeypatch):
     # hold every gather task on an event so the job is provably still running
-    from functions.getbatch import core
+    from shardfold.functions.getbatch import core
 
     gate = threading.Event()
     entered = threading.Event()
@@ -323,7 +323,7 @@ def test_a_script_without_a_main_guard_runs_as_pasted(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(
         "import numpy as np\n"
-        "from client import Client\n"
+        "from shardfold.client import Client\n"
         "client = Client()\n"
         "models = [{'w': np.full((4, 4), i, dtype=np.float32)} for i in range(3)]\n"
         "keys = [f'rounds/7/clients/{i}.safetensors' for i in range(3)]\n"
@@ -348,8 +348,8 @@ def test_the_sdk_is_quiet_by_default_and_logging_shows_more(tmp_path):
     script = tmp_path / "program.py"
     script.write_text(
         "import logging\n"
-        "from client import Client\n"
-        "from functions import store\n"
+        "from shardfold.client import Client\n"
+        "from shardfold.functions import store\n"
         "client = Client()\n"
         "store.put(client.uri('d/a'), b'x')\n"
         "job = client.submit({'kind': 'getbatch', 'items': [{'uri': 'd/a'}]})\n"

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from functions import container
-from functions.store.retry import TransientError
+from shardfold.functions import container
+from shardfold.functions.store.retry import TransientError
 
 
 def ok(event, context):

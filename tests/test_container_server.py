@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator import container_server
-from orchestrator.local_batch import _environment, run_container
+from shardfold.orchestrator import container_server
+from shardfold.orchestrator.local_batch import _environment, run_container
 
 pytestmark = [
     pytest.mark.slow,  # child processes
@@ -52,7 +52,7 @@ def _until(check, what: str) -> None:
 
 HANDLERS = """
     import json, os, time
-    from functions.store.retry import TransientError
+    from shardfold.functions.store.retry import TransientError
 
     def report(event, context):
         with open(event["out"], "w") as fh:
@@ -205,8 +205,8 @@ def test_the_server_and_its_containers_end_with_the_process_that_owns_them(tmp_p
         f"""
         import json, os, sys, time
         sys.path.insert(0, {str(tmp_path)!r})
-        from orchestrator import container_server
-        from orchestrator.local_batch import _environment, run_container
+        from shardfold.orchestrator import container_server
+        from shardfold.orchestrator.local_batch import _environment, run_container
         out = {str(tmp_path / "pid")!r}
         env = _environment("sf_cs_handlers:sleepy", "t", {{"out": out}}, {str(tmp_path / "s.json")!r}, "t")
         c = container_server.start("sf_cs_handlers:sleepy", env, preload=False)

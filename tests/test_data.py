@@ -9,10 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
 
-from client.data import GetBatchDataset  # noqa: E402
-from functions import store  # noqa: E402
-from functions.errors import BatchItemError  # noqa: E402
-from functions.store.uri import join, store_root  # noqa: E402
+from shardfold.client.data import GetBatchDataset  # noqa: E402
+from shardfold.functions import store  # noqa: E402
+from shardfold.functions.errors import BatchItemError  # noqa: E402
+from shardfold.functions.store.uri import join, store_root  # noqa: E402
 
 N = 37  # not a multiple of the batch size, so the last batch is short
 

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# What building shardfold.functions takes: the project's metadata and its package root beside functions/
+BUILD_SOURCES = {"pyproject.toml", "setup.py", "README.md", "shardfold", "functions"}
+NEEDED = ["pyproject.toml", "setup.py", "README.md", "shardfold/__init__.py"]
 SECRET_PATHS = [
     ".shardfold/stack.json",
     ".shardfold/build/arm64/package.zip",
@@ -55,7 +58,11 @@ def final_stage(instrs: list[tuple[str, str]]) -> list[tuple[str, str]]:
 def test_entry_point_is_the_batch_worker_as_a_non_root_user(dockerfile):
     final = final_stage(dockerfile)
     entry = [args for word, args in final if word == "ENTRYPOINT"]
-    assert len(entry) == 1 and json.loads(entry[0]) == ["python", "-m", "functions.container"]  # exec form
+    assert len(entry) == 1 and json.loads(entry[0]) == [
+        "python",
+        "-m",
+        "shardfold.functions.container",
+    ]  # exec form
     users = [(i, args) for i, (word, args) in enumerate(final) if word == "USER"]
     assert users, "the final stage must switch to a non-root USER"
     index, user = users[-1]
@@ -74,7 +81,12 @@ def test_base_image_and_torch_are_pinned_to_the_project(dockerfile):
     inference = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     torch_pin = next(r for r in inference["inference"] if r.startswith("torch"))
     assert f'pip install "{torch_pin}"' in runs  # the image runs the torch the tests ran
-    assert 'pip install ".[inference]"' in runs
+    # the rest from the lock, hash-checked; the project itself without resolving anything again
+    assert "pip install --require-hashes -r requirements/worker.txt" in runs
+    assert "pip install --no-deps ." in runs
+    assert (REPO / "requirements" / "worker.txt").is_file()
+    lock = (REPO / "requirements" / "worker.txt").read_text()
+    assert "\nsentence-transformers==" in lock and "\ntorch==" not in lock  # inference, torch left out
 
 
 def test_no_secrets_or_local_state_are_copied(dockerfile):
@@ -84,11 +96,11 @@ def test_no_secrets_or_local_state_are_copied(dockerfile):
         if word == "COPY" and "--from=" not in args:
             parts = [p for p in args.split() if not p.startswith("--")]
             sources += parts[:-1]
-    assert sources and set(sources) <= {"pyproject.toml", "README.md", "functions"}, sources
+    assert sources and set(sources) <= BUILD_SOURCES | {"requirements/worker.txt"}, sources
     ignore = (REPO / ".dockerignore").read_text()
     for path in SECRET_PATHS:
         assert dockerignored(ignore, path), f"{path} would be in the build context"
-    for path in ["pyproject.toml", "README.md", "functions/container.py", "functions/getbatch/core.py"]:
+    for path in [*NEEDED, "requirements/worker.txt", "functions/container.py", "functions/getbatch/core.py"]:
         assert not dockerignored(ignore, path), f"{path} is needed by the build but ignored"
 
 

@@ -74,7 +74,7 @@ def test_the_readme_is_a_front_door():
 def test_every_spec_shown_in_the_docs_is_valid():
     import json
 
-    from functions.specs import parse_spec
+    from shardfold.functions.specs import parse_spec
 
     shown = []
     for page in PAGES:
@@ -99,7 +99,7 @@ def test_the_sdk_reference_is_what_the_docstrings_say():
 def test_the_readmes_code_blocks_run_as_written(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from client.cli import cli
+    from shardfold.client.cli import cli
 
     home = tmp_path / "home"
     monkeypatch.setenv("SHARDFOLD_HOME", str(home))

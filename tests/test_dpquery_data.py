@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiers import examples
 
-from functions import ledger
-from functions.dpquery import data, planner
-from functions.dpquery import measure as mz
-from functions.dpquery import reconstruct as rc
-from functions.dpquery.spec import DPAttribute
-from functions.errors import BudgetExceeded, DatasetError, PlanError, SpecError
+from shardfold.functions import ledger
+from shardfold.functions.dpquery import data, planner
+from shardfold.functions.dpquery import measure as mz
+from shardfold.functions.dpquery import reconstruct as rc
+from shardfold.functions.dpquery.spec import DPAttribute
+from shardfold.functions.errors import BudgetExceeded, DatasetError, PlanError, SpecError
 
 SECRET = "SSN-123-45-6789"  # planted in bad rows: no error message may ever contain it
 
@@ -181,7 +181,7 @@ def test_other_counts_bad_values_in_an_extra_category(tmp_path, fmt):
 
 
 def test_the_job_default_and_per_attribute_overrides():
-    from functions.dpquery.spec import DPQueryJob
+    from shardfold.functions.dpquery.spec import DPQueryJob
 
     doc = {
         "dataset": "file:///tmp/x.csv",

@@ -16,16 +16,16 @@ import pyarrow.parquet as pq
 import pytest
 from test_dpquery_job import make_dataset, run_core, spec_doc
 
-from client import Client
-from client.dpquery import KroneckerQuery, ResidualMeasurement
-from functions import store
-from functions.dpquery import core, planner
-from functions.dpquery import measure as mz
-from functions.dpquery import reconstruct as rc
-from functions.dpquery.spec import TOTAL_NAME
-from functions.errors import ShardfoldError
-from functions.specs import parse_spec
-from functions.store.uri import join
+from shardfold.client import Client
+from shardfold.client.dpquery import KroneckerQuery, ResidualMeasurement
+from shardfold.functions import store
+from shardfold.functions.dpquery import core, planner
+from shardfold.functions.dpquery import measure as mz
+from shardfold.functions.dpquery import reconstruct as rc
+from shardfold.functions.dpquery.spec import TOTAL_NAME
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import join
 
 REPO = Path(__file__).resolve().parent.parent
 AGE_LO, AGE_HI = [20, 30, 40, 50], [29, 39, 49, 59]
@@ -298,7 +298,7 @@ def test_private_pgm_fits_the_exported_measurements(client):
     jax = pytest.importorskip("jax")
     jax.config.update("jax_enable_x64", True)
     mbi = pytest.importorskip("mbi")
-    from client.dpquery import to_mbi
+    from shardfold.client.dpquery import to_mbi
 
     root = client.store_root
     dataset = join(root, "data", "people.csv")
@@ -350,7 +350,7 @@ def test_private_pgm_fits_the_exported_measurements(client):
 
 def test_the_other_cell_of_a_range_has_no_bin_bounds():
     """Under out_of_domain "other" a range attribute gets one more cell after its bins: null bounds."""
-    from functions.dpquery.spec import DPAttribute
+    from shardfold.functions.dpquery.spec import DPAttribute
 
     attr = DPAttribute.model_validate(
         {"name": "age", "range": [0, 3], "bin_width": 2, "out_of_domain": "other"}

@@ -16,17 +16,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from client import Client
-from functions import ledger, store
-from functions.dpquery import core, handlers
-from functions.dpquery import measure as mz
-from functions.errors import BudgetExceeded, DatasetError, SpecError
-from functions.jobs import new_job_id
-from functions.kinds import WORKFLOWS
-from functions.specs import parse_spec
-from functions.store.uri import join
-from functions.workflow import Map, Task
-from orchestrator.local import LocalExecutor
+from shardfold.client import Client
+from shardfold.functions import ledger, store
+from shardfold.functions.dpquery import core, handlers
+from shardfold.functions.dpquery import measure as mz
+from shardfold.functions.errors import BudgetExceeded, DatasetError, SpecError
+from shardfold.functions.jobs import new_job_id
+from shardfold.functions.kinds import WORKFLOWS
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import join
+from shardfold.functions.workflow import Map, Task
+from shardfold.orchestrator.local import LocalExecutor
 
 WAIT_S = 180  # a deadline, not a timing assumption
 SIZES = [2, 3, 4]
@@ -400,7 +400,7 @@ def test_a_dataset_that_cannot_hold_the_schema_fails_on_moto_without_touching_th
 def test_a_dataset_replaced_after_the_plan_fails_measure_naming_it(tmp_path):
     """The same bytes written again (a new file: same size, new inode and mtime) after the plan: a size
     check alone passed it; the pin refuses it, before anything is measured."""
-    from functions.errors import InputChanged
+    from shardfold.functions.errors import InputChanged
 
     root = f"file://{tmp_path}"
     dataset, _ = make_dataset(root)

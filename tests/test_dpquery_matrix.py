@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from test_dpquery_job import make_dataset, read_table, run_core, spec_doc, truth
 
-from functions.dpquery import core, planner, smasher
-from functions.dpquery.sizing import rmse_by_query_type
-from functions.dpquery.spec import QueryMatrix
-from functions.errors import SpecError
-from functions.specs import parse_spec
+from shardfold.functions.dpquery import core, planner, smasher
+from shardfold.functions.dpquery.sizing import rmse_by_query_type
+from shardfold.functions.dpquery.spec import QueryMatrix
+from shardfold.functions.errors import SpecError
+from shardfold.functions.specs import parse_spec
 
 RNG = np.random.default_rng(7)
 # over [age, region] as listed (4 x 3 cells, region varying fastest): five arbitrary weighted sums
@@ -209,10 +209,10 @@ def test_the_estimate_prices_a_matrix_solve_at_the_full_rank_rate(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from functions import store
-    from functions.dpquery import sizing
-    from functions.estimate import estimate
-    from functions.store.uri import join
+    from shardfold.functions import store
+    from shardfold.functions.dpquery import sizing
+    from shardfold.functions.estimate import estimate
+    from shardfold.functions.store.uri import join
 
     root = f"file://{tmp_path}"
     uri = join(root, "data", "ab.parquet")

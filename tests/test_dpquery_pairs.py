@@ -22,11 +22,11 @@ from test_dpquery_job import (
     truth,
 )
 
-from functions.dpquery import core, planner, smasher
-from functions.dpquery import measure as mz
-from functions.dpquery import reconstruct as rc
-from functions.errors import SpecError
-from functions.specs import parse_spec
+from shardfold.functions.dpquery import core, planner, smasher
+from shardfold.functions.dpquery import measure as mz
+from shardfold.functions.dpquery import reconstruct as rc
+from shardfold.functions.errors import SpecError
+from shardfold.functions.specs import parse_spec
 
 # region as an ordered range (codes 1..3) beside age (4 bins of 10 years): two ordered attributes
 SCHEMA = [
@@ -268,7 +268,7 @@ def test_a_box_and_the_measurements_of_a_release_with_a_2_way_type(tmp_path, mon
     """client.dpquery.answer sums a box's pieces through the set measured whole (exact with the noise seam;
     its variance by the pieces, independently) and, asked as weights, gives the release's own affine answers
     with their standard errors; measurements() exports that set's one matrix."""
-    from client import Client
+    from shardfold.client import Client
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     with Client() as client:
@@ -309,8 +309,8 @@ def test_a_box_and_the_measurements_of_a_release_with_a_2_way_type(tmp_path, mon
 def test_the_estimate_counts_the_convex_solves_of_a_2_way_type(tmp_path):
     """shardfold plan's prepare time includes the whole-set solves (PLAN_S_PER_SOLVED_DIM3 per dim³ of each
     strategy stored), which the same workload asked cell by cell does not have."""
-    from functions.dpquery.sizing import PLAN_S_PER_SOLVED_DIM3
-    from functions.estimate import estimate
+    from shardfold.functions.dpquery.sizing import PLAN_S_PER_SOLVED_DIM3
+    from shardfold.functions.estimate import estimate
 
     root = f"file://{tmp_path}"
     dataset, _ = make_dataset(root)

@@ -13,16 +13,16 @@ import math
 import numpy as np
 import pytest
 
-from functions.dpquery.planner import (
+from shardfold.functions.dpquery.planner import (
     MAX_MARGINAL_CELLS,
     PRIVACY_CHECK_RTOL,
     RHO_SLACK,
     Plan,
     plan,
 )
-from functions.dpquery.spec import DPQueryJob
-from functions.errors import PlanError, SpecError
-from functions.privacy import (
+from shardfold.functions.dpquery.spec import DPQueryJob
+from shardfold.functions.errors import PlanError, SpecError
+from shardfold.functions.privacy import (
     MAX_RHO,
     cdp_delta,
     cdp_eps,
@@ -31,7 +31,7 @@ from functions.privacy import (
     gaussian_eps,
     simple_eps,
 )
-from functions.specs import parse_spec
+from shardfold.functions.specs import parse_spec
 
 HALF = 0.5  # ρ = 1/2, i.e. privacy cost 2ρ = 1, the reference's unit
 

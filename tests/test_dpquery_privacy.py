@@ -24,10 +24,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from functions import store
-from functions.dpquery import core
-from functions.specs import parse_spec
-from functions.store.uri import join
+from shardfold.functions import store
+from shardfold.functions.dpquery import core
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import join
 
 SECRET = "SSN-987-65-4320"
 JOB_ID = "dpquery-20260101-000000-fuzz0000"

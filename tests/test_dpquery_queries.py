@@ -26,12 +26,12 @@ from test_dpquery_job import (
     truth,
 )
 
-from functions.dpquery import core, planner, smasher
-from functions.dpquery import measure as mz
-from functions.dpquery.sizing import marginal_rows, privacy_rows
-from functions.errors import SpecError
-from functions.specs import parse_spec
-from functions.store.uri import join
+from shardfold.functions.dpquery import core, planner, smasher
+from shardfold.functions.dpquery import measure as mz
+from shardfold.functions.dpquery.sizing import marginal_rows, privacy_rows
+from shardfold.functions.errors import SpecError
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import join
 
 # sex: 2 categories, region: 3 categories, age: a range of 4 bins (20..29, ..., 50..59)
 WORKLOAD = [
@@ -249,7 +249,7 @@ def test_a_noisy_job_spends_within_its_budget_and_releases_no_true_count(tmp_pat
 
 
 def test_the_measurements_export_with_their_strategies(tmp_path, monkeypatch):
-    from client import Client
+    from shardfold.client import Client
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     client = Client()
@@ -294,7 +294,7 @@ def test_local_and_moto_executors_answer_general_queries_alike(moto_client, tmp_
 
 @pytest.fixture
 def client_root(tmp_path, monkeypatch):
-    from client import Client
+    from shardfold.client import Client
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     with Client() as client:

@@ -15,22 +15,22 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
-from client import Client
-from client.cli import cli
-from client.demo import PEOPLE_SCHEMA, people_csv, synthetic_people
-from client.dpquery import table_to_array
-from client.errors import JobFailed
-from functions import store
-from functions.dpquery import core
-from functions.dpquery.spec import TOTAL_NAME, marginal_name
-from functions.errors import ShardfoldError, SpecError
-from functions.estimate import estimate
-from functions.kinds import WORKFLOWS
-from functions.privacy import cdp_rho
-from functions.specs import parse_spec
-from functions.store.uri import join
-from functions.workflow import Map, Task
-from orchestrator.local import LocalExecutor
+from shardfold.client import Client
+from shardfold.client.cli import cli
+from shardfold.client.demo import PEOPLE_SCHEMA, people_csv, synthetic_people
+from shardfold.client.dpquery import table_to_array
+from shardfold.client.errors import JobFailed
+from shardfold.functions import store
+from shardfold.functions.dpquery import core
+from shardfold.functions.dpquery.spec import TOTAL_NAME, marginal_name
+from shardfold.functions.errors import ShardfoldError, SpecError
+from shardfold.functions.estimate import estimate
+from shardfold.functions.kinds import WORKFLOWS
+from shardfold.functions.privacy import cdp_rho
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import join
+from shardfold.functions.workflow import Map, Task
+from shardfold.orchestrator.local import LocalExecutor
 
 REPO = Path(__file__).resolve().parent.parent
 EVENTS = REPO / "events"

@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from functions.dpquery import measure, smasher
-from functions.dpquery.planner import plan as rp_plan
-from functions.errors import PlanError, SpecError
+from shardfold.functions.dpquery import measure, smasher
+from shardfold.functions.dpquery.planner import plan as rp_plan
+from shardfold.functions.errors import PlanError, SpecError
 
 
 def test_the_papers_worked_example():
@@ -242,7 +242,7 @@ def test_without_noise_every_query_is_answered_exactly_in_or_out_of_the_workload
 
 @pytest.mark.slow  # thousands of OpenDP draws
 def test_monte_carlo_unbiased_with_the_predicted_variance_under_opendp_noise():
-    from functions.dpquery import measure as mz
+    from shardfold.functions.dpquery import measure as mz
 
     runs, domains, rho = 3000, [4, 3], 0.5
     qs, mats = _measured(domains, MIXED, rho)

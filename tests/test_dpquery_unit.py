@@ -15,18 +15,18 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from functions import ledger, store
-from functions.dpquery import core, data, unit
-from functions.dpquery import measure as mz
-from functions.dpquery.planner import plan
-from functions.dpquery.spec import DEFAULT_MAX_ROWS_TOTAL
-from functions.errors import DatasetError, SpecError
-from functions.jobs import new_job_id
-from functions.kinds import WORKFLOWS
-from functions.specs import parse_spec
-from functions.store.uri import join
-from functions.workflow import Map, Task
-from orchestrator.local import LocalExecutor
+from shardfold.functions import ledger, store
+from shardfold.functions.dpquery import core, data, unit
+from shardfold.functions.dpquery import measure as mz
+from shardfold.functions.dpquery.planner import plan
+from shardfold.functions.dpquery.spec import DEFAULT_MAX_ROWS_TOTAL
+from shardfold.functions.errors import DatasetError, SpecError
+from shardfold.functions.jobs import new_job_id
+from shardfold.functions.kinds import WORKFLOWS
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import join
+from shardfold.functions.workflow import Map, Task
+from shardfold.orchestrator.local import LocalExecutor
 
 SEED = unit.job_seed("dpquery-test")
 

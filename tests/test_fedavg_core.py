@@ -17,8 +17,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from functions import store
-from functions.errors import (
+from shardfold.functions import store
+from shardfold.functions.errors import (
     AggregationOverflow,
     InvalidModelFile,
     NonFiniteAggregate,
@@ -27,11 +27,11 @@ from functions.errors import (
     PlanError,
     SpecError,
 )
-from functions.fedavg import core, handlers, kernels
-from functions.fedavg.layout import DTYPES, Tensor
-from functions.fedavg.sizing import Budget, Geometry, MiB, Segment, choose_shards, task_loads
-from functions.fedavg.spec import FedAvgJob
-from functions.specs import parse_spec
+from shardfold.functions.fedavg import core, handlers, kernels
+from shardfold.functions.fedavg.layout import DTYPES, Tensor
+from shardfold.functions.fedavg.sizing import Budget, Geometry, MiB, Segment, choose_shards, task_loads
+from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.specs import parse_spec
 
 JOB = "fedavg-20260101T000000-abcdef"
 TINY = Budget(min_shard_bytes=1, chunk_bytes=56, robust_bytes=4096, min_robust_chunk=8)

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from test_fedavg_core import encode, load, put_clients
 
-from functions import ledger, store
-from functions.errors import BudgetExceeded, InvalidModelFile, PlanError, SpecError
-from functions.fedavg import core, dp
-from functions.fedavg.kind import KIND
-from functions.fedavg.sizing import Budget
-from functions.fedavg.spec import FedAvgJob
-from functions.specs import parse_spec
+from shardfold.functions import ledger, store
+from shardfold.functions.errors import BudgetExceeded, InvalidModelFile, PlanError, SpecError
+from shardfold.functions.fedavg import core, dp
+from shardfold.functions.fedavg.kind import KIND
+from shardfold.functions.fedavg.sizing import Budget
+from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.specs import parse_spec
 
 JOB = "fedavg-20260101T000000-0dp0dp"
 TINY = Budget(min_shard_bytes=1, chunk_bytes=256, robust_bytes=4096, min_robust_chunk=8)
@@ -285,7 +285,7 @@ def test_bad_dp_specs_are_refused_naming_the_field(change, field, fragment):
 def test_dp_base_is_an_input_the_submit_policy_checks():
     """A field declared InputUri is walked like every other: a local file on the S3 store is refused, and
     the output may not overwrite the base."""
-    from functions.submit import check_policy
+    from shardfold.functions.submit import check_policy
 
     doc = spec_doc(["rounds/1/a.safetensors", "rounds/1/b.safetensors"], base="file:///etc/passwd")
     with pytest.raises(SpecError) as refused:
@@ -328,7 +328,7 @@ def test_the_mechanism():
 
 @pytest.mark.slow  # end to end: a job on each executor
 def test_a_dp_round_runs_on_the_local_and_moto_executors(tmp_path, monkeypatch):
-    from client import Client
+    from shardfold.client import Client
 
     rng = np.random.default_rng(9)
     base = model(rng)
@@ -364,8 +364,8 @@ def test_a_dp_round_runs_on_the_local_and_moto_executors(tmp_path, monkeypatch):
 def test_dp_shards_leave_time_for_the_noise():
     """A DP shard's two passes of reads and its noise fit the share of the timeout a plain shard's reads do:
     at 40,000 samples a second, 64 MiB shards of float32 would take 420 s of noise alone."""
-    from functions.fedavg.layout import Tensor
-    from functions.fedavg.sizing import choose_shards, shard_caps
+    from shardfold.functions.fedavg.layout import Tensor
+    from shardfold.functions.fedavg.sizing import choose_shards, shard_caps
 
     tensors = [Tensor("w", "F32", (1 << 28,), 0, 1 << 30)]  # 1 GiB of float32
     n, budget = 10, Budget()

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from test_fedavg_core import JOB, TINY, bad_files, encode, good, load, put_clients, reference, run_job
 
-from functions import store
-from functions.errors import InvalidModelFile, ObjectNotFound, SpecError, TooFewClients
-from functions.fedavg import core
-from functions.fedavg.spec import MAX_WAIT_S, FedAvgJob
-from functions.specs import parse_spec
+from shardfold.functions import store
+from shardfold.functions.errors import InvalidModelFile, ObjectNotFound, SpecError, TooFewClients
+from shardfold.functions.fedavg import core
+from shardfold.functions.fedavg.spec import MAX_WAIT_S, FedAvgJob
+from shardfold.functions.specs import parse_spec
 
 
 @pytest.fixture
@@ -231,7 +231,7 @@ def test_truncated_updates_do_not_vote_on_the_rounds_tensors(root):
 
 def test_an_update_whose_head_is_refused_is_left_out_naming_the_error(root, monkeypatch):
     """Access denied (S3's answer for a key the role may not read) leaves the client out, not the round."""
-    from functions.errors import StoreError
+    from shardfold.functions.errors import StoreError
 
     uris = put_clients(root, updates(3), [1, 2, 3])
     real = store.pins

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from client import Client
-from client.cli import cli
-from client.demo import fedavg_reference, fedavg_updates
-from client.fedavg import UpdateError, decode_update, encode_update
-from functions import store
-from functions.errors import PlanError
-from functions.jobs import new_job_id, spec_key
-from functions.store.uri import local_path
+from shardfold.client import Client
+from shardfold.client.cli import cli
+from shardfold.client.demo import fedavg_reference, fedavg_updates
+from shardfold.client.fedavg import UpdateError, decode_update, encode_update
+from shardfold.functions import store
+from shardfold.functions.errors import PlanError
+from shardfold.functions.jobs import new_job_id, spec_key
+from shardfold.functions.store.uri import local_path
 
 REPO = Path(__file__).resolve().parent.parent
 EVENTS = REPO / "events"
@@ -212,7 +212,7 @@ def test_plan_reports_shards_memory_requests_and_refuses_what_does_not_fit(local
     assert any("client 1" in n and "nope.safetensors" in n for n in lost.notes)
 
     # a task that cannot fit its function's memory: plan and submit refuse, nothing is recorded
-    from functions.fedavg import sizing
+    from shardfold.functions.fedavg import sizing
 
     monkeypatch.setattr(sizing, "RUNTIME_BYTES", 4096 * MiB)
     with pytest.raises(PlanError, match="aggregate_shard"):
@@ -296,7 +296,7 @@ def test_save_update_and_load_round_trip_torch_state_dict(local_client):
 def test_numpy_only_use_never_imports_torch(tmp_path):
     code = (
         "import sys, numpy as np\n"
-        "from client import Client\n"
+        "from shardfold.client import Client\n"
         "c = Client()\n"
         "c.fedavg.save_update({'x': np.ones(3, np.float32)}, 'u/x.safetensors', num_examples=2)\n"
         "c.fedavg.load('u/x.safetensors'); c.fedavg.metadata('u/x.safetensors')\n"
@@ -396,7 +396,7 @@ def test_cli_invoke_steps_through_a_job_by_hand(home):
 
 def replace_after_prepare(monkeypatch, key_uri: str, data: bytes) -> None:
     """Let the job plan, then put ``data`` at ``key_uri`` before any aggregate task reads it."""
-    from functions.fedavg import core
+    from shardfold.functions.fedavg import core
 
     real = core.prepare
 

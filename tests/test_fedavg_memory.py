@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from functions import store
-from functions.fedavg import core
-from functions.fedavg.sizing import RUNTIME_BYTES, Budget, MiB, task_loads
-from functions.fedavg.spec import FedAvgJob
-from functions.specs import dump_spec
-from functions.store.uri import join
+from shardfold.functions import store
+from shardfold.functions.fedavg import core
+from shardfold.functions.fedavg.sizing import RUNTIME_BYTES, Budget, MiB, task_loads
+from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.specs import dump_spec
+from shardfold.functions.store.uri import join
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -83,8 +83,8 @@ def run_task(children, model_dir: Path, n: int, aggregator: str) -> tuple[dict, 
     event = {"job_id": job_id, "spec_uri": spec_uri, "store_root": root, "item": item, "index": 0}
     req = {
         "op": "task",
-        "imports": ["functions.fedavg.kind"],
-        "handler": "functions.fedavg.handlers:aggregate",
+        "imports": ["shardfold.functions.fedavg.kind"],
+        "handler": "shardfold.functions.fedavg.handlers:aggregate",
         "event": event,
         "tracemalloc": True,
     }

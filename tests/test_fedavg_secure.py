@@ -10,14 +10,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from client import Client
-from client import secagg as masks
-from client.fedavg import UpdateError
-from functions import store
-from functions.errors import InvalidModelFile, ObjectNotFound, SpecError
-from functions.fedavg import core, secagg
-from functions.fedavg.spec import FedAvgJob
-from functions.specs import parse_spec
+from shardfold.client import Client
+from shardfold.client import secagg as masks
+from shardfold.client.fedavg import UpdateError
+from shardfold.functions import store
+from shardfold.functions.errors import InvalidModelFile, ObjectNotFound, SpecError
+from shardfold.functions.fedavg import core, secagg
+from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.specs import parse_spec
 
 JOB = "fedavg-20260101T000000-5ec5ec"
 CLIP = 4.0

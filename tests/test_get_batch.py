@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from moto import mock_aws
 from tiers import examples
 
-from functions import store
-from functions.errors import (
+from shardfold.functions import store
+from shardfold.functions.errors import (
     BatchItemError,
     InputChanged,
     InvalidRange,
@@ -31,13 +31,13 @@ from functions.errors import (
     SpecError,
     TooManySoftErrors,
 )
-from functions.specs import BatchItem
-from functions.store import transport as transport_mod
-from functions.store.batch import HEDGE_FLOOR_S, BatchEntry, _Engine, step_bytes
-from functions.store.local import check_range
-from functions.store.pinning import Pin, TooLarge
-from functions.store.retry import RetryPolicy, TransientError
-from functions.store.tar import write_tar
+from shardfold.functions.specs import BatchItem
+from shardfold.functions.store import transport as transport_mod
+from shardfold.functions.store.batch import HEDGE_FLOOR_S, BatchEntry, _Engine, step_bytes
+from shardfold.functions.store.local import check_range
+from shardfold.functions.store.pinning import Pin, TooLarge
+from shardfold.functions.store.retry import RetryPolicy, TransientError
+from shardfold.functions.store.tar import write_tar
 
 FAST_RETRY = RetryPolicy(max_attempts=4, base_s=0.001, cap_s=0.002)
 
@@ -590,7 +590,7 @@ def test_too_many_soft_errors_abort(local_data):
 
 
 def test_items_may_not_leave_the_store_root(local_data):
-    from functions.errors import UnsafeKey
+    from shardfold.functions.errors import UnsafeKey
 
     with pytest.raises(UnsafeKey, match="item 1"):
         list(store.get_batch(["data/o0", "data/../../secret"]))
@@ -672,7 +672,7 @@ def test_same_request_gives_a_byte_identical_tar(local_data):
 
 
 def test_transport_selection(monkeypatch):
-    from functions.store.crt import CrtTransport
+    from shardfold.functions.store.crt import CrtTransport
 
     monkeypatch.delenv("SHARDFOLD_S3_TRANSPORT", raising=False)
     assert isinstance(transport_mod.s3_transport(), CrtTransport)
@@ -684,7 +684,7 @@ def test_transport_selection(monkeypatch):
 
 
 def test_crt_error_mapping():
-    from functions.store.crt import _error
+    from shardfold.functions.store.crt import _error
 
     body = b"<Error><Code>SlowDown</Code></Error>"
     assert isinstance(_error("s3://b/k", None, 503, body), TransientError)
@@ -797,7 +797,7 @@ def crt_bucket(moto_server, aws_env, monkeypatch, request):
 
 @pytest.mark.slow
 def test_s3_with_crt_transport(crt_bucket):
-    from functions.store.crt import CrtTransport
+    from shardfold.functions.store.crt import CrtTransport
 
     assert isinstance(transport_mod.s3_transport(), CrtTransport)
     request, expected = _s3_request(crt_bucket)
@@ -845,7 +845,7 @@ def test_store_get_on_moto_server(crt_bucket):
 
 
 def test_crt_addressing(monkeypatch, aws_env):
-    from functions.store.crt import _Client, crt_client
+    from shardfold.functions.store.crt import _Client, crt_client
 
     aws = _Client(None, "eu-west-1")
     assert aws.address("bkt", "a b/c+d") == ("bkt.s3.eu-west-1.amazonaws.com", "/a%20b/c%2Bd")

@@ -6,11 +6,11 @@ import tarfile
 
 import pytest
 
-from functions import store
-from functions.errors import BatchItemError, SpecError, TooManySoftErrors
-from functions.getbatch import core
-from functions.getbatch.spec import GetBatchJob
-from functions.store.tar import write_tar
+from shardfold.functions import store
+from shardfold.functions.errors import BatchItemError, SpecError, TooManySoftErrors
+from shardfold.functions.getbatch import core
+from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.store.tar import write_tar
 
 
 @pytest.fixture

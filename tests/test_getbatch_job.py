@@ -11,11 +11,11 @@ import tarfile
 
 import pytest
 
-from client import Client
-from functions import store
-from functions.jobs import new_job_id
-from functions.store.uri import join
-from orchestrator.local import LocalExecutor
+from shardfold.client import Client
+from shardfold.functions import store
+from shardfold.functions.jobs import new_job_id
+from shardfold.functions.store.uri import join
+from shardfold.orchestrator.local import LocalExecutor
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ def test_an_item_replaced_after_the_plan_fails_the_job_naming_it(
 ):
     """An object replaced (same size, new bytes) between plan and gather fails the job naming it, even with
     continue_on_error: a changed input is never a placeholder. A TAR shard's member index is pinned too."""
-    from functions.getbatch import core
+    from shardfold.functions.getbatch import core
 
     client = moto_client if backend == "moto" else local_client
     items = request(client.store_root)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiers import examples
 
-from functions.inference.batcher import (
+from shardfold.functions.inference.batcher import (
     fixed_size_batches,
     padded_tokens,
     padding_tokens,

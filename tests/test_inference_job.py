@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from client import Client, inference
-from client.cli import cli
-from client.demo import inference_corpus
-from client.errors import JobFailed
-from functions import telemetry
-from functions.estimate import estimate
-from functions.specs import parse_spec
+from shardfold.client import Client, inference
+from shardfold.client.cli import cli
+from shardfold.client.demo import inference_corpus
+from shardfold.client.errors import JobFailed
+from shardfold.functions import telemetry
+from shardfold.functions.estimate import estimate
+from shardfold.functions.specs import parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
 EVENTS = REPO / "events"
@@ -52,7 +52,7 @@ def local_client(tmp_path, monkeypatch):
 
 
 def put_corpus(client: Client, key: str, rows: list[dict]) -> str:
-    from functions import store
+    from shardfold.functions import store
 
     uri = client.uri(key)
     store.put(uri, corpus_bytes(rows))
@@ -103,13 +103,13 @@ def _worker_container(timeout_s: float = WAIT_S):
 
     import psutil
 
-    from orchestrator.container_server import NAME
+    from shardfold.orchestrator.container_server import NAME
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for p in psutil.Process().children(recursive=True):
             try:
-                if p.name() == NAME or "functions.container" in " ".join(p.cmdline()):
+                if p.name() == NAME or "shardfold.functions.container" in " ".join(p.cmdline()):
                     return p
             except psutil.Error:
                 continue
@@ -121,9 +121,9 @@ def _worker_container(timeout_s: float = WAIT_S):
 def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_client, monkeypatch):
     import time
 
-    from functions import store
-    from functions.inference import shards as layout
-    from functions.inference.pipeline import worker_reports
+    from shardfold.functions import store
+    from shardfold.functions.inference import shards as layout
+    from shardfold.functions.inference.pipeline import worker_reports
 
     monkeypatch.setattr(store, "delete_prefix", lambda prefix: 0)  # keep the scratch to see who did what
 
@@ -168,9 +168,9 @@ def test_kill_9_the_worker_then_resume_recomputes_only_uncommitted_shards(local_
 def test_two_workers_share_the_shards_and_survive_one_killed(local_client, monkeypatch):
     import time
 
-    from functions import store
-    from functions.inference import shards as layout
-    from functions.inference.pipeline import worker_reports
+    from shardfold.functions import store
+    from shardfold.functions.inference import shards as layout
+    from shardfold.functions.inference.pipeline import worker_reports
 
     monkeypatch.setattr(store, "delete_prefix", lambda prefix: 0)  # keep the scratch to see who did what
 
@@ -225,7 +225,7 @@ def test_plan_estimate_counts_shards_and_cpu_tasks(local_client):
     assert steps["preprocess_shard"].tasks == 3
     assert steps["infer"].tasks == 1
     # Batch steps are priced as GPU instance time, not as Lambda GB-s, and are not Lambda invocations
-    from functions import pricing
+    from shardfold.functions import pricing
 
     assert steps["infer"].gb_s == 0 and steps["infer"].instance_s >= pricing.BATCH_STARTUP_S
     # the repair round's GPU job runs only when shards are missing: a clean run's plan prices none
@@ -302,7 +302,7 @@ def test_skip_policy_drops_bad_rows_and_reports_them(local_client):
 
 
 def test_unknown_option_is_a_spec_error():
-    from functions.errors import SpecError
+    from shardfold.functions.errors import SpecError
 
     with pytest.raises((SpecError, ValueError)):
         inference.spec(["a.jsonl"], field="text", shard_rowz=3)
@@ -310,7 +310,7 @@ def test_unknown_option_is_a_spec_error():
 
 def test_the_client_bound_helpers_submit_the_module_functions_spec(monkeypatch):
     """``client.inference`` is the module's helpers bound to one client, as ``client.fedavg`` is."""
-    from functions.errors import SpecError
+    from shardfold.functions.errors import SpecError
 
     with Client() as client:
         submitted = []
@@ -327,7 +327,7 @@ def test_the_client_bound_helpers_submit_the_module_functions_spec(monkeypatch):
 
 @pytest.mark.parametrize("workers", [0, -1, 257, "two"])
 def test_bad_gpu_workers_is_a_spec_error_naming_the_field(workers):
-    from functions.errors import SpecError
+    from shardfold.functions.errors import SpecError
 
     with pytest.raises(SpecError, match="gpu_workers"):
         parse_spec({"kind": "inference", "inputs": ["a.jsonl"], "field": "text", "gpu_workers": workers})
@@ -338,8 +338,8 @@ def test_bad_gpu_workers_is_a_spec_error_naming_the_field(workers):
 
 def change_after_prepare(monkeypatch, uri: str, data: bytes) -> None:
     """Let the job plan its shards (byte ranges), then put ``data`` at ``uri`` before any shard is read."""
-    from functions import store
-    from functions.inference import pipeline
+    from shardfold.functions import store
+    from shardfold.functions.inference import pipeline
 
     real = pipeline.prepare
 
@@ -371,8 +371,8 @@ def test_an_input_replaced_after_the_plan_fails_the_job_naming_it(backend, reque
     if backend == "moto":
         # moto's interpreter reports the workers' Map (each worker stops on the CPU stage's failure) with its
         # own error; the CPU stage's error, which the workers saw, is in cpu_failed.json
-        from functions import store
-        from functions.inference.shards import cpu_failed_uri
+        from shardfold.functions import store
+        from shardfold.functions.inference.shards import cpu_failed_uri
 
         msg = store.get_json(cpu_failed_uri(client.store_root, job.job_id))["error"]
     else:
@@ -387,7 +387,7 @@ def test_a_parquet_input_replaced_after_the_plan_fails_the_job_naming_it(local_c
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from functions import store
+    from shardfold.functions import store
 
     def parquet(rows: list[dict]) -> bytes:
         buf = io.BytesIO()

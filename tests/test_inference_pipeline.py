@@ -8,13 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from functions import store
-from functions.errors import BadInputError, SpecError
-from functions.inference import pipeline
-from functions.inference import shards as layout
-from functions.inference.preprocess import decode_shard, load_tokenizer
-from functions.inference.spec import InferenceJob
-from functions.specs import parse_spec
+from shardfold.functions import store
+from shardfold.functions.errors import BadInputError, SpecError
+from shardfold.functions.inference import pipeline
+from shardfold.functions.inference import shards as layout
+from shardfold.functions.inference.preprocess import decode_shard, load_tokenizer
+from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.specs import parse_spec
 
 JOB = "inference-20260101T000000-abcdef"
 DIM = 4
@@ -410,9 +410,9 @@ def test_string_ids_and_custom_output(root):
 
 
 def test_handlers_and_workflow(root):
-    from functions.inference import handlers
-    from functions.kinds import WORKFLOWS
-    from functions.workflow import BatchJob, Parallel
+    from shardfold.functions.inference import handlers
+    from shardfold.functions.kinds import WORKFLOWS
+    from shardfold.functions.workflow import BatchJob, Parallel
 
     put_jsonl(root, "a.jsonl", [{"text": t} for t in texts(9)])
     spec = spec_of(inputs=["a.jsonl"], shard_rows=4)

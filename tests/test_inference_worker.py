@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from functions import store
-from functions.errors import ModelLoadError, ShardfoldError
-from functions.inference import shards as layout
-from functions.inference import worker as W
-from functions.inference.models import LoadedModel, load_model, minilm_dir, model_identity
-from functions.inference.preprocess import ShardRows, encode_shard, tokenize
-from functions.specs import parse_spec
+from shardfold.functions import store
+from shardfold.functions.errors import ModelLoadError, ShardfoldError
+from shardfold.functions.inference import shards as layout
+from shardfold.functions.inference import worker as W
+from shardfold.functions.inference.models import LoadedModel, load_model, minilm_dir, model_identity
+from shardfold.functions.inference.preprocess import ShardRows, encode_shard, tokenize
+from shardfold.functions.specs import parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 H = "00c0ffee00c0ffee"
@@ -161,7 +161,15 @@ def start_worker(root: str, job_id: str, spec_uri: str, attempt: int = 0) -> sub
         "SHARDFOLD_INFERENCE_POLL_S": "0.02",
         "HF_HUB_OFFLINE": "1",
     }
-    cmd = [sys.executable, "-m", "functions.inference.worker", "--job-id", job_id, "--spec-uri", spec_uri]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardfold.functions.inference.worker",
+        "--job-id",
+        job_id,
+        "--spec-uri",
+        spec_uri,
+    ]
     cmd += ["--store-root", root, "--attempt", str(attempt)]
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -195,7 +203,7 @@ def test_batching_does_not_change_outputs(minilm):
 
 
 def test_model_identity_needs_no_torch_and_tracks_bytes(tmp_path, tiny_uri):
-    code = "import sys; from functions.inference.models import model_identity as m; m('minilm'); "
+    code = "import sys; from shardfold.functions.inference.models import model_identity as m; m('minilm'); "
     code += "assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
     a = model_identity({"torchscript": tiny_uri})
@@ -529,7 +537,7 @@ def test_a_resumed_local_worker_takes_over_claims_of_dead_processes_only(root, t
 
 
 def test_cli_exit_codes(monkeypatch):
-    from functions.store.retry import TransientError
+    from shardfold.functions.store.retry import TransientError
 
     def transient(event, context=None):
         raise TransientError("S3 throttled")

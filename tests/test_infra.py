@@ -130,15 +130,15 @@ pulumi.runtime.set_mocks(MOCKS, preview=False)
 # After set_mocks: these import pulumi_aws and the program.
 import toyflow  # noqa: E402,F401  (registers the toy functions)
 
-from functions.errors import ShardfoldError  # noqa: E402
-from functions.kinds import WORKFLOWS  # noqa: E402
-from functions.workflow import BatchJob, Map, Task, Workflow  # noqa: E402
-from infra import iam, package  # noqa: E402
-from infra.config import StackConfig  # noqa: E402
-from infra.gpu import RETRY_ATTEMPTS  # noqa: E402
-from infra.program import build  # noqa: E402
-from infra.trigger import event_pattern  # noqa: E402
-from orchestrator.asl import validate  # noqa: E402
+from shardfold.functions.errors import ShardfoldError  # noqa: E402
+from shardfold.functions.kinds import WORKFLOWS  # noqa: E402
+from shardfold.functions.workflow import BatchJob, Map, Task, Workflow  # noqa: E402
+from shardfold.infra import iam, package  # noqa: E402
+from shardfold.infra.config import StackConfig  # noqa: E402
+from shardfold.infra.gpu import RETRY_ATTEMPTS  # noqa: E402
+from shardfold.infra.program import build  # noqa: E402
+from shardfold.infra.trigger import event_pattern  # noqa: E402
+from shardfold.orchestrator.asl import validate  # noqa: E402
 
 
 def image_workflow() -> Workflow:
@@ -293,8 +293,8 @@ def custom(tmp_path_factory, mp) -> Deployed:
 
 
 def test_outputs_are_what_the_aws_backend_reads(stack, workflows):
-    from client.stack import load_stack_outputs
-    from orchestrator.aws import AwsExecutor
+    from shardfold.client.stack import load_stack_outputs
+    from shardfold.orchestrator.aws import AwsExecutor
 
     out = stack.outputs
     bucket = stack.one("aws:s3/bucket:Bucket").outputs["bucket"]
@@ -322,8 +322,8 @@ def test_outputs_are_what_the_aws_backend_reads(stack, workflows):
 
 
 def test_outputs_list_every_deployed_size_and_the_key_that_changes_it(stack, workflows):
-    from client.stack import BatchSize, deployed_sizes
-    from orchestrator import moto_harness
+    from shardfold.client.stack import BatchSize, deployed_sizes
+    from shardfold.orchestrator import moto_harness
 
     sizes = stack.outputs["sizes"]
     fns = {r.inputs["name"]: r.inputs for r in stack.of("aws:lambda/function:Function")}
@@ -402,7 +402,7 @@ def test_batch_overrides_size_the_job_definition_the_states_and_the_sizes(tmp_pa
 
 
 def test_bad_batch_sizes_are_refused_with_the_key_named():
-    from infra.gpu import sized_workflows
+    from shardfold.infra.gpu import sized_workflows
 
     with pytest.raises(ShardfoldError, match=r"batchVcpus\['toy.batch_double'\] = 32 .*1\.\.16 \(maxVcpus\)"):
         StackConfig(batch_vcpus={"toy.batch_double": 32})
@@ -423,9 +423,9 @@ def test_bad_batch_sizes_are_refused_with_the_key_named():
 
 def test_every_job_definition_fits_an_allowed_instance_type():
     """A job asking more than any allowed instance registers would sit RUNNABLE until cancelled."""
-    from functions.kinds import WORKFLOWS
-    from infra.gpu import batch_steps, sized_workflows
-    from infra.instances import INSTANCES, placement_problem, registrable_mb
+    from shardfold.functions.kinds import WORKFLOWS
+    from shardfold.infra.gpu import batch_steps, sized_workflows
+    from shardfold.infra.instances import INSTANCES, placement_problem, registrable_mb
 
     # the shipped defaults fit the default types (the inference worker once asked for all 16 GiB)
     cfg = StackConfig()
@@ -534,7 +534,7 @@ def test_configured_bucket(custom):
 
 
 def test_one_function_per_handler_sized_from_the_plan(stack, workflows):
-    from orchestrator.registry import lambda_handler
+    from shardfold.orchestrator.registry import lambda_handler
 
     fns = {r.inputs["name"]: r.inputs for r in stack.of("aws:lambda/function:Function")}
     expected: dict[str, tuple[int, int]] = {}
@@ -554,7 +554,7 @@ def test_one_function_per_handler_sized_from_the_plan(stack, workflows):
             assert fn["handler"] == lambda_handler(function)
         assert (fn["memorySize"], fn["timeout"]) == (memory, timeout)
     dispatch = fns["shardfold-test-dispatch"]
-    assert dispatch["handler"] == "functions.trigger.handler"
+    assert dispatch["handler"] == "shardfold.functions.trigger.handler"
     assert (
         json.loads(dispatch["environment"]["variables"]["SHARDFOLD_STATE_MACHINES"])
         == (stack.outputs["state_machine_arns"])
@@ -601,14 +601,14 @@ def test_bad_config_is_refused_with_the_key_named(tmp_path, monkeypatch):
     for prefix in ("ledger/", "jobs/x", "", "a/../b", "res*"):  # never a system prefix, nothing vague
         with pytest.raises(ShardfoldError, match="outputPrefixes"):
             StackConfig(output_prefixes=(prefix,))
-    from infra.functions import function_specs
+    from shardfold.infra.functions import function_specs
 
     with pytest.raises(ShardfoldError, match="unknown functions"):
         function_specs(WORKFLOWS, StackConfig(function_timeout={"getbatch.typo": 10}))
 
 
 def test_a_package_with_torch_is_refused(tmp_path):
-    from infra.functions import LambdaCode
+    from shardfold.infra.functions import LambdaCode
 
     path = tmp_path / "bad.zip"
     with zipfile.ZipFile(path, "w") as zf:
@@ -621,7 +621,7 @@ def test_a_package_with_torch_is_refused(tmp_path):
 
 
 def test_a_package_over_the_direct_upload_limit_goes_through_the_bucket(tmp_path, monkeypatch):
-    from infra import functions as infra_functions
+    from shardfold.infra import functions as infra_functions
 
     real = infra_functions.LambdaCode.from_zip
     monkeypatch.setattr(
@@ -852,7 +852,7 @@ def test_gpu_compute_environment_queue_and_job_definition(stack):
     assert jd["name"] == "shardfold-test-toy-batch_double" and jd["type"] == "container"
     assert jd["platformCapabilities"] == ["EC2"]
     props = json.loads(jd["containerProperties"])
-    assert props["command"] == ["python", "-m", "functions.container"]
+    assert props["command"] == ["python", "-m", "shardfold.functions.container"]
     reqs = {r["type"]: r["value"] for r in props["resourceRequirements"]}
     assert reqs == {"GPU": "1", "VCPU": "4", "MEMORY": "15000"}
     assert props["jobRoleArn"].startswith(f"arn:aws:iam::{ACCOUNT}:role/")
@@ -916,7 +916,7 @@ def test_configured_gpu_queue(custom):
 
 def test_worker_image_fallback_without_a_build_provider(stack, monkeypatch):
     # Without pulumi-docker-build (and no workerImage) the job definition runs <repository>:latest.
-    from infra import gpu
+    from shardfold.infra import gpu
 
     if gpu.docker_build_available():
         pytest.skip("pulumi-docker-build is installed: the image is built, see the next test")
@@ -955,8 +955,8 @@ def test_dpquery_deploys_as_container_images():
 
 
 def test_image_kind_functions_run_the_image_and_zip_kinds_are_unchanged(stack, workflows):
-    from infra.gpu import docker_build_available
-    from orchestrator.registry import lambda_handler
+    from shardfold.infra.gpu import docker_build_available
+    from shardfold.orchestrator.registry import lambda_handler
 
     images = image_functions(workflows)
     assert images and images >= set(IMAGE_KIND.functions())
@@ -1096,7 +1096,7 @@ def test_event_pattern_matches_the_sample_spec_event_and_nothing_outside_jobs():
     deleted = dict(sample, **{"detail-type": "Object Deleted"})
     assert not _matches(pattern, deleted)
     # Nested JSON under jobs/ matches (EventBridge cannot exclude it); the dispatch function ignores it.
-    from functions.trigger import ignore_reason
+    from shardfold.functions.trigger import ignore_reason
 
     for key in ("jobs/j-1/status.json", "jobs/nightly-batch.status.json"):
         assert _matches(pattern, _event("dispatch_object_created.json", key=key))
@@ -1128,7 +1128,7 @@ def test_rule_target_dlq_and_permission(stack):
 
 
 def test_config_keys_are_read_with_their_defaults(monkeypatch):
-    from infra import config
+    from shardfold.infra import config
 
     monkeypatch.setattr(pulumi, "get_stack", lambda: "My_Stack")
     pulumi.runtime.set_all_config(
@@ -1195,7 +1195,7 @@ def test_a_policy_breaking_the_rules_stops_the_program(tmp_path, monkeypatch):
 
 
 def test_names_follow_the_naming_scheme_the_asl_tools_predict(stack, workflows):
-    from orchestrator.asl import NamingResolver
+    from shardfold.orchestrator.asl import NamingResolver
 
     naming = NamingResolver(region=REGION, account=ACCOUNT, stage="test")
     for function, arn in stack.outputs["functions"].items():
@@ -1207,7 +1207,7 @@ def test_names_follow_the_naming_scheme_the_asl_tools_predict(stack, workflows):
 
 
 def test_long_role_names_are_cut_to_fit_iam():
-    from infra.context import role_name_args
+    from shardfold.infra.context import role_name_args
 
     assert role_name_args("shardfold-dev-getbatch-gather-role") == {}
     long = "shardfold-sixteen-chars-x-averyveryverylongkind-averyverylongstep-role"

@@ -8,9 +8,9 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from functions.jobs import JOB_ID_RE, kind_of, new_job_id
-from functions.specs import parse_spec, resolve_relative
-from functions.trigger import ignore_reason, report_uris
+from shardfold.functions.jobs import JOB_ID_RE, kind_of, new_job_id
+from shardfold.functions.specs import parse_spec, resolve_relative
+from shardfold.functions.trigger import ignore_reason, report_uris
 
 kinds = st.from_regex(r"[a-z][a-z0-9]{0,11}", fullmatch=True)
 segment = st.one_of(
@@ -61,7 +61,7 @@ def test_only_direct_json_children_of_jobs_are_specs(parts, suffix):
 def test_the_submit_time_reads_back_from_a_job_id():
     import datetime as dt
 
-    from functions.jobs import new_job_id, submitted_at
+    from shardfold.functions.jobs import new_job_id, submitted_at
 
     when = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
     assert submitted_at(new_job_id("getbatch", when)) == "2026-01-02T03:04:05"

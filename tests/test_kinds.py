@@ -15,20 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
-from client.backends import compile_asl
-from functions import kinds
-from functions.errors import PlanError, SpecError
-from functions.specs import parse_spec, uri_fields
+from shardfold.client import Client
+from shardfold.client.backends import compile_asl
+from shardfold.functions import kinds
+from shardfold.functions.errors import PlanError, SpecError
+from shardfold.functions.specs import parse_spec, uri_fields
 
 TALLY = {
     "__init__.py": '"""A test kind: the total length of some words."""\n',
     "kind.py": """
         from typing import Literal
 
-        from functions.kinds import JobKind
-        from functions.specs import OutputUri, StrictModel
-        from functions.workflow import Map, Task, Workflow
+        from shardfold.functions.kinds import JobKind
+        from shardfold.functions.specs import OutputUri, StrictModel
+        from shardfold.functions.workflow import Map, Task, Workflow
 
         class TallyJob(StrictModel):
             kind: Literal["tally"] = "tally"
@@ -46,10 +46,10 @@ TALLY = {
         )
     """,
     "handlers.py": """
-        from functions import store
-        from functions.manifest import write_manifest
-        from functions.specs import parse_spec
-        from functions.store.uri import join
+        from shardfold.functions import store
+        from shardfold.functions.manifest import write_manifest
+        from shardfold.functions.specs import parse_spec
+        from shardfold.functions.store.uri import join
 
         def _uri(event, *parts):
             return join(event["store_root"], "jobs", event["job_id"], "tally", *parts)
@@ -72,7 +72,7 @@ TALLY = {
             return {"total": total}
     """,
     "sizing.py": """
-        from functions.estimate import MiB, Loads, Probe, TaskLoad
+        from shardfold.functions.estimate import MiB, Loads, Probe, TaskLoad
         from tally.kind import COUNT, COUNT_WORD, SPLIT, TOTAL
 
         def probe(spec, store_root, budget):

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from infra import package
-from infra.package import (
+from shardfold.infra import package
+from shardfold.infra.package import (
     IMAGE_ONLY,
     LAMBDA_EXCLUDE,
     LAMBDA_PYTHON_VERSION,
@@ -144,17 +144,24 @@ def test_requirements_are_the_runtime_deps_minus_client_only_ones_and_never_torc
     assert not set(pins) & image_only_closure()
 
 
-def _runtime_deps() -> list[str]:
+def _project() -> dict:
     import tomllib
 
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def _extras_deps(*extras: str) -> list[str]:
+    every = _project()["optional-dependencies"]
+    return [r for extra in extras for r in every[extra]]
 
 
 def image_only_closure() -> set[str]:
     """Distributions the image-only dependencies bring that the zip's requirements do not: all must stay
     out of the zip."""
-    image_reqs = [r for r in _runtime_deps() if package._requirement_name(r) in set(IMAGE_ONLY)]
-    assert {package._requirement_name(r) for r in image_reqs} == set(IMAGE_ONLY)  # runtime deps, all
+    image_reqs = [
+        r for r in _extras_deps("dp", "inference") if package._requirement_name(r) in set(IMAGE_ONLY)
+    ]
+    assert {package._requirement_name(r) for r in image_reqs} == set(IMAGE_ONLY)  # from those extras, all
     every = package.pinned_versions(image_reqs, "arm64", LAMBDA_PYTHON_VERSION)
     zipped = package.pinned_versions(package.lambda_requirements(), "arm64", LAMBDA_PYTHON_VERSION)
     only = set(every) - set(zipped)
@@ -162,12 +169,16 @@ def image_only_closure() -> set[str]:
     return only
 
 
-def test_image_only_dependencies_are_base_runtime_dependencies_kept_out_of_the_zip():
-    # the local backend and `make demo` run dpquery without extras; on AWS its functions run the image
-    names = {package._requirement_name(r): r for r in _runtime_deps()}
-    assert {"opendp", "pyarrow", "cvxpy"} <= set(IMAGE_ONLY) <= set(names)
-    assert names["opendp"] == "opendp==0.16.0"  # measurements record the sampler's version
+def test_image_only_dependencies_come_from_extras_never_the_base_install():
+    # locally dpquery and inference need the dp and inference extras; on AWS their functions run the image
+    base = {package._requirement_name(r) for r in _project()["dependencies"]}
+    extras = {package._requirement_name(r): r for r in _extras_deps("dp", "inference")}
+    assert {"opendp", "pyarrow", "cvxpy", "tokenizers"} <= set(IMAGE_ONLY) <= set(extras)
+    assert not set(IMAGE_ONLY) & base
+    assert extras["opendp"] == "opendp==0.16.0"  # measurements record the sampler's version
     assert not set(IMAGE_ONLY) & set(LAMBDA_EXCLUDE)
+    # the zip's one dependency from an extra is named by the extra it comes from
+    assert {package._requirement_name(r) for r in _extras_deps("aws")} >= set(package.ZIP_FROM_EXTRAS)
 
 
 # Parsed in a child process: CPython 3.11.7 keeps the AST converter's recursion depth in per-interpreter
@@ -175,14 +186,17 @@ def test_image_only_dependencies_are_base_runtime_dependencies_kept_out_of_the_z
 # fails with "AST constructor recursion depth mismatch": seen in CI, on a fresh thread too.
 _IMPORTS_SCRIPT = r"""
 import ast, json, sys
+def top(module):  # the distribution's name, or shardfold's subpackage (shardfold.client)
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "shardfold" else parts[0]
 out = {}
 for path in sys.argv[1:]:
     names = set()
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {top(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(top(node.module))
     out[path] = sorted(names)
 print(json.dumps(out))
 """
@@ -190,7 +204,8 @@ print(json.dumps(out))
 
 @functools.cache
 def _all_imports() -> dict[Path, set[str]]:
-    """The top-level names each ``.py`` file under ``functions/`` imports (absolute imports only)."""
+    """The top-level names each ``.py`` file under ``functions/`` imports (absolute imports only; for the
+    project's own modules, the subpackage: ``shardfold.functions``, ``shardfold.client``, ...)."""
     paths = sorted(str(p) for p in (REPO / "functions").rglob("*.py"))
     argv = [sys.executable, "-c", _IMPORTS_SCRIPT, *paths]
     done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120)
@@ -210,7 +225,7 @@ def test_image_only_dependencies_are_imported_only_by_image_kinds():
     for path in sorted((REPO / "functions").rglob("*.py")):
         used = _imports(path) & image_only
         if used:
-            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            module = "shardfold." + ".".join(path.relative_to(REPO).with_suffix("").parts)
             assert any(module.startswith(p + ".") for p in image_packages - zip_packages), (
                 f"{module} imports {sorted(used)}, which only the container image has; move it into an image "
                 f"kind's package (Workflow.lambda_package='image'): {sorted(image_packages)}"
@@ -220,7 +235,7 @@ def test_image_only_dependencies_are_imported_only_by_image_kinds():
 def test_function_packages_follow_the_kinds():
     import toyflow  # noqa: F401  (registers the toy functions)
 
-    from functions.workflow import Task, Workflow
+    from shardfold.functions.workflow import Task, Workflow
 
     zipped = Workflow("a", (Task("p", "toy.plan"), Task("t", "toy.total")))
     imaged = Workflow("b", (Task("t", "toy.total"), Task("s", "toy.stamp")), lambda_package="image")
@@ -232,13 +247,14 @@ def test_function_packages_follow_the_kinds():
     }
     assert package.function_packages({"b": imaged, "a": zipped})["toy.total"] == "image"
     assert set(package.lambda_handlers("image", {"b": imaged})) == {"toy.stamp", "toy.total"}
-    assert package.lambda_handlers(None, {"b": imaged})["dispatch"] == "functions.trigger.handler"
+    assert package.lambda_handlers(None, {"b": imaged})["dispatch"] == "shardfold.functions.trigger.handler"
     with pytest.raises(PackageError, match="package must be"):
         package.lambda_handlers("tar")
 
 
 def test_functions_imports_nothing_from_the_other_packages_or_client_only_deps():
-    forbidden = {"client", "orchestrator", "infra"} | {n.replace("-", "_") for n in LAMBDA_EXCLUDE}
+    forbidden = {"shardfold.client", "shardfold.orchestrator", "shardfold.infra"}
+    forbidden |= {n.replace("-", "_") for n in LAMBDA_EXCLUDE}
     offenders = {
         str(p.relative_to(REPO)): sorted(_imports(p) & forbidden)
         for p in sorted((REPO / "functions").rglob("*.py"))
@@ -322,8 +338,9 @@ def test_host_package_fits_lambda_and_holds_only_functions_and_their_deps(host_b
     assert report["fits"] and report["unzipped_bytes"] <= LAMBDA_UNZIPPED_MAX
     assert report["zip_bytes"] == zip_path.stat().st_size
     top = set(report["top_level"])
-    assert "functions" in top and {"numpy", "boto3", "botocore", "pydantic", "awscrt"} <= top
+    assert "shardfold" in top and {"numpy", "boto3", "botocore", "pydantic", "awscrt"} <= top
     assert not top & {"client", "orchestrator", "infra", "torch", "click", "rich", "safetensors", "bin"}
+    assert "functions" not in top  # the project's code is shardfold/functions/, under its one name
     assert report["dists"][package.FUNCTIONS_DIST] > 0
     assert report["unzipped_bytes"] < 150 * 2**20  # far under the limit without the image-only deps
     assert not any(d.startswith("(unowned)") for d in report["dists"]), report["dists"]
@@ -346,10 +363,10 @@ for function, setting in handlers.items():
     mod = importlib.import_module(module)
     assert callable(getattr(mod, name)), setting
     out["loaded"][function] = mod.__file__
-for name in ("torch", "click", "rich", "client", "orchestrator", "infra", "opendp", "pyarrow", "cvxpy",
-             "scipy"):
+for name in ("torch", "click", "rich", "client", "orchestrator", "infra", "functions", "shardfold.client",
+             "shardfold.orchestrator", "shardfold.infra", "opendp", "pyarrow", "cvxpy", "scipy"):
     out["absent"][name] = importlib.util.find_spec(name) is None
-from functions.trigger import handler
+from shardfold.functions.trigger import handler
 out["dispatch"] = handler(json.load(open(sys.argv[3])), None)
 """
 
@@ -435,7 +452,7 @@ def test_zips_hold_none_of_the_image_only_dependencies(which, request):
 def test_other_arch_package_fits_has_no_torch_and_is_built_for_that_cpu(other_zip):
     report = package.package_report(other_zip)
     assert report["has_torch"] is False and report["fits"]
-    assert {"functions", "numpy", "awscrt"} <= set(report["top_level"])
+    assert {"shardfold", "numpy", "awscrt"} <= set(report["top_level"])
     with zipfile.ZipFile(other_zip) as zf:
         libs = [n for n in zf.namelist() if n.endswith(".so") or ".so." in n]
         machines = {int.from_bytes(zf.open(n).read(20)[18:20], "little") for n in libs}

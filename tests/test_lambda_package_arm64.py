@@ -38,8 +38,8 @@ from test_lambda_package import (  # noqa: F401  (functions_snapshot: an autouse
     run_import_check,
 )
 
-from infra import package
-from infra.package import LAMBDA_PYTHON_VERSION
+from shardfold.infra import package
+from shardfold.infra.package import LAMBDA_PYTHON_VERSION
 
 pytestmark = pytest.mark.slow
 

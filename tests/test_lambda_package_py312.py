@@ -30,7 +30,7 @@ from test_lambda_package import (  # noqa: F401  (functions_snapshot: an autouse
     run_import_check,
 )
 
-from infra.package import LAMBDA_PYTHON_VERSION
+from shardfold.infra.package import LAMBDA_PYTHON_VERSION
 
 pytestmark = pytest.mark.slow  # builds a package with pip
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from functions.errors import ShardfoldError
-from functions.store.retry import TransientError
-from functions.workflow import BATCH_ATTEMPTS
-from orchestrator.invoke import HandlerFailed
-from orchestrator.local_batch import Cancelled, run_container
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.store.retry import TransientError
+from shardfold.functions.workflow import BATCH_ATTEMPTS
+from shardfold.orchestrator.invoke import HandlerFailed
+from shardfold.orchestrator.local_batch import Cancelled, run_container
 
 HERE = f"{__name__}"
 

@@ -10,16 +10,16 @@ import pytest
 import toyflow
 from toyflow import calls, fail_switch, parts_workflow, toy_workflow, write_spec
 
-from functions import store
-from functions.errors import JobNotFound, PlanError, ShardfoldError
-from functions.jobs import new_job_id
-from functions.manifest import MAX_MAP_ITEMS
-from functions.store.uri import join
-from functions.workflow import Map, Retry, Task, Workflow
-from orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call
-from orchestrator.local import LocalExecutor, map_result_bytes
-from orchestrator.registry import register
-from orchestrator.status import JobStatus
+from shardfold.functions import store
+from shardfold.functions.errors import JobNotFound, PlanError, ShardfoldError
+from shardfold.functions.jobs import new_job_id
+from shardfold.functions.manifest import MAX_MAP_ITEMS
+from shardfold.functions.store.uri import join
+from shardfold.functions.workflow import Map, Retry, Task, Workflow
+from shardfold.orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call
+from shardfold.orchestrator.local import LocalExecutor, map_result_bytes
+from shardfold.orchestrator.registry import register
+from shardfold.orchestrator.status import JobStatus
 
 pytestmark = pytest.mark.slow
 
@@ -304,7 +304,7 @@ def test_user_errors_are_never_retried(root):
 
 
 def _user_error(event, context):
-    from functions.errors import SpecError
+    from shardfold.functions.errors import SpecError
 
     store.put(join(event["store_root"], "jobs", event["job_id"], "usererr", uuid.uuid4().hex), b"")
     raise SpecError("field x is wrong")

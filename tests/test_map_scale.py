@@ -27,11 +27,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from client import Client, inference
-from client.demo import fedavg_reference, fedavg_updates, inference_corpus
-from functions import store
-from functions.store.uri import join
-from orchestrator import moto_harness
+from shardfold.client import Client, inference
+from shardfold.client.demo import fedavg_reference, fedavg_updates, inference_corpus
+from shardfold.functions import store
+from shardfold.functions.store.uri import join
+from shardfold.orchestrator import moto_harness
 
 OPT_IN = pytest.mark.skipif(
     os.environ.get("SHARDFOLD_SCALE_TESTS") != "1",
@@ -88,8 +88,8 @@ def test_getbatch_with_10000_parts(moto_client):
 
 
 def test_fedavg_with_10000_shards(moto_client, monkeypatch):
-    from functions.fedavg import core
-    from functions.fedavg.sizing import Budget
+    from shardfold.functions.fedavg import core
+    from shardfold.functions.fedavg.sizing import Budget
 
     # moto runs the prepare handler in this process: lower its 5 MiB shard floor to cut a tiny model
     monkeypatch.setattr(core, "prepare", functools.partial(core.prepare, budget=Budget(min_shard_bytes=1)))
@@ -115,7 +115,7 @@ DP_SETS = 1 + DP_ATTRIBUTES + DP_ATTRIBUTES * (DP_ATTRIBUTES - 1) // 2
 
 
 def test_dpquery_with_10012_measure_and_reconstruct_tasks(moto_client, monkeypatch):
-    from functions.dpquery import core
+    from shardfold.functions.dpquery import core
 
     assert DP_SETS >= CHILDREN
     monkeypatch.setattr(core, "measure", functools.partial(core.measure, noise=False))  # exact counts

@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from functions import store, telemetry
-from functions.estimate import estimate
-from functions.jobs import new_job_id
-from functions.specs import dump_spec, parse_spec
-from functions.store.uri import join
+from shardfold.functions import store, telemetry
+from shardfold.functions.estimate import estimate
+from shardfold.functions.jobs import new_job_id
+from shardfold.functions.specs import dump_spec, parse_spec
+from shardfold.functions.store.uri import join
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
@@ -168,7 +168,7 @@ def test_getbatch(children, root, count, size):
         store.put(uri, rng.bytes(size))
     label = f"{count:,} x {size / MiB:g} MiB" if size >= MiB else f"{count:,} x {size // 1024} KiB"
     job = Job.create(root, {"kind": "getbatch", "items": [{"uri": u} for u in uris]}, label)
-    h = "functions.getbatch.handlers"
+    h = "shardfold.functions.getbatch.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
     parts = store.get_json(planned["manifest"]["uri"])
     assert len(parts) == planned["parts"] == 1
@@ -201,9 +201,9 @@ FEDAVG_LARGE = {  # ~26 MiB per update, a bfloat16 tensor among float32 ones
 def test_fedavg(children, root, model, clients, aggregator, label):
     import ml_dtypes
 
-    from client import Client
-    from client.demo import fedavg_updates
-    from functions.fedavg import handlers
+    from shardfold.client import Client
+    from shardfold.client.demo import fedavg_updates
+    from shardfold.functions.fedavg import handlers
 
     model = {k: (s, ml_dtypes.bfloat16 if d == "bfloat16" else np.dtype(d)) for k, (s, d) in model.items()}
     # two distinct updates; the other clients are hard links of them (the page cache serves them all)
@@ -219,7 +219,7 @@ def test_fedavg(children, root, model, clients, aggregator, label):
         uris.append(path.as_uri())
     doc = {"kind": "fedavg", "clients": [{"uri": u} for u in uris], "aggregator": aggregator}
     job = Job.create(root, doc, label)
-    h = "functions.fedavg.handlers"
+    h = "shardfold.functions.fedavg.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
     shards = store.get_json(planned["manifest"]["uri"])
     stats = job.measure(children, "aggregate_shard", f"{h}:aggregate", job.event(item=shards[0], index=0))
@@ -237,8 +237,8 @@ def test_fedavg_dp(children, root):
     (~0.6 s: the sampler's own speed sets the size)."""
     import ml_dtypes
 
-    from client import Client
-    from client.demo import fedavg_updates
+    from shardfold.client import Client
+    from shardfold.client.demo import fedavg_updates
 
     model = {"w": ((128, 128), np.float32), "e": ((128, 128), "bfloat16"), "steps": ((), np.int64)}
     model = {k: (sh, ml_dtypes.bfloat16 if d == "bfloat16" else np.dtype(d)) for k, (sh, d) in model.items()}
@@ -254,7 +254,7 @@ def test_fedavg_dp(children, root):
                "base": saved[0]},
     }  # fmt: skip
     job = Job.create(root, doc, "4 clients x 0.1 MiB, dp, base")
-    h = "functions.fedavg.handlers"
+    h = "shardfold.functions.fedavg.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
     shards = store.get_json(planned["manifest"]["uri"])
     assert len(shards) == 1
@@ -268,7 +268,7 @@ def test_fedavg_dp(children, root):
 
 def test_fedavg_secure(children, root):
     """A secure round's tasks: 3 masked updates of 1.5 MiB (U32), summed mod 2^32 and dequantised."""
-    from client import Client
+    from shardfold.client import Client
 
     rng = np.random.default_rng(2)
     with Client() as c:
@@ -283,7 +283,7 @@ def test_fedavg_secure(children, root):
     job = Job.create(
         root, {"kind": "fedavg", "clients": [{"uri": u} for u in saved], "secure": True}, "3 x 1.5 MiB"
     )
-    h = "functions.fedavg.handlers"
+    h = "shardfold.functions.fedavg.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
     shards = store.get_json(planned["manifest"]["uri"])
     job.measure(children, "aggregate_shard", f"{h}:aggregate", job.event(item=shards[0], index=0))
@@ -303,7 +303,7 @@ def dpquery_small(root: str) -> tuple[dict, str]:
 
 
 def dpquery_large(root: str, rows: int = 200_000) -> tuple[dict, str]:
-    from client.demo import PEOPLE_SCHEMA, people_csv, synthetic_people
+    from shardfold.client.demo import PEOPLE_SCHEMA, people_csv, synthetic_people
 
     schema = [dict(a) for a in PEOPLE_SCHEMA]
     schema[0] = {"name": "age", "range": [18, 89]}  # 72 ages: 3-way marginals of up to 4,032 cells
@@ -351,11 +351,11 @@ def dpquery_pair(root: str) -> tuple[dict, str]:
     ids=["small", "large", "general", "pair"],
 )
 def test_dpquery(children, root, make):
-    from functions.dpquery import handlers
+    from shardfold.functions.dpquery import handlers
 
     doc, label = make(root)
     job = Job.create(root, doc, label)
-    h = "functions.dpquery.handlers"
+    h = "shardfold.functions.dpquery.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event(), imports=ARROW)
 
     groups = store.get_json(planned["measure"]["uri"])
@@ -388,8 +388,8 @@ def test_dpquery(children, root, make):
     ids=["small", "large"],
 )
 def test_inference(children, root, rows, shard_rows, words, label):
-    from client.demo import inference_corpus
-    from functions.inference import handlers
+    from shardfold.client.demo import inference_corpus
+    from shardfold.functions.inference import handlers
 
     corpus = inference_corpus(rows, seed=1, min_words=words[0], max_words=words[1])
     uri = join(root, "data", "corpus.jsonl")
@@ -403,7 +403,7 @@ def test_inference(children, root, rows, shard_rows, words, label):
         "shard_rows": shard_rows,
     }
     job = Job.create(root, doc, label)
-    h = "functions.inference.handlers"
+    h = "shardfold.functions.inference.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
     shards = store.get_json(planned["manifest"]["uri"])
     event = job.event(item=shards[0], index=0)
@@ -412,7 +412,9 @@ def test_inference(children, root, rows, shard_rows, words, label):
         handlers.preprocess(job.event(item=item, index=k))
     handlers.cpu_done(job.event())
     # the GPU worker (the BatchJob step "infer"), on this machine's device: the CPU without a GPU
-    summary = job.measure(children, "infer", "functions.inference.worker:handler", job.event(), imports=TORCH)
+    summary = job.measure(
+        children, "infer", "shardfold.functions.inference.worker:handler", job.event(), imports=TORCH
+    )
     assert summary["rows"] == rows and summary["shards"] == len(shards)
     result = job.measure(children, "commit", f"{h}:commit", job.event(), imports=ARROW)
     assert result["rows"] == rows

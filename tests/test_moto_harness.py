@@ -13,14 +13,14 @@ import pytest
 from botocore.exceptions import ClientError
 from toyflow import fail_switch, toy_workflow, write_spec
 
-from functions.errors import ShardfoldError
-from functions.jobs import new_job_id
-from functions.workflow import BatchJob, Map, Task, Workflow
-from orchestrator import moto_harness
-from orchestrator.aws import AwsExecutor
-from orchestrator.local import LocalExecutor
-from orchestrator.moto_harness import MotoStack
-from orchestrator.registry import register
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.jobs import new_job_id
+from shardfold.functions.workflow import BatchJob, Map, Task, Workflow
+from shardfold.orchestrator import moto_harness
+from shardfold.orchestrator.aws import AwsExecutor
+from shardfold.orchestrator.local import LocalExecutor
+from shardfold.orchestrator.moto_harness import MotoStack
+from shardfold.orchestrator.registry import register
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_stack_outputs(stack):
 
 
 def test_stack_outputs_list_the_deployed_sizes(stack):
-    from client.stack import deployed_sizes
+    from shardfold.client.stack import deployed_sizes
 
     sizes = stack.outputs["sizes"]
     assert set(sizes["functions"]) == set(stack.outputs["functions"])  # no dispatch function in moto
@@ -305,7 +305,7 @@ def test_definite_json_paths_yield_the_node(stack):
 def test_a_map_run_is_named_by_its_step_even_before_its_history_event(aws, monkeypatch):
     """The Map state's Label is the step's name, so the Map Run's ARN names the step; a run listed before
     the history shows its MapRunStarted event is counted under that step, never under a UUID."""
-    from orchestrator.aws import map_run_label
+    from shardfold.orchestrator.aws import map_run_label
 
     root = aws.store_root
     job_id = new_job_id("toy")

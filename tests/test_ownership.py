@@ -25,13 +25,13 @@ import pytest
 import toyflow
 from toyflow import fail_switch, toy_workflow, write_spec
 
-from functions import store
-from functions.jobs import new_job_id
-from functions.store.uri import join
-from orchestrator import owner as ownership
-from orchestrator.local import LocalExecutor
-from orchestrator.owner import JobOwned, Owner
-from orchestrator.status import JobStatus, read_status, write_status
+from shardfold.functions import store
+from shardfold.functions.jobs import new_job_id
+from shardfold.functions.store.uri import join
+from shardfold.orchestrator import owner as ownership
+from shardfold.orchestrator.local import LocalExecutor
+from shardfold.orchestrator.owner import JobOwned, Owner
+from shardfold.orchestrator.status import JobStatus, read_status, write_status
 
 WAIT_S = 120  # a deadline for a job or a process, never a timing assumption
 HOST = socket.gethostname()
@@ -239,7 +239,7 @@ def test_a_record_without_an_owner_reads_interrupted(root):
 
 
 def test_a_final_status_that_cannot_be_written_fails_the_run_and_wakes_the_waiter(root, monkeypatch):
-    import orchestrator.local as local
+    import shardfold.orchestrator.local as local
 
     def full_disk(store_root: str, status: JobStatus) -> None:
         if status.finished:
@@ -287,9 +287,9 @@ HOLD = {
     "kind.py": """
         from typing import Literal
 
-        from functions.kinds import JobKind
-        from functions.specs import StrictModel
-        from functions.workflow import BatchJob, Parallel, Task, Workflow
+        from shardfold.functions.kinds import JobKind
+        from shardfold.functions.specs import StrictModel
+        from shardfold.functions.workflow import BatchJob, Parallel, Task, Workflow
 
         class HoldJob(StrictModel):
             kind: Literal["hold"] = "hold"
@@ -307,8 +307,8 @@ HOLD = {
         import os
         import time
 
-        from functions import store
-        from functions.store.uri import join
+        from shardfold.functions import store
+        from shardfold.functions.store.uri import join
 
         def _hold(event, name):
             base = join(event["store_root"], "jobs", event["job_id"], "hold")
@@ -326,7 +326,7 @@ HOLD = {
             return _hold(event, "contain")
     """,
     "sizing.py": """
-        from functions.estimate import MiB, Loads, Probe, TaskLoad
+        from shardfold.functions.estimate import MiB, Loads, Probe, TaskLoad
         from hold.kind import CONTAIN, CRUNCH
 
         def probe(spec, store_root, budget):
@@ -361,7 +361,7 @@ def shardfold(hold, *args: str) -> subprocess.Popen:
     n = len(list(hold["store"].parent.glob("cli-*.out")))
     outs = [open(hold["store"].parent / f"cli-{n}.{name}", "w") for name in ("out", "err")]  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", *args], env=hold["env"], stdout=outs[0], stderr=outs[1]
+        [sys.executable, "-m", "shardfold.client.cli", *args], env=hold["env"], stdout=outs[0], stderr=outs[1]
     )
     for f in outs:
         f.close()
@@ -407,7 +407,7 @@ def assert_all_gone(workers: list[psutil.Process]) -> None:
 
 @pytest.mark.slow
 def test_kill_9_of_shardfold_run_ends_its_workers_and_the_job_resumes(hold):
-    from client import Client
+    from shardfold.client import Client
 
     cli = shardfold(hold, "run", str(hold["spec"]))
     job_id, workers = both_workers_running(hold, cli)
@@ -455,7 +455,7 @@ def test_the_lifeline_runs_a_module_as_main_and_ends_it_with_its_parent(tmp_path
     parent = textwrap.dedent(
         f"""
         import os, subprocess, time
-        from orchestrator.lifeline import PARENT_ENV, child_command
+        from shardfold.orchestrator.lifeline import PARENT_ENV, child_command
         child = subprocess.Popen(child_command("waiter"), env={{**os.environ, PARENT_ENV: str(os.getpid())}})
         open({str(pid)!r}, "w").write(str(child.pid))
         while not os.path.exists({str(ran)!r}):
@@ -506,8 +506,8 @@ class FakeSfn:
     ],
 )
 def test_aws_resume_is_refused_while_an_execution_runs_the_job(root, statuses, running_in):
-    from functions.errors import ShardfoldError
-    from orchestrator.aws import AwsExecutor
+    from shardfold.functions.errors import ShardfoldError
+    from shardfold.orchestrator.aws import AwsExecutor
 
     ex = AwsExecutor.__new__(AwsExecutor)  # no AWS: only what resume touches
     ex.store_root, ex.state_machine_arns, ex._sfn = root, {"toy": SM_ARN}, FakeSfn(*statuses)

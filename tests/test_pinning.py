@@ -12,10 +12,10 @@ import os
 import boto3
 import pytest
 
-from functions import store
-from functions.errors import BatchItemError, InputChanged
-from functions.store.pinning import Pin
-from functions.store.uri import join, local_path
+from shardfold.functions import store
+from shardfold.functions.errors import BatchItemError, InputChanged
+from shardfold.functions.store.pinning import Pin
+from shardfold.functions.store.uri import join, local_path
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from tiers import examples
 from toyflow import parts_workflow, toy_workflow
 
-from functions.errors import PlanError
-from functions.kinds import WORKFLOWS
-from functions.workflow import (
+from shardfold.functions.errors import PlanError
+from shardfold.functions.kinds import WORKFLOWS
+from shardfold.functions.workflow import (
     BATCH_ATTEMPTS,
     DEFAULT_TASK_RETRY,
     LAMBDA_THROTTLED,
@@ -24,8 +24,8 @@ from functions.workflow import (
     Task,
     Workflow,
 )
-from orchestrator import asl as asl_mod
-from orchestrator.asl import (
+from shardfold.orchestrator import asl as asl_mod
+from shardfold.orchestrator.asl import (
     BATCH_RUNNABLE_MAX_S,
     BATCH_STARTUP_S,
     BATCH_SYNC,
@@ -38,7 +38,7 @@ from orchestrator.asl import (
     moto_check,
     validate,
 )
-from orchestrator.registry import handler_path, lambda_handler, lambda_name, register
+from shardfold.orchestrator.registry import handler_path, lambda_handler, lambda_name, register
 
 TOYS = [toy_workflow(), toy_workflow(mode="process", batch=True), parts_workflow()]
 
@@ -329,7 +329,7 @@ def test_any_plan_compiles_to_valid_asl(steps):
 def test_no_fail_state_passes_on_a_states_error_name():
     """LocalStack refuses a Fail state whose error starts with States.; every Fail state names the project's
     own error and puts the caught one first in its cause, which the executors read back."""
-    from orchestrator.status import tidy_cause
+    from shardfold.orchestrator.status import tidy_cause
 
     for wf in [*WORKFLOWS.values(), *TOYS]:
         asl = compile_workflow(wf, NamingResolver(region="eu-west-1", account="111122223333", stage="t"))

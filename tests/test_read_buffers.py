@@ -10,10 +10,10 @@ import os
 import numpy as np
 import pytest
 
-from functions import store
-from functions.errors import BatchItemError, InputChanged, InvalidRange
-from functions.store import local
-from functions.store.uri import join, local_path
+from shardfold.functions import store
+from shardfold.functions.errors import BatchItemError, InputChanged, InvalidRange
+from shardfold.functions.store import local
+from shardfold.functions.store.uri import join, local_path
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_get_batch_buffered_read_of_a_changed_input_names_it(blob):
 
 
 def test_buffer_bytes_is_for_the_default_transport_only():
-    from functions.store.transport import LocalTransport
+    from shardfold.functions.store.transport import LocalTransport
 
     with pytest.raises(ValueError, match="buffer_bytes"):
         store.get_batch([], transport=LocalTransport(), buffer_bytes=1024)
@@ -182,7 +182,7 @@ def test_anything_made_from_a_read_keeps_its_buffer_out_of_the_pool(blob, derive
 def test_a_file_shorter_than_its_fstat_said_is_refused_on_both_read_paths(blob, monkeypatch, buffered):
     from types import SimpleNamespace
 
-    from functions.store.pinning import local_pin
+    from shardfold.functions.store.pinning import local_pin
 
     uri, data = blob
     real = os.fstat

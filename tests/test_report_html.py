@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from records import ESTIMATE, record
 
-from client.report_html import LANE_LIMIT, render
-from functions.report import build
+from shardfold.client.report_html import LANE_LIMIT, render
+from shardfold.functions.report import build
 
 CHROMIUM = "/usr/bin/chromium"
 WAIT_S = 300  # a deadline, not a timing assumption
@@ -178,8 +178,8 @@ def test_chromium_draws_a_real_jobs_report(tmp_path, monkeypatch):
         pytest.skip(
             f"{CHROMIUM} is missing: install Debian's `chromium` package (apt-get install -y chromium)"
         )
-    from client import Client
-    from functions import store
+    from shardfold.client import Client
+    from shardfold.functions import store
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     with Client() as c:

@@ -10,13 +10,13 @@ import threading
 import pytest
 from pydantic import BaseModel, Field
 
-from functions import runtime, store
-from functions.errors import SpecError
-from functions.getbatch.spec import GetBatchJob
-from functions.runtime import JobEvent, logger, task
-from functions.store.uri import join
-from orchestrator.invoke import LocalContext, call
-from orchestrator.registry import import_handler
+from shardfold.functions import runtime, store
+from shardfold.functions.errors import SpecError
+from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.runtime import JobEvent, logger, task
+from shardfold.functions.store.uri import join
+from shardfold.orchestrator.invoke import LocalContext, call
+from shardfold.orchestrator.registry import import_handler
 
 LAMBDA_KEYS = ("function_name", "function_memory_size", "function_arn", "function_request_id")
 
@@ -269,5 +269,5 @@ def test_handlers_keep_the_lambda_signature_and_their_importable_names(root):
         "part": 0,
         "items": 2,
     }
-    real = import_handler("functions.getbatch.handlers:gather")
-    assert real.__name__ == "gather" and real.__module__ == "functions.getbatch.handlers"
+    real = import_handler("shardfold.functions.getbatch.handlers:gather")
+    assert real.__name__ == "gather" and real.__module__ == "shardfold.functions.getbatch.handlers"

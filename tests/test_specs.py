@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from functions.errors import SpecError
-from functions.specs import dump_spec, parse_spec
+from shardfold.functions.errors import SpecError
+from shardfold.functions.specs import dump_spec, parse_spec
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"
 SAMPLES = sorted(p for p in EVENTS.glob("*.json") if "kind" in json.loads(p.read_text()))

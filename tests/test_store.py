@@ -11,12 +11,12 @@ import botocore.exceptions
 import numpy as np
 import pytest
 
-from functions import store
-from functions.errors import InvalidRange, ObjectExists, ObjectNotFound, StoreError, UnsafeKey
-from functions.store import local
-from functions.store import s3 as s3mod
-from functions.store import uri as urimod
-from functions.store.uri import local_path
+from shardfold.functions import store
+from shardfold.functions.errors import InvalidRange, ObjectExists, ObjectNotFound, StoreError, UnsafeKey
+from shardfold.functions.store import local
+from shardfold.functions.store import s3 as s3mod
+from shardfold.functions.store import uri as urimod
+from shardfold.functions.store.uri import local_path
 
 MiB = 1024 * 1024
 
@@ -370,7 +370,7 @@ def test_s3_errors_are_translated(s3_root):
         store.get("s3://no-such-bucket/x")
     from botocore.exceptions import ClientError
 
-    from functions.store.retry import TransientError
+    from shardfold.functions.store.retry import TransientError
 
     def err(code: str, status: int) -> ClientError:
         return ClientError(
@@ -387,8 +387,8 @@ def test_s3_errors_are_translated(s3_root):
 def test_network_errors_are_transient_in_tasks_and_one_named_line_at_submit(aws_env, monkeypatch):
     import socket
 
-    from functions.errors import StoreUnreachable
-    from functions.store.retry import TransientError
+    from shardfold.functions.errors import StoreUnreachable
+    from shardfold.functions.store.retry import TransientError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from client import Client
-from client.cli import cli
-from functions import access, store
-from functions import trigger as trigger_mod
-from functions.access import Grants
-from functions.errors import PlanError, SpecError, UnsafeKey
-from functions.trigger import dispatch, handler
+from shardfold.client import Client
+from shardfold.client.cli import cli
+from shardfold.functions import access, store
+from shardfold.functions import trigger as trigger_mod
+from shardfold.functions.access import Grants
+from shardfold.functions.errors import PlanError, SpecError, UnsafeKey
+from shardfold.functions.trigger import dispatch, handler
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"
 # 300,000 items in a manifest (1.2 MB, so submit counts them from its first MiB): the prepare task would
@@ -131,8 +131,8 @@ def test_other_buckets_only_where_the_deployment_grants_them(monkeypatch):
         {"kind": "getbatch", "items": [{"uri": "s3://exports/a.bin"}], "output": "s3://exports/out/a.tar"},
         {"kind": "getbatch", "items": [{"uri": "s3://bucket/data/a.bin"}], "output": "results/a.tar"},
     ]
-    from functions.specs import parse_spec
-    from functions.submit import check_policy
+    from shardfold.functions.specs import parse_spec
+    from shardfold.functions.submit import check_policy
 
     for spec in ok:
         check_policy(parse_spec(spec), "s3://bucket", grants)
@@ -162,8 +162,8 @@ def test_outputs_only_where_the_deployment_lets_jobs_write(monkeypatch):
     with pytest.raises(SpecError, match=r"results/, exports/"):
         trigger_mod.submit(spec, store_root="s3://bucket", start=started)
     ok = {**spec, "output": "exports/a.tar"}
-    from functions.specs import parse_spec
-    from functions.submit import check_policy
+    from shardfold.functions.specs import parse_spec
+    from shardfold.functions.submit import check_policy
 
     check_policy(parse_spec(ok), "s3://bucket")  # allowed by the environment
     check_policy(parse_spec(spec), "file:///srv/store")  # locally the user's machine: anywhere
@@ -197,7 +197,7 @@ def _reads(monkeypatch) -> dict[str, int]:
 def test_submit_reads_a_bounded_probe(local, tmp_path, monkeypatch):
     import numpy as np
 
-    from functions.estimate import SUBMIT_BUDGET
+    from shardfold.functions.estimate import SUBMIT_BUDGET
 
     # inference: a 3 MiB JSONL is not read in full at submit (the prepare step counts its rows exactly)
     rows = "".join(json.dumps({"text": f"sentence {i} " + "word " * 40}) + "\n" for i in range(15_000))
@@ -223,7 +223,7 @@ def test_submit_reads_a_bounded_probe(local, tmp_path, monkeypatch):
     assert seen == {"gets": 0, "bytes": 0, "sized": 0}
     assert store.get_json(local.uri(f"jobs/{job.job_id}/probe.json"))["sizes_probed"] == 0
     # ... but one HEAD shows that an S3 endpoint answers, unless it answered this process just now
-    from functions.store import s3
+    from shardfold.functions.store import s3
 
     s3_items = {"kind": "getbatch", "items": [{"uri": f"s3://bkt/{i}.bin"} for i in range(40)]}
 
@@ -287,11 +287,11 @@ def test_watch_on_the_s3_store_holds_outputs_to_the_deployment(tmp_path, monkeyp
 
 def test_lambda_is_priced_at_the_deployed_architecture(tmp_path):
     """The stack deploys arm64 unless lambdaArchitecture says x86_64; the plan prices the one deployed."""
-    from functions import pricing
-    from functions.estimate import Limits, estimate
-    from functions.kinds import WORKFLOWS
-    from functions.specs import parse_spec
-    from orchestrator.moto_harness import stack_sizes
+    from shardfold.functions import pricing
+    from shardfold.functions.estimate import Limits, estimate
+    from shardfold.functions.kinds import WORKFLOWS
+    from shardfold.functions.specs import parse_spec
+    from shardfold.orchestrator.moto_harness import stack_sizes
 
     root = f"file://{tmp_path}"
     store.put(f"{root}/data/a.bin", b"x" * 1000)
@@ -308,7 +308,7 @@ def test_lambda_is_priced_at_the_deployed_architecture(tmp_path):
 
 
 def test_plan_explain_lists_every_model_number_with_its_source(tmp_path, monkeypatch):
-    from functions import pricing
+    from shardfold.functions import pricing
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     spec = tmp_path / "s.json"
@@ -324,9 +324,9 @@ def test_plan_explain_lists_every_model_number_with_its_source(tmp_path, monkeyp
 def test_a_found_credential_is_looked_up_once_per_environment_and_a_missing_one_every_time(monkeypatch):
     import boto3
 
-    from functions import submit as submit_mod
-    from functions.errors import NoCredentials
-    from functions.specs import parse_spec
+    from shardfold.functions import submit as submit_mod
+    from shardfold.functions.errors import NoCredentials
+    from shardfold.functions.specs import parse_spec
 
     monkeypatch.setattr(submit_mod, "_FOUND_CREDENTIALS", set())
     found = {"value": object()}

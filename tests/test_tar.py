@@ -9,8 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiers import examples
 
-from functions.store.batch import BatchEntry
-from functions.store.tar import TAR_FORMAT, TAR_TRAILER, find_member, index_tar, tar_header, write_tar
+from shardfold.functions.store.batch import BatchEntry
+from shardfold.functions.store.tar import (
+    TAR_FORMAT,
+    TAR_TRAILER,
+    find_member,
+    index_tar,
+    tar_header,
+    write_tar,
+)
 
 NAMES = st.text(
     alphabet=st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/\\\x00"),

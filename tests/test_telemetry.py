@@ -12,12 +12,12 @@ import pytest
 from click.testing import CliRunner
 from records import ESTIMATE, record
 
-from client import Client, telemetry_table
-from client.cli import cli
-from functions import pricing, store, telemetry
-from functions.report import actual_cost, billed_s, build, requests_by_class, tables
-from functions.store.retry import TransientError
-from functions.workflow import BatchJob
+from shardfold.client import Client, telemetry_table
+from shardfold.client.cli import cli
+from shardfold.functions import pricing, store, telemetry
+from shardfold.functions.report import actual_cost, billed_s, build, requests_by_class, tables
+from shardfold.functions.store.retry import TransientError
+from shardfold.functions.workflow import BatchJob
 
 FIELDS = {
     "job_id", "kind", "step", "function", "task", "attempt", "outcome", "error", "started_at", "ended_at",
@@ -156,7 +156,7 @@ def test_every_task_of_a_local_job_records_itself_and_the_report_prices_its_reco
 
     doc = job.report()
     assert doc["tasks"] == 5 and doc["attempts"] == 5 and doc["sla"]["met"] is True
-    from functions.getbatch.workflow import WORKFLOW
+    from shardfold.functions.getbatch.workflow import WORKFLOW
 
     memory = {s.name: s.memory_mb for s in WORKFLOW.walk() if hasattr(s, "memory_mb")}
     batch = {s.name for s in WORKFLOW.walk() if isinstance(s, BatchJob)}
@@ -192,7 +192,7 @@ def test_a_failing_task_shows_its_error_and_its_log(local_client):
 
 
 def test_an_injected_retry_is_a_second_attempt(local_client, monkeypatch):
-    from functions.getbatch import core
+    from shardfold.functions.getbatch import core
 
     local_client.executor.retry_delay_scale = 0
     real, raised = core.gather, []
@@ -237,7 +237,7 @@ def test_records_on_moto_match_the_local_ones(tmp_path, monkeypatch):
         # the report takes Lambda's billed duration and memory size from each invocation's REPORT line
         enriched = telemetry.with_lambda_reports(records)
         assert all(r["billed_duration_s"] * 1000 >= r["duration_s"] * 1000 - 1 for r in enriched)
-        from functions.getbatch.workflow import WORKFLOW
+        from shardfold.functions.getbatch.workflow import WORKFLOW
 
         memory = {s.name: s.memory_mb for s in WORKFLOW.walk() if hasattr(s, "memory_mb")}
         assert [r["memory_size_mb"] for r in enriched] == [memory[r["step"]] for r in enriched]
@@ -270,7 +270,7 @@ def test_every_kind_records_every_task_and_dpquery_withholds_its_private_steps(
     """Every demo job's records. On the local backend the demos run as ``shardfold demo`` does for a new
     user, through the CLI, whose summary is checked too (one run of the four jobs for both checks); on moto
     through the SDK's demo functions."""
-    from client import demo
+    from shardfold.client import demo
 
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
     if backend == "local":
@@ -301,7 +301,7 @@ def test_every_kind_records_every_task_and_dpquery_withholds_its_private_steps(
 
 def check_every_field(client: Client, kind_name: str, job_id: str) -> None:
     """Every field in every record of a demo job; dpquery's private steps withheld (records, estimate)."""
-    from functions import kinds
+    from shardfold.functions import kinds
 
     job = client.job(job_id)
     records = telemetry.read_records(client.store_root, job.job_id)

@@ -9,12 +9,12 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from functions import store
-from functions import trigger as trigger_mod
-from functions.errors import SpecError, StoreUnreachable
-from functions.specs import parse_spec
-from functions.store.uri import join, store_root
-from functions.trigger import dispatch, handler, ignore_reason
+from shardfold.functions import store
+from shardfold.functions import trigger as trigger_mod
+from shardfold.functions.errors import SpecError, StoreUnreachable
+from shardfold.functions.specs import parse_spec
+from shardfold.functions.store.uri import join, store_root
+from shardfold.functions.trigger import dispatch, handler, ignore_reason
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"
 GOOD = {"kind": "getbatch", "items": [{"uri": "data/a.bin"}, {"uri": "data/b.bin", "start": 2, "length": 3}]}
@@ -417,8 +417,8 @@ def test_sample_events():
 def test_dispatch_to_a_real_workflow_on_moto(tmp_path, monkeypatch):
     # end to end: a spec dropped in the bucket runs the compiled getbatch state machine (moto harness),
     # and the AWS executor reads the job the trigger started like one it started itself
-    from orchestrator.aws import AwsExecutor
-    from orchestrator.moto_harness import MotoStack
+    from shardfold.orchestrator.aws import AwsExecutor
+    from shardfold.orchestrator.moto_harness import MotoStack
 
     monkeypatch.setattr(trigger_mod, "_sfn_clients", {})
     with MotoStack() as stack:

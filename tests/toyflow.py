@@ -19,11 +19,11 @@ import threading
 import uuid
 from typing import Any
 
-from functions import store
-from functions.manifest import write_manifest
-from functions.store.uri import join
-from functions.workflow import BatchJob, Map, Parallel, Retry, Task, Workflow
-from orchestrator.registry import register
+from shardfold.functions import store
+from shardfold.functions.manifest import write_manifest
+from shardfold.functions.store.uri import join
+from shardfold.functions.workflow import BatchJob, Map, Parallel, Retry, Task, Workflow
+from shardfold.orchestrator.registry import register
 
 GATE = threading.Event()  # tests release blocked items with GATE.set()
 STARTED = threading.Event()  # set when the first gated item has started

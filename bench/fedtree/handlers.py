@@ -7,17 +7,17 @@ import math
 
 import numpy as np
 
-from functions import store
-from functions.fedavg.layout import (
+from shardfold.functions import store
+from shardfold.functions.fedavg.layout import (
     PREFIX_BYTES,
     encode_header,
     output_tensors,
     parse_header,
     parse_length_prefix,
 )
-from functions.manifest import write_manifest
-from functions.runtime import JobEvent, task
-from functions.store.uri import join
+from shardfold.functions.manifest import write_manifest
+from shardfold.functions.runtime import JobEvent, task
+from shardfold.functions.store.uri import join
 
 
 class LeafEvent(JobEvent):

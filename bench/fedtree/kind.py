@@ -8,9 +8,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from functions.kinds import JobKind
-from functions.specs import InputUri, StrictModel
-from functions.workflow import Map, Task, Workflow
+from shardfold.functions.kinds import JobKind
+from shardfold.functions.specs import InputUri, StrictModel
+from shardfold.functions.workflow import Map, Task, Workflow
 
 
 class TreeClient(StrictModel):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 from fedtree.kind import GROUP, LEAF_TASK, LEAVES, ROOT
-from functions import store
-from functions.estimate import Loads, MiB, Probe, TaskLoad
+from shardfold.functions import store
+from shardfold.functions.estimate import Loads, MiB, Probe, TaskLoad
 
 RUNTIME = 160 * MiB
 

@@ -42,17 +42,17 @@ import numpy as np
 import pyarrow.parquet as pq
 from aws_lambda_powertools import Logger
 
-from functions import access, ledger, store
-from functions.dpquery import data, planner
-from functions.dpquery import measure as mz
-from functions.dpquery import reconstruct as rc
-from functions.dpquery.planner import Plan
-from functions.dpquery.spec import MATRIX, WHOLE_TYPES, DPQueryJob
-from functions.dpquery.unit import ContributionBound, job_seed, unit_report
-from functions.errors import DatasetError, InputChanged, PlanError, StoreError
-from functions.manifest import write_manifest
-from functions.privacy import cdp_eps, gaussian_eps, simple_eps
-from functions.store.uri import join
+from shardfold.functions import access, ledger, store
+from shardfold.functions.dpquery import data, planner
+from shardfold.functions.dpquery import measure as mz
+from shardfold.functions.dpquery import reconstruct as rc
+from shardfold.functions.dpquery.planner import Plan
+from shardfold.functions.dpquery.spec import MATRIX, WHOLE_TYPES, DPQueryJob
+from shardfold.functions.dpquery.unit import ContributionBound, job_seed, unit_report
+from shardfold.functions.errors import DatasetError, InputChanged, PlanError, StoreError
+from shardfold.functions.manifest import write_manifest
+from shardfold.functions.privacy import cdp_eps, gaussian_eps, simple_eps
+from shardfold.functions.store.uri import join
 
 logger = Logger(service="shardfold")
 

@@ -63,11 +63,11 @@ import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-from functions import store
-from functions.dpquery.spec import DPAttribute
-from functions.dpquery.unit import ContributionBound
-from functions.errors import DatasetError, ObjectNotFound, PlanError
-from functions.store.uri import is_s3, local_path
+from shardfold.functions import store
+from shardfold.functions.dpquery.spec import DPAttribute
+from shardfold.functions.dpquery.unit import ContributionBound
+from shardfold.functions.errors import DatasetError, ObjectNotFound, PlanError
+from shardfold.functions.store.uri import is_s3, local_path
 
 # Rows per Parquet record batch, and bytes per CSV block: bound the memory of one step of a scan. A block
 # holds whole lines, so a file whose longest line (or header) is longer is read again with blocks 4x as

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from functions.dpquery import core
-from functions.dpquery.spec import DPQueryJob
-from functions.runtime import JobEvent, task
+from shardfold.functions.dpquery import core
+from shardfold.functions.dpquery.spec import DPQueryJob
+from shardfold.functions.runtime import JobEvent, task
 
 
 class GroupRef(BaseModel):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from functions import ledger
-from functions.dpquery.spec import DPQueryJob, marginal_name
-from functions.dpquery.workflow import WORKFLOW
-from functions.kinds import JobKind
-from functions.tables import ResultView, Table
+from shardfold.functions import ledger
+from shardfold.functions.dpquery.spec import DPQueryJob, marginal_name
+from shardfold.functions.dpquery.workflow import WORKFLOW
+from shardfold.functions.kinds import JobKind
+from shardfold.functions.tables import ResultView, Table
 
 RESULT_ROWS = 50  # released tables listed by `run`/`result` (all of them with --json)
 
@@ -61,8 +61,9 @@ KIND = JobKind(
     package=__package__,
     spec=DPQueryJob,
     workflow=WORKFLOW,
-    sizing="functions.dpquery.sizing",
+    sizing="shardfold.functions.dpquery.sizing",
     result_view=result_view,
     # they read the rows: their times, memory and bytes are proxies of the row count (functions.telemetry)
     private_steps=frozenset({"prepare", "measure_group"}),
+    extras=lambda spec: ("dp",),
 )

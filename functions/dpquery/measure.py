@@ -67,7 +67,7 @@ from importlib.metadata import version
 
 import numpy as np
 
-from functions.errors import PlanError
+from shardfold.functions.errors import PlanError
 
 FORMAT_VERSION = 1
 # A set's map may exceed its planned ρ_S by at most this much (relative): a tenth of the plan's slack.

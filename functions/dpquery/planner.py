@@ -63,8 +63,8 @@ from typing import Any
 
 import numpy as np
 
-from functions.dpquery.measure import charge_factor, contrasts, log1p_gamma
-from functions.dpquery.smasher import (
+from shardfold.functions.dpquery.measure import charge_factor, contrasts, log1p_gamma
+from shardfold.functions.dpquery.smasher import (
     AttributeFactors,
     attribute_factors,
     attribute_strategy,
@@ -80,7 +80,7 @@ from functions.dpquery.smasher import (
     strategy_matrix,
     whole_piece_grams,
 )
-from functions.dpquery.spec import (
+from shardfold.functions.dpquery.spec import (
     ATTRIBUTE_TYPES,
     MATRIX,
     MAX_MATRICES,
@@ -89,8 +89,8 @@ from functions.dpquery.spec import (
     QUERY_TYPES,
     QueryMatrix,
 )
-from functions.errors import PlanError, SpecError
-from functions.privacy import MAX_RHO, REPORT_DELTA, cdp_eps, gaussian_eps, simple_eps
+from shardfold.functions.errors import PlanError, SpecError
+from shardfold.functions.privacy import MAX_RHO, REPORT_DELTA, cdp_eps, gaussian_eps, simple_eps
 
 DOC_VERSION = 1
 # The plan spends ρ·(1 − RHO_SLACK): room for the sampler's rounding term in its privacy map.

@@ -41,8 +41,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from functions.dpquery.measure import contrasts, mode_product
-from functions.dpquery.smasher import answer_axis, intervals, kron_all, pair_queries, pieces, query_lengths
+from shardfold.functions.dpquery.measure import contrasts, mode_product
+from shardfold.functions.dpquery.smasher import (
+    answer_axis,
+    intervals,
+    kron_all,
+    pair_queries,
+    pieces,
+    query_lengths,
+)
 
 JSON_MAX_CELLS = 1000  # marginals up to this many cells also get a JSON table
 VALUE_COLUMN = "estimate"

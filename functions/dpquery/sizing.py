@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from functions import pricing
-from functions.dpquery.spec import QUERY_TYPES, WHOLE_TYPES, DPQueryJob, marginal_name
-from functions.dpquery.workflow import (
+from shardfold.functions import pricing
+from shardfold.functions.dpquery.spec import QUERY_TYPES, WHOLE_TYPES, DPQueryJob, marginal_name
+from shardfold.functions.dpquery.workflow import (
     FINALIZE,
     MEASURE,
     MEASURE_GROUP,
@@ -29,9 +29,9 @@ from functions.dpquery.workflow import (
     RECONSTRUCT,
     RECONSTRUCT_GROUP,
 )
-from functions.errors import StoreError
-from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
-from functions.tables import Table
+from shardfold.functions.errors import StoreError
+from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
+from shardfold.functions.tables import Table
 
 # --- memory model (per task; what one function holds at its peak) -------------------------------------------
 # Python + numpy + pyarrow (with pandas, which pyarrow loads to convert arrays): 138 MiB measured after
@@ -118,7 +118,7 @@ def _names(spec: Any, pl: Any, j: int) -> str:
 
 
 def _dataset_size(spec: Any, store_root: str) -> tuple[int | None, str | None]:
-    from functions import access, store
+    from shardfold.functions import access, store
 
     uri = access.input_uri(spec.dataset, store_root, "dataset")
     try:
@@ -128,7 +128,7 @@ def _dataset_size(spec: Any, store_root: str) -> tuple[int | None, str | None]:
 
 
 def _ledger(spec: Any, store_root: str) -> tuple[Any, str | None]:
-    from functions import ledger
+    from shardfold.functions import ledger
 
     try:
         return ledger.read(store_root, spec.dataset_id), None
@@ -267,7 +267,7 @@ def marginal_rows(spec: Any, pl: Any) -> tuple[str, list[list[Any]]]:
 
 def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
     """The dataset's size (one HEAD) and the budget ledger; the noise plan itself needs no data."""
-    from functions.dpquery import planner
+    from shardfold.functions.dpquery import planner
 
     pl = planner.plan(spec)  # a PlanError (a marginal too large, ...) is the job's own refusal
     notes: list[str] = []
@@ -285,8 +285,8 @@ def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
 
 
 def loads(spec: DPQueryJob, probed: Probe) -> Loads:
-    from functions.dpquery import planner, smasher
-    from functions.dpquery import reconstruct as rc
+    from shardfold.functions.dpquery import planner, smasher
+    from shardfold.functions.dpquery import reconstruct as rc
 
     pl, state, size = probed.model
     notes: list[str] = []

@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from functions.dpquery.measure import contrasts, mode_product
-from functions.dpquery.spec import ATTRIBUTE_TYPES, MAX_QUERY_DOMAIN, PAIR_TYPES, QueryMatrix
-from functions.errors import PlanError, SpecError
+from shardfold.functions.dpquery.measure import contrasts, mode_product
+from shardfold.functions.dpquery.spec import ATTRIBUTE_TYPES, MAX_QUERY_DOMAIN, PAIR_TYPES, QueryMatrix
+from shardfold.functions.errors import PlanError, SpecError
 
 
 def intervals(kind: str, n: int) -> list[tuple[int, int]]:

@@ -22,9 +22,9 @@ from pydantic import (
     model_validator,
 )
 
-from functions.ledger import DATASET_ID
-from functions.privacy import MAX_RHO, REPORT_DELTA, cdp_rho
-from functions.specs import InputUri, JobOptions, OutputPrefix, StrictModel, fail
+from shardfold.functions.ledger import DATASET_ID
+from shardfold.functions.privacy import MAX_RHO, REPORT_DELTA, cdp_rho
+from shardfold.functions.specs import InputUri, JobOptions, OutputPrefix, StrictModel, fail
 
 DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".pq": "parquet"}
 # An attribute's domain may not exceed this many values (a range with bin width 1 over 10^9 is a mistake).

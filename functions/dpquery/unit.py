@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from functions.errors import DatasetError
+from shardfold.functions.errors import DatasetError
 
 BYTES_PER_ID = 200  # Python str + dict entry + count + key, for an id of ~20 characters (estimate)
 CHOOSE_BLOCK = 1 << 20

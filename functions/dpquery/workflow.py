@@ -11,7 +11,7 @@ control plane.
 
 from __future__ import annotations
 
-from functions.workflow import Map, Task, Workflow
+from shardfold.functions.workflow import Map, Task, Workflow
 
 # measure is CPU-bound (OpenDP's sampler): a process locally, 1769 MB (one full vCPU) on Lambda. Its memory
 # is the group's marginals plus one record batch; the prepare step sizes groups by noise samples.

@@ -83,8 +83,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from functions import access, ledger, store
-from functions.errors import (
+from shardfold.functions import access, ledger, store
+from shardfold.functions.errors import (
     AggregationOverflow,
     BatchItemError,
     InputChanged,
@@ -100,8 +100,8 @@ from functions.errors import (
     StoreError,
     TooFewClients,
 )
-from functions.fedavg import dp, kernels, secagg
-from functions.fedavg.layout import (
+from shardfold.functions.fedavg import dp, kernels, secagg
+from shardfold.functions.fedavg.layout import (
     PREFIX_BYTES,
     FileHeader,
     check_like_first,
@@ -113,7 +113,7 @@ from functions.fedavg.layout import (
     weight_from_metadata,
     where,
 )
-from functions.fedavg.sizing import (
+from shardfold.functions.fedavg.sizing import (
     SPOOL_BYTES,
     Budget,
     ClientRef,
@@ -128,14 +128,14 @@ from functions.fedavg.sizing import (
     shard_caps,
     task_loads,
 )
-from functions.fedavg.spec import FedAvgJob
-from functions.jobs import scratch_key
-from functions.manifest import manifest_ref
-from functions.privacy import REPORT_DELTA, cdp_eps
-from functions.store.pinning import Pin
-from functions.store.retry import TransientError
-from functions.store.s3 import MAX_SINGLE_PUT
-from functions.store.uri import is_s3, join
+from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.jobs import scratch_key
+from shardfold.functions.manifest import manifest_ref
+from shardfold.functions.privacy import REPORT_DELTA, cdp_eps
+from shardfold.functions.store.pinning import Pin
+from shardfold.functions.store.retry import TransientError
+from shardfold.functions.store.s3 import MAX_SINGLE_PUT
+from shardfold.functions.store.uri import is_s3, join
 
 logger = Logger(service="shardfold")
 

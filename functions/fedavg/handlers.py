@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from functions.fedavg import core
-from functions.fedavg.spec import FedAvgJob
-from functions.runtime import JobEvent, task
+from shardfold.functions.fedavg import core
+from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.runtime import JobEvent, task
 
 
 class ShardRef(BaseModel):

@@ -41,7 +41,7 @@ from typing import Literal
 
 import numpy as np
 
-from functions.fedavg.layout import DType
+from shardfold.functions.fedavg.layout import DType
 
 Method = Literal["mean", "median", "trimmed_mean", "first", "max"]
 

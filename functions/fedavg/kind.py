@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from functions import ledger
-from functions.fedavg.spec import FedAvgJob
-from functions.fedavg.workflow import WORKFLOW
-from functions.kinds import JobKind
-from functions.tables import ResultView, Table
+from shardfold.functions import ledger
+from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.workflow import WORKFLOW
+from shardfold.functions.kinds import JobKind
+from shardfold.functions.tables import ResultView, Table
 
 RESULT_ROWS = 20  # clients left out listed at the terminal (the result document lists them all)
 
@@ -39,6 +39,7 @@ KIND = JobKind(
     package=__package__,
     spec=FedAvgJob,
     workflow=WORKFLOW,
-    sizing="functions.fedavg.sizing",
+    sizing="shardfold.functions.fedavg.sizing",
     result_view=result_view,
+    extras=lambda spec: ("dp",) if spec.dp is not None else (),  # DP-FedAvg's noise: OpenDP
 )

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
-from functions.errors import InvalidModelFile
+from shardfold.functions.errors import InvalidModelFile
 
 PREFIX_BYTES = 8  # the u64 little-endian header length
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the header

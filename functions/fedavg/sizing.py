@@ -38,13 +38,13 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from functions import pricing
-from functions.errors import PlanError
-from functions.fedavg import kernels
-from functions.fedavg.layout import Tensor, encode_header
-from functions.store.local import WRITE_BUFFER
-from functions.store.pinning import Pin
-from functions.store.s3 import MAX_SINGLE_PUT
+from shardfold.functions import pricing
+from shardfold.functions.errors import PlanError
+from shardfold.functions.fedavg import kernels
+from shardfold.functions.fedavg.layout import Tensor, encode_header
+from shardfold.functions.store.local import WRITE_BUFFER
+from shardfold.functions.store.pinning import Pin
+from shardfold.functions.store.s3 import MAX_SINGLE_PUT
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every multipart part but the last
@@ -217,7 +217,7 @@ class ShardPlan:
 
     def mechanism(self) -> Any:
         """The round's noise (:class:`functions.fedavg.dp.Mechanism`); a DP plan only."""
-        from functions.fedavg.dp import Mechanism
+        from shardfold.functions.fedavg.dp import Mechanism
 
         if self.dp is None:
             raise PlanError("not a DP round")
@@ -607,7 +607,7 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
 def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad]:
     """A DP round's norms, clip and aggregate tasks (:func:`functions.fedavg.core.norms_into`, ``clip``,
     ``aggregate_dp_into``): float64 copies of a chunk take the place of the reducers' accumulators."""
-    from functions.fedavg import dp
+    from shardfold.functions.fedavg import dp
 
     n = plan.n_clients
     floats = [t.dt.itemsize for t in plan.tensors if t.dt.kind == "float"]
@@ -693,9 +693,9 @@ def scaled(plan: ShardPlan, n: int, shards: int | None) -> ShardPlan:
 def probe(spec: Any, store_root: str, budget: Any) -> Any:
     """Client headers, as the job's prepare step reads them, for at most ``budget.objects`` clients (evenly
     sampled beyond); an unreadable update becomes a note (the job fails at its prepare step naming it)."""
-    from functions.errors import InvalidModelFile, StoreError, TooFewClients
-    from functions.estimate import Probe
-    from functions.fedavg import core
+    from shardfold.functions.errors import InvalidModelFile, StoreError, TooFewClients
+    from shardfold.functions.estimate import Probe
+    from shardfold.functions.fedavg import core
 
     n = len(spec.clients)
     k = min(n, max(1, budget.objects))
@@ -726,9 +726,9 @@ def probe(spec: Any, store_root: str, budget: Any) -> Any:
 
 
 def loads(spec: Any, probed: Any) -> Any:
-    from functions import pricing
-    from functions.estimate import Loads, TaskLoad
-    from functions.fedavg.workflow import (
+    from shardfold.functions import pricing
+    from shardfold.functions.estimate import Loads, TaskLoad
+    from shardfold.functions.fedavg.workflow import (
         AGGREGATE,
         AGGREGATE_SHARD,
         CLIP,
@@ -800,7 +800,7 @@ def loads(spec: Any, probed: Any) -> Any:
     )
     if plan.dp is not None:  # the aggregate task also draws the noise
         floats = sum(t.elements for t in plan.tensors if t.dt.kind == "float")
-        from functions.fedavg import dp
+        from shardfold.functions.fedavg import dp
 
         noise_s = floats / m / dp.NOISE_SAMPLES_PER_S
         aggregate_load.duration_s = (

@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from functions.ledger import DATASET_ID
-from functions.privacy import MAX_RHO
-from functions.specs import InputUri, JobOptions, OutputUri, StrictModel, fail, repeated_uris
+from shardfold.functions.ledger import DATASET_ID
+from shardfold.functions.privacy import MAX_RHO
+from shardfold.functions.specs import InputUri, JobOptions, OutputUri, StrictModel, fail, repeated_uris
 
 # The longest a round's prepare step waits for late updates (``wait_s``): the prepare function's timeout
 # leaves this much beside the header reads.

@@ -12,9 +12,14 @@ references cross the control plane.
 
 from __future__ import annotations
 
-from functions.fedavg.sizing import AGGREGATE_MEMORY_MB, COMMIT_MEMORY_MB, LAMBDA_TIMEOUT_S, PLAN_MEMORY_MB
-from functions.fedavg.spec import MAX_WAIT_S
-from functions.workflow import Map, Task, Workflow
+from shardfold.functions.fedavg.sizing import (
+    AGGREGATE_MEMORY_MB,
+    COMMIT_MEMORY_MB,
+    LAMBDA_TIMEOUT_S,
+    PLAN_MEMORY_MB,
+)
+from shardfold.functions.fedavg.spec import MAX_WAIT_S
+from shardfold.functions.workflow import Map, Task, Workflow
 
 # aggregate is CPU-bound once its reads overlap (a process locally; 1769 MB = one full vCPU on Lambda). Its
 # memory does not grow with N or the model size; the prepare step sizes shards to the 900 s timeout.

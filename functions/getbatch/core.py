@@ -32,8 +32,8 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from pydantic import ValidationError
 
-from functions import access, store
-from functions.errors import (
+from shardfold.functions import access, store
+from shardfold.functions.errors import (
     BatchItemError,
     InputChanged,
     ObjectNotFound,
@@ -42,12 +42,12 @@ from functions.errors import (
     TooManySoftErrors,
     UnsafeKey,
 )
-from functions.getbatch.spec import GetBatchJob
-from functions.jobs import scratch_key
-from functions.manifest import manifest_ref
-from functions.specs import BatchItem, describe_errors, json_type
-from functions.store.tar import TAR_TRAILER, write_tar
-from functions.store.uri import join
+from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.jobs import scratch_key
+from shardfold.functions.manifest import manifest_ref
+from shardfold.functions.specs import BatchItem, describe_errors, json_type
+from shardfold.functions.store.tar import TAR_TRAILER, write_tar
+from shardfold.functions.store.uri import join
 
 logger = Logger(service="shardfold")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from functions.getbatch import core
-from functions.getbatch.spec import GetBatchJob
-from functions.runtime import JobEvent, task
+from shardfold.functions.getbatch import core
+from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.runtime import JobEvent, task
 
 
 class PartRef(BaseModel):

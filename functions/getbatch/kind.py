@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from functions.getbatch.spec import GetBatchJob
-from functions.getbatch.workflow import WORKFLOW
-from functions.kinds import JobKind
+from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.workflow import WORKFLOW
+from shardfold.functions.kinds import JobKind
 
 KIND = JobKind(
     name="getbatch",
     package=__package__,
     spec=GetBatchJob,
     workflow=WORKFLOW,
-    sizing="functions.getbatch.sizing",
+    sizing="shardfold.functions.getbatch.sizing",
 )

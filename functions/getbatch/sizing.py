@@ -23,13 +23,13 @@ import json
 import math
 from typing import Any
 
-from functions import access, pricing, store
-from functions.errors import ShardfoldError
-from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
-from functions.getbatch import core
-from functions.getbatch.spec import GetBatchJob
-from functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PREPARE
-from functions.store import batch, s3
+from shardfold.functions import access, pricing, store
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
+from shardfold.functions.getbatch import core
+from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PREPARE
+from shardfold.functions.store import batch, s3
 
 # Python memory of one parsed BatchItem plus its JSON (plan and assemble hold all of them / their rows).
 ITEM_OBJECT_BYTES = 1024

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from functions.specs import BatchItem, InputUri, JobOptions, OutputUri
+from shardfold.functions.specs import BatchItem, InputUri, JobOptions, OutputUri
 
 
 class GetBatchJob(JobOptions):

@@ -8,7 +8,7 @@ the 256 KiB state limit.
 
 from __future__ import annotations
 
-from functions.workflow import Map, Task, Workflow
+from shardfold.functions.workflow import Map, Task, Workflow
 
 # gather is I/O-bound (threads locally); its memory is the engine's byte budget plus the fragment's write
 # buffer, whatever the objects' sizes.

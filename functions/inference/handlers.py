@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from functions.inference import pipeline
-from functions.inference.spec import InferenceJob
-from functions.runtime import JobEvent, task
+from shardfold.functions.inference import pipeline
+from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.runtime import JobEvent, task
 
 
 class ShardRef(BaseModel):

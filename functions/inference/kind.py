@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from functions.inference.spec import InferenceJob
-from functions.inference.workflow import WORKFLOW
-from functions.kinds import JobKind
+from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.workflow import WORKFLOW
+from shardfold.functions.kinds import JobKind
 
 KIND = JobKind(
     name="inference",
     package=__package__,
     spec=InferenceJob,
     workflow=WORKFLOW,
-    sizing="functions.inference.sizing",
+    sizing="shardfold.functions.inference.sizing",
     # the GPU workers' shards: the executors see the whole GPU stage as one step
-    progress="functions.inference.pipeline:progress",
+    progress="shardfold.functions.inference.pipeline:progress",
     # the Batch container's entry point keeps torch out of the Lambda handlers' module
-    handlers={"inference.worker": "functions.inference.worker:handler"},
+    handlers={"inference.worker": "shardfold.functions.inference.worker:handler"},
+    extras=lambda spec: ("inference",),
 )

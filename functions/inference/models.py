@@ -20,8 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from functions import store
-from functions.errors import InputChanged, ModelLoadError
+from shardfold.functions import store
+from shardfold.functions.errors import InputChanged, ModelLoadError
 
 # transformers resolves its names lazily on first import, and two threads importing it at once can see a
 # half-initialised module ("cannot import name 'AutoModel'"): workers sharing a process (the moto harness

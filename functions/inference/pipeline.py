@@ -20,15 +20,15 @@ from typing import Any
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from functions import store
-from functions.errors import ShardfoldError
-from functions.inference import shards as layout
-from functions.inference.preprocess import decode_shard, encode_shard, read_shard
-from functions.inference.shards import STAGE, load_plan, output_uri, prepare
-from functions.inference.spec import InferenceJob
-from functions.jobs import scratch_key
-from functions.manifest import manifest_ref
-from functions.store.uri import join
+from shardfold.functions import store
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.inference import shards as layout
+from shardfold.functions.inference.preprocess import decode_shard, encode_shard, read_shard
+from shardfold.functions.inference.shards import STAGE, load_plan, output_uri, prepare
+from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.jobs import scratch_key
+from shardfold.functions.manifest import manifest_ref
+from shardfold.functions.store.uri import join
 
 logger = Logger(service="shardfold")
 

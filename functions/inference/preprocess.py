@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from functions import store
-from functions.errors import BadInputError
-from functions.inference.shards import load_arrays, tokenizer_path
-from functions.inference.spec import InferenceJob
-from functions.store.pinning import Pin
+from shardfold.functions import store
+from shardfold.functions.errors import BadInputError
+from shardfold.functions.inference.shards import load_arrays, tokenizer_path
+from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.store.pinning import Pin
 
 
 @dataclass
@@ -133,7 +133,7 @@ def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None 
 
 def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
     """The shard's rows: only the row groups overlapping its row range, only the needed columns."""
-    from functions.inference.shards import open_parquet, parquet_errors
+    from shardfold.functions.inference.shards import open_parquet, parquet_errors
 
     pf = open_parquet(shard["uri"], shard["input"], pin)
     names = set(pf.schema_arrow.names)

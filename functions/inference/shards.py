@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from functions import access, store
-from functions.errors import BadInputError, InputChanged, SpecError
-from functions.inference.spec import InferenceJob, inference_input_format
-from functions.manifest import manifest_ref
-from functions.store.pinning import Pin, check_local
-from functions.store.uri import join
+from shardfold.functions import access, store
+from shardfold.functions.errors import BadInputError, InputChanged, SpecError
+from shardfold.functions.inference.spec import InferenceJob, inference_input_format
+from shardfold.functions.manifest import manifest_ref
+from shardfold.functions.store.pinning import Pin, check_local
+from shardfold.functions.store.uri import join
 
 logger = Logger(service="shardfold")
 

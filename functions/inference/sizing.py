@@ -22,13 +22,13 @@ import math
 import os
 from pathlib import Path
 
-from functions import access, pricing, store
-from functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
-from functions.inference import workflow as wf
-from functions.inference.spec import InferenceJob, inference_input_format
-from functions.inference.worker import CPU_BATCH_TOKENS, PREFETCH
-from functions.store.uri import is_s3
-from functions.tables import Table
+from shardfold.functions import access, pricing, store
+from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
+from shardfold.functions.inference import workflow as wf
+from shardfold.functions.inference.spec import InferenceJob, inference_input_format
+from shardfold.functions.inference.worker import CPU_BATCH_TOKENS, PREFETCH
+from shardfold.functions.store.uri import is_s3
+from shardfold.functions.tables import Table
 
 RUNTIME_BYTES = 200 * MiB  # Python + pyarrow + tokenizers in a preprocess/commit task
 # prepare (JSONL inputs), cpu_done and reconcile import neither pyarrow nor tokenizers: the bare runtime
@@ -51,7 +51,7 @@ GPU_ROWS_PER_S = 2000  # MiniLM on one A10G, order of magnitude, for the duratio
 
 def _input_rows(uri: str, fmt: str, head_bytes: int) -> tuple[int, int, bool]:
     """(rows, bytes, exact) of one input, reading at most ``head_bytes`` of a JSONL file."""
-    from functions.inference.shards import jsonl_line_index, parquet_num_rows
+    from shardfold.functions.inference.shards import jsonl_line_index, parquet_num_rows
 
     size = store.size(uri)
     if fmt == "parquet":

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from functions.specs import InputUri, JobOptions, OutputUri, StrictModel, repeated_uris
+from shardfold.functions.specs import InputUri, JobOptions, OutputUri, StrictModel, repeated_uris
 
 INFERENCE_FORMATS = {
     ".jsonl": "jsonl",

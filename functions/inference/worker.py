@@ -54,12 +54,12 @@ from typing import Any
 import numpy as np
 from aws_lambda_powertools import Logger
 
-from functions import access, store
-from functions.errors import ShardfoldError
-from functions.inference import shards as layout
-from functions.inference.batcher import token_budget_batches
-from functions.inference.spec import InferenceJob
-from functions.runtime import JobEvent, task
+from shardfold.functions import access, store
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.inference import shards as layout
+from shardfold.functions.inference.batcher import token_budget_batches
+from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.runtime import JobEvent, task
 
 logger = Logger(service="shardfold")
 
@@ -260,7 +260,7 @@ def run_worker(
         stats.wall_s = time.monotonic() - started
         return stats.summary()
     if model is None:
-        from functions.inference.models import load_model
+        from shardfold.functions.inference.models import load_model
 
         resolved = _resolved_model(spec, store_root)
         pin = None if resolved == "minilm" else layout.plan_pin(plan, resolved["torchscript"])
@@ -486,15 +486,17 @@ def handler(e: WorkerEvent, spec: InferenceJob) -> dict[str, Any]:
 def preload() -> None:
     """Import what a worker imports, loading nothing (:func:`models.preload`): the local executor's
     container server calls this before it forks a worker (:mod:`orchestrator.container_server`)."""
-    from functions.inference import models
+    from shardfold.functions.inference import models
 
     models.preload()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from functions.container import EXIT_TRANSIENT, TRANSIENT
+    from shardfold.functions.container import EXIT_TRANSIENT, TRANSIENT
 
-    parser = argparse.ArgumentParser(prog="python -m functions.inference.worker", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m shardfold.functions.inference.worker", description=__doc__
+    )
     parser.add_argument("--event", help="the state as JSON (default: $SHARDFOLD_EVENT)")
     parser.add_argument("--job-id")
     parser.add_argument("--spec-uri")
@@ -517,6 +519,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from functions.container import exit_now
+    from shardfold.functions.container import exit_now
 
     exit_now(main())

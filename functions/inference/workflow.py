@@ -16,7 +16,7 @@ commit read and write Parquet with pyarrow, which is image-only (infra/package.p
 
 from __future__ import annotations
 
-from functions.workflow import BatchJob, Map, Parallel, Task, Workflow
+from shardfold.functions.workflow import BatchJob, Map, Parallel, Task, Workflow
 
 WORKER = dict(entry_point="inference.worker", vcpus=4, memory_mb=15000, gpus=1, timeout_s=4 * 3600)
 

@@ -19,14 +19,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from functions import telemetry
-from functions.errors import ObjectExists, ObjectNotFound, StoreError
-from functions.store import local, s3, transport
-from functions.store.batch import BatchEntry, BatchStats, BatchStream, get_batch
-from functions.store.pinning import Pin, changed
-from functions.store.retry import RetryPolicy, TransientError
-from functions.store.tar import write_tar
-from functions.store.uri import is_s3, join, local_path, resolve, split_s3, store_root
+from shardfold.functions import telemetry
+from shardfold.functions.errors import ObjectExists, ObjectNotFound, StoreError
+from shardfold.functions.store import local, s3, transport
+from shardfold.functions.store.batch import BatchEntry, BatchStats, BatchStream, get_batch
+from shardfold.functions.store.pinning import Pin, changed
+from shardfold.functions.store.retry import RetryPolicy, TransientError
+from shardfold.functions.store.tar import write_tar
+from shardfold.functions.store.uri import is_s3, join, local_path, resolve, split_s3, store_root
 
 __all__ = [
     "BatchEntry",
@@ -180,7 +180,7 @@ def pins(uris: list[str]) -> dict[str, Pin | None]:
     found: dict[str, Pin | None] = {}
     if on_s3 and transport.s3_transport_name() == "crt":
         try:
-            from functions.store.crt import head_pins
+            from shardfold.functions.store.crt import head_pins
         except ImportError:  # no awscrt here: boto3 below, as GetBatch itself falls back
             head_pins = None
         if head_pins is not None:

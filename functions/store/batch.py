@@ -55,8 +55,8 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from pydantic import ValidationError
 
-from functions import telemetry
-from functions.errors import (
+from shardfold.functions import telemetry
+from shardfold.functions.errors import (
     BatchItemError,
     InvalidRange,
     ObjectNotFound,
@@ -65,12 +65,12 @@ from functions.errors import (
     StoreError,
     TooManySoftErrors,
 )
-from functions.specs import BatchItem
-from functions.store.local import Buffers, check_range
-from functions.store.pinning import Pin, TooLarge
-from functions.store.retry import RetryPolicy, TransientError
-from functions.store.tar import INDEX_BLOCK, find_member, index_tar
-from functions.store.transport import (
+from shardfold.functions.specs import BatchItem
+from shardfold.functions.store.local import Buffers, check_range
+from shardfold.functions.store.pinning import Pin, TooLarge
+from shardfold.functions.store.retry import RetryPolicy, TransientError
+from shardfold.functions.store.tar import INDEX_BLOCK, find_member, index_tar
+from shardfold.functions.store.transport import (
     LocalTransport,
     RoutingTransport,
     Transport,
@@ -79,7 +79,7 @@ from functions.store.transport import (
     takes_limit,
     thread_pool,
 )
-from functions.store.uri import default_name, resolve, store_root
+from shardfold.functions.store.uri import default_name, resolve, store_root
 
 logger = Logger(service="shardfold")
 

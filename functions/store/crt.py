@@ -24,14 +24,14 @@ from awscrt.http import HttpHeaders, HttpRequest
 from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
 from awscrt.s3 import S3Client, S3RequestTlsMode, S3RequestType, S3RetryConfig, S3RetryMode
 
-from functions import telemetry
-from functions.errors import InvalidRange, ObjectNotFound, StoreError
-from functions.store.pinning import Pin, TooLarge, changed
-from functions.store.retry import TRANSIENT_STATUS, TransientError
-from functions.store.s3 import check_body, heard_from_endpoint, range_header
-from functions.store.s3 import endpoint as s3_endpoint
-from functions.store.transport import Boto3Transport as _Boto3
-from functions.store.transport import Cancel, Done, thread_pool
+from shardfold.functions import telemetry
+from shardfold.functions.errors import InvalidRange, ObjectNotFound, StoreError
+from shardfold.functions.store.pinning import Pin, TooLarge, changed
+from shardfold.functions.store.retry import TRANSIENT_STATUS, TransientError
+from shardfold.functions.store.s3 import check_body, heard_from_endpoint, range_header
+from shardfold.functions.store.s3 import endpoint as s3_endpoint
+from shardfold.functions.store.transport import Boto3Transport as _Boto3
+from shardfold.functions.store.transport import Cancel, Done, thread_pool
 
 THROUGHPUT_TARGET_GBPS = 100.0
 _clients: dict[tuple, _Client] = {}

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from functions import telemetry
-from functions.errors import InvalidRange, ObjectExists, ObjectNotFound, StoreError
-from functions.store.pinning import Pin, TooLarge, changed, check_local, local_pin
+from shardfold.functions import telemetry
+from shardfold.functions.errors import InvalidRange, ObjectExists, ObjectNotFound, StoreError
+from shardfold.functions.store.pinning import Pin, TooLarge, changed, check_local, local_pin
 
 if TYPE_CHECKING:
     import numpy as np

@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from functions.errors import InputChanged
+from shardfold.functions.errors import InputChanged
 
 
 @dataclass(frozen=True, slots=True)

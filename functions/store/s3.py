@@ -22,12 +22,12 @@ import botocore.exceptions
 from aws_lambda_powertools import Logger
 from botocore.config import Config
 
-from functions import telemetry
-from functions.errors import InvalidRange, ObjectNotFound, StoreError, StoreUnreachable
-from functions.store.local import check_range
-from functions.store.pinning import Pin, TooLarge, changed
-from functions.store.retry import TRANSIENT_CODES, TRANSIENT_STATUS, TransientError
-from functions.store.uri import split_s3
+from shardfold.functions import telemetry
+from shardfold.functions.errors import InvalidRange, ObjectNotFound, StoreError, StoreUnreachable
+from shardfold.functions.store.local import check_range
+from shardfold.functions.store.pinning import Pin, TooLarge, changed
+from shardfold.functions.store.retry import TRANSIENT_CODES, TRANSIENT_STATUS, TransientError
+from shardfold.functions.store.uri import split_s3
 
 logger = Logger(service="shardfold")
 

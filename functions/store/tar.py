@@ -13,7 +13,7 @@ import tarfile
 from collections.abc import Callable, Iterable
 from typing import BinaryIO, Protocol
 
-from functions.errors import StoreError
+from shardfold.functions.errors import StoreError
 
 TAR_FORMAT = tarfile.PAX_FORMAT
 INDEX_BLOCK = 1 << 20  # bytes per ranged read while scanning headers

@@ -28,10 +28,10 @@ from typing import Protocol
 
 from aws_lambda_powertools import Logger
 
-from functions import telemetry
-from functions.store import local, s3
-from functions.store.pinning import Pin
-from functions.store.uri import FILE, S3
+from shardfold.functions import telemetry
+from shardfold.functions.store import local, s3
+from shardfold.functions.store.pinning import Pin
+from shardfold.functions.store.uri import FILE, S3
 
 logger = Logger(service="shardfold")
 
@@ -172,7 +172,7 @@ def s3_transport_name() -> str:
 def s3_transport() -> Transport:
     if s3_transport_name() == "crt":
         try:
-            from functions.store.crt import CrtTransport
+            from shardfold.functions.store.crt import CrtTransport
 
             return CrtTransport()
         except ImportError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from functions.errors import StoreError, UnsafeKey
+from shardfold.functions.errors import StoreError, UnsafeKey
 
 S3 = "s3://"
 FILE = "file://"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from probekit import Env, seed
 
-from client import Client
+from shardfold.client import Client
 
 
 def pytest_collection_modifyitems(config, items):

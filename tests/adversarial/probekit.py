@@ -8,9 +8,9 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from client import Client
-from functions import store
-from functions.store.uri import join
+from shardfold.client import Client
+from shardfold.functions import store
+from shardfold.functions.store.uri import join
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "events" / "data"
 

@@ -32,9 +32,9 @@ import numpy as np
 import pytest
 from probekit import Env, snapshot
 
-from client.fedavg import decode_update
-from functions.errors import ShardfoldError, SpecError
-from functions.trigger import dispatch
+from shardfold.client.fedavg import decode_update
+from shardfold.functions.errors import ShardfoldError, SpecError
+from shardfold.functions.trigger import dispatch
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +108,7 @@ def gb_output_via_symlink(env: Env) -> dict[str, Any]:
 
 
 def archive_is_inside(env: Env, result: dict[str, Any]) -> None:
-    from functions import store
+    from shardfold.functions import store
 
     with tarfile.open(fileobj=io.BytesIO(store.get(result["archive"]))) as tf:
         for name in tf.getnames():
@@ -220,7 +220,7 @@ def weighted(*weights: float) -> list[dict[str, Any]]:
 
 
 def model_is_finite(env: Env, result: dict[str, Any]) -> None:
-    from functions import store
+    from shardfold.functions import store
 
     tensors = decode_update(store.get(result["output"]))
     floats = [np.asarray(t, dtype=np.float64) for t in tensors.values() if np.asarray(t).dtype.kind in "fV"]
@@ -228,7 +228,7 @@ def model_is_finite(env: Env, result: dict[str, Any]) -> None:
 
 
 def fa_output_is_client(env: Env) -> dict[str, Any]:
-    from functions import store
+    from shardfold.functions import store
 
     env.put("results/client-1.safetensors", store.get(env.uri(CLIENTS[1]["uri"])))
     clients = [CLIENTS[0], {"uri": "results/client-1.safetensors"}]
@@ -282,7 +282,7 @@ def dp(**changes: Any) -> Callable[[Env], dict[str, Any]]:
 
 
 def dp_bad_row(env: Env) -> dict[str, Any]:
-    from functions import store
+    from shardfold.functions import store
 
     rows = store.get(env.uri("data/dpquery/people.csv")).decode().splitlines()
     rows.insert(3, rows[3] + f",{SECRET}")  # one row with a field too many, holding a private value
