@@ -26,11 +26,14 @@ $(VENV)/.installed-all: $(LOCK)/all.txt pyproject.toml | $(BIN)/python
 
 $(VENV)/.installed-dev: $(LOCK)/dev.txt pyproject.toml | $(BIN)/python
 	$(call install_locked,dev)
+	rm -f $(VENV)/.installed-bench
 	touch $(VENV)/.installed-all
 
+# bench.txt is resolved on its own (its peers pin an older botocore): installing it un-marks the other sets,
+# so the next `make test` puts the suite's versions back.
 $(VENV)/.installed-bench: $(LOCK)/bench.txt pyproject.toml | $(BIN)/python
 	$(call install_locked,bench)
-	touch $(VENV)/.installed-dev $(VENV)/.installed-all
+	rm -f $(VENV)/.installed-dev $(VENV)/.installed-all
 
 demo: $(VENV)/.installed-all
 	$(BIN)/shardfold demo

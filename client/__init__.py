@@ -1,8 +1,9 @@
 """The user's side of Shardfold: the Python SDK (:class:`Client`, :class:`Job`) and the ``shardfold`` CLI.
 
-``from shardfold import Client`` (or ``from shardfold.client import Client``). torch is imported only by :mod:`client.data` (``GetBatchDataset``) and by
-:mod:`client.fedavg` when it is handed a torch tensor or asked for ``framework="torch"``. The SDK (and
-boto3 with it) is imported on first use, so ``shardfold --help`` does not pay for it.
+``from shardfold import Client`` (or ``from shardfold.client import Client``). torch is imported only by
+:mod:`client.data` (``GetBatchDataset``) and by :mod:`client.fedavg` when it is handed a torch tensor or
+asked for ``framework="torch"``. The SDK (and boto3 with it) is imported on first use, so ``shardfold
+--help`` does not pay for it.
 """
 
 from __future__ import annotations
