@@ -583,10 +583,18 @@ def resume(job_id: str, backend: str, stack: str | None, no_wait: bool) -> None:
 
 @cli.command()
 @backend_option
-@click.option("--older-than", "older_than", type=float, default=0.0, help="only jobs ended at least DAYS ago")
+@click.option(
+    "--older-than",
+    "older_than",
+    type=click.FloatRange(min=0, max=36500),
+    default=0.0,
+    help="only jobs ended at least DAYS ago (0 to 36500)",
+)
 @click.option("--failed", is_flag=True, help="FAILED and CANCELLED jobs too (they can no longer be resumed)")
 def clean(backend: str, stack: str | None, older_than: float, failed: bool) -> None:
     """Remove ended jobs' scratch objects and journals; specs, status, results and outputs stay."""
+    if older_than != older_than:  # nan passes FloatRange's comparisons
+        raise click.BadParameter("must be a number of days, not nan", param_hint="'--older-than'")
     with _client(backend, stack) as client:
         cleaned = client.clean(older_than * 86400, failed=failed)
     out.print(f"cleaned {len(cleaned)} job(s)" + "".join(f"\n  {_t(j)}" for j in cleaned))

@@ -257,18 +257,30 @@ class Client:
         CANCELLED jobs too, which can then no longer be resumed. ``older_than_s``: only jobs that ended at
         least that long ago."""
         import datetime as dt
+        import math
 
-        from shardfold.functions.jobs import job_key, scratch_key
+        from shardfold.functions.jobs import job_key, kind_of, scratch_key
 
+        if not isinstance(older_than_s, int | float) or not math.isfinite(older_than_s) or older_than_s < 0:
+            raise SpecError(f"older_than_s must be a finite number of seconds >= 0, not {older_than_s!r}")
         states = {"SUCCEEDED", "FAILED", "CANCELLED"} if failed else {"SUCCEEDED"}
-        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than_s)
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=min(older_than_s, 1e11))
         cleaned = []
         for st in self.jobs():
+            # the job's identity is where its record lives (the executors read it so); its scratch is the
+            # folder its registered kind names, inside its own folder, and nothing else
+            kind = kind_of(st.job_id)
+            if kind is None or kind != st.kind or kind not in kinds.packages():
+                continue
             if st.state not in states or not st.ended_at:
                 continue
-            if dt.datetime.fromisoformat(st.ended_at) > cutoff:
+            try:
+                ended = dt.datetime.fromisoformat(st.ended_at)
+            except ValueError:
+                continue  # not a time our executors write: not a job this can prove ended
+            if ended.tzinfo is None or ended > cutoff:
                 continue
-            for prefix in (scratch_key(st.job_id, st.kind), job_key(st.job_id, "journal") + "/"):
+            for prefix in (scratch_key(st.job_id, kind), job_key(st.job_id, "journal") + "/"):
                 store.delete_prefix(self.uri(prefix))
             cleaned.append(st.job_id)
         return cleaned

@@ -7,8 +7,9 @@ behind submit's back is held to the same rules).
 * **Local files on the S3 store** are refused, inputs and outputs alike: a function would read its own
   filesystem (``/proc/self/environ`` holds its role's credentials), not the submitter's. On the local store
   ``file://`` is the user's own machine and stays allowed.
-* **System prefixes** of the store are never outputs: ``ledger/`` (the dpquery budget ledgers) and
-  ``jobs/`` (submitted specs, every job's spec, status, journal and scratch). The one exception is the job's
+* **System prefixes** of the store are never outputs: ``ledger/`` (the dpquery budget ledgers),
+  ``jobs/`` (submitted specs, every job's spec, status, journal and scratch) and ``claims/`` (which job
+  owns which output: :mod:`functions.claims`). The one exception is the job's
   own ``jobs/<id>/output/`` folder, where the defaults point.
 * **A deployment's grants** (:class:`Grants`): on AWS the workers' roles may write outputs only under the
   stack's ``outputPrefixes`` (``results/`` by default), read other buckets only where ``readBuckets`` or
@@ -31,10 +32,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shardfold.functions import claims
 from shardfold.functions.errors import UnsafeKey
 from shardfold.functions.store.uri import FILE, S3, is_file, is_s3, join, resolve, split_s3
 
-SYSTEM_PREFIXES = ("ledger/", "jobs/")
+SYSTEM_PREFIXES = ("ledger/", "jobs/", claims.CLAIMS_PREFIX)
 OUTPUT_PREFIXES_ENV = "SHARDFOLD_OUTPUT_PREFIXES"
 READ_BUCKETS_ENV = "SHARDFOLD_READ_BUCKETS"
 WRITE_BUCKETS_ENV = "SHARDFOLD_WRITE_BUCKETS"
@@ -257,6 +259,8 @@ def output_uri(
             f"({', '.join(grants.output_prefixes) or 'none'}); write under one of them, or add the folder to "
             "the stack's shardfold:outputPrefixes"
         )
+    if job_id:  # a task: the output must still be this job's (claimed at submit)
+        claims.check_held(store_root, full, job_id, field or "output")
     return full
 
 

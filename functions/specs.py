@@ -55,6 +55,11 @@ class JobOptions(StrictModel):
         gt=0,
         description="seconds from submit by which the job should end; `shardfold report` says whether it did",
     )
+    overwrite: bool = Field(
+        default=False,
+        description="replace what is already at the output (another job's finished output, or an object no "
+        "job wrote); an output whose job has not ended is never taken",
+    )
 
 
 # --- URI fields --------------------------------------------------------------------------------------------

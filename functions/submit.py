@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardfold.functions import access, kinds, store
+from shardfold.functions import access, claims, kinds, store
 from shardfold.functions.errors import NoCredentials, ShardfoldError, SpecError
 from shardfold.functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
 from shardfold.functions.jobs import job_key, new_job_id, spec_key
@@ -137,6 +137,21 @@ def check_policy(spec: JobSpec, store_root: str, grants: access.Grants | None = 
         raise SpecError(f"{len(errors)} URI(s) the job may not use: {summary}", errors)
 
 
+def claim_outputs(
+    spec: JobSpec, store_root: str, job_id: str, grants: access.Grants | None = None
+) -> list[tuple[UriField, str]]:
+    """Claim every output ``spec`` names for ``job_id`` (:mod:`functions.claims`); the fields and full URIs.
+    :class:`~functions.claims.OutputClaimed` names the field and the job holding it."""
+    out = []
+    overwrite = bool(getattr(spec, "overwrite", False))
+    for f in uri_fields(spec):
+        if f.role == "output":
+            full = access.output_uri(f.uri, store_root, f.field, grants=grants)
+            claims.claim(store_root, full, job_id, f.field, prefix=f.prefix, overwrite=overwrite)
+            out.append((f, full))
+    return out
+
+
 def _document_bytes(doc: Any) -> int | None:
     """The size of a spec document as JSON text (None for a parsed model: measured once dumped)."""
     if isinstance(doc, bytes | str):
@@ -203,10 +218,13 @@ def submit(
     job_id = new_job_id(spec.kind)
     spec_uri = join(store_root, spec_key(job_id))
     with store.endpoint_errors():
+        outputs = claim_outputs(spec, store_root, job_id, grants)  # before any record of the job
         store.put_json(join(store_root, probe_key(job_id)), est.probe)
         private = kinds.find(spec.kind).private_steps
         admitted = {**withhold(est.to_dict(), private), "submitted_at": time.time()}
         store.put_json(join(store_root, estimate_key(job_id)), admitted, indent=None)
         store.put(spec_uri, text)
+        for f, full in outputs:  # still ours now that the job is recorded (a racing submit may take a claim
+            claims.check_held(store_root, full, job_id, f.field)  # whose job it found unrecorded)
     execution = start(job_id, spec.kind, spec_uri)
     return Submitted(job_id, spec.kind, spec_uri, execution, est)

@@ -32,6 +32,7 @@ from botocore.exceptions import ClientError
 
 from shardfold.functions.access import Grants
 from shardfold.functions.errors import PlanError, ShardfoldError
+from shardfold.functions.jobs import kind_of
 from shardfold.functions.workflow import Map, Workflow, progress_steps
 from shardfold.orchestrator.asl import fail_state_name
 from shardfold.orchestrator.status import (
@@ -237,6 +238,8 @@ class AwsExecutor:
             for page in self._sfn.get_paginator("list_executions").paginate(stateMachineArn=sm_arn):
                 for ex in page["executions"]:
                     job_id = re.sub(r"-r\d+$", "", ex["name"])
+                    if kind_of(job_id) != kind:  # not one of this state machine's jobs
+                        continue
                     started = ex["startDate"].isoformat(timespec="seconds")
                     if job_id in found and (found[job_id].started_at or "") >= started:
                         continue

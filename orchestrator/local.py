@@ -48,7 +48,7 @@ from aws_lambda_powertools import Logger
 
 from shardfold.functions import store
 from shardfold.functions.errors import JobNotFound, PlanError, ShardfoldError
-from shardfold.functions.jobs import job_key
+from shardfold.functions.jobs import job_key, kind_of
 from shardfold.functions.manifest import is_manifest_ref, read_manifest
 from shardfold.functions.store.uri import is_file, join, local_path
 from shardfold.functions.store.uri import store_root as default_store_root
@@ -401,7 +401,7 @@ class LocalExecutor:
                 rel = uri[len(root) + 1 :].split("/")
                 if len(rel) == 2 and rel[1] == "status.json":
                     ids.add(rel[0])
-        return sorted(ids)
+        return sorted(i for i in ids if kind_of(i) is not None)  # a folder not named as a job is none
 
     # --- running -----------------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 
 from shardfold.functions import store
 from shardfold.functions.errors import JobNotFound, ObjectNotFound
-from shardfold.functions.jobs import status_key
+from shardfold.functions.jobs import kind_of, status_key
 from shardfold.functions.store.uri import join
 
 JobState = Literal["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "INTERRUPTED"]
@@ -66,13 +66,32 @@ class JobStatus:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> JobStatus:
+        """The status in ``record`` (:func:`read_status`'s: its identity from its place). A field of the wrong
+        shape, which only a hand-written record has, is dropped, so one forged record cannot break
+        ``shardfold jobs`` for every job."""
         known = {k: record.get(k) for k in cls.__dataclass_fields__ if k in record}
-        known.setdefault("steps", {})
-        known["steps"] = known["steps"] or {}
+        for name in ("error", "backend", "started_at", "ended_at", "spec_uri", "execution_arn"):
+            if name in known and not isinstance(known[name], str | None):
+                del known[name]
+        if known.get("state") not in _STATES:
+            known["state"] = "FAILED"
+            known["error"] = f"the job's status record names no state ({str(record.get('state'))[:40]!r})"
+        steps = known.get("steps")
+        known["steps"] = {
+            str(name): {k: v for k, v in counts.items() if k in ("done", "total") and _count(v)}
+            for name, counts in (steps.items() if isinstance(steps, dict) else ())
+            if isinstance(counts, dict)
+        }
         return cls(**known)
 
 
 _FIELDS = tuple(f.name for f in fields(JobStatus))
+_STATES = frozenset(JobState.__args__)
+
+
+def _count(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+
 
 ProgressCallback = Callable[[JobStatus], None]
 
@@ -143,12 +162,23 @@ def status_uri(store_root: str, job_id: str) -> str:
 
 
 def read_status(store_root: str, job_id: str) -> dict[str, Any]:
+    """The status record of job ``job_id``, its identity (``job_id``, ``kind``) taken from where it lives:
+    anyone who may write to the store can forge a record's contents, and a record claiming another job
+    must not make ``clean`` or ``cancel`` act on that job. An id that is not a job id is no job."""
+    kind = kind_of(job_id)
+    if kind is None:
+        raise JobNotFound(
+            f"{job_id!r} is not a job id (<kind>-<YYYYMMDDTHHMMSS>-<6 hex>): see `shardfold jobs`"
+        )
     try:
-        return store.get_json(status_uri(store_root, job_id))
+        record = store.get_json(status_uri(store_root, job_id))
     except ObjectNotFound as exc:
         raise JobNotFound(
             f"no job {job_id!r} under {store_root}: check the id with `shardfold jobs`"
         ) from exc
+    if not isinstance(record, dict):
+        record = {"state": "FAILED", "error": "the job's status record is not a JSON object"}
+    return {**record, "job_id": job_id, "kind": kind}
 
 
 def write_status(store_root: str, status: JobStatus) -> None:

@@ -475,7 +475,7 @@ def test_the_lifeline_runs_a_module_as_main_and_ends_it_with_its_parent(tmp_path
 # --- the AWS backend: the execution is the owner --------------------------------------------------------
 
 SM_ARN = "arn:aws:states:us-east-1:123456789012:stateMachine:shardfold-toy"
-EXEC_ARN = "arn:aws:states:us-east-1:123456789012:execution:shardfold-toy:job-1"
+EXEC_ARN = "arn:aws:states:us-east-1:123456789012:execution:shardfold-toy:toy-20261205T000000-abc123"
 
 
 class FakeSfn:
@@ -502,7 +502,7 @@ class FakeSfn:
     "statuses, running_in",
     [
         (("RUNNING",), EXEC_ARN),  # still running
-        (("FAILED",), EXEC_ARN + "-r1"),  # another client restarted it as job-1-r1 just now
+        (("FAILED",), EXEC_ARN + "-r1"),  # another client restarted it as toy-...-r1 just now
     ],
 )
 def test_aws_resume_is_refused_while_an_execution_runs_the_job(root, statuses, running_in):
@@ -511,7 +511,12 @@ def test_aws_resume_is_refused_while_an_execution_runs_the_job(root, statuses, r
 
     ex = AwsExecutor.__new__(AwsExecutor)  # no AWS: only what resume touches
     ex.store_root, ex.state_machine_arns, ex._sfn = root, {"toy": SM_ARN}, FakeSfn(*statuses)
-    write_status(root, JobStatus(job_id="job-1", kind="toy", state="FAILED", execution_arn=EXEC_ARN))
-    with pytest.raises(ShardfoldError, match=rf"job-1 is still running in execution {running_in};"):
-        ex.resume("job-1")
-    assert read_status(root, "job-1")["state"] == "FAILED"
+    write_status(
+        root,
+        JobStatus(job_id="toy-20261205T000000-abc123", kind="toy", state="FAILED", execution_arn=EXEC_ARN),
+    )
+    with pytest.raises(
+        ShardfoldError, match=rf"toy-20261205T000000-abc123 is still running in execution {running_in};"
+    ):
+        ex.resume("toy-20261205T000000-abc123")
+    assert read_status(root, "toy-20261205T000000-abc123")["state"] == "FAILED"

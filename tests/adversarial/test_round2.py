@@ -1,0 +1,182 @@
+"""The second adversarial round (issue 33): forged records, output claims, data-dependent behaviour under DP,
+hostile nesting, hostile drop folders and logs. Each test failed on the code before its fix; each names the
+defect class it closes. (The first round's spec probes are in ``test_probes.py``.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from shardfold.client import Client
+from shardfold.client.cli import cli
+from shardfold.functions import store
+from shardfold.functions.errors import SpecError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def local(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "store"))
+    monkeypatch.chdir(tmp_path)
+    with Client() as client:
+        yield client
+
+
+def _getbatch(client: Client, tmp_path: Path, name: str = "a.bin", **extra) -> object:
+    path = tmp_path / name
+    if not path.exists():
+        path.write_bytes(name.encode() * 50)
+    return client.submit({"kind": "getbatch", "items": [{"uri": path.as_uri()}], **extra})
+
+
+# -- 1. a job's identity comes from where it lives -----------------------------------------------------------
+
+
+def test_clean_ignores_forged_status_records_claiming_other_jobs(local, tmp_path):
+    victim = _getbatch(local, tmp_path)
+    assert victim.wait(progress=False).state == "SUCCEEDED"
+    jobs = tmp_path / "store" / "jobs"
+    output = jobs / victim.job_id / "output"
+    assert output.is_dir() and any(output.iterdir())
+    forged = {"kind": "output", "state": "SUCCEEDED", "ended_at": "2020-01-01T00:00:01+00:00", "steps": {}}
+    for folder, job_id in (("evil", victim.job_id), ("evil-empty", ""), (victim.job_id + "x", victim.job_id)):
+        (jobs / folder).mkdir(exist_ok=True)
+        (jobs / folder / "status.json").write_text(json.dumps({**forged, "job_id": job_id}))
+    # and a record in the victim's own folder that names another kind: its scratch is still its kind's
+    before = sorted(p.relative_to(jobs).as_posix() for p in jobs.rglob("*") if p.is_file())
+    listed = {st.job_id for st in local.jobs()}
+    assert listed == {victim.job_id}  # folders not named as jobs are no jobs
+    cleaned = local.clean(failed=True)
+    assert cleaned == [victim.job_id]
+    after = {p.relative_to(jobs).as_posix() for p in jobs.rglob("*") if p.is_file()}
+    kept = [p for p in before if not p.startswith(f"{victim.job_id}/journal/")]
+    assert set(kept) <= after, set(kept) - after  # only the victim's own journal went
+    assert victim.result()["items"] == 1 and store.exists(victim.result()["archive"])
+
+
+def test_a_forged_record_in_a_jobs_own_folder_changes_only_how_that_job_reads(local, tmp_path):
+    job = _getbatch(local, tmp_path)
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    status = tmp_path / "store" / "jobs" / job.job_id / "status.json"
+    status.write_text(
+        json.dumps({"job_id": "other", "kind": "output", "state": 7, "steps": "x", "error": []})
+    )
+    with Client() as reader:  # another process's view: the record, not this one's run
+        st = reader.job(job.job_id).status()
+    assert (st.job_id, st.kind, st.state) == (job.job_id, "getbatch", "FAILED")  # identity from the place
+    assert "names no state" in st.error
+    assert CliRunner().invoke(cli, ["jobs"]).exit_code == 0  # one bad record does not break the listing
+    status.write_text("[1, 2, 3]")
+    with Client() as reader:
+        assert reader.job(job.job_id).status().state == "FAILED"
+
+
+@pytest.mark.parametrize("days", ["nan", "inf", "-1e308", "-1"])
+def test_clean_refuses_an_age_that_is_no_number_of_days(local, days):
+    run = CliRunner().invoke(cli, ["clean", "--older-than", days])
+    assert run.exit_code == 2 and "--older-than" in run.output, run.output
+    with pytest.raises(Exception, match="finite number of seconds"):
+        local.clean(older_than_s=float(days))
+
+
+# -- 2. an output belongs to one job; what is there is replaced only on request ------------------------------
+
+
+def _wait(job) -> str:
+    return job.wait(progress=False, timeout_s=300).state
+
+
+def test_a_second_job_writing_the_same_output_is_refused_naming_the_first(env):
+    out = f"results/same-{env.backend}.tar"
+    first = env.client.submit({"kind": "getbatch", "items": [{"uri": "data/hello.txt"}], "output": out})
+    assert _wait(first) == "SUCCEEDED"
+    held = store.get(env.uri(out))
+    with pytest.raises(SpecError, match=rf"job {first.job_id}'s output\); set \"overwrite\": true") as err:
+        env.client.submit({"kind": "getbatch", "items": [{"uri": "data/about.txt"}], "output": out})
+    assert err.value.errors[0]["field"] == "output"
+    assert store.get(env.uri(out)) == held
+    again = env.client.submit(
+        {"kind": "getbatch", "items": [{"uri": "data/about.txt"}], "output": out, "overwrite": True}
+    )
+    assert _wait(again) == "SUCCEEDED" and store.get(env.uri(out)) != held
+
+
+def test_an_object_no_job_wrote_is_never_replaced_without_overwrite(env):
+    kept = store.get(env.uri("results/kept.bin"))
+    for spec in (
+        {"kind": "getbatch", "items": [{"uri": "data/hello.txt"}], "output": "results/kept.bin"},
+        {
+            "kind": "fedavg",
+            "clients": [{"uri": "data/fedavg/client-0.safetensors"}],
+            "output": "results/kept.bin",
+        },
+    ):
+        with pytest.raises(SpecError, match=r"an object no job of this store wrote.*overwrite"):
+            env.client.submit(spec)
+    assert store.get(env.uri("results/kept.bin")) == kept
+
+
+def test_an_output_whose_job_has_not_ended_is_never_taken_even_with_overwrite(env):
+    from shardfold.functions.submit import submit
+
+    out = f"results/busy-{env.backend}.safetensors"
+    spec = {"kind": "fedavg", "clients": [{"uri": "data/fedavg/client-0.safetensors"}], "output": out}
+    parked = submit(
+        spec, store_root=env.root, start=lambda *a: None
+    )  # recorded, not started: it has not ended
+    with pytest.raises(SpecError, match=rf"output of job {parked.job_id}, which has not ended"):
+        env.client.submit({**spec, "overwrite": True})
+
+
+def test_of_two_jobs_claiming_one_output_at_once_exactly_one_wins(env):
+    import threading
+
+    from shardfold.functions.submit import submit
+
+    out = f"results/race-{env.backend}.tar"
+    spec = {"kind": "getbatch", "items": [{"uri": "data/hello.txt"}], "output": out}
+    won, lost, barrier = [], [], threading.Barrier(4)
+
+    def one() -> None:
+        barrier.wait()
+        try:
+            won.append(submit(spec, store_root=env.root, start=lambda *a: None).job_id)
+        except SpecError as exc:
+            lost.append(str(exc))
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(lost) == 3, (won, lost)
+    from shardfold.functions import claims
+
+    assert claims.latest(env.root, env.uri(out)).job_id == won[0]  # the one job that went on holds it
+    assert all(re.search(r"job getbatch-\d{8}T\d{6}-[0-9a-f]{6}", why) for why in lost), (
+        lost
+    )  # names a holder
+
+
+def test_a_task_never_writes_an_output_another_job_now_holds(local, tmp_path):
+    from shardfold.functions import claims
+    from shardfold.functions.submit import submit
+
+    (tmp_path / "a.bin").write_bytes(b"a" * 64)
+    spec = {"kind": "getbatch", "items": [{"uri": (tmp_path / "a.bin").as_uri()}], "output": "results/x.tar"}
+    parked = submit(spec, store_root=local.store_root, start=lambda *a: None)
+    held = claims.latest(local.store_root, local.uri("results/x.tar"))
+    # a claim taken over behind its back (as a racing submit could, had it found the job unrecorded)
+    store.put(
+        claims._folder(local.store_root, held.uri) + f"{held.n + 1:08d}.json",
+        json.dumps({"uri": held.uri, "job_id": "getbatch-20990101T000000-000000"}).encode(),
+    )
+    local.start(parked.job_id, "getbatch", parked.spec_uri)
+    final = local.job(parked.job_id).wait(progress=False, timeout_s=300)
+    assert final.state == "FAILED" and "no longer holds it" in final.error
+    assert not store.exists(local.uri("results/x.tar"))
