@@ -26,10 +26,12 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from shardfold.client.errors import StackNotFound
-from shardfold.functions import extras
+from shardfold.functions import extras, jsontext
 from shardfold.functions.errors import ShardfoldError
 
 REQUIRED = ("bucket", "state_machine_arns")
@@ -98,9 +100,79 @@ def _missing(name: str) -> StackNotFound:
     return StackNotFound(msg)
 
 
+_BUCKET = r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]"
+_ARN = r"arn:aws[a-z-]*:[a-z0-9-]+:[a-z0-9-]*:\d{12}:[A-Za-z0-9:/._+=,@-]+"
+
+
+class _Outputs(BaseModel):
+    """The shape of the outputs this client reads (a saved file is anyone's to edit: a malformed one is
+    refused here, naming the key, rather than crashing a later verb). Other keys pass unchecked."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    backend: Literal["aws", "moto"] = "aws"
+    bucket: Annotated[str, StringConstraints(pattern=f"^{_BUCKET}$")]
+    region: Annotated[str, StringConstraints(pattern=r"^[a-z]{2}(-[a-z]+)+-\d{1,2}$")] | None = None
+    endpoint_url: Annotated[str, StringConstraints(pattern=r"^https?://[^\s]+$")] | None = None
+    state_machine_arns: dict[
+        Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9]*$")],
+        Annotated[str, StringConstraints(pattern=f"^{_ARN}$")],
+    ] = Field(min_length=1)
+    batch_job_queue: Annotated[str, StringConstraints(pattern=f"^{_ARN}$")] | None = None
+    output_prefixes: list[Annotated[str, StringConstraints(min_length=1, max_length=1024)]] | None = None
+    read_buckets: list[str] = []
+    write_buckets: list[str] = []
+    sizes: dict[str, Any] | None = None
+
+    @field_validator("output_prefixes")
+    @classmethod
+    def _prefixes(cls, value: list[str] | None) -> list[str] | None:
+        from shardfold.functions.access import SYSTEM_PREFIXES
+
+        for p in value or []:
+            folder = p.strip().strip("/") + "/"
+            if folder == "/" or ".." in folder.split("/") or "\n" in p:
+                raise ValueError(f"{p!r} names no folder of the bucket")
+            if any(folder.startswith(s) or s.startswith(folder) for s in SYSTEM_PREFIXES):
+                raise ValueError(
+                    f"{p!r} overlaps a system prefix of the store ({', '.join(SYSTEM_PREFIXES)})"
+                )
+        return value
+
+    @field_validator("read_buckets", "write_buckets")
+    @classmethod
+    def _refs(cls, value: list[str]) -> list[str]:
+        from shardfold.functions.access import parse_bucket_ref
+
+        for ref in value:
+            try:
+                bucket, _ = parse_bucket_ref(ref)
+            except ShardfoldError as exc:
+                raise ValueError(str(exc)) from None
+            if not re.fullmatch(_BUCKET, bucket):
+                raise ValueError(f"{ref!r} names no S3 bucket")
+        return value
+
+
+def check_outputs(outputs: dict[str, Any], where: str) -> dict[str, Any]:
+    """``outputs`` when they have the shape the client reads; :class:`StackNotFound` naming the key."""
+    try:
+        _Outputs.model_validate(outputs)
+    except ValidationError as exc:
+        bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+        raise StackNotFound(
+            f"stack outputs in {where} are malformed ({bad}); re-run `shardfold deploy`"
+        ) from None
+    except ShardfoldError as exc:  # a bucket reference parse_bucket_ref refuses
+        raise StackNotFound(
+            f"stack outputs in {where} are malformed ({exc}); re-run `shardfold deploy`"
+        ) from None
+    return outputs
+
+
 def load_stack_outputs(source: dict[str, Any] | str | None = None) -> dict[str, Any]:
     """Stack outputs from a dict, or those saved for a stack name (default: :func:`stack_name`); checked for
-    required keys."""
+    required keys and the shape of what the client reads."""
     if isinstance(source, dict):
         outputs = dict(source)
         where = "the outputs passed in"
@@ -116,19 +188,19 @@ def load_stack_outputs(source: dict[str, Any] | str | None = None) -> dict[str, 
         if not path.is_file():
             raise _missing(name)
         try:
-            outputs = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            outputs = jsontext.loads(path.read_bytes())
+        except jsontext.JSONTextError as exc:
             raise StackNotFound(
                 f"stack outputs of {name!r} at {path} are not JSON ({exc}); re-run "
                 f"`shardfold deploy --stack {name}`"
-            ) from exc
+            ) from None
         if not isinstance(outputs, dict):
             raise StackNotFound(f"stack outputs of {name!r} at {path} are not a JSON object")
         where = str(path)
     missing = [k for k in REQUIRED if not outputs.get(k)]
     if missing:
         raise StackNotFound(f"stack outputs in {where} lack {missing}; re-run `shardfold deploy`")
-    return outputs
+    return check_outputs(outputs, where)
 
 
 # ---- deployed sizes ----------------------------------------------------------------------------------------
@@ -322,11 +394,11 @@ def import_stack_outputs(name: str, source: str | os.PathLike) -> Path:
     ``./.shardfold/stack.json``) as stack ``name``'s; return the path saved to."""
     path = Path(source)
     try:
-        outputs = json.loads(path.read_text())
+        outputs = jsontext.loads(path.read_bytes())
     except OSError as exc:
         raise StackNotFound(f"cannot read stack outputs from {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise StackNotFound(f"{path} is not JSON ({exc}): expected `pulumi stack output --json`") from exc
+    except jsontext.JSONTextError as exc:
+        raise StackNotFound(f"{path} is not JSON ({exc}): expected `pulumi stack output --json`") from None
     if not isinstance(outputs, dict):
         raise StackNotFound(f"{path} holds {type(outputs).__name__}, not the stack outputs object")
     return save_stack_outputs(outputs, check_stack_name(name, where="NAME"))

@@ -6,7 +6,10 @@ behind submit's back is held to the same rules).
 
 * **Local files on the S3 store** are refused, inputs and outputs alike: a function would read its own
   filesystem (``/proc/self/environ`` holds its role's credentials), not the submitter's. On the local store
-  ``file://`` is the user's own machine and stays allowed.
+  ``file://`` is the user's own machine and stays allowed, but for a spec dropped into a watched folder
+  (``local_files`` false, which dispatch sets): whoever may write the folder may not make the job read or
+  write this machine's files outside the store. Submit and every task check under the spec's own limits
+  (:func:`policy`).
 * **System prefixes** of the store are never outputs: ``ledger/`` (the dpquery budget ledgers),
   ``jobs/`` (submitted specs, every job's spec, status, journal and scratch) and ``claims/`` (which job
   owns which output: :mod:`functions.claims`). The one exception is the job's
@@ -25,10 +28,12 @@ behind submit's back is held to the same rules).
 
 from __future__ import annotations
 
+import contextvars
 import os
 import posixpath
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +121,35 @@ class Grants:
         return any(_in_ref(bucket, key, r) for r in self.write_buckets)
 
 
+# Whether the job in hand may name files of this machine outside the store: its spec's ``local_files``
+# (False for a spec dropped into the bucket or a watched folder), set by submit and by every task.
+_LOCAL_FILES: contextvars.ContextVar[bool] = contextvars.ContextVar("shardfold_local_files", default=True)
+
+
+@contextmanager
+def policy(spec: Any) -> Iterator[None]:
+    """Check URIs, inside the block, under ``spec``'s own limits (``local_files``)."""
+    token = _LOCAL_FILES.set(bool(getattr(spec, "local_files", True)))
+    try:
+        yield
+    finally:
+        _LOCAL_FILES.reset(token)
+
+
+def _local_file(full: str, store_root: str, uri: str, field: str, verb: str) -> None:
+    """Refuse a ``file://`` path where the job may not name one: any on the S3 store, and one outside the
+    store root for a spec without ``local_files`` (a dropped spec: anyone who may write the drop made it)."""
+    if not is_file(full):
+        return
+    if is_s3(store_root):
+        raise UnsafeKey(f"{_where(field)}{uri} is a local file; the S3 store {verb} only s3:// objects")
+    if not _LOCAL_FILES.get() and store_key(full, store_root) is None:
+        raise UnsafeKey(
+            f"{_where(field)}{uri} is a file outside the store; a spec dropped into a watched folder (or the "
+            "bucket) names only the store's own objects: put the file in the store and name its key"
+        )
+
+
 def _grants(grants: Grants | None, store_root: str) -> Grants | None:
     """The grants that hold for ``store_root``: the given ones, else the deployment's (on an S3 store)."""
     if grants is None and is_s3(store_root):
@@ -186,8 +220,7 @@ def input_uri(
     ``grants``: the deployment's (default: from the environment, as the deployed functions have them).
     ``checked``: see :func:`_stays_inside` (for a caller checking many URIs)."""
     full = _full(uri, store_root)
-    if is_s3(store_root) and is_file(full):
-        raise UnsafeKey(f"{_where(field)}{uri} is a local file; the S3 store reads only s3:// objects")
+    _local_file(full, store_root, uri, field, "reads")
     _stays_inside(full, store_root, uri, field, checked)
     other = _other_bucket(full, store_root)
     grants = _grants(grants, store_root)
@@ -231,8 +264,7 @@ def output_uri(
     folder is then allowed. ``grants``: the deployment's (default: from the environment, as the deployed
     functions have them)."""
     full = _full(uri, store_root)
-    if is_s3(store_root) and is_file(full):
-        raise UnsafeKey(f"{_where(field)}{uri} is a local file; the S3 store writes only s3:// objects")
+    _local_file(full, store_root, uri, field, "writes")
     _stays_inside(full, store_root, uri, field)
     grants = _grants(grants, store_root)
     other = _other_bucket(full, store_root)

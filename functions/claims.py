@@ -8,10 +8,11 @@ of two jobs claiming one output at once exactly one wins, and the other is refus
 default output (``jobs/<id>/output/``) needs no claim.
 
 A claim is taken over only from an owner that has ended (its status SUCCEEDED, FAILED or CANCELLED), or
-that never came to be (neither its spec nor its status exists: its submit failed after claiming). Submit
-checks, after writing the spec, that its claim is still the latest (closing the race with a submit that
-took an unrecorded claimant for stale), and every task resolving the output checks again
-(:func:`shardfold.functions.access.output_uri`): a task never writes an output another job holds.
+that never came to be: neither its spec nor its status exists :data:`UNRECORDED_S` after it claimed (its
+submit failed after claiming; a submit records its spec within a second, so a live claimant is never taken
+for stale). Submit checks, after writing the spec, that its claim is still the latest, and every task
+resolving the output checks again (:func:`shardfold.functions.access.output_uri`): a task never writes an
+output another job holds.
 
 The owner's status is read from ``jobs/<id>/status.json``. On AWS the executor writes it when a client
 looks at the job, so a claim can stay held by a job that ended unobserved until ``shardfold status ID`` (or
@@ -22,14 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 
 from shardfold.functions import store
-from shardfold.functions.errors import ObjectNotFound, SpecError
+from shardfold.functions.errors import ObjectNotFound, SpecError, StoreError
 from shardfold.functions.jobs import kind_of, spec_key, status_key
 from shardfold.functions.store.uri import join
 
 CLAIMS_PREFIX = "claims/"
+UNRECORDED_S = 600.0  # a claimant with no spec this long after claiming is taken to have failed to submit
 ENDED = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 
 
@@ -42,6 +45,7 @@ class Claim:
     n: int
     job_id: str
     uri: str
+    at: float = 0.0  # when it was claimed (the claimant's clock)
 
 
 def _folder(store_root: str, uri: str) -> str:
@@ -56,20 +60,24 @@ def latest(store_root: str, uri: str) -> Claim | None:
     for n, name in reversed(numbered):
         try:
             record = store.get_json(folder + name)
-        except (ObjectNotFound, ValueError):
+        except (ObjectNotFound, StoreError):
             continue
         if isinstance(record, dict) and kind_of(str(record.get("job_id"))) and record.get("uri") == uri:
-            return Claim(n, record["job_id"], uri)
+            at = record.get("at")
+            return Claim(n, record["job_id"], uri, float(at) if isinstance(at, int | float) else 0.0)
     return None
 
 
-def _state(store_root: str, job_id: str) -> str | None:
-    """The job's recorded state; ``"UNRECORDED"`` when neither its status nor its spec exists."""
+def _state(store_root: str, held: Claim) -> str:
+    """The holder's recorded state; ``"UNRECORDED"`` when neither its status nor its spec exists
+    :data:`UNRECORDED_S` after it claimed (before that it is being submitted: ``"SUBMITTING"``)."""
     try:
-        record = store.get_json(join(store_root, status_key(job_id)))
+        record = store.get_json(join(store_root, status_key(held.job_id)))
         return str(record.get("state")) if isinstance(record, dict) else "RUNNING"
-    except (ObjectNotFound, ValueError):
-        return "RUNNING" if store.exists(join(store_root, spec_key(job_id))) else "UNRECORDED"
+    except (ObjectNotFound, StoreError):
+        if store.exists(join(store_root, spec_key(held.job_id))):
+            return "RUNNING"
+        return "UNRECORDED" if time.time() - held.at > UNRECORDED_S else "SUBMITTING"
 
 
 def _occupied(uri: str, prefix: bool) -> bool:
@@ -83,7 +91,7 @@ def claim(store_root: str, uri: str, job_id: str, field: str, *, prefix: bool, o
     ``field`` and the job holding it. Refused too when something is there and ``overwrite`` is off."""
     held = latest(store_root, uri)
     if held is not None and held.job_id != job_id:
-        state = _state(store_root, held.job_id)
+        state = _state(store_root, held)
         if state not in ENDED and state != "UNRECORDED":
             msg = (
                 f"{uri} is the output of job {held.job_id}, which has not ended ({state}); wait for it or "
@@ -96,7 +104,8 @@ def claim(store_root: str, uri: str, job_id: str, field: str, *, prefix: bool, o
         raise OutputClaimed(msg, [{"field": field, "error": msg}])
     n = (held.n if held is not None else 0) + 1
     mine = Claim(n, job_id, uri)
-    body = json.dumps({"uri": uri, "job_id": job_id, "overwrite": overwrite}, sort_keys=True).encode()
+    record = {"uri": uri, "job_id": job_id, "overwrite": overwrite, "at": time.time()}
+    body = json.dumps(record, sort_keys=True).encode()
     if not store.put_if_absent(f"{_folder(store_root, uri)}{n:08d}.json", body):
         winner = latest(store_root, uri)
         who = winner.job_id if winner is not None else "another job"

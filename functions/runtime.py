@@ -50,7 +50,7 @@ from aws_lambda_powertools.logging.lambda_context import build_lambda_context_mo
 from aws_lambda_powertools.utilities.parser import parse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shardfold.functions import store, telemetry
+from shardfold.functions import access, store, telemetry
 from shardfold.functions.errors import SpecError
 from shardfold.functions.specs import JobSpec, parse_spec
 
@@ -112,7 +112,8 @@ def task(
                 context=context,
             ):
                 spec = load_spec(e.spec_uri, kind)
-                return fn(e, spec)
+                with access.policy(spec):  # every URI the task resolves, under the spec's own limits
+                    return fn(e, spec)
 
         # Powertools keeps the Lambda context keys in the logger's shared state: right on Lambda, where a
         # process runs one invocation at a time, wrong for threads sharing a process (see _on_lambda).

@@ -35,16 +35,18 @@ from pydantic import (
     model_validator,
 )
 
+from shardfold.functions import jsontext
 from shardfold.functions.errors import SpecError
 
 
 class StrictModel(BaseModel):
     """Unknown fields are errors: a typo in a spec must not be silently ignored. Values are not coerced
     (pydantic's strict mode): ``"2"`` is not a number and ``1`` is not ``true``; an integer is still a
-    valid float. A spec comes from JSON, so a tuple field must accept a JSON list: give it
+    valid float, and NaN and infinities are not numbers here. A spec comes from JSON, so a tuple field must
+    accept a JSON list: give it
     ``Field(strict=False)`` with strict element types (``tuple[StrictInt, StrictInt]``)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class JobOptions(StrictModel):
@@ -54,6 +56,11 @@ class JobOptions(StrictModel):
         default=None,
         gt=0,
         description="seconds from submit by which the job should end; `shardfold report` says whether it did",
+    )
+    local_files: bool = Field(
+        default=True,
+        description="the job may name files of this machine outside the store (file:// paths, local store "
+        "only); a spec dropped into a watched folder or the bucket may not, whatever it says",
     )
     overwrite: bool = Field(
         default=False,
@@ -452,14 +459,12 @@ def _describe(err: ValidationError, model: Any = None) -> list[dict]:
 
 
 def load_document(doc: dict | str | bytes) -> dict:
-    """A spec document as a dict; :class:`SpecError` when it is not a JSON object."""
-    if isinstance(doc, bytes | str):
-        try:
-            doc = json.loads(doc)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecError(
-                f"spec is not valid JSON: {exc}", [{"field": "<spec>", "error": str(exc)}]
-            ) from exc
+    """A spec document as a dict; :class:`SpecError` when it is not a JSON object, or not one this project
+    accepts (:mod:`functions.jsontext`: too deep, a key twice, NaN or Infinity)."""
+    try:
+        doc = jsontext.loads(doc) if isinstance(doc, bytes | str) else jsontext.check_depth(doc)
+    except jsontext.JSONTextError as exc:
+        raise SpecError(f"spec is not valid JSON: {exc}", [{"field": "<spec>", "error": str(exc)}]) from None
     if not isinstance(doc, dict):
         raise SpecError("spec must be a JSON object", [{"field": "<spec>", "error": "not an object"}])
     return doc

@@ -182,11 +182,12 @@ def check(
     spec = parse_spec(doc, base_uri=base_uri)
     if runs_here:
         kinds.find(spec.kind).require_extras(spec)
-    check_policy(spec, store_root, grants)
-    check_credentials(spec, store_root)
-    limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
-    with store.endpoint_errors():
-        est = estimate(spec, store_root, budget=budget, limits=limits)
+    with access.policy(spec):
+        check_policy(spec, store_root, grants)
+        check_credentials(spec, store_root)
+        limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
+        with store.endpoint_errors():
+            est = estimate(spec, store_root, budget=budget, limits=limits)
     return spec, est.check()
 
 
@@ -217,7 +218,7 @@ def submit(
         raise SpecTooLarge(len(text))
     job_id = new_job_id(spec.kind)
     spec_uri = join(store_root, spec_key(job_id))
-    with store.endpoint_errors():
+    with store.endpoint_errors(), access.policy(spec):
         outputs = claim_outputs(spec, store_root, job_id, grants)  # before any record of the job
         store.put_json(join(store_root, probe_key(job_id)), est.probe)
         private = kinds.find(spec.kind).private_steps

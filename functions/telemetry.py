@@ -48,6 +48,8 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 
+from shardfold.functions import jsontext
+
 logger = Logger(service="shardfold")
 
 MAX_LOG_BYTES = 1024 * 1024  # a task's log object keeps its last MiB
@@ -389,7 +391,7 @@ def recording(
 def _untimed(line: str) -> str:
     """A JSON log line without its ``timestamp`` (a line that is not JSON cannot be trusted to have none)."""
     try:
-        entry = json.loads(line)
+        entry = jsontext.loads(line)
     except ValueError:
         return json.dumps({"message": "(a log line that is not JSON, withheld)"})
     if isinstance(entry, dict):
@@ -414,7 +416,7 @@ def read_records(store_root: str, job_id: str) -> list[dict[str, Any]]:
     for uri, entry in zip(uris, store.get_batch(uris, continue_on_error=True), strict=True):
         if entry.error is None:
             try:
-                record = json.loads(entry.data)
+                record = jsontext.loads(entry.data)
             except ValueError:
                 continue
             if _well_formed(record):

@@ -140,7 +140,8 @@ def dispatch(
 
     try:
         job = submit(
-            load_document(raw),
+            # a dropped spec names only the store's objects, whatever it says (functions.access)
+            {**load_document(raw), "local_files": False},
             store_root=root,
             start=start,
             base_uri=spec_uri,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from shardfold.functions import store
-from shardfold.functions.errors import JobNotFound, ObjectNotFound
+from shardfold.functions.errors import JobNotFound, ObjectNotFound, StoreError
 from shardfold.functions.jobs import kind_of, status_key
 from shardfold.functions.store.uri import join
 
@@ -176,6 +176,8 @@ def read_status(store_root: str, job_id: str) -> dict[str, Any]:
         raise JobNotFound(
             f"no job {job_id!r} under {store_root}: check the id with `shardfold jobs`"
         ) from exc
+    except StoreError as exc:  # not JSON (or hostile JSON): the record says nothing
+        record = {"state": "FAILED", "error": f"the job's status record is unreadable: {exc}"}
     if not isinstance(record, dict):
         record = {"state": "FAILED", "error": "the job's status record is not a JSON object"}
     return {**record, "job_id": job_id, "kind": kind}

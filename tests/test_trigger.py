@@ -63,8 +63,9 @@ def test_valid_spec_starts_job_and_writes_status(root):
     assert start.calls == [(job_id, "getbatch", join(root, "jobs", job_id, "spec.json"))]
     assert store.get_json(join(root, "jobs", "nightly.status.json")) == report
     assert not store.exists(join(root, "jobs", "nightly.error.json"))
-    # the canonical spec is the validated document, and it round-trips
-    assert parse_spec(store.get_json(report["spec_uri"])) == parse_spec(GOOD)
+    # the canonical spec is the validated document (a dropped spec names only the store's objects), and it
+    # round-trips
+    assert parse_spec(store.get_json(report["spec_uri"])) == parse_spec({**GOOD, "local_files": False})
 
 
 def test_duplicate_delivery_does_not_start_twice(root):
@@ -275,14 +276,22 @@ def test_ignored_keys_local(root, key):
     assert start.calls == [] and set(store.list_uris(root + "/")) == before
 
 
-def test_relative_data_paths_resolve_beside_the_spec(root, tmp_path):
-    # a spec file outside the store (a `watch` directory) may name its data relative to itself
+def test_relative_data_paths_resolve_beside_the_spec_inside_the_store_only(root, tmp_path):
+    # a spec dropped under jobs/ names its data relative to itself, inside the store
+    report = dispatch(
+        put_spec(root, "rel.json", {"kind": "getbatch", "items": [{"uri": "./data/a.bin"}]}), Starter()
+    )
+    assert store.get_json(report["spec_uri"])["items"][0]["uri"] == join(root, "jobs", "data", "a.bin")
+    # one dropped into a `watch` directory outside the store may not reach the files beside it (nor, through
+    # ../, anything else of this machine): whoever may write the folder is not the machine's user
     inbox = tmp_path / "inbox"
     inbox.mkdir()
-    (inbox / "s.json").write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "./data/a.bin"}]}))
-    report = dispatch((inbox / "s.json").as_uri(), Starter())
-    spec = store.get_json(report["spec_uri"])
-    assert spec["items"][0]["uri"] == (inbox / "data" / "a.bin").as_uri()
+    for rel in ("./data/a.bin", "../../../../../../etc/hostname"):
+        (inbox / "s.json").write_text(json.dumps({"kind": "getbatch", "items": [{"uri": rel}]}))
+        report = dispatch((inbox / "s.json").as_uri(), Starter(), root=root)
+        assert report["errors"][0]["field"] == "items.0.uri" and "outside the store" in report["error"], (
+            report
+        )
     assert ignore_reason((inbox / "s.json").as_uri()) is None
 
 
@@ -331,7 +340,7 @@ def test_handler_starts_state_machine(aws):
         "spec_uri": f"s3://{BUCKET}/jobs/{job_id}/spec.json",
         "store_root": f"s3://{BUCKET}",
     }
-    assert parse_spec(s3_json(aws, f"jobs/{job_id}/spec.json")) == parse_spec(GOOD)
+    assert parse_spec(s3_json(aws, f"jobs/{job_id}/spec.json")) == parse_spec({**GOOD, "local_files": False})
     status = s3_json(aws, f"jobs/{job_id}/status.json")
     assert status["execution_arn"] == report["execution"] and status["backend"] == "aws"
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
+from shardfold.functions import jsontext
 from shardfold.functions.errors import InvalidModelFile
 
 PREFIX_BYTES = 8  # the u64 little-endian header length
@@ -130,19 +131,10 @@ def parse_length_prefix(prefix: bytes, client: int, uri: str) -> int:
     return n
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def parse_header(raw: bytes, client: int, uri: str) -> FileHeader:
     """Parse and check one header (the ``n`` bytes after the prefix)."""
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        doc = jsontext.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise _bad(client, uri, "not a safetensors file: its header is not UTF-8 text") from None
     except ValueError as exc:  # JSONDecodeError is a ValueError, and so is a duplicate key

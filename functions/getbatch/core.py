@@ -32,7 +32,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from pydantic import ValidationError
 
-from shardfold.functions import access, store
+from shardfold.functions import access, jsontext, store
 from shardfold.functions.errors import (
     BatchItemError,
     InputChanged,
@@ -104,8 +104,9 @@ def _read_manifest(manifest: str, store_root: str) -> tuple[list[Any], list[int]
     manifest and the line when it is not UTF-8 or not JSON."""
     data = store.get(access.input_uri(manifest, store_root, "manifest"))
 
-    def refuse(line: int, what: str) -> SpecError:
-        return SpecError(f"manifest {manifest}, line {line}: {what}", [{"field": "manifest", "error": what}])
+    def refuse(line: int | None, what: str) -> SpecError:
+        where = f"manifest {manifest}" + (f", line {line}" if line is not None else "")
+        return SpecError(f"{where}: {what}", [{"field": "manifest", "error": what}])
 
     try:
         text = data.decode("utf-8")
@@ -118,9 +119,9 @@ def _read_manifest(manifest: str, store_root: str) -> tuple[list[Any], list[int]
         ) from None
     if text.lstrip().startswith("["):
         try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise refuse(exc.lineno, f"not a JSON array of items ({exc.msg}, column {exc.colno})") from None
+            raw = jsontext.loads(text)
+        except jsontext.JSONTextError as exc:
+            raise refuse(None, f"not a JSON array of items ({exc})") from None
         if not raw:
             raise SpecError(f"manifest {manifest} lists no items", [{"field": "manifest", "error": "empty"}])
         return raw, None
@@ -129,11 +130,9 @@ def _read_manifest(manifest: str, store_root: str) -> tuple[list[Any], list[int]
         if not line.strip():
             continue
         try:
-            raw.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise refuse(
-                n, f"not a JSON value ({exc.msg}, column {exc.colno}); JSON Lines holds one item per line"
-            ) from None
+            raw.append(jsontext.loads(line))
+        except jsontext.JSONTextError as exc:
+            raise refuse(n, f"not a JSON value ({exc}); JSON Lines holds one item per line") from None
         lines.append(n)
     if not raw:
         raise SpecError(f"manifest {manifest} lists no items", [{"field": "manifest", "error": "empty"}])

@@ -19,11 +19,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
-from shardfold.functions import access, pricing, store
+from shardfold.functions import access, jsontext, pricing, store
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from shardfold.functions.getbatch import core
@@ -66,7 +65,7 @@ def _items(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> tuple[lis
     items = []
     for line in rows:
         try:
-            items.append(core.parse_item(json.loads(line.rstrip(",")), store_root))
+            items.append(core.parse_item(jsontext.loads(line.rstrip(",")), store_root))
         except (ValueError, ShardfoldError):
             continue
     return items, n, [f"manifest of {total / MiB:,.1f} MiB: ~{n:,} items, extrapolated from its first bytes"]

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from shardfold.functions import telemetry
+from shardfold.functions import jsontext, telemetry
 from shardfold.functions.errors import ObjectExists, ObjectNotFound, StoreError
 from shardfold.functions.store import local, s3, transport
 from shardfold.functions.store.batch import BatchEntry, BatchStats, BatchStream, get_batch
@@ -269,10 +269,12 @@ def assemble(part_uris: list[str], dest_uri: str) -> None:
 
 
 def get_json(uri: str) -> Any:
+    """The JSON document at ``uri`` (:mod:`functions.jsontext`: anyone who may write to the store may have
+    written it); :class:`StoreError` when it is not one."""
     data = get(uri)
     try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return jsontext.loads(data)
+    except jsontext.JSONTextError as exc:
         raise StoreError(f"{resolve(uri)} is not valid JSON: {exc}") from None
 
 

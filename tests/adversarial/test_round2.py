@@ -180,3 +180,150 @@ def test_a_task_never_writes_an_output_another_job_now_holds(local, tmp_path):
     final = local.job(parked.job_id).wait(progress=False, timeout_s=300)
     assert final.state == "FAILED" and "no longer holds it" in final.error
     assert not store.exists(local.uri("results/x.tar"))
+
+
+# -- 7, 11. one parser for untrusted JSON: depth, duplicate keys, NaN and Infinity ---------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ('{"kind": "getbatch", "items": ' + DEEP + "}", "nests deeper than 64"),
+        ('{"kind": "getbatch", "items": [{"uri": "a"}], "items": []}', "duplicate key 'items'"),
+        (
+            '{"kind": "getbatch", "items": [{"uri": "a"}], "deadline_s": Infinity}',
+            "Infinity is not a JSON value",
+        ),
+        ('{"kind": "getbatch", "items": [{"uri": "a"}], "deadline_s": NaN}', "NaN is not a JSON value"),
+    ],
+)
+def test_hostile_json_is_a_spec_error_on_every_path(local, tmp_path, text, pattern):
+    from shardfold.functions.trigger import dispatch
+
+    spec = tmp_path / "hostile.json"
+    spec.write_text(text)
+    for verb in ("run", "plan"):
+        run = CliRunner().invoke(cli, [verb, str(spec)])
+        assert run.exit_code == 1 and pattern in run.output and "Traceback" not in run.output, run.output
+    with pytest.raises(SpecError, match=pattern):
+        local.submit(text)
+    drop = tmp_path / "drop"
+    drop.mkdir(exist_ok=True)
+    (drop / "hostile.json").write_text(text)
+    (drop / "good.json").write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "data/g.bin"}]}))
+    store.put(local.uri("data/g.bin"), b"good")
+    watched = CliRunner().invoke(cli, ["watch", str(drop), "--once"])
+    assert watched.exit_code == 0, watched.output  # the bad spec is reported; the good one beside it runs
+    assert pattern in json.loads((drop / "hostile.error.json").read_text())["error"]
+    assert json.loads((drop / "good.status.json").read_text())["state"] == "SUCCEEDED"
+    # the bucket trigger's dispatch: an error report, and no claim left to swallow the next upload
+    store.put(local.uri("jobs/hostile.json"), text.encode())
+    report = dispatch(local.uri("jobs/hostile.json"), local.start, root=local.store_root)
+    assert pattern in report["error"]
+    assert not [u for u in store.list_uris(local.uri("jobs") + "/") if u.endswith(".claim")]
+
+
+def test_a_dict_spec_from_the_sdk_is_held_to_the_same_rules(local):
+    nested: list = []
+    for _ in range(200):
+        nested = [nested]
+    with pytest.raises(SpecError, match="nests deeper than 64"):
+        local.submit({"kind": "getbatch", "items": nested})
+    with pytest.raises(SpecError, match="deadline_s"):
+        local.submit({"kind": "getbatch", "items": [{"uri": "a"}], "deadline_s": float("inf")})
+
+
+def test_a_manifest_and_stored_records_too(local, tmp_path):
+    store.put(local.uri("requests/deep.jsonl"), ('{"uri": ' + DEEP + "}\n").encode())
+    with pytest.raises(SpecError, match=r"line 1: .*nests deeper"):
+        local.submit({"kind": "getbatch", "manifest": "requests/deep.jsonl"})
+    job = _getbatch(local, tmp_path)
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    (tmp_path / "store" / "jobs" / job.job_id / "status.json").write_text(DEEP)
+    assert CliRunner().invoke(cli, ["jobs"]).exit_code == 0
+
+
+# -- 15. stack outputs are checked when saved and when read --------------------------------------------------
+
+GOOD_OUTPUTS = {
+    "bucket": "shardfold-dev-jobs",
+    "region": "us-east-1",
+    "state_machine_arns": {
+        "getbatch": "arn:aws:states:us-east-1:123456789012:stateMachine:shardfold-getbatch"
+    },
+    "output_prefixes": ["results/"],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"bucket": {"name": "b"}}, "bucket"),
+        ({"state_machine_arns": "arn:aws:states:x"}, "state_machine_arns"),
+        ({"output_prefixes": [""]}, "output_prefixes"),
+        ({"output_prefixes": ["jobs/"]}, "output_prefixes"),
+        ({"output_prefixes": ["ledger"]}, "output_prefixes"),
+        ({"region": "us-east-1\nx"}, "region"),
+        ({"write_buckets": ["*"]}, "write_buckets"),
+    ],
+)
+def test_stack_import_refuses_malformed_outputs_naming_the_key(tmp_path, change, key):
+    path = tmp_path / "outputs.json"
+    path.write_text(json.dumps({**GOOD_OUTPUTS, **change}))
+    run = CliRunner().invoke(cli, ["stack", "import", "dev", str(path)])
+    assert run.exit_code == 1 and "malformed" in run.output and key in run.output, run.output
+    path.write_text(json.dumps(GOOD_OUTPUTS))
+    assert CliRunner().invoke(cli, ["stack", "import", "dev", str(path)]).exit_code == 0
+
+
+# -- 12. a spec dropped into a watched folder is untrusted, as one dropped into the bucket -------------------
+
+
+def test_watch_refuses_a_dropped_spec_reaching_this_machines_files(local, tmp_path):
+    drop = tmp_path / "drop"
+    drop.mkdir()
+    (tmp_path / "mine.txt").write_text("the user's own file, beside the drop folder\n")
+    escapes = {
+        "dotdot.json": "../../../../../../../../etc/hostname",
+        "abs.json": "file:///etc/passwd",
+        "beside.json": "../mine.txt",
+    }
+    for name, uri in escapes.items():
+        (drop / name).write_text(json.dumps({"kind": "getbatch", "items": [{"uri": uri}]}))
+    (drop / "manifest.json").write_text(json.dumps({"kind": "getbatch", "manifest": "requests/m.jsonl"}))
+    store.put(local.uri("requests/m.jsonl"), b'{"uri": "file:///etc/passwd"}\n')  # planted in the store
+    (drop / "out.json").write_text(
+        json.dumps(
+            {"kind": "getbatch", "items": [{"uri": "data/g.bin"}], "output": (tmp_path / "x.tar").as_uri()}
+        )
+    )
+    store.put(local.uri("data/g.bin"), b"good")
+    watched = CliRunner().invoke(cli, ["watch", str(drop), "--once"])
+    assert watched.exit_code == 0, watched.output
+    for name in [*escapes, "manifest.json", "out.json"]:
+        report = json.loads((drop / name.replace(".json", ".error.json")).read_text())
+        assert "outside the store" in report["error"], (name, report)
+    assert not (tmp_path / "x.tar").exists()
+    assert not list((tmp_path / "store" / "jobs").glob("getbatch-*/output/*"))  # nothing archived
+    # the user's own spec, submitted by the user, still names the user's files
+    job = local.submit({"kind": "getbatch", "items": [{"uri": (tmp_path / "mine.txt").as_uri()}]})
+    assert job.wait(progress=False).state == "SUCCEEDED"
+
+
+def test_a_claim_whose_job_never_came_to_be_is_taken_over_once_it_is_stale(local, tmp_path):
+    from shardfold.functions import claims
+
+    out = local.uri("results/orphan.tar")
+    folder = claims._folder(local.store_root, out)
+    ghost = {"uri": out, "job_id": "getbatch-20260101T000000-000000", "overwrite": False}
+    store.put(folder + "00000001.json", json.dumps({**ghost, "at": __import__("time").time()}).encode())
+    spec = {"kind": "getbatch", "items": [{"uri": "data/g.bin"}], "output": "results/orphan.tar"}
+    store.put(local.uri("data/g.bin"), b"g")
+    with pytest.raises(SpecError, match=r"has not ended \(SUBMITTING\)"):  # it may still be submitting
+        local.submit(spec)
+    store.put(folder + "00000001.json", json.dumps({**ghost, "at": 0}).encode())  # long ago: it failed
+    job = local.submit(spec)
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    assert claims.latest(local.store_root, out).job_id == job.job_id
