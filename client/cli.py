@@ -796,7 +796,7 @@ def _dispatch_here(event: dict[str, Any]) -> None:
     from shardfold.functions import store
     from shardfold.functions.store.uri import join as uri_join
     from shardfold.functions.store.uri import split_s3
-    from shardfold.functions.trigger import dispatch, ignore_reason, spec_uri_from_event
+    from shardfold.functions.trigger import delivery_from_event, dispatch, ignore_reason, spec_uri_from_event
 
     bucket, key = split_s3(spec_uri_from_event(event))
     with _client("local") as client:
@@ -811,7 +811,12 @@ def _dispatch_here(event: dict[str, Any]) -> None:
             err.print(f"[dim]s3://{_t(bucket)}/{_t(key)} read here as {_t(spec_uri)}[/]", soft_wrap=True)
 
         report = dispatch(
-            spec_uri, client.start, root=client.store_root, grants=client.grants, runs_here=client.runs_here
+            spec_uri,
+            client.start,
+            root=client.store_root,
+            grants=client.grants,
+            runs_here=client.runs_here,
+            delivery=delivery_from_event(event),
         )
         out.print_json(json.dumps(report))
         if "job_id" in report:
@@ -917,6 +922,7 @@ def watch(directory: str, backend: str, stack: str | None, once: bool, interval:
                             deployed=client.deployed,
                             grants=client.grants,
                             runs_here=client.runs_here,
+                            delivery=f"{stamp[0]}:{stamp[1]}",  # this save of the file
                         )
                     except ShardfoldError as exc:  # e.g. the store did not answer: report, keep watching
                         err.print(f"[red]✗[/] {name}: {_t(exc)} (save it again to retry)", soft_wrap=True)

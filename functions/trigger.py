@@ -29,7 +29,7 @@ from aws_lambda_powertools.utilities.parser.models import S3EventNotificationEve
 from pydantic import ValidationError
 
 from shardfold.functions import access, store
-from shardfold.functions.errors import ObjectNotFound, ShardfoldError, SpecError, StoreUnreachable
+from shardfold.functions.errors import ObjectNotFound, ShardfoldError, SpecError, StoreError, StoreUnreachable
 from shardfold.functions.jobs import status_key
 from shardfold.functions.specs import load_document
 from shardfold.functions.store.uri import is_s3, join, split_s3, store_root
@@ -99,9 +99,14 @@ def dispatch(
     deployed: Mapping[str, Any] | None = None,
     grants: access.Grants | None = None,
     runs_here: bool = False,
+    delivery: str | None = None,
 ) -> dict[str, Any]:
     """Validate the spec at ``spec_uri`` and start its job; return the report written beside it.
     ``runs_here`` as for :func:`functions.submit.submit` (``watch``: the local backend).
+
+    ``delivery`` names this upload of the spec (the S3 event's sequencer; ``watch``: the file's mtime and
+    size; default: its bytes). EventBridge delivers each upload at least once: a repeated delivery gets the
+    report of the first, and starts nothing; a new upload, even of the same bytes, is a new job.
 
     Returns ``{"ignored": reason}`` for objects that are not job specs (nothing is written then). A spec
     that fails validation (or is not JSON) yields the error report ``{"spec_uri", "error", "errors": [...]}``
@@ -126,17 +131,13 @@ def dispatch(
         return {"ignored": str(exc)}
     digest = hashlib.sha256(raw).hexdigest()
 
-    # EventBridge delivers at least once: the same spec bytes already dispatched -> the same job.
-    previous = _previous(status_uri, digest)
-    if previous is not None:
-        return previous
-    # Two deliveries at once: the first to claim these bytes dispatches them; the other reports that. A claim
-    # left by a delivery that died before its report expires, so a retry of the event still starts the job.
-    claim = f"{spec_uri[: -len('.json')]}.{digest[:16]}.claim"
-    if not _claim(claim):
-        return _previous(status_uri, digest) or {
-            "duplicate": f"{spec_uri} is being dispatched by another delivery"
-        }
+    # The upload's claim (put-if-absent): of two deliveries at once the first dispatches and the other reports
+    # that; once settled it holds the report, which a later delivery of the same upload gets back. A claim
+    # left by a delivery that died before settling expires, so a retry of the event still starts the job.
+    claim = claim_uri(spec_uri, delivery or f"sha256:{digest}")
+    held = _claim(claim, spec_uri)
+    if held is not None:
+        return held
 
     try:
         job = submit(
@@ -150,10 +151,12 @@ def dispatch(
             runs_here=runs_here,
         )
     except StoreUnreachable:  # not the spec's fault: raise, so the event is retried (Lambda's async retry)
+        store.delete(claim)
         raise
     except ShardfoldError as exc:
-        store.delete(claim)  # the same bytes dropped again get the same complaint, not "being dispatched"
-        return _report_error(spec_uri, error_uri, exc, digest)
+        report = _report_error(spec_uri, error_uri, exc, digest)
+        _settle(claim, report)
+        return report
 
     report = {
         "job_id": job.job_id,
@@ -168,33 +171,44 @@ def dispatch(
     store.put_json(status_uri, report)
     if store.exists(error_uri):  # a fixed spec replaces the old complaint
         store.delete(error_uri)
+    _settle(claim, report)
     logger.info("dispatched", extra={"job_id": job.job_id, "kind": job.kind, "spec_uri": spec_uri})
     return report
 
 
-def _previous(status_uri: str, digest: str) -> dict[str, Any] | None:
-    """The report of the job these spec bytes already started, if any."""
-    if store.exists(status_uri):
-        previous = store.get_json(status_uri)
-        if previous.get("spec_sha256") == digest:
-            logger.info("duplicate event", extra={"status_uri": status_uri, "job_id": previous.get("job_id")})
-            return previous
-    return None
+def claim_uri(spec_uri: str, delivery: str) -> str:
+    """The claim of one upload (``delivery``) of the spec at ``spec_uri``, beside it (never a ``.json``)."""
+    return f"{spec_uri[: -len('.json')]}.{hashlib.sha256(delivery.encode()).hexdigest()[:16]}.claim"
 
 
-def _claim(claim_uri: str) -> bool:
-    """Claim a spec's bytes for this delivery (put-if-absent); an expired claim is taken over once."""
+def _claim(claim_uri: str, spec_uri: str) -> dict[str, Any] | None:
+    """Claim an upload for this delivery (put-if-absent): None when this delivery dispatches it, else what
+    to answer: the settled report of an earlier delivery, or that another is dispatching it now. An
+    unsettled claim older than :data:`CLAIM_TTL_S` (its delivery died) is taken over once."""
     body = json.dumps({"claimed_at": time.time()}).encode()
     if store.put_if_absent(claim_uri, body):
-        return True
+        return None
     try:
-        age = time.time() - float(store.get_json(claim_uri)["claimed_at"])
-    except (ObjectNotFound, KeyError, TypeError, ValueError):
+        held = store.get_json(claim_uri)
+        if isinstance(held.get("report"), dict):
+            logger.info(
+                "duplicate delivery", extra={"spec_uri": spec_uri, "job_id": held["report"].get("job_id")}
+            )
+            return held["report"]
+        age = time.time() - float(held["claimed_at"])
+    except (ObjectNotFound, StoreError, AttributeError, KeyError, TypeError, ValueError):
         age = CLAIM_TTL_S
     if age < CLAIM_TTL_S:
-        return False
+        return {"duplicate": f"{spec_uri} is being dispatched by another delivery"}
     store.delete(claim_uri)
-    return store.put_if_absent(claim_uri, body)
+    if store.put_if_absent(claim_uri, body):
+        return None
+    return {"duplicate": f"{spec_uri} is being dispatched by another delivery"}
+
+
+def _settle(claim_uri: str, report: dict[str, Any]) -> None:
+    """Record the upload's outcome in its claim, for repeated deliveries of the same upload."""
+    store.put_json(claim_uri, {"claimed_at": time.time(), "report": report})
 
 
 def _report_error(spec_uri: str, error_uri: str, exc: ShardfoldError, digest: str) -> dict[str, Any]:
@@ -292,12 +306,20 @@ def spec_uri_from_event(event: dict[str, Any]) -> str:
     return f"s3://{parsed.detail.bucket.name}/{unquote_plus(parsed.detail.object.key)}"
 
 
+def delivery_from_event(event: dict[str, Any]) -> str | None:
+    """The upload an "Object Created" event is about: its object's sequencer (S3 orders the PUTs of a key by
+    it; every delivery of one event carries the same), with the ETag."""
+    obj = (event.get("detail") or {}).get("object") or {}
+    sequencer = obj.get("sequencer")
+    return f"{sequencer}:{obj.get('etag', '')}" if isinstance(sequencer, str) and sequencer else None
+
+
 def handler(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
     """Lambda entry point for EventBridge "Object Created" events on the job bucket."""
     if event.get("detail-type") != "Object Created":
         return {"ignored": f"detail-type {event.get('detail-type')!r} is not 'Object Created'"}
     spec_uri = spec_uri_from_event(event)
-    return dispatch(spec_uri, sfn_starter(), deployed=deployed_sizes())
+    return dispatch(spec_uri, sfn_starter(), deployed=deployed_sizes(), delivery=delivery_from_event(event))
 
 
 def deployed_sizes() -> dict[str, Any] | None:

@@ -126,7 +126,7 @@ def test_a_claim_left_by_a_dead_delivery_expires(root, monkeypatch):
     raw = store.get(uri)
     import hashlib
 
-    claim = join(root, "jobs", f"retry.{hashlib.sha256(raw).hexdigest()[:16]}.claim")
+    claim = trigger_mod.claim_uri(uri, f"sha256:{hashlib.sha256(raw).hexdigest()}")
     store.put(claim, json.dumps({"claimed_at": 0}).encode())  # a delivery that died long ago
     report = dispatch(uri, start)
     assert report["state"] == "RUNNING" and len(start.calls) == 1
@@ -442,3 +442,21 @@ def test_dispatch_to_a_real_workflow_on_moto(tmp_path, monkeypatch):
         assert status.state == "SUCCEEDED", status.error
         result = store.get_json(f"s3://{bucket}/jobs/{report['job_id']}/result.json")
         assert result["items"] == 2 and result["bytes"] == len(b"alpha") + len(b"avo")
+
+
+@pytest.mark.slow
+def test_a_reupload_of_earlier_bytes_is_a_new_job_and_a_repeated_delivery_is_not(aws):
+    """v1, v2, then v1 again of one key: three uploads, three jobs, even within the claim's lifetime; each
+    event delivered twice (EventBridge delivers at least once) still starts one job."""
+    versions = [GOOD, {**GOOD, "items_per_part": 1}, GOOD]
+    jobs = []
+    for n, spec in enumerate(versions):
+        put = aws["s3"].put_object(Bucket=BUCKET, Key="jobs/nightly.json", Body=json.dumps(spec).encode())
+        event = event_for("jobs/nightly.json")
+        event["detail"]["object"].update(sequencer=f"00617F0829932{n:05d}", etag=put["ETag"].strip('"'))
+        first, again = handler(event, None), handler(event, None)
+        assert "job_id" in first and again == first, (first, again)
+        jobs.append(first["job_id"])
+    assert len(set(jobs)) == 3
+    names = {e["name"] for e in aws["sfn"].list_executions(stateMachineArn=aws["arn"])["executions"]}
+    assert names == set(jobs)  # one execution per upload, none for the repeated deliveries
