@@ -78,6 +78,10 @@ class ShardfoldGroup(click.Group):
         except ShardfoldError as exc:
             err.print(f"[bold red]error:[/] {_t(exc)}", soft_wrap=True)
             ctx.exit(1)
+        except OSError as exc:  # the machine's (a full disk, an I/O error): said in one line too
+            where = f" ({exc.filename})" if exc.filename else ""
+            err.print(f"[bold red]error:[/] {_t(exc.strerror or exc)}{_t(where)}", soft_wrap=True)
+            ctx.exit(1)
         except KeyboardInterrupt as exc:
             why = str(exc) or "SIGINT"
             stopped = [job_id for client in _CLIENTS for job_id in client.interrupted]

@@ -14,15 +14,13 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from aws_lambda_powertools import Logger
 from torch.utils.data import Dataset
 
 from shardfold.functions import store
 from shardfold.functions.errors import BatchItemError
+from shardfold.functions.log import logger
 from shardfold.functions.specs import BatchItem
 from shardfold.functions.store.uri import join, store_root
-
-logger = Logger(service="shardfold")
 
 
 def _as_item(item: BatchItem | dict | str, root: str) -> BatchItem:

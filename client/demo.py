@@ -18,13 +18,10 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from aws_lambda_powertools import Logger
 
 from shardfold.functions import extras, store
 from shardfold.functions.dpquery.spec import marginal_name
 from shardfold.functions.errors import ShardfoldError
-
-logger = Logger(service="shardfold")
 
 DEMO_PREFIX = "demo"
 

@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from aws_lambda_powertools import Logger
 from pydantic import BaseModel
 
 from shardfold.client import telemetry_table
@@ -26,11 +25,10 @@ from shardfold.functions.access import Grants
 from shardfold.functions.errors import JobNotFound, ShardfoldError, SpecError
 from shardfold.functions.estimate import Estimate
 from shardfold.functions.jobs import kind_of, result_key, spec_key
+from shardfold.functions.log import logger
 from shardfold.functions.specs import BatchItem, JobSpec, dump_spec, parse_spec
 from shardfold.functions.store.uri import join
 from shardfold.functions.submit import check, submit
-
-logger = Logger(service="shardfold")
 
 
 def _quiet_by_default() -> None:

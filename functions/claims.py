@@ -114,6 +114,15 @@ def claim(store_root: str, uri: str, job_id: str, field: str, *, prefix: bool, o
     return mine
 
 
+def release(store_root: str, job_id: str, uris: list[str] | None = None) -> None:
+    """Withdraw ``job_id``'s latest claims on ``uris`` (a submit that did not finish): the previous owner
+    holds the output again. Only a claim that is still the latest is withdrawn."""
+    for uri in uris or []:
+        held = latest(store_root, uri)
+        if held is not None and held.job_id == job_id:
+            store.delete(f"{_folder(store_root, uri)}{held.n:08d}.json")
+
+
 def check_held(store_root: str, uri: str, job_id: str, field: str = "output") -> None:
     """Refuse (naming the holder) when another job holds output ``uri``: what a task checks before it
     writes there. An output no job claimed (a job submitted before claims) is not refused, nor is anything

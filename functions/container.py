@@ -24,11 +24,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from aws_lambda_powertools import Logger
-
+from shardfold.functions.log import logger
 from shardfold.functions.store.retry import TransientError
-
-logger = Logger(service="shardfold")
 
 EXIT_TRANSIENT = 75  # EX_TEMPFAIL: the Batch retry strategy retries this code
 # Faults worth another attempt; the same names the workflows' Retry policies treat as transient.

@@ -45,16 +45,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from aws_lambda_powertools import Logger
 from aws_lambda_powertools.logging.lambda_context import build_lambda_context_model
 from aws_lambda_powertools.utilities.parser import parse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardfold.functions import access, store, telemetry
 from shardfold.functions.errors import SpecError
+from shardfold.functions.log import logger
 from shardfold.functions.specs import JobSpec, parse_spec
-
-logger = Logger(service="shardfold")
 
 SPEC_CACHE_SIZE = 4  # specs kept per process; a 1.7 MB dpquery spec parses in ~2.4 s, so one hit pays
 

@@ -115,8 +115,22 @@ def _resolve_against_spec_file(value: str, info: ValidationInfo) -> str:
     return normalise(resolve_relative(value, base) if base else value)
 
 
+def _names_an_object(value: str) -> str:
+    """An output that is one object must end with its name: ``results/`` or ``results/.`` names a folder
+    (locally it fails once written; on S3 it writes the key ``results/``)."""
+    if value.endswith("/") or value.rsplit("/", 1)[-1] in (".", ".."):
+        raise ValueError(f"{value!r} names a folder, not an object; end it with the object's name")
+    return value
+
+
 InputUri = Annotated[str, Field(min_length=1), UriRole("input"), AfterValidator(_resolve_against_spec_file)]
-OutputUri = Annotated[str, Field(min_length=1), UriRole("output"), AfterValidator(_resolve_against_spec_file)]
+OutputUri = Annotated[
+    str,
+    Field(min_length=1),
+    UriRole("output"),
+    AfterValidator(_names_an_object),
+    AfterValidator(_resolve_against_spec_file),
+]
 OutputPrefix = Annotated[
     str, Field(min_length=1), UriRole("output", prefix=True), AfterValidator(_resolve_against_spec_file)
 ]
@@ -282,20 +296,27 @@ class BatchItem(StrictModel):
             raise ValueError("length 0 with a non-zero start selects nothing; omit length to read to the end")
         return self
 
-    @field_validator("name", "archpath")
+    @field_validator("name")
     @classmethod
-    def _relative_posix_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+    def _safe_entry_name(cls, value: str | None) -> str | None:
         # an archive entry name is where an extracting tool writes the file: it must stay inside the folder
+        # and read as what it is (a default name, an object key plus archpath, is made safe when written)
+        from shardfold.functions.store.tar import unsafe_name
+
+        why = None if value is None else unsafe_name(value)
+        if why:
+            raise ValueError(f"name {value[:100]!r} {why}")
+        return value
+
+    @field_validator("archpath")
+    @classmethod
+    def _relative_member(cls, value: str | None) -> str | None:
         if value is None:
             return value
         if "\x00" in value:
-            raise ValueError(f"{info.field_name} {value!r} contains a NUL character")
-        if value.startswith("/"):
-            raise ValueError(f"{info.field_name} {value!r} is absolute; give a relative path")
-        if ".." in value.split("/"):
-            raise ValueError(
-                f"{info.field_name} {value!r} has a '..' component; give a path inside the archive"
-            )
+            raise ValueError(f"archpath {value!r} contains a NUL character")
+        if value.startswith("/") or ".." in value.split("/"):
+            raise ValueError(f"archpath {value!r} leaves the archive; give a member's relative path")
         return value
 
 

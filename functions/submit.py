@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfold.functions import access, claims, kinds, store
-from shardfold.functions.errors import NoCredentials, ShardfoldError, SpecError
+from shardfold.functions.errors import NoCredentials, ShardfoldError, SpecError, StoreError, StoreUnreachable
 from shardfold.functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
 from shardfold.functions.jobs import job_key, new_job_id, spec_key
 from shardfold.functions.specs import JobSpec, UriField, dump_spec, parse_spec, uri_fields
@@ -137,19 +137,35 @@ def check_policy(spec: JobSpec, store_root: str, grants: access.Grants | None = 
         raise SpecError(f"{len(errors)} URI(s) the job may not use: {summary}", errors)
 
 
+def _outputs(spec: JobSpec, store_root: str, grants: access.Grants | None) -> list[tuple[UriField, str]]:
+    """The output fields ``spec`` names, with their full URIs."""
+    return [
+        (f, access.output_uri(f.uri, store_root, f.field, grants=grants))
+        for f in uri_fields(spec)
+        if f.role == "output"
+    ]
+
+
+def _forget(spec: JobSpec, store_root: str, job_id: str, grants: access.Grants | None) -> None:
+    """Remove what a submit that did not finish wrote of ``job_id``: its folder and its output claims."""
+    try:
+        store.delete_prefix(join(store_root, job_key(job_id)) + "/")
+        with access.policy(spec):
+            claims.release(store_root, job_id, [full for _, full in _outputs(spec, store_root, grants)])
+    except (OSError, ShardfoldError):
+        pass  # the store that failed may fail again: a folder without a spec is no job, a claim goes stale
+
+
 def claim_outputs(
     spec: JobSpec, store_root: str, job_id: str, grants: access.Grants | None = None
 ) -> list[tuple[UriField, str]]:
     """Claim every output ``spec`` names for ``job_id`` (:mod:`functions.claims`); the fields and full URIs.
     :class:`~functions.claims.OutputClaimed` names the field and the job holding it."""
-    out = []
     overwrite = bool(getattr(spec, "overwrite", False))
-    for f in uri_fields(spec):
-        if f.role == "output":
-            full = access.output_uri(f.uri, store_root, f.field, grants=grants)
-            claims.claim(store_root, full, job_id, f.field, prefix=f.prefix, overwrite=overwrite)
-            out.append((f, full))
-    return out
+    outputs = _outputs(spec, store_root, grants)
+    for f, full in outputs:
+        claims.claim(store_root, full, job_id, f.field, prefix=f.prefix, overwrite=overwrite)
+    return outputs
 
 
 def _document_bytes(doc: Any) -> int | None:
@@ -218,14 +234,24 @@ def submit(
         raise SpecTooLarge(len(text))
     job_id = new_job_id(spec.kind)
     spec_uri = join(store_root, spec_key(job_id))
-    with store.endpoint_errors(), access.policy(spec):
-        outputs = claim_outputs(spec, store_root, job_id, grants)  # before any record of the job
-        store.put_json(join(store_root, probe_key(job_id)), est.probe)
-        private = kinds.find(spec.kind).private_steps
-        admitted = {**withhold(est.to_dict(), private), "submitted_at": time.time()}
-        store.put_json(join(store_root, estimate_key(job_id)), admitted, indent=None)
-        store.put(spec_uri, text)
-        for f, full in outputs:  # still ours now that the job is recorded (a racing submit may take a claim
-            claims.check_held(store_root, full, job_id, f.field)  # whose job it found unrecorded)
+    try:
+        with store.endpoint_errors(), access.policy(spec):
+            outputs = claim_outputs(spec, store_root, job_id, grants)  # before any record of the job
+            store.put_json(join(store_root, probe_key(job_id)), est.probe)
+            private = kinds.find(spec.kind).private_steps
+            admitted = {**withhold(est.to_dict(), private), "submitted_at": time.time()}
+            store.put_json(join(store_root, estimate_key(job_id)), admitted, indent=None)
+            store.put(spec_uri, text)
+            for f, full in outputs:  # still ours now that the job is recorded
+                claims.check_held(store_root, full, job_id, f.field)
+    except (OSError, StoreError) as exc:  # a full disk, an I/O error: leave no half-recorded job behind
+        _forget(spec, store_root, job_id, grants)
+        if isinstance(exc, StoreUnreachable):
+            raise
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise StoreError(f"could not record the job in the store ({why}); nothing was started") from exc
+    except ShardfoldError:
+        _forget(spec, store_root, job_id, grants)
+        raise
     execution = start(job_id, spec.kind, spec_uri)
     return Submitted(job_id, spec.kind, spec_uri, execution, est)

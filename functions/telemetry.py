@@ -46,11 +46,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from aws_lambda_powertools import Logger
-
 from shardfold.functions import jsontext
-
-logger = Logger(service="shardfold")
+from shardfold.functions.log import logger
 
 MAX_LOG_BYTES = 1024 * 1024  # a task's log object keeps its last MiB
 MAX_ATTEMPTS = 1000  # attempt slots probed before giving up on a record

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote_plus
 
-from aws_lambda_powertools import Logger
 from aws_lambda_powertools.utilities.parser import parse
 from aws_lambda_powertools.utilities.parser.models import S3EventNotificationEventBridgeModel
 from pydantic import ValidationError
@@ -31,11 +30,10 @@ from pydantic import ValidationError
 from shardfold.functions import access, store
 from shardfold.functions.errors import ObjectNotFound, ShardfoldError, SpecError, StoreError, StoreUnreachable
 from shardfold.functions.jobs import status_key
+from shardfold.functions.log import logger
 from shardfold.functions.specs import load_document
 from shardfold.functions.store.uri import is_s3, join, split_s3, store_root
 from shardfold.functions.submit import MAX_SPEC_BYTES, SpecTooLarge, Starter, submit
-
-logger = Logger(service="shardfold")
 
 # The deployed sizes (the stack's ``sizes`` output), which the Pulumi program gives the dispatch function.
 SIZES_ENV = "SHARDFOLD_SIZES"

@@ -58,15 +58,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aws_lambda_powertools import Logger
-
 from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.log import logger
 from shardfold.infra.config import DISPATCH
 
 if TYPE_CHECKING:
     from shardfold.functions.workflow import Workflow
 
-logger = Logger(service="shardfold")
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = REPO / "pyproject.toml"

@@ -26,13 +26,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import boto3
-from aws_lambda_powertools import Logger
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from shardfold.functions.access import Grants
 from shardfold.functions.errors import PlanError, ShardfoldError
 from shardfold.functions.jobs import kind_of
+from shardfold.functions.log import logger
 from shardfold.functions.workflow import Map, Workflow, progress_steps
 from shardfold.orchestrator.asl import fail_state_name
 from shardfold.orchestrator.status import (
@@ -43,8 +43,6 @@ from shardfold.orchestrator.status import (
     tidy_cause,
     write_status,
 )
-
-logger = Logger(service="shardfold")
 
 _STATES = {
     "RUNNING": "RUNNING",

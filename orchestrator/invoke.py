@@ -23,13 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from aws_lambda_powertools import Logger
-
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.workflow import LAMBDA_TIMEOUT
 from shardfold.orchestrator.registry import import_handler
-
-logger = Logger(service="shardfold")
 
 MAX_STATE_BYTES = 256 * 1024  # Step Functions' limit on a state's input/output
 

@@ -44,11 +44,10 @@ from multiprocessing import popen_forkserver, spawn
 from pathlib import Path
 from typing import Any
 
-from aws_lambda_powertools import Logger
-
 from shardfold.functions import store
 from shardfold.functions.errors import JobNotFound, PlanError, ShardfoldError
 from shardfold.functions.jobs import job_key, kind_of
+from shardfold.functions.log import logger
 from shardfold.functions.manifest import is_manifest_ref, read_manifest
 from shardfold.functions.store.uri import is_file, join, local_path
 from shardfold.functions.store.uri import store_root as default_store_root
@@ -79,7 +78,6 @@ from shardfold.orchestrator.status import (
     write_status,
 )
 
-logger = Logger(service="shardfold")
 # A cold process-pool worker imports the handler before its clock starts (seconds on a loaded machine, more
 # for the fork server's first start): the parent's backstop on a process-mode task waits this much beyond
 # its timeout.

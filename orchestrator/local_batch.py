@@ -35,16 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aws_lambda_powertools import Logger
-
 import shardfold
 from shardfold.functions.container import EXIT_TRANSIENT
+from shardfold.functions.log import logger
 from shardfold.functions.workflow import BATCH_ATTEMPTS
 from shardfold.orchestrator import container_server
 from shardfold.orchestrator.invoke import HandlerFailed
 from shardfold.orchestrator.lifeline import PARENT_ENV, child_command
-
-logger = Logger(service="shardfold")
 
 _TERMINATE_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long (as ECS's stop timeout)
 

@@ -85,18 +85,16 @@ from typing import Any
 
 import boto3
 import botocore.session
-from aws_lambda_powertools import Logger
 
 from shardfold.functions import telemetry
 from shardfold.functions.access import Grants
 from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.log import logger
 from shardfold.functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
 from shardfold.functions.workflow import BatchJob, Task, Workflow
 from shardfold.orchestrator.asl import StackResolver, compile_workflow
 from shardfold.orchestrator.invoke import HandlerFailed, call
 from shardfold.orchestrator.registry import handler_path, lambda_handler, lambda_name
-
-logger = Logger(service="shardfold")
 
 # The stack config's default grants (outputPrefixes results/, no other buckets), as the functions get them
 GRANTS = Grants()

@@ -31,15 +31,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from aws_lambda_powertools import Logger
-
 from shardfold.functions import store
 from shardfold.functions.errors import ObjectNotFound, ShardfoldError
 from shardfold.functions.jobs import job_key
+from shardfold.functions.log import logger
 from shardfold.functions.store.uri import join
 from shardfold.orchestrator.status import now
-
-logger = Logger(service="shardfold")
 
 LEASE_S = 60.0  # how long a renewed lease lasts; renewed every LEASE_S / 4
 _CHAIN_LIMIT = 10_000  # successor markers followed at most (one per resume)

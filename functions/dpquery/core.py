@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
-from aws_lambda_powertools import Logger
 
 from shardfold.functions import access, ledger, store
 from shardfold.functions.dpquery import data, planner
@@ -50,11 +49,10 @@ from shardfold.functions.dpquery.planner import Plan
 from shardfold.functions.dpquery.spec import MATRIX, WHOLE_TYPES, DPQueryJob
 from shardfold.functions.dpquery.unit import ContributionBound, job_seed, unit_report
 from shardfold.functions.errors import DatasetError, InputChanged, PlanError, StoreError
+from shardfold.functions.log import logger
 from shardfold.functions.manifest import write_manifest
 from shardfold.functions.privacy import cdp_eps, gaussian_eps, simple_eps
 from shardfold.functions.store.uri import join
-
-logger = Logger(service="shardfold")
 
 STAGE = "dpquery"
 INLINE_TABLES_MAX = 2000  # result.json lists the tables inline up to this many marginals

@@ -81,7 +81,6 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
-from aws_lambda_powertools import Logger
 
 from shardfold.functions import access, ledger, store
 from shardfold.functions.errors import (
@@ -130,14 +129,13 @@ from shardfold.functions.fedavg.sizing import (
 )
 from shardfold.functions.fedavg.spec import FedAvgJob
 from shardfold.functions.jobs import scratch_key
+from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.privacy import REPORT_DELTA, cdp_eps
 from shardfold.functions.store.pinning import Pin
 from shardfold.functions.store.retry import TransientError
 from shardfold.functions.store.s3 import MAX_SINGLE_PUT
 from shardfold.functions.store.uri import is_s3, join
-
-logger = Logger(service="shardfold")
 
 STAGE = "fedavg"
 DEFAULT_FORMAT = "pt"  # __metadata__["format"] when client 0's file has none (what transformers expects)

@@ -29,7 +29,6 @@ import math
 from collections import Counter
 from typing import Any
 
-from aws_lambda_powertools import Logger
 from pydantic import ValidationError
 
 from shardfold.functions import access, jsontext, store
@@ -44,12 +43,11 @@ from shardfold.functions.errors import (
 )
 from shardfold.functions.getbatch.spec import GetBatchJob
 from shardfold.functions.jobs import scratch_key
+from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.specs import BatchItem, describe_errors, json_type
 from shardfold.functions.store.tar import TAR_TRAILER, write_tar
 from shardfold.functions.store.uri import join
-
-logger = Logger(service="shardfold")
 
 STAGE = "getbatch"
 _ROW_ENCODER = json.JSONEncoder(sort_keys=True)  # a status.jsonl row, as json.dumps(row, sort_keys=True)

@@ -18,7 +18,6 @@ import tempfile
 from typing import Any
 
 import numpy as np
-from aws_lambda_powertools import Logger
 
 from shardfold.functions import store
 from shardfold.functions.errors import ShardfoldError
@@ -27,10 +26,9 @@ from shardfold.functions.inference.preprocess import decode_shard, encode_shard,
 from shardfold.functions.inference.shards import STAGE, load_plan, output_uri, prepare
 from shardfold.functions.inference.spec import InferenceJob
 from shardfold.functions.jobs import scratch_key
+from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.store.uri import join
-
-logger = Logger(service="shardfold")
 
 __all__ = ["commit", "cpu_done", "missing_shards", "prepare", "preprocess", "progress", "reconcile"]
 

@@ -29,16 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from aws_lambda_powertools import Logger
 
 from shardfold.functions import access, store
 from shardfold.functions.errors import BadInputError, InputChanged, SpecError
 from shardfold.functions.inference.spec import InferenceJob, inference_input_format
+from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.store.pinning import Pin, check_local
 from shardfold.functions.store.uri import join
-
-logger = Logger(service="shardfold")
 
 STAGE = "inference"
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"

@@ -52,16 +52,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from aws_lambda_powertools import Logger
 
 from shardfold.functions import access, store
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference.batcher import token_budget_batches
 from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.log import logger
 from shardfold.functions.runtime import JobEvent, task
-
-logger = Logger(service="shardfold")
 
 POLL_ENV, POLL_S = "SHARDFOLD_INFERENCE_POLL_S", 1.0  # the longest wait between listings
 FIRST_POLL_S = 0.05  # the first wait after progress; doubled while idle, up to POLL_S

@@ -52,7 +52,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from aws_lambda_powertools import Logger
 from pydantic import ValidationError
 
 from shardfold.functions import telemetry
@@ -65,6 +64,7 @@ from shardfold.functions.errors import (
     StoreError,
     TooManySoftErrors,
 )
+from shardfold.functions.log import logger
 from shardfold.functions.specs import BatchItem
 from shardfold.functions.store.local import Buffers, check_range
 from shardfold.functions.store.pinning import Pin, TooLarge
@@ -80,8 +80,6 @@ from shardfold.functions.store.transport import (
     thread_pool,
 )
 from shardfold.functions.store.uri import default_name, resolve, store_root
-
-logger = Logger(service="shardfold")
 
 MiB = 1024 * 1024
 # Reads in flight. S3 answers small GETs in tens of ms, so throughput is concurrency / latency until the

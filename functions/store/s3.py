@@ -19,17 +19,15 @@ from typing import Any, BinaryIO
 import boto3
 import boto3.exceptions
 import botocore.exceptions
-from aws_lambda_powertools import Logger
 from botocore.config import Config
 
 from shardfold.functions import telemetry
 from shardfold.functions.errors import InvalidRange, ObjectNotFound, StoreError, StoreUnreachable
+from shardfold.functions.log import logger
 from shardfold.functions.store.local import check_range
 from shardfold.functions.store.pinning import Pin, TooLarge, changed
 from shardfold.functions.store.retry import TRANSIENT_CODES, TRANSIENT_STATUS, TransientError
 from shardfold.functions.store.uri import split_s3
-
-logger = Logger(service="shardfold")
 
 POOL = 128  # >= any GetBatch concurrency we run, so threads never wait on (or discard) a connection
 MIN_PART = 5 * 1024 * 1024  # S3's smallest multipart part (all but the last)

@@ -15,6 +15,51 @@ from typing import BinaryIO, Protocol
 
 from shardfold.functions.errors import StoreError
 
+# Characters an archive entry name may not hold: controls (a newline forges a line of a listing), the
+# backslash (a directory separator where Windows tools extract) and the bidi controls (they make a name read
+# as another: "exe.txt" shown for "txt.exe").
+_UNSAFE_CHARS = frozenset(
+    [chr(c) for c in range(0x20)]
+    + [chr(0x7F)]
+    + [chr(c) for c in range(0x80, 0xA0)]
+    + ["\\"]
+    + [chr(c) for c in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))]
+)
+
+
+def unsafe_name(name: str) -> str | None:
+    """Why ``name`` cannot be an archive entry's name (where an extracting tool writes it: it must stay
+    inside the folder and read as what it is), or None when it can."""
+    bad = sorted({f"U+{ord(c):04X}" for c in name if c in _UNSAFE_CHARS})
+    if bad:
+        return f"holds {', '.join(bad[:4])} (a control, bidi or backslash character)"
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":" and name[0].isalpha()):
+        return "is absolute; give a relative path"
+    parts = name.split("/")
+    if ".." in parts:
+        return "has a '..' component; give a path inside the archive"
+    if parts[-1] in ("", "."):
+        return "names a folder, not a file; end it with the file's name"
+    return None
+
+
+def entry_name(name: str) -> str:
+    """``name`` made safe for the archive: what :func:`unsafe_name` refuses, percent-encoded (an object key
+    may hold anything: ``../x``, ``a//b``, a newline), so a default name never escapes either."""
+    if unsafe_name(name) is None:
+        return name
+    text = "".join(_escape(c) if c in _UNSAFE_CHARS else c for c in name).lstrip("/")
+    if len(text) > 1 and text[1] == ":" and text[0].isalpha():
+        text = text[0] + "%3A" + text[2:]
+    parts = [{"..": "%2E%2E"}.get(p, p) for p in text.split("/")]
+    parts[-1] = {"": "%2F", ".": "%2E"}.get(parts[-1], parts[-1])
+    return "/".join(parts)
+
+
+def _escape(c: str) -> str:
+    return f"%{ord(c):02X}" if ord(c) < 0x100 else f"%u{ord(c):04X}"
+
+
 TAR_FORMAT = tarfile.PAX_FORMAT
 INDEX_BLOCK = 1 << 20  # bytes per ranged read while scanning headers
 BLOCK = tarfile.BLOCKSIZE
@@ -72,9 +117,10 @@ def write_tar(entries: Iterable[Entry], fileobj: BinaryIO, end_of_archive: bool 
     rows: list[dict] = []
     write = fileobj.write
     for e in entries:
+        name = entry_name(e.name)  # a default name is an object key, which may hold anything
         if getattr(e, "streamed", False):  # too large to hold: its bytes arrive in ranges
             n = e.size  # type: ignore[attr-defined]
-            write(tar_header(e.name, n))
+            write(tar_header(name, n))
             written = 0
             for chunk in e.chunks():  # type: ignore[attr-defined]
                 write(chunk)
@@ -84,12 +130,12 @@ def write_tar(entries: Iterable[Entry], fileobj: BinaryIO, end_of_archive: bool 
         else:
             data = e.data
             n = len(data)
-            write(tar_header(e.name, n))
+            write(tar_header(name, n))
             if n:
                 write(data)
         if n and (pad := -n % BLOCK):
             write(bytes(pad))
-        rows.append({"index": e.index, "name": e.name, "size": n, "error": e.error})
+        rows.append({"index": e.index, "name": name, "size": n, "error": e.error})
     if end_of_archive:
         write(TAR_TRAILER)
     return rows

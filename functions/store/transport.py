@@ -26,14 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from aws_lambda_powertools import Logger
-
 from shardfold.functions import telemetry
+from shardfold.functions.log import logger
 from shardfold.functions.store import local, s3
 from shardfold.functions.store.pinning import Pin
 from shardfold.functions.store.uri import FILE, S3
-
-logger = Logger(service="shardfold")
 
 Done = Callable[[bytes | None, BaseException | None], None]
 Cancel = Callable[[], object]

@@ -327,3 +327,101 @@ def test_a_claim_whose_job_never_came_to_be_is_taken_over_once_it_is_stale(local
     job = local.submit(spec)
     assert job.wait(progress=False).state == "SUCCEEDED"
     assert claims.latest(local.store_root, out).job_id == job.job_id
+
+
+# -- 18. the library never writes to the program's standard output ------------------------------------------
+
+
+def test_a_failing_job_writes_no_log_line_to_stdout(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "SHARDFOLD_HOME": str(tmp_path / "store")}
+    env.pop("POWERTOOLS_LOG_LEVEL", None)
+    missing = (tmp_path / "missing.bin").as_uri()
+    script = (
+        "from shardfold import Client\n"
+        "with Client() as c:\n"
+        f"    job = c.submit({{'kind': 'getbatch', 'items': [{{'uri': {missing!r}}}]}})\n"
+        "    print('STATE', job.wait(progress=False).state)\n"
+    )
+    sdk = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert sdk.returncode == 0 and sdk.stdout == "STATE FAILED\n", (sdk.stdout, sdk.stderr[-2000:])
+    spec = tmp_path / "missing.json"
+    spec.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": missing}]}))
+    for args in (["run", "--json", str(spec)], ["-v", "run", "--json", str(spec)]):
+        cli_run = subprocess.run(
+            [sys.executable, "-m", "shardfold.client.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert cli_run.returncode == 1 and '"level"' not in cli_run.stdout, (args, cli_run.stdout)
+
+
+# -- 10. a store failing at submit leaves no half-recorded job ---------------------------------------------
+
+
+def test_a_full_disk_at_submit_is_one_line_and_leaves_nothing_behind(local, tmp_path, monkeypatch):
+    import errno
+
+    from shardfold.functions import claims
+
+    store.put(local.uri("data/g.bin"), b"g")
+    real_put = store.put
+
+    def full_disk(uri, data):
+        if uri.endswith("/spec.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", uri)
+        return real_put(uri, data)
+
+    monkeypatch.setattr(store, "put", full_disk)
+    spec = {"kind": "getbatch", "items": [{"uri": "data/g.bin"}], "output": "results/full.tar"}
+    with pytest.raises(Exception, match=r"could not record the job in the store \(No space left on device\)"):
+        local.submit(spec)
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    run = CliRunner().invoke(cli, ["run", str(tmp_path / "s.json")])
+    assert run.exit_code == 1 and "No space left on device" in run.output and "Traceback" not in run.output
+    assert not list((tmp_path / "store" / "jobs").glob("getbatch-*"))  # no orphan folder
+    assert claims.latest(local.store_root, local.uri("results/full.tar")) is None  # claims withdrawn
+    monkeypatch.setattr(store, "put", real_put)
+    assert local.submit(spec).wait(progress=False).state == "SUCCEEDED"  # and the output is free
+
+
+# -- 16. archive entry names stay inside the folder and read as what they are; an object output names one ----
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["..\\\\..\\\\evil.sh", ".", "a/", "x\nforged line", "\u202etxt.exe", "C:evil", "/etc/x", "a/../b"],
+)
+def test_an_archive_name_that_escapes_or_misleads_is_refused(local, name):
+    with pytest.raises(SpecError, match=r"items\.0\.name") as err:
+        local.submit({"kind": "getbatch", "items": [{"uri": "data/g.bin", "name": name}]})
+    assert err.value.errors[0]["field"] == "items.0.name"
+
+
+def test_a_default_name_from_a_hostile_object_key_is_made_safe(local, tmp_path):
+    import io
+    import tarfile
+
+    for key in ("data/x\nforged", "data/\u202etxt.exe"):
+        store.put(local.uri(key), b"k")
+    job = local.submit(
+        {"kind": "getbatch", "items": [{"uri": "data/x\nforged"}, {"uri": "data/\u202etxt.exe"}]}
+    )
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    with tarfile.open(fileobj=io.BytesIO(store.get(job.result()["archive"]))) as tf:
+        assert tf.getnames() == ["data/x%0Aforged", "data/%u202Etxt.exe"]
+
+
+@pytest.mark.parametrize("output", ["results/", "results/.", "results/..", "results/x/"])
+def test_an_object_output_naming_a_folder_is_refused(local, output):
+    for spec in (
+        {"kind": "getbatch", "items": [{"uri": "data/g.bin"}], "output": output},
+        {"kind": "fedavg", "clients": [{"uri": "data/g.safetensors"}], "output": output},
+    ):
+        with pytest.raises(SpecError, match="names a folder, not an object") as err:
+            local.submit(spec)
+        assert err.value.errors[0]["field"] == "output"
