@@ -64,6 +64,15 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible(text: str) -> str:
+    """``text`` with control characters shown as escapes: a log line may hold raw ANSI sequences (a
+    terminal would obey them: move the cursor, retitle the window, hide what follows)."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _t(value: Any) -> str:
     """``value`` as text that rich prints literally (its ``[`` never opens markup)."""
     return escape(str(value))
@@ -483,7 +492,7 @@ def logs(
                     continue
                 item = "-" if record.get("task") is None else record["task"]
                 where = f"{record['step']}[{item}]#{record.get('attempt')}"
-                out.print(f"[dim]{_t(where)}[/] {_t(line)}", soft_wrap=True, highlight=False)
+                out.print(f"[dim]{_t(where)}[/] {_t(_visible(line))}", soft_wrap=True, highlight=False)
             printed = shown
             if not follow or finished:
                 return

@@ -446,9 +446,12 @@ class Job:
     def logs(self, step: str | None = None, task: int | None = None) -> Iterator[tuple[dict[str, Any], str]]:
         """``(record, line)`` for each log line of each task attempt (of ``step``, of Map item ``task``), in
         step, task and attempt order."""
-        for record in telemetry.read_records(self.client.store_root, self.job_id):
+        outputs = getattr(self.client.executor, "outputs", None) or {}
+        groups = frozenset(str(g) for g in (outputs.get("log_groups") or {}).values())
+        root = self.client.store_root
+        for record in telemetry.read_records(root, self.job_id):
             if (step is None or record["step"] == step) and (task is None or record.get("task") == task):
-                for line in telemetry.log_lines(record):
+                for line in telemetry.log_lines(record, root, self.job_id, groups):
                     yield record, line
 
     def cancel(self) -> None:

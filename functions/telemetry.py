@@ -438,45 +438,85 @@ def _well_formed(record: Any) -> bool:
     )
 
 
-def log_lines(record: dict[str, Any]) -> list[str]:
-    """The log lines of one attempt: its log object's (tasks run outside AWS), or its lines in CloudWatch
-    Logs (a Lambda invocation: the lines of its request id in its stream; a Batch job: its stream)."""
+LOG_READ_BYTES = 1 << 20  # a log object is read in ranges of this size, never whole
+
+
+def log_lines(
+    record: dict[str, Any], store_root: str, job_id: str, groups: frozenset[str] = frozenset()
+) -> Iterator[str]:
+    """The log lines of one attempt, streamed: its log object's (tasks run outside AWS), or its lines in
+    CloudWatch Logs (a Lambda invocation: the lines of its request id in its stream; a Batch job: its
+    stream). A record is anyone's to forge: a log object is followed only inside the job's own folder, and
+    CloudWatch only in ``groups``, the stack's own log groups."""
     from shardfold.functions import store
+    from shardfold.functions.jobs import job_key
+    from shardfold.functions.store.uri import join
 
     place = record.get("log") or {}
-    if place.get("uri"):
+    if not isinstance(place, dict):
+        return
+    uri = place.get("uri")
+    if isinstance(uri, str):
+        own = join(store_root, job_key(job_id)) + "/"
+        if not uri.startswith(own) or "/../" in uri:
+            yield "(this record's log is outside the job's folder: not followed)"
+            return
         if not place.get("lines") and record.get("outcome") != "running":
-            return []
-        try:
-            return store.get(place["uri"]).decode(errors="replace").splitlines()
-        except Exception:  # noqa: BLE001 - a task killed before its log was written has none
-            return []
+            return
+        yield from _object_lines(store, uri)
+        return
     if place.get("group") or place.get("batch_job"):
-        return cloudwatch_lines(place)
-    return []
+        group = place.get("group") or BATCH_LOG_GROUP
+        if group not in groups:
+            yield f"(this record's log group {str(group)[:80]!r} is not one of the stack's: not followed)"
+            return
+        yield from cloudwatch_lines(place)
 
 
-def cloudwatch_lines(place: dict[str, Any]) -> list[str]:
+def _object_lines(store: Any, uri: str) -> Iterator[str]:
+    try:
+        size = store.size(uri)
+    except Exception:  # noqa: BLE001 - a task killed before its log was written has none
+        return
+    offset, rest = 0, b""
+    while offset < size:
+        try:
+            chunk = store.get(uri, offset, min(LOG_READ_BYTES, size - offset))
+        except Exception:  # noqa: BLE001 - cut short since its size was read: what was read stands
+            break
+        if not chunk:
+            break
+        offset += len(chunk)
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            yield line.decode(errors="replace")
+    if rest:
+        yield rest.decode(errors="replace")
+
+
+BATCH_LOG_GROUP = "/aws/batch/job"  # where AWS Batch jobs log unless their definition says otherwise
+
+
+def cloudwatch_lines(place: dict[str, Any]) -> Iterator[str]:
     """Lines of a Lambda invocation (``group``, ``stream``, ``request_id``) or of a Batch job
-    (``batch_job``: its log stream, from DescribeJobs) in CloudWatch Logs."""
+    (``batch_job``: its log stream, from DescribeJobs) in CloudWatch Logs, a page at a time."""
     import boto3
 
     logs = boto3.client("logs")
     if place.get("batch_job"):
-        jobs = boto3.client("batch").describe_jobs(jobs=[place["batch_job"]])["jobs"]
+        jobs = boto3.client("batch").describe_jobs(jobs=[str(place["batch_job"])])["jobs"]
         stream = jobs[0].get("container", {}).get("logStreamName") if jobs else None
         if not stream:
-            return []
-        kwargs: dict[str, Any] = {"logGroupName": place.get("group") or "/aws/batch/job"}
+            return
+        kwargs: dict[str, Any] = {"logGroupName": place.get("group") or BATCH_LOG_GROUP}
         kwargs["logStreamNames"] = [stream]
     else:
-        kwargs = {"logGroupName": place["group"], "logStreamNames": [place["stream"]]}
+        kwargs = {"logGroupName": place["group"], "logStreamNames": [str(place.get("stream"))]}
         if place.get("request_id"):
             kwargs["filterPattern"] = f'"{place["request_id"]}"'
-    lines: list[str] = []
     for page in logs.get_paginator("filter_log_events").paginate(**kwargs):
-        lines += [e["message"].rstrip("\n") for e in page.get("events", [])]
-    return lines
+        for e in page.get("events", []):
+            yield e["message"].rstrip("\n")
 
 
 REPORT_LINE = re.compile(

@@ -355,6 +355,7 @@ def test_the_sdk_is_quiet_by_default_and_logging_shows_more(tmp_path):
         "job = client.submit({'kind': 'getbatch', 'items': [{'uri': 'd/a'}]})\n"
         "job.wait(progress=False)\n"
         "print('QUIET DONE', any('planned getbatch' in line for _, line in job.logs()), flush=True)\n"
+        "import sys; print('NOW LOUD', file=sys.stderr, flush=True)\n"
         "logging.getLogger('shardfold').setLevel(logging.INFO)  # the standard way to see more\n"
         "client.submit({'kind': 'getbatch', 'items': [{'uri': 'd/a'}]}).wait(progress=False)\n"
     )
@@ -362,5 +363,8 @@ def test_the_sdk_is_quiet_by_default_and_logging_shows_more(tmp_path):
     env["SHARDFOLD_HOME"] = str(tmp_path / "home")
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    quiet, _, loud = out.stdout.partition("QUIET DONE True")
-    assert quiet == "" and "planned getbatch" in loud, out.stdout  # the task log kept its line all along
+    assert out.stdout == "QUIET DONE True\n", (
+        out.stdout
+    )  # the task log kept its line; stdout is the program's
+    quiet, _, loud = out.stderr.partition("NOW LOUD")
+    assert '"level"' not in quiet and "planned getbatch" in loud, out.stderr  # when asked for, on stderr

@@ -69,7 +69,8 @@ def test_dp_fedavg_needs_the_dp_extra_and_plain_fedavg_does_not(hidden, local_ro
     doc, base = _doc("fedavg")
     hidden.add("opendp")
     check(doc, store_root=local_root, base_uri=base, runs_here=True)  # plain fedavg: the base install runs it
-    doc["dp"] = {"noise_multiplier": 1.0, "clip_norm": 1.0, "dataset_id": "fed-demo"}
+    structure = doc["clients"][0]["uri"]
+    doc["dp"] = {"noise_multiplier": 1.0, "clip_norm": 1.0, "dataset_id": "fed-demo", "structure": structure}
     doc["clients"] = [{k: v for k, v in c.items() if k != "weight"} for c in doc["clients"]]  # DP: uniform
     with pytest.raises(MissingExtra, match=r"this fedavg job needs the 'dp' extra \(opendp not installed\)"):
         check(doc, store_root=local_root, base_uri=base, runs_here=True)

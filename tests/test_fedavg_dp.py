@@ -94,6 +94,8 @@ def dp_reference(updates, base, clip_norm: float, m: int, factors=None) -> tuple
 
 def spec_doc(uris, **dp_fields) -> dict:
     fields = {"clip_norm": 1.0, "noise_multiplier": 1.1, "dataset_id": "fed", "dataset_budget_rho": 10.0}
+    if "base" not in dp_fields:  # the round's tensors from a public file: here the first client's stands in
+        fields["structure"] = uris[0]
     return {"kind": "fedavg", "clients": [{"uri": u} for u in uris], "dp": {**fields, **dp_fields}}
 
 
@@ -244,12 +246,14 @@ def test_a_dpquery_ledger_is_not_a_federations(root):
     assert exc.value.errors[0]["field"] == "dataset_id"
 
 
-def test_a_base_unlike_the_clients_is_refused_naming_it(root):
+def test_the_rounds_tensors_are_the_bases_and_a_client_unlike_it_is_the_odd_one(root):
+    """The base is public and fixes the round's tensors: a client unlike it is refused (or, with
+    min_clients, left out) whatever the others sent; a majority never decides it (issue 33, item 4)."""
     rng = np.random.default_rng(1)
     uris = put_clients(root, [model(rng) for _ in range(2)])
     base_uri = store.uri.join(root, "global.safetensors")
     store.put(base_uri, encode({"w": np.zeros((16, 12), np.float32)}))
-    with pytest.raises(InvalidModelFile, match=r"dp.base \(.*\): has no tensor 'b'"):
+    with pytest.raises(InvalidModelFile, match=r"client 0 \(.*\): its tensors are not the round's"):
         core.prepare(FedAvgJob(**spec_doc(uris, base=base_uri)), JOB, root, budget=TINY)
 
 

@@ -180,7 +180,18 @@ def test_pair_keys_are_symmetric_and_per_round():
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"dp": {"clip_norm": 1, "noise_multiplier": 1, "dataset_id": "f", "dataset_budget_rho": 1}}, "dp"),
+        (
+            {
+                "dp": {
+                    "clip_norm": 1,
+                    "noise_multiplier": 1,
+                    "dataset_id": "f",
+                    "dataset_budget_rho": 1,
+                    "base": "a",
+                }
+            },
+            "dp",
+        ),
         ({"min_clients": 1}, "min_clients"),
         ({"min_fraction": 0.5}, "min_fraction"),
         ({"aggregator": "median"}, "aggregator"),

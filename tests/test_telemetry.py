@@ -315,7 +315,7 @@ def check_every_field(client: Client, kind_name: str, job_id: str) -> None:
             assert r["withheld"] is True and r["duration_s"] is None and r["bytes_read"] is None
             assert r["requests"] is None and r["peak_memory_mib"] is None and r["started_at"] is None
             if r["log"].get("uri"):  # its log keeps what it said, not when (docs/observability.md)
-                lines = telemetry.log_lines(r)
+                lines = list(telemetry.log_lines(r, client.store_root, job.job_id))
                 assert all("timestamp" not in json.loads(line) for line in lines), lines
         else:
             assert r["duration_s"] is not None and r["peak_memory_mib"] > 10, (kind_name, r)
@@ -324,7 +324,10 @@ def check_every_field(client: Client, kind_name: str, job_id: str) -> None:
     if kind_name == "dpquery":
         assert kind.private_steps <= ran
         private_lines = [
-            ln for r in records if r["step"] in kind.private_steps for ln in telemetry.log_lines(r)
+            ln
+            for r in records
+            if r["step"] in kind.private_steps
+            for ln in telemetry.log_lines(r, client.store_root, job.job_id)
         ]
         assert any("measured" in line for line in private_lines), private_lines  # there were lines to check
         estimate = store.get_json(client.uri(f"jobs/{job.job_id}/estimate.json"))

@@ -330,6 +330,9 @@ def inspect(
     base_uri = _base_uri(spec, store_root)
     if base_uri is not None:
         inputs.append(("dp.base", base_uri))
+    structure_uri = _dp_uri(spec, store_root, "structure")
+    if structure_uri is not None:
+        inputs.append(("dp.structure", structure_uri))
     access.not_an_input(out, inputs, "output")
     if is_s3(out) != is_s3(store_root):
         raise SpecError(
@@ -339,33 +342,43 @@ def inspect(
     members = _Round(spec, uris)
     found = _await_updates(members, wait_s)
     base = _read_base(base_uri) if base_uri is not None else None
+    # a DP round's tensors: the public model's (dp.structure, else dp.base), never the clients' majority
+    structure = _read_base(structure_uri, "dp.structure")[0] if structure_uri is not None else None
     for i, u in enumerate(uris):
         if found[u] is None:
             members.out(i, ObjectNotFound(f"{where(i, u)}: no object at {u}"))
     pins = {u: p for u, p in found.items() if p is not None and p is not _LEFT_OUT}
-    return _inspect(spec, job_id, members, out, pins, budget, base)
+    reference = structure or (base[0] if base is not None else None)
+    return _inspect(spec, job_id, members, out, pins, budget, base, reference)
+
+
+def _dp_uri(spec: FedAvgJob, store_root: str, name: str) -> str | None:
+    """The full URI of ``dp.<name>`` (a server-side model: ``base``, ``structure``), if the round has one."""
+    uri = None if spec.dp is None else getattr(spec.dp, name)
+    if uri is None:
+        return None
+    try:
+        return access.input_uri(uri, store_root)
+    except StoreError as exc:
+        raise SpecError(f"dp.{name}: {exc}", [{"field": f"dp.{name}", "error": str(exc)}]) from None
 
 
 def _base_uri(spec: FedAvgJob, store_root: str) -> str | None:
-    if spec.dp is None or spec.dp.base is None:
-        return None
-    try:
-        return access.input_uri(spec.dp.base, store_root)
-    except StoreError as exc:
-        raise SpecError(f"dp.base: {exc}", [{"field": "dp.base", "error": str(exc)}]) from None
+    return _dp_uri(spec, store_root, "base")
 
 
-def _read_base(uri: str) -> tuple[FileHeader, Pin, str]:
-    """dp.base's header and pin: the server's own model, so any problem with it fails the round."""
+def _read_base(uri: str, field: str = "dp.base") -> tuple[FileHeader, Pin, str]:
+    """A server-side model's header and pin (dp.base, dp.structure): the server's own, so any problem with
+    it fails the round."""
     pin = store.pins([uri])[uri]
     if pin is None:
-        raise ObjectNotFound(f"dp.base: no object at {uri}")
+        raise ObjectNotFound(f"{field}: no object at {uri}")
     try:
         length = parse_length_prefix(store.get(uri, 0, PREFIX_BYTES, pin), -1, uri)
         header = parse_header(store.get(uri, PREFIX_BYTES, length, pin), -1, uri)
         check_object_size(header, pin.size, -1, uri)
     except (InvalidModelFile, InvalidRange) as exc:
-        raise InvalidModelFile(f"dp.base ({uri}): {str(exc).split(': ', 1)[-1]}", uri=uri) from None
+        raise InvalidModelFile(f"{field} ({uri}): {str(exc).split(': ', 1)[-1]}", uri=uri) from None
     return header, pin, uri
 
 
@@ -382,8 +395,11 @@ def _inspect(
     pins: dict[str, Pin],
     budget: Budget,
     base: tuple[FileHeader, Pin, str] | None = None,
+    reference: FileHeader | None = None,
 ) -> ShardPlan:
     uris = members.uris
+    # A DP round's tensors are the public reference's: an update unlike it is absent, whoever else sent what
+    ref_sig = _signature(reference) if reference is not None else None
     lengths: dict[int, int] = {}
 
     def take_length(i: int, data: bytes) -> None:
@@ -409,7 +425,14 @@ def _inspect(
         check_object_size(header, pins[uris[i]].size, i, uris[i])
         sig = _signature(header)
         sig = signatures.setdefault(sig, sig)  # one tuple per distinct set of tensors, however many clients
-        if not kinds and not tolerant:
+        if ref_sig is not None:
+            if sig != ref_sig:
+                raise InvalidModelFile(
+                    f"{where(i, uris[i])}: its tensors are not the round's (dp.structure's, else dp.base's)",
+                    uri=uris[i],
+                )
+            kinds.setdefault(sig, (i, header))
+        elif not kinds and not tolerant:
             kinds[sig] = (i, header)
         elif sig not in kinds:
             if not tolerant:  # every update needed: the first one's tensors are the round's

@@ -60,6 +60,12 @@ class FedAvgDP(StrictModel):
         description="the global model the clients trained from: an update is client - base, and the output "
         "base + the noisy mean update (default: the files are the updates themselves)",
     )
+    structure: InputUri | None = Field(
+        default=None,
+        description="a public model file whose tensors (names, dtypes and shapes; not its values) are the "
+        "round's; default dp.base. A DP round needs one of the two: which tensors it averages never depends "
+        "on which clients sent what, and an update unlike it counts as absent",
+    )
 
 
 class FedAvgJob(JobOptions):
@@ -168,6 +174,14 @@ class FedAvgJob(JobOptions):
         problems = self._uniform_mean_only(
             "with dp, clients are averaged uniformly (the noise is sized for one client's clipped update)"
         )
+        if self.dp.base is None and self.dp.structure is None:
+            problems.append(
+                (
+                    ("dp", "structure"),
+                    "a DP round takes its tensors from a public model, never from the clients' files: give "
+                    "dp.base (the global model the clients trained from) or dp.structure",
+                )
+            )
         if self.allow_nonfinite:
             problems.append(
                 (

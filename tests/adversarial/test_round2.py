@@ -222,7 +222,13 @@ def test_hostile_json_is_a_spec_error_on_every_path(local, tmp_path, text, patte
     store.put(local.uri("jobs/hostile.json"), text.encode())
     report = dispatch(local.uri("jobs/hostile.json"), local.start, root=local.store_root)
     assert pattern in report["error"]
-    assert not [u for u in store.list_uris(local.uri("jobs") + "/") if u.endswith(".claim")]
+    # its claim holds the report, and swallows nothing: the fixed spec uploaded to the same key starts a job
+    store.put(
+        local.uri("jobs/hostile.json"),
+        json.dumps({"kind": "getbatch", "items": [{"uri": "data/g.bin"}]}).encode(),
+    )
+    fixed = dispatch(local.uri("jobs/hostile.json"), local.start, root=local.store_root)
+    assert "job_id" in fixed, fixed
 
 
 def test_a_dict_spec_from_the_sdk_is_held_to_the_same_rules(local):
@@ -425,3 +431,88 @@ def test_an_object_output_naming_a_folder_is_refused(local, output):
         with pytest.raises(SpecError, match="names a folder, not an object") as err:
             local.submit(spec)
         assert err.value.errors[0]["field"] == "output"
+
+
+# -- 13. logs come from the job's own places only, streamed, and reach the terminal escaped ------------------
+
+
+def test_logs_follow_only_the_jobs_own_places_and_print_controls_escaped(local, tmp_path):
+    from shardfold.functions import telemetry
+
+    job = _getbatch(local, tmp_path)
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    records = telemetry.read_records(local.store_root, job.job_id)
+    rec_uri = next(u for u in store.list_uris(telemetry.prefix(local.store_root, job.job_id) + "/"))
+    forged = dict(records[0])
+    (tmp_path / "elsewhere.log").write_text("a secret of another folder\n")
+    for log in (
+        {"uri": (tmp_path / "elsewhere.log").as_uri(), "lines": 1},
+        {"uri": f"{local.store_root}/jobs/{job.job_id}/../other/x.log", "lines": 1},
+        {"group": "/aws/lambda/someone-elses", "stream": "s"},
+    ):
+        store.put(rec_uri, json.dumps({**forged, "log": log}).encode())
+        lines = [line for _, line in local.job(job.job_id).logs()]
+        assert not any("secret" in line for line in lines), lines  # a log object is the record's sibling
+        assert "group" not in log or any("not followed" in line for line in lines), lines
+    # a log line holding a terminal escape sequence prints as text
+    own = rec_uri[: -len(".json")] + ".log"
+    store.put(own, b"\x1b]0;pwned\x07\x1b[2Jclear screen\n")
+    store.put(rec_uri, json.dumps({**forged, "log": {"uri": own, "lines": 1}}).encode())
+    shown = CliRunner().invoke(cli, ["logs", job.job_id])
+    assert shown.exit_code == 0 and "\x1b" not in shown.output and "\\x1b]0;pwned" in shown.output
+
+
+def test_a_huge_log_is_streamed_not_read_whole(local, tmp_path, monkeypatch):
+    from shardfold.functions import telemetry
+
+    job = _getbatch(local, tmp_path)
+    assert job.wait(progress=False).state == "SUCCEEDED"
+    own = local.uri(f"jobs/{job.job_id}/big.log")
+    store.put(own, b"x" * 100 + b"\n" + b"y" * (5 * telemetry.LOG_READ_BYTES))
+    reads = []
+    real_get = store.get
+    monkeypatch.setattr(store, "get", lambda uri, *a, **k: reads.append(a) or real_get(uri, *a, **k))
+    lines = telemetry.log_lines({"log": {"uri": own, "lines": 2}}, local.store_root, job.job_id)
+    assert next(lines) == "x" * 100 and len(reads) == 1 and reads[0][1] == telemetry.LOG_READ_BYTES
+
+
+# -- 4. a DP round's tensors are the public model's, never a majority of the clients' ------------------------
+
+
+def test_one_clients_presence_does_not_decide_a_dp_rounds_tensors(local):
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(size=(8,)).astype(np.float32), rng.normal(size=(4,)).astype(np.float32)
+    fa = local.fedavg
+    base = fa.save_update({"a": a, "b": b}, "round/base.safetensors")
+    full = [fa.save_update({"a": a + i, "b": b - i}, f"round/c{i}.safetensors") for i in range(2)]
+    partial = [fa.save_update({"a": a * i}, f"round/c{i}.safetensors") for i in (2, 3)]
+    dp = {
+        "clip_norm": 1.0,
+        "noise_multiplier": 1.0,
+        "dataset_id": "fed-r2",
+        "dataset_budget_rho": 50.0,
+        "base": base,
+    }
+    outcomes = []
+    for clients in (full + partial, full[1:] + partial):  # with c0, then without it
+        spec = {"kind": "fedavg", "clients": [{"uri": u} for u in clients], "min_clients": 1, "dp": dp}
+        job = local.submit(spec)
+        outcomes.append((job.wait(progress=False).state, job))
+    assert [state for state, _ in outcomes] == ["SUCCEEDED", "SUCCEEDED"], [
+        j.status().error for _, j in outcomes
+    ]
+    for _, job in outcomes:
+        out = fa.load(job.result()["output"])
+        assert sorted(out) == ["a", "b"]  # the base's tensors, whoever took part
+        left = {e["uri"].rsplit("/", 1)[-1] for e in job.result()["excluded"]}
+        assert left == {"c2.safetensors", "c3.safetensors"}, job.result()["excluded"]
+
+
+def test_a_dp_round_without_a_public_model_is_refused(local):
+    spec = {"kind": "fedavg", "clients": [{"uri": "round/c0.safetensors"}],
+            "dp": {"clip_norm": 1.0, "noise_multiplier": 1.0, "dataset_id": "fed-r2"}}  # fmt: skip
+    with pytest.raises(SpecError, match="takes its tensors from a public model") as err:
+        local.submit(spec)
+    assert err.value.errors[0]["field"] == "dp.structure"
