@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -237,6 +237,7 @@ class FedAvg:
         round_prefix: str,
         client_id: str,
         private_key: bytes,
+        roster: Sequence[str] | Mapping[str, bytes],
         clip_range: float = 8.0,
         seed: int | None = None,
     ) -> str:
@@ -244,9 +245,15 @@ class FedAvg:
 
         Every float value is clipped to [-clip_range, clip_range] and rounded stochastically to the round's
         integer grid (:mod:`functions.fedavg.secagg`), then masked with one pairwise mask per other client
-        whose key is published under ``round_prefix`` (:meth:`round_keys`): the masks cancel only in the
-        sum of all of them, so the job (``"secure": true``) learns the mean and no single update. Integer
-        and bool tensors cannot be masked: leave them out. ``seed`` seeds the rounding (tests only).
+        of the round: the masks cancel only in the sum of all of them, so the job (``"secure": true``)
+        learns the mean and no single update. Integer and bool tensors cannot be masked: leave them out.
+        ``seed`` seeds the rounding (tests only).
+
+        ``roster`` is the round's client ids, as the clients know them (not as the bucket lists them): at
+        least two, this client among them, every one's key published under ``round_prefix``
+        (:meth:`round_keys`). Keys published by anyone else are ignored, so a writer who adds keys cannot
+        make a client mask for fewer real peers. Given as ``{client id: public key}`` (keys exchanged out of
+        band), each published key must also be that one: then a writer who replaces a key is refused too.
         """
         extras.require("secure", "secure aggregation")
         from shardfold.client import secagg as masks
@@ -256,8 +263,8 @@ class FedAvg:
         if not (isinstance(clip_range, int | float) and 0 < clip_range < float("inf")):
             raise UpdateError(f"clip_range must be a finite number > 0, got {clip_range!r}")
         arrays = to_numpy(tensors)
-        peers = self.round_keys(round_prefix)
-        if peers.get(client_id) != masks.public_key(private_key):
+        peers = self._roster_keys(round_prefix, client_id, roster)
+        if peers[client_id] != masks.public_key(private_key):
             raise UpdateError(
                 f"client {client_id!r} has no key published for round {round_prefix} matching private_key; "
                 "call secure_keys first"
@@ -301,6 +308,38 @@ class FedAvg:
         full = self.uri(uri)
         store.put(full, safetensors.numpy.save(out, metadata={secagg.METADATA_KEY: params.to_json()}))
         return full
+
+    def _roster_keys(
+        self, round_prefix: str, client_id: str, roster: Sequence[str] | Mapping[str, bytes]
+    ) -> dict[str, bytes]:
+        """The public keys of ``roster``'s clients (see :meth:`mask_update`), or :class:`UpdateError`."""
+        if isinstance(roster, str | bytes) or not isinstance(roster, Sequence | Mapping):
+            raise UpdateError("roster is the round's client ids (a list), or {client id: public key}")
+        ids = list(roster)
+        for cid in ids:
+            _check_client_id(cid)
+        if len(set(ids)) != len(ids) or len(ids) < 2:
+            raise UpdateError(
+                f"a secure round's roster lists at least two distinct clients (got {ids!r}): with fewer, the "
+                "masks would hide nothing"
+            )
+        if client_id not in ids:
+            raise UpdateError(f"client {client_id!r} is not in the round's roster {ids!r}")
+        published = self.round_keys(round_prefix)
+        missing = [cid for cid in ids if cid not in published]
+        if missing:
+            raise UpdateError(
+                f"no key published for {missing} in round {round_prefix}: every client of the roster calls "
+                "secure_keys before any masks (masking for fewer peers would expose the update)"
+            )
+        if isinstance(roster, Mapping):
+            replaced = [cid for cid in ids if bytes(roster[cid]) != published[cid]]
+            if replaced:
+                raise UpdateError(
+                    f"the keys published for {replaced} in round {round_prefix} are not the ones the roster "
+                    "gives: someone replaced them; nothing was masked"
+                )
+        return {cid: published[cid] for cid in ids}
 
     # -- jobs ---------------------------------------------------------------------------------------------
 

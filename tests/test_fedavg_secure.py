@@ -49,7 +49,7 @@ def secure_round(client: Client, ups: list, prefix: str = "rounds/s") -> list[st
     return [
         client.fedavg.mask_update(
             u, f"{prefix}/{cid}.safetensors", round_prefix=prefix, client_id=cid,
-            private_key=keys[cid], clip_range=CLIP, seed=i,
+            private_key=keys[cid], roster=ids, clip_range=CLIP, seed=i,
         )
         for i, (cid, u) in enumerate(zip(ids, ups, strict=True))
     ]  # fmt: skip
@@ -151,7 +151,8 @@ def test_the_sdk_refuses_what_it_cannot_mask(client):
         client.fedavg.secure_keys("rounds/x", "me")
     with pytest.raises(UpdateError, match="client_id"):
         client.fedavg.secure_keys("rounds/x", "../evil")
-    kw = {"round_prefix": "rounds/x", "client_id": "me", "private_key": key}
+    client.fedavg.secure_keys("rounds/x", "peer")
+    kw = {"round_prefix": "rounds/x", "client_id": "me", "private_key": key, "roster": ["me", "peer"]}
     with pytest.raises(UpdateError, match="masks float tensors only"):
         client.fedavg.mask_update({"steps": np.array(3, np.int64)}, "rounds/x/me.safetensors", **kw)
     with pytest.raises(UpdateError, match="no key published"):

@@ -277,6 +277,7 @@ def test_fedavg_secure(children, root):
             c.fedavg.mask_update(
                 {"w": rng.standard_normal((384, 1024)).astype(np.float32)},
                 f"data/round/{cid}.safetensors", round_prefix="data/round", client_id=cid, private_key=key,
+                roster=list(keys),
             )
             for cid, key in keys.items()
         ]  # fmt: skip

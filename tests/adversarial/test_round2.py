@@ -516,3 +516,36 @@ def test_a_dp_round_without_a_public_model_is_refused(local):
     with pytest.raises(SpecError, match="takes its tensors from a public model") as err:
         local.submit(spec)
     assert err.value.errors[0]["field"] == "dp.structure"
+
+
+# -- 5. a client masks only for the round's roster, every peer's key present ---------------------------------
+
+
+def test_mask_update_refuses_to_mask_for_too_few_or_forged_peers(local):
+    import numpy as np
+
+    from shardfold.client.fedavg import UpdateError
+
+    fa, update = local.fedavg, {"w": np.arange(6, dtype=np.float32)}
+    me = fa.secure_keys("rounds/r5", "alice")
+    kw = {"round_prefix": "rounds/r5", "client_id": "alice", "private_key": me}
+    # no peer has published: masking "for zero peers" would upload the update in the clear
+    with pytest.raises(UpdateError, match=r"no key published for \['bob'\]"):
+        fa.mask_update(update, "rounds/r5/alice.safetensors", roster=["alice", "bob"], **kw)
+    with pytest.raises(UpdateError, match="at least two distinct clients"):
+        fa.mask_update(update, "rounds/r5/alice.safetensors", roster=["alice"], **kw)
+    # a writer adds keys of its own: they are not the roster's, so not used
+    for cid in ("mallory1", "mallory2"):
+        fa.secure_keys("rounds/r5", cid)
+    bob = fa.secure_keys("rounds/r5", "bob")
+    from shardfold.client import secagg
+
+    pinned = {"alice": secagg.public_key(me), "bob": secagg.public_key(bob)}
+    # a writer replaces bob's key: a roster with pinned keys refuses
+    store.put(local.uri("rounds/r5/keys/bob.pub"), secagg.public_key(secagg.new_private_key()))
+    with pytest.raises(UpdateError, match=r"keys published for \['bob'\] .* someone replaced them"):
+        fa.mask_update(update, "rounds/r5/alice.safetensors", roster=pinned, **kw)
+    store.put(local.uri("rounds/r5/keys/bob.pub"), pinned["bob"])
+    uri = fa.mask_update(update, "rounds/r5/alice.safetensors", roster=pinned, **kw)
+    meta = fa.metadata(uri)
+    assert json.loads(meta["shardfold_secagg"])["clients"] == 2  # the roster's two, not the four keys listed
