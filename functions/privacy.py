@@ -26,6 +26,9 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 # plan and the ε reports are float64 arithmetic checked up to it (2ρ overflows near 9e307; the analytic
 # Gaussian's tail series near 1e77).
 MAX_RHO = 1e6
+# The smallest budget a job may spend: below it the noise's scale leaves float64 (ρ = 5e-324 made OpenDP
+# refuse an infinite scale mid-job, after the budget was reserved); such noise would drown any answer.
+MIN_RHO = 1e-12
 # The δ at which a release's ε is reported when its budget is a plain ρ (a dpquery job, a DP-FedAvg round).
 REPORT_DELTA = 1e-9
 

@@ -881,6 +881,7 @@ def build_stack(
         "endpoint_url": endpoint_url,
         "functions": {},
         "function_names": {},
+        "log_groups": {},  # as the real stack's: where `shardfold logs` may follow a record
         "state_machine_arns": {},
         "sizes": stack_sizes(workflows, batch=batch),
         "output_prefixes": list(GRANTS.output_prefixes),
@@ -903,10 +904,12 @@ def build_stack(
         )
         outputs["functions"][function] = fn["FunctionArn"]
         outputs["function_names"][function] = name
+        outputs["log_groups"][function] = f"/aws/lambda/{name}"
         with _lock:
             _lambda_functions[name] = function
     if sizes["batch"]:
         _build_batch(boto3.client("batch", **kw), role, stage, sizes["batch"], outputs)
+        outputs["log_groups"]["batch"] = telemetry.BATCH_LOG_GROUP
     resolver = StackResolver(outputs)
     for kind, wf in workflows.items():
         definition = json.dumps(compile_workflow(wf, resolver))

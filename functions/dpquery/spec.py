@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from shardfold.functions.ledger import DATASET_ID
-from shardfold.functions.privacy import MAX_RHO, REPORT_DELTA, cdp_rho
+from shardfold.functions.privacy import MAX_RHO, MIN_RHO, REPORT_DELTA, cdp_rho
 from shardfold.functions.specs import InputUri, JobOptions, OutputPrefix, StrictModel, fail
 
 DATASET_FORMATS = {".csv": "csv", ".parquet": "parquet", ".parq": "parquet", ".pq": "parquet"}
@@ -40,6 +40,7 @@ OTHER_LABEL = "(other)"  # the label of the extra category of an attribute with 
 # dataset that may hold more. 2^32 costs a relative ~1e-5 in sensitivity at 10-valued 3-way sets.
 DEFAULT_MAX_ROWS_TOTAL = 2**32
 MAX_ROWS_TOTAL = 2**53  # counts above 2^53 are not exact in float64
+MAX_RANGE_VALUE = 2**53  # a range's bounds and bin width, as exact float64 integers
 MAX_UNIT_ROWS = 1_000_000
 # Query types other than identity solve a convex problem per attribute, with n × n eigendecompositions
 # (functions.dpquery.smasher), on domains up to this size.
@@ -118,6 +119,11 @@ class DPAttribute(StrictModel):
             lo, hi = self.range
             if lo > hi:
                 raise ValueError(f"attribute {self.name!r}: range [{lo}, {hi}] is empty (lo > hi)")
+            if max(abs(lo), abs(hi), self.bin_width or 1) > MAX_RANGE_VALUE:
+                raise ValueError(
+                    f"attribute {self.name!r}: range [{lo}, {hi}] and bin_width must lie within ±2^53 (the "
+                    "integers a float64 holds exactly, which the tables' bin bounds are)"
+                )
             if self.bin_width is None:
                 self.bin_width = 1
         n = self.declared_size
@@ -279,8 +285,8 @@ class DPBudget(StrictModel):
     largest ρ whose CKS bound gives (ε, δ)-DP. With ``rho``, an optional ``delta`` only sets the δ at
     which the report states ε (default 1e-9)."""
 
-    rho: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    epsilon: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    rho: float | None = Field(default=None, ge=MIN_RHO, allow_inf_nan=False)
+    epsilon: float | None = Field(default=None, ge=MIN_RHO, allow_inf_nan=False)
     delta: float | None = Field(default=None, gt=0, lt=1)
 
     @field_validator("rho", "epsilon")

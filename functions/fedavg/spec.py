@@ -14,6 +14,9 @@ from shardfold.functions.specs import InputUri, JobOptions, OutputUri, StrictMod
 # The longest a round's prepare step waits for late updates (``wait_s``): the prepare function's timeout
 # leaves this much beside the header reads.
 MAX_WAIT_S = 600
+MAX_CLIENTS = (
+    10**9
+)  # the most clients a round may list or expect (the mean's denominator stays an exact float)
 
 
 class FedAvgClient(StrictModel):
@@ -53,7 +56,10 @@ class FedAvgDP(StrictModel):
         description="total ρ of dataset_id; required by the first round on it, fixed afterwards",
     )
     expected_clients: int | None = Field(
-        default=None, ge=1, description="m, the mean's fixed denominator; default: the clients listed"
+        default=None,
+        ge=1,
+        le=MAX_CLIENTS,
+        description="m, the mean's fixed denominator; default: the clients listed",
     )
     base: InputUri | None = Field(
         default=None,
@@ -72,7 +78,9 @@ class FedAvgJob(JobOptions):
     """Average N client updates (safetensors) into one model, sharded by byte range (GradsSharding)."""
 
     kind: Literal["fedavg"] = "fedavg"
-    clients: list[FedAvgClient] = Field(min_length=1, description="summed in this order")
+    clients: list[FedAvgClient] = Field(
+        min_length=1, max_length=MAX_CLIENTS, description="summed in this order"
+    )
     output: OutputUri | None = Field(default=None, description="default jobs/<id>/output/model.safetensors")
     aggregator: Literal["mean", "trimmed_mean", "median"] = Field(
         default="mean",

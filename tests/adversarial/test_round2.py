@@ -549,3 +549,45 @@ def test_mask_update_refuses_to_mask_for_too_few_or_forged_peers(local):
     uri = fa.mask_update(update, "rounds/r5/alice.safetensors", roster=pinned, **kw)
     meta = fa.metadata(uri)
     assert json.loads(meta["shardfold_secagg"])["clients"] == 2  # the roster's two, not the four keys listed
+
+
+# -- 8. what would fail after the budget is reserved is refused at submit, naming the field ------------------
+
+
+def _dpquery_doc() -> tuple[dict, str]:
+    from shardfold.client.sdk import load_spec_document
+
+    raw, base = load_spec_document(Path(__file__).resolve().parents[2] / "events" / "dpquery.json")
+    return json.loads(raw), base
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"schema.0": {"name": "age", "range": [-(2**63), 2**63], "bin_width": 2**62}}, "schema.0"),
+        ({"budget": {"rho": 5e-324}}, "budget.rho"),
+        ({"budget": {"epsilon": 1e-300, "delta": 1e-9}}, "budget.epsilon"),
+    ],
+)
+def test_a_dpquery_that_would_fail_after_reserving_is_refused_at_submit(local, change, field):
+    from shardfold.functions.submit import check
+
+    doc, base = _dpquery_doc()
+    for key, value in change.items():
+        if key.startswith("schema."):
+            doc["schema"][int(key.split(".")[1])] = value
+        else:
+            doc[key] = value
+    with pytest.raises(SpecError) as err:
+        check(doc, store_root=local.store_root, base_uri=base)
+    assert any(e["field"].startswith(field) for e in err.value.errors), err.value.errors
+    assert not (Path(local.store_root.removeprefix("file://")) / "ledger").exists()  # nothing reserved
+
+
+def test_dp_fedavg_expected_clients_beyond_any_round_is_refused(local):
+    spec = {"kind": "fedavg", "clients": [{"uri": "round/c0.safetensors"}],
+            "dp": {"clip_norm": 1.0, "noise_multiplier": 1.0, "dataset_id": "f", "expected_clients": 10**400,
+                   "structure": "round/c0.safetensors"}}  # fmt: skip
+    with pytest.raises(SpecError) as err:
+        local.submit(spec)
+    assert err.value.errors[0]["field"] == "dp.expected_clients"
