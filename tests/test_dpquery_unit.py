@@ -19,7 +19,7 @@ from shardfold.functions import ledger, store
 from shardfold.functions.dpquery import core, data, unit
 from shardfold.functions.dpquery import measure as mz
 from shardfold.functions.dpquery.planner import plan
-from shardfold.functions.dpquery.spec import DEFAULT_MAX_ROWS_TOTAL
+from shardfold.functions.dpquery.spec import DEFAULT_MAX_ROWS_TOTAL, DPQueryJob
 from shardfold.functions.errors import DatasetError, SpecError
 from shardfold.functions.jobs import new_job_id
 from shardfold.functions.kinds import WORKFLOWS
@@ -127,14 +127,15 @@ def test_k_rows_per_person_multiply_every_noise_std_by_k_at_the_same_rho():
 
 
 def test_a_spec_plans_with_its_unit_and_row_bound():
-    spec = parse_spec(_doc("x.csv", privacy_unit={"id_column": "id", "max_rows": 3}, max_rows_total=10**9))
+    spec = parse_spec(_doc("x.csv", privacy_unit={"id_column": "id", "max_rows": 3}, max_rows_total=2**40))
     pl = plan(spec)
-    assert pl.unit_rows == 3 and pl.rows_bound == 10**9
+    assert pl.unit_rows == 3 and pl.rows_bound == 2**40
     assert plan(parse_spec(_doc("x.csv"))).rows_bound == DEFAULT_MAX_ROWS_TOTAL
     with pytest.raises(Exception, match="max_rows"):
         parse_spec(_doc("x.csv", privacy_unit={"id_column": "id", "max_rows": 0}))
-    with pytest.raises(Exception, match="max_rows_total"):
-        parse_spec(_doc("x.csv", max_rows_total=2**53 + 1))
+    for bad in (2**53 + 1, 2**32 - 1, 1999):  # nor below the default: a settable bound would find the count
+        with pytest.raises(Exception, match="max_rows_total"):
+            parse_spec(_doc("x.csv", max_rows_total=bad))
 
 
 # --- the rounding of the transform: charged --------------------------------------------------------------
@@ -331,19 +332,22 @@ def test_core_with_a_privacy_unit_counts_k_rows_per_person_and_reports_the_unit(
     assert rep["predicted_rmse"] == pytest.approx(4 * plain["report"]["predicted_rmse"], rel=1e-4)
 
 
-def test_prepare_refuses_before_the_ledger(tmp_path):
+def test_prepare_refuses_before_the_ledger(tmp_path, monkeypatch):
     root = f"file://{tmp_path}"
     uri, _ = _visits(root)
-    cases = [
-        (_doc(uri, privacy_unit={"id_column": "nobody", "max_rows": 2}), DatasetError, "'nobody'"),
-        (_doc(uri, max_rows_total=100), DatasetError, "more than 100 rows"),
-    ]
-    for doc, error, words in cases:
-        with pytest.raises(error, match=words) as err:
-            core.prepare(parse_spec(doc), new_job_id("dpquery"), root)
-        assert "300" not in str(err.value)  # the row count is never told
-        assert not store.list_uris(join(root, "ledger") + "/")
-    _run_core(root, _doc(uri, max_rows_total=300), noise=False)  # the bound holds: fine
+    with pytest.raises(DatasetError, match="'nobody'") as err:
+        core.prepare(
+            parse_spec(_doc(uri, privacy_unit={"id_column": "nobody", "max_rows": 2})), "dpquery-x", root
+        )
+    # a dataset over the row bound (here a bound of 100 stands in for 2^32: a bound a spec may not give)
+    monkeypatch.setattr(DPQueryJob, "rows_bound", lambda self: 100)
+    with pytest.raises(DatasetError, match="more than 100 rows") as err:
+        core.prepare(parse_spec(_doc(uri)), new_job_id("dpquery"), root)
+    assert "300" not in str(err.value)  # the row count is never told
+    assert not store.list_uris(join(root, "ledger") + "/")
+    monkeypatch.setattr(DPQueryJob, "rows_bound", lambda self: 300)
+    _run_core(root, _doc(uri), noise=False)  # the bound holds: fine
+    monkeypatch.undo()
     copy = join(root, "data", "copy.csv")
     store.put(copy, store.get(uri))
     with pytest.raises(SpecError, match="already registered under dataset_id 'visits'"):
@@ -372,7 +376,7 @@ def _thread_mode_workflows():
 def test_a_job_with_a_privacy_unit_on_the_local_executor(tmp_path):
     root = f"file://{tmp_path}"
     uri, _ = _visits(root)
-    doc = _doc(uri, privacy_unit={"id_column": "visitor", "max_rows": 2}, max_rows_total=10**6)
+    doc = _doc(uri, privacy_unit={"id_column": "visitor", "max_rows": 2})
     spec = parse_spec(doc)
     job_id = new_job_id("dpquery")
     spec_uri = join(root, "jobs", job_id, "spec.json")
@@ -383,7 +387,7 @@ def test_a_job_with_a_privacy_unit_on_the_local_executor(tmp_path):
         assert status.state == "SUCCEEDED", status.error
     result = store.get_json(join(root, "jobs", job_id, "result.json"))
     rep = result["report"]
-    assert rep["privacy_unit"]["max_rows"] == 2 and rep["sensitivity"]["rows_bound"] == 10**6
+    assert rep["privacy_unit"]["max_rows"] == 2 and rep["sensitivity"]["rows_bound"] == DEFAULT_MAX_ROWS_TOTAL
     assert rep["rho_planned"] * (1 - 1e-12) <= rep["rho_spent"] <= rep["rho_budget"] == 0.25
     opened = ledger.read(root, "visits").entries[0]
     assert opened["dataset"]["fingerprint"].startswith("sha256:")

@@ -35,9 +35,11 @@ TOTAL_NAME = "(total)"  # the name of the 0-way marginal (the total count)
 # What happens to a value outside an attribute's domain (or missing): see DPAttribute.
 OutOfDomain = Literal["drop", "clip", "other"]
 OTHER_LABEL = "(other)"  # the label of the extra category of an attribute with out_of_domain "other"
-# The public bound on the rows counted (``max_rows_total``) when a spec gives none: the float64 rounding of
-# the residual transform is charged for this many rows (functions.dpquery.measure), and prepare refuses a
-# dataset that may hold more. 2^32 costs a relative ~1e-5 in sensitivity at 10-valued 3-way sets.
+# The public bound on the rows counted (``max_rows_total``) when a spec gives none, and the least a spec may
+# give: the float64 rounding of the residual transform is charged for this many rows
+# (functions.dpquery.measure), and prepare refuses a dataset that may hold more. 2^32 costs a relative
+# ~1e-5 in sensitivity at 10-valued 3-way sets. It may not be set lower: the refusal depends on the row
+# count, and a bound the analyst could set anywhere would let them find the count by bisection.
 DEFAULT_MAX_ROWS_TOTAL = 2**32
 MAX_ROWS_TOTAL = 2**53  # counts above 2^53 are not exact in float64
 MAX_RANGE_VALUE = 2**53  # a range's bounds and bin width, as exact float64 integers
@@ -377,10 +379,10 @@ class DPQueryJob(JobOptions):
     )
     max_rows_total: StrictInt | None = Field(
         default=None,
-        ge=1,
+        ge=DEFAULT_MAX_ROWS_TOTAL,
         le=MAX_ROWS_TOTAL,
-        description="public upper bound on the dataset's rows (the transform's rounding is charged for it); "
-        f"default {DEFAULT_MAX_ROWS_TOTAL}",
+        description="public upper bound on the dataset's rows, for a dataset of more than 2^32 (the "
+        "transform's rounding is charged for it): at least the default, 2^32, and at most 2^53",
     )
     output: OutputPrefix | None = Field(
         default=None, description="URI prefix of the tables; default jobs/<id>/output/"
