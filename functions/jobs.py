@@ -48,6 +48,12 @@ def result_key(job_id: str) -> str:
     return job_key(job_id, "result.json")
 
 
+def cancel_key(job_id: str) -> str:
+    """The marker a cancel leaves (both executors): a task that waits long (fedavg's wait for late
+    updates) looks for it, so a cancelled job's work stops instead of waiting out its time."""
+    return job_key(job_id, "cancel")
+
+
 def scratch_key(job_id: str, kind: str) -> str:
     """The prefix of a job's scratch objects (``jobs/<id>/<kind>/``: part lists, fragments, shards): removed
     once the job has its result, and by ``shardfold clean``."""

@@ -29,10 +29,12 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from shardfold.functions import store
 from shardfold.functions.access import Grants
 from shardfold.functions.errors import PlanError, ShardfoldError
-from shardfold.functions.jobs import kind_of
+from shardfold.functions.jobs import cancel_key, kind_of
 from shardfold.functions.log import logger
+from shardfold.functions.store.uri import join
 from shardfold.functions.workflow import Map, Workflow, progress_steps
 from shardfold.orchestrator.asl import fail_state_name
 from shardfold.orchestrator.status import (
@@ -204,6 +206,7 @@ class AwsExecutor:
         except self._sfn.exceptions.ExecutionDoesNotExist as exc:
             raise ShardfoldError(f"job {job_id}: execution {status.execution_arn} is gone") from exc
         self._terminate_batch_jobs(job_id)
+        store.put(join(self.store_root, cancel_key(job_id)), now().encode())  # long waits in tasks see it
         # StopExecution is final once accepted, so the record says so now (tasks already running on Lambda
         # finish on their own; their results are discarded).
         status.state, status.ended_at = "CANCELLED", now()

@@ -51,7 +51,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from shardfold.orchestrator.lifeline import PARENT_ENV, kill_with_parent, watch_parent
+from shardfold.orchestrator.lifeline import PARENT_ENV, kill_with_parent, watch_parent, watch_process
 
 ENABLE_ENV = "SHARDFOLD_CONTAINER_SERVER"
 NAME = "shardfold-batch"  # a forked container's process name (ps, top): its command line is the server's
@@ -404,6 +404,9 @@ def main(argv: list[str]) -> None:
     own = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     _BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]  # sys.path[0]: the directory it started in
     sock = socket.socket(fileno=int(argv[0]))
+    # Gone with the owner at once, even while an import holds the loop below (a container's preload of torch
+    # and the model took tens of seconds on a loaded machine); its containers die with it (PDEATHSIG).
+    watch_process(owner)
     from shardfold.functions.container import main as _  # noqa: F401  (the code every container runs)
 
     serve(sock, owner)

@@ -46,7 +46,7 @@ from typing import Any
 
 from shardfold.functions import store
 from shardfold.functions.errors import JobNotFound, PlanError, ShardfoldError
-from shardfold.functions.jobs import job_key, kind_of
+from shardfold.functions.jobs import cancel_key, job_key, kind_of
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import is_manifest_ref, read_manifest
 from shardfold.functions.store.uri import is_file, join, local_path
@@ -224,7 +224,7 @@ class LocalExecutor:
             return
         if current.finished:
             return
-        store.put(self._uri(job_id, "cancel"), now().encode())
+        store.put(join(self.store_root, cancel_key(job_id)), now().encode())
         if run is not None:
             run.cancel.set()
             self._notify(run)
@@ -248,8 +248,8 @@ class LocalExecutor:
                 return
 
             def new_run() -> _Run:
-                if store.exists(self._uri(job_id, "cancel")):
-                    store.delete(self._uri(job_id, "cancel"))
+                if store.exists(join(self.store_root, cancel_key(job_id))):
+                    store.delete(join(self.store_root, cancel_key(job_id)))
                 return self._new_run(
                     job_id, workflow, record["spec_uri"], started_at=record.get("started_at")
                 )
@@ -337,7 +337,7 @@ class LocalExecutor:
             spec_uri=spec_uri,
         )
         run_input = {"job_id": job_id, "spec_uri": spec_uri, "store_root": self.store_root}
-        return _Run(workflow, run_input, status, journal, self._uri(job_id, "cancel"), done)
+        return _Run(workflow, run_input, status, journal, join(self.store_root, cancel_key(job_id)), done)
 
     def _journal_keys(self, journal: str) -> set[str]:
         prefix = journal + "/"
@@ -411,8 +411,8 @@ class LocalExecutor:
                 self._run_steps(run, run.workflow.steps, dict(run.input), (), None)
             except _Cancelled:
                 self._finish(run, "CANCELLED", None)
-            except _StepFailed as exc:
-                self._finish(run, "FAILED", str(exc))
+            except _StepFailed as exc:  # a task that saw the cancel stops with an error: cancelled, still
+                self._finish(run, *(("CANCELLED", None) if run.cancel.is_set() else ("FAILED", str(exc))))
             except Exception as exc:  # an executor bug must still end the job, not leave it RUNNING
                 logger.exception("executor error", extra={"job_id": job_id})
                 self._finish(run, "FAILED", f"executor error: {type(exc).__name__}: {exc}")

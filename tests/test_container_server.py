@@ -229,3 +229,48 @@ def test_the_server_and_its_containers_end_with_the_process_that_owns_them(tmp_p
         assert not alive, alive
     finally:
         proc.kill()
+
+
+def test_the_server_ends_with_its_owner_even_in_the_middle_of_a_preload(tmp_path, monkeypatch):
+    """A preload (torch and the model, for an inference container) holds the server's loop for as long as it
+    imports: the owner's death ends the server there and then, before the import would have finished."""
+    slow = tmp_path / "sf_cs_slow.py"
+    done = tmp_path / "import-finished"
+    started = tmp_path / "import-started"
+    slow.write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(started)!r}).touch()\n"
+        "time.sleep(30)  # an import that takes long\n"
+        f"pathlib.Path({str(done)!r}).touch()\n"
+        "def handler(event, context):\n    return None\n"
+    )
+    pids = tmp_path / "pids.json"
+    owner = textwrap.dedent(
+        f"""
+        import json, os, sys, threading, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        from shardfold.orchestrator import container_server
+        from shardfold.orchestrator.local_batch import _environment
+        env = _environment("sf_cs_slow:handler", "t", {{}}, {str(tmp_path / "s.json")!r}, "t")
+        threading.Thread(
+            target=container_server.start, args=("sf_cs_slow:handler", env), kwargs={{"preload": True}},
+            daemon=True,
+        ).start()
+        while container_server._server is None:
+            time.sleep(0.02)
+        open({str(pids)!r} + ".tmp", "w").write(json.dumps(container_server._server.proc.pid))
+        os.replace({str(pids)!r} + ".tmp", {str(pids)!r})
+        time.sleep(60)
+        """
+    )
+    root = str(Path(container_server.__file__).resolve().parent.parent)
+    proc = subprocess.Popen([sys.executable, "-c", owner], env={**os.environ, "PYTHONPATH": root})
+    try:
+        _until(lambda: pids.exists() and started.exists(), "the server to start the slow preload")
+        server = psutil.Process(json.loads(pids.read_text()))
+        proc.kill()
+        proc.wait(WAIT_S)
+        _, alive = psutil.wait_procs([server], timeout=WAIT_S)
+        assert not alive and not done.exists()  # gone while the import was still sleeping
+    finally:
+        proc.kill()

@@ -89,6 +89,7 @@ from shardfold.functions.errors import (
     InputChanged,
     InvalidModelFile,
     InvalidRange,
+    JobCancelled,
     NonFiniteAggregate,
     NonFiniteUpdate,
     ObjectExists,
@@ -128,7 +129,7 @@ from shardfold.functions.fedavg.sizing import (
     task_loads,
 )
 from shardfold.functions.fedavg.spec import FedAvgJob
-from shardfold.functions.jobs import scratch_key
+from shardfold.functions.jobs import cancel_key, scratch_key
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.privacy import REPORT_DELTA, cdp_eps
@@ -213,15 +214,18 @@ POLL_S = 2.0  # how often a round waiting for late updates (wait_s) looks for th
 _LEFT_OUT = Pin(size=-1)  # stands for an update whose HEAD failed and whose client is out (not "missing")
 
 
-def _await_updates(members: _Round, wait_s: float) -> dict[str, Pin | None]:
+def _await_updates(members: _Round, wait_s: float, cancel_uri: str | None = None) -> dict[str, Pin | None]:
     """Every update's pin (HEAD), looking again for the missing ones every :data:`POLL_S` until all are
-    there or ``wait_s`` has passed. Under ``min_clients`` an update whose HEAD fails otherwise (access
-    denied, a KMS key it may not use) leaves its client out instead of failing the round."""
+    there or ``wait_s`` has passed, or the job is cancelled (``cancel_uri`` exists). Under ``min_clients``
+    an update whose HEAD fails otherwise (access denied, a KMS key it may not use) leaves its client out
+    instead of failing the round."""
     uris = members.uris
     found = _pins_of(members, uris)
     deadline = time.monotonic() + wait_s
     while (missing := [u for u in uris if found[u] is None]) and (left := deadline - time.monotonic()) > 0:
         time.sleep(min(POLL_S, left))
+        if cancel_uri is not None and store.exists(cancel_uri):
+            raise JobCancelled("the job was cancelled while it waited for late updates")
         found.update(_pins_of(members, missing))
     return found
 
@@ -340,7 +344,7 @@ def inspect(
             "assembled into it server-side"
         )
     members = _Round(spec, uris)
-    found = _await_updates(members, wait_s)
+    found = _await_updates(members, wait_s, join(store_root, cancel_key(job_id)) if wait_s > 0 else None)
     base = _read_base(base_uri) if base_uri is not None else None
     # a DP round's tensors: the public model's (dp.structure, else dp.base), never the clients' majority
     structure = _read_base(structure_uri, "dp.structure")[0] if structure_uri is not None else None

@@ -591,3 +591,29 @@ def test_dp_fedavg_expected_clients_beyond_any_round_is_refused(local):
     with pytest.raises(SpecError) as err:
         local.submit(spec)
     assert err.value.errors[0]["field"] == "dp.expected_clients"
+
+
+# -- 17. a cancel reaches a task that waits; workers end with their owner (test_container_server.py) -------
+
+
+def test_cancel_stops_a_fedavg_round_waiting_for_late_updates(local):
+    import numpy as np
+
+    fa = local.fedavg
+    here = [fa.save_update({"w": np.ones(4, np.float32) * i}, f"late/c{i}.safetensors") for i in range(2)]
+    spec = {"kind": "fedavg", "clients": [{"uri": u} for u in [*here, local.uri("late/never.safetensors")]],
+            "min_clients": 2, "wait_s": 600}  # fmt: skip
+    import time
+
+    from shardfold.functions import telemetry
+
+    job = local.submit(spec)
+    deadline = time.monotonic() + 120
+    while not any(r["step"] == "prepare" for r in telemetry.read_records(local.store_root, job.job_id)):
+        assert time.monotonic() < deadline, "prepare never started"
+        time.sleep(0.05)
+    job.cancel()  # while prepare waits up to 600 s for the late client
+    final = job.wait(progress=False, timeout_s=120)
+    assert final.state == "CANCELLED", (final.state, final.error)
+    prepare = [r for r in telemetry.read_records(local.store_root, job.job_id) if r["step"] == "prepare"]
+    assert "JobCancelled" in json.dumps(prepare[-1]["error"]), prepare  # the waiting task itself stopped
