@@ -246,7 +246,7 @@ def step_of(kind: str, function: str, map_name: str | None, batch_step: str | No
             isinstance(step, BatchJob) and step.entry_point == function
         )
 
-    found = [s for s in workflow.walk() if calls(s)]
+    found = [s for s in [*workflow.walk(), *filter(None, [workflow.on_failure])] if calls(s)]
     if len(found) == 1:
         return found[0].name
     if map_name:

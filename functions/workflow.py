@@ -203,6 +203,10 @@ class Workflow:
     steps: tuple[Step, ...]
     comment: str = field(default="")
     lambda_package: LambdaPackage = "zip"
+    # Run once when a step fails, before the job ends FAILED (both executors; on AWS every top-level step's
+    # Catch passes through it): it removes what a failed job must not keep (a DP round's clip factors). Its
+    # own failure is logged and changes nothing of the job's outcome.
+    on_failure: Task | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9]*", self.kind):
@@ -212,7 +216,19 @@ class Workflow:
                 f"workflow {self.kind!r}: lambda_package {self.lambda_package!r} must be one of "
                 f"{list(LAMBDA_PACKAGES)}"
             )
-        _check_steps(self.steps, f"workflow {self.kind!r}", seen=set())
+        seen: set[str] = set()
+        _check_steps(self.steps, f"workflow {self.kind!r}", seen=seen)
+        if self.on_failure is not None:
+            if not isinstance(self.on_failure, Task):
+                raise PlanError(f"workflow {self.kind!r}: on_failure must be a Task")
+            _check_steps((self.on_failure,), f"workflow {self.kind!r} on_failure", seen=seen)
+
+    def tasks(self) -> Iterator[Task]:
+        """Every Task this workflow may run, the ``on_failure`` one included (what is deployed, sized and
+        invoked), in plan order."""
+        yield from (s for s in self.walk() if isinstance(s, Task))
+        if self.on_failure is not None:
+            yield self.on_failure
 
     def walk(self) -> Iterator[Step]:
         """Every step, depth first, in plan order."""
@@ -221,7 +237,7 @@ class Workflow:
     def functions(self) -> list[str]:
         """Registered function names this workflow calls (Tasks and BatchJob entry points), in order."""
         out: list[str] = []
-        for step in self.walk():
+        for step in [*self.walk(), *([self.on_failure] if self.on_failure else [])]:
             fn = step.function if isinstance(step, Task) else getattr(step, "entry_point", None)
             if fn and fn not in out:
                 out.append(fn)

@@ -32,7 +32,7 @@ import pulumi_aws as aws
 
 from shardfold.functions.access import parse_bucket_ref
 from shardfold.functions.errors import ShardfoldError
-from shardfold.functions.workflow import Task, Workflow
+from shardfold.functions.workflow import Workflow
 from shardfold.infra import iam
 from shardfold.infra.config import (
     DISPATCH,
@@ -76,10 +76,9 @@ def plan_sizes(workflows: Mapping[str, Workflow]) -> dict[str, tuple[int, int]]:
     """``{function: (memory_mb, timeout_s)}``: the largest of each over the Tasks that call it."""
     sizes: dict[str, tuple[int, int]] = {}
     for wf in workflows.values():
-        for step in wf.walk():
-            if isinstance(step, Task):
-                mem, tmo = sizes.get(step.function, (0, 0))
-                sizes[step.function] = (max(mem, step.memory_mb), max(tmo, step.timeout_s))
+        for step in wf.tasks():
+            mem, tmo = sizes.get(step.function, (0, 0))
+            sizes[step.function] = (max(mem, step.memory_mb), max(tmo, step.timeout_s))
     return sizes
 
 

@@ -627,7 +627,6 @@ def function_packages(workflows: Mapping[str, Workflow] | None = None) -> dict[s
     Task functions (not BatchJob entry points, which run in the worker image), packaged as their kind's
     ``Workflow.lambda_package`` says, plus the dispatch function (always the zip). A function that two
     kinds call, one of them an image kind, runs from the image (which has every dependency)."""
-    from shardfold.functions.workflow import Task
 
     if workflows is None:
         from shardfold.functions.kinds import WORKFLOWS
@@ -635,8 +634,8 @@ def function_packages(workflows: Mapping[str, Workflow] | None = None) -> dict[s
         workflows = WORKFLOWS
     out = {DISPATCH: "zip"}
     for wf in workflows.values():
-        for step in wf.walk():
-            if isinstance(step, Task) and out.get(step.function) != "image":
+        for step in wf.tasks():
+            if out.get(step.function) != "image":
                 out[step.function] = wf.lambda_package
     return dict(sorted(out.items()))
 

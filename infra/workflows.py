@@ -26,7 +26,7 @@ import pulumi
 import pulumi_aws as aws
 
 from shardfold.functions.errors import ShardfoldError
-from shardfold.functions.workflow import BatchJob, Map, Task, Workflow
+from shardfold.functions.workflow import BatchJob, Map, Workflow
 from shardfold.infra import iam
 from shardfold.infra.context import Component, Context, role_name_args
 from shardfold.orchestrator.asl import compile_workflow
@@ -77,8 +77,8 @@ def state_machine_name(prefix: str, kind: str) -> str:
 def workflow_functions(workflow: Workflow) -> list[str]:
     """Functions the workflow runs on Lambda (its Tasks; BatchJob entry points run in containers)."""
     out: list[str] = []
-    for step in workflow.walk():
-        if isinstance(step, Task) and step.function not in out:
+    for step in workflow.tasks():
+        if step.function not in out:
             out.append(step.function)
     return out
 

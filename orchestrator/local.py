@@ -412,6 +412,7 @@ class LocalExecutor:
             except _Cancelled:
                 self._finish(run, "CANCELLED", None)
             except _StepFailed as exc:  # a task that saw the cancel stops with an error: cancelled, still
+                self._on_failure(run)
                 self._finish(run, *(("CANCELLED", None) if run.cancel.is_set() else ("FAILED", str(exc))))
             except Exception as exc:  # an executor bug must still end the job, not leave it RUNNING
                 logger.exception("executor error", extra={"job_id": job_id})
@@ -467,6 +468,17 @@ class LocalExecutor:
         if index is None:
             self._progress(run, step.name, inc=1)
         return result
+
+    def _on_failure(self, run: _Run) -> None:
+        """The workflow's ``on_failure`` task, once, as the state machine runs it from a step's Catch; what
+        it raises is logged, and the job ends as it would have."""
+        task = run.workflow.on_failure
+        if task is None:
+            return
+        try:
+            self._call_with_retry(run, task, task.function, dict(run.input), None)
+        except (_StepFailed, _Cancelled, Exception) as exc:  # noqa: BLE001 - it must not mask the failure
+            logger.warning("on_failure task failed", extra={"job_id": run.status.job_id, "error": str(exc)})
 
     def _commit(self, run: _Run, key: str, marker: dict[str, Any]) -> dict[str, Any]:
         """Write the step's journal marker once; a marker already there (a concurrent run) wins."""

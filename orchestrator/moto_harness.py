@@ -817,7 +817,7 @@ def stack_sizes(workflows: Mapping[str, Workflow], *, batch: bool = True) -> dic
     functions: dict[str, dict[str, Any]] = {}
     jobs: dict[str, dict[str, Any]] = {}
     for wf in workflows.values():
-        for step in wf.walk():
+        for step in [*wf.walk(), *([wf.on_failure] if wf.on_failure else [])]:
             if isinstance(step, Task):
                 prev = functions.get(step.function, {"memory_mb": 0, "timeout_s": 0})
                 functions[step.function] = {

@@ -194,6 +194,17 @@ def clipped_round(root: str) -> FedAvgJob:
     return spec
 
 
+def test_a_failed_rounds_scrub_deletes_every_clients_clip_factor(root):
+    """The workflow's on_failure task (fedavg.scrub): what a failed DP round must not keep until `clean`."""
+    spec = clipped_round(root)
+    assert store.exists(core.clip_uri(root, JOB))
+    assert core.scrub(spec, JOB, root)["removed"] >= 1
+    assert not store.exists(core.clip_uri(root, JOB))
+    assert not store.list_uris(core.job_uri(root, JOB, core.STAGE, "norms") + "/")
+    plain = FedAvgJob(clients=spec.clients)  # a round without DP has nothing to scrub
+    assert core.scrub(plain, JOB, root) == {"removed": 0}
+
+
 def test_a_retried_aggregate_task_draws_no_second_noise(root):
     spec = clipped_round(root)
     first = core.aggregate(spec, JOB, root, 1)

@@ -158,13 +158,7 @@ CUSTOM_LAMBDA_IMAGE = f"{ACCOUNT}.dkr.ecr.eu-west-1.amazonaws.com/my-lambda@sha2
 
 
 def image_functions(workflows: dict[str, Workflow]) -> set[str]:
-    return {
-        s.function
-        for wf in workflows.values()
-        if wf.lambda_package == "image"
-        for s in wf.walk()
-        if isinstance(s, Task)
-    }
+    return {s.function for wf in workflows.values() if wf.lambda_package == "image" for s in wf.tasks()}
 
 
 def gpu_workflow() -> Workflow:
@@ -301,7 +295,7 @@ def test_outputs_are_what_the_aws_backend_reads(stack, workflows):
     assert out["backend"] == "aws" and out["bucket"] == bucket
     assert out["region"] == REGION and out["stage"] == "test" and out["account"] == ACCOUNT
     assert set(out["state_machine_arns"]) == set(workflows)
-    lambda_fns = {s.function for wf in workflows.values() for s in wf.walk() if isinstance(s, Task)}
+    lambda_fns = {s.function for wf in workflows.values() for s in wf.tasks()}
     assert set(out["functions"]) == lambda_fns == set(out["function_names"])
     assert out["function_names"]["getbatch.prepare"] == "shardfold-test-getbatch-prepare"
     assert out["batch_job_queue"].endswith(":job-queue/shardfold-test")
@@ -539,10 +533,9 @@ def test_one_function_per_handler_sized_from_the_plan(stack, workflows):
     fns = {r.inputs["name"]: r.inputs for r in stack.of("aws:lambda/function:Function")}
     expected: dict[str, tuple[int, int]] = {}
     for wf in workflows.values():
-        for s in wf.walk():
-            if isinstance(s, Task):
-                m, t = expected.get(s.function, (0, 0))
-                expected[s.function] = (max(m, s.memory_mb), max(t, s.timeout_s))
+        for s in wf.tasks():
+            m, t = expected.get(s.function, (0, 0))
+            expected[s.function] = (max(m, s.memory_mb), max(t, s.timeout_s))
     assert set(fns) == {stack.outputs["function_names"][f] for f in expected} | {"shardfold-test-dispatch"}
     images = image_functions(workflows)
     assert images, "the test stack has a kind deployed as container images"
@@ -667,7 +660,7 @@ def test_state_machines_validate_and_call_only_deployed_functions(stack, workflo
         asl = json.loads(sm["definition"])
         validate(asl)
         lambdas = {r for r in _resources_in(asl) if r.startswith("arn:aws:lambda:")}
-        wanted = {stack.outputs["functions"][s.function] for s in wf.walk() if isinstance(s, Task)}
+        wanted = {stack.outputs["functions"][s.function] for s in wf.tasks()}
         assert lambdas == wanted and lambdas <= deployed
         others = _resources_in(asl) - lambdas
         assert others <= {"arn:aws:states:::s3:getObject", "arn:aws:states:::batch:submitJob.sync"}
@@ -1222,7 +1215,7 @@ def test_deployed_handlers_are_the_ones_the_package_is_checked_for(stack):
     zipped, imaged = package.lambda_handlers(), package.lambda_handlers("image")
     assert not set(zipped) & set(imaged) and "dispatch" in zipped
     fns = {r.inputs["name"]: r.inputs for r in stack.of("aws:lambda/function:Function")}
-    builtin = {s.function for wf in WORKFLOWS.values() for s in wf.walk() if isinstance(s, Task)}
+    builtin = {s.function for wf in WORKFLOWS.values() for s in wf.tasks()}
     assert builtin | {"dispatch"} == set(zipped) | set(imaged)
     for function in builtin | {"dispatch"}:
         fn = fns[stack.outputs["function_names"].get(function, stack.outputs["dispatch_function"])]

@@ -344,3 +344,19 @@ def test_results_must_be_small_json(root, handler, error):
         _, status = run(ex, root, kind="res")
     assert status.state == "FAILED"
     assert status.error.startswith(f"step t failed: {error}")
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_on_failure_runs_once_when_a_step_fails_and_not_on_success(root, mode):
+    from toyflow import scrubbed, toy_scrubbed
+
+    wf = toy_scrubbed(mode)
+    with make(root, wf) as ex:
+        ok_id, ok = run(ex, root, kind="toyscrub", n=3)
+        job_id = new_job_id("toyscrub")
+        fail_switch(root, job_id, True)
+        ex.start(job_id, "toyscrub", write_spec(root, job_id, n=3, fail=[1]))
+        failed = ex.wait(job_id, timeout_s=WAIT_S)
+    assert ok.state == "SUCCEEDED" and scrubbed(root, ok_id) is None
+    assert failed.state == "FAILED" and "item 1 is bad" in failed.error  # its own failure, as before
+    assert scrubbed(root, job_id) is not None

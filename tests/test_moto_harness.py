@@ -10,6 +10,7 @@ import time
 
 import boto3
 import pytest
+import toyflow
 from botocore.exceptions import ClientError
 from toyflow import fail_switch, toy_workflow, write_spec
 
@@ -66,6 +67,7 @@ FLOWS = {
     ),
     "toybatch": Workflow("toybatch", (BatchJob("gpu", "toy.batch_fail", timeout_s=60),)),
     "toyboom": Workflow("toyboom", (Task("boom", "toy.boom"),)),
+    "toyscrub": toyflow.toy_scrubbed(),
     "toybig": Workflow("toybig", (Task("a", "toy.half_big"), Task("b", "toy.half_big"))),
     # no MaxConcurrency: moto would start a thread per child
     "toywide": Workflow(
@@ -116,6 +118,7 @@ def test_stack_outputs(stack):
         "toy.boom",
         "toy.half_big",
         "toy.thread_count",
+        "toy.scrub",
     }
     assert out["batch_job_definitions"].keys() == {"toy.batch_fail"}
     sfn = boto3.client("stepfunctions", region_name=out["region"])
@@ -442,3 +445,20 @@ def test_a_task_calling_an_unknown_function_fails_through_motos_own_path(stack):
     definition = {"StartAt": "t", "States": {"t": {"Type": "Task", "Resource": arn, "End": True}}}
     desc = _run_raw(stack, "unknown-function", definition, {})
     assert desc["status"] == "FAILED", desc
+
+
+def test_on_failure_runs_from_the_catch_and_the_job_fails_as_before(aws):
+    """The compiled ASL passes every top-level step's Catch through the on_failure task, which sees the
+    caught error; the Fail state's cause is unchanged."""
+    job_id = new_job_id("toyscrub")
+    toyflow.fail_switch(aws.store_root, job_id, True)
+    aws.start(job_id, "toyscrub", write_spec(aws.store_root, job_id, n=3, fail=[1]))
+    status = aws.wait(job_id, timeout_s=WAIT_S)
+    assert status.state == "FAILED" and "item 1 is bad" in status.error, status.error
+    seen = toyflow.scrubbed(aws.store_root, job_id)
+    assert seen is not None and seen["error"]["Error"]  # handed the caught error (here the Map's)
+    ok = new_job_id("toyscrub")
+    aws.start(ok, "toyscrub", write_spec(aws.store_root, ok, n=2))
+    assert (
+        aws.wait(ok, timeout_s=WAIT_S).state == "SUCCEEDED" and toyflow.scrubbed(aws.store_root, ok) is None
+    )

@@ -121,7 +121,27 @@ def whereabouts(event: dict[str, Any], context: Any) -> dict[str, Any]:
     return {}
 
 
+def scrub(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """A workflow's on_failure task: records that it ran and the error it was handed (``$.error``)."""
+    store.put_json(_uri(event, "scrubbed.json"), {"error": event.get("error")})
+    return {}
+
+
+def toy_scrubbed(mode: str = "thread") -> Workflow:
+    """The toy workflow with an on_failure task (``toy.scrub``)."""
+    return Workflow(
+        kind="toyscrub", steps=toy_workflow(mode=mode).steps, on_failure=Task("scrub", "toy.scrub")
+    )
+
+
+def scrubbed(store_root: str, job_id: str) -> dict[str, Any] | None:
+    """What ``toy.scrub`` recorded for the job, or None when it did not run."""
+    uri = join(store_root, "jobs", job_id, "toy", "scrubbed.json")
+    return store.get_json(uri) if store.exists(uri) else None
+
+
 for _name, _fn in {
+    "toy.scrub": scrub,
     "toy.whereabouts": whereabouts,
     "toy.nap": nap,
     "toy.plan": plan,

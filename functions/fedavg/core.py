@@ -797,6 +797,20 @@ def aggregate(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict
     return stats
 
 
+def scrub(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
+    """A failed round's on_failure task: a DP round's clip factors and partial norms (each client's exact
+    update norm, which only the noisy mean may reflect) are deleted, not kept until ``clean``. A resume
+    computes them again from the updates."""
+    if spec.dp is None:
+        return {"removed": 0}
+    removed = store.delete_prefix(job_uri(store_root, job_id, STAGE, "norms") + "/")
+    for uri in (clip_uri(store_root, job_id), norms_manifest_uri(store_root, job_id)):
+        if store.exists(uri):
+            store.delete(uri)
+            removed += 1
+    return {"removed": removed}
+
+
 def norms(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict:
     """A DP round's first pass over one shard: each client's partial squared norm of its update there, as
     N float64 (plan order) in ``jobs/<id>/fedavg/norms/<shard>.f64``. Returns read statistics only."""

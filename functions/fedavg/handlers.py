@@ -53,3 +53,8 @@ def clip(e: JobEvent, spec: FedAvgJob) -> dict:
 @task(CommitEvent, kind="fedavg")
 def commit(e: CommitEvent, spec: FedAvgJob) -> dict:
     return core.commit(spec, e.job_id, e.store_root, e.prepare.shards)
+
+
+@task(JobEvent, kind="fedavg")
+def scrub(e: JobEvent, spec: FedAvgJob) -> dict:
+    return core.scrub(spec, e.job_id, e.store_root)

@@ -41,11 +41,14 @@ NORMS = Map("norms", items="$.prepare.norms", body=(NORMS_SHARD,))
 CLIP = Task("clip", "fedavg.clip", memory_mb=COMMIT_MEMORY_MB, timeout_s=300)
 AGGREGATE = Map("aggregate", items="$.prepare.manifest", body=(AGGREGATE_SHARD,))
 COMMIT = Task("commit", "fedavg.commit", memory_mb=COMMIT_MEMORY_MB, timeout_s=LAMBDA_TIMEOUT_S)
+# When a step fails: a DP round's clip factors (each client's exact update norm) are not kept for `clean`
+SCRUB = Task("scrub", "fedavg.scrub", memory_mb=COMMIT_MEMORY_MB, timeout_s=300)
 
 WORKFLOW = Workflow(
     kind="fedavg",
     comment="FedAvg: N client updates averaged shard by shard into one safetensors file",
     steps=(PREPARE, NORMS, CLIP, AGGREGATE, COMMIT),
+    on_failure=SCRUB,
     # DP-FedAvg's noise is OpenDP's, which only the container image holds (too big for a zip)
     lambda_package="image",
 )

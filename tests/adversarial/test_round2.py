@@ -617,3 +617,14 @@ def test_cancel_stops_a_fedavg_round_waiting_for_late_updates(local):
     assert final.state == "CANCELLED", (final.state, final.error)
     prepare = [r for r in telemetry.read_records(local.store_root, job.job_id) if r["step"] == "prepare"]
     assert "JobCancelled" in json.dumps(prepare[-1]["error"]), prepare  # the waiting task itself stopped
+
+
+# -- 6. a failed DP round keeps no client's norm ------------------------------------------------------------
+# (that every executor runs a workflow's on_failure task when a step fails: test_local_executor.py and
+# test_moto_harness.py; that the scrub task deletes the clip factors: test_fedavg_dp.py)
+
+
+def test_fedavg_scrubs_a_failed_round_with_its_on_failure_task():
+    from shardfold.functions.fedavg.workflow import SCRUB, WORKFLOW
+
+    assert WORKFLOW.on_failure is SCRUB and SCRUB.function == "fedavg.scrub"
