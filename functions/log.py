@@ -9,4 +9,15 @@ import sys
 
 from aws_lambda_powertools import Logger
 
-logger = Logger(service="shardfold", stream=sys.stderr)
+
+class _StandardError:
+    """``sys.stderr`` as it is when a line is written (a program, or a test runner, may replace it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+logger = Logger(service="shardfold", stream=_StandardError())

@@ -36,6 +36,7 @@ from shardfold.functions.inference.spec import InferenceJob, inference_input_for
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.store.pinning import Pin, check_local
+from shardfold.functions.store.retry import TransientError
 from shardfold.functions.store.uri import join
 
 STAGE = "inference"
@@ -193,7 +194,7 @@ def config_hash(
         model_id = f"torchscript:{spec.model.input}"
         try:
             weights = hashlib.sha256(store.get(uri, pin=(pins or {}).get(uri))).hexdigest()
-        except InputChanged:
+        except (InputChanged, TransientError, OSError):  # the store's fault, not the spec's: retried
             raise
         except Exception as exc:  # ObjectNotFound and friends: name the spec field
             raise SpecError(f"model.torchscript {spec.model.torchscript}: cannot read it ({exc})") from exc
@@ -350,7 +351,7 @@ def make_shards(
                 n = len(lines)
             else:
                 n = parquet_num_rows(uri, f"inputs.{i} {raw}", pin)
-        except (BadInputError, InputChanged):
+        except (BadInputError, InputChanged, TransientError, OSError):  # a store fault is retried, not blamed
             raise
         except Exception as exc:
             raise BadInputError(f"inputs.{i} {raw}: cannot read it: {exc}") from exc

@@ -44,6 +44,7 @@ CUDA_HOST_BYTES = 1024 * MiB
 CPU_BYTES_PER_BATCH_TOKEN = 112 * 1024
 TEXT_BYTES_PER_ROW = 1024  # assumed when the inputs cannot be read
 EMBED_DIM = 384  # all-MiniLM-L6-v2; a user model's width is not known before it runs
+MODEL_LOAD_FACTOR = 2  # a user model's peak while loading, per byte of its file (see loads)
 PREFETCH_SHARDS = PREFETCH  # claimed shards read ahead of the one being embedded
 CPU_TOKENS_PER_S = 2_000_000  # tokenizers (Rust) on one Lambda vCPU, order of magnitude
 GPU_ROWS_PER_S = 2000  # MiniLM on one A10G, order of magnitude, for the duration estimate only
@@ -79,6 +80,14 @@ def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
         inputs.append({"rows": rows, "bytes": size, "exact": exact})
     if len(spec.inputs) > budget.objects:
         notes.append(f"{budget.objects} of {len(spec.inputs)} inputs probed; the rest assumed alike")
+    model_bytes = 0  # the built-in MiniLM's are in WORKER_RUNTIME_BYTES
+    if spec.model != "minilm":
+        try:
+            model_bytes = store.size(
+                access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
+            )
+        except Exception as exc:  # noqa: BLE001 - as for an input: the job fails at prepare, naming it
+            notes.append(f"model.torchscript {spec.model.torchscript}: {exc}: its size is not known")
     if any(not x["exact"] for x in inputs):
         notes.append("row counts of large JSONL inputs extrapolated from their first bytes")
     facts = {
@@ -86,6 +95,7 @@ def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
         "probed": len(inputs),
         "of": len(spec.inputs),
         "worker_device": worker_device(store_root),
+        "model_bytes": model_bytes,
     }
     return Probe(facts=facts, notes=notes)
 
@@ -121,19 +131,28 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
     preprocess_peak = RUNTIME_BYTES + 3 * shard_text + 3 * pre_bytes  # text, encodings, npz buffer
     device = probed.facts.get("worker_device", "cuda")
     embeddings = 3 * shard_rows * EMBED_DIM * 4  # one shard's output, its .npy buffer and bytes
-    held = (PREFETCH_SHARDS + 1) * pre_bytes + embeddings
+    # a user's model: its file's bytes, held while torch builds its tensors from them (float32, as the
+    # worker runs it), so twice the file at the load's peak (a 1 GiB file took a worker to 1.3 GiB before
+    # it failed to load)
+    model = MODEL_LOAD_FACTOR * probed.facts.get("model_bytes", 0)
+    held = (PREFETCH_SHARDS + 1) * pre_bytes + embeddings + model
+    loaded = (
+        f", the model's {model / MODEL_LOAD_FACTOR / MiB:,.0f} MiB file twice over as it loads"
+        if model
+        else ""
+    )
     if device == "cpu":
         budget = min(spec.batch_tokens, CPU_BATCH_TOKENS)
         worker_peak = WORKER_RUNTIME_BYTES + held + budget * CPU_BYTES_PER_BATCH_TOKEN
         worker_why = (
             f"CPU worker: torch, transformers and the model, {PREFETCH_SHARDS + 1} preprocessed shards, "
-            f"one {budget:,}-token batch's activations"
+            f"one {budget:,}-token batch's activations{loaded}"
         )
     else:
         worker_peak = WORKER_RUNTIME_BYTES + CUDA_HOST_BYTES + held
         worker_why = (
             f"GPU worker (host memory): torch, transformers and the model, the CUDA context, "
-            f"{PREFETCH_SHARDS + 1} preprocessed shards (activations live on the GPU)"
+            f"{PREFETCH_SHARDS + 1} preprocessed shards (activations live on the GPU){loaded}"
         )
     out_bytes = rows * EMBED_DIM * 4
     commit_peak = RUNTIME_BYTES + n_shards * shard_rows * 16 + 3 * shard_rows * EMBED_DIM * 4

@@ -628,3 +628,53 @@ def test_fedavg_scrubs_a_failed_round_with_its_on_failure_task():
     from shardfold.functions.fedavg.workflow import SCRUB, WORKFLOW
 
     assert WORKFLOW.on_failure is SCRUB and SCRUB.function == "fedavg.scrub"
+
+
+# -- 10 (inference). a store fault reading an input is the store's, retried, not a bad input -----------------
+
+
+def test_a_store_fault_while_sharding_an_inference_input_is_not_blamed_on_the_input(local, monkeypatch):
+    from shardfold.functions.errors import BadInputError
+    from shardfold.functions.inference import shards
+    from shardfold.functions.specs import parse_spec
+    from shardfold.functions.store.retry import TransientError
+
+    store.put(local.uri("data/rows.jsonl"), b'{"text": "a"}\n{"text": "b"}\n')
+    spec = parse_spec({"kind": "inference", "inputs": ["data/rows.jsonl"], "field": "text"})
+
+    def flaky(*a, **k):
+        raise TransientError("GET data/rows.jsonl: connection reset")
+
+    monkeypatch.setattr(shards, "jsonl_line_index", flaky)
+    with pytest.raises(TransientError):  # the workflow's retry policy retries it
+        shards.make_shards(spec, local.store_root)
+    monkeypatch.setattr(shards, "jsonl_line_index", lambda *a, **k: (_ for _ in ()).throw(ValueError("junk")))
+    with pytest.raises(BadInputError, match="inputs.0 data/rows.jsonl: cannot read it"):
+        shards.make_shards(spec, local.store_root)
+
+
+# -- 9. a user model's size is in the plan -------------------------------------------------------------------
+
+
+def test_a_user_models_size_enters_the_workers_planned_memory(local, tmp_path):
+    from shardfold.functions.errors import PlanError
+
+    store.put(local.uri("data/rows.jsonl"), b'{"text": "a"}\n')
+    model = tmp_path / "store" / "models" / "big.pt"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    spec = {"kind": "inference", "inputs": ["data/rows.jsonl"], "field": "text",
+            "model": {"torchscript": "models/big.pt"}}  # fmt: skip
+    with open(model, "wb") as f:  # a sparse 64 MiB file: its size is what the plan reads
+        f.truncate(64 * 2**20)
+    small = local.plan(spec)
+    worker = next(s for s in small.steps if s.name == "infer")
+    with open(model, "wb") as f:
+        f.truncate(3 * 2**30)
+    try:
+        big = local.plan(spec)
+    except PlanError as exc:  # refused: it cannot fit the worker, the message names the setting
+        assert "infer" in str(exc) and "memory" in str(exc), exc
+    else:
+        grown = next(s for s in big.steps if s.name == "infer")
+        assert grown.peak_mb - worker.peak_mb >= 2 * (3 * 1024 - 64)  # the file twice over while it loads
+        assert "twice over as it loads" in grown.why
