@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 LOCK   := requirements
 
-.PHONY: demo test test-fast test-scale test-latest lint lock docs bench clean
+.PHONY: demo test test-fast test-scale test-chaos test-campaign test-latest lint lock docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,16 @@ test-fast: lint
 # `make test` skips them.
 test-scale: lint
 	SHARDFOLD_SCALE_TESTS=1 $(PYTEST) tests/test_map_scale.py
+
+# The kill -9 campaign (tests/test_chaos.py): each kind's job killed outright at six points of its run and
+# resumed, its output compared with an uninterrupted run's; a few minutes, so not in `make test`.
+test-chaos: lint
+	SHARDFOLD_CHAOS=1 $(PYTEST) -s tests/test_chaos.py
+
+# The adversarial campaign's table: every hostile input of tests/adversarial through the SDK, the CLI, watch
+# and the bucket trigger, on the local and moto backends, counted by outcome (the tests assert the same).
+test-campaign: $(VENV)/.installed-dev
+	$(BIN)/python tests/adversarial/campaign.py
 
 # The lock, refreshed to the newest versions pyproject.toml's bounds allow (pip-tools' pip-compile, run
 # with the machine's pip configuration: here that finds PyTorch's CPU build). dev.txt is compiled first,

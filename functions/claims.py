@@ -86,22 +86,32 @@ def _occupied(uri: str, prefix: bool) -> bool:
     return store.exists(uri)
 
 
-def claim(store_root: str, uri: str, job_id: str, field: str, *, prefix: bool, overwrite: bool) -> Claim:
-    """Claim output ``uri`` (a full URI; ``prefix``: a folder of objects) for ``job_id``, or refuse naming
-    ``field`` and the job holding it. Refused too when something is there and ``overwrite`` is off."""
+def claimable(
+    store_root: str, uri: str, job_id: str | None, field: str, *, prefix: bool, overwrite: bool
+) -> Claim | None:
+    """The output's current claim when ``job_id`` (None: a job not yet submitted) may claim it; else
+    :class:`OutputClaimed` naming ``field`` and the job holding it, or that something is there and
+    ``overwrite`` is off. Reads only (``shardfold plan`` asks it too)."""
     held = latest(store_root, uri)
     if held is not None and held.job_id != job_id:
         state = _state(store_root, held)
         if state not in ENDED and state != "UNRECORDED":
             msg = (
-                f"{uri} is the output of job {held.job_id}, which has not ended ({state}); wait for it or "
-                f"cancel it, then submit again (`shardfold status {held.job_id}` records an end on AWS)"
+                f"{field}: {uri} is the output of job {held.job_id}, which has not ended ({state}); wait for "
+                f"it or cancel it, then submit again (`shardfold status {held.job_id}` records an end on AWS)"
             )
             raise OutputClaimed(msg, [{"field": field, "error": msg}])
     if not overwrite and _occupied(uri, prefix):
         by = f"job {held.job_id}'s output" if held is not None else "an object no job of this store wrote"
-        msg = f'{uri} already exists ({by}); set "overwrite": true to replace it, or write elsewhere'
+        msg = f'{field}: {uri} already exists ({by}); set "overwrite": true to replace it, or write elsewhere'
         raise OutputClaimed(msg, [{"field": field, "error": msg}])
+    return held
+
+
+def claim(store_root: str, uri: str, job_id: str, field: str, *, prefix: bool, overwrite: bool) -> Claim:
+    """Claim output ``uri`` (a full URI; ``prefix``: a folder of objects) for ``job_id``, or refuse as
+    :func:`claimable` does."""
+    held = claimable(store_root, uri, job_id, field, prefix=prefix, overwrite=overwrite)
     n = (held.n if held is not None else 0) + 1
     mine = Claim(n, job_id, uri)
     record = {"uri": uri, "job_id": job_id, "overwrite": overwrite, "at": time.time()}
@@ -109,7 +119,7 @@ def claim(store_root: str, uri: str, job_id: str, field: str, *, prefix: bool, o
     if not store.put_if_absent(f"{_folder(store_root, uri)}{n:08d}.json", body):
         winner = latest(store_root, uri)
         who = winner.job_id if winner is not None else "another job"
-        msg = f"{uri} was claimed by job {who} at the same moment; submit again once it has ended"
+        msg = f"{field}: {uri} was claimed by job {who} at the same moment; submit again once it has ended"
         raise OutputClaimed(msg, [{"field": field, "error": msg}])
     return mine
 
@@ -131,5 +141,5 @@ def check_held(store_root: str, uri: str, job_id: str, field: str = "output") ->
         return
     held = latest(store_root, uri)
     if held is not None and held.job_id != job_id:
-        msg = f"{uri} is now the output of job {held.job_id}; this job ({job_id}) no longer holds it"
+        msg = f"{field}: {uri} is now the output of job {held.job_id}; this job ({job_id}) no longer holds it"
         raise OutputClaimed(msg, [{"field": field, "error": msg}])

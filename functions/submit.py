@@ -201,6 +201,10 @@ def check(
     with access.policy(spec):
         check_policy(spec, store_root, grants)
         check_credentials(spec, store_root)
+        overwrite = bool(getattr(spec, "overwrite", False))
+        with store.endpoint_errors():
+            for f, full in _outputs(spec, store_root, grants):  # what submit's claim would refuse
+                claims.claimable(store_root, full, None, f.field, prefix=f.prefix, overwrite=overwrite)
         limits = Limits(deployed, workflow_file=kinds.find(spec.kind).workflow_file)
         with store.endpoint_errors():
             est = estimate(spec, store_root, budget=budget, limits=limits)

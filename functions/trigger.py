@@ -139,8 +139,7 @@ def dispatch(
 
     try:
         job = submit(
-            # a dropped spec names only the store's objects, whatever it says (functions.access)
-            {**load_document(raw), "local_files": False},
+            _dropped(load_document(raw)),
             store_root=root,
             start=start,
             base_uri=spec_uri,
@@ -172,6 +171,12 @@ def dispatch(
     _settle(claim, report)
     logger.info("dispatched", extra={"job_id": job.job_id, "kind": job.kind, "spec_uri": spec_uri})
     return report
+
+
+def _dropped(doc: dict[str, Any]) -> dict[str, Any]:
+    """A dropped spec names only the store's objects, whatever it says (:mod:`functions.access`); a
+    ``local_files`` that is no boolean is left for validation to refuse, naming it."""
+    return {**doc, "local_files": False} if isinstance(doc.get("local_files", False), bool) else doc
 
 
 def claim_uri(spec_uri: str, delivery: str) -> str:

@@ -31,7 +31,8 @@ class FedAvgClient(StrictModel):
     @model_validator(mode="after")
     def _positive_weight(self) -> FedAvgClient:
         if self.weight is not None and not (self.weight > 0 and math.isfinite(self.weight)):
-            raise ValueError(f"weight of {self.uri} must be a finite number > 0, got {self.weight}")
+            msg = f"weight of {self.uri} must be a finite number > 0, got {self.weight}"
+            fail("FedAvgClient", [(("weight",), msg)], self.weight)
         return self
 
 
@@ -208,6 +209,10 @@ class FedAvgJob(JobOptions):
         if not self.secure:
             return self
         problems = self._uniform_mean_only("a secure round is the uniform mean of its masked updates")
+        if len(self.clients) < 2:
+            problems.append(
+                (("clients",), "a secure round needs at least two clients: one's masks would hide nothing")
+            )
         if self.dp is not None:
             problems.append(
                 (("dp",), "DP-FedAvg clips each update on the server, which never sees one in a secure round")

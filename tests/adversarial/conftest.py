@@ -21,7 +21,9 @@ def pytest_collection_modifyitems(config, items):
             continue
         params = getattr(getattr(item, "callspec", None), "params", {})
         probe, backend = params.get("probe"), params.get("env")
-        (drop if probe is not None and backend not in probe.backends else keep).append(item)
+        (
+            drop if probe is not None and backend is not None and backend not in probe.backends else keep
+        ).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

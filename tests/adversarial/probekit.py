@@ -5,8 +5,11 @@ and a snapshot of every committed object, so a probe can prove it changed or los
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shardfold.client import Client
 from shardfold.functions import store
@@ -29,6 +32,92 @@ class Env:
         uri = self.uri(key)
         store.put(uri, data)
         return uri
+
+
+# --- what a probe expects, and how an outcome is judged -----------------------------------------------------
+
+
+@dataclass
+class Refused:
+    """Refused at submit, naming ``field``, with a message matching ``pattern``."""
+
+    field: str
+    pattern: str
+
+
+@dataclass
+class Fails:
+    """Accepted (submit cannot see inside a manifest or a file); the job ends FAILED, matching ``pattern``."""
+
+    pattern: str
+
+
+@dataclass
+class Clear:
+    """Either of the two."""
+
+    pattern: str
+
+
+@dataclass
+class Safe:
+    """The job succeeds and ``check(env, result)`` holds."""
+
+    check: Callable[[Env, dict[str, Any]], None]
+
+
+@dataclass
+class Probe:
+    name: str
+    spec: Callable[[Env], dict[str, Any]]
+    expect: Refused | Fails | Clear | Safe
+    backends: tuple[str, ...] = ("local", "moto")
+    notes: list[str] = field(default_factory=list)
+    as_text: Refused | None = None  # where the spec as JSON text (the trigger's) is refused otherwise
+    escape: bool = False  # accepting it would read or write outside what the job may touch
+
+
+# The categories of the campaign's table, in its order. The last four must stay empty.
+OUTCOMES = ("clear error", "safe result", "unclear", "wrongly accepted", "data lost", "crash", "escape")
+
+
+def classify(
+    probe: Probe,
+    expect: Refused | Fails | Clear | Safe,
+    state: str,
+    message: str,
+    fields: list[str | None],
+    changed: list[str],
+    check: Callable[[], None] | None = None,
+) -> str:
+    """One outcome (:data:`OUTCOMES`) of a probe on one path: ``state`` is ``refused``, ``crash`` (an
+    exception that is no user error, a traceback, no answer) or the job's final state; ``fields`` the fields
+    a refusal named; ``changed`` the committed objects that changed or went; ``check`` the Safe check."""
+    if changed:
+        return "data lost"
+    if state == "crash" or "Traceback" in message:
+        return "crash"
+    if isinstance(expect, Safe):
+        if state != "SUCCEEDED":
+            return "unclear"
+        try:
+            if check is not None:
+                check()
+        except AssertionError:
+            return "escape" if probe.escape else "wrongly accepted"
+        return "safe result"
+    if state == "SUCCEEDED":
+        return "escape" if probe.escape else "wrongly accepted"
+    if not re.search(expect.pattern, message):
+        return "unclear"
+    if isinstance(expect, Refused):
+        # "<spec>" is the document as a whole: any refusal of it names it
+        whole = expect.field == "<spec>"
+        named = whole or any(expect.field == f or expect.field in (f or "") for f in fields)
+        return "clear error" if state == "refused" and named else "unclear"
+    if isinstance(expect, Fails) and state != "FAILED":
+        return "unclear"
+    return "clear error"
 
 
 def seed(env: Env) -> None:
