@@ -18,6 +18,7 @@ import dataclasses
 import importlib.resources
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -71,6 +72,22 @@ def _visible(text: str) -> str:
     """``text`` with control characters shown as escapes: a log line may hold raw ANSI sequences (a
     terminal would obey them: move the cursor, retitle the window, hide what follows)."""
     return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _finite(doc: Any) -> Any:
+    """``doc`` with NaN and infinities as null: JSON has no such numbers (``json.dumps`` would write
+    ``Infinity``, which other parsers refuse)."""
+    if isinstance(doc, float) and not math.isfinite(doc):
+        return None
+    if isinstance(doc, dict):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [_finite(v) for v in doc]
+    return doc
+
+
+def _print_json(doc: Any) -> None:
+    out.print_json(json.dumps(_finite(doc), allow_nan=False))
 
 
 def _t(value: Any) -> str:
@@ -314,7 +331,7 @@ def run(spec: str, backend: str, stack: str | None, no_wait: bool, quiet: bool, 
                     f"job {job.job_id} {status.state}: {status.error or 'no error recorded'}"
                 )
             if as_json:
-                out.print_json(json.dumps(job.result()))
+                _print_json(job.result())
             return
         _wait_and_report(job)
 
@@ -345,7 +362,7 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool, explain: boo
     if explain and not as_json:
         _print_model()
     if as_json:
-        out.print_json(json.dumps(report.to_dict()))
+        _print_json(report.to_dict())
         return
     rows = [step_row(s.name, s.tasks, s.peak_mb, s.memory_mb, dataclasses.asdict(s)) for s in report.steps]
     _print_table(TextTable(f"plan: {report.kind}, {report.items:,} items", STEP_COLUMNS, rows))
@@ -384,7 +401,7 @@ def status(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
         st = client.job(job_id).status()
     data = _status_dict(st)
     if as_json:
-        out.print_json(json.dumps(data))
+        _print_json(data)
         return
     steps = data.pop("steps", None)
     data["steps"] = _steps_text(steps)
@@ -416,7 +433,7 @@ def jobs(
     ]
     chosen = sorted(chosen, key=_submitted, reverse=True)[:limit]
     if as_json:
-        out.print_json(json.dumps([_status_dict(st) for st in chosen]))
+        _print_json([_status_dict(st) for st in chosen])
         return
     if not chosen:
         out.print(f"no jobs on the {_t(backend)} backend" + (" match" if wanted or kinds_ else ""))
@@ -462,7 +479,7 @@ def result(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
     with _client(backend, stack) as client:
         res = client.job(job_id).result()
     if as_json:
-        out.print_json(json.dumps(res))
+        _print_json(res)
     else:
         _print_result(res)
         if backend == "moto":
@@ -516,7 +533,7 @@ def report(job_id: str, backend: str, stack: str | None, as_json: bool, html: st
 
         Path(html).write_text(render(doc))
     if as_json:
-        out.print_json(json.dumps(doc))
+        _print_json(doc)
         return
     _print_report(doc)
     if html:
@@ -622,7 +639,7 @@ def asl(kind: str, region: str, account: str, stage: str) -> None:
     """Print the Amazon States Language of KIND's workflow (JSONPath, validated)."""
     from shardfold.client.backends import compile_asl
 
-    out.print_json(json.dumps(compile_asl(kind, region=region, account=account, stage=stage)))
+    _print_json(compile_asl(kind, region=region, account=account, stage=stage))
 
 
 def stack_name_option(f: Any) -> Any:
@@ -734,7 +751,7 @@ def stack_show(name: str | None) -> None:
     """Print the saved outputs of stack NAME ($SHARDFOLD_STACK; default dev) as JSON."""
     from shardfold.client import stack as st
 
-    out.print_json(json.dumps(st.load_stack_outputs(st.stack_name(name))))
+    _print_json(st.load_stack_outputs(st.stack_name(name)))
 
 
 @stack_group.command("import")
@@ -831,7 +848,7 @@ def _dispatch_here(event: dict[str, Any]) -> None:
             runs_here=client.runs_here,
             delivery=delivery_from_event(event),
         )
-        out.print_json(json.dumps(report))
+        _print_json(report)
         if "job_id" in report:
             final = client.job(report["job_id"]).wait(progress=False)
             ended = {"state": final.state} | ({"error": final.error} if final.error else {})
@@ -848,7 +865,7 @@ def schema(kind: str) -> None:
     """Print the JSON Schema of KIND's spec (for an editor's completion and checks of spec files)."""
     from shardfold.functions import kinds
 
-    out.print_json(json.dumps(kinds.find(kind).spec.model_json_schema()))
+    _print_json(kinds.find(kind).spec.model_json_schema())
 
 
 @cli.command()
@@ -880,9 +897,9 @@ def invoke(handler: str, event: str) -> None:
         payload = failure.payload()
         if failure.user_error:
             del payload["stackTrace"]
-        out.print_json(json.dumps(payload))
+        _print_json(payload)
         sys.exit(1)
-    out.print_json(json.dumps(res))
+    _print_json(res)
 
 
 def _watch_status_update(report_path: Path, job: Any) -> bool:

@@ -678,3 +678,14 @@ def test_a_user_models_size_enters_the_workers_planned_memory(local, tmp_path):
         grown = next(s for s in big.steps if s.name == "infer")
         assert grown.peak_mb - worker.peak_mb >= 2 * (3 * 1024 - 64)  # the file twice over while it loads
         assert "twice over as it loads" in grown.why
+
+
+def test_json_output_never_holds_non_standard_numbers(local, tmp_path, monkeypatch):
+    from shardfold.client import cli as cli_module
+
+    doc = {"ratio": float("inf"), "rows": [float("nan"), 1.5], "ok": 2}
+    printed = []
+    monkeypatch.setattr(cli_module.out, "print_json", printed.append)
+    cli_module._print_json(doc)
+    assert json.loads(printed[0]) == {"ratio": None, "rows": [None, 1.5], "ok": 2}
+    assert "Infinity" not in printed[0] and "NaN" not in printed[0]
