@@ -29,6 +29,7 @@ behind submit's back is held to the same rules).
 from __future__ import annotations
 
 import contextvars
+import enum
 import os
 import posixpath
 import stat
@@ -38,10 +39,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfold.functions import claims
-from shardfold.functions.errors import UnsafeKey
+from shardfold.functions.errors import AccessDenied, UnsafeKey
 from shardfold.functions.store.uri import FILE, S3, is_file, is_s3, join, resolve, split_s3
 
-SYSTEM_PREFIXES = ("ledger/", "jobs/", claims.CLAIMS_PREFIX)
+LEDGER_PREFIX = "ledger/"
+JOBS_PREFIX = "jobs/"
+SYSTEM_PREFIXES = (LEDGER_PREFIX, JOBS_PREFIX, claims.CLAIMS_PREFIX)
 OUTPUT_PREFIXES_ENV = "SHARDFOLD_OUTPUT_PREFIXES"
 READ_BUCKETS_ENV = "SHARDFOLD_READ_BUCKETS"
 WRITE_BUCKETS_ENV = "SHARDFOLD_WRITE_BUCKETS"
@@ -119,6 +122,92 @@ class Grants:
     def may_write(self, bucket: str, key: str) -> bool:
         """Whether a job may write ``bucket/key`` of a bucket other than the job bucket."""
         return any(_in_ref(bucket, key, r) for r in self.write_buckets)
+
+
+class Right(enum.StrEnum):
+    """What a kind's functions may touch beyond their own job's folder (``jobs/<id>/``, which every task
+    reads and writes). A kind declares its rights (``JobKind.rights``); the workers' IAM policies
+    (:func:`reach`: infra, the moto harness, the emulator tier) and every task's own check
+    (:class:`TaskScope`) derive from the declaration. Starting Batch jobs is no right: it follows from the
+    workflow's ``BatchJob`` steps (the state machine's role)."""
+
+    INPUTS = "inputs"  # read what a job may name as input: the job bucket, readBuckets and writeBuckets
+    OUTPUTS = "outputs"  # write the job's outputs (outputPrefixes, writeBuckets); read claims/ to check them
+    LEDGER = "ledger"  # read and append to the privacy-budget ledgers (ledger/)
+
+
+Ref = tuple[str, str]  # (bucket, prefix without slashes; "" for the whole bucket)
+
+
+def reach(rights: Iterable[Right], grants: Grants, bucket: str) -> tuple[list[Ref], list[Ref]]:
+    """``(read, write)``: the ``(bucket, prefix)`` places a worker holding ``rights`` may read, and those it
+    may write (and read), under a deployment's ``grants`` with job bucket ``bucket``. ``jobs/`` is written
+    by every worker: a role serves every job, so which job's folder a task writes is checked by the task
+    (:class:`TaskScope`), not by IAM."""
+    rights = set(rights)
+    read: list[Ref] = []
+    write: list[Ref] = [(bucket, JOBS_PREFIX.rstrip("/"))]
+    if Right.INPUTS in rights:
+        read += [(bucket, ""), *(parse_bucket_ref(r) for r in (*grants.read_buckets, *grants.write_buckets))]
+    if Right.OUTPUTS in rights:
+        write += [(bucket, p.rstrip("/")) for p in grants.output_prefixes]
+        write += [parse_bucket_ref(r) for r in grants.write_buckets]
+        read.append((bucket, claims.CLAIMS_PREFIX.rstrip("/")))
+    if Right.LEDGER in rights:
+        write.append((bucket, LEDGER_PREFIX.rstrip("/")))
+    write = _uncovered(write, [])
+    return _uncovered(read, write), write
+
+
+def _uncovered(refs: list[Ref], also: list[Ref]) -> list[Ref]:
+    """``refs`` in order without repeats and without those that another of them, or of ``also``, holds."""
+
+    def holds(a: Ref, b: Ref) -> bool:
+        return a[0] == b[0] and (not a[1] or b[1] == a[1] or b[1].startswith(a[1] + "/"))
+
+    out: list[Ref] = []
+    for i, ref in enumerate(refs):
+        others = [r for j, r in enumerate(refs) if j != i and r != ref] + also
+        if ref not in out and not any(holds(o, ref) for o in others):
+            out.append(ref)
+    return out
+
+
+@dataclass(frozen=True)
+class TaskScope:
+    """What one task may touch: its own job's folder, and what its kind's ``rights`` add. Every store call
+    the task makes is checked (:func:`functions.store.scoped`), on every backend: on
+    AWS the function's role refuses the same places (:func:`reach`), except other jobs' folders, which a
+    role shared by every job cannot tell from the task's own."""
+
+    store_root: str
+    job_id: str
+    kind: str
+    rights: frozenset[Right]
+
+    def check(self, uri: str, write: bool) -> None:
+        """Raise :class:`AccessDenied` naming the right missing when the task may not read (or ``write``)
+        ``uri`` (a full URI)."""
+        key = store_key(uri, self.store_root)
+        verb = "write" if write else "read"
+        if key is None:  # another bucket, or a file outside the local store
+            need = Right.OUTPUTS if write else Right.INPUTS
+        elif key.startswith(f"{JOBS_PREFIX}{self.job_id}/"):
+            return
+        elif key.startswith(LEDGER_PREFIX):
+            need = Right.LEDGER
+        elif key.startswith(claims.CLAIMS_PREFIX) and not write:
+            need = Right.OUTPUTS if Right.OUTPUTS in self.rights else Right.INPUTS
+        elif write and key.startswith((JOBS_PREFIX, claims.CLAIMS_PREFIX)):
+            what = "another job's folder" if key.startswith(JOBS_PREFIX) else "the output claims"
+            raise AccessDenied(f"{uri}: a {self.kind} task of job {self.job_id} may not write {what}")
+        else:
+            need = Right.OUTPUTS if write else Right.INPUTS
+        if need not in self.rights:
+            raise AccessDenied(
+                f"{uri}: a {self.kind} task may not {verb} it; the {self.kind} kind does not declare the "
+                f"{need.value!r} right (JobKind.rights)"
+            )
 
 
 # Whether the job in hand may name files of this machine outside the store: its spec's ``local_files``

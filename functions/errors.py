@@ -43,6 +43,11 @@ class UnsafeKey(StoreError):
     """A local key tried to leave the store root (``..`` or an absolute path)."""
 
 
+class AccessDenied(StoreError):
+    """The store refused a request for want of a permission (S3's 403), or a task reached for a place its
+    kind's rights do not cover (:class:`functions.access.TaskScope`). Not retried: it will not change."""
+
+
 class BatchItemError(ShardfoldError):
     """An item of a GetBatch request failed and ``continue_on_error`` was off."""
 

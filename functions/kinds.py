@@ -1,10 +1,11 @@
 """Job kinds: the :class:`JobKind` descriptor, the one place a kind registers, and their discovery.
 
 A kind is a package (``functions/<kind>/``) whose ``kind.py`` defines ``KIND = JobKind(...)``: its spec
-model, its workflow, its sizing module (the task-load model beside its engine), how its result is shown
-and, optionally, counters of progress that the executors cannot see. Every table of kinds derives from the
-descriptors: the spec union, the executors' workflows, the handler registry, the plan estimate, the CLI's
-result view and the progress counters.
+model, its workflow, its sizing module (the task-load model beside its engine), what its functions may
+touch beyond their job's folder, how its result is shown and, optionally, counters of progress that the
+executors cannot see. Every table of kinds derives from the descriptors: the spec union, the executors'
+workflows, the handler registry, the functions' IAM policies and every task's own access check, the plan
+estimate, the CLI's result view and the progress counters.
 
 **Discovery is by convention.** The built-in kinds are the subpackages of :mod:`functions` that have a
 ``kind.py``; more kind packages (a plugin, a test's temporary package) are named, comma-separated, in
@@ -33,6 +34,7 @@ from pydantic import Field, TypeAdapter
 
 from shardfold import functions
 from shardfold.functions import extras
+from shardfold.functions.access import Right
 from shardfold.functions.errors import PlanError, SpecError
 from shardfold.functions.specs import StrictModel
 from shardfold.functions.tables import ResultView, result_fields
@@ -50,6 +52,10 @@ class JobKind:
     * ``sizing``: the module of its task-load model, with ``probe(spec, store_root, budget) -> Probe`` (what
       a bounded look at the inputs learns) and ``loads(spec, probe) -> Loads`` (per step, keyed by the
       workflow's step objects); see :mod:`functions.estimate`.
+    * ``rights``: what its functions (Lambda tasks and Batch containers alike) may touch beyond their own
+      job's folder (:class:`~functions.access.Right`: read inputs, write outputs, keep the budget ledger).
+      Their IAM policies are built from it, and every task checks its store calls against it
+      (:class:`~functions.access.TaskScope`), so an undeclared reach fails on every backend, not only on AWS.
     * ``result_view``: the result document -> a :class:`~functions.tables.ResultView` the CLI prints.
     * ``progress``: ``"module:function"`` of ``(store_root, job_id) -> {counter: {"done", "total"}}``, work
       inside one step that the executors cannot count (an inference job's GPU shards), or None.
@@ -65,6 +71,7 @@ class JobKind:
     spec: type[StrictModel]
     workflow: Workflow
     sizing: str
+    rights: frozenset[Right]
     result_view: Callable[[dict[str, Any]], ResultView] = result_fields
     progress: str | None = None
     handlers: Mapping[str, str] = field(default_factory=dict)
@@ -77,6 +84,9 @@ class JobKind:
         tag = self.spec.model_fields.get("kind")
         if tag is None or tag.default != self.name:
             raise PlanError(f"kind {self.name!r}: its spec model needs kind: Literal[{self.name!r}]")
+        unknown = [r for r in self.rights if not isinstance(r, Right)]
+        if unknown:
+            raise PlanError(f"kind {self.name!r}: rights {unknown} are not functions.access.Right members")
         names = {s.name for s in self.workflow.walk()}
         if not self.private_steps <= names:
             raise PlanError(

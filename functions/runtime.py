@@ -21,7 +21,9 @@ registry imports handlers by name). Each call:
    the same way; ``context=None`` (local calls, Batch) binds none;
 3. loads the job's spec through the per-process cache (below) and refuses a spec of another kind
    (:class:`SpecError`);
-4. returns ``fn(event_model, spec)``, recording the call as one attempt of its task
+4. holds every store call of the task to its reach (:class:`functions.access.TaskScope`: its job's folder
+   and what its kind's rights add), and every URI it resolves to the spec's own limits;
+5. returns ``fn(event_model, spec)``, recording the call as one attempt of its task
    (:func:`functions.telemetry.recording`: times, peak memory, store requests, outcome, where its log is).
 
 **Spec cache.** A spec is parsed once per process: the local executor's threads share one parse, a
@@ -110,7 +112,8 @@ def task(
                 context=context,
             ):
                 spec = load_spec(e.spec_uri, kind)
-                with access.policy(spec):  # every URI the task resolves, under the spec's own limits
+                # every URI the task resolves, under the spec's own limits; every store call, within its reach
+                with access.policy(spec), store.scoped(_scope(e, kind).check):
                     return fn(e, spec)
 
         # Powertools keeps the Lambda context keys in the logger's shared state: right on Lambda, where a
@@ -126,6 +129,13 @@ def task(
         return handler
 
     return decorate
+
+
+def _scope(e: JobEvent, kind: str) -> access.TaskScope:
+    """What a task of ``kind`` may touch: its job's folder, and what the kind's declared rights add."""
+    from shardfold.functions import kinds  # kinds imports every kind's workflow; a handler imports this first
+
+    return access.TaskScope(e.store_root, e.job_id, kind, kinds.find(kind).rights)
 
 
 def _on_lambda() -> bool:

@@ -27,7 +27,7 @@ from aws_lambda_powertools.utilities.parser import parse
 from aws_lambda_powertools.utilities.parser.models import S3EventNotificationEventBridgeModel
 from pydantic import ValidationError
 
-from shardfold.functions import access, store
+from shardfold.functions import access, credentials, store
 from shardfold.functions.errors import ObjectNotFound, ShardfoldError, SpecError, StoreError, StoreUnreachable
 from shardfold.functions.jobs import status_key
 from shardfold.functions.log import logger
@@ -241,12 +241,11 @@ def _sfn() -> Any:
         os.getpid(),
         env.get("AWS_ENDPOINT_URL_STEPFUNCTIONS") or env.get("AWS_ENDPOINT_URL"),
         env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+        credentials.current(),
     )
     client = _sfn_clients.get(key)
     if client is None:
-        import boto3
-
-        client = _sfn_clients[key] = boto3.session.Session().client("stepfunctions")
+        client = _sfn_clients[key] = credentials.session().client("stepfunctions")
     return client
 
 

@@ -39,8 +39,8 @@ Bucket
   ``abortIncompleteUploadDays``: incomplete multipart uploads are aborted after this (2).
   ``jobsExpirationDays``: everything under ``jobs/`` (specs, reports, results) expires after this (0: never).
   ``outputPrefixes``: where in the job bucket jobs may write their outputs besides their own
-  ``jobs/<id>/output/`` (``["results/"]``); the workers' roles may write only there, under ``jobs/`` and
-  ``tmp/``, and only the dpquery functions under ``ledger/``.
+  ``jobs/<id>/output/`` (``["results/"]``); the workers' roles may write only there and under ``jobs/``,
+  and under ``ledger/`` only the functions of kinds that declare the ledger right (``JobKind.rights``).
   ``readBuckets`` / ``writeBuckets``: other buckets (``bucket`` or ``bucket/prefix``) the workers may read /
   read and write (``[]``). Submit and every task refuse a spec URI outside them, naming the key to add.
 
@@ -81,7 +81,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardfold.functions.access import Grants
+from shardfold.functions.access import SYSTEM_PREFIXES, Grants
 from shardfold.functions.errors import ShardfoldError
 
 ARCHITECTURES = ("arm64", "x86_64")
@@ -208,10 +208,11 @@ class StackConfig:
             problems.append("jobsExpirationDays must be >= 0 (0: never)")
         for prefix in self.output_prefixes:
             key = prefix.strip("/")
-            if not key or ".." in key.split("/") or key.split("/")[0] in ("jobs", "ledger") or "*" in key:
+            system = key.split("/")[0] + "/" in SYSTEM_PREFIXES
+            if not key or ".." in key.split("/") or system or "*" in key:
                 problems.append(
-                    f"outputPrefixes entry {prefix!r} must be a folder of the job bucket outside jobs/ and "
-                    "ledger/, e.g. results/ (no '..', no wildcards)"
+                    f"outputPrefixes entry {prefix!r} must be a folder of the job bucket outside "
+                    f"{', '.join(SYSTEM_PREFIXES)}, e.g. results/ (no '..', no wildcards)"
                 )
         problems += _check_map("functionMemory", self.function_memory, LAMBDA_MEMORY_MB)
         problems += _check_map("functionTimeout", self.function_timeout, LAMBDA_TIMEOUT_S)

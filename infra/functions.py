@@ -14,14 +14,17 @@ them (``functionEphemeralStorage``: /tmp, 512 MB by default); :meth:`FunctionSpe
   running one container image (``Dockerfile.lambda``; ``infra.lambda_image``), the handler chosen per
   function by ``ImageConfig.Command`` = ``[lambda_handler(function)]``; the same architecture setting.
 
-Each function's role may write its own log group and use object-level S3 on the job bucket (where specs,
-manifests, parts and results live, and where users usually put their data), plus the buckets listed in
-``shardfold:readBuckets`` (read) and ``shardfold:writeBuckets`` (read and write). Data in any other bucket
-is unreachable until listed there; in another account, that bucket's policy must also allow the role.
+Each function's role may write its own log group and its job folders (``jobs/``), and what its kind's
+declared rights add (``JobKind.rights``, ``orchestrator.iam.worker_statements``): reading the job bucket
+(where users usually put their data) and the buckets listed in ``shardfold:readBuckets`` and
+``shardfold:writeBuckets``; writing the ``shardfold:outputPrefixes`` and ``writeBuckets``; the budget
+ledgers (``ledger/``). Data in any other bucket is unreachable until listed there; in another account, that
+bucket's policy must also allow the role.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,10 +33,8 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from shardfold.functions.access import parse_bucket_ref
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.workflow import Workflow
-from shardfold.infra import iam
 from shardfold.infra.config import (
     DISPATCH,
     DISPATCH_MEMORY_MB,
@@ -44,6 +45,7 @@ from shardfold.infra.config import (
 )
 from shardfold.infra.context import Component, Context, role_name_args
 from shardfold.infra.package import DISPATCH_HANDLER, function_packages
+from shardfold.orchestrator import iam
 from shardfold.orchestrator.registry import lambda_handler, lambda_name
 
 LAMBDA_DEFAULT_EPHEMERAL_MB = 512
@@ -117,46 +119,6 @@ def function_specs(workflows: Mapping[str, Workflow], cfg: StackConfig) -> dict[
         ephemeral_mb=cfg.function_ephemeral_storage.get(DISPATCH, LAMBDA_DEFAULT_EPHEMERAL_MB),
     )
     return specs
-
-
-# What every worker writes in the job bucket: its job's folder and scratch. Outputs go under the configured
-# outputPrefixes besides; the budget ledgers only by the functions that keep them.
-WORKER_PREFIXES = ("jobs", "tmp")
-LEDGER_PREFIX = "ledger"
-
-
-def data_refs(
-    cfg: StackConfig, bucket: str, *, ledger: bool = False
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """``(read_refs, write_refs)`` of ``(bucket, prefix)`` a worker may read / write: the whole job bucket
-    and ``readBuckets`` to read; ``jobs/``, ``tmp/``, the ``outputPrefixes`` (and ``ledger/`` for a
-    function that keeps the budget ledgers) and ``writeBuckets`` to write."""
-    own = [
-        *WORKER_PREFIXES,
-        *(p.strip("/") for p in cfg.output_prefixes),
-        *([LEDGER_PREFIX] if ledger else []),
-    ]
-    write = [(bucket, p) for p in own] + [parse_bucket_ref(r) for r in cfg.write_buckets]
-    read = [(bucket, "")] + [parse_bucket_ref(r) for r in cfg.read_buckets]
-    return read, write
-
-
-def keeps_ledger(function: str) -> bool:
-    """Whether a workflow function writes the dpquery budget ledgers (``ledger/``)."""
-    return function.split(".", 1)[0] == "dpquery"
-
-
-def worker_statements(
-    cfg: StackConfig, partition: str, bucket: str, *, ledger: bool = False
-) -> list[dict[str, Any]]:
-    """S3 (and KMS, tracing) statements of a worker: a Lambda task or the Batch container."""
-    read, write = data_refs(cfg, bucket, ledger=ledger)
-    statements = iam.s3_statements(partition, write, write=True, sid="Write")
-    statements += iam.s3_statements(partition, read, write=False, sid="Read")
-    key = iam.kms_statement(cfg.kms_key_arn)
-    if key:
-        statements.append(key)
-    return statements
 
 
 @dataclass(frozen=True)
@@ -264,11 +226,7 @@ class LambdaFunction(Component):
 
         def policy(args: list[Any]) -> str:
             partition, bucket_name, log_arn, *rest = args
-            doc = iam.document(
-                iam.log_stream_statement(log_arn),
-                *statements(partition, bucket_name, *rest),
-                iam.xray_statement() if cfg.tracing else None,
-            )
+            doc = iam.lambda_policy(log_arn, statements(partition, bucket_name, *rest), tracing=cfg.tracing)
             return iam.to_json(doc)
 
         self.policy = aws.iam.RolePolicy(
@@ -340,14 +298,19 @@ class WorkerFunctions(Component):
         super().__init__("WorkerFunctions", f"{ctx.cfg.name_prefix}-functions", ctx)
         cfg = ctx.cfg
         env = base_environment(cfg, bucket)
+        grants = cfg.grants()
 
         self.functions: dict[str, LambdaFunction] = {}
         for function, spec in specs.items():
             if function == DISPATCH:
                 continue
 
-            def statements(partition: str, bucket_name: str, _ledger: bool = keeps_ledger(function)) -> Any:
-                return worker_statements(cfg, partition, bucket_name, ledger=_ledger)
+            statements = functools.partial(
+                iam.worker_statements,
+                grants=grants,
+                rights=iam.function_rights(function),
+                kms_key_arn=cfg.kms_key_arn,
+            )
 
             if spec.package == "image" and image is None:
                 raise ShardfoldError(f"{function} deploys as a container image, but no image was given")

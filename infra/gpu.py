@@ -40,11 +40,11 @@ import pulumi_aws as aws
 from shardfold.functions.container import EXIT_TRANSIENT
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.workflow import BATCH_ATTEMPTS, BatchJob, Map, Parallel, Step, Workflow
-from shardfold.infra import iam
 from shardfold.infra.config import BATCH_SIZE_KEYS, StackConfig, size_key
 from shardfold.infra.context import Component, Context
-from shardfold.infra.functions import base_environment, worker_statements
+from shardfold.infra.functions import base_environment
 from shardfold.infra.instances import placement_problem
+from shardfold.orchestrator import iam
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -413,16 +413,14 @@ class GpuQueue(Component):
             opts=self.child(),
         )
         job_policy_deps = [ctx.partition, bucket]
+        rights = iam.batch_rights(workflows)  # one role for every container: the rights of their kinds
         self.job_policy = aws.iam.RolePolicy(
             f"{prefix}-gpu-job-policy",
             role=self.job_role.id,
             policy=pulumi.Output.all(*job_policy_deps).apply(
                 lambda v: iam.to_json(
                     iam.document(
-                        *worker_statements(cfg, v[0], v[1]),
-                        # Resource "*": DescribeJobs has no resource type (iam.WILDCARD_RESOURCE_ACTIONS); a
-                        # worker asks whether the Batch job holding a shard's claim has ended.
-                        iam.statement(["batch:DescribeJobs"], "*", sid="ClaimHolderAlive"),
+                        *iam.batch_job_statements(v[0], v[1], cfg.grants(), rights, cfg.kms_key_arn),
                         iam.xray_statement() if cfg.tracing else None,
                     )
                 )

@@ -37,9 +37,9 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from shardfold.infra import iam
 from shardfold.infra.context import Component, Context
 from shardfold.infra.gpu import REPO_ROOT, docker_build_available, ecr_repository, push_image
+from shardfold.orchestrator import iam
 
 LAMBDA_DOCKERFILE = REPO_ROOT / "Dockerfile.lambda"
 # Lambda's architecture -> the image platform it runs

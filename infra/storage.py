@@ -22,8 +22,8 @@ from __future__ import annotations
 import pulumi
 import pulumi_aws as aws
 
-from shardfold.infra import iam
 from shardfold.infra.context import Component, Context
+from shardfold.orchestrator import iam
 
 TEMP_PREFIX = "tmp/"
 JOBS_PREFIX = "jobs/"

@@ -21,16 +21,18 @@ re-drop the spec (or replay the message) to retry.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import pulumi
 import pulumi_aws as aws
 
+from shardfold.functions import access
+from shardfold.functions.access import Right
 from shardfold.functions.trigger import SIZES_ENV
-from shardfold.infra import iam
 from shardfold.infra.context import Component, Context
-from shardfold.infra.functions import FunctionSpec, LambdaCode, LambdaFunction, base_environment, data_refs
+from shardfold.infra.functions import FunctionSpec, LambdaCode, LambdaFunction, base_environment
+from shardfold.orchestrator import iam
 
 SPEC_KEY_WILDCARD = "jobs/*.json"
 LAMBDA_ASYNC_RETRIES = 2
@@ -46,34 +48,6 @@ def event_pattern(bucket: str) -> dict[str, Any]:
             "object": {"key": [{"wildcard": SPEC_KEY_WILDCARD}]},
         },
     }
-
-
-def dispatch_statements(
-    partition: str,
-    bucket: str,
-    *,
-    state_machine_arns: list[str],
-    dlq_arn: str,
-    kms_key_arn: str | None,
-    read_refs: Sequence[tuple[str, str]] = (),
-) -> list[dict[str, Any]]:
-    """The dispatch function reads specs and writes reports and job records under ``jobs/``, starts the
-    deployed state machines, and sends its failed events to the DLQ. It reads what the workers read
-    (``read_refs``): submit's probe sizes a job from its inputs before starting it."""
-    b = iam.bucket_arn(partition, bucket)
-    out = [
-        iam.statement(["s3:GetObject", "s3:PutObject", "s3:DeleteObject"], f"{b}/jobs/*", sid="JobObjects"),
-        # HEAD of a missing report must answer 404, not 403.
-        iam.statement(["s3:ListBucket"], b, sid="JobList"),
-        # submit's probe sizes a job from its inputs before starting it: read what the workers read
-        *iam.s3_statements(partition, read_refs, write=False, sid="Read"),
-        iam.statement(["states:StartExecution"], sorted(state_machine_arns), sid="StartJobs"),
-        iam.statement(["sqs:SendMessage"], dlq_arn, sid="FailedEvents"),
-    ]
-    key = iam.kms_statement(kms_key_arn)
-    if key:
-        out.append(key)
-    return out
 
 
 def dlq_policy(queue_arn: str, rule_arn: str) -> dict[str, Any]:
@@ -124,13 +98,13 @@ class Trigger(Component):
         env[SIZES_ENV] = json.dumps(memory, sort_keys=True, separators=(",", ":"))
 
         def statements(partition: str, bucket_name: str, dlq_arn: str, *arns: str) -> list[dict[str, Any]]:
-            return dispatch_statements(
+            return iam.dispatch_statements(
                 partition,
                 bucket_name,
                 state_machine_arns=list(arns),
                 dlq_arn=dlq_arn,
                 kms_key_arn=cfg.kms_key_arn,
-                read_refs=data_refs(cfg, bucket_name)[0],
+                read_refs=access.reach({Right.INPUTS}, cfg.grants(), bucket_name)[0],
             )
 
         self.function = LambdaFunction(

@@ -26,12 +26,10 @@ import pulumi
 import pulumi_aws as aws
 
 from shardfold.functions.errors import ShardfoldError
-from shardfold.functions.workflow import BatchJob, Map, Workflow
-from shardfold.infra import iam
+from shardfold.functions.workflow import BatchJob, Workflow
 from shardfold.infra.context import Component, Context, role_name_args
+from shardfold.orchestrator import iam
 from shardfold.orchestrator.asl import compile_workflow
-
-BATCH_EVENTS_RULE = "StepFunctionsGetEventsForBatchJobsRule"
 
 
 class _Resolver:
@@ -80,78 +78,6 @@ def workflow_functions(workflow: Workflow) -> list[str]:
     for step in workflow.tasks():
         if step.function not in out:
             out.append(step.function)
-    return out
-
-
-def state_machine_statements(
-    workflow: Workflow,
-    *,
-    partition: str,
-    region: str,
-    account: str,
-    name: str,
-    bucket: str,
-    function_arns: list[str],
-    queue: str | None,
-    definition_names: list[str],
-    tracing: bool,
-    kms_key_arn: str | None = None,
-) -> list[dict[str, Any]]:
-    """Every statement of the role of state machine ``name`` running ``workflow``."""
-    steps = list(workflow.walk())
-    states = f"arn:{partition}:states:{region}:{account}"
-    out: list[dict[str, Any]] = []
-    if function_arns:
-        out.append(
-            iam.statement(
-                ["lambda:InvokeFunction"],
-                [*function_arns, *(f"{a}:*" for a in function_arns)],
-                sid="InvokeFunctions",
-            )
-        )
-    if any(isinstance(s, Map) for s in steps):
-        out += [
-            iam.statement(["states:StartExecution"], f"{states}:stateMachine:{name}", sid="MapStartChildren"),
-            iam.statement(
-                ["states:DescribeExecution", "states:StopExecution"],
-                [f"{states}:execution:{name}:*", f"{states}:execution:{name}/*"],
-                sid="MapManageChildren",
-            ),
-            # Redriving the parent redrives a Map Run's failed children (execution:<name>/<label>:<id>).
-            iam.statement(
-                ["states:RedriveExecution"], f"{states}:execution:{name}/*", sid="MapRedriveChildren"
-            ),
-            # The ItemReader loads the manifest the plan step wrote under jobs/<id>/.
-            iam.statement(
-                ["s3:GetObject"], f"{iam.bucket_arn(partition, bucket)}/jobs/*", sid="MapReadManifest"
-            ),
-        ]
-        key = iam.kms_statement(kms_key_arn)  # the manifest is encrypted with the bucket's key
-        if key:
-            out.append(key)
-    if any(isinstance(s, BatchJob) for s in steps):
-        if not queue:
-            raise ShardfoldError(f"workflow {workflow.kind!r} has a BatchJob but the stack has no GPU queue")
-        batch = f"arn:{partition}:batch:{region}:{account}"
-        definitions = [f"{batch}:job-definition/{n}" for n in definition_names]
-        out += [
-            iam.statement(
-                ["batch:SubmitJob"],
-                [queue, *definitions, *(f"{d}:*" for d in definitions)],
-                sid="BatchSubmit",
-            ),
-            iam.statement(["batch:TerminateJob"], f"{batch}:job/*", sid="BatchTerminate"),
-            # Resource "*": DescribeJobs has no resource type (iam.WILDCARD_RESOURCE_ACTIONS); .sync polls it.
-            iam.statement(["batch:DescribeJobs"], "*", sid="BatchDescribe"),
-            iam.statement(
-                ["events:PutTargets", "events:PutRule", "events:DescribeRule"],
-                f"arn:{partition}:events:{region}:{account}:rule/{BATCH_EVENTS_RULE}",
-                sid="BatchSyncRule",
-            ),
-        ]
-    out.append(iam.sfn_log_delivery_statement())
-    if tracing:
-        out.append(iam.xray_statement())
     return out
 
 
@@ -207,7 +133,7 @@ class StateMachines(Component):
                 partition, region, account, bucket_name, queue_arn, *arns = args
                 return iam.to_json(
                     iam.document(
-                        *state_machine_statements(
+                        *iam.state_machine_statements(
                             wf,
                             partition=partition,
                             region=region,

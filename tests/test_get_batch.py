@@ -847,7 +847,7 @@ def test_store_get_on_moto_server(crt_bucket):
 def test_crt_addressing(monkeypatch, aws_env):
     from shardfold.functions.store.crt import _Client, crt_client
 
-    aws = _Client(None, "eu-west-1")
+    aws = _Client(None, "eu-west-1", None)
     assert aws.address("bkt", "a b/c+d") == ("bkt.s3.eu-west-1.amazonaws.com", "/a%20b/c%2Bd")
     assert aws.address("my.dotted.bkt", "k") == ("s3.eu-west-1.amazonaws.com", "/my.dotted.bkt/k")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:4566/base/")

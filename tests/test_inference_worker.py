@@ -473,7 +473,9 @@ class FakeBatch:
 
 
 def test_batch_claims_are_taken_over_only_from_ended_jobs(root, tiny_uri, monkeypatch):
-    import boto3
+    from types import SimpleNamespace
+
+    from shardfold.functions import credentials
 
     shards = [["a b"], ["c d"], ["e f"], ["g h"], ["i j"], ["k l"]]
     spec, _ = make_job(root, "retry", shards, {"torchscript": tiny_uri})
@@ -490,7 +492,7 @@ def test_batch_claims_are_taken_over_only_from_ended_jobs(root, tiny_uri, monkey
     for k, holder in holders.items():
         store.put_json(layout.claim_uri(root, "retry", 0, k), holder)
     fake = FakeBatch({"j:1": "RUNNING", "j:2": "FAILED"})
-    monkeypatch.setattr(boto3, "client", lambda service, **kw: fake)
+    monkeypatch.setattr(credentials, "session", lambda: SimpleNamespace(client=lambda service, **kw: fake))
     monkeypatch.setenv("AWS_BATCH_JOB_ID", "j:0")
     monkeypatch.setenv("AWS_BATCH_JOB_ATTEMPT", "2")
     summary = W.run_worker(spec, "retry", root, poll_s=0.01)

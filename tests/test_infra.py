@@ -130,15 +130,19 @@ pulumi.runtime.set_mocks(MOCKS, preview=False)
 # After set_mocks: these import pulumi_aws and the program.
 import toyflow  # noqa: E402,F401  (registers the toy functions)
 
+from shardfold.functions import kinds  # noqa: E402
+from shardfold.functions.access import Grants, Right  # noqa: E402
 from shardfold.functions.errors import ShardfoldError  # noqa: E402
 from shardfold.functions.kinds import WORKFLOWS  # noqa: E402
 from shardfold.functions.workflow import BatchJob, Map, Task, Workflow  # noqa: E402
-from shardfold.infra import iam, package  # noqa: E402
+from shardfold.infra import package  # noqa: E402
 from shardfold.infra.config import StackConfig  # noqa: E402
 from shardfold.infra.gpu import RETRY_ATTEMPTS  # noqa: E402
 from shardfold.infra.program import build  # noqa: E402
 from shardfold.infra.trigger import event_pattern  # noqa: E402
+from shardfold.orchestrator import iam  # noqa: E402
 from shardfold.orchestrator.asl import validate  # noqa: E402
+from shardfold.orchestrator.registry import lambda_name  # noqa: E402
 
 
 def image_workflow() -> Workflow:
@@ -767,16 +771,11 @@ def test_worker_roles_reach_the_bucket_and_only_the_configured_buckets(stack, cu
     docs = dict(stack.policies())
     bucket = stack.outputs["bucket"]
     gather = {s["Sid"]: s for s in docs["shardfold-test-getbatch-gather-policy.policy"]["Statement"]}
-    # writes: the job's folders, scratch and the output prefixes, never ledger/; reads: the whole bucket
+    # writes: the job's folders and the output prefixes, never ledger/; reads: the whole bucket
     assert set(_as_list(gather["WriteObjects"]["Resource"])) == {
-        f"arn:aws:s3:::{bucket}/{p}/*" for p in ("jobs", "tmp", "results")
+        f"arn:aws:s3:::{bucket}/{p}/*" for p in ("jobs", "results")
     }
     assert gather["ReadObjects"]["Resource"] == f"arn:aws:s3:::{bucket}/*"
-    measure = {s["Sid"]: s for s in docs["shardfold-test-dpquery-measure-policy.policy"]["Statement"]}
-    assert f"arn:aws:s3:::{bucket}/ledger/*" in _as_list(measure["WriteObjects"]["Resource"])
-    for name, doc in docs.items():  # only the dpquery functions keep the budget ledgers
-        if "dpquery" not in name:
-            assert f"{bucket}/ledger" not in json.dumps(doc), name
     assert gather["WriteObjects"]["Action"] == [
         "s3:AbortMultipartUpload",
         "s3:DeleteObject",
@@ -792,7 +791,7 @@ def test_worker_roles_reach_the_bucket_and_only_the_configured_buckets(stack, cu
     cdocs = dict(custom.policies())
     c = {s["Sid"]: s for s in cdocs["shardfold-custom-getbatch-gather-policy.policy"]["Statement"]}
     assert set(c["WriteObjects"]["Resource"]) == {
-        *(f"arn:aws:s3:::my-shardfold-bucket/{p}/*" for p in ("jobs", "tmp", "results")),
+        *(f"arn:aws:s3:::my-shardfold-bucket/{p}/*" for p in ("jobs", "results")),
         "arn:aws:s3:::results-bucket/*",
     }
     assert c["ReadObjects"] == {
@@ -807,13 +806,46 @@ def test_worker_roles_reach_the_bucket_and_only_the_configured_buckets(stack, cu
     assert sm["BucketKey"]["Action"] == ["kms:Decrypt", "kms:GenerateDataKey"] and "XRay" in sm
 
     dispatch = {s["Sid"]: s for s in docs["shardfold-test-dispatch-policy.policy"]["Statement"]}
-    assert dispatch["JobObjects"]["Resource"] == f"arn:aws:s3:::{bucket}/jobs/*"
+    # submit writes the job's records and claims its outputs
+    assert dispatch["JobObjects"]["Resource"] == [
+        f"arn:aws:s3:::{bucket}/jobs/*",
+        f"arn:aws:s3:::{bucket}/claims/*",
+    ]
     # the plan check sizes inputs before a job starts: the trigger reads what the workers read, writes none
-    assert dispatch["ReadObjects"] == {**gather["ReadObjects"]}
+    assert dispatch["ReadObjects"]["Resource"] == f"arn:aws:s3:::{bucket}/*"
     assert set(_as_list(dispatch["StartJobs"]["Resource"])) == set(
         stack.outputs["state_machine_arns"].values()
     )
     assert dispatch["StartJobs"]["Action"] == ["states:StartExecution"]
+
+
+def test_each_function_reaches_what_its_kind_declares_and_nothing_else(stack):
+    """The roles derive from JobKind.rights: the ledger for the kinds that keep budgets (DP-FedAvg's
+    included), outputs and inputs for those that declare them, every job folder for all."""
+    docs = dict(stack.policies())
+    bucket = f"arn:aws:s3:::{stack.outputs['bucket']}"
+    grants = Grants()
+    roles = {
+        f"{lambda_name(fn, 'test')}-policy.policy": fn
+        for fn in stack.outputs["functions"]
+        if fn.split(".")[0] in kinds.names()  # not the tests' toy functions
+    }
+    assert roles and {fn.split(".")[0] for fn in roles.values()} == set(kinds.names())
+    for name, function in roles.items():
+        rights = kinds.find(function.split(".")[0]).rights
+        by_sid = {s["Sid"]: s for s in docs[name]["Statement"]}
+        writes = set(_as_list(by_sid["WriteObjects"]["Resource"]))
+        reads = set(_as_list(by_sid.get("ReadObjects", {}).get("Resource", [])))
+        assert (f"{bucket}/ledger/*" in writes) == (Right.LEDGER in rights), name
+        assert all((f"{bucket}/{p}*" in writes) == (Right.OUTPUTS in rights) for p in grants.output_prefixes)
+        assert (f"{bucket}/*" in reads) == (Right.INPUTS in rights), name
+        assert f"{bucket}/jobs/*" in writes and f"{bucket}/claims/*" not in writes, name
+    fedavg = {n for n, fn in roles.items() if fn.startswith("fedavg.")}
+    assert fedavg and all(f"{bucket}/ledger/*" in json.dumps(docs[n]) for n in fedavg)  # DP-FedAvg's budget
+    job_role = {s["Sid"]: s for s in docs["shardfold-test-gpu-job-policy.policy"]["Statement"]}
+    batch_kinds = {k.name for k in kinds.every() if any(isinstance(s, BatchJob) for s in k.workflow.walk())}
+    batch_ledger = any(Right.LEDGER in kinds.find(k).rights for k in batch_kinds)
+    assert (f"{bucket}/ledger/*" in json.dumps(job_role)) == batch_ledger
 
 
 # --- AWS Batch ----------------------------------------------------------------------------------------------

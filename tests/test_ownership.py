@@ -300,7 +300,12 @@ HOLD = {
         WORKFLOW = Workflow(kind="hold", steps=(BOTH,))
 
         KIND = JobKind(
-            name="hold", package=__package__, spec=HoldJob, workflow=WORKFLOW, sizing="hold.sizing"
+            name="hold",
+            package=__package__,
+            spec=HoldJob,
+            workflow=WORKFLOW,
+            sizing="hold.sizing",
+            rights=frozenset(),
         )
     """,
     "handlers.py": """

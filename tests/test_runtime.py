@@ -11,7 +11,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from shardfold.functions import runtime, store
-from shardfold.functions.errors import SpecError
+from shardfold.functions.access import Right, TaskScope
+from shardfold.functions.errors import AccessDenied, SpecError
 from shardfold.functions.getbatch.spec import GetBatchJob
 from shardfold.functions.runtime import JobEvent, logger, task
 from shardfold.functions.store.uri import join
@@ -271,3 +272,65 @@ def test_handlers_keep_the_lambda_signature_and_their_importable_names(root):
     }
     real = import_handler("shardfold.functions.getbatch.handlers:gather")
     assert real.__name__ == "gather" and real.__module__ == "shardfold.functions.getbatch.handlers"
+
+
+# --- the task's reach: its job's folder, and what its kind's rights add (functions.access.TaskScope) --------
+
+
+@task(JobEvent, kind="getbatch", step="getbatch.reach")
+def reach(e: JobEvent, spec: GetBatchJob) -> dict:
+    """Touches what the event names: ``writes``, ``reads`` and ``pins`` (keys under the store root); returns
+    the refusal of each, or None."""
+    out: dict[str, str | None] = {}
+
+    def attempt(what: str, fn) -> None:
+        try:
+            fn()
+            out[what] = None
+        except AccessDenied as exc:
+            out[what] = str(exc)
+
+    for key in e.model_extra.get("writes", []):
+        attempt(f"write {key}", lambda key=key: store.put(join(e.store_root, key), b"x"))
+    for key in e.model_extra.get("reads", []):
+        attempt(f"read {key}", lambda key=key: store.exists(join(e.store_root, key)))
+    for key in e.model_extra.get("pins", []):
+        attempt(f"pin {key}", lambda key=key: store.pins([join(e.store_root, key)]))
+    return out
+
+
+def test_a_task_writes_its_own_job_folder_and_what_its_kind_declares_nothing_else(root):
+    uri = write_spec(root, "j1", getbatch_doc())
+    writes = ["jobs/j1/out/a", "results/a", "ledger/survey/entries/1.json", "jobs/j2/result.json", "claims/x"]
+    got = reach(
+        event(root, "j1", uri, writes=writes, reads=["ledger/survey/entries/1.json", "jobs/j2/spec.json"])
+    )
+    assert got["write jobs/j1/out/a"] is None and got["write results/a"] is None  # its folder; outputs
+    assert "does not declare the 'ledger' right" in got["write ledger/survey/entries/1.json"]
+    assert "may not write another job's folder" in got["write jobs/j2/result.json"]
+    assert "may not write the output claims" in got["write claims/x"]
+    assert "does not declare the 'ledger' right" in got["read ledger/survey/entries/1.json"]
+    assert got["read jobs/j2/spec.json"] is None  # an input may be another job's output
+    assert not store.exists(join(root, "ledger/survey/entries/1.json"))
+    assert not store.exists(join(root, "jobs/j2/result.json"))
+
+
+def test_the_reach_covers_lookups_too_and_ends_with_the_task(root):
+    uri = write_spec(root, "j1", getbatch_doc())
+    got = reach(event(root, "j1", uri, pins=["ledger/x", "jobs/j1/x"]))
+    assert "'ledger' right" in got["pin ledger/x"] and got["pin jobs/j1/x"] is None
+    store.put(join(root, "ledger/x"), b"outside any task: the caller's own reach")
+
+
+def test_a_kind_without_a_right_is_refused_it(root):
+    scope = TaskScope(root, "j1", "getbatch", frozenset())
+    with pytest.raises(AccessDenied, match="'outputs' right"):
+        scope.check(join(root, "results/a"), True)
+    with pytest.raises(AccessDenied, match="'inputs' right"):
+        scope.check(join(root, "data/a"), False)
+    with pytest.raises(AccessDenied, match="'inputs' right"):
+        scope.check("s3://another-bucket/data/a", False)
+    scope.check(join(root, "jobs/j1/anything"), True)
+    granted = TaskScope(root, "j1", "getbatch", frozenset(Right))
+    granted.check(join(root, "ledger/survey/entries/1.json"), True)
+    granted.check("file:///home/user/data.bin", False)

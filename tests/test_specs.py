@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from shardfold.functions import kinds
 from shardfold.functions.errors import SpecError
 from shardfold.functions.specs import dump_spec, parse_spec
 
@@ -21,12 +22,7 @@ def sample(kind: str) -> dict:
 
 
 def test_every_kind_has_a_sample_spec():
-    assert {json.loads(p.read_text())["kind"] for p in SAMPLES} == {
-        "getbatch",
-        "fedavg",
-        "dpquery",
-        "inference",
-    }
+    assert {json.loads(p.read_text())["kind"] for p in SAMPLES} == set(kinds.names())
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)

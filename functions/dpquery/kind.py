@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardfold.functions import ledger
+from shardfold.functions.access import Right
 from shardfold.functions.dpquery.spec import DPQueryJob, marginal_name
 from shardfold.functions.dpquery.workflow import WORKFLOW
 from shardfold.functions.kinds import JobKind
@@ -62,6 +63,8 @@ KIND = JobKind(
     spec=DPQueryJob,
     workflow=WORKFLOW,
     sizing="shardfold.functions.dpquery.sizing",
+    # the budget is reserved before the first noisy answer and spent when the answers are written
+    rights=frozenset({Right.INPUTS, Right.OUTPUTS, Right.LEDGER}),
     result_view=result_view,
     # they read the rows: their times, memory and bytes are proxies of the row count (functions.telemetry)
     private_steps=frozenset({"prepare", "measure_group"}),

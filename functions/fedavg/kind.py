@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardfold.functions import ledger
+from shardfold.functions.access import Right
 from shardfold.functions.fedavg.spec import FedAvgJob
 from shardfold.functions.fedavg.workflow import WORKFLOW
 from shardfold.functions.kinds import JobKind
@@ -40,6 +41,8 @@ KIND = JobKind(
     spec=FedAvgJob,
     workflow=WORKFLOW,
     sizing="shardfold.functions.fedavg.sizing",
+    # DP-FedAvg reserves each round's budget before any noise is drawn and spends it at commit
+    rights=frozenset({Right.INPUTS, Right.OUTPUTS, Right.LEDGER}),
     result_view=result_view,
     extras=lambda spec: ("dp",) if spec.dp is not None else (),  # DP-FedAvg's noise: OpenDP
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardfold.functions.access import Right
 from shardfold.functions.getbatch.spec import GetBatchJob
 from shardfold.functions.getbatch.workflow import WORKFLOW
 from shardfold.functions.kinds import JobKind
@@ -12,4 +13,5 @@ KIND = JobKind(
     spec=GetBatchJob,
     workflow=WORKFLOW,
     sizing="shardfold.functions.getbatch.sizing",
+    rights=frozenset({Right.INPUTS, Right.OUTPUTS}),
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardfold.functions.access import Right
 from shardfold.functions.inference.spec import InferenceJob
 from shardfold.functions.inference.workflow import WORKFLOW
 from shardfold.functions.kinds import JobKind
@@ -12,6 +13,7 @@ KIND = JobKind(
     spec=InferenceJob,
     workflow=WORKFLOW,
     sizing="shardfold.functions.inference.sizing",
+    rights=frozenset({Right.INPUTS, Right.OUTPUTS}),
     # the GPU workers' shards: the executors see the whole GPU stage as one step
     progress="shardfold.functions.inference.pipeline:progress",
     # the Batch container's entry point keeps torch out of the Lambda handlers' module

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from shardfold.functions import access, store
+from shardfold.functions import access, credentials, store
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference.batcher import token_budget_batches
@@ -389,9 +389,7 @@ def _batch_job_ended(job_id: str) -> bool:
     """Whether AWS Batch reports the job SUCCEEDED or FAILED, so no container of it runs any more; False
     when it cannot tell (no access, throttled, a job Batch no longer lists)."""
     try:
-        import boto3
-
-        jobs = boto3.client("batch").describe_jobs(jobs=[job_id])["jobs"]
+        jobs = credentials.session().client("batch").describe_jobs(jobs=[job_id])["jobs"]
     except Exception as exc:  # noqa: BLE001 - not knowing means alive: the shard waits for the repair round
         logger.warning(
             "cannot tell whether a claim's Batch job ended", extra={"job": job_id, "error": str(exc)}

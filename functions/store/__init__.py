@@ -26,7 +26,16 @@ from shardfold.functions.store.batch import BatchEntry, BatchStats, BatchStream,
 from shardfold.functions.store.pinning import Pin, changed
 from shardfold.functions.store.retry import RetryPolicy, TransientError
 from shardfold.functions.store.tar import write_tar
-from shardfold.functions.store.uri import is_s3, join, local_path, resolve, split_s3, store_root
+from shardfold.functions.store.uri import (
+    is_s3,
+    join,
+    local_path,
+    reach,
+    resolve,
+    scoped,
+    split_s3,
+    store_root,
+)
 
 __all__ = [
     "BatchEntry",
@@ -53,7 +62,9 @@ __all__ = [
     "put_file_if_absent",
     "put_if_absent",
     "put_json",
+    "reach",
     "resolve",
+    "scoped",
     "size",
     "sizes",
     "split_s3",
@@ -69,7 +80,7 @@ def get(uri: str, start: int = 0, length: int | None = None, pin: Pin | None = N
     """The object's bytes, or ``length`` bytes from ``start`` (``None``: to the end). With a ``pin`` (from
     :func:`pin`), only the pinned object's: :class:`InputChanged` if it changed since, checked in the same
     request (S3 ``If-Match``; locally ``fstat`` of the opened file)."""
-    uri = resolve(uri)
+    uri = reach(uri)
     if is_s3(uri):
         return s3.get(uri, start, length, pin=pin)
     return local.get(local_path(uri), uri, start, length, pin)
@@ -77,7 +88,7 @@ def get(uri: str, start: int = 0, length: int | None = None, pin: Pin | None = N
 
 def put(uri: str, data: bytes) -> None:
     """Write an object atomically: readers see the old object or the new one, never a mix."""
-    uri = resolve(uri)
+    uri = reach(uri, write=True)
     if is_s3(uri):
         s3.put(uri, bytes(data))
     else:
@@ -86,7 +97,7 @@ def put(uri: str, data: bytes) -> None:
 
 def put_file(uri: str, fileobj: BinaryIO) -> None:
     """Like :func:`put`, streaming from a binary file object (memory does not grow with its size)."""
-    uri = resolve(uri)
+    uri = reach(uri, write=True)
     if is_s3(uri):
         s3.put_file(uri, fileobj)
     else:
@@ -98,7 +109,7 @@ def writer(uri: str) -> Iterator[BinaryIO]:
     """A file to stream an object into, without holding it: it appears whole when the block exits cleanly
     and not at all when it raises (locally a temporary file renamed into place; on S3 a multipart upload
     holding at most two 8 MiB parts)."""
-    uri = resolve(uri)
+    uri = reach(uri, write=True)
     with s3.writer(uri) if is_s3(uri) else local.writer(local_path(uri)) as f:
         yield f
 
@@ -110,7 +121,7 @@ def spooled_writer(uri: str, spool_bytes: int, if_absent: bool = False) -> Itera
     sent in one PUT (:func:`put_file`: one request where a multipart upload is ten); locally the file is
     written in place by :func:`writer`, with no second copy. ``if_absent``: only if no object is there
     (:class:`ObjectExists` when one is: nothing written), as :func:`put_if_absent`."""
-    uri = resolve(uri)
+    uri = reach(uri, write=True)
     if not is_s3(uri):
         with local.writer(local_path(uri), if_absent=if_absent) as f:
             yield f
@@ -126,7 +137,7 @@ def spooled_writer(uri: str, spool_bytes: int, if_absent: bool = False) -> Itera
 
 def put_if_absent(uri: str, data: bytes) -> bool:
     """Write only if nothing is at ``uri``; True if this call wrote it. Safe against concurrent writers."""
-    uri = resolve(uri)
+    uri = reach(uri, write=True)
     if is_s3(uri):
         return s3.put_if_absent(uri, bytes(data))
     return local.put_if_absent(local_path(uri), data)
@@ -135,21 +146,21 @@ def put_if_absent(uri: str, data: bytes) -> bool:
 def put_file_if_absent(uri: str, fileobj: BinaryIO) -> bool:
     """:func:`put_if_absent` streaming from a seekable binary file object (at most
     :data:`functions.store.s3.MAX_SINGLE_PUT` bytes on S3: one conditional PUT)."""
-    uri = resolve(uri)
+    uri = reach(uri, write=True)
     if is_s3(uri):
         return s3.put_file_if_absent(uri, fileobj)
     return local.put_file_if_absent(local_path(uri), fileobj)
 
 
 def exists(uri: str) -> bool:
-    uri = resolve(uri)
+    uri = reach(uri)
     if is_s3(uri):
         return s3.head_size(uri) is not None
     return local.exists(local_path(uri))
 
 
 def size(uri: str) -> int:
-    uri = resolve(uri)
+    uri = reach(uri)
     if is_s3(uri):
         n = s3.head_size(uri)
         if n is None:
@@ -175,7 +186,7 @@ def pin(uri: str) -> Pin:
 def pins(uris: list[str]) -> dict[str, Pin | None]:
     """The pin of each object (None where there is no object), looked up concurrently: S3 objects by HEADs
     all in flight on the CRT client when it is the transport, else on the process's shared thread pool."""
-    resolved = {u: resolve(u) for u in uris}
+    resolved = {u: reach(u) for u in uris}
     on_s3 = list(dict.fromkeys(r for r in resolved.values() if is_s3(r)))
     found: dict[str, Pin | None] = {}
     if on_s3 and transport.s3_transport_name() == "crt":
@@ -222,7 +233,7 @@ def list_uris(prefix_uri: str, start_after: str | None = None) -> list[str]:
     """URIs of all objects under a prefix (string prefix, as on S3; recursive), sorted; with ``start_after``
     (a URI under the prefix), only those that sort after it, as S3's StartAfter (so a poller that knows
     where its work begins does not list everything before it again)."""
-    prefix_uri = resolve(prefix_uri)
+    prefix_uri = reach(prefix_uri)
     if is_s3(prefix_uri):
         return s3.list_uris(prefix_uri, start_after and split_s3(resolve(start_after))[1])
     found = ["file://" + str(p) for p in local.list_paths(str(local_path(prefix_uri)) + _slash(prefix_uri))]
@@ -234,7 +245,7 @@ def list_uris(prefix_uri: str, start_after: str | None = None) -> list[str]:
 
 def delete(uri: str) -> None:
     """Remove an object; removing a missing one is not an error."""
-    uri = resolve(uri)
+    uri = reach(uri, write=True)
     if is_s3(uri):
         s3.delete(uri)
     else:
@@ -243,7 +254,7 @@ def delete(uri: str) -> None:
 
 def delete_prefix(prefix_uri: str) -> int:
     """Remove every object under a prefix; returns how many were removed."""
-    prefix_uri = resolve(prefix_uri)
+    prefix_uri = reach(prefix_uri, write=True)
     if is_s3(prefix_uri):
         return s3.delete_prefix(prefix_uri)
     return local.delete_prefix(str(local_path(prefix_uri)) + _slash(prefix_uri))
@@ -252,8 +263,8 @@ def delete_prefix(prefix_uri: str) -> int:
 def assemble(part_uris: list[str], dest_uri: str) -> None:
     """Concatenate objects, in order, into one new object (atomically). Parts and destination share a
     scheme: S3 copies server-side where it can (multipart UploadPartCopy)."""
-    dest_uri = resolve(dest_uri)
-    parts = [resolve(u) for u in part_uris]
+    dest_uri = reach(dest_uri, write=True)
+    parts = [reach(u) for u in part_uris]
     if any(is_s3(u) != is_s3(dest_uri) for u in parts):
         raise StoreError(f"assemble: parts and destination {dest_uri} must all be s3:// or all local")
     if is_s3(dest_uri):

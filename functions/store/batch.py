@@ -79,7 +79,7 @@ from shardfold.functions.store.transport import (
     takes_limit,
     thread_pool,
 )
-from shardfold.functions.store.uri import default_name, resolve, store_root
+from shardfold.functions.store.uri import default_name, reach, store_root
 
 MiB = 1024 * 1024
 # Reads in flight. S3 answers small GETs in tens of ms, so throughput is concurrency / latency until the
@@ -533,7 +533,7 @@ class _Engine:
 
     def _make_slot(self, index: int, item: BatchItem | dict | str) -> _Slot:
         if isinstance(item, str):
-            uri = resolve(item, self.root)
+            uri = reach(item, root=self.root)
             return _Slot(index, uri, 0, None, None, default_name(uri, self.root))
         if isinstance(item, dict):
             try:
@@ -543,7 +543,7 @@ class _Engine:
                     f"{'.'.join(map(str, e['loc'])) or 'item'}: {e['msg']}" for e in exc.errors()
                 )
                 raise SpecError(f"item {index} is not a valid batch item: {problems}") from None
-        uri = resolve(item.uri, self.root)
+        uri = reach(item.uri, root=self.root)
         name = item.name or default_name(uri, self.root)
         if item.archpath and not item.name:
             name = f"{name}/{item.archpath.lstrip('/')}"

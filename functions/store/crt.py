@@ -8,7 +8,8 @@ The CRT does not read boto3's endpoint variables, so this module does: ``AWS_END
 ``AWS_ENDPOINT_URL``) switches to path-style requests against that host (TLS off for ``http://``);
 otherwise requests go to ``<bucket>.s3.<region>.amazonaws.com``. Region: ``AWS_REGION``, then
 ``AWS_DEFAULT_REGION``, then us-east-1. Credentials: the CRT's default chain (environment, profile,
-container and instance roles), which covers Lambda and Batch.
+container and instance roles), which covers Lambda and Batch, unless the caller set others
+(:mod:`functions.credentials`); one client per set of credentials.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from awscrt.http import HttpHeaders, HttpRequest
 from awscrt.io import ClientBootstrap, DefaultHostResolver, EventLoopGroup
 from awscrt.s3 import S3Client, S3RequestTlsMode, S3RequestType, S3RetryConfig, S3RetryMode
 
-from shardfold.functions import telemetry
+from shardfold.functions import credentials, telemetry
 from shardfold.functions.errors import InvalidRange, ObjectNotFound, StoreError
 from shardfold.functions.store.pinning import Pin, TooLarge, changed
 from shardfold.functions.store.retry import TRANSIENT_STATUS, TransientError
-from shardfold.functions.store.s3 import check_body, heard_from_endpoint, range_header
+from shardfold.functions.store.s3 import check_body, denied, heard_from_endpoint, range_header
 from shardfold.functions.store.s3 import endpoint as s3_endpoint
 from shardfold.functions.store.transport import Boto3Transport as _Boto3
 from shardfold.functions.store.transport import Cancel, Done, thread_pool
@@ -41,7 +42,7 @@ _lock = threading.Lock()
 class _Client:
     """An S3Client with the addressing it was made for."""
 
-    def __init__(self, endpoint: str | None, region: str):
+    def __init__(self, endpoint: str | None, region: str, signer: credentials.Credentials | None):
         self.endpoint_url = s3_endpoint()[0]  # what heard_from_endpoint records answers under
         elg = EventLoopGroup()
         bootstrap = ClientBootstrap(elg, DefaultHostResolver(elg))
@@ -57,7 +58,7 @@ class _Client:
         self.client = S3Client(
             bootstrap=bootstrap,
             region=region,
-            credential_provider=AwsCredentialsProvider.new_default_chain(bootstrap),
+            credential_provider=_provider(bootstrap, signer),
             tls_mode=tls,
             # The engine retries and hedges itself; CRT retries underneath would multiply attempts.
             retry_config=S3RetryConfig(retry_mode=S3RetryMode.NONE),
@@ -76,15 +77,25 @@ class _Client:
         return f"{bucket}.s3.{self.region}.amazonaws.com", path
 
 
+def _provider(bootstrap: ClientBootstrap, signer: credentials.Credentials | None) -> AwsCredentialsProvider:
+    """The CRT's default chain, or the credentials a caller set (:func:`functions.credentials.using`)."""
+    if signer is None:
+        return AwsCredentialsProvider.new_default_chain(bootstrap)
+    return AwsCredentialsProvider.new_static(
+        signer.access_key_id, signer.secret_access_key, signer.session_token
+    )
+
+
 def crt_client() -> _Client:
     env = os.environ
     endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-    key = (os.getpid(), endpoint, region)
+    signer = credentials.current()
+    key = (os.getpid(), endpoint, region, signer)
     client = _clients.get(key)
     if client is None:
         with _lock:
-            client = _clients.get(key) or _Client(endpoint, region)
+            client = _clients.get(key) or _Client(endpoint, region, signer)
             _clients[key] = client
     return client
 
@@ -112,7 +123,7 @@ def _error(
     if status is None or status in TRANSIENT_STATUS or code == "SlowDown":
         return TransientError(f"{op} {uri}: {code or status or exc}", status)
     if status == 403:
-        return StoreError(f"{op} {uri}: access denied ({code}); check the credentials and the bucket policy")
+        return denied(op, uri, code or "403")
     return StoreError(f"{op} {uri} failed: HTTP {status} {code}")
 
 

@@ -21,8 +21,14 @@ import boto3.exceptions
 import botocore.exceptions
 from botocore.config import Config
 
-from shardfold.functions import telemetry
-from shardfold.functions.errors import InvalidRange, ObjectNotFound, StoreError, StoreUnreachable
+from shardfold.functions import credentials, telemetry
+from shardfold.functions.errors import (
+    AccessDenied,
+    InvalidRange,
+    ObjectNotFound,
+    StoreError,
+    StoreUnreachable,
+)
 from shardfold.functions.log import logger
 from shardfold.functions.store.local import check_range
 from shardfold.functions.store.pinning import Pin, TooLarge, changed
@@ -93,7 +99,7 @@ def endpoint() -> tuple[str, str]:
 def s3_client(retries: bool = True) -> Any:
     """The process's boto3 S3 client. ``retries=False`` gives one that tries once, for callers (the
     GetBatch engine) that run their own retry and hedging policy."""
-    key = (*_env_key(), retries)
+    key = (*_env_key(), retries, credentials.current())
     client = _clients.get(key)
     if client is None:
         with _lock:
@@ -101,7 +107,7 @@ def s3_client(retries: bool = True) -> Any:
             if client is None:
                 retry = _retry_config() if retries else {"total_max_attempts": 1}
                 config = Config(max_pool_connections=POOL, retries=retry, tcp_keepalive=True)
-                client = boto3.session.Session().client("s3", config=config)
+                client = credentials.session().client("s3", config=config)
                 client.meta.events.register("before-call.s3", _before_call)
                 client.meta.events.register("after-call.s3", _after_call)  # a response came back
                 _clients[key] = client
@@ -190,8 +196,17 @@ def translate(exc: Exception, uri: str, op: str) -> Exception:
     if code in TRANSIENT_CODES or status in TRANSIENT_STATUS:
         return TransientError(f"{op} {uri}: {code or status}", status)
     if status == 403 or code == "AccessDenied":
-        return StoreError(f"{op} {uri}: access denied; check the credentials and the bucket policy")
+        return denied(op, uri, code or str(status))
     return StoreError(f"{op} {uri} failed: {code or status}: {exc}")
+
+
+def denied(op: str, uri: str, code: str) -> AccessDenied:
+    """S3's 403 for ``op`` on ``uri``: the credentials in use (a task's: its function's role) hold no grant
+    for it, or the bucket's policy refuses them."""
+    return AccessDenied(
+        f"{op} {uri}: access denied ({code}); the credentials in use (a task's: its function's role) hold no "
+        "grant for it, or the bucket policy refuses them"
+    )
 
 
 def unreachable(exc: BaseException) -> StoreUnreachable | None:

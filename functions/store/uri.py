@@ -7,7 +7,10 @@ key may not start with ``/``: both would let a job read or write outside the pla
 
 from __future__ import annotations
 
+import contextvars
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from shardfold.functions.errors import StoreError, UnsafeKey
@@ -149,3 +152,30 @@ def default_name(uri: str, root: str | None = None) -> str:
     if path.startswith(base):
         return path[len(base) :]
     return path.lstrip("/")
+
+
+# What the task in hand may touch (functions.access.TaskScope.check): called with every full URI a store call
+# reads or writes, before the request is made.
+_scope: contextvars.ContextVar[Callable[[str, bool], None] | None] = contextvars.ContextVar(
+    "shardfold_store_scope", default=None
+)
+
+
+@contextmanager
+def scoped(check: Callable[[str, bool], None]) -> Iterator[None]:
+    """Check every URI the block reads (``check(uri, False)``) or writes (``check(uri, True)``) first."""
+    token = _scope.set(check)
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def reach(uri: str, write: bool = False, root: str | None = None) -> str:
+    """``uri`` resolved (a key: under ``root``, default the store root), after the scope's check
+    (:func:`scoped`)."""
+    uri = resolve(uri, root)
+    check = _scope.get()
+    if check is not None:
+        check(uri, write)
+    return uri

@@ -1,8 +1,14 @@
-"""IAM policy documents as plain dicts, and the one list of places where a ``*`` resource is allowed.
+"""IAM policy documents as plain dicts: the stack's roles, and the one list of places where a ``*``
+resource is allowed.
 
-Everything here is pure (no Pulumi): the resource modules build documents from ARNs they already resolved
-(inside ``Output.apply``), and :func:`check_policy` refuses any document that breaks the rules below before
-it reaches AWS. The tests run the same check over every policy of the stack.
+Everything here is pure (no Pulumi): ``infra`` builds documents from ARNs it already resolved (inside
+``Output.apply``), and the moto harness and the emulator tier build the same documents for the roles they
+run each handler under, so what the tests enforce is what ``pulumi up`` deploys. :func:`check_policy`
+refuses any document that breaks the rules below before it reaches AWS; the tests run the same check over
+every policy of the stack.
+
+What a worker (a Lambda task or a Batch container) may touch comes from its kind's declared rights
+(``JobKind.rights``, :func:`functions.access.reach`); no kind is named here.
 
 Rules:
 
@@ -19,10 +25,13 @@ Rules:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from shardfold.functions import access, claims, kinds
+from shardfold.functions.access import Grants, Right
 from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.workflow import BatchJob, Map, Workflow
 
 VERSION = "2012-10-17"
 
@@ -126,8 +135,8 @@ def check_policy(doc: Mapping[str, Any]) -> None:
                 bad = [a for a in actions if a not in WILDCARD_RESOURCE_ACTIONS]
                 if bad:
                     raise ShardfoldError(
-                        f"actions {bad} are granted on Resource '*'; only those in shardfold.infra.iam."
-                        f"WILDCARD_RESOURCE_ACTIONS may be: {sorted(WILDCARD_RESOURCE_ACTIONS)}"
+                        f"actions {bad} are granted on Resource '*'; only those in shardfold.orchestrator."
+                        f"iam.WILDCARD_RESOURCE_ACTIONS may be: {sorted(WILDCARD_RESOURCE_ACTIONS)}"
                     )
             elif not resource.startswith("arn:"):
                 raise ShardfoldError(f"resource {resource!r} is not an ARN")
@@ -216,3 +225,166 @@ def sfn_log_delivery_statement() -> dict[str, Any]:
         "*",
         sid="LogDelivery",
     )
+
+
+# --- the stack's roles ------------------------------------------------------------------------------------
+
+# The rule Step Functions' Batch .sync integration manages to hear of a job's end.
+BATCH_EVENTS_RULE = "StepFunctionsGetEventsForBatchJobsRule"
+
+
+def function_rights(function: str) -> frozenset[Right]:
+    """The rights of a workflow function (a Lambda task or a Batch entry point): its kind's declaration;
+    none for a function of no registered kind (a test's own handler): its job's folder only."""
+    name = function.split(".", 1)[0]
+    return kinds.find(name).rights if name in kinds.packages() else frozenset()
+
+
+def batch_rights(workflows: Mapping[str, Workflow]) -> frozenset[Right]:
+    """The rights of the one Batch job role every container runs under: those of every kind with a
+    ``BatchJob`` step."""
+    out: set[Right] = set()
+    for wf in workflows.values():
+        for step in wf.walk():
+            if isinstance(step, BatchJob):
+                out |= function_rights(step.entry_point)
+    return frozenset(out)
+
+
+def worker_statements(
+    partition: str,
+    bucket: str,
+    grants: Grants,
+    rights: Iterable[Right],
+    kms_key_arn: str | None = None,
+) -> list[dict[str, Any]]:
+    """S3 (and KMS) statements of a worker holding ``rights`` (:func:`functions.access.reach`)."""
+    read, write = access.reach(rights, grants, bucket)
+    statements = s3_statements(partition, write, write=True, sid="Write")
+    statements += s3_statements(partition, read, write=False, sid="Read")
+    key = kms_statement(kms_key_arn)
+    if key:
+        statements.append(key)
+    return statements
+
+
+def lambda_policy(
+    log_group_arn: str, statements: Iterable[dict[str, Any]], *, tracing: bool
+) -> dict[str, Any]:
+    """A Lambda function's role policy: its own log group, ``statements``, and X-Ray when tracing."""
+    return document(log_stream_statement(log_group_arn), *statements, xray_statement() if tracing else None)
+
+
+def batch_job_statements(
+    partition: str, bucket: str, grants: Grants, rights: Iterable[Right], kms_key_arn: str | None = None
+) -> list[dict[str, Any]]:
+    """The Batch containers' role: a worker's statements, and whether another Batch job has ended."""
+    return [
+        *worker_statements(partition, bucket, grants, rights, kms_key_arn),
+        # Resource "*": DescribeJobs has no resource type (WILDCARD_RESOURCE_ACTIONS); a worker asks whether
+        # the Batch job holding a shard's claim has ended.
+        statement(["batch:DescribeJobs"], "*", sid="ClaimHolderAlive"),
+    ]
+
+
+def dispatch_statements(
+    partition: str,
+    bucket: str,
+    *,
+    state_machine_arns: list[str],
+    dlq_arn: str | None,
+    kms_key_arn: str | None,
+    read_refs: Sequence[tuple[str, str]] = (),
+) -> list[dict[str, Any]]:
+    """The dispatch function submits a dropped spec as the SDK does: it reads specs and writes reports and
+    job records under ``jobs/``, claims the job's outputs under ``claims/``, reads what the workers read
+    (``read_refs``: submit's probe sizes a job from its inputs), starts the deployed state machines, and
+    sends its failed events to the DLQ."""
+    b = bucket_arn(partition, bucket)
+    out = [
+        statement(
+            ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+            [f"{b}/{access.JOBS_PREFIX}*", f"{b}/{claims.CLAIMS_PREFIX}*"],
+            sid="JobObjects",
+        ),
+        # HEAD of a missing report must answer 404, not 403.
+        statement(["s3:ListBucket"], b, sid="JobList"),
+        *s3_statements(partition, read_refs, write=False, sid="Read"),
+        statement(["states:StartExecution"], sorted(state_machine_arns), sid="StartJobs"),
+    ]
+    if dlq_arn:
+        out.append(statement(["sqs:SendMessage"], dlq_arn, sid="FailedEvents"))
+    key = kms_statement(kms_key_arn)
+    if key:
+        out.append(key)
+    return out
+
+
+def state_machine_statements(
+    workflow: Workflow,
+    *,
+    partition: str,
+    region: str,
+    account: str,
+    name: str,
+    bucket: str,
+    function_arns: list[str],
+    queue: str | None,
+    definition_names: list[str],
+    tracing: bool,
+    kms_key_arn: str | None = None,
+) -> list[dict[str, Any]]:
+    """Every statement of the role of state machine ``name`` running ``workflow``: what its steps need
+    (invoking its functions, a Distributed Map's children and manifest, a BatchJob's queue and
+    definitions), and its logs."""
+    steps = list(workflow.walk())
+    states = f"arn:{partition}:states:{region}:{account}"
+    out: list[dict[str, Any]] = []
+    if function_arns:
+        out.append(
+            statement(
+                ["lambda:InvokeFunction"],
+                [*function_arns, *(f"{a}:*" for a in function_arns)],
+                sid="InvokeFunctions",
+            )
+        )
+    if any(isinstance(s, Map) for s in steps):
+        out += [
+            statement(["states:StartExecution"], f"{states}:stateMachine:{name}", sid="MapStartChildren"),
+            statement(
+                ["states:DescribeExecution", "states:StopExecution"],
+                [f"{states}:execution:{name}:*", f"{states}:execution:{name}/*"],
+                sid="MapManageChildren",
+            ),
+            # Redriving the parent redrives a Map Run's failed children (execution:<name>/<label>:<id>).
+            statement(["states:RedriveExecution"], f"{states}:execution:{name}/*", sid="MapRedriveChildren"),
+            # The ItemReader loads the manifest the plan step wrote under jobs/<id>/.
+            statement(["s3:GetObject"], f"{bucket_arn(partition, bucket)}/jobs/*", sid="MapReadManifest"),
+        ]
+        key = kms_statement(kms_key_arn)  # the manifest is encrypted with the bucket's key
+        if key:
+            out.append(key)
+    if any(isinstance(s, BatchJob) for s in steps):
+        if not queue:
+            raise ShardfoldError(f"workflow {workflow.kind!r} has a BatchJob but the stack has no GPU queue")
+        batch = f"arn:{partition}:batch:{region}:{account}"
+        definitions = [f"{batch}:job-definition/{n}" for n in definition_names]
+        out += [
+            statement(
+                ["batch:SubmitJob"],
+                [queue, *definitions, *(f"{d}:*" for d in definitions)],
+                sid="BatchSubmit",
+            ),
+            statement(["batch:TerminateJob"], f"{batch}:job/*", sid="BatchTerminate"),
+            # Resource "*": DescribeJobs has no resource type (WILDCARD_RESOURCE_ACTIONS); .sync polls it.
+            statement(["batch:DescribeJobs"], "*", sid="BatchDescribe"),
+            statement(
+                ["events:PutTargets", "events:PutRule", "events:DescribeRule"],
+                f"arn:{partition}:events:{region}:{account}:rule/{BATCH_EVENTS_RULE}",
+                sid="BatchSyncRule",
+            ),
+        ]
+    out.append(sfn_log_delivery_statement())
+    if tracing:
+        out.append(xray_statement())
+    return out
