@@ -500,11 +500,12 @@ BATCH_LOG_GROUP = "/aws/batch/job"  # where AWS Batch jobs log unless their defi
 def cloudwatch_lines(place: dict[str, Any]) -> Iterator[str]:
     """Lines of a Lambda invocation (``group``, ``stream``, ``request_id``) or of a Batch job
     (``batch_job``: its log stream, from DescribeJobs) in CloudWatch Logs, a page at a time."""
-    import boto3
+    from shardfold.functions import credentials
 
-    logs = boto3.client("logs")
+    session = credentials.session()
+    logs = session.client("logs")
     if place.get("batch_job"):
-        jobs = boto3.client("batch").describe_jobs(jobs=[str(place["batch_job"])])["jobs"]
+        jobs = session.client("batch").describe_jobs(jobs=[str(place["batch_job"])])["jobs"]
         stream = jobs[0].get("container", {}).get("logStreamName") if jobs else None
         if not stream:
             return
@@ -537,9 +538,9 @@ def with_lambda_reports(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
     if not lambda_records:
         return records
-    import boto3
+    from shardfold.functions import credentials
 
-    logs = boto3.client("logs")
+    logs = credentials.session().client("logs")
     start = int(min(r["started_at"] for r in lambda_records) * 1000) - 60_000
     end = int(max(r["ended_at"] for r in lambda_records) * 1000) + 60_000
     found: dict[str, dict[str, Any]] = {}

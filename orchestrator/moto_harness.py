@@ -13,6 +13,25 @@ interpreter's own boto3 clients reach the same server through ``MOTO_PORT``; and
 globally, so other clients in the process are untouched. The server shares moto's backends with this
 process, so the patches below act on it directly.
 
+**IAM, enforced** (moto authenticates and authorizes every request once the stack is up): every role is
+created with the policy ``infra`` attaches (:mod:`orchestrator.iam`: a function's from its kind's rights), and
+each handler runs under its own role's session (:mod:`functions.credentials`), each Batch container under
+the job role, :meth:`MotoStack.dispatch` under the dispatch function's role and moto's own requests for a
+state machine (a Distributed Map's ItemReader, a Batch .sync task) under that state machine's role. The SDK,
+the CLI and the tests sign as an administrator user (the operator); keys no IAM identity holds are refused.
+Where moto's evaluator falls short of AWS's, the harness fills the gap:
+
+* S3 requests are checked by the operation's IAM action (moto 5.2.6 checks ``s3:HeadObject``,
+  ``s3:ListObjectsV2``...), a DeleteObjects on each key it names, a copy on its source too;
+* Step Functions and Batch requests are checked on the resource ARNs AWS checks (moto checks ``*``);
+* a state machine's role must allow ``lambda:InvokeFunction`` on each function a Task calls (moto's
+  interpreter calls without asking);
+* a bodiless Lambda API call (GetFunctionConfiguration) no longer fails SignatureDoesNotMatch.
+
+Not modelled: conditions (moto ignores them), bucket policies (only ``Principal: *``), permissions
+boundaries and session policies, the functions' CloudWatch Logs grants (the harness writes their logs as
+the Lambda service does), KMS.
+
 **Gaps filled** (moto 5.2.5), never by changing the ASL that AWS runs:
 
 * Lambda: ``LambdaSimpleBackend.invoke`` runs our registered handler in-process (the Lambda function's
@@ -68,6 +87,7 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import functools
+import html
 import io
 import json
 import logging
@@ -77,6 +97,7 @@ import re
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 import uuid
 import zipfile
@@ -86,12 +107,14 @@ from typing import Any
 import boto3
 import botocore.session
 
-from shardfold.functions import telemetry
-from shardfold.functions.access import Grants
+from shardfold.functions import access, credentials, telemetry
+from shardfold.functions.access import Grants, Right
+from shardfold.functions.credentials import Credentials
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.log import logger
 from shardfold.functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
 from shardfold.functions.workflow import BatchJob, Task, Workflow
+from shardfold.orchestrator import iam
 from shardfold.orchestrator.asl import StackResolver, compile_workflow
 from shardfold.orchestrator.invoke import HandlerFailed, call
 from shardfold.orchestrator.registry import handler_path, lambda_handler, lambda_name
@@ -134,6 +157,12 @@ _map_children: dict[str, list[dict[str, Any]]] = {}  # map run ARN -> child exec
 _child_records: dict[str, dict[str, Any]] = {}  # child execution ARN -> its record (DescribeExecution)
 _gathered: dict[str, dict[str, dict[str, int]]] = {}  # execution ARN -> Map state -> its gathered result
 _active: MotoStack | None = None  # the one running stack (moto's backends are process-wide)
+_signers: dict[str, Credentials] = {}  # Lambda function name, BATCH_ROLE, DISPATCH_ROLE -> its role's session
+_role_signers: dict[
+    str, Credentials
+] = {}  # role ARN -> its session (the state machines' roles, for moto's clients)
+BATCH_ROLE = "batch"  # the Batch containers' role in _signers
+DISPATCH_ROLE = "dispatch"  # the dispatch function's role in _signers
 
 
 _MISSING = object()
@@ -163,6 +192,10 @@ def install_patches() -> None:
         _patch_redrive()
         _patch_batch()
         _patch_data_limits()
+        _patch_resource_arns()
+        _patch_s3_actions()
+        _patch_signature_payload()
+        _patch_interpreter_credentials()
 
 
 def uninstall_patches() -> None:
@@ -178,6 +211,8 @@ def uninstall_patches() -> None:
             else:
                 setattr(owner, name, original)
         _lambda_functions.clear()
+        _signers.clear()
+        _role_signers.clear()
         _streams.clear()
         _logs_client.cache_clear()
         _map_children.clear()
@@ -201,7 +236,7 @@ def _run_handler(fn: Any, body: bytes | str | None) -> tuple[bytes, bool]:
     context = {"aws_request_id": str(uuid.uuid4()), "log_group_name": group, "log_stream_name": stream}
     started = time.perf_counter()
     failed = False
-    with telemetry.captured_log() as lines:
+    with telemetry.captured_log() as lines, credentials.using(_signers.get(fn.function_name)):
         try:
             result = call(
                 handler_path(registered),
@@ -259,7 +294,7 @@ _streams: dict[tuple[str, int], tuple[str, str]] = {}
 
 @functools.cache
 def _logs_client() -> Any:
-    return boto3.client("logs")
+    return boto3.session.Session().client("logs")  # the operator's (boto3's default session keeps old keys)
 
 
 def _log_stream(function: str) -> tuple[str, str]:
@@ -306,6 +341,7 @@ def _patch_lambda() -> None:
             if not ours:
                 return original(parameters, region, state_credentials)
             fn = get_backend(ACCOUNT, region).get_function(name, None)
+            _require(state_credentials, "lambda:InvokeFunction", fn.function_arn, "Invoke")
             payload, failed = _run_handler(fn, parameters.get("Payload"))
             response: dict[str, Any] = {
                 "StatusCode": 200,
@@ -724,6 +760,193 @@ def _data_limit_failure(env: Any, cause: str) -> Exception:
     )
 
 
+# --- IAM: every request signed by a role, and checked against its policy ------------------------------------
+
+
+def _permitted(role_arn: str, action: str, resource: str) -> bool:
+    """Whether the inline policies of ``role_arn`` allow ``action`` on ``resource`` (moto's evaluator: an
+    explicit Deny wins, one Allow is needed)."""
+    from moto.iam.access_control import IAMPolicy, PermissionResult
+    from moto.iam.models import iam_backends
+
+    backend = iam_backends[ACCOUNT]["aws"]
+    role = backend.get_role_by_arn(role_arn)
+    results = [IAMPolicy(doc).is_action_permitted(action, resource) for doc in role.policies.values()]
+    return PermissionResult.DENIED not in results and PermissionResult.PERMITTED in results
+
+
+def _require(state_credentials: Any, action: str, resource: str, operation: str) -> None:
+    """The state machine's role must allow what its integration does, as on AWS: moto's interpreter calls
+    services without asking. A refusal fails the task with the service's 403 message ("User: <role> is not
+    authorized to perform: <action> on resource: <arn>"); the error name is the interpreter's, not checked
+    against AWS's."""
+    role = getattr(state_credentials, "role_arn", None)
+    if role is None or _permitted(role, action, resource):
+        return
+    from botocore.exceptions import ClientError
+
+    message = f"User: {role} is not authorized to perform: {action} on resource: {resource}"
+    error = {"Code": "AccessDeniedException", "Message": message}
+    meta = {"HTTPStatusCode": 403, "RequestId": str(uuid.uuid4())}
+    raise ClientError({"Error": error, "ResponseMetadata": meta}, operation)
+
+
+def _batch_arn(region: str, what: str, name_or_arn: str) -> str:
+    return (
+        name_or_arn
+        if name_or_arn.startswith("arn:")
+        else f"arn:aws:batch:{region}:{ACCOUNT}:{what}/{name_or_arn}"
+    )
+
+
+# The request field naming each Step Functions action's resource (AWS's resource types for the action).
+_SFN_RESOURCE_FIELD = {
+    "StartExecution": "stateMachineArn",
+    "StartSyncExecution": "stateMachineArn",
+    "ListExecutions": "stateMachineArn",
+    "DescribeStateMachine": "stateMachineArn",
+    "DescribeExecution": "executionArn",
+    "StopExecution": "executionArn",
+    "GetExecutionHistory": "executionArn",
+    "RedriveExecution": "executionArn",
+    "ListMapRuns": "executionArn",
+    "DescribeMapRun": "mapRunArn",
+}
+
+
+def _resource_arns(response: Any) -> list[str] | None:
+    """The resources AWS authorizes a Step Functions or Batch request on (moto checks every action of
+    those services against ``*``, so a policy scoped to ARNs, as ours are, would refuse everything)."""
+    name = type(response).__name__
+    if name not in ("StepFunctionResponse", "BatchResponse"):
+        return None
+    try:
+        body = json.loads(response.body or "{}")
+    except ValueError:
+        return None
+    action = response._get_action()
+    if name == "StepFunctionResponse":
+        field = _SFN_RESOURCE_FIELD.get(action)
+        return [body[field]] if field and isinstance(body.get(field), str) else None
+    region = response.region
+    if action == "SubmitJob":
+        return [
+            _batch_arn(region, "job-queue", str(body.get("jobQueue", ""))),
+            _batch_arn(region, "job-definition", str(body.get("jobDefinition", ""))),
+        ]
+    if action == "TerminateJob":
+        return [f"arn:aws:batch:{region}:{ACCOUNT}:job/{body.get('jobId', '')}"]
+    return None
+
+
+# S3 operations whose IAM action has another name (AWS's Service Authorization Reference for S3); moto 5.2.6
+# checks a policy for the operation's own name ("s3:HeadObject"), which no policy grants or needs to.
+S3_IAM_ACTIONS = {
+    "HeadObject": "GetObject",
+    "HeadBucket": "ListBucket",
+    "ListObjects": "ListBucket",
+    "ListObjectsV2": "ListBucket",
+    "CreateMultipartUpload": "PutObject",
+    "UploadPart": "PutObject",
+    "UploadPartCopy": "PutObject",
+    "CompleteMultipartUpload": "PutObject",
+    "CopyObject": "PutObject",
+    "DeleteObjects": "DeleteObject",
+    "ListParts": "ListMultipartUploadParts",
+}
+
+
+def _patch_s3_actions() -> None:
+    """S3 requests are authorized as AWS does: by the IAM action of the operation, on every key a
+    DeleteObjects names (moto checks the bucket), and on the source of a copy too (moto does not)."""
+    from moto.iam.access_control import S3IAMRequest
+
+    def make(original: Any) -> Any:
+        def check_action_permitted(self, resource):
+            service, _, operation = self._action.partition(":")
+            if service != "s3":
+                return original(self, resource)
+            self._action = f"s3:{S3_IAM_ACTIONS.get(operation, operation)}"
+            if operation in ("DeleteObject", "DeleteObjects") and "/" not in resource.partition(":::")[2]:
+                body = self._body.decode() if isinstance(self._body, bytes) else str(self._body or "")
+                for key in re.findall(r"<Key>(.*?)</Key>", body, re.S):
+                    original(self, f"{resource}/{html.unescape(key)}")
+                return None
+            source = self._headers.get("x-amz-copy-source")
+            if operation in ("CopyObject", "UploadPartCopy") and source:
+                action, self._action = self._action, "s3:GetObject"
+                original(self, "arn:aws:s3:::" + urllib.parse.unquote(source.split("?")[0]).lstrip("/"))
+                self._action = action
+            return original(self, resource)
+
+        return check_action_permitted
+
+    _patch(S3IAMRequest, "check_action_permitted", make)
+
+
+def _patch_signature_payload() -> None:
+    """moto recomputes a signature over the request's body, or, when the body is empty, over a dict that for
+    some services (Lambda) holds the headers: every bodiless Lambda call (GetFunctionConfiguration,
+    ListFunctions) then fails SignatureDoesNotMatch. A bodiless GET, HEAD or DELETE is signed over nothing."""
+    from moto.iam.access_control import IAMRequestBase
+
+    def make(original: Any) -> Any:
+        def _create_aws_request(self):
+            if not self._body and self._method in ("GET", "HEAD", "DELETE"):
+                saved, self._data = self._data, b""
+                try:
+                    return original(self)
+                finally:
+                    self._data = saved
+            return original(self)
+
+        return _create_aws_request
+
+    _patch(IAMRequestBase, "_create_aws_request", make)
+
+
+def _patch_resource_arns() -> None:
+    from moto.core.authorization import ActionAuthenticatorMixin
+
+    def make(original: Any) -> Any:
+        def _authenticate_and_authorize_normal_action(self, resource="*"):
+            for arn in _resource_arns(self) or [resource]:
+                original(self, arn)
+
+        return _authenticate_and_authorize_normal_action
+
+    _patch(ActionAuthenticatorMixin, "_authenticate_and_authorize_normal_action", make)
+
+
+def _patch_interpreter_credentials() -> None:
+    """moto's interpreter signs its own requests (a Distributed Map's ItemReader, a Batch .sync task) with
+    fixed keys no IAM identity holds; the harness signs them with the state machine's role, as AWS does."""
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.item_reader.eval import resource_eval_s3
+    from moto.stepfunctions.parser.asl.component.state.exec.state_task import lambda_eval_utils
+    from moto.stepfunctions.parser.asl.component.state.exec.state_task.service import state_task_service_batch
+
+    def make(original: Any) -> Any:
+        def boto_client_for(region, service, state_credentials=None):
+            client = original(region=region, service=service, state_credentials=state_credentials)
+            signer = _role_signers.get(getattr(state_credentials, "role_arn", None) or "")
+            if signer is None:
+                return client
+            return boto3.client(
+                service,
+                region_name=region,
+                endpoint_url=client.meta.endpoint_url,
+                config=client.meta.config,
+                aws_access_key_id=signer.access_key_id,
+                aws_secret_access_key=signer.secret_access_key,
+                aws_session_token=signer.session_token,
+            )
+
+        return boto_client_for
+
+    for module in (resource_eval_s3, lambda_eval_utils, state_task_service_batch):
+        _patch(module, "boto_client_for", make)
+
+
 # --- Batch: .sync parameters and in-process containers ----------------------------------------------------
 
 
@@ -776,7 +999,8 @@ def _patch_batch() -> None:
 
             env["AWS_BATCH_JOB_ID"] = job.job_id  # as Batch sets it in the container
             try:
-                with telemetry.captured_log() as lines:  # the container's log stream, as Batch's awslogs
+                # the container's log stream, as Batch's awslogs; its requests signed by the job role
+                with telemetry.captured_log() as lines, credentials.using(_signers.get(BATCH_ROLE)):
                     try:
                         run_worker(env)
                     finally:
@@ -839,6 +1063,28 @@ def stack_sizes(workflows: Mapping[str, Workflow], *, batch: bool = True) -> dic
     }
 
 
+def _role(
+    clients: Mapping[str, Any], name: str, service: str, policy: Mapping[str, Any], signer: str | None = None
+) -> str:
+    """Create role ``name`` (trusting ``service``) with ``policy`` inline, as ``infra`` does, and keep a
+    session of it (``signer``: also under that name in ``_signers``); its ARN."""
+    arn = clients["iam"].create_role(
+        RoleName=name, AssumeRolePolicyDocument=iam.to_json(iam.assume_role(service))
+    )["Role"]["Arn"]
+    clients["iam"].put_role_policy(
+        RoleName=name, PolicyName=f"{name}-policy", PolicyDocument=iam.to_json(policy)
+    )
+    c = clients["sts"].assume_role(RoleArn=arn, RoleSessionName=name[:64], DurationSeconds=43200)[
+        "Credentials"
+    ]
+    session = Credentials(c["AccessKeyId"], c["SecretAccessKey"], c["SessionToken"])
+    with _lock:
+        _role_signers[arn] = session
+        if signer is not None:
+            _signers[signer] = session
+    return arn
+
+
 def build_stack(
     workflows: Mapping[str, Workflow],
     *,
@@ -848,30 +1094,18 @@ def build_stack(
     endpoint_url: str,
     batch: bool = True,
 ) -> dict[str, Any]:
-    """Create the stack inside a running moto (bucket, role, one Lambda function per registered function
-    the workflows call, Batch queue and job definitions, one state machine per workflow from the compiled
-    ASL) and return its outputs, in the shape ``shardfold deploy`` saves (``sizes`` included)."""
+    """Create the stack inside a running moto and return its outputs, in the shape ``shardfold deploy``
+    saves (``sizes`` included): the bucket; one Lambda function per registered function the workflows call;
+    the Batch queue and job definitions; one state machine per workflow from the compiled ASL; and the roles
+    of each, with the policies ``infra`` attaches (:mod:`orchestrator.iam`: a function's from its kind's
+    rights), each with a session the harness signs that role's requests with."""
     kw = {"region_name": region, "endpoint_url": endpoint_url}
-    iam, s3, lam, sfn = (boto3.client(s, **kw) for s in ("iam", "s3", "lambda", "stepfunctions"))
-    trust = {
-        "Version": "2012-10-17",
-        "Statement": [
-            {
-                "Effect": "Allow",
-                "Principal": {
-                    "Service": ["states.amazonaws.com", "lambda.amazonaws.com", "batch.amazonaws.com"]
-                },
-                "Action": "sts:AssumeRole",
-            }
-        ],
-    }
-    role = iam.create_role(RoleName=f"shardfold-{stage}", AssumeRolePolicyDocument=json.dumps(trust))["Role"][
-        "Arn"
-    ]
+    clients = {s: boto3.client(s, **kw) for s in ("iam", "sts", "s3", "lambda", "stepfunctions")}
+    lam, sfn = clients["lambda"], clients["stepfunctions"]
     if region == "us-east-1":
-        s3.create_bucket(Bucket=bucket)
+        clients["s3"].create_bucket(Bucket=bucket)
     else:
-        s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
+        clients["s3"].create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": region})
 
     outputs: dict[str, Any] = {
         "backend": "moto",
@@ -890,8 +1124,12 @@ def build_stack(
     }
     code = _dummy_zip()
     sizes = outputs["sizes"]
+    logs = f"arn:aws:logs:{region}:{ACCOUNT}:log-group"
     for function, size in sizes["functions"].items():
         name = lambda_name(function, stage)
+        statements = iam.worker_statements("aws", bucket, GRANTS, iam.function_rights(function))
+        policy = iam.lambda_policy(f"{logs}:/aws/lambda/{name}", statements, tracing=False)
+        role = _role(clients, f"{name}-role", "lambda.amazonaws.com", policy, signer=name)
         fn = lam.create_function(
             FunctionName=name,
             Runtime="python3.11",
@@ -907,22 +1145,79 @@ def build_stack(
         outputs["log_groups"][function] = f"/aws/lambda/{name}"
         with _lock:
             _lambda_functions[name] = function
+    definition_names: dict[str, str] = {}
     if sizes["batch"]:
-        _build_batch(boto3.client("batch", **kw), role, stage, sizes["batch"], outputs)
+        job_role = _role(
+            clients,
+            f"shardfold-{stage}-batch-job-role",
+            "ecs-tasks.amazonaws.com",
+            iam.document(*iam.batch_job_statements("aws", bucket, GRANTS, iam.batch_rights(workflows))),
+            signer=BATCH_ROLE,
+        )
+        # moto wants a service role for the compute environment (AWS uses Batch's service-linked role)
+        service_role = clients["iam"].create_role(
+            RoleName=f"shardfold-{stage}-batch-service-role",
+            AssumeRolePolicyDocument=iam.to_json(iam.assume_role("batch.amazonaws.com")),
+        )["Role"]["Arn"]
+        definition_names = _build_batch(
+            boto3.client("batch", **kw), service_role, job_role, stage, sizes["batch"], outputs
+        )
         outputs["log_groups"]["batch"] = telemetry.BATCH_LOG_GROUP
     resolver = StackResolver(outputs)
+    states = f"arn:aws:states:{region}:{ACCOUNT}:stateMachine"
     for kind, wf in workflows.items():
+        name = f"shardfold-{stage}-{kind}"
+        statements = iam.state_machine_statements(
+            wf,
+            partition="aws",
+            region=region,
+            account=ACCOUNT,
+            name=name,
+            bucket=bucket,
+            function_arns=[outputs["functions"][f] for f in dict.fromkeys(t.function for t in wf.tasks())],
+            queue=outputs.get("batch_job_queue"),
+            definition_names=[definition_names[s.entry_point] for s in wf.walk() if isinstance(s, BatchJob)],
+            tracing=False,
+        )
+        role = _role(clients, f"{name}-role", "states.amazonaws.com", iam.document(*statements))
         definition = json.dumps(compile_workflow(wf, resolver))
-        sm = sfn.create_state_machine(name=f"shardfold-{stage}-{kind}", definition=definition, roleArn=role)
+        sm = sfn.create_state_machine(name=name, definition=definition, roleArn=role)
         outputs["state_machine_arns"][kind] = sm["stateMachineArn"]
+    # the dispatch function's role: moto has no trigger; MotoStack.dispatch runs the handler under it
+    _role(
+        clients,
+        f"shardfold-{stage}-dispatch-role",
+        "lambda.amazonaws.com",
+        iam.document(
+            *iam.dispatch_statements(
+                "aws",
+                bucket,
+                state_machine_arns=[f"{states}:shardfold-{stage}-{k}" for k in workflows],
+                dlq_arn=None,
+                kms_key_arn=None,
+                read_refs=access.reach({Right.INPUTS}, GRANTS, bucket)[0],
+            )
+        ),
+        signer=DISPATCH_ROLE,
+    )
     return outputs
 
 
 def _build_batch(
-    client: Any, role: str, stage: str, sizes: Mapping[str, Mapping[str, Any]], outputs: dict[str, Any]
-) -> None:
+    client: Any,
+    service_role: str,
+    job_role: str,
+    stage: str,
+    sizes: Mapping[str, Mapping[str, Any]],
+    outputs: dict[str, Any],
+) -> dict[str, str]:
+    """The compute environment, queue and one job definition per entry point (run under ``job_role``);
+    ``{entry point: job definition name}``."""
     ce = client.create_compute_environment(
-        computeEnvironmentName=f"shardfold-{stage}", type="UNMANAGED", state="ENABLED", serviceRole=role
+        computeEnvironmentName=f"shardfold-{stage}",
+        type="UNMANAGED",
+        state="ENABLED",
+        serviceRole=service_role,
     )
     queue = client.create_job_queue(
         jobQueueName=f"shardfold-{stage}",
@@ -932,6 +1227,7 @@ def _build_batch(
     )
     outputs["batch_job_queue"] = queue["jobQueueArn"]
     outputs["batch_job_definitions"] = {}
+    names: dict[str, str] = {}
     for entry_point, size in sizes.items():
         requirements = [
             {"type": "VCPU", "value": str(size["vcpus"])},
@@ -939,17 +1235,39 @@ def _build_batch(
         ]
         if size["gpus"]:
             requirements.append({"type": "GPU", "value": str(size["gpus"])})
+        names[entry_point] = f"shardfold-{stage}-{entry_point.replace('.', '-')}"
         jd = client.register_job_definition(
-            jobDefinitionName=f"shardfold-{stage}-{entry_point.replace('.', '-')}",
+            jobDefinitionName=names[entry_point],
             type="container",
             containerProperties={
                 "image": "shardfold-worker:moto",
                 "command": ["python", "-m", "shardfold.functions.container"],
                 "resourceRequirements": requirements,
+                "jobRoleArn": job_role,
             },
             timeout={"attemptDurationSeconds": size["timeout_s"]},
         )
         outputs["batch_job_definitions"][entry_point] = jd["jobDefinitionArn"]
+    return names
+
+
+OPERATOR = "shardfold-operator"
+
+
+def running() -> MotoStack | None:
+    """The moto stack running in this process, if any."""
+    return _active
+
+
+def _operator(endpoint: str, region: str) -> dict[str, str]:
+    """An IAM user allowed everything, standing for the person at the SDK and CLI (and for AWS's services
+    where they act themselves, e.g. Lambda writing a function's log); the environment that signs as it."""
+    client = boto3.client("iam", region_name=region, endpoint_url=endpoint)
+    client.create_user(UserName=OPERATOR)
+    admin = {"Version": iam.VERSION, "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+    client.put_user_policy(UserName=OPERATOR, PolicyName="administrator", PolicyDocument=json.dumps(admin))
+    key = client.create_access_key(UserName=OPERATOR)["AccessKey"]
+    return {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
 
 
 class MotoStack:
@@ -975,6 +1293,7 @@ class MotoStack:
         self._server: Any = None
         self._saved_env: dict[str, str | None] = {}
         self._saved_levels: dict[str, int] = {}
+        self._saved_auth: tuple[Any, int] | None = None
         self._patched = False
 
     @property
@@ -1024,13 +1343,58 @@ class MotoStack:
         self._post("/moto-api/config", MOTO_CONFIG)
         install_patches()
         self._patched = True
+        self._set_env(_operator(endpoint, self.region))  # the person at the SDK and CLI from here on
+        boto3.DEFAULT_SESSION = None  # boto3.client() keeps the keys it first read: read the operator's
         self.outputs = build_stack(
             self.workflows, region=self.region, bucket=self.bucket, stage=self.stage, endpoint_url=endpoint
         )
+        self._enforce_iam()
+
+    def _enforce_iam(self) -> None:
+        """From now on every request is authenticated and checked against its signer's policies (moto's
+        switch is process-wide, as the server is; :meth:`stop` restores it)."""
+        from moto import settings
+        from moto.core.authorization import ActionAuthenticatorMixin
+
+        self._saved_auth = (settings.INITIAL_NO_AUTH_ACTION_COUNT, ActionAuthenticatorMixin.request_count)
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+        ActionAuthenticatorMixin.request_count = 0
+
+    def credentials(self, who: str) -> Credentials:
+        """The session credentials the harness signs ``who``'s requests with: a workflow function
+        (``"getbatch.gather"``), ``"batch"`` (the Batch containers) or ``"dispatch"``."""
+        name = self.outputs["function_names"].get(who, who)
+        try:
+            return _signers[name]
+        except KeyError:
+            raise ShardfoldError(f"no role signs for {who!r}; known: {sorted(_signers)}") from None
+
+    def dispatch(self, event: Mapping[str, Any]) -> dict[str, Any]:
+        """The bucket trigger's handler on ``event`` (an S3 "Object Created" event), as the deployed dispatch
+        function runs it: under its role, with the stack's state machines in its environment."""
+        from shardfold.functions import trigger
+
+        arns = json.dumps(self.outputs["state_machine_arns"], sort_keys=True)
+        saved = os.environ.get("SHARDFOLD_STATE_MACHINES")
+        os.environ["SHARDFOLD_STATE_MACHINES"] = arns
+        try:
+            with credentials.using(_signers[DISPATCH_ROLE]):
+                return trigger.handler(dict(event), None)
+        finally:
+            if saved is None:
+                os.environ.pop("SHARDFOLD_STATE_MACHINES", None)
+            else:
+                os.environ["SHARDFOLD_STATE_MACHINES"] = saved
 
     def stop(self) -> None:
         """Stop the server and undo every patch, environment variable and log level (safe to call twice)."""
         global _active
+        if self._saved_auth is not None:
+            from moto import settings
+            from moto.core.authorization import ActionAuthenticatorMixin
+
+            settings.INITIAL_NO_AUTH_ACTION_COUNT, ActionAuthenticatorMixin.request_count = self._saved_auth
+            self._saved_auth = None
         if self._patched:
             uninstall_patches()
             self._patched = False
@@ -1046,6 +1410,7 @@ class MotoStack:
             else:
                 os.environ[key] = value
         self._saved_env.clear()
+        boto3.DEFAULT_SESSION = None
         with _lock:
             if _active is self:
                 _active = None

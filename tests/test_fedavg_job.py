@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from outsider import outside_the_task
 
 from shardfold.client import Client
 from shardfold.client.cli import cli
@@ -402,7 +403,8 @@ def replace_after_prepare(monkeypatch, key_uri: str, data: bytes) -> None:
 
     def prepare_then_change(*args, **kwargs):
         out = real(*args, **kwargs)
-        store.put(key_uri, data)
+        with outside_the_task():
+            store.put(key_uri, data)
         return out
 
     monkeypatch.setattr(core, "prepare", prepare_then_change)

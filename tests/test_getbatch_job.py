@@ -10,6 +10,7 @@ import json
 import tarfile
 
 import pytest
+from outsider import outside_the_task
 
 from shardfold.client import Client
 from shardfold.functions import store
@@ -142,7 +143,8 @@ def test_an_item_replaced_after_the_plan_fails_the_job_naming_it(
 
     def prepare_then_change(*args, **kwargs):
         out = real(*args, **kwargs)
-        store.put(target, new)
+        with outside_the_task():
+            store.put(target, new)
         return out
 
     monkeypatch.setattr(core, "prepare", prepare_then_change)

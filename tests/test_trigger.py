@@ -432,12 +432,13 @@ def test_dispatch_to_a_real_workflow_on_moto(tmp_path, monkeypatch):
     monkeypatch.setattr(trigger_mod, "_sfn_clients", {})
     with MotoStack() as stack:
         outputs = stack.outputs
-        monkeypatch.setenv("SHARDFOLD_STATE_MACHINES", json.dumps(outputs["state_machine_arns"]))
         bucket = outputs["bucket"]
         store.put(f"s3://{bucket}/data/a.bin", b"alpha")
         store.put(f"s3://{bucket}/data/b.bin", b"bravo")
-        store.put(f"s3://{bucket}/jobs/drop.json", json.dumps(GOOD).encode())
-        report = handler(event_for("jobs/drop.json", bucket=bucket), None)
+        dropped = {**GOOD, "output": "results/dropped.tar"}  # an output: submit claims it
+        store.put(f"s3://{bucket}/jobs/drop.json", json.dumps(dropped).encode())
+        # under the dispatch function's role, as deployed: it reads the spec, claims the outputs, starts the job
+        report = stack.dispatch(event_for("jobs/drop.json", bucket=bucket))
         status = AwsExecutor(outputs).wait(report["job_id"])
         assert status.state == "SUCCEEDED", status.error
         result = store.get_json(f"s3://{bucket}/jobs/{report['job_id']}/result.json")

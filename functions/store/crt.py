@@ -91,7 +91,7 @@ def crt_client() -> _Client:
     endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
     signer = credentials.current()
-    key = (os.getpid(), endpoint, region, signer)
+    key = (os.getpid(), endpoint, region, signer, env.get("AWS_ACCESS_KEY_ID"))
     client = _clients.get(key)
     if client is None:
         with _lock:

@@ -71,6 +71,7 @@ def _env_key() -> tuple:
         env.get("AWS_ENDPOINT_URL"),
         env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
         env.get("AWS_MAX_ATTEMPTS"),
+        env.get("AWS_ACCESS_KEY_ID"),  # the process's own credentials changed: a new client signs with them
     )
 
 
