@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 LOCK   := requirements
 
-.PHONY: demo test test-fast test-scale test-chaos test-campaign test-latest lint lock docs bench clean
+.PHONY: demo test test-fast test-scale test-chaos test-campaign test-emulator test-latest lint lock docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,21 @@ test-chaos: lint
 test-campaign: $(VENV)/.installed-dev
 	$(BIN)/python tests/adversarial/campaign.py
 
+# The emulator tier (tests/emulator): the stack deployed to MiniStack, an AWS emulator we did not write, in
+# a venv of its own (.venv-emulator: MiniStack alone, from requirements/emulator.txt; the Lambda functions
+# run on its interpreter, so nothing of ours may be installed there); every kind run on it and compared with
+# the local executor. One MiniStack for the whole module, so one pytest process.
+EMULATOR := .venv-emulator
+$(EMULATOR)/.installed: $(LOCK)/emulator.txt
+	rm -rf $(EMULATOR)
+	$(PYTHON) -m venv $(EMULATOR)
+	$(EMULATOR)/bin/python -m pip install --quiet --require-hashes -r $(LOCK)/emulator.txt
+	touch $@
+
+test-emulator: $(VENV)/.installed-dev $(EMULATOR)/.installed
+	SHARDFOLD_EMULATOR_PYTHON=$(abspath $(EMULATOR))/bin/python PYTHONDONTWRITEBYTECODE= \
+		$(BIN)/python -m pytest -p no:xdist tests/emulator
+
 # The lock, refreshed to the newest versions pyproject.toml's bounds allow (pip-tools' pip-compile, run
 # with the machine's pip configuration: here that finds PyTorch's CPU build). dev.txt is compiled first,
 # and the other sets are constrained to it so that a distribution has one version in all of them, but for
@@ -96,6 +111,7 @@ lock: $(VENV)/.installed-dev
 		-o $(LOCK)/lambda-image.txt pyproject.toml $(LOCK)/lambda-image.in
 	$(BIN)/pip-compile $(LOCK_FLAGS) --unsafe-package torch -c $(LOCK)/dev.txt --extra inference \
 		-o $(LOCK)/worker.txt pyproject.toml $(LOCK)/worker.in
+	$(BIN)/pip-compile $(LOCK_FLAGS) --allow-unsafe -o $(LOCK)/emulator.txt $(LOCK)/emulator.in
 
 # The fast tier against the newest releases the bounds allow, in a venv of its own (.venv-latest, not
 # locked, by design), so that a breaking release is found by this command rather than by a user.
@@ -118,4 +134,4 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/getbatch.py
 
 clean:
-	rm -rf $(VENV) $(LATEST) .shardfold .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) $(EMULATOR) .shardfold .pytest_cache .ruff_cache

@@ -43,9 +43,11 @@ def _closers_of(executor: Any) -> list[Closer]:
 def _moto() -> tuple[Any, str, list[Closer]]:
     """A whole Shardfold stack inside moto (bucket, functions, state machines), driven by the AWS executor."""
     try:
+        import moto  # noqa: F401 - the harness imports it only once the stack starts
+
         from shardfold.orchestrator import moto_harness
     except ImportError as exc:  # moto is a dev dependency
-        raise BackendError(f"the moto backend needs the dev extra ('shardfold[dev]'): {exc}") from exc
+        raise BackendError(f"the moto backend needs the dev extra ('shardfold[dev]'): {exc}") from None
     from shardfold.orchestrator.aws import AwsExecutor
 
     stack = moto_harness.MotoStack()

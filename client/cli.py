@@ -310,11 +310,19 @@ def cli(verbose: int) -> None:
     "--quiet", "-q", is_flag=True, help="print only the job id (and, waiting, no progress or result)"
 )
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON once the job succeeds")
-def run(spec: str, backend: str, stack: str | None, no_wait: bool, quiet: bool, as_json: bool) -> None:
+@click.option(
+    "--upload",
+    is_flag=True,
+    help="copy the local files SPEC names as inputs into the store first (uploads/<hash>/<name>): how a "
+    "spec for this machine runs on --backend aws or moto",
+)
+def run(
+    spec: str, backend: str, stack: str | None, no_wait: bool, quiet: bool, as_json: bool, upload: bool
+) -> None:
     """Submit the job in SPEC (a JSON file), show progress and print its result."""
     with _client(backend, stack) as client:
         # --no-wait on the local backend: the job runs in a process of its own, which outlives this one
-        job = client.submit(Path(spec), detach=no_wait and backend == "local")
+        job = client.submit(Path(spec), detach=no_wait and backend == "local", upload=upload)
         if quiet or as_json:
             (out if quiet else err).print(job.job_id, highlight=False, markup=False)
         else:

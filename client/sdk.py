@@ -179,14 +179,21 @@ class Client:
             runs_here=self.runs_here,
         )[1]
 
-    def submit(self, spec: SpecInput, *, detach: bool = False) -> Job:
+    def submit(self, spec: SpecInput, *, detach: bool = False, upload: bool = False) -> Job:
         """Validate ``spec``, check its plan, record it and start it; returns the :class:`Job` at once.
 
         ``detach`` (local backend): the job runs in a process of its own that outlives this one (its log in
         ``jobs/<id>/detached.log``), so this process may exit while it runs; ``Job.wait()`` (or `shardfold
-        wait ID`) follows it from any process. On AWS a job never depends on the submitting process."""
+        wait ID`) follows it from any process. On AWS a job never depends on the submitting process.
+        ``upload``: first copy the local files the spec names as inputs into the store, under
+        ``uploads/<content hash>/<name>``, and name them there (:mod:`client.uploads`): how a spec written
+        for this machine runs on AWS or on the moto backend, whose jobs read only ``s3://`` objects."""
         _refuse_in_a_bootstrapping_worker()
         doc, base = load_spec_document(spec)
+        if upload:
+            from shardfold.client.uploads import upload_inputs
+
+            doc, base = upload_inputs(doc, base, self.store_root), None
         local = self.backend == "local"
         job = submit(
             doc,

@@ -231,7 +231,10 @@ def _local_file(full: str, store_root: str, uri: str, field: str, verb: str) -> 
     if not is_file(full):
         return
     if is_s3(store_root):
-        raise UnsafeKey(f"{_where(field)}{uri} is a local file; the S3 store {verb} only s3:// objects")
+        raise UnsafeKey(
+            f"{_where(field)}{uri} is a local file; the S3 store {verb} only s3:// objects (put it in the "
+            "bucket and name its key: `shardfold run --upload` copies a spec's local inputs)"
+        )
     if not _LOCAL_FILES.get() and store_key(full, store_root) is None:
         raise UnsafeKey(
             f"{_where(field)}{uri} is a file outside the store; a spec dropped into a watched folder (or the "

@@ -268,14 +268,16 @@ class LambdaFunction(Component):
         self.register_outputs({"arn": self.arn})
 
 
-def base_environment(cfg: StackConfig, bucket: pulumi.Output[str]) -> dict[str, pulumi.Input[str]]:
-    """Environment every function (and the Batch worker) gets."""
+def base_environment(cfg: StackConfig, bucket: pulumi.Output[str] | str) -> dict[str, pulumi.Input[str]]:
+    """Environment every function (and the Batch worker) gets (``bucket``: its name, or the Output of it)."""
     return {
         "POWERTOOLS_SERVICE_NAME": "shardfold",
         "POWERTOOLS_LOG_LEVEL": "INFO",
         "SHARDFOLD_STAGE": cfg.stage,
         # Handlers take their store root from the workflow input; this is the default for anything else.
-        "SHARDFOLD_HOME": bucket.apply(lambda b: f"s3://{b}"),
+        "SHARDFOLD_HOME": f"s3://{bucket}"
+        if isinstance(bucket, str)
+        else bucket.apply(lambda b: f"s3://{b}"),
         # what jobs may read and write: the tasks hold a spec to it as submit did (functions.access)
         **cfg.grants().env(),
     }

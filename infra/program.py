@@ -57,7 +57,7 @@ from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.workflow import Workflow
 from shardfold.infra.config import DISPATCH, StackConfig
 from shardfold.infra.context import Context
-from shardfold.infra.functions import ImageCode, LambdaCode, WorkerFunctions, function_specs
+from shardfold.infra.functions import FunctionSpec, ImageCode, LambdaCode, WorkerFunctions, function_specs
 from shardfold.infra.gpu import GpuQueue, batch_size, batch_steps, sized_workflows
 from shardfold.infra.lambda_image import LambdaImage
 from shardfold.infra.storage import Storage
@@ -173,12 +173,18 @@ class Stack:
 
     def sizes(self) -> dict[str, Any]:
         """The ``sizes`` output: every function's and job definition's effective size (module docstring)."""
-        steps = batch_steps(self.workflows) if self.gpu is not None else {}
-        return {
-            "functions": {fn: spec.size() for fn, spec in sorted(self.specs.items())},
-            "batch": {ep: batch_size(step) for ep, step in sorted(steps.items())},
-            "lambda_architecture": self.cfg.lambda_architecture,  # the plan prices Lambda at its rate
-        }
+        return sizes_output(self.cfg, self.specs, self.workflows if self.gpu is not None else {})
+
+
+def sizes_output(
+    cfg: StackConfig, specs: Mapping[str, FunctionSpec], workflows: Mapping[str, Workflow]
+) -> dict[str, Any]:
+    """The ``sizes`` output of functions ``specs`` and the BatchJob steps of ``workflows`` (sized)."""
+    return {
+        "functions": {fn: spec.size() for fn, spec in sorted(specs.items())},
+        "batch": {ep: batch_size(step) for ep, step in sorted(batch_steps(workflows).items())},
+        "lambda_architecture": cfg.lambda_architecture,  # the plan prices Lambda at its rate
+    }
 
 
 def build(

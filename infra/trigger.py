@@ -50,6 +50,15 @@ def event_pattern(bucket: str) -> dict[str, Any]:
     }
 
 
+def sizes_env(sizes: Mapping[str, Any]) -> str:
+    """The dispatch function's ``SHARDFOLD_SIZES``: what is deployed, for the plan check of a dropped spec;
+    memory only (Lambda's environment is capped at 4 KB), the settings' names follow from the keys."""
+    memory = {
+        t: {k: {"memory_mb": v["memory_mb"]} for k, v in sizes[t].items()} for t in ("functions", "batch")
+    }
+    return json.dumps(memory, sort_keys=True, separators=(",", ":"))
+
+
 def dlq_policy(queue_arn: str, rule_arn: str) -> dict[str, Any]:
     """EventBridge may send this rule's undeliverable events to the queue, nothing else may."""
     return iam.document(
@@ -91,11 +100,7 @@ class Trigger(Component):
         env["SHARDFOLD_STATE_MACHINES"] = pulumi.Output.all(*(state_machine_arns[k] for k in kinds)).apply(
             lambda arns: json.dumps(dict(zip(kinds, arns, strict=True)), sort_keys=True)
         )
-        # memory only (Lambda's environment is capped at 4 KB); the settings' names follow from the keys
-        memory = {
-            t: {k: {"memory_mb": v["memory_mb"]} for k, v in sizes[t].items()} for t in ("functions", "batch")
-        }
-        env[SIZES_ENV] = json.dumps(memory, sort_keys=True, separators=(",", ":"))
+        env[SIZES_ENV] = sizes_env(sizes)
 
         def statements(partition: str, bucket_name: str, dlq_arn: str, *arns: str) -> list[dict[str, Any]]:
             return iam.dispatch_statements(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import tarfile
 from pathlib import Path
 
@@ -554,3 +555,23 @@ def test_run_no_wait_runs_the_job_detached_and_wait_follows_it(home, tmp_path):
     assert f"job {job_id} SUCCEEDED" in waited and "items" in waited
     assert json.loads(invoke("status", job_id, "--json").output)["state"] == "SUCCEEDED"
     assert json.loads(invoke("result", job_id, "--json").output)["items"] == 3
+
+
+@pytest.mark.slow  # a moto stack
+def test_run_upload_puts_a_specs_local_inputs_in_the_bucket_and_names_them_there(home):
+    """The shipped example spec, written for this machine, runs on the cloud path's dry run: its files are
+    copied into the emulated bucket (content-addressed keys) and the job reads them there."""
+    spec = Path(__file__).resolve().parent.parent / "events" / "getbatch.json"
+    refused = invoke("run", str(spec), "--backend", "moto", ok=False)
+    assert refused.exit_code != 0 and "--upload" in refused.output and "is a local file" in refused.output
+    result = json.loads(invoke("run", str(spec), "--backend", "moto", "--upload", "--json").stdout)
+    assert result["items"] == len(json.loads(spec.read_text())["items"]) and result["errors"] == 0
+
+
+def test_the_moto_backend_without_moto_is_one_line_naming_the_dev_extra(home, monkeypatch):
+    monkeypatch.setitem(sys.modules, "moto", None)  # `import moto` fails, as where it is not installed
+    spec = Path(__file__).resolve().parent.parent / "events" / "getbatch.json"
+    res = invoke("run", str(spec), "--backend", "moto", "--upload", ok=False)
+    assert res.exit_code != 0
+    (line,) = [x for x in res.output.splitlines() if x.strip()]
+    assert line.startswith("error: the moto backend needs the dev extra ('shardfold[dev]')"), res.output

@@ -368,3 +368,28 @@ def test_the_sdk_is_quiet_by_default_and_logging_shows_more(tmp_path):
     )  # the task log kept its line; stdout is the program's
     quiet, _, loud = out.stderr.partition("NOW LOUD")
     assert '"level"' not in quiet and "planned getbatch" in loud, out.stderr  # when asked for, on stderr
+
+
+def test_upload_copies_a_specs_local_inputs_into_the_store_once_by_content(tmp_path):
+    from shardfold.client.uploads import upload_inputs
+    from shardfold.functions.errors import SpecError as Refused
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.bin").write_bytes(b"alpha")
+    (data / "b.bin").write_bytes(b"bravo")
+    root = (tmp_path / "store").as_uri()
+    doc = {"kind": "getbatch", "items": [{"uri": f"./data/{n}.bin"} for n in ("a", "b", "a")]}
+    spec_uri = (tmp_path / "spec.json").as_uri()
+    out = upload_inputs(doc, spec_uri, root)
+    keys = [i["uri"] for i in out["items"]]
+    assert keys[0] == keys[2] != keys[1] and all(k.startswith("uploads/") for k in keys)
+    assert keys[0].endswith("/a.bin") and store.get(join(root, keys[0])) == b"alpha"
+    assert upload_inputs(doc, spec_uri, root) == out  # the same bytes: the same keys, nothing rewritten
+    (data / "a.bin").write_bytes(b"ALPHA!")  # a changed file is a new object; the old one stays
+    assert upload_inputs(doc, spec_uri, root)["items"][0]["uri"] != keys[0]
+    assert store.get(join(root, keys[0])) == b"alpha"
+    with pytest.raises(Refused, match=r"items\.0\.uri: .* is a folder"):
+        upload_inputs({"kind": "getbatch", "items": [{"uri": "./data"}]}, spec_uri, root)
+    with pytest.raises(Refused, match=r"items\.0\.uri: no file at"):
+        upload_inputs({"kind": "getbatch", "items": [{"uri": "./data/none.bin"}]}, spec_uri, root)

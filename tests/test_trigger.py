@@ -437,7 +437,7 @@ def test_dispatch_to_a_real_workflow_on_moto(tmp_path, monkeypatch):
         store.put(f"s3://{bucket}/data/b.bin", b"bravo")
         dropped = {**GOOD, "output": "results/dropped.tar"}  # an output: submit claims it
         store.put(f"s3://{bucket}/jobs/drop.json", json.dumps(dropped).encode())
-        # under the dispatch function's role, as deployed: it reads the spec, claims the outputs, starts the job
+        # under the dispatch role, as deployed: it reads the spec, claims the outputs, starts the job
         report = stack.dispatch(event_for("jobs/drop.json", bucket=bucket))
         status = AwsExecutor(outputs).wait(report["job_id"])
         assert status.state == "SUCCEEDED", status.error
