@@ -185,21 +185,38 @@ class TaskScope:
     kind: str
     rights: frozenset[Right]
 
+    def _key(self, uri: str) -> str | None:
+        """:func:`store_key`, without its path normalisation for a plain file URI under a local root
+        (GetBatch checks every item: a thousand a part)."""
+        root = self.store_root
+        if (
+            uri.startswith(FILE)
+            and root.startswith(FILE)
+            and "/." not in uri
+            and "//" not in uri[len(FILE) :]
+        ):
+            folder = root[len(FILE) :].rstrip("/") + "/"
+            path = uri[len(FILE) :]
+            if not path.startswith(folder):
+                return None
+            return path[len(folder) :].rstrip("/") or None  # the root itself is no key, as store_key says
+        return store_key(uri, root)
+
     def check(self, uri: str, write: bool) -> None:
         """Raise :class:`AccessDenied` naming the right missing when the task may not read (or ``write``)
         ``uri`` (a full URI)."""
-        key = store_key(uri, self.store_root)
+        key = self._key(uri)
         verb = "write" if write else "read"
         if key is None:  # another bucket, or a file outside the local store
             need = Right.OUTPUTS if write else Right.INPUTS
-        elif key.startswith(f"{JOBS_PREFIX}{self.job_id}/"):
+        elif _under(key, f"{JOBS_PREFIX}{self.job_id}/"):
             return
-        elif key.startswith(LEDGER_PREFIX):
+        elif _under(key, LEDGER_PREFIX):
             need = Right.LEDGER
-        elif key.startswith(claims.CLAIMS_PREFIX) and not write:
+        elif _under(key, claims.CLAIMS_PREFIX) and not write:
             need = Right.OUTPUTS if Right.OUTPUTS in self.rights else Right.INPUTS
-        elif write and key.startswith((JOBS_PREFIX, claims.CLAIMS_PREFIX)):
-            what = "another job's folder" if key.startswith(JOBS_PREFIX) else "the output claims"
+        elif write and (_under(key, JOBS_PREFIX) or _under(key, claims.CLAIMS_PREFIX)):
+            what = "another job's folder" if _under(key, JOBS_PREFIX) else "the output claims"
             raise AccessDenied(f"{uri}: a {self.kind} task of job {self.job_id} may not write {what}")
         else:
             need = Right.OUTPUTS if write else Right.INPUTS
@@ -208,6 +225,11 @@ class TaskScope:
                 f"{uri}: a {self.kind} task may not {verb} it; the {self.kind} kind does not declare the "
                 f"{need.value!r} right (JobKind.rights)"
             )
+
+
+def _under(key: str, folder: str) -> bool:
+    """Whether ``key`` is ``folder`` (``a/b/``) itself or lies below it."""
+    return key == folder.rstrip("/") or key.startswith(folder)
 
 
 # Whether the job in hand may name files of this machine outside the store: its spec's ``local_files``

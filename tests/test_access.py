@@ -7,7 +7,10 @@ import os
 
 import boto3
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from moto import mock_aws
+from tiers import examples
 
 from shardfold.functions import access, store
 from shardfold.functions.errors import ShardfoldError, SpecError, UnsafeKey
@@ -206,3 +209,25 @@ def test_real_paths_resolve_as_realpath_does(tmp_path):
     real = access._RealPaths()
     for rel in paths * 2:  # the second round from the folder cache
         assert real(f"file://{tmp_path}/{rel}") == os.path.realpath(tmp_path / rel), rel
+
+
+SEGMENTS = ["a", "b", ".", "..", "", "jobs", "store", "x.y", ".z"]
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except UnsafeKey:
+        return UnsafeKey
+
+
+@given(
+    st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=6),
+    st.sampled_from(["file:///tmp/store", "file:///tmp/store/", "s3://bkt", "s3://bkt/pre"]),
+)
+@settings(max_examples=examples(300))
+def test_a_tasks_fast_key_is_the_store_key(parts, root):
+    scope = access.TaskScope(root, "j", "getbatch", frozenset())
+    for base in ("file:///tmp/store/", "file:///tmp/", "s3://bkt/", "s3://bkt/pre/"):
+        uri = base + "/".join(parts)
+        assert _outcome(scope._key, uri) == _outcome(access.store_key, uri, root), uri

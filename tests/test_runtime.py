@@ -334,3 +334,14 @@ def test_a_kind_without_a_right_is_refused_it(root):
     granted = TaskScope(root, "j1", "getbatch", frozenset(Right))
     granted.check(join(root, "ledger/survey/entries/1.json"), True)
     granted.check("file:///home/user/data.bin", False)
+
+
+def test_a_task_lists_its_own_folder_whatever_its_rights(root):
+    scope = TaskScope(root, "j1", "getbatch", frozenset())
+    for folder in ("jobs/j1", "jobs/j1/", "jobs/j1/getbatch/parts/"):
+        scope.check(join(root, folder), False)
+        scope.check(join(root, folder), True)
+    with pytest.raises(AccessDenied, match="'ledger' right"):
+        scope.check(join(root, "ledger/"), False)
+    with pytest.raises(AccessDenied, match="another job's folder"):
+        scope.check(join(root, "jobs/"), True)
