@@ -5,9 +5,10 @@ A job on S3 reads only ``s3://`` objects (``functions.access``: a function would
 not the submitter's). To run a spec that names files of this machine on the cloud path (AWS, or the moto
 dry run of it), each input file is put under ``uploads/<sha256 prefix>/<file name>`` in the store and the
 spec names that key instead. The key is the content's: the same file uploaded twice is one object, a
-changed file a new one, and an upload never replaces an object another job may be reading. Only files are
-uploaded; a folder (a prefix input) is refused naming its field. The rewritten spec then goes through the
-one submit path, checked as any other.
+changed file a new one, and an upload never replaces an object another job may be reading; an object
+already at the key is used only if its bytes hash to it. Only files are uploaded (on S3 of at most 512 MiB
+each: one conditional PUT); a folder (a prefix input) is refused naming its field. The rewritten spec
+then goes through the one submit path, checked as any other.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 from shardfold.functions import store
 from shardfold.functions.errors import SpecError
 from shardfold.functions.specs import dump_spec, parse_spec, uri_fields
-from shardfold.functions.store.uri import is_file, join, local_path
+from shardfold.functions.store.s3 import MAX_SINGLE_PUT
+from shardfold.functions.store.uri import is_file, is_s3, join, local_path
 
 UPLOADS_PREFIX = "uploads"
 _CHUNK = 1 << 20
+_READ = 8 << 20  # ranged reads of an object already there, to hash it
 
 
 def _digest(path: Path) -> str:
@@ -31,6 +34,17 @@ def _digest(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _holds(uri: str, size: int, digest: str) -> bool:
+    """Whether the object at ``uri`` is ``size`` bytes whose sha256 starts with ``digest`` (anyone who may
+    write the bucket could have put other bytes at a key they can predict)."""
+    if store.size(uri) != size:
+        return False
+    h = hashlib.sha256()
+    for start in range(0, size, _READ):
+        h.update(store.get(uri, start, min(_READ, size - start)))
+    return h.hexdigest().startswith(digest)
 
 
 def _set(doc: Any, loc: tuple[str | int, ...], value: str) -> None:
@@ -64,10 +78,17 @@ def upload_inputs(doc: Any, base_uri: str | None, store_root: str) -> dict[str, 
         key = uploaded.get(str(path))
         if key is None:
             key = f"{UPLOADS_PREFIX}/{_digest(path)[:32]}/{path.name}"
-            uri = join(store_root, key)
+            uri, size = join(store_root, key), path.stat().st_size
+            if is_s3(uri) and size > MAX_SINGLE_PUT:
+                raise SpecError(
+                    f"{where}: {path} is {size:,} bytes; upload copies files of at most {MAX_SINGLE_PUT:,} "
+                    "bytes (one conditional PUT): put it in the bucket yourself and name its key",
+                    [{"field": where, "error": "too large to upload"}],
+                )
+            digest = key.split("/")[1]
             with path.open("rb") as f:
                 written = store.put_file_if_absent(uri, f)
-            if not written and store.size(uri) != path.stat().st_size:  # the key names these bytes
+            if not written and not _holds(uri, size, digest):  # the key names these bytes, none other
                 raise SpecError(f"{where}: {uri} holds other bytes than {path}; remove it and upload again")
             uploaded[str(path)] = key
         _set(out, field.loc, key)

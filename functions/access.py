@@ -175,56 +175,107 @@ def _uncovered(refs: list[Ref], also: list[Ref]) -> list[Ref]:
 
 @dataclass(frozen=True)
 class TaskScope:
-    """What one task may touch: its own job's folder, and what its kind's ``rights`` add. Every store call
-    the task makes is checked (:func:`functions.store.scoped`), on every backend: on
-    AWS the function's role refuses the same places (:func:`reach`), except other jobs' folders, which a
-    role shared by every job cannot tell from the task's own."""
+    """What one task may touch: its own job's folder, and what its kind's ``rights`` add, within the
+    deployment's ``grants`` (None: no deployment, as on the local store). Every store call the task makes is
+    checked (:func:`functions.store.scoped`), on every backend; on AWS the function's role refuses the same
+    places (:func:`reach`), except other jobs' folders, which a role that serves every job cannot tell from
+    the task's own.
+
+    A listing or a prefix delete (``prefix``) reaches every key that starts with its string, as S3 matches
+    it: ``l`` reaches ``ledger/``, the root reaches everything, ``jobs/j`` every job whose id starts so."""
 
     store_root: str
     job_id: str
     kind: str
     rights: frozenset[Right]
+    grants: Grants | None = None
+
+    def __post_init__(self) -> None:  # one spelling of the root, for the fast key below
+        root = self.store_root
+        if root.startswith(FILE):
+            root = FILE + posixpath.normpath(root[len(FILE) :])
+        object.__setattr__(self, "store_root", root.rstrip("/"))
 
     def _key(self, uri: str) -> str | None:
         """:func:`store_key`, without its path normalisation for a plain file URI under a local root
         (GetBatch checks every item: a thousand a part)."""
-        root = self.store_root
-        if (
-            uri.startswith(FILE)
-            and root.startswith(FILE)
-            and "/." not in uri
-            and "//" not in uri[len(FILE) :]
-        ):
-            folder = root[len(FILE) :].rstrip("/") + "/"
-            path = uri[len(FILE) :]
+        root, path = self.store_root, uri[len(FILE) :]
+        if uri.startswith(FILE) and root.startswith(FILE) and "/." not in path and "//" not in path:
+            folder = root[len(FILE) :] + "/"
             if not path.startswith(folder):
                 return None
             return path[len(folder) :].rstrip("/") or None  # the root itself is no key, as store_key says
         return store_key(uri, root)
 
-    def check(self, uri: str, write: bool) -> None:
-        """Raise :class:`AccessDenied` naming the right missing when the task may not read (or ``write``)
-        ``uri`` (a full URI)."""
-        key = self._key(uri)
-        verb = "write" if write else "read"
-        if key is None:  # another bucket, or a file outside the local store
-            need = Right.OUTPUTS if write else Right.INPUTS
-        elif _under(key, f"{JOBS_PREFIX}{self.job_id}/"):
-            return
-        elif _under(key, LEDGER_PREFIX):
-            need = Right.LEDGER
-        elif _under(key, claims.CLAIMS_PREFIX) and not write:
-            need = Right.OUTPUTS if Right.OUTPUTS in self.rights else Right.INPUTS
-        elif write and (_under(key, JOBS_PREFIX) or _under(key, claims.CLAIMS_PREFIX)):
-            what = "another job's folder" if _under(key, JOBS_PREFIX) else "the output claims"
-            raise AccessDenied(f"{uri}: a {self.kind} task of job {self.job_id} may not write {what}")
+    def _raw(self, uri: str) -> str | None:
+        """A prefix's string below the root, as the store matches it (not normalised; ``""`` for the root
+        itself), or None outside the store."""
+        if uri == self.store_root:
+            return ""
+        folder = self.store_root + "/"
+        return uri[len(folder) :] if uri.startswith(folder) else None
+
+    def check(self, uri: str, write: bool, prefix: bool = False) -> None:
+        """Raise :class:`AccessDenied` naming what is missing when the task may not read (or ``write``)
+        ``uri`` (a full URI; with ``prefix``, every key that starts with it)."""
+        own = f"{JOBS_PREFIX}{self.job_id}/"
+        if prefix:
+            raw = self._raw(uri)
+            if raw is None:
+                areas: list[str | None] = [None]
+            elif raw.startswith(own):
+                return
+            else:  # every system folder the prefix reaches into or covers, and the rest of the store
+                areas = [f for f in SYSTEM_PREFIXES if f.startswith(raw) or raw.startswith(f)]
+                if not any(raw.startswith(f) for f in SYSTEM_PREFIXES):
+                    areas.append("")
+            key = raw
         else:
+            key = self._key(uri)
+            if key is not None and _under(key, own):
+                return
+            areas = [None if key is None else next((f for f in SYSTEM_PREFIXES if _under(key, f)), "")]
+        for area in areas:
+            self._allow(area, key, uri, write)
+
+    def _allow(self, area: str | None, key: str | None, uri: str, write: bool) -> None:
+        """``area``: None outside the store, ``""`` the store outside its system folders, else that folder."""
+        if area == LEDGER_PREFIX:
+            need = Right.LEDGER
+        elif area and write:
+            what = "another job's folder" if area == JOBS_PREFIX else "the output claims"
+            raise AccessDenied(f"{uri}: a {self.kind} task of job {self.job_id} may not write {what}")
+        elif area == claims.CLAIMS_PREFIX:
+            need = Right.OUTPUTS if Right.OUTPUTS in self.rights else Right.INPUTS
+        else:  # other jobs' folders too: an input may be another job's output
             need = Right.OUTPUTS if write else Right.INPUTS
         if need not in self.rights:
+            verb = "write" if write else "read"
             raise AccessDenied(
                 f"{uri}: a {self.kind} task may not {verb} it; the {self.kind} kind does not declare the "
                 f"{need.value!r} right (JobKind.rights)"
             )
+        if self.grants is not None and area in ("", None):
+            self._granted(key if area == "" else None, uri, write)
+
+    def _granted(self, key: str | None, uri: str, write: bool) -> None:
+        """Within the deployment's grants, as the function's role is: outputs under ``outputPrefixes`` or in
+        ``writeBuckets``, other buckets only where listed."""
+        assert self.grants is not None
+        if key is not None:  # the job bucket: reads anywhere, writes under the output prefixes
+            if not write or any(key.startswith(p) for p in self.grants.output_prefixes):
+                return
+            raise AccessDenied(
+                f"{uri}: outside the folders this deployment lets jobs write "
+                f"({', '.join(self.grants.output_prefixes) or 'none'}; shardfold:outputPrefixes)"
+            )
+        other = _other_bucket(uri, self.store_root)
+        if other is None:
+            return  # a file of this machine: the spec's own limits decide (input_uri, output_uri)
+        allowed = self.grants.may_write(*other) if write else self.grants.may_read(*other)
+        if not allowed:
+            key_name = "writeBuckets" if write else "readBuckets"
+            raise AccessDenied(f"{uri}: bucket {other[0]} is not in this deployment's shardfold:{key_name}")
 
 
 def _under(key: str, folder: str) -> bool:
@@ -336,6 +387,15 @@ def input_uri(
     full = _full(uri, store_root)
     _local_file(full, store_root, uri, field, "reads")
     _stays_inside(full, store_root, uri, field, checked)
+    # ledger/ and claims/ hold no job's data (other jobs' folders may: an input may be another job's output);
+    # the substring test first, as a request names thousands of inputs
+    if "ledger" in full or "claims" in full:
+        key = store_key(full, store_root) or ""
+        hidden = next((p for p in (LEDGER_PREFIX, claims.CLAIMS_PREFIX) if _under(key, p)), None)
+        if hidden:
+            raise UnsafeKey(
+                f"{_where(field)}{uri} is under the store's system prefix {hidden}, which holds no job's data"
+            )
     other = _other_bucket(full, store_root)
     grants = _grants(grants, store_root)
     if other is not None and grants is not None and not grants.may_read(*other):

@@ -31,6 +31,22 @@ class Credentials:
 _current: contextvars.ContextVar[Credentials | None] = contextvars.ContextVar(
     "shardfold_aws_credentials", default=None
 )
+_caches: list[dict] = []  # the modules' client caches, keyed by tuples that may hold Credentials
+
+
+def cache() -> dict:
+    """A new client cache, whose clients signed with set credentials :func:`forget` drops."""
+    made: dict = {}
+    _caches.append(made)
+    return made
+
+
+def forget() -> None:
+    """Drop every cached client signed with credentials set by :func:`using` (the moto harness, when its
+    stack stops: each stack's roles have sessions of their own, and a CRT client holds threads)."""
+    for found in _caches:
+        for key in [k for k in list(found) if any(isinstance(x, Credentials) for x in k)]:
+            found.pop(key, None)
 
 
 @contextmanager

@@ -53,7 +53,8 @@ class JobKind:
       a bounded look at the inputs learns) and ``loads(spec, probe) -> Loads`` (per step, keyed by the
       workflow's step objects); see :mod:`functions.estimate`.
     * ``rights``: what its functions (Lambda tasks and Batch containers alike) may touch beyond their own
-      job's folder (:class:`~functions.access.Right`: read inputs, write outputs, keep the budget ledger).
+      job's folder (:class:`~functions.access.Right`: read inputs, write outputs, keep the budget ledger);
+      none by default, so a kind that declares nothing fails with AccessDenied naming the right it needs.
       Their IAM policies are built from it, and every task checks its store calls against it
       (:class:`~functions.access.TaskScope`), so an undeclared reach fails on every backend, not only on AWS.
     * ``result_view``: the result document -> a :class:`~functions.tables.ResultView` the CLI prints.
@@ -71,7 +72,7 @@ class JobKind:
     spec: type[StrictModel]
     workflow: Workflow
     sizing: str
-    rights: frozenset[Right]
+    rights: frozenset[Right] = frozenset()
     result_view: Callable[[dict[str, Any]], ResultView] = result_fields
     progress: str | None = None
     handlers: Mapping[str, str] = field(default_factory=dict)
@@ -165,6 +166,12 @@ def find(name: Any) -> JobKind:
         with _lock:
             _loaded[name] = kind
     return kind
+
+
+def rights_of(name: str) -> frozenset[Right]:
+    """The rights kind ``name`` declares; none (its job's folder only) for a name no kind registers, such as
+    a test's own handlers."""
+    return find(name).rights if name in packages() else frozenset()
 
 
 def every() -> list[JobKind]:

@@ -132,10 +132,12 @@ def task(
 
 
 def _scope(e: JobEvent, kind: str) -> access.TaskScope:
-    """What a task of ``kind`` may touch: its job's folder, and what the kind's declared rights add."""
+    """What a task of ``kind`` may touch: its job's folder, and what the kind's declared rights add, within
+    the deployment's grants (on an S3 store: the functions' environment carries them)."""
     from shardfold.functions import kinds  # kinds imports every kind's workflow; a handler imports this first
 
-    return access.TaskScope(e.store_root, e.job_id, kind, kinds.find(kind).rights)
+    grants = access.Grants.from_env() if store.is_s3(e.store_root) else None
+    return access.TaskScope(e.store_root, e.job_id, kind, kinds.rights_of(kind), grants)
 
 
 def _on_lambda() -> bool:

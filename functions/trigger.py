@@ -230,7 +230,7 @@ def _report_error(spec_uri: str, error_uri: str, exc: ShardfoldError, digest: st
 
 # --- Lambda side ------------------------------------------------------------------------------------------
 
-_sfn_clients: dict[tuple, Any] = {}
+_sfn_clients: dict[tuple, Any] = credentials.cache()
 
 
 def _sfn() -> Any:

@@ -236,8 +236,7 @@ BATCH_EVENTS_RULE = "StepFunctionsGetEventsForBatchJobsRule"
 def function_rights(function: str) -> frozenset[Right]:
     """The rights of a workflow function (a Lambda task or a Batch entry point): its kind's declaration;
     none for a function of no registered kind (a test's own handler): its job's folder only."""
-    name = function.split(".", 1)[0]
-    return kinds.find(name).rights if name in kinds.packages() else frozenset()
+    return kinds.rights_of(function.split(".", 1)[0])
 
 
 def batch_rights(workflows: Mapping[str, Workflow]) -> frozenset[Right]:
@@ -258,10 +257,16 @@ def worker_statements(
     rights: Iterable[Right],
     kms_key_arn: str | None = None,
 ) -> list[dict[str, Any]]:
-    """S3 (and KMS) statements of a worker holding ``rights`` (:func:`functions.access.reach`)."""
+    """S3 (and KMS) statements of a worker holding ``rights`` (:func:`functions.access.reach`). Reading the
+    job bucket does not reach the budget ledgers without the ledger right: an explicit Deny, as the task's own
+    check refuses them."""
+    rights = frozenset(rights)
     read, write = access.reach(rights, grants, bucket)
     statements = s3_statements(partition, write, write=True, sid="Write")
     statements += s3_statements(partition, read, write=False, sid="Read")
+    if Right.INPUTS in rights and Right.LEDGER not in rights:
+        ledger = f"{bucket_arn(partition, bucket)}/{access.LEDGER_PREFIX}*"
+        statements.append(statement(["s3:GetObject"], ledger, sid="NoLedger", effect="Deny"))
     key = kms_statement(kms_key_arn)
     if key:
         statements.append(key)

@@ -30,7 +30,8 @@ Where moto's evaluator falls short of AWS's, the harness fills the gap:
 
 Not modelled: conditions (moto ignores them), bucket policies (only ``Principal: *``), permissions
 boundaries and session policies, the functions' CloudWatch Logs grants (the harness writes their logs as
-the Lambda service does), KMS.
+the Lambda service does), KMS. A thread a handler starts without carrying its context (the store's pools
+and the readers pyarrow calls back carry it) would sign with the process's own keys, the operator's.
 
 **Gaps filled** (moto 5.2.5), never by changing the ASL that AWS runs:
 
@@ -213,6 +214,7 @@ def uninstall_patches() -> None:
         _lambda_functions.clear()
         _signers.clear()
         _role_signers.clear()
+        credentials.forget()  # the clients signed with this stack's sessions
         _streams.clear()
         _logs_client.cache_clear()
         _map_children.clear()
@@ -236,7 +238,7 @@ def _run_handler(fn: Any, body: bytes | str | None) -> tuple[bytes, bool]:
     context = {"aws_request_id": str(uuid.uuid4()), "log_group_name": group, "log_stream_name": stream}
     started = time.perf_counter()
     failed = False
-    with telemetry.captured_log() as lines, credentials.using(_signers.get(fn.function_name)):
+    with telemetry.captured_log() as lines, credentials.using(_signers[fn.function_name]):
         try:
             result = call(
                 handler_path(registered),
@@ -1000,7 +1002,7 @@ def _patch_batch() -> None:
             env["AWS_BATCH_JOB_ID"] = job.job_id  # as Batch sets it in the container
             try:
                 # the container's log stream, as Batch's awslogs; its requests signed by the job role
-                with telemetry.captured_log() as lines, credentials.using(_signers.get(BATCH_ROLE)):
+                with telemetry.captured_log() as lines, credentials.using(_signers[BATCH_ROLE]):
                     try:
                         run_worker(env)
                     finally:
@@ -1348,6 +1350,10 @@ class MotoStack:
         self.outputs = build_stack(
             self.workflows, region=self.region, bucket=self.bucket, stage=self.stage, endpoint_url=endpoint
         )
+        # what the dispatch function's environment holds on AWS (MotoStack.dispatch runs it here)
+        self._set_env(
+            {"SHARDFOLD_STATE_MACHINES": json.dumps(self.outputs["state_machine_arns"], sort_keys=True)}
+        )
         self._enforce_iam()
 
     def _enforce_iam(self) -> None:
@@ -1371,20 +1377,11 @@ class MotoStack:
 
     def dispatch(self, event: Mapping[str, Any]) -> dict[str, Any]:
         """The bucket trigger's handler on ``event`` (an S3 "Object Created" event), as the deployed dispatch
-        function runs it: under its role, with the stack's state machines in its environment."""
+        function runs it: under its role (the stack's state machines are in the environment from start)."""
         from shardfold.functions import trigger
 
-        arns = json.dumps(self.outputs["state_machine_arns"], sort_keys=True)
-        saved = os.environ.get("SHARDFOLD_STATE_MACHINES")
-        os.environ["SHARDFOLD_STATE_MACHINES"] = arns
-        try:
-            with credentials.using(_signers[DISPATCH_ROLE]):
-                return trigger.handler(dict(event), None)
-        finally:
-            if saved is None:
-                os.environ.pop("SHARDFOLD_STATE_MACHINES", None)
-            else:
-                os.environ["SHARDFOLD_STATE_MACHINES"] = saved
+        with credentials.using(_signers[DISPATCH_ROLE]):
+            return trigger.handler(dict(event), None)
 
     def stop(self) -> None:
         """Stop the server and undo every patch, environment variable and log level (safe to call twice)."""

@@ -11,5 +11,5 @@ from shardfold.functions import credentials, store
 
 @contextmanager
 def outside_the_task() -> Iterator[None]:
-    with credentials.using(None), store.scoped(lambda uri, write: None):
+    with credentials.using(None), store.scoped(lambda uri, write, prefix: None):
         yield

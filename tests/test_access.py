@@ -231,3 +231,11 @@ def test_a_tasks_fast_key_is_the_store_key(parts, root):
     for base in ("file:///tmp/store/", "file:///tmp/", "s3://bkt/", "s3://bkt/pre/"):
         uri = base + "/".join(parts)
         assert _outcome(scope._key, uri) == _outcome(access.store_key, uri, root), uri
+
+
+@pytest.mark.parametrize("root", [S3_ROOT, LOCAL_ROOT])
+@pytest.mark.parametrize("key", ["ledger/survey/entries/00000001.json", "claims/ab/1.json", "ledger"])
+def test_the_ledgers_and_claims_are_no_input(root, key):
+    with pytest.raises(UnsafeKey, match=r"items\.0\.uri: .*system prefix"):
+        access.input_uri(key, root, "items.0.uri")
+    assert access.input_uri("jobs/other/output/batch.tar", root).endswith("jobs/other/output/batch.tar")

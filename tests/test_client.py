@@ -393,3 +393,16 @@ def test_upload_copies_a_specs_local_inputs_into_the_store_once_by_content(tmp_p
         upload_inputs({"kind": "getbatch", "items": [{"uri": "./data"}]}, spec_uri, root)
     with pytest.raises(Refused, match=r"items\.0\.uri: no file at"):
         upload_inputs({"kind": "getbatch", "items": [{"uri": "./data/none.bin"}]}, spec_uri, root)
+
+
+def test_upload_refuses_other_bytes_planted_at_the_key_it_would_use(tmp_path):
+    from shardfold.client.uploads import upload_inputs
+    from shardfold.functions.errors import SpecError as Refused
+
+    (tmp_path / "a.bin").write_bytes(b"alpha")
+    root = (tmp_path / "store").as_uri()
+    doc = {"kind": "getbatch", "items": [{"uri": "./a.bin"}]}
+    key = upload_inputs(doc, (tmp_path / "spec.json").as_uri(), root)["items"][0]["uri"]
+    store.put(join(root, key), b"ALPHA")  # same size, other bytes, where the next upload would look
+    with pytest.raises(Refused, match="holds other bytes"):
+        upload_inputs(doc, (tmp_path / "spec.json").as_uri(), root)

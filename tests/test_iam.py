@@ -64,7 +64,7 @@ REACHER = {
         def touch(e, spec):
             target = spec.target if "://" in spec.target else join(e.store_root, spec.target)
             if spec.skip_check:
-                with store.scoped(lambda uri, write: None):
+                with store.scoped(lambda uri, write, prefix: None):
                     store.put(target, b"reached")
             else:
                 store.put(target, b"reached")
@@ -148,6 +148,7 @@ def test_credentials_no_role_holds_are_refused(stack):
 def test_each_role_reaches_what_its_kind_declares_and_nothing_else(stack):
     bucket = stack.bucket
     boto3.client("s3").put_object(Bucket=bucket, Key="data/probe.bin", Body=b"user data")
+    boto3.client("s3").put_object(Bucket=bucket, Key="ledger/probe/read", Body=b"{}")
     grants = Grants()
     assert grants.output_prefixes == ("results/",)
     seen_ledger = set()
@@ -164,6 +165,8 @@ def test_each_role_reaches_what_its_kind_declares_and_nothing_else(stack):
         assert not put("claims/x") and not put("elsewhere/x") and not put("tmp/x"), function
         read = allowed(lambda s3=s3: s3.get_object(Bucket=bucket, Key="data/probe.bin"))
         assert read == (Right.INPUTS in rights), function
+        ledger = allowed(lambda s3=s3: s3.get_object(Bucket=bucket, Key="ledger/probe/read"))
+        assert ledger == (Right.LEDGER in rights), function
         if Right.LEDGER in rights:
             seen_ledger.add(function.split(".")[0])
     assert {"dpquery", "fedavg"} <= seen_ledger  # DP-FedAvg reserves and spends its budget too

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from shardfold.functions import runtime, store
-from shardfold.functions.access import Right, TaskScope
+from shardfold.functions.access import Grants, Right, TaskScope
 from shardfold.functions.errors import AccessDenied, SpecError
 from shardfold.functions.getbatch.spec import GetBatchJob
 from shardfold.functions.runtime import JobEvent, logger, task
@@ -345,3 +345,49 @@ def test_a_task_lists_its_own_folder_whatever_its_rights(root):
         scope.check(join(root, "ledger/"), False)
     with pytest.raises(AccessDenied, match="another job's folder"):
         scope.check(join(root, "jobs/"), True)
+
+
+@pytest.mark.parametrize(
+    "prefix, write, refusal",
+    [
+        ("l", True, "'ledger' right"),  # reaches ledger/
+        ("led", False, "'ledger' right"),
+        ("job", True, "another job's folder"),  # reaches every job's folder
+        ("jobs/j1", True, "another job's folder"),  # and jobs/j10/...
+        ("", True, "'ledger' right"),  # the whole store
+        ("c", True, "the output claims"),
+    ],
+)
+def test_a_listing_or_prefix_delete_reaches_what_its_string_matches(root, prefix, write, refusal):
+    scope = TaskScope(root, "j1", "getbatch", frozenset({Right.INPUTS, Right.OUTPUTS}))
+    uri = join(root, prefix) if prefix else root
+    with pytest.raises(AccessDenied, match=refusal):
+        scope.check(uri, write, prefix=True)
+    scope.check(join(root, "jobs/j1") + "/", True, prefix=True)  # its own folder
+    scope.check(join(root, "results/run-"), True, prefix=True)  # outputs
+    scope.check(join(root, "data/"), False, prefix=True)  # inputs
+
+
+def test_a_prefix_delete_in_a_task_cannot_reach_the_ledger(root):
+    uri = write_spec(root, "j1", getbatch_doc())
+    store.put(join(root, "ledger/ds/entries/00000001.json"), b"{}")
+
+    @task(JobEvent, kind="getbatch", step="getbatch.sweep")
+    def sweep(e: JobEvent, spec: GetBatchJob) -> int:
+        return store.delete_prefix(join(e.store_root, "l"))
+
+    with pytest.raises(AccessDenied, match="'ledger' right"):
+        sweep(event(root, "j1", uri))
+    assert store.exists(join(root, "ledger/ds/entries/00000001.json"))
+
+
+def test_on_a_deployment_a_task_writes_only_under_its_grants():
+    scope = TaskScope("s3://bkt", "j1", "getbatch", frozenset(Right), Grants(("results/",), ("in-bkt",), ()))
+    scope.check("s3://bkt/results/a", True)
+    scope.check("s3://in-bkt/x", False)
+    with pytest.raises(AccessDenied, match="outputPrefixes"):
+        scope.check("s3://bkt/elsewhere/a", True)
+    with pytest.raises(AccessDenied, match="writeBuckets"):
+        scope.check("s3://in-bkt/x", True)
+    with pytest.raises(AccessDenied, match="readBuckets"):
+        scope.check("s3://other/x", False)

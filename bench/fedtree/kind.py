@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from shardfold.functions.access import Right
 from shardfold.functions.kinds import JobKind
 from shardfold.functions.specs import InputUri, StrictModel
 from shardfold.functions.workflow import Map, Task, Workflow
@@ -30,5 +31,10 @@ ROOT = Task("root", "fedtree.root", mode="process", memory_mb=10240, timeout_s=9
 WORKFLOW = Workflow(kind="fedtree", steps=(GROUP, LEAVES, ROOT))
 
 KIND = JobKind(
-    name="fedtree", package=__package__, spec=FedTreeJob, workflow=WORKFLOW, sizing="fedtree.sizing"
+    name="fedtree",
+    package=__package__,
+    spec=FedTreeJob,
+    workflow=WORKFLOW,
+    sizing="fedtree.sizing",
+    rights=frozenset({Right.INPUTS}),  # reads the clients' updates; writes its job's folder only
 )

@@ -17,6 +17,7 @@ Layout under ``<store_root>/jobs/<id>/inference/``: ``plan.json``, ``manifest.js
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import io
@@ -285,6 +286,9 @@ class RangedReader(io.RawIOBase):
     def __init__(self, uri: str, pin: Pin | None = None):
         self.uri, self.pos, self.pin = uri, 0, pin
         self.length = store.size(uri) if pin is None else pin.size
+        # pyarrow reads on threads of its own: each read runs in a copy of the opening task's context (its
+        # telemetry, its reach, its credentials)
+        self._context = contextvars.copy_context()
 
     def readable(self) -> bool:
         return True
@@ -304,7 +308,7 @@ class RangedReader(io.RawIOBase):
         end = self.length if size is None or size < 0 else min(self.length, self.pos + size)
         if end <= self.pos:
             return b""
-        data = store.get(self.uri, self.pos, end - self.pos, self.pin)
+        data = self._context.copy().run(store.get, self.uri, self.pos, end - self.pos, self.pin)
         self.pos += len(data)
         return data
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from shardfold.functions import access, credentials, store
+from shardfold.functions import access, credentials, store, telemetry
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference.batcher import token_budget_batches
@@ -298,7 +298,9 @@ def run_worker(
                 k = backlog.popleft()
                 remaining.discard(k)
                 if _claim(layout.claim_uri(store_root, job_id, attempt, k), worker_id):
-                    inflight.append((k, pool.submit(load_shard, layout.pre_uri(store_root, job_id, h, k))))
+                    # carried: the read counts for this task, under its reach and credentials
+                    load = telemetry.carried(load_shard)
+                    inflight.append((k, pool.submit(load, layout.pre_uri(store_root, job_id, h, k))))
             if backlog:
                 finished = False  # listed shards are left to claim
             if inflight:

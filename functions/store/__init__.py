@@ -233,7 +233,7 @@ def list_uris(prefix_uri: str, start_after: str | None = None) -> list[str]:
     """URIs of all objects under a prefix (string prefix, as on S3; recursive), sorted; with ``start_after``
     (a URI under the prefix), only those that sort after it, as S3's StartAfter (so a poller that knows
     where its work begins does not list everything before it again)."""
-    prefix_uri = reach(prefix_uri)
+    prefix_uri = reach(prefix_uri, prefix=True)
     if is_s3(prefix_uri):
         return s3.list_uris(prefix_uri, start_after and split_s3(resolve(start_after))[1])
     found = ["file://" + str(p) for p in local.list_paths(str(local_path(prefix_uri)) + _slash(prefix_uri))]
@@ -254,7 +254,7 @@ def delete(uri: str) -> None:
 
 def delete_prefix(prefix_uri: str) -> int:
     """Remove every object under a prefix; returns how many were removed."""
-    prefix_uri = reach(prefix_uri, write=True)
+    prefix_uri = reach(prefix_uri, write=True, prefix=True)
     if is_s3(prefix_uri):
         return s3.delete_prefix(prefix_uri)
     return local.delete_prefix(str(local_path(prefix_uri)) + _slash(prefix_uri))

@@ -560,7 +560,8 @@ class _Engine:
             waiters = self.waiting.setdefault(slot.uri, [])
             waiters.append(slot)
             if len(waiters) == 1:
-                thread_pool("tar-index").submit(self._build_index, slot.uri)
+                # carried: the index's reads count for the calling task, under its reach and credentials
+                thread_pool("tar-index").submit(telemetry.carried(self._build_index), slot.uri)
         else:
             self._start_member(slot, index)
 

@@ -35,7 +35,7 @@ from shardfold.functions.store.transport import Boto3Transport as _Boto3
 from shardfold.functions.store.transport import Cancel, Done, thread_pool
 
 THROUGHPUT_TARGET_GBPS = 100.0
-_clients: dict[tuple, _Client] = {}
+_clients: dict[tuple, _Client] = credentials.cache()
 _lock = threading.Lock()
 
 

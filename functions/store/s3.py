@@ -44,7 +44,7 @@ COPY_CONCURRENCY = 16  # UploadPartCopy requests of one assemble in flight at on
 # put_file sends one PUT up to this size (S3 allows 5 GiB; a failed PUT is retried whole, so stay well below)
 MAX_SINGLE_PUT = 512 * 1024 * 1024
 
-_clients: dict[tuple, Any] = {}
+_clients: dict[tuple, Any] = credentials.cache()
 _lock = threading.Lock()
 # When each S3 endpoint last answered this process (any HTTP answer, an error status included), as
 # time.monotonic(): what tells submit it need not check that the endpoint is there (answered_within).

@@ -156,14 +156,15 @@ def default_name(uri: str, root: str | None = None) -> str:
 
 # What the task in hand may touch (functions.access.TaskScope.check): called with every full URI a store call
 # reads or writes, before the request is made.
-_scope: contextvars.ContextVar[Callable[[str, bool], None] | None] = contextvars.ContextVar(
+_scope: contextvars.ContextVar[Callable[[str, bool, bool], None] | None] = contextvars.ContextVar(
     "shardfold_store_scope", default=None
 )
 
 
 @contextmanager
-def scoped(check: Callable[[str, bool], None]) -> Iterator[None]:
-    """Check every URI the block reads (``check(uri, False)``) or writes (``check(uri, True)``) first."""
+def scoped(check: Callable[[str, bool, bool], None]) -> Iterator[None]:
+    """Check every URI the block reads or writes first: ``check(uri, write, prefix)``, ``prefix`` for a
+    listing or a prefix delete (every key that starts with ``uri``)."""
     token = _scope.set(check)
     try:
         yield
@@ -171,11 +172,11 @@ def scoped(check: Callable[[str, bool], None]) -> Iterator[None]:
         _scope.reset(token)
 
 
-def reach(uri: str, write: bool = False, root: str | None = None) -> str:
+def reach(uri: str, write: bool = False, root: str | None = None, prefix: bool = False) -> str:
     """``uri`` resolved (a key: under ``root``, default the store root), after the scope's check
     (:func:`scoped`)."""
     uri = resolve(uri, root)
     check = _scope.get()
     if check is not None:
-        check(uri, write)
+        check(uri, write, prefix)
     return uri
