@@ -61,7 +61,7 @@ def run_cpu(spec: InferenceJob, root: str) -> dict:
 
 def fake_worker(root: str, shards: list[int] | None = None, order_seed: int = 0) -> list[int]:
     """Stand-in for the GPU worker: embedding of a row = [row_index, len, first id, last id], written for
-    the given shards (default: all lacking a marker) in a shuffled order, .npy then .done marker."""
+    the given shards (default: all lacking a marker) in a shuffled order, .npz then .done marker."""
     p = layout.load_plan(root, JOB)
     h = p["config_hash"]
     todo = shards if shards is not None else pipeline.missing_shards(root, JOB, p)
@@ -77,7 +77,7 @@ def fake_worker(root: str, shards: list[int] | None = None, order_seed: int = 0)
         import io
 
         buf = io.BytesIO()
-        np.save(buf, emb)
+        np.savez(buf, embedding=emb)
         store.put(layout.out_uri(root, JOB, h, k), buf.getvalue())
         store.put_if_absent(layout.done_uri(root, JOB, h, k), b"")
     return todo
@@ -94,7 +94,7 @@ def read_output(result: dict) -> pa.Table:
 
 def test_spec_defaults_and_errors():
     s = spec_of(inputs=["a.jsonl", "s3://b/c.parquet"])
-    assert (s.model, s.max_tokens, s.batch_tokens, s.shard_rows, s.on_bad_row) == (
+    assert (s.model, s.max_input_tokens, s.batch_tokens, s.shard_rows, s.on_bad_row) == (
         "minilm",
         256,
         16384,
@@ -345,7 +345,7 @@ def test_reconcile_lists_exactly_the_shards_without_markers(root):
     rec = pipeline.reconcile(spec, JOB, root)
     assert rec["count"] == 5 and rec["first"] == [1, 4, 6, 7, 8]
     assert store.get_json(rec["missing"]["uri"]) == [{"shard": k} for k in (1, 4, 6, 7, 8)]
-    # a .npy without its marker is not committed
+    # an output without its marker is not committed
     h = layout.load_plan(root, JOB)["config_hash"]
     store.put(layout.out_uri(root, JOB, h, 1), b"partial")
     assert pipeline.reconcile(spec, JOB, root)["first"] == [1, 4, 6, 7, 8]
@@ -375,7 +375,7 @@ def test_lineage_recomputes_only_the_lost_shard(root, tmp_path, monkeypatch):
     tokenized = []
     real = pipeline.encode_shard
     monkeypatch.setattr(
-        pipeline, "encode_shard", lambda rows, m: tokenized.append(rows.row_index[0]) or real(rows, m)
+        pipeline, "encode_shard", lambda rows, *a: tokenized.append(rows.row_index[0]) or real(rows, *a)
     )
     for item in store.get_json(rec["missing"]["uri"]):
         assert pipeline.preprocess(spec, JOB, root, item["shard"])["cached"] is True

@@ -23,7 +23,9 @@ import torch
 from shardfold.functions import store
 from shardfold.functions.errors import ModelLoadError, ShardfoldError
 from shardfold.functions.inference import shards as layout
+from shardfold.functions.inference import tasks
 from shardfold.functions.inference import worker as W
+from shardfold.functions.inference.spec import InferenceJob
 from shardfold.functions.inference.models import LoadedModel, load_model, minilm_dir, model_identity
 from shardfold.functions.inference.preprocess import ShardRows, encode_shard, tokenize
 from shardfold.functions.specs import parse_spec
@@ -118,9 +120,14 @@ def make_job(root: str, job_id: str, shards: list[list[str]], model, batch_token
     return parse_spec(json.dumps(spec_doc).encode()), spec_uri
 
 
+def spec_of_tokens(max_tokens: int) -> InferenceJob:
+    return InferenceJob(inputs=["a.jsonl"], field="text", max_input_tokens=max_tokens)
+
+
 def write_pre(root: str, job_id: str, k: int, texts: list[str]) -> None:
     rows = ShardRows(texts=list(texts), ids=list(range(len(texts))), row_index=list(range(len(texts))))
-    assert store.put_if_absent(layout.pre_uri(root, job_id, H, k), encode_shard(rows, MAX_TOKENS))
+    data = encode_shard(rows, spec_of_tokens(MAX_TOKENS), {})
+    assert store.put_if_absent(layout.pre_uri(root, job_id, H, k), data)
 
 
 def cpu_done(root: str, job_id: str) -> None:
@@ -130,7 +137,7 @@ def cpu_done(root: str, job_id: str) -> None:
 def out(root: str, job_id: str, k: int) -> np.ndarray:
     import io
 
-    return np.load(io.BytesIO(store.get(layout.out_uri(root, job_id, H, k))))
+    return np.load(io.BytesIO(store.get(layout.out_uri(root, job_id, H, k))))["embedding"]
 
 
 def markers(root: str, job_id: str) -> set[int]:
@@ -184,8 +191,8 @@ def test_minilm_matches_sentence_transformers(minilm):
     from sentence_transformers import SentenceTransformer
 
     texts = sentences(50, seed=1)
-    ids, offsets = tokenize(texts, 256)
-    ours, _ = W.embed_rows(minilm, ids, offsets, budget=2048)
+    ids, offsets, _ = tokenize(texts, 256)
+    ours, _ = tasks.embed_rows(minilm, ids, offsets, budget=2048)
     ref = SentenceTransformer(str(minilm_dir()), device="cpu").encode(texts, batch_size=16)
     cos = (ours * ref).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
     assert ours.shape == (50, 384) and ours.dtype == np.float32
@@ -196,9 +203,9 @@ def test_minilm_matches_sentence_transformers(minilm):
 @pytest.mark.slow  # end to end: a job, a model or child processes
 def test_batching_does_not_change_outputs(minilm):
     texts = sentences(6, seed=2)
-    ids, offsets = tokenize(texts, MAX_TOKENS)
-    one, _ = W.embed_rows(minilm, ids, offsets, budget=1)  # every row alone
-    many, _ = W.embed_rows(minilm, ids, offsets, budget=4096)
+    ids, offsets, _ = tokenize(texts, MAX_TOKENS)
+    one, _ = tasks.embed_rows(minilm, ids, offsets, budget=1)  # every row alone
+    many, _ = tasks.embed_rows(minilm, ids, offsets, budget=4096)
     np.testing.assert_allclose(one, many, atol=1e-5)
 
 
@@ -218,14 +225,14 @@ def test_model_identity_needs_no_torch_and_tracks_bytes(tmp_path, tiny_uri):
 @pytest.mark.slow  # end to end: a job, a model or child processes
 def test_torchscript_and_torch_export_models(root, tmp_path, tiny_uri):
     texts = sentences(12, seed=3)
-    ids, offsets = tokenize(texts, MAX_TOKENS)
+    ids, offsets, _ = tokenize(texts, MAX_TOKENS)
     expected = []
     for r in range(len(texts)):
         t = torch.from_numpy(ids[offsets[r] : offsets[r + 1]].astype(np.int64))[None]
         expected.append(Tiny()(t, torch.ones_like(t))[0].detach().numpy())
     ts = load_model({"torchscript": tiny_uri}, "cpu")
     assert ts.dim == 8
-    got, _ = W.embed_rows(ts, ids, offsets, budget=64)
+    got, _ = tasks.embed_rows(ts, ids, offsets, budget=64)
     np.testing.assert_allclose(got, np.stack(expected), atol=1e-5)
 
     example = (torch.ones((2, 3), dtype=torch.int64), torch.ones((2, 3), dtype=torch.int64))  # not aliased
@@ -233,7 +240,7 @@ def test_torchscript_and_torch_export_models(root, tmp_path, tiny_uri):
     ep = torch.export.export(Tiny(), example, dynamic_shapes=({0: b, 1: t}, {0: b, 1: t}))
     torch.export.save(ep, str(tmp_path / "tiny.pt2"))
     exported = load_model({"torchscript": "file://" + str(tmp_path / "tiny.pt2")}, "cpu")
-    got2, _ = W.embed_rows(exported, ids, offsets, budget=64)
+    got2, _ = tasks.embed_rows(exported, ids, offsets, budget=64)
     np.testing.assert_allclose(got2, got, atol=1e-5)
 
 
@@ -296,20 +303,20 @@ class FakeOOM(LoadedModel):
 def test_oom_halves_the_budget_and_the_shard_completes(tiny_uri):
     model = FakeOOM(load_model({"torchscript": tiny_uri}, "cpu"), limit=300)  # rows have <= 128 tokens
     texts = sentences(40, seed=4)
-    ids, offsets = tokenize(texts, MAX_TOKENS)
+    ids, offsets, _ = tokenize(texts, MAX_TOKENS)
     stats = W.WorkerStats()
-    got, budget = W.embed_rows(model, ids, offsets, budget=1024, stats=stats)
+    got, budget = tasks.embed_rows(model, ids, offsets, budget=1024, stats=stats)
     assert stats.oom_halvings == 2 and budget == 256  # 1024 -> 512 -> 256, kept for the rest of the shard
     assert model.seen and max(model.seen) <= 256
-    ref, _ = W.embed_rows(load_model({"torchscript": tiny_uri}, "cpu"), ids, offsets, budget=4096)
+    ref, _ = tasks.embed_rows(load_model({"torchscript": tiny_uri}, "cpu"), ids, offsets, budget=4096)
     np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
 def test_oom_on_a_single_row_at_the_smallest_budget_is_an_error(tiny_uri):
     model = FakeOOM(load_model({"torchscript": tiny_uri}, "cpu"), limit=0)
-    ids, offsets = tokenize(["hello there"], MAX_TOKENS)
+    ids, offsets, _ = tokenize(["hello there"], MAX_TOKENS)
     with pytest.raises(ShardfoldError, match="out of memory on a single row"):
-        W.embed_rows(model, ids, offsets, budget=8)
+        tasks.embed_rows(model, ids, offsets, budget=8)
 
 
 # ---------------------------------------------------------------------------------------------- claims

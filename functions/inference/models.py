@@ -1,4 +1,5 @@
-"""Inference models: the built-in ``minilm`` and a user's TorchScript / ``torch.export`` file.
+"""Inference models: the built-in ``minilm``, a user's TorchScript / ``torch.export`` file, and Hugging Face
+folders (:mod:`functions.inference.hf`) for embed, classify and generate.
 
 Only the GPU worker imports torch: :func:`model_identity` and :func:`minilm_dir` do not, so the plan task
 (Lambda, no torch) can hash a model's weights for the config hash. torch and transformers are imported
@@ -105,8 +106,10 @@ class LoadedModel:
         self.name = name
         self._dim: int | None = None
 
-    def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
-        return self.fn(input_ids, attention_mask)
+    def __call__(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Any:
+        if token_type_ids is None:
+            return self.fn(input_ids, attention_mask)
+        return self.fn(input_ids, attention_mask, token_type_ids)
 
     @property
     def dim(self) -> int:
@@ -143,11 +146,12 @@ def preload() -> None:
     import torch  # noqa: F401
 
     with _TRANSFORMERS_LOCK:
-        _import_transformers()
+        import_transformers()
         import transformers.models.bert.modeling_bert  # noqa: F401
 
 
-def _import_transformers() -> Any:
+def import_transformers() -> Any:
+    """transformers, offline (set before huggingface_hub is imported), without progress bars."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoModel
@@ -162,7 +166,7 @@ def _load_minilm(device: Any) -> LoadedModel:
     import torch.nn.functional as F
 
     with _TRANSFORMERS_LOCK:
-        AutoModel = _import_transformers()
+        AutoModel = import_transformers()
         path = minilm_dir()
         model = AutoModel.from_pretrained(str(path), local_files_only=True).to(device).eval()
 
@@ -176,6 +180,73 @@ def _load_minilm(device: Any) -> LoadedModel:
     loaded = LoadedModel(embed, device, MINILM)
     loaded._dim = int(model.config.hidden_size)
     return loaded
+
+
+def load_hf(task: str, path: Any, facts: Any, device: Any, dtype: str = "auto") -> Any:
+    """A Hugging Face folder copied to ``path``, loaded for ``task``: embed and classify give a
+    :class:`LoadedModel` (vectors; class probabilities), generate a :class:`CausalLM`."""
+    import torch
+
+    from shardfold.functions.inference import hf
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with _TRANSFORMERS_LOCK:
+        if task == "generate":
+            return _load_causal_lm(path, facts, device, dtype)
+        if task == "classify":
+            model = hf.load_backbone(path, device, dtype, "AutoModelForSequenceClassification")
+        else:
+            model = hf.load_backbone(path, device, dtype)
+
+    def inputs(ids: Any, mask: Any, types: Any = None) -> dict[str, Any]:
+        out = {"input_ids": ids, "attention_mask": mask}
+        if types is not None:
+            out["token_type_ids"] = types
+        return out
+
+    if task == "classify":
+        single = len(facts.labels) == 1 or facts.multi_label  # a score per label, not a distribution
+
+        def classify(ids: Any, mask: Any, types: Any = None) -> Any:
+            logits = model(**inputs(ids, mask, types)).logits.float()
+            return torch.sigmoid(logits) if single else torch.softmax(logits, dim=-1)
+
+        return LoadedModel(classify, device, str(path))
+    pooling = facts.pooling or "mean_tokens"
+
+    def embed(ids: Any, mask: Any, types: Any = None) -> Any:
+        hidden = model(**inputs(ids, mask, types)).last_hidden_state
+        pooled = hf.pool(hidden, mask, pooling).float()
+        return torch.nn.functional.normalize(pooled, p=2, dim=1) if facts.normalize else pooled
+
+    return LoadedModel(embed, device, str(path))
+
+
+class CausalLM:
+    """A causal LM ready to generate: the model, its tokenizer, the tokens that end a sequence."""
+
+    def __init__(self, model: Any, tokenizer: Any, eos: list[int], max_positions: int | None):
+        self.model, self.tokenizer, self.eos, self.max_positions = model, tokenizer, eos, max_positions
+        self.device = next(model.parameters()).device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _load_causal_lm(path: Any, facts: Any, device: Any, dtype: str) -> CausalLM:
+    from shardfold.functions.inference import hf
+
+    model = hf.load_backbone(path, device, dtype, "AutoModelForCausalLM")
+    try:
+        tokenizer = hf._auto("AutoTokenizer").from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"{hf.FIELD}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return CausalLM(model, tokenizer, eos, facts.max_positions)
 
 
 def _load_user(uri: str, device: Any, pin: Any = None) -> LoadedModel:

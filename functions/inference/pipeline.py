@@ -5,10 +5,12 @@
 * **cpu_done** marks the end of the CPU stage (the worker exits once it is there and nothing is left).
 * **reconcile** lists the shards lacking a commit marker ``out/<H>/<k>.done`` into ``missing.json`` (the
   repair round's manifest). The workflow runs one repair round (no loops in the plan vocabulary).
-* **commit** fails naming the shards still missing, else merges every shard's embeddings in input order
-  into the output Parquet (``id`` and ``embedding`` fixed_size_list<float32>[dim], with the model, width
-  and config in its metadata) plus a manifest (which holds the workers'
-  reports), and writes the result (with the batches' padding fraction and the workers' compute seconds).
+* **commit** fails naming the shards still missing, else merges every shard's output in input order into
+  the output Parquet (``id`` and the task's columns: ``embedding`` fixed_size_list<float32>[dim];
+  ``label`` and ``scores``; ``text``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``; and
+  ``error`` where rows may fail; the task, model and config in its metadata) plus a manifest (which holds
+  the workers' reports), and writes the result (rows, rows with an error, the batches' padding fraction,
+  the workers' compute seconds). More failed rows than ``max_error_fraction`` fail the job instead.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def preprocess(spec: InferenceJob, job_id: str, store_root: str, shard: int) -> 
             json.dumps({"shard": shard, "error": str(exc)}).encode(),
         )
         raise
-    wrote = store.put_if_absent(uri, encode_shard(rows, spec.max_tokens))
+    wrote = store.put_if_absent(uri, encode_shard(rows, spec, p))
     return {"shard": shard, "rows": len(rows.texts), "skipped": len(rows.skipped), "cached": not wrote}
 
 
@@ -110,23 +112,92 @@ def reconcile(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any
     }
 
 
-def _load_out(store_root: str, job_id: str, h: str, shard: int, rows: int) -> np.ndarray:
-    emb = layout.load_arrays(store.get(layout.out_uri(store_root, job_id, h, shard)))
-    if emb.ndim != 2 or emb.shape[0] != rows:
-        raise ShardfoldError(f"shard {shard}: embeddings of shape {emb.shape}, expected {rows} rows")
-    return emb.astype(np.float32, copy=False)
+class TooManyRowErrors(ShardfoldError):
+    """More rows ended with an error than the spec's max_error_fraction allows."""
 
 
-def _output_metadata(plan: dict[str, Any], dim: int | None) -> dict[str, str]:
-    """What the output Parquet says of itself: the model, the vectors' width, the config hash and config."""
+def _load_out(store_root: str, job_id: str, h: str, shard: int, rows: int) -> dict[str, np.ndarray]:
+    out = layout.load_arrays(store.get(layout.out_uri(store_root, job_id, h, shard)))
+    if not isinstance(out, dict) or any(len(a) != rows for a in out.values()):
+        shapes = {k: list(a.shape) for k, a in out.items()} if isinstance(out, dict) else "not an npz"
+        raise ShardfoldError(f"shard {shard}: output arrays {shapes}, expected {rows} rows each")
+    return out
+
+
+def _nullable(values: Any, errors: np.ndarray) -> Any:
+    """``values`` (a pyarrow array) with a null where the row has an error."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not errors.any():
+        return values
+    return pc.if_else(pa.array(errors), pa.nulls(len(values), values.type), values)
+
+
+def _columns(spec: InferenceJob, plan: dict[str, Any], out: dict[str, np.ndarray], errors: np.ndarray):
+    """The task's output columns of one shard (besides ``id`` and ``error``), null where a row failed."""
+    import pyarrow as pa
+
+    bad = errors != ""
+    if spec.task == "embed":
+        emb = out["embedding"].astype(np.float32, copy=False)
+        values = pa.array(emb.reshape(-1), type=pa.float32())
+        # a fixed-size list (Arrow): pyarrow and pandas read one vector per row; DuckDB casts FLOAT[dim]
+        return {"embedding": pa.FixedSizeListArray.from_arrays(values, emb.shape[1], mask=pa.array(bad))}
+    if spec.task == "classify":
+        scores = out["scores"].astype(np.float32, copy=False)
+        labels = plan["model"]["labels"]
+        label = pa.array([labels[i] for i in scores.argmax(axis=1)], type=pa.string())
+        values = pa.array(scores.reshape(-1), type=pa.float32())
+        return {
+            "label": _nullable(label, bad),
+            "scores": pa.FixedSizeListArray.from_arrays(values, scores.shape[1], mask=pa.array(bad)),
+        }
+    n = out["text"].shape[1]
+
+    def per_choice(a: np.ndarray, typ: Any) -> Any:
+        if n == 1:
+            return _nullable(pa.array(a[:, 0].tolist(), type=typ), bad)
+        return pa.array([None if b else row for row, b in zip(a.tolist(), bad, strict=True)], pa.list_(typ))
+
+    return {
+        "text": per_choice(out["text"], pa.string()),
+        "finish_reason": per_choice(out["finish_reason"], pa.string()),
+        "prompt_tokens": _nullable(pa.array(out["prompt_tokens"], type=pa.int32()), bad),
+        "completion_tokens": per_choice(out["completion_tokens"], pa.int32()),
+    }
+
+
+def _output_metadata(spec: InferenceJob, plan: dict[str, Any], dim: int | None) -> dict[str, str]:
+    """What the output Parquet says of itself: the task, the model, the vectors' width, the config hash and
+    config."""
     config = plan.get("config") or {}
     model = config.get("model")
+    if model == "hf":
+        model = f"hf:{spec.model.hf}"
     return {
+        "shardfold.task": spec.task,
         "shardfold.model": model if isinstance(model, str) else json.dumps(model, sort_keys=True),
         "shardfold.dim": str(dim or 0),
         "shardfold.config_hash": str(plan.get("config_hash", "")),
         "shardfold.config": json.dumps(config, sort_keys=True),
     }
+
+
+def _empty_schema(spec: InferenceJob, id_type: Any) -> Any:
+    import pyarrow as pa
+
+    columns = {
+        "embed": [("embedding", pa.list_(pa.float32()))],
+        "classify": [("label", pa.string()), ("scores", pa.list_(pa.float32()))],
+        "generate": [
+            ("text", pa.string()),
+            ("finish_reason", pa.string()),
+            ("prompt_tokens", pa.int32()),
+            ("completion_tokens", pa.int32()),
+        ],
+    }[spec.task]
+    return pa.schema([("id", id_type), *columns] + ([("error", pa.string())] if spec.errors_column else []))
 
 
 def worker_reports(store_root: str, job_id: str) -> list[dict[str, Any]]:
@@ -140,15 +211,21 @@ def _batching_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
     padding fraction over all their batches, and their embedding seconds."""
     real = sum(w.get("real_tokens", 0) for w in workers)
     padded = sum(w.get("padded_tokens", 0) for w in workers)
-    return {
+    summary = {
         "workers": len(workers),
         "padding_fraction": round(1 - real / padded, 4) if padded else 0.0,
         "compute_s": round(sum(w.get("compute_s", 0.0) for w in workers), 3),
     }
+    generated = sum(w.get("generated_tokens", 0) for w in workers)
+    if generated:
+        summary["generated_tokens"] = generated
+        summary["prefix_saved_tokens"] = sum(w.get("prefix_saved_tokens", 0) for w in workers)
+    return summary
 
 
 def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
-    """Merge every shard's embeddings in input order into the output Parquet and write the result."""
+    """Merge every shard's output in input order into the output Parquet and write the result; fail,
+    writing nothing, when more rows ended with an error than ``max_error_fraction`` allows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -170,36 +247,48 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     id_type = pa.string() if string_ids else pa.int64()
     out = output_uri(spec, store_root, job_id)
     skipped: list[dict[str, Any]] = []
-    rows, dim, writer = 0, None, None
+    errors: list[dict[str, Any]] = []  # the first few, for the result
+    rows = failed = 0
+    dim, writer = None, None
     with tempfile.TemporaryFile() as f:
         for s, sh in zip(p["shards"], shards, strict=True):
             skipped.extend(sh["skipped"])
             n = len(sh["row_index"])
             if not np.all(np.diff(sh["row_index"]) > 0):
                 raise ShardfoldError(f"shard {s['shard']}: rows out of input order in its preprocessed file")
-            emb = _load_out(store_root, job_id, h, s["shard"], n)
-            if dim is None and n:
-                dim = emb.shape[1]
-            elif n and emb.shape[1] != dim:
-                raise ShardfoldError(f"shard {s['shard']}: embedding width {emb.shape[1]}, others {dim}")
             if not n:  # an empty shard adds no rows (and cannot say the width)
                 continue
+            arrays = _load_out(store_root, job_id, h, s["shard"], n)
+            row_errors = arrays["error"] if "error" in arrays else sh["errors"]
+            columns = _columns(spec, p, arrays, row_errors)
+            width = columns["embedding"].type.list_size if "embedding" in columns else None
+            if dim is None:
+                dim = width
+            elif width != dim:
+                raise ShardfoldError(f"shard {s['shard']}: embedding width {width}, others {dim}")
             ids = sh["ids"].astype(str) if string_ids else sh["ids"]
-            values = pa.array(emb.reshape(-1), type=pa.float32())
-            # a fixed-size list (Arrow): pyarrow and pandas read one vector per row; DuckDB casts FLOAT[dim]
-            embedding = pa.FixedSizeListArray.from_arrays(values, dim)
-            table = pa.table({"id": pa.array(ids, type=id_type), "embedding": embedding})
+            table = {"id": pa.array(ids, type=id_type), **columns}
+            if spec.errors_column:
+                table["error"] = _nullable(pa.array(row_errors.tolist(), pa.string()), row_errors == "")
+            bad = np.flatnonzero(row_errors != "")
+            failed += len(bad)
+            errors += [{"id": ids[i].item(), "error": str(row_errors[i])} for i in bad[: 10 - len(errors)]]
+            t = pa.table(table)
             if writer is None:
-                writer = pq.ParquetWriter(f, table.schema.with_metadata(_output_metadata(p, dim)))
-            writer.write_table(table)
+                writer = pq.ParquetWriter(f, t.schema.with_metadata(_output_metadata(spec, p, dim)))
+            writer.write_table(t)
             rows += n
         if writer is None:  # no rows at all: an empty table of the same columns
-            empty = pa.table(
-                {"id": pa.array([], type=id_type), "embedding": pa.array([], pa.list_(pa.float32()))}
+            writer = pq.ParquetWriter(
+                f, _empty_schema(spec, id_type).with_metadata(_output_metadata(spec, p, dim))
             )
-            writer = pq.ParquetWriter(f, empty.schema.with_metadata(_output_metadata(p, dim)))
-            writer.write_table(empty)
         writer.close()
+        if rows and failed / rows > spec.max_error_fraction:
+            shown = "; ".join(f"id {e['id']}: {e['error']}" for e in errors[:3])
+            raise TooManyRowErrors(
+                f"{failed} of {rows} rows ended with an error ({failed / rows:.1%}), more than "
+                f"max_error_fraction {spec.max_error_fraction}; first: {shown}"
+            )
         f.seek(0)
         store.put_file(out, f)
     workers = worker_reports(store_root, job_id)
@@ -208,6 +297,8 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
         "output": out,
         "rows": rows,
         "dim": dim,
+        "errors": failed,
+        "first_errors": errors,
         "config_hash": h,
         "config": p["config"],
         "inputs": list(spec.inputs),
@@ -221,10 +312,12 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     result = {
         "job_id": job_id,
         "kind": "inference",
+        "task": spec.task,
         "output": out,
         "manifest": manifest_out,
         "rows": rows,
         "dim": dim,
+        "errors": failed,
         "skipped": len(skipped),
         "shards": len(p["shards"]),
         "config_hash": h,

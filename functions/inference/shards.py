@@ -7,11 +7,11 @@ shard. A Parquet row is a table row; a shard records its row range.
 
 The config hash ``H`` (16 hex digits) identifies everything that changes a shard's tokens or embeddings:
 the model id, the weights' SHA-256, the tokenizer files' SHA-256, ``max_tokens`` and ``field``. Every
-derived key carries it (``pre/<H>/<k>.npz``, ``out/<H>/<k>.npy``), so a key is a lineage identity
+derived key carries it (``pre/<H>/<k>.npz``, ``out/<H>/<k>.npz``), so a key is a lineage identity
 (shard, stage, H): a changed config never reuses a stale output.
 
 Layout under ``<store_root>/jobs/<id>/inference/``: ``plan.json``, ``manifest.json`` (``[{"shard": k}]``),
-``pre/<H>/<k:05d>.npz``, ``cpu_done.json``, ``claims/<attempt>/<k:05d>``, ``out/<H>/<k:05d>.npy`` and
+``pre/<H>/<k:05d>.npz``, ``cpu_done.json``, ``claims/<attempt>/<k:05d>``, ``out/<H>/<k:05d>.npz`` and
 ``.done``, ``missing.json``.
 """
 
@@ -33,7 +33,8 @@ import numpy as np
 
 from shardfold.functions import access, store
 from shardfold.functions.errors import BadInputError, InputChanged, SpecError
-from shardfold.functions.inference.spec import InferenceJob, inference_input_format
+from shardfold.functions.inference import hf
+from shardfold.functions.inference.spec import HFModel, InferenceJob, inference_input_format
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.store.pinning import Pin, check_local
@@ -80,7 +81,7 @@ def out_prefix(store_root: str, job_id: str, h: str) -> str:
 
 
 def out_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
-    return join(out_prefix(store_root, job_id, h), f"{shard_name(shard)}.npy")
+    return join(out_prefix(store_root, job_id, h), f"{shard_name(shard)}.npz")
 
 
 def done_uri(store_root: str, job_id: str, h: str, shard: int) -> str:
@@ -129,13 +130,14 @@ _DECODE = threading.Lock()
 
 
 def load_arrays(data: bytes, names: tuple[str, ...] = ()) -> Any:
-    """A stage file's arrays: the named arrays of an ``.npz`` as a dict, or an ``.npy``'s one array."""
+    """A stage file's arrays: the named arrays (default: all) of an ``.npz`` as a dict, or an ``.npy``'s one
+    array."""
     with _DECODE:
         loaded = np.load(io.BytesIO(data), allow_pickle=False)
-        if not names:
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
             return loaded
         with loaded as z:
-            return {k: z[k] for k in names}
+            return {k: z[k] for k in (names or z.files)}
 
 
 def shard_of(uri: str) -> int:
@@ -181,10 +183,29 @@ def tokenizer_path() -> Path:
 
 
 def config_hash(
-    spec: InferenceJob, store_root: str, pins: dict[str, Pin] | None = None
+    spec: InferenceJob,
+    store_root: str,
+    pins: dict[str, Pin] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """``(H, parts)``: H is the first 16 hex digits of the SHA-256 of the parts that decide the output.
-    ``pins``: a user model is read only as pinned (:class:`InputChanged` otherwise)."""
+    ``pins``: a user model is read only as pinned (:class:`InputChanged` otherwise). ``model``: a Hugging
+    Face folder's plan entry (:func:`hf_plan`): its files enter H by their pins (a multi-GB folder is not
+    read to be hashed; any change of a file changes its ETag, or its mtime and inode)."""
+    if isinstance(spec.model, HFModel):
+        assert model is not None
+        parts = {
+            "model": "hf",
+            "task": spec.task,
+            "files": {n: Pin.from_doc(d).fingerprint() for n, d in sorted(model["pins"].items())},
+            "dtype": spec.model.dtype,
+            "max_input_tokens": model["input_tokens"],
+            "field": spec.field,
+            "pair_field": spec.pair_field,
+            "generation": spec.generation.model_dump(mode="json") if spec.generation else None,
+        }
+        digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        return digest, parts
     mdir = minilm_dir()
     tok = {name: file_sha256(mdir / name) for name in TOKENIZER_FILES if (mdir / name).exists()}
     if spec.model == "minilm":
@@ -203,7 +224,7 @@ def config_hash(
         "model": model_id,
         "weights_sha256": weights,
         "tokenizer_sha256": tok,
-        "max_tokens": spec.max_tokens,
+        "max_tokens": spec.max_input_tokens,
         "field": spec.field,
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
@@ -380,10 +401,42 @@ def make_shards(
     return shards
 
 
+OUTPUT_NAMES = {
+    "embed": "embeddings.parquet",
+    "classify": "labels.parquet",
+    "generate": "generations.parquet",
+}
+
+
 def output_uri(spec: InferenceJob, store_root: str, job_id: str) -> str:
     if spec.output:
         return access.output_uri(spec.output, store_root, "output", job_id)
-    return join(store_root, "jobs", job_id, "output", "embeddings.parquet")
+    return join(store_root, "jobs", job_id, "output", OUTPUT_NAMES[spec.task])
+
+
+def hf_plan(spec: InferenceJob, folder: hf.Folder, pins: dict[str, Pin]) -> dict[str, Any]:
+    """What the plan records of a Hugging Face folder: its files and their pins, and what the CPU stage
+    and the worker read of its config (labels, pooling, the input tokens per row)."""
+    assert isinstance(spec.model, HFModel)
+    missing = [n for n, u in folder.files.items() if u not in pins]
+    if missing:
+        raise SpecError(f"model.hf {spec.model.hf}: {missing[0]} vanished while the job was planned")
+    config = hf.read_json(folder, "config.json", pins[folder.files["config.json"]])
+    facts = hf.facts(folder, config, {u: p.size for u, p in pins.items()}, pins)
+    hf.check_task(spec.task, facts, spec.model.hf)
+    return {
+        "files": folder.files,
+        "pins": {n: pins[u].to_doc() for n, u in folder.files.items()},
+        "labels": list(facts.labels),
+        "multi_label": facts.multi_label,
+        "pooling": facts.pooling,
+        "normalize": facts.normalize,
+        "input_tokens": hf.input_tokens(spec.max_input_tokens, facts, spec.task),
+        "max_positions": facts.max_positions,
+        "chat_template": facts.chat_template,
+        "weight_bytes": facts.weight_bytes,
+        "dtype": facts.dtype,
+    }
 
 
 def prepare(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
@@ -392,17 +445,24 @@ def prepare(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     inputs = [
         (f"inputs.{i}", access.input_uri(u, store_root, f"inputs.{i}")) for i, u in enumerate(spec.inputs)
     ]
-    if not isinstance(spec.model, str):
+    folder = None
+    if isinstance(spec.model, HFModel):
+        folder = hf.list_folder(access.input_uri(spec.model.hf, store_root, "model.hf"))
+        inputs += [(f"model.hf {name}", uri) for name, uri in folder.files.items()]
+    elif not isinstance(spec.model, str):
         inputs.append(("model.torchscript", access.input_uri(spec.model.torchscript, store_root)))
     access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
     # Every input and the user's model pinned first: the plan, and every later read, is of these objects.
     found = store.pins([uri for _, uri in inputs])
     pins = {uri: pin for uri, pin in found.items() if pin is not None}  # a missing one fails just below
-    h, parts = config_hash(spec, store_root, pins)
+    model = hf_plan(spec, folder, pins) if folder is not None else None
+    h, parts = config_hash(spec, store_root, pins, model)
     shards = make_shards(spec, store_root, pins)
     rows = sum(s["rows"] for s in shards)
     plan = {"format": PLAN_FORMAT, "config_hash": h, "config": parts, "rows": rows, "shards": shards}
     plan["pins"] = {uri: pin.to_doc() for uri, pin in pins.items()}
+    if model is not None:
+        plan["model"] = model
     store.put_json(plan_uri(store_root, job_id), plan)
     m_uri = manifest_uri(store_root, job_id)
     store.put_json(m_uri, [{"shard": s["shard"]} for s in shards])

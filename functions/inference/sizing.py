@@ -5,8 +5,10 @@
   footer's row count); beyond it (a submit reads at most 1 MiB) a JSONL file's rows are extrapolated from
   its first bytes and its size, and a Parquet file's footer is read. An input that is missing or unreadable
   becomes a note: the job fails at its prepare step naming it.
-* **loads**: a preprocess task holds one shard's text and its token ids (int32, at most ``max_tokens`` per
-  row) on top of the tokenizer runtime; the worker holds the model, a bounded prefetch of preprocessed
+* **loads**: a preprocess task holds one shard's text and its token ids (int32, at most
+  ``max_input_tokens`` per row) on top of the tokenizer runtime; the worker holds the model (a Hugging Face
+  folder's weights as loaded, twice over while they load), for generate every running sequence's keys and
+  values, a bounded prefetch of preprocessed
   shards and, on a CPU, one batch's activations; commit holds the preprocessed shards' ids and streams
   embeddings to Parquet one shard at a time.
 
@@ -21,11 +23,12 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from shardfold.functions import access, pricing, store
 from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from shardfold.functions.inference import workflow as wf
-from shardfold.functions.inference.spec import InferenceJob, inference_input_format
+from shardfold.functions.inference.spec import HFModel, InferenceJob, inference_input_format
 from shardfold.functions.inference.worker import CPU_BATCH_TOKENS, PREFETCH
 from shardfold.functions.store.uri import is_s3
 from shardfold.functions.tables import Table
@@ -81,7 +84,11 @@ def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
     if len(spec.inputs) > budget.objects:
         notes.append(f"{budget.objects} of {len(spec.inputs)} inputs probed; the rest assumed alike")
     model_bytes = 0  # the built-in MiniLM's are in WORKER_RUNTIME_BYTES
-    if spec.model != "minilm":
+    folder: dict[str, Any] = {}
+    if isinstance(spec.model, HFModel):
+        folder = _folder_facts(spec, store_root)  # a folder that cannot do the task is refused here
+        model_bytes = folder["bytes"]
+    elif spec.model != "minilm":
         try:
             model_bytes = store.size(
                 access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
@@ -96,8 +103,30 @@ def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
         "of": len(spec.inputs),
         "worker_device": worker_device(store_root),
         "model_bytes": model_bytes,
+        "folder": folder,
     }
     return Probe(facts=facts, notes=notes)
+
+
+def _folder_facts(spec: InferenceJob, store_root: str) -> dict[str, Any]:
+    """What the plan needs of a Hugging Face folder: its weights' bytes as loaded (the spec's dtype), and
+    for generate each token's key/value bytes and the hidden width; :class:`SpecError` naming ``model.hf``
+    or ``task`` when the folder cannot do the job."""
+    from shardfold.functions.inference import hf
+
+    assert isinstance(spec.model, HFModel)
+    folder = hf.list_folder(access.input_uri(spec.model.hf, store_root, "model.hf"))
+    sizes = store.sizes(list(folder.files.values()))
+    facts = hf.facts(folder, hf.read_json(folder, "config.json"), sizes)
+    hf.check_task(spec.task, facts, spec.model.hf)
+    loaded = facts.bytes_as(spec.model.dtype)
+    element = loaded / max(1, facts.weight_bytes) * hf.DTYPE_BYTES.get(facts.dtype, 4)
+    return {
+        "bytes": loaded,
+        "kv_bytes_per_token": int(2 * facts.layers * facts.kv_dim * element),
+        "hidden": facts.hidden,
+        "input_tokens": hf.input_tokens(spec.max_input_tokens, facts, spec.task),
+    }
 
 
 def worker_device(store_root: str) -> str:
@@ -126,7 +155,7 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
     else:
         n_shards, rows, shard_rows = 1, spec.shard_rows, spec.shard_rows
         shard_text = shard_rows * TEXT_BYTES_PER_ROW
-    shard_tokens = shard_rows * spec.max_tokens
+    shard_tokens = shard_rows * spec.max_input_tokens
     pre_bytes = shard_tokens * 4 + shard_rows * 3 * 8  # input_ids int32 + offsets, row_index, ids
     preprocess_peak = RUNTIME_BYTES + 3 * shard_text + 3 * pre_bytes  # text, encodings, npz buffer
     device = probed.facts.get("worker_device", "cuda")
@@ -135,15 +164,23 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
     # worker runs it), so twice the file at the load's peak (a 1 GiB file took a worker to 1.3 GiB before
     # it failed to load)
     model = MODEL_LOAD_FACTOR * probed.facts.get("model_bytes", 0)
-    held = (PREFETCH_SHARDS + 1) * pre_bytes + embeddings + model
+    folder = probed.facts.get("folder") or {}
+    kv = 0
+    if spec.task == "generate" and folder:
+        gen = spec.generation
+        assert gen is not None
+        # every running sequence's keys and values at their longest, twice while a joiner's are merged in
+        kv = 2 * gen.max_num_seqs * (folder["input_tokens"] + gen.max_tokens) * folder["kv_bytes_per_token"]
+    held = (PREFETCH_SHARDS + 1) * pre_bytes + embeddings + model + kv
     loaded = (
-        f", the model's {model / MODEL_LOAD_FACTOR / MiB:,.0f} MiB file twice over as it loads"
-        if model
-        else ""
+        f", the model's {model / MODEL_LOAD_FACTOR / MiB:,.0f} MiB twice over as it loads" if model else ""
     )
+    if kv:
+        loaded += f", {kv / MiB:,.0f} MiB of keys and values for {spec.generation.max_num_seqs} sequences"
     if device == "cpu":
         budget = min(spec.batch_tokens, CPU_BATCH_TOKENS)
-        worker_peak = WORKER_RUNTIME_BYTES + held + budget * CPU_BYTES_PER_BATCH_TOKEN
+        width = max(1.0, folder.get("hidden", EMBED_DIM) / EMBED_DIM)  # activations scale with the width
+        worker_peak = WORKER_RUNTIME_BYTES + held + int(budget * CPU_BYTES_PER_BATCH_TOKEN * width)
         worker_why = (
             f"CPU worker: torch, transformers and the model, {PREFETCH_SHARDS + 1} preprocessed shards, "
             f"one {budget:,}-token batch's activations{loaded}"

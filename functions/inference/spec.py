@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, StrictStr, field_validator, model_validator
 
 from shardfold.functions.specs import InputUri, JobOptions, OutputUri, StrictModel, repeated_uris
 
@@ -31,6 +31,54 @@ class TorchScriptModel(StrictModel):
     input: Literal["token_ids"] = Field(default="token_ids", description="the declared input signature")
 
 
+class HFModel(StrictModel):
+    """A Hugging Face model folder in the store, as ``save_pretrained`` writes it: ``config.json``,
+    safetensors weights, ``tokenizer.json`` (and ``tokenizer_config.json``), for chat models the chat
+    template, for sentence-transformers models ``modules.json`` and the pooling config. Loaded offline."""
+
+    hf: InputUri = Field(description="URI of the folder")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="weights' type on the worker; 'auto': as the folder's config.json says"
+    )
+
+
+class Generation(StrictModel):
+    """Decoding options of ``task: generate``, with the OpenAI / vLLM names."""
+
+    max_tokens: int = Field(default=256, ge=1, le=32768, description="tokens generated at most per choice")
+    temperature: float = Field(
+        default=1.0, ge=0, le=2, description="0: greedy (the most likely token); higher: more random"
+    )
+    top_p: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling: the smallest set of tokens whose probability reaches top_p",
+    )
+    seed: int = Field(
+        default=0, ge=0, lt=2**63, description="sampling seed; each row and choice draws from its own stream"
+    )
+    stop: list[StrictStr] = Field(
+        default_factory=list,
+        max_length=16,
+        description="strings that end a choice (not included in its text)",
+    )
+    n: int = Field(default=1, ge=1, le=16, description="choices per row (columns become lists when n > 1)")
+    max_num_seqs: int = Field(
+        default=64, ge=1, le=4096, description="sequences decoded side by side (continuous batching)"
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("a stop string may not be empty")
+        return value
+
+
+TASKS = ("embed", "classify", "generate")
+
+
 class InferenceJob(JobOptions):
     """Run a model over every row of one or more JSONL / Parquet files; output Parquet in input order."""
 
@@ -38,12 +86,37 @@ class InferenceJob(JobOptions):
     inputs: list[InputUri] = Field(
         min_length=1, description="URIs of JSONL or Parquet files (format by extension)"
     )
-    field: str = Field(min_length=1, description="the text column (Parquet) or key (JSONL)")
-    id_field: str | None = Field(default=None, description="id column; default: row number across inputs")
-    model: Literal["minilm"] | TorchScriptModel = Field(
-        default="minilm", description="'minilm' (all-MiniLM-L6-v2) or {torchscript: uri, input: token_ids}"
+    task: Literal["embed", "classify", "generate"] = Field(
+        default="embed", description="embed (vectors), classify (label and scores) or generate (text)"
     )
-    max_tokens: int = Field(default=256, ge=2, le=8192, description="truncation, special tokens included")
+    field: str = Field(
+        min_length=1,
+        description="the input column (Parquet) or key (JSONL): text, or for generate a prompt or a list of "
+        "chat messages",
+    )
+    pair_field: str | None = Field(
+        default=None, min_length=1, description="classify: the second text of each pair (cross-encoders)"
+    )
+    id_field: str | None = Field(default=None, description="id column; default: row number across inputs")
+    model: Literal["minilm"] | TorchScriptModel | HFModel = Field(
+        default="minilm",
+        description="'minilm' (all-MiniLM-L6-v2), {torchscript: uri} or {hf: folder uri, dtype}",
+    )
+    max_input_tokens: int = Field(
+        default=256,
+        ge=2,
+        le=32768,
+        validation_alias=AliasChoices("max_input_tokens", "max_tokens"),
+        description="input tokens per row, special tokens included: embed and classify truncate to it, "
+        "generate gives a longer prompt an error row (alias: max_tokens)",
+    )
+    generation: Generation | None = Field(default=None, description="decoding options of task generate")
+    max_error_fraction: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="fail the job when more than this fraction of rows end with an error",
+    )
     batch_tokens: int = Field(default=16384, ge=1, description="token budget of one GPU batch")
     shard_rows: int = Field(default=2000, ge=1, le=1_000_000, description="rows per shard")
     gpu_workers: int = Field(
@@ -52,8 +125,10 @@ class InferenceJob(JobOptions):
     output: OutputUri | None = Field(
         default=None, description="Parquet URI; default jobs/<id>/output/embeddings.parquet"
     )
-    on_bad_row: Literal["fail", "skip"] = Field(
-        default="fail", description="'skip' drops bad rows (missing field, bad line) and reports them"
+    on_bad_row: Literal["fail", "skip", "error"] = Field(
+        default="fail",
+        description="a bad row (missing field, bad line): 'fail' the job, 'skip' it (reported), or keep it "
+        "with its 'error' column set",
     )
 
     @field_validator("inputs")
@@ -70,9 +145,24 @@ class InferenceJob(JobOptions):
         return value
 
     @model_validator(mode="after")
-    def _budget_fits_a_row(self) -> InferenceJob:
-        if self.batch_tokens < self.max_tokens:
+    def _consistent(self) -> InferenceJob:
+        if self.batch_tokens < self.max_input_tokens:
             raise ValueError(
-                f"batch_tokens {self.batch_tokens} < max_tokens {self.max_tokens}: a full row would not fit"
+                f"batch_tokens {self.batch_tokens} < max_input_tokens {self.max_input_tokens}: a full row "
+                "would not fit"
             )
+        hf = isinstance(self.model, HFModel)
+        if self.task != "embed" and not hf:
+            raise ValueError(f"task {self.task!r} needs a Hugging Face model folder: model {{hf: uri}}")
+        if self.pair_field is not None and self.task != "classify":
+            raise ValueError("pair_field is for task 'classify' (cross-encoders)")
+        if self.generation is not None and self.task != "generate":
+            raise ValueError("generation options are for task 'generate'")
+        if self.task == "generate" and self.generation is None:
+            self.generation = Generation()
         return self
+
+    @property
+    def errors_column(self) -> bool:
+        """Whether the output has an ``error`` column: always for generate, else with on_bad_row 'error'."""
+        return self.task == "generate" or self.on_bad_row == "error"

@@ -9,10 +9,12 @@ event; the CLI takes the same event from ``--event`` JSON, ``$SHARDFOLD_EVENT`` 
    this attempt and has no ``.done`` marker is claimed with ``put_if_absent`` on ``claims/<attempt>/<k:05d>``:
    a claim another live worker holds is left to it. At most ``prefetch`` claimed shards are read ahead by
    a small thread pool, so a worker never hoards shards others could take.
-2. Each shard's rows are batched by token budget after sorting by length (:mod:`batcher`), embedded under
-   ``torch.inference_mode()`` on CUDA if present, else CPU; on ``torch.cuda.OutOfMemoryError`` the
-   worker halves its budget (for the rest of its life) and re-splits the failed batch.
-3. ``out/<H>/<k>.npy`` (float32 ``[rows, D]`` in the shard's row order) is written, then the commit
+2. Each shard's rows are computed by the job's task (:mod:`tasks`): embed and classify batch them by
+   token budget after sorting by length (:mod:`batcher`) under ``torch.inference_mode()`` on CUDA if
+   present, else CPU (on ``torch.cuda.OutOfMemoryError`` the worker halves its budget for the rest of its
+   life and re-splits the failed batch); generate decodes them with continuous batching
+   (:mod:`generation`).
+3. ``out/<H>/<k>.npz`` (the task's arrays in the shard's row order, :mod:`tasks`) is written, then the commit
    marker ``out/<H>/<k>.done`` with ``put_if_absent``: a shard is committed iff its marker exists.
 4. The worker exits once ``cpu_done.json`` exists (checked *before* the listing, so the listing is
    complete) and nothing is left to claim.
@@ -37,6 +39,7 @@ Exit codes: 0; 75 for a transient fault (the job definition retries it); 1 other
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import io
 import json
@@ -47,17 +50,17 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shardfold.functions import access, credentials, store, telemetry
+from shardfold.functions import credentials, store, telemetry
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.inference import shards as layout
-from shardfold.functions.inference.batcher import token_budget_batches
+from shardfold.functions.inference import tasks
 from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.tasks import WorkerStats
 from shardfold.functions.log import logger
 from shardfold.functions.runtime import JobEvent, task
 
@@ -81,123 +84,14 @@ class WorkerEvent(JobEvent):
     attempt: int | None = None
 
 
-@dataclass
-class WorkerStats:
-    attempt: int = 0
-    computed: list[int] = field(default_factory=list)  # shards this worker committed
-    skipped: list[int] = field(default_factory=list)  # committed by someone else before we got to them
-    rows: int = 0
-    batches: int = 0
-    padded_tokens: int = 0
-    real_tokens: int = 0
-    oom_halvings: int = 0
-    budget: int = 0
-    first_commit_s: float | None = None
-    wall_s: float = 0.0
-    shard_s: dict[int, float] = field(default_factory=dict)  # embedding seconds per committed shard
-    device: str = ""
-
-    def summary(self) -> dict[str, Any]:
-        pad = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
-        return {
-            "attempt": self.attempt,
-            "device": self.device,
-            "shards": len(self.computed),
-            "computed": sorted(self.computed),
-            "skipped": sorted(self.skipped),
-            "rows": self.rows,
-            "batches": self.batches,
-            "real_tokens": self.real_tokens,
-            "padded_tokens": self.padded_tokens,
-            "padding_fraction": round(pad, 4),
-            "oom_halvings": self.oom_halvings,
-            "budget": self.budget,
-            "first_commit_s": self.first_commit_s,
-            "compute_s": round(sum(self.shard_s.values()), 3),
-            "shard_s": {str(k): round(v, 4) for k, v in sorted(self.shard_s.items())},
-            "wall_s": round(self.wall_s, 3),
-        }
-
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    oom = getattr(torch.cuda, "OutOfMemoryError", None) or getattr(torch, "OutOfMemoryError", None)
-    return oom is not None and isinstance(exc, oom)
-
-
 def load_shard(uri: str) -> dict[str, np.ndarray]:
-    """A preprocessed shard (``input_ids`` flat int32, ``offsets`` int64 rows+1)."""
-    shard = layout.load_arrays(store.get(uri), ("input_ids", "offsets"))
+    """A preprocessed shard's arrays (``input_ids`` flat int32, ``offsets`` int64 rows+1, …)."""
+    from shardfold.functions.inference.preprocess import decode_shard
+
+    shard = decode_shard(store.get(uri))
     if shard["offsets"].ndim != 1 or len(shard["offsets"]) < 1:
         raise ShardfoldError(f"{uri}: offsets must be a 1-D array of rows+1 entries")
     return shard
-
-
-def embed_rows(
-    model: Any, input_ids: np.ndarray, offsets: np.ndarray, budget: int, stats: WorkerStats | None = None
-) -> tuple[np.ndarray, int]:
-    """Embeddings ``[rows, D]`` float32 of a shard's rows in row order; returns ``(out, budget)`` where
-    budget may have been halved on out-of-memory."""
-    import torch
-
-    stats = stats if stats is not None else WorkerStats()
-    lengths = np.diff(offsets).astype(np.int64)
-    rows = len(lengths)
-    dim = model.dim
-    out = np.zeros((rows, dim), dtype=np.float32)
-    if rows == 0:
-        return out, budget
-    device = model.device
-    cuda = getattr(device, "type", str(device)) == "cuda"
-    queue = deque(token_budget_batches(lengths, budget))
-    with torch.inference_mode():
-        while queue:
-            idx = queue.popleft()
-            lens = np.maximum(lengths[idx], 1)
-            t = int(lens.max())
-            ids = np.zeros((len(idx), t), dtype=np.int64)
-            mask = np.zeros((len(idx), t), dtype=np.int64)
-            for j, r in enumerate(idx):
-                n = int(lengths[r])
-                ids[j, :n] = input_ids[offsets[r] : offsets[r] + n]
-                mask[j, :n] = 1
-                if n == 0:
-                    mask[j, 0] = 1  # an empty row still attends to one (pad) token
-            ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
-            if cuda:
-                ids_t = ids_t.pin_memory().to(device, non_blocking=True)
-                mask_t = mask_t.pin_memory().to(device, non_blocking=True)
-            try:
-                y = model(ids_t, mask_t)
-            except Exception as exc:
-                if not _is_oom(exc):
-                    raise
-                if budget <= 1 or (len(idx) == 1 and budget < t):
-                    raise ShardfoldError(
-                        f"out of memory on a single row of {t} tokens even at a budget of {budget} tokens; "
-                        "lower max_tokens or use a device with more memory"
-                    ) from exc
-                budget = max(1, budget // 2)
-                stats.oom_halvings += 1
-                logger.warning("out of memory: halving the token budget", extra={"budget": budget})
-                if cuda:
-                    torch.cuda.empty_cache()
-                # re-cut the failed batch and every batch still queued (cut under the old budget)
-                left = np.concatenate([idx, *queue])
-                queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
-                continue
-            y = y.detach().float()
-            if y.dim() != 2 or y.shape[0] != len(idx) or y.shape[1] != dim:
-                raise ShardfoldError(
-                    f"model {getattr(model, 'name', '?')} returned shape {list(y.shape)} for a batch of "
-                    f"{len(idx)} rows; expected [{len(idx)}, {dim}]"
-                )
-            out[idx] = y.cpu().numpy()
-            stats.batches += 1
-            stats.padded_tokens += len(idx) * t
-            stats.real_tokens += int(lens.sum())
-    return out, budget
 
 
 def _targets(store_root: str, job_id: str, attempt: int, plan: dict[str, Any]) -> set[int]:
@@ -258,11 +152,8 @@ def run_worker(
         stats.wall_s = time.monotonic() - started
         return stats.summary()
     if model is None:
-        from shardfold.functions.inference.models import load_model
-
-        resolved = _resolved_model(spec, store_root)
-        pin = None if resolved == "minilm" else layout.plan_pin(plan, resolved["torchscript"])
-        model = load_model(resolved, device, pin)
+        model = tasks.load_runner(spec, store_root, plan, device)
+    compute = functools.partial(tasks.compute, spec, plan, model)
     stats.device = str(getattr(model, "device", "cpu"))
     if stats.device.startswith("cpu"):
         # On a CPU, batches past ~2k tokens run slower per token (activations and attention scores fall out
@@ -305,7 +196,7 @@ def run_worker(
                 finished = False  # listed shards are left to claim
             if inflight:
                 k, fut = inflight.popleft()
-                _process(model, store_root, job_id, h, k, fut.result(), stats, worker_id, started)
+                _process(compute, store_root, job_id, h, k, fut.result(), stats, worker_id, started)
                 continue
             if not remaining:
                 break
@@ -420,7 +311,7 @@ def _claim(uri: str, ident: dict[str, Any]) -> bool:
 
 
 def _process(
-    model: Any,
+    compute: Any,
     store_root: str,
     job_id: str,
     h: str,
@@ -435,16 +326,16 @@ def _process(
         stats.skipped.append(k)
         return
     t0 = time.monotonic()
-    emb, stats.budget = embed_rows(model, shard["input_ids"], shard["offsets"], stats.budget, stats)
+    arrays = compute(shard, stats)
     seconds = time.monotonic() - t0
     buf = io.BytesIO()
-    np.save(buf, emb, allow_pickle=False)
+    np.savez(buf, **arrays)
     data = buf.getvalue()
     store.put(layout.out_uri(store_root, job_id, h, k), data)
+    rows = len(shard["row_index"])
     marker = {
         "shard": k,
-        "rows": int(emb.shape[0]),
-        "dim": int(emb.shape[1]),
+        "rows": rows,
         "sha256": hashlib.sha256(data).hexdigest(),
         "attempt": stats.attempt,
         **worker_id,
@@ -452,17 +343,11 @@ def _process(
     if store.put_if_absent(done, json.dumps(marker).encode()):
         stats.computed.append(k)
         stats.shard_s[k] = seconds
-        stats.rows += int(emb.shape[0])
+        stats.rows += rows
         if stats.first_commit_s is None:
             stats.first_commit_s = round(time.monotonic() - started, 3)
     else:
         stats.skipped.append(k)
-
-
-def _resolved_model(spec: InferenceJob, store_root: str) -> Any:
-    if spec.model == "minilm":
-        return "minilm"
-    return {"torchscript": access.input_uri(spec.model.torchscript, store_root, "model.torchscript")}
 
 
 def attempt_of(event: dict[str, Any]) -> int:

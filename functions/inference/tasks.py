@@ -1,0 +1,282 @@
+"""What a worker computes for one shard, by task: embed and classify (the model's output per row, batched
+under a token budget after sorting by length), generate (:mod:`functions.inference.generation`'s
+continuous batching), and how it loads the job's model.
+
+Each returns the shard's output arrays, written as ``out/<H>/<k>.npz``: ``embedding`` ``[rows, D]``
+float32; ``scores`` ``[rows, labels]`` float32; ``text``, ``finish_reason`` (``[rows, n]`` unicode),
+``prompt_tokens`` ``[rows]``, ``completion_tokens`` ``[rows, n]`` int32 and ``error`` ``[rows]`` unicode
+(``""`` for none).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardfold.functions import access
+from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.inference import shards as layout
+from shardfold.functions.inference.batcher import token_budget_batches
+from shardfold.functions.inference.spec import HFModel, InferenceJob
+from shardfold.functions.log import logger
+from shardfold.functions.store.pinning import Pin
+
+
+@dataclass
+class WorkerStats:
+    attempt: int = 0
+    computed: list[int] = field(default_factory=list)  # shards this worker committed
+    skipped: list[int] = field(default_factory=list)  # committed by someone else before we got to them
+    rows: int = 0
+    batches: int = 0
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    oom_halvings: int = 0
+    budget: int = 0
+    first_commit_s: float | None = None
+    wall_s: float = 0.0
+    shard_s: dict[int, float] = field(default_factory=dict)  # embedding seconds per committed shard
+    device: str = ""
+    generated_tokens: int = 0  # generate: tokens produced
+    prompt_tokens: int = 0  # generate: prompt tokens of the requests
+    prefix_saved_tokens: int = 0  # generate: prompt tokens not computed (shared prefixes)
+
+    def summary(self) -> dict[str, Any]:
+        pad = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+        return {
+            "attempt": self.attempt,
+            "device": self.device,
+            "shards": len(self.computed),
+            "computed": sorted(self.computed),
+            "skipped": sorted(self.skipped),
+            "rows": self.rows,
+            "batches": self.batches,
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "padding_fraction": round(pad, 4),
+            "oom_halvings": self.oom_halvings,
+            "budget": self.budget,
+            "first_commit_s": self.first_commit_s,
+            "compute_s": round(sum(self.shard_s.values()), 3),
+            "shard_s": {str(k): round(v, 4) for k, v in sorted(self.shard_s.items())},
+            "wall_s": round(self.wall_s, 3),
+            **(
+                {
+                    "generated_tokens": self.generated_tokens,
+                    "prompt_tokens": self.prompt_tokens,
+                    "prefix_saved_tokens": self.prefix_saved_tokens,
+                }
+                if self.generated_tokens
+                else {}
+            ),
+        }
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    oom = getattr(torch.cuda, "OutOfMemoryError", None) or getattr(torch, "OutOfMemoryError", None)
+    return oom is not None and isinstance(exc, oom)
+
+
+def embed_rows(
+    model: Any,
+    input_ids: np.ndarray,
+    offsets: np.ndarray,
+    budget: int,
+    stats: WorkerStats | None = None,
+    type_ids: np.ndarray | None = None,
+) -> tuple[np.ndarray, int]:
+    """The model's ``[rows, D]`` float32 output (embeddings, or class probabilities) of a shard's rows in
+    row order, ``type_ids`` (pairs) passed as token type ids; returns ``(out, budget)`` where budget may
+    have been halved on out-of-memory."""
+    import torch
+
+    stats = stats if stats is not None else WorkerStats()
+    lengths = np.diff(offsets).astype(np.int64)
+    rows = len(lengths)
+    dim = model.dim
+    out = np.zeros((rows, dim), dtype=np.float32)
+    if rows == 0:
+        return out, budget
+    device = model.device
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    queue = deque(token_budget_batches(lengths, budget))
+    with torch.inference_mode():
+        while queue:
+            idx = queue.popleft()
+            lens = np.maximum(lengths[idx], 1)
+            t = int(lens.max())
+            ids = np.zeros((len(idx), t), dtype=np.int64)
+            mask = np.zeros((len(idx), t), dtype=np.int64)
+            types = np.zeros((len(idx), t), dtype=np.int64) if type_ids is not None else None
+            for j, r in enumerate(idx):
+                n = int(lengths[r])
+                ids[j, :n] = input_ids[offsets[r] : offsets[r] + n]
+                if types is not None:
+                    types[j, :n] = type_ids[offsets[r] : offsets[r] + n]
+                mask[j, :n] = 1
+                if n == 0:
+                    mask[j, 0] = 1  # an empty row still attends to one (pad) token
+            tensors = [torch.from_numpy(a) for a in (ids, mask, types) if a is not None]
+            if cuda:
+                tensors = [a.pin_memory().to(device, non_blocking=True) for a in tensors]
+            try:
+                y = model(*tensors)
+            except Exception as exc:
+                if not _is_oom(exc):
+                    raise
+                if budget <= 1 or (len(idx) == 1 and budget < t):
+                    raise ShardfoldError(
+                        f"out of memory on a single row of {t} tokens even at a budget of {budget} tokens; "
+                        "lower max_tokens or use a device with more memory"
+                    ) from exc
+                budget = max(1, budget // 2)
+                stats.oom_halvings += 1
+                logger.warning("out of memory: halving the token budget", extra={"budget": budget})
+                if cuda:
+                    torch.cuda.empty_cache()
+                # re-cut the failed batch and every batch still queued (cut under the old budget)
+                left = np.concatenate([idx, *queue])
+                queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
+                continue
+            y = y.detach().float()
+            if y.dim() != 2 or y.shape[0] != len(idx) or y.shape[1] != dim:
+                raise ShardfoldError(
+                    f"model {getattr(model, 'name', '?')} returned shape {list(y.shape)} for a batch of "
+                    f"{len(idx)} rows; expected [{len(idx)}, {dim}]"
+                )
+            out[idx] = y.cpu().numpy()
+            stats.batches += 1
+            stats.padded_tokens += len(idx) * t
+            stats.real_tokens += int(lens.sum())
+    return out, budget
+
+
+def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], device: Any = None) -> Any:
+    """The job's model on ``device``: a :class:`~functions.inference.models.LoadedModel` (embed,
+    classify) or a :class:`~functions.inference.models.CausalLM` (generate). A Hugging Face folder is
+    copied, as pinned, to a local folder named by the config hash (reused by the next worker on the host)."""
+    from shardfold.functions.inference import models
+
+    if isinstance(spec.model, HFModel):
+        entry = plan["model"]
+        pins = {entry["files"][n]: Pin.from_doc(d) for n, d in entry["pins"].items()}
+        dest = Path(tempfile.gettempdir()) / "shardfold-models" / plan["config_hash"]
+        from shardfold.functions.inference import hf
+
+        path = hf.local_copy(entry["files"], pins, dest)
+        facts = _PlanFacts(entry)
+        return models.load_hf(spec.task, path, facts, device, spec.model.dtype)
+    if spec.model == "minilm":
+        return models.load_model("minilm", device)
+    uri = access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
+    return models.load_model({"torchscript": uri}, device, layout.plan_pin(plan, uri))
+
+
+class _PlanFacts:
+    """The plan's record of a folder, read as :class:`~functions.inference.hf.ModelFacts` is."""
+
+    def __init__(self, entry: dict[str, Any]):
+        self.labels = tuple(entry["labels"])
+        self.multi_label = bool(entry["multi_label"])
+        self.pooling = entry["pooling"]
+        self.normalize = bool(entry["normalize"])
+        self.max_positions = entry.get("max_positions")
+
+
+def compute(
+    spec: InferenceJob, plan: dict[str, Any], model: Any, shard: dict[str, np.ndarray], stats: WorkerStats
+) -> dict[str, np.ndarray]:
+    """The shard's output arrays (see the module doc)."""
+    if spec.task == "generate":
+        return generate_rows(spec, plan, model, shard, stats)
+    out, stats.budget = embed_rows(
+        model, shard["input_ids"], shard["offsets"], stats.budget, stats, shard.get("type_ids")
+    )
+    return {"scores" if spec.task == "classify" else "embedding": out}
+
+
+def encode_prompt(model: Any, value: Any) -> list[int]:
+    """A row's prompt as token ids: a string as the tokenizer encodes it (its special tokens included), a
+    list of chat messages rendered by the folder's chat template, ready for the assistant's answer."""
+    tok = model.tokenizer
+    if isinstance(value, str):
+        return list(tok(value)["input_ids"])
+    if not getattr(tok, "chat_template", None):
+        raise ValueError("the model folder has no chat template, so chat messages cannot be rendered")
+    ids = tok.apply_chat_template(value, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(ids["input_ids"])
+
+
+def generate_rows(
+    spec: InferenceJob, plan: dict[str, Any], model: Any, shard: dict[str, np.ndarray], stats: WorkerStats
+) -> dict[str, np.ndarray]:
+    """Every row's ``n`` choices, generated with continuous batching; a row that cannot be generated gets
+    its error and the others go on."""
+    from shardfold.functions.inference.generation import Engine, Request, Sampling, row_seed
+
+    gen = spec.generation
+    assert gen is not None
+    rows = len(shard["prompts"])
+    max_in = plan["model"]["input_tokens"]
+    errors = [str(e) for e in shard["errors"]]
+    prompt_tokens = np.zeros(rows, dtype=np.int32)
+    requests = []
+    for r, raw in enumerate(shard["prompts"]):
+        if errors[r]:
+            continue
+        try:
+            ids = encode_prompt(model, json.loads(str(raw)))
+        except Exception as exc:  # noqa: BLE001 - a template or tokenizer failure is this row's error
+            errors[r] = f"cannot tokenize the prompt: {type(exc).__name__}: {exc}"
+            continue
+        prompt_tokens[r] = len(ids)
+        room = (model.max_positions or len(ids) + gen.max_tokens) - len(ids)
+        if len(ids) > max_in or room < 1:
+            errors[r] = f"the prompt has {len(ids)} tokens, more than max_input_tokens {max_in}" + (
+                f" leaves room for (the model has {model.max_positions} positions)" if room < 1 else ""
+            )
+            continue
+        sampling = Sampling(min(gen.max_tokens, room), gen.temperature, gen.top_p, tuple(gen.stop))
+        seed = int(shard["row_index"][r])
+        requests += [Request((r, c), ids, sampling, row_seed(gen.seed, seed, c)) for c in range(gen.n)]
+    engine = Engine(
+        model.model,
+        eos=model.eos,
+        batch_tokens=max(stats.budget, max_in + 1),
+        max_seqs=gen.max_num_seqs,
+        decode=model.decode,
+        pad_id=model.pad_id,
+    )
+    results = engine.run(requests)
+    text = np.full((rows, gen.n), "", dtype=object)
+    finish = np.full((rows, gen.n), "", dtype=object)
+    completion = np.zeros((rows, gen.n), dtype=np.int32)
+    for (r, c), done in sorted(results.items()):
+        if done.error:
+            errors[r] = errors[r] or f"generation failed: {done.error}"
+            continue
+        text[r, c] = done.text if done.text is not None else model.decode(done.tokens)
+        finish[r, c] = done.finish_reason
+        completion[r, c] = len(done.tokens)
+    s = engine.stats
+    stats.batches += s.steps + s.prefills
+    stats.real_tokens += s.prefill_tokens + s.decode_tokens
+    stats.padded_tokens += s.padded_prefill_tokens + s.decode_tokens
+    stats.generated_tokens += s.decode_tokens + len(results)  # each prefill yields a sequence's first token
+    stats.prompt_tokens += s.prompt_tokens
+    stats.prefix_saved_tokens += s.prompt_tokens - s.prefill_tokens
+    return {
+        "text": text.astype(np.str_),
+        "finish_reason": finish.astype(np.str_),
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "error": np.asarray(errors, dtype=np.str_),
+    }
