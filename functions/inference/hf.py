@@ -110,6 +110,7 @@ class ModelFacts:
     max_positions: int | None
     labels: tuple[str, ...]  # id2label in id order (classifiers)
     multi_label: bool
+    type_ids: bool = False  # the model has segment (token type) embeddings: a pair's second text is type 1
     pooling: str | None = None  # a sentence-transformers folder's pooling mode
     normalize: bool = False
     max_seq_length: int | None = None  # sentence-transformers' truncation
@@ -159,6 +160,7 @@ def facts(folder: Folder, config: dict[str, Any], sizes: dict[str, int | None], 
         max_positions=_int(text.get("max_position_embeddings"), 0) or None,
         labels=labels,
         multi_label=config.get("problem_type") == "multi_label_classification",
+        type_ids=_int(text.get("type_vocab_size"), 0) > 1,
         pooling=pooling,
         normalize=normalize,
         max_seq_length=max_seq,

@@ -244,8 +244,8 @@ def encode_shard(rows: ShardRows, spec: InferenceJob, plan: dict[str, Any]) -> b
         input_ids, offsets, type_ids = tokenize(
             rows.texts, max_tokens, rows.pairs if spec.pair_field else None, tok
         )
-        if type_ids is not None:
-            arrays["type_ids"] = type_ids
+        if type_ids is not None and (plan.get("model") or {}).get("type_ids"):
+            arrays["type_ids"] = type_ids  # only a model with segment embeddings takes them
     if rows.ids and all(isinstance(i, int) for i in rows.ids):
         ids = np.asarray(rows.ids, dtype=np.int64)
     elif rows.ids:

@@ -429,6 +429,7 @@ def hf_plan(spec: InferenceJob, folder: hf.Folder, pins: dict[str, Pin]) -> dict
         "pins": {n: pins[u].to_doc() for n, u in folder.files.items()},
         "labels": list(facts.labels),
         "multi_label": facts.multi_label,
+        "type_ids": facts.type_ids,
         "pooling": facts.pooling,
         "normalize": facts.normalize,
         "input_tokens": hf.input_tokens(spec.max_input_tokens, facts, spec.task),
