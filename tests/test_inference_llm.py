@@ -429,3 +429,171 @@ def test_smollm2_answers_coherently_and_greedy_equals_generate(client, tmp_path)
         )
         ref = alone(model, list(ids["input_ids"]), 20, eos=tok.eos_token_id)
         assert row["text"] == tok.decode(ref, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_kill_9_the_generating_worker_then_resume_recomputes_only_uncommitted_shards(
+    client, folders, tmp_path, monkeypatch
+):
+    import time
+
+    from test_inference_job import _worker_container
+
+    from shardfold.functions.inference import shards as layout
+    from shardfold.functions.inference.pipeline import worker_reports
+
+    monkeypatch.setattr(store, "delete_prefix", lambda prefix: 0)  # keep the scratch to see who did what
+    rng = random.Random(10)
+    rows = [{"id": i, "prompt": words(rng, rng.randint(2, 12))} for i in range(60)]
+    spec = generate_spec(
+        write_jsonl(tmp_path / "p.jsonl", rows),
+        folders["lm"],
+        shard_rows=3,
+        generation={"max_tokens": 40, "temperature": 0.8, "max_num_seqs": 2},
+    )
+    job = client.submit(spec)
+    root = client.store_root
+    worker = _worker_container()
+    markers: list[str] = []
+    deadline = time.monotonic() + WAIT_S
+    while len(markers) < 2 and time.monotonic() < deadline:  # kill once two shards are committed
+        markers = [u for u in store.list_uris(layout.job_root(root, job.job_id) + "/") if u.endswith(".done")]
+        time.sleep(0.01)
+    worker.kill()
+    status = job.wait(progress=False, timeout_s=WAIT_S)
+    assert status.state == "FAILED" and "killed by SIGKILL" in status.error
+    h = layout.load_plan(root, job.job_id)["config_hash"]
+    committed = {k for k in range(20) if store.exists(layout.done_uri(root, job.job_id, h, k))}
+    assert 2 <= len(committed) < 20, "the worker finished before the kill; the test needs a slower shard"
+    before = {k: store.get(layout.out_uri(root, job.job_id, h, k)) for k in committed}
+
+    assert job.resume().wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    (report,) = worker_reports(root, job.job_id)  # only the resumed worker reports
+    assert sorted(report["computed"]) == sorted(set(range(20)) - committed)
+    assert {k: store.get(layout.out_uri(root, job.job_id, h, k)) for k in committed} == before
+    clean = client.submit(spec)  # a clean run samples the same text for every row
+    assert clean.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    assert table_of(client, job).to_pylist() == table_of(client, clean).to_pylist()
+
+
+# --- the OpenAI Batch format ------------------------------------------------------------------------------
+
+
+def request(custom_id: str, content, url: str = "/v1/chat/completions", **body) -> dict:
+    key = "messages" if url == "/v1/chat/completions" else "prompt"
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": url,
+        "body": {"model": "tiny", key: content, **body},
+    }
+
+
+@pytest.mark.slow
+def test_openai_batch_requests_in_responses_out_with_per_request_options(client, folders, lm, tmp_path):
+    model, tok = lm
+    lines = [
+        request("chat-1", [{"role": "user", "content": "what is the capital of france"}], max_tokens=5),
+        request("text-1", "the sea is", url="/v1/completions", max_completion_tokens=3, temperature=0),
+        request("bad-url", "x", url="/v1/embeddings"),
+        request("bad-n", "the sea", url="/v1/completions", n=2),
+        request("chat-2", [{"role": "user", "content": "red green blue"}], temperature=0, stop=["the"]),
+    ]
+    spec = {
+        "kind": "inference",
+        "inputs": [write_jsonl(tmp_path / "batch.jsonl", lines)],
+        "input_format": "openai",
+        "output_format": "openai",
+        "task": "generate",
+        "model": {"hf": "file://" + str(folders["lm"])},
+        "on_bad_row": "error",
+        "max_error_fraction": 0.5,
+        "generation": {"max_tokens": 8, "temperature": 0},
+    }
+    job = client.submit(spec)
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    result = job.result()
+    assert result["output"].endswith("/generations.jsonl") and result["errors"] == 2
+    out = [json.loads(line) for line in store.get(result["output"]).decode().splitlines()]
+    assert [o["custom_id"] for o in out] == ["chat-1", "text-1", "bad-url", "bad-n", "chat-2"]
+    by_id = {o["custom_id"]: o for o in out}
+    assert (
+        by_id["bad-url"]["response"] is None
+        and "url '/v1/embeddings'" in by_id["bad-url"]["error"]["message"]
+    )
+    assert "body.n 2" in by_id["bad-n"]["error"]["message"]
+
+    chat = by_id["chat-1"]["response"]
+    assert (
+        chat["status_code"] == 200
+        and chat["body"]["object"] == "chat.completion"
+        and by_id["chat-1"]["error"] is None
+    )
+    ids = tok.apply_chat_template(
+        lines[0]["body"]["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    ref = alone(model, list(ids), 5)  # the request's max_tokens, not the job's 8
+    (choice,) = chat["body"]["choices"]
+    assert choice["message"] == {"role": "assistant", "content": tok.decode(ref, skip_special_tokens=True)}
+    assert chat["body"]["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(ref),
+        "total_tokens": len(ids) + len(ref),
+    }
+    assert chat["body"]["model"] == "tiny"  # echoed from the request
+    text = by_id["text-1"]["response"]["body"]
+    assert text["object"] == "text_completion" and text["usage"]["completion_tokens"] <= 3
+    assert text["choices"][0]["text"] == tok.decode(
+        alone(model, tok("the sea is")["input_ids"], 3), skip_special_tokens=True
+    )
+    assert "the" not in by_id["chat-2"]["response"]["body"]["choices"][0]["message"]["content"].split()
+
+
+def test_openai_formats_are_refused_where_they_cannot_apply(client, folders):
+    base = {"kind": "inference", "inputs": ["batch.jsonl"], "model": {"hf": "file://" + str(folders["lm"])}}
+    with pytest.raises(SpecError, match="input_format 'openai' is for task 'generate'"):
+        client.plan({**base, "input_format": "openai"})
+    with pytest.raises(SpecError, match="leave out field and id_field"):
+        client.plan({**base, "task": "generate", "input_format": "openai", "field": "prompt"})
+    with pytest.raises(SpecError, match="reads JSONL inputs"):
+        client.plan({**base, "task": "generate", "input_format": "openai", "inputs": ["b.parquet"]})
+    with pytest.raises(SpecError, match="field is required"):
+        client.plan({**base, "task": "generate"})
+
+
+@pytest.mark.slow
+def test_structured_output_follows_the_json_schema(client, tmp_path):
+    """SmolLM2 answers in JSON that follows the schema (llguidance masks every other token); a schema it
+    cannot follow is an error in the row, not a crash."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "enum": ["yes", "no"]},
+            "confidence": {"type": "integer"},
+        },
+        "required": ["answer", "confidence"],
+        "additionalProperties": False,
+    }
+    questions = ["Is the sky blue?", "Is fire cold?", "Is water wet?"]
+    rows = [{"id": i, "prompt": [{"role": "user", "content": q}]} for i, q in enumerate(questions)]
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    spec = generate_spec(
+        write_jsonl(tmp_path / "q.jsonl", rows),
+        smollm2(),
+        generation={"max_tokens": 40, "temperature": 0, "response_format": fmt},
+    )
+    job = client.submit(spec)
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    for row in table_of(client, job).to_pylist():
+        assert row["finish_reason"] == "stop", row
+        jsonschema.validate(json.loads(row["text"]), schema)
+
+    impossible = {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(?=a)"}}}
+    bad = client.submit(
+        {**spec, "max_error_fraction": 1, "generation": {"max_tokens": 5, "response_format": impossible}}
+    )
+    assert bad.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    out = table_of(client, bad).to_pylist()
+    assert all(r["text"] is None and "response_format" in r["error"] for r in out), out

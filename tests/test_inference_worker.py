@@ -22,8 +22,8 @@ import torch
 
 from shardfold.functions import store
 from shardfold.functions.errors import ModelLoadError, ShardfoldError
+from shardfold.functions.inference import compute
 from shardfold.functions.inference import shards as layout
-from shardfold.functions.inference import tasks
 from shardfold.functions.inference import worker as W
 from shardfold.functions.inference.models import LoadedModel, load_model, minilm_dir, model_identity
 from shardfold.functions.inference.preprocess import ShardRows, encode_shard, tokenize
@@ -192,7 +192,7 @@ def test_minilm_matches_sentence_transformers(minilm):
 
     texts = sentences(50, seed=1)
     ids, offsets, _ = tokenize(texts, 256)
-    ours, _ = tasks.embed_rows(minilm, ids, offsets, budget=2048)
+    ours, _ = compute.embed_rows(minilm, ids, offsets, budget=2048)
     ref = SentenceTransformer(str(minilm_dir()), device="cpu").encode(texts, batch_size=16)
     cos = (ours * ref).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
     assert ours.shape == (50, 384) and ours.dtype == np.float32
@@ -204,8 +204,8 @@ def test_minilm_matches_sentence_transformers(minilm):
 def test_batching_does_not_change_outputs(minilm):
     texts = sentences(6, seed=2)
     ids, offsets, _ = tokenize(texts, MAX_TOKENS)
-    one, _ = tasks.embed_rows(minilm, ids, offsets, budget=1)  # every row alone
-    many, _ = tasks.embed_rows(minilm, ids, offsets, budget=4096)
+    one, _ = compute.embed_rows(minilm, ids, offsets, budget=1)  # every row alone
+    many, _ = compute.embed_rows(minilm, ids, offsets, budget=4096)
     np.testing.assert_allclose(one, many, atol=1e-5)
 
 
@@ -232,7 +232,7 @@ def test_torchscript_and_torch_export_models(root, tmp_path, tiny_uri):
         expected.append(Tiny()(t, torch.ones_like(t))[0].detach().numpy())
     ts = load_model({"torchscript": tiny_uri}, "cpu")
     assert ts.dim == 8
-    got, _ = tasks.embed_rows(ts, ids, offsets, budget=64)
+    got, _ = compute.embed_rows(ts, ids, offsets, budget=64)
     np.testing.assert_allclose(got, np.stack(expected), atol=1e-5)
 
     example = (torch.ones((2, 3), dtype=torch.int64), torch.ones((2, 3), dtype=torch.int64))  # not aliased
@@ -240,7 +240,7 @@ def test_torchscript_and_torch_export_models(root, tmp_path, tiny_uri):
     ep = torch.export.export(Tiny(), example, dynamic_shapes=({0: b, 1: t}, {0: b, 1: t}))
     torch.export.save(ep, str(tmp_path / "tiny.pt2"))
     exported = load_model({"torchscript": "file://" + str(tmp_path / "tiny.pt2")}, "cpu")
-    got2, _ = tasks.embed_rows(exported, ids, offsets, budget=64)
+    got2, _ = compute.embed_rows(exported, ids, offsets, budget=64)
     np.testing.assert_allclose(got2, got, atol=1e-5)
 
 
@@ -305,10 +305,10 @@ def test_oom_halves_the_budget_and_the_shard_completes(tiny_uri):
     texts = sentences(40, seed=4)
     ids, offsets, _ = tokenize(texts, MAX_TOKENS)
     stats = W.WorkerStats()
-    got, budget = tasks.embed_rows(model, ids, offsets, budget=1024, stats=stats)
+    got, budget = compute.embed_rows(model, ids, offsets, budget=1024, stats=stats)
     assert stats.oom_halvings == 2 and budget == 256  # 1024 -> 512 -> 256, kept for the rest of the shard
     assert model.seen and max(model.seen) <= 256
-    ref, _ = tasks.embed_rows(load_model({"torchscript": tiny_uri}, "cpu"), ids, offsets, budget=4096)
+    ref, _ = compute.embed_rows(load_model({"torchscript": tiny_uri}, "cpu"), ids, offsets, budget=4096)
     np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
@@ -316,7 +316,7 @@ def test_oom_on_a_single_row_at_the_smallest_budget_is_an_error(tiny_uri):
     model = FakeOOM(load_model({"torchscript": tiny_uri}, "cpu"), limit=0)
     ids, offsets, _ = tokenize(["hello there"], MAX_TOKENS)
     with pytest.raises(ShardfoldError, match="out of memory on a single row"):
-        tasks.embed_rows(model, ids, offsets, budget=8)
+        compute.embed_rows(model, ids, offsets, budget=8)
 
 
 # ---------------------------------------------------------------------------------------------- claims

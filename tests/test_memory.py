@@ -420,3 +420,37 @@ def test_inference(children, root, rows, shard_rows, words, label):
     result = job.measure(children, "commit", f"{h}:commit", job.event(), imports=ARROW)
     assert result["rows"] == rows
     job.check()
+
+
+def test_inference_generate(children, root):
+    """The generating worker with SmolLM2-135M (538 MB of float32 weights): the weights twice over while
+    they load, then every running sequence's keys and values at their longest."""
+    from hf_models import smollm2
+
+    from shardfold.functions.inference import handlers
+
+    questions = ["What is 2+2?", "Name three colours.", "Write a haiku about the sea.", "Is fire hot?"] * 2
+    rows = [{"id": i, "messages": [{"role": "user", "content": q}]} for i, q in enumerate(questions)]
+    uri = join(root, "data", "questions.jsonl")
+    store.put(uri, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    doc = {
+        "kind": "inference",
+        "task": "generate",
+        "inputs": [uri],
+        "field": "messages",
+        "id_field": "id",
+        "model": {"hf": "file://" + str(smollm2())},
+        "max_input_tokens": 64,
+        "generation": {"max_tokens": 24, "temperature": 0, "max_num_seqs": 4},
+    }
+    job = Job.create(root, doc, "8 chat rows, SmolLM2-135M")
+    h = "shardfold.functions.inference.handlers"
+    planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
+    for k, item in enumerate(store.get_json(planned["manifest"]["uri"])):
+        handlers.preprocess(job.event(item=item, index=k))
+    handlers.cpu_done(job.event())
+    summary = job.measure(
+        children, "infer", "shardfold.functions.inference.worker:handler", job.event(), imports=TORCH
+    )
+    assert summary["rows"] == 8
+    job.check()

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MIN_SHARED_PREFIX = 8  # tokens: shorter shared prefixes are not worth a separate forward pass
+PREFIXES_KEPT = 4  # shared prefixes kept computed (the common preamble, and groups of neighbours)
+ADMIT_FRACTION = 0.25  # waiting prompts join once this fraction of the slots is free (or none run)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Request:
     prompt: Sequence[int]
     sampling: Sampling
     seed: int = 0
+    grammar: Any = None  # an llguidance LLMatcher the output must follow (structured output), or None
 
 
 @dataclass
@@ -86,9 +89,21 @@ def row_seed(seed: int, row: int, choice: int = 0) -> int:
 
 
 def prefix_groups(prompts: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_PREFIX) -> list[int]:
-    """For prompts sorted by token ids, the length of the prefix each shares with its group: consecutive
-    prompts sharing at least ``min_shared`` tokens form a group whose common prefix (leaving each prompt at
-    least one token of its own) is computed once. 0 for a prompt alone."""
+    """The length of the prefix each prompt shares, computed once: consecutive prompts sharing at least
+    ``min_shared`` tokens form a group (the ``n`` choices of a row, prompts sorted by their tokens), and
+    every prompt shares the prefix common to all (a system prompt, a chat template's preamble); each prompt
+    keeps at least one token of its own. 0 for a prompt that shares nothing."""
+    shared = _adjacent_groups(prompts, min_shared)
+    if len(prompts) > 1:
+        everyone = min(
+            (_common_prefix(prompts[0], p, len(prompts[0])) for p in prompts[1:]), default=len(prompts[0])
+        )
+        if everyone >= min_shared:
+            shared = [max(s, min(everyone, len(p) - 1)) for s, p in zip(shared, prompts, strict=True)]
+    return shared
+
+
+def _adjacent_groups(prompts: Sequence[Sequence[int]], min_shared: int) -> list[int]:
     shared = [0] * len(prompts)
     start = 0
     common = len(prompts[0]) if prompts else 0
@@ -154,11 +169,10 @@ class Engine:
     # ------------------------------------------------------------------------------------------ driver
 
     def run(self, requests: Sequence[Request]) -> dict[Any, Completion]:
-        """Generate every request; results by key. Requests are scheduled in order of their prompts' token
-        ids (shared prefixes adjacent), which does not change any result."""
+        """Generate every request; results by key. Requests join in order of their prompts' token ids, so
+        prompts sharing a prefix are adjacent (which changes no result)."""
         torch = self.torch
-        order = sorted(range(len(requests)), key=lambda i: tuple(requests[i].prompt))
-        reqs = [requests[i] for i in order]
+        reqs = sorted(requests, key=lambda r: tuple(r.prompt))
         shared = prefix_groups([r.prompt for r in reqs])
         self.stats.prompt_tokens += sum(len(r.prompt) for r in reqs)
         waiting = deque(zip(reqs, shared, strict=True))
@@ -166,23 +180,26 @@ class Engine:
         batch: list[_Seq] = []
         kv: list[tuple[Any, Any]] | None = None
         mask = None
-        prefix_cache: tuple[tuple[int, ...], Any] | None = None  # (prefix ids, its kv [1, H, p, D])
+        self._prefixes: dict[tuple[int, ...], Any] = {}  # prefix ids -> its kv [1, H, p, D], LRU order
         with torch.inference_mode():
             while waiting or batch:
-                # admit joiners under the step's budget: their padded prompt positions plus one decode
-                # token per running sequence
+                # admit joiners under the step's budget (their padded prompt positions, plus one decode
+                # token per running sequence), once enough slots are free: a prefill is a forward pass of
+                # its own, so joining one sequence at a time would nearly double the passes
                 joiners: list[tuple[Request, int]] = []
-                cost = len(batch)
-                while waiting and len(batch) + len(joiners) < self.max_seqs:
-                    req, p = waiting[0]
-                    longest = max([len(r.prompt) - q for r, q in joiners] + [len(req.prompt) - p])
-                    extra = (len(joiners) + 1) * longest + 1 - sum(len(r.prompt) - q for r, q in joiners)
-                    if (batch or joiners) and cost + extra > self.batch_tokens:
-                        break
-                    joiners.append(waiting.popleft())
-                    cost += len(req.prompt) - p + 1
+                free = self.max_seqs - len(batch)
+                if not batch or free >= min(len(waiting), max(1, int(self.max_seqs * ADMIT_FRACTION))):
+                    longest = 0
+                    while waiting and len(joiners) < free:
+                        req, p = waiting[0]
+                        width = max(longest, len(req.prompt) - p)
+                        cost = len(batch) + (len(joiners) + 1) * (width + 1)
+                        if joiners and cost > self.batch_tokens:
+                            break
+                        joiners.append(waiting.popleft())
+                        longest = width
                 if joiners:
-                    new, prefix_cache = self._prefill(joiners, prefix_cache, results)
+                    new = self._prefill(joiners, results)
                     if new:
                         batch, kv, mask = self._merge(batch, kv, mask, new)
                 if not batch:
@@ -198,49 +215,64 @@ class Engine:
 
         cache = DynamicCache(ddp_cache_data=kv) if kv is not None else DynamicCache()
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,  # the next token's logits only, not [B, T, vocab] over a prefill
         )
         new_kv = [(layer.keys, layer.values) for layer in cache.layers]  # updated in place
         return out.logits[:, -1, :].float(), new_kv
 
     def _prefill(
-        self,
-        joiners: list[tuple[Request, int]],
-        prefix_cache: tuple[tuple[int, ...], Any] | None,
-        results: dict[Any, Completion],
-    ) -> tuple[list[tuple[_Seq, list[tuple[Any, Any]], Any]], tuple[tuple[int, ...], Any] | None]:
+        self, joiners: list[tuple[Request, int]], results: dict[Any, Completion]
+    ) -> list[tuple[_Seq, list[tuple[Any, Any]], Any]]:
         """Run the joiners' prompts (a group sharing a prefix together, the prefix once); return each new
-        running sequence with its own cache rows and mask row, and the prefix cache kept for the next."""
+        running sequence with its own cache rows and mask row."""
         new = []
         groups: dict[tuple[int, ...], list[Request]] = {}
         for req, p in joiners:
             groups.setdefault(tuple(req.prompt[:p]), []).append(req)
         for prefix, members in groups.items():
-            if prefix and (prefix_cache is None or prefix_cache[0] != prefix):
-                prefix_cache = self._run_prefix(prefix)
+            cached = (prefix, self._prefix_kv(prefix)) if prefix else None
             try:
-                new += self._prefill_group(members, prefix_cache if prefix else None, results)
+                new += self._prefill_group(members, cached, results)
             except Exception as exc:  # noqa: BLE001 - one prompt may be at fault: find it, fail it alone
                 if isinstance(exc, self.torch.OutOfMemoryError):
                     raise
                 for req in members:
                     try:
-                        new += self._prefill_group([req], prefix_cache if prefix else None, results)
+                        new += self._prefill_group([req], cached, results)
                     except Exception as one:  # noqa: BLE001
                         if isinstance(one, self.torch.OutOfMemoryError):
                             raise
                         results[req.key] = Completion(req.key, error=f"{type(one).__name__}: {one}")
-        return new, prefix_cache
+        return new
 
-    def _run_prefix(self, prefix: tuple[int, ...]) -> tuple[tuple[int, ...], Any]:
+    def _prefix_kv(self, prefix: tuple[int, ...]) -> Any:
+        """A shared prefix's keys and values, computed once, from the longest cached prefix of it (the
+        prompts' common preamble) on; the last few stay cached."""
         torch = self.torch
-        ids = torch.tensor([prefix], dtype=torch.long, device=self.device)
-        pos = torch.arange(len(prefix), device=self.device).unsqueeze(0)
-        _, kv = self._forward(ids, torch.ones_like(ids), pos, None)
+        if prefix in self._prefixes:
+            self._prefixes[prefix] = self._prefixes.pop(prefix)  # most recently used last
+            return self._prefixes[prefix]
+        base = max(
+            (p for p in self._prefixes if len(p) < len(prefix) and prefix[: len(p)] == p), key=len, default=()
+        )
+        rest = prefix[len(base) :]
+        ids = torch.tensor([rest], dtype=torch.long, device=self.device)
+        pos = torch.arange(len(base), len(prefix), device=self.device).unsqueeze(0)
+        mask = torch.ones((1, len(prefix)), dtype=torch.long, device=self.device)
+        past = [(k.clone(), v.clone()) for k, v in self._prefixes[base]] if base else None
+        _, kv = self._forward(ids, mask, pos, past)
         self.stats.prefills += 1
-        self.stats.prefill_tokens += len(prefix)
-        self.stats.padded_prefill_tokens += len(prefix)
-        return prefix, kv
+        self.stats.prefill_tokens += len(rest)
+        self.stats.padded_prefill_tokens += len(rest)
+        self._prefixes[prefix] = kv
+        while len(self._prefixes) > PREFIXES_KEPT:
+            del self._prefixes[next(iter(self._prefixes))]
+        return kv
 
     def _prefill_group(
         self, members: list[Request], prefix_cache: tuple[tuple[int, ...], Any] | None, results
@@ -345,17 +377,42 @@ class Engine:
 
     def _advance(self, seq: _Seq, logits: Any) -> bool:
         """Choose the sequence's next token from its logits; True when it has finished."""
+        done, sampling, grammar = seq.done, seq.req.sampling, seq.req.grammar
+        if grammar is not None:
+            logits = self._constrain(logits, grammar)
+            if logits is None:
+                done.error = (
+                    f"the output cannot follow the response format: {grammar.get_error() or 'no token fits'}"
+                )
+                return True
         token = self._choose(logits, seq)
-        done, sampling = seq.done, seq.req.sampling
         done.tokens.append(token)
         seq.next_token = token
-        if token in self.eos:
+        if grammar is not None and token not in self.eos and not grammar.consume_token(token):
+            done.error = f"the output cannot follow the response format: {grammar.get_error()}"
+            return True
+        if token in self.eos or (grammar is not None and grammar.is_stopped()):
             done.finish_reason = "stop"
         elif sampling.stop and self.decode is not None and self._cut_at_stop(done, sampling.stop):
             done.finish_reason = "stop"
         elif len(done.tokens) >= sampling.max_tokens:
             done.finish_reason = "length"
         return done.finish_reason is not None
+
+    def _constrain(self, logits: Any, grammar: Any) -> Any:
+        """``logits`` with every token the grammar does not allow next at -inf (None when none is)."""
+        import llguidance.numpy as llg
+        import numpy as np
+
+        vocab = logits.shape[-1]
+        bits = llg.allocate_token_bitmask(1, vocab)
+        llg.fill_next_token_bitmask(grammar, bits)
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+        if grammar.is_error() or not allowed.any():
+            return None
+        out = logits.clone()
+        out[self.torch.from_numpy(~allowed).to(out.device)] = float("-inf")
+        return out
 
     def _cut_at_stop(self, done: Completion, stop: tuple[str, ...]) -> bool:
         text = self.decode(done.tokens)

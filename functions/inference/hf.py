@@ -13,7 +13,11 @@ The first part reads only JSON and sizes (the plan and the CPU stage, on Lambda,
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,7 @@ from shardfold.functions.store.retry import TransientError
 MAX_FILES = 1000  # a model folder's files (a large sharded model has a few hundred at most)
 MAX_JSON_BYTES = 64 * 1024 * 1024  # tokenizer.json of a large vocabulary is tens of MB
 COPY_CHUNK = 64 * 1024 * 1024  # a local copy is written in ranged reads of this size
+COPIES_KEPT = 2  # model copies a host keeps (each may be gigabytes)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "lasttoken")
 ST_MODULES = {"Transformer", "Pooling", "Normalize"}
@@ -265,26 +270,50 @@ def load_tokenizer(uri: str, pin: Pin | None, max_tokens: int):
 # ---------------------------------------------------------------------------------------------- worker
 
 
-def local_copy(files: dict[str, str], pins: dict[str, Pin], dest: Path) -> Path:
-    """The folder's files copied (as pinned) under ``dest``, in ranged reads; a copy already complete
-    there (``.complete`` written last) is reused."""
-    done = dest / ".complete"
-    if done.exists():
-        return dest
-    for name, uri in files.items():
-        if ".." in Path(name).parts or name.startswith("/"):
-            raise ModelLoadError(f"{FIELD}: file name {name!r} escapes the folder", uri=uri)
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        pin = pins.get(uri)
-        total = pin.size if pin is not None else store.size(uri)
-        tmp = target.with_name(target.name + ".part")
-        with open(tmp, "wb") as fh:
-            for start in range(0, total, COPY_CHUNK):
-                fh.write(store.get(uri, start, min(COPY_CHUNK, total - start), pin))
-        os.replace(tmp, target)
-    done.write_text("")
-    return dest
+def model_folder(folder_uri: str, files: dict[str, str], pins: dict[str, Pin]) -> tuple[Path, bool]:
+    """Where a worker loads the folder from. A ``file://`` folder is loaded in place (each file checked
+    against its pin here, and again by :func:`check_unchanged` once loaded). Any other is copied, as
+    pinned, in ranged reads, to this host's model cache under a name made of the files' pins, so later
+    jobs of the same model reuse it; the least recently used copies beyond :data:`COPIES_KEPT` go.
+    Returns ``(path, in_place)``."""
+    if all(u.startswith("file://") for u in [folder_uri, *files.values()]):
+        check_unchanged(files, pins)
+        return Path(folder_uri[len("file://") :]), True
+    identity = json.dumps(sorted((n, pins[u].fingerprint()) for n, u in files.items()))
+    cache = Path(tempfile.gettempdir()) / "shardfold-models"
+    dest = cache / hashlib.sha256(identity.encode()).hexdigest()[:20]
+    if not dest.is_dir():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".part-", dir=cache))
+        try:
+            for name, uri in files.items():
+                if ".." in Path(name).parts or name.startswith("/"):
+                    raise ModelLoadError(f"{FIELD}: file name {name!r} escapes the folder", uri=uri)
+                target = tmp / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as fh:
+                    for start in range(0, pins[uri].size, COPY_CHUNK):
+                        fh.write(store.get(uri, start, min(COPY_CHUNK, pins[uri].size - start), pins[uri]))
+            os.rename(tmp, dest)  # whole, or not at all; a worker beside us may have won the race
+        except OSError:
+            if not dest.is_dir():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    os.utime(dest)  # most recently used
+    copies = sorted(
+        (p for p in cache.iterdir() if p.is_dir() and ".part-" not in p.name), key=os.path.getmtime
+    )
+    for old in copies[:-COPIES_KEPT]:
+        if old != dest:
+            shutil.rmtree(old, ignore_errors=True)
+    return dest, False
+
+
+def check_unchanged(files: dict[str, str], pins: dict[str, Pin]) -> None:
+    """:class:`InputChanged` when a file of a folder read in place is no longer the one the plan pinned."""
+    for uri in files.values():
+        store.verify(uri, pins[uri])
 
 
 def torch_dtype(name: str) -> Any:

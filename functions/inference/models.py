@@ -233,6 +233,15 @@ class CausalLM:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def guidance_tokenizer(self) -> Any:
+        """The tokenizer as llguidance sees it (structured output), built once (about a second)."""
+        if getattr(self, "_guidance", None) is None:
+            import llguidance.hf
+
+            vocab = int(self.model.get_output_embeddings().weight.shape[0])  # the logits' width
+            self._guidance = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=vocab, eos_token=self.eos)
+        return self._guidance
+
 
 def _load_causal_lm(path: Any, facts: Any, device: Any, dtype: str) -> CausalLM:
     from shardfold.functions.inference import hf

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from typing import Any
 
 import numpy as np
 
 from shardfold.functions import store
 from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.inference import openai_batch
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference.preprocess import decode_shard, encode_shard, read_shard
 from shardfold.functions.inference.shards import STAGE, load_plan, output_uri, prepare
-from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.spec import HFModel, InferenceJob
 from shardfold.functions.jobs import scratch_key
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
@@ -184,6 +186,32 @@ def _output_metadata(spec: InferenceJob, plan: dict[str, Any], dim: int | None) 
     }
 
 
+def _openai_lines(
+    spec: InferenceJob,
+    job_id: str,
+    sh: dict[str, Any],
+    out: dict[str, np.ndarray],
+    ids: np.ndarray,
+    row_errors: np.ndarray,
+    created: int,
+):
+    """One shard's OpenAI Batch output lines (:mod:`functions.inference.openai_batch`), as bytes."""
+    model = str(spec.model.hf) if isinstance(spec.model, HFModel) else str(spec.model)
+    params = sh.get("params")
+    for i in range(len(ids)):
+        row = {
+            "texts": out["text"][i].tolist(),
+            "finish_reasons": out["finish_reason"][i].tolist(),
+            "completion_tokens": out["completion_tokens"][i].tolist(),
+            "prompt_tokens": int(out["prompt_tokens"][i]),
+            "params": json.loads(str(params[i])) if params is not None else {},
+        }
+        line = openai_batch.response_line(
+            job_id, int(sh["row_index"][i]), str(ids[i]), model, created, row, str(row_errors[i]) or None
+        )
+        yield (line + "\n").encode()
+
+
 def _empty_schema(spec: InferenceJob, id_type: Any) -> Any:
     import pyarrow as pa
 
@@ -250,6 +278,7 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
     errors: list[dict[str, Any]] = []  # the first few, for the result
     rows = failed = 0
     dim, writer = None, None
+    created = int(time.time())  # an OpenAI response's "created"
     with tempfile.TemporaryFile() as f:
         for s, sh in zip(p["shards"], shards, strict=True):
             skipped.extend(sh["skipped"])
@@ -260,29 +289,33 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
                 continue
             arrays = _load_out(store_root, job_id, h, s["shard"], n)
             row_errors = arrays["error"] if "error" in arrays else sh["errors"]
+            ids = sh["ids"].astype(str) if string_ids else sh["ids"]
+            bad = np.flatnonzero(row_errors != "")
+            failed += len(bad)
+            errors += [{"id": ids[i].item(), "error": str(row_errors[i])} for i in bad[: 10 - len(errors)]]
+            rows += n
+            if spec.output_format == "openai":
+                f.writelines(_openai_lines(spec, job_id, sh, arrays, ids, row_errors, created))
+                continue
             columns = _columns(spec, p, arrays, row_errors)
             width = columns["embedding"].type.list_size if "embedding" in columns else None
             if dim is None:
                 dim = width
             elif width != dim:
                 raise ShardfoldError(f"shard {s['shard']}: embedding width {width}, others {dim}")
-            ids = sh["ids"].astype(str) if string_ids else sh["ids"]
             table = {"id": pa.array(ids, type=id_type), **columns}
             if spec.errors_column:
                 table["error"] = _nullable(pa.array(row_errors.tolist(), pa.string()), row_errors == "")
-            bad = np.flatnonzero(row_errors != "")
-            failed += len(bad)
-            errors += [{"id": ids[i].item(), "error": str(row_errors[i])} for i in bad[: 10 - len(errors)]]
             t = pa.table(table)
             if writer is None:
                 writer = pq.ParquetWriter(f, t.schema.with_metadata(_output_metadata(spec, p, dim)))
             writer.write_table(t)
-            rows += n
-        if writer is None:  # no rows at all: an empty table of the same columns
+        if writer is None and spec.output_format == "parquet":  # no rows: an empty table of its columns
             writer = pq.ParquetWriter(
                 f, _empty_schema(spec, id_type).with_metadata(_output_metadata(spec, p, dim))
             )
-        writer.close()
+        if writer is not None:
+            writer.close()
         if rows and failed / rows > spec.max_error_fraction:
             shown = "; ".join(f"id {e['id']}: {e['error']}" for e in errors[:3])
             raise TooManyRowErrors(
@@ -305,9 +338,8 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
         "shards": len(p["shards"]),
         "skipped": skipped,
     }
-    manifest_out = (
-        out.rsplit(".", 1)[0] + ".manifest.json" if out.endswith(".parquet") else out + ".manifest.json"
-    )
+    stem = out.rsplit(".", 1)[0] if out.endswith((".parquet", ".jsonl")) else out
+    manifest_out = stem + ".manifest.json"
     store.put(manifest_out, json.dumps(manifest, sort_keys=True, indent=1).encode())
     result = {
         "job_id": job_id,

@@ -19,7 +19,8 @@ The shard file is a numpy ``savez`` archive (:func:`encode_shard` / :func:`decod
 * ``skipped``: a 0-d unicode array holding the JSON list of skipped rows (``on_bad_row="skip"``), each
   ``{"input", "line" | "row", "row_index", "error"}``;
 * ``errors`` (unicode, one per kept row, ``""`` for none): a bad row kept with ``on_bad_row="error"``
-  (no tokens); ``type_ids`` (int8, beside ``input_ids``) for pairs; ``prompts`` for generate.
+  (no tokens); ``type_ids`` (int8, beside ``input_ids``) for pairs; ``prompts`` for generate, and
+  ``params`` (each OpenAI Batch request's own options as JSON) with ``input_format: "openai"``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 
 from shardfold.functions import store
 from shardfold.functions.errors import BadInputError
-from shardfold.functions.inference import hf
+from shardfold.functions.inference import hf, openai_batch
 from shardfold.functions.inference.shards import load_arrays, tokenizer_path
 from shardfold.functions.inference.spec import InferenceJob
 from shardfold.functions.store.pinning import Pin
@@ -46,6 +47,7 @@ class ShardRows:
 
     texts: list[Any] = field(default_factory=list)  # a generate row's messages are a list
     pairs: list[str] = field(default_factory=list)
+    params: list[dict[str, Any]] = field(default_factory=list)  # an OpenAI Batch request's own options
     errors: list[str] = field(default_factory=list)
     ids: list[Any] = field(default_factory=list)
     row_index: list[int] = field(default_factory=list)
@@ -104,24 +106,37 @@ class _Rows:
         )
 
     def add(
-        self, where: dict[str, Any], row_index: int, text: Any, row_id: Any, has_id: bool, pair: Any = None
+        self,
+        where: dict[str, Any],
+        row_index: int,
+        text: Any,
+        row_id: Any,
+        has_id: bool,
+        pair: Any = None,
+        params: dict[str, Any] | None = None,
     ) -> None:
         spec = self.spec
-        if spec.id_field is None:
+        if spec.input_format == "openai":
+            pass  # row_id is the request's custom_id
+        elif spec.id_field is None:
             row_id = row_index
         elif not has_id or row_id is None:
             return self.bad(where, row_index, f"missing id field {spec.id_field!r}")
         elif isinstance(row_id, bool) or not isinstance(row_id, int | str):
             return self.bad(where, row_index, f"id field {spec.id_field!r} is a {type(row_id).__name__}")
-        problem = _bad_value(spec.field, text, spec.task == "generate")
+        problem = _bad_value(spec.field or "body", text, spec.task == "generate")
         if problem is None and spec.pair_field is not None:
             problem = _bad_value(spec.pair_field, pair, False)
         if problem is not None:
             return self.bad(where, row_index, problem, row_id)
-        self._keep(row_index, text, pair, row_id, "")
+        self._keep(row_index, text, pair, row_id, "", params)
 
-    def _keep(self, row_index: int, text: Any, pair: Any, row_id: Any, error: str) -> None:
+    def _keep(
+        self, row_index: int, text: Any, pair: Any, row_id: Any, error: str, params: dict | None = None
+    ) -> None:
         self.out.texts.append(text)
+        if self.spec.input_format == "openai":
+            self.out.params.append(params or {})
         if self.spec.pair_field is not None:
             self.out.pairs.append(pair if isinstance(pair, str) else "")
         self.out.errors.append(error)
@@ -150,6 +165,16 @@ def _bad_value(name: str, value: Any, chat: bool) -> str | None:
     return None
 
 
+def _add_request(rows: _Rows, where: dict[str, Any], row_index: int, doc: dict[str, Any]) -> None:
+    """An OpenAI Batch request line: its prompt, custom_id and own options, or a bad row saying why."""
+    custom_id = doc.get("custom_id") if isinstance(doc.get("custom_id"), str) else None
+    try:
+        custom_id, prompt, params = openai_batch.read_request(doc)
+    except ValueError as exc:
+        return rows.bad(where, row_index, f"not an OpenAI Batch request: {exc}", custom_id)
+    rows.add(where, row_index, prompt, custom_id, True, params=params)
+
+
 def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
     """The shard's rows from its byte range (one ranged read: memory is bounded by the shard), of the
     pinned object only when given its ``pin``."""
@@ -168,6 +193,8 @@ def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None 
             else:
                 if not isinstance(doc, dict):
                     rows.bad(where, row_index, f"a JSON {type(doc).__name__}, not an object")
+                elif spec.input_format == "openai":
+                    _add_request(rows, where, row_index, doc)
                 else:
                     has_id = spec.id_field is not None and spec.id_field in doc
                     pair = doc.get(spec.pair_field) if spec.pair_field else None
@@ -239,6 +266,8 @@ def encode_shard(rows: ShardRows, spec: InferenceJob, plan: dict[str, Any]) -> b
     if spec.task == "generate":
         input_ids, offsets = np.zeros(0, dtype=np.int32), np.zeros(len(rows.texts) + 1, dtype=np.int64)
         arrays["prompts"] = np.asarray([json.dumps(t) for t in rows.texts], dtype=np.str_)
+        if spec.input_format == "openai":
+            arrays["params"] = np.asarray([json.dumps(p) for p in rows.params], dtype=np.str_)
     else:
         tok, max_tokens = shard_tokenizer(spec, plan)
         input_ids, offsets, type_ids = tokenize(

@@ -411,7 +411,10 @@ OUTPUT_NAMES = {
 def output_uri(spec: InferenceJob, store_root: str, job_id: str) -> str:
     if spec.output:
         return access.output_uri(spec.output, store_root, "output", job_id)
-    return join(store_root, "jobs", job_id, "output", OUTPUT_NAMES[spec.task])
+    name = OUTPUT_NAMES[spec.task]
+    if spec.output_format == "openai":
+        name = name.replace(".parquet", ".jsonl")
+    return join(store_root, "jobs", job_id, "output", name)
 
 
 def hf_plan(spec: InferenceJob, folder: hf.Folder, pins: dict[str, Pin]) -> dict[str, Any]:

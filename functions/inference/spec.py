@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, StrictStr, field_validator, model_validator
 
@@ -42,6 +42,30 @@ class HFModel(StrictModel):
     )
 
 
+class JsonSchema(StrictModel):
+    """OpenAI's ``response_format.json_schema``: the schema the output follows."""
+
+    name: str = Field(default="response", min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema", description="a JSON Schema")
+    strict: bool = True
+    description: str | None = None
+
+    model_config = {**StrictModel.model_config, "validate_by_name": True, "serialize_by_alias": True}
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and only with it")
+        return self
+
+
 class Generation(StrictModel):
     """Decoding options of ``task: generate``, with the OpenAI / vLLM names."""
 
@@ -67,6 +91,9 @@ class Generation(StrictModel):
     max_num_seqs: int = Field(
         default=64, ge=1, le=4096, description="sequences decoded side by side (continuous batching)"
     )
+    response_format: ResponseFormat | None = Field(
+        default=None, description="structured output: {type: json_object} or {type: json_schema, json_schema}"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -89,10 +116,19 @@ class InferenceJob(JobOptions):
     task: Literal["embed", "classify", "generate"] = Field(
         default="embed", description="embed (vectors), classify (label and scores) or generate (text)"
     )
-    field: str = Field(
+    field: str | None = Field(
+        default=None,
         min_length=1,
         description="the input column (Parquet) or key (JSONL): text, or for generate a prompt or a list of "
-        "chat messages",
+        "chat messages (not with input_format 'openai')",
+    )
+    input_format: Literal["rows", "openai"] = Field(
+        default="rows",
+        description="'openai': each JSONL line is an OpenAI Batch request (custom_id, url, body); generate",
+    )
+    output_format: Literal["parquet", "openai"] = Field(
+        default="parquet",
+        description="'openai': OpenAI Batch output JSONL (custom_id, response or error), generate only",
     )
     pair_field: str | None = Field(
         default=None, min_length=1, description="classify: the second text of each pair (cross-encoders)"
@@ -151,6 +187,18 @@ class InferenceJob(JobOptions):
                 f"batch_tokens {self.batch_tokens} < max_input_tokens {self.max_input_tokens}: a full row "
                 "would not fit"
             )
+        if self.input_format == "rows" and self.field is None:
+            raise ValueError("field is required: the column (key) the model reads")
+        if self.input_format == "openai":
+            if self.field is not None or self.id_field is not None:
+                raise ValueError(
+                    "input_format 'openai' reads each line's body and custom_id: leave out field and id_field"
+                )
+            if any(inference_input_format(u) != "jsonl" for u in self.inputs):
+                raise ValueError("input_format 'openai' reads JSONL inputs (.jsonl, .ndjson)")
+        for name in ("input_format", "output_format"):
+            if getattr(self, name) == "openai" and self.task != "generate":
+                raise ValueError(f"{name} 'openai' is for task 'generate'")
         hf = isinstance(self.model, HFModel)
         if self.task != "embed" and not hf:
             raise ValueError(f"task {self.task!r} needs a Hugging Face model folder: model {{hf: uri}}")

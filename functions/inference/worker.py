@@ -9,13 +9,13 @@ event; the CLI takes the same event from ``--event`` JSON, ``$SHARDFOLD_EVENT`` 
    this attempt and has no ``.done`` marker is claimed with ``put_if_absent`` on ``claims/<attempt>/<k:05d>``:
    a claim another live worker holds is left to it. At most ``prefetch`` claimed shards are read ahead by
    a small thread pool, so a worker never hoards shards others could take.
-2. Each shard's rows are computed by the job's task (:mod:`tasks`): embed and classify batch them by
+2. Each shard's rows are computed by the job's task (:mod:`compute`): embed and classify batch them by
    token budget after sorting by length (:mod:`batcher`) under ``torch.inference_mode()`` on CUDA if
    present, else CPU (on ``torch.cuda.OutOfMemoryError`` the worker halves its budget for the rest of its
    life and re-splits the failed batch); generate decodes them with continuous batching
    (:mod:`generation`).
-3. ``out/<H>/<k>.npz`` (the task's arrays in the shard's row order, :mod:`tasks`) is written, then the commit
-   marker ``out/<H>/<k>.done`` with ``put_if_absent``: a shard is committed iff its marker exists.
+3. ``out/<H>/<k>.npz`` (the task's arrays in the shard's row order, :mod:`compute`) is written, then the
+   commit marker ``out/<H>/<k>.done`` with ``put_if_absent``: a shard is committed iff its marker exists.
 4. The worker exits once ``cpu_done.json`` exists (checked *before* the listing, so the listing is
    complete) and nothing is left to claim.
 
@@ -57,10 +57,10 @@ import numpy as np
 
 from shardfold.functions import credentials, store, telemetry
 from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.inference import compute
 from shardfold.functions.inference import shards as layout
-from shardfold.functions.inference import tasks
+from shardfold.functions.inference.compute import WorkerStats
 from shardfold.functions.inference.spec import InferenceJob
-from shardfold.functions.inference.tasks import WorkerStats
 from shardfold.functions.log import logger
 from shardfold.functions.runtime import JobEvent, task
 
@@ -152,8 +152,8 @@ def run_worker(
         stats.wall_s = time.monotonic() - started
         return stats.summary()
     if model is None:
-        model = tasks.load_runner(spec, store_root, plan, device)
-    compute = functools.partial(tasks.compute, spec, plan, model)
+        model = compute.load_runner(spec, store_root, plan, device)
+    run_shard = functools.partial(compute.compute, spec, plan, model)
     stats.device = str(getattr(model, "device", "cpu"))
     if stats.device.startswith("cpu"):
         # On a CPU, batches past ~2k tokens run slower per token (activations and attention scores fall out
@@ -196,7 +196,7 @@ def run_worker(
                 finished = False  # listed shards are left to claim
             if inflight:
                 k, fut = inflight.popleft()
-                _process(compute, store_root, job_id, h, k, fut.result(), stats, worker_id, started)
+                _process(run_shard, store_root, job_id, h, k, fut.result(), stats, worker_id, started)
                 continue
             if not remaining:
                 break
@@ -311,7 +311,7 @@ def _claim(uri: str, ident: dict[str, Any]) -> bool:
 
 
 def _process(
-    compute: Any,
+    run_shard: Any,
     store_root: str,
     job_id: str,
     h: str,
@@ -326,7 +326,7 @@ def _process(
         stats.skipped.append(k)
         return
     t0 = time.monotonic()
-    arrays = compute(shard, stats)
+    arrays = run_shard(shard, stats)
     seconds = time.monotonic() - t0
     buf = io.BytesIO()
     np.savez(buf, **arrays)

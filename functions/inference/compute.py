@@ -1,5 +1,5 @@
-"""What a worker computes for one shard, by task: embed and classify (the model's output per row, batched
-under a token budget after sorting by length), generate (:mod:`functions.inference.generation`'s
+"""What a worker computes for one shard, by the spec's task: embed and classify (the model's output per
+row, batched under a token budget after sorting by length), generate (:mod:`functions.inference.generation`'s
 continuous batching), and how it loads the job's model.
 
 Each returns the shard's output arrays, written as ``out/<H>/<k>.npz``: ``embedding`` ``[rows, D]``
@@ -11,10 +11,8 @@ float32; ``scores`` ``[rows, labels]`` float32; ``text``, ``finish_reason`` (``[
 from __future__ import annotations
 
 import json
-import tempfile
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,19 +159,21 @@ def embed_rows(
 
 def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], device: Any = None) -> Any:
     """The job's model on ``device``: a :class:`~functions.inference.models.LoadedModel` (embed,
-    classify) or a :class:`~functions.inference.models.CausalLM` (generate). A Hugging Face folder is
-    copied, as pinned, to a local folder named by the config hash (reused by the next worker on the host)."""
+    classify) or a :class:`~functions.inference.models.CausalLM` (generate), a Hugging Face folder read
+    as the plan pinned it (:func:`~functions.inference.hf.model_folder`)."""
     from shardfold.functions.inference import models
 
     if isinstance(spec.model, HFModel):
-        entry = plan["model"]
-        pins = {entry["files"][n]: Pin.from_doc(d) for n, d in entry["pins"].items()}
-        dest = Path(tempfile.gettempdir()) / "shardfold-models" / plan["config_hash"]
         from shardfold.functions.inference import hf
 
-        path = hf.local_copy(entry["files"], pins, dest)
-        facts = _PlanFacts(entry)
-        return models.load_hf(spec.task, path, facts, device, spec.model.dtype)
+        entry = plan["model"]
+        pins = {entry["files"][n]: Pin.from_doc(d) for n, d in entry["pins"].items()}
+        folder = access.input_uri(spec.model.hf, store_root, "model.hf")
+        path, in_place = hf.model_folder(folder, entry["files"], pins)
+        loaded = models.load_hf(spec.task, path, _PlanFacts(entry), device, spec.model.dtype)
+        if in_place:  # read where it lies: still the files the plan pinned, after loading too
+            hf.check_unchanged(entry["files"], pins)
+        return loaded
     if spec.model == "minilm":
         return models.load_model("minilm", device)
     uri = access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
@@ -215,16 +215,33 @@ def encode_prompt(model: Any, value: Any) -> list[int]:
     return list(ids["input_ids"])
 
 
+def structured(model: Any, fmt: Any) -> Any:
+    """A fresh llguidance matcher for ``fmt`` (a ``ResponseFormat``), or None for plain text;
+    :class:`ValueError` when llguidance refuses the schema."""
+    if fmt is None or fmt.type == "text":
+        return None
+    import llguidance
+
+    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else {"type": "object"}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    matcher = llguidance.LLMatcher(model.guidance_tokenizer(), grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"generation.response_format: the schema cannot be followed: {matcher.get_error()}")
+    return matcher
+
+
 def generate_rows(
     spec: InferenceJob, plan: dict[str, Any], model: Any, shard: dict[str, np.ndarray], stats: WorkerStats
 ) -> dict[str, np.ndarray]:
     """Every row's ``n`` choices, generated with continuous batching; a row that cannot be generated gets
     its error and the others go on."""
+    from shardfold.functions.inference import openai_batch
     from shardfold.functions.inference.generation import Engine, Request, Sampling, row_seed
 
     gen = spec.generation
     assert gen is not None
     rows = len(shard["prompts"])
+    params = [json.loads(str(p)) for p in shard["params"]] if "params" in shard else [{}] * rows
     max_in = plan["model"]["input_tokens"]
     errors = [str(e) for e in shard["errors"]]
     prompt_tokens = np.zeros(rows, dtype=np.int32)
@@ -238,15 +255,23 @@ def generate_rows(
             errors[r] = f"cannot tokenize the prompt: {type(exc).__name__}: {exc}"
             continue
         prompt_tokens[r] = len(ids)
-        room = (model.max_positions or len(ids) + gen.max_tokens) - len(ids)
+        try:
+            max_tokens, temperature, top_p, stop, seed, n, fmt = openai_batch.sampling(params[r], gen)
+            grammars = [structured(model, fmt) for _ in range(n)]
+        except ValueError as exc:  # an OpenAI Batch request's own option, or a schema llguidance refuses
+            errors[r] = str(exc)
+            continue
+        room = (model.max_positions or len(ids) + max_tokens) - len(ids)
         if len(ids) > max_in or room < 1:
-            errors[r] = f"the prompt has {len(ids)} tokens, more than max_input_tokens {max_in}" + (
-                f" leaves room for (the model has {model.max_positions} positions)" if room < 1 else ""
+            errors[r] = (
+                f"the prompt has {len(ids)} tokens, more than max_input_tokens {max_in}"
+                if len(ids) > max_in
+                else f"the prompt has {len(ids)} tokens, all of the model's {model.max_positions} positions"
             )
             continue
-        sampling = Sampling(min(gen.max_tokens, room), gen.temperature, gen.top_p, tuple(gen.stop))
-        seed = int(shard["row_index"][r])
-        requests += [Request((r, c), ids, sampling, row_seed(gen.seed, seed, c)) for c in range(gen.n)]
+        sampling = Sampling(min(max_tokens, room), temperature, top_p, stop)
+        row = int(shard["row_index"][r])
+        requests += [Request((r, c), ids, sampling, row_seed(seed, row, c), grammars[c]) for c in range(n)]
     engine = Engine(
         model.model,
         eos=model.eos,
