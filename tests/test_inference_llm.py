@@ -346,6 +346,40 @@ def test_a_folder_that_cannot_do_the_task_is_refused_at_submit(client, folders, 
         client.submit({**generate_spec(inputs, folders["lm"]), "pair_field": "x"})
 
 
+def test_auto_chooses_vllm_only_on_a_gpu_worker_that_has_it(folders, monkeypatch):
+    from shardfold.functions.inference import compute, vllm_engine
+    from shardfold.functions.inference.spec import InferenceJob
+
+    def spec(engine: str) -> InferenceJob:
+        return InferenceJob.model_validate(
+            generate_spec("file:///p.jsonl", folders["lm"], generation={"engine": engine})
+        )
+
+    for installed, gpu, chosen in [(True, True, True), (True, False, False), (False, True, False)]:
+        monkeypatch.setattr(vllm_engine, "available", lambda installed=installed: installed)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        assert compute.uses_vllm(spec("auto")) is chosen
+        assert compute.uses_vllm(spec("auto"), "cpu") is False
+        assert compute.uses_vllm(spec("vllm"), "cpu") is True  # asked for: never replaced silently
+        assert compute.uses_vllm(spec("transformers")) is False
+
+
+@pytest.mark.slow
+def test_engine_vllm_on_a_worker_without_it_fails_the_job_naming_the_field(client, folders, tmp_path):
+    if vllm_installed():
+        pytest.skip("vLLM is installed here: tests/on_vllm runs it")
+    inputs = write_jsonl(tmp_path / "p.jsonl", [{"id": 0, "prompt": "the sea"}])
+    job = client.submit(generate_spec(inputs, folders["lm"], generation={"engine": "vllm"}))
+    status = job.wait(progress=False, timeout_s=WAIT_S)
+    assert status.state == "FAILED" and "generation.engine 'vllm' needs the vllm package" in status.error
+
+
+def vllm_installed() -> bool:
+    from shardfold.functions.inference import vllm_engine
+
+    return vllm_engine.available()
+
+
 def test_the_plan_sizes_the_worker_by_the_folders_weights_and_the_generation_cache(client, folders, tmp_path):
     """A folder's weights (as loaded, by dtype) and every running sequence's keys and values enter the
     worker's peak; a model that cannot fit is refused naming the setting that raises the memory."""

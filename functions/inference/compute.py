@@ -170,7 +170,16 @@ def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], devic
         pins = {entry["files"][n]: Pin.from_doc(d) for n, d in entry["pins"].items()}
         folder = access.input_uri(spec.model.hf, store_root, "model.hf")
         path, in_place = hf.model_folder(folder, entry["files"], pins)
-        loaded = models.load_hf(spec.task, path, _PlanFacts(entry), device, spec.model.dtype)
+        if spec.task == "generate" and uses_vllm(spec, device):
+            from shardfold.functions.inference.vllm_engine import VLLMModel
+
+            gen = spec.generation
+            length = min(entry.get("max_positions") or 10**9, entry["input_tokens"] + gen.max_tokens)
+            # 'auto' is the weights' stored type for both engines (vLLM's own 'auto' is bfloat16 on a CPU)
+            dtype = entry["dtype"] if spec.model.dtype == "auto" else spec.model.dtype
+            loaded = VLLMModel(path, _PlanFacts(entry), dtype, gen.max_num_seqs, spec.batch_tokens, length)
+        else:
+            loaded = models.load_hf(spec.task, path, _PlanFacts(entry), device, spec.model.dtype)
         if in_place:  # read where it lies: still the files the plan pinned, after loading too
             hf.check_unchanged(entry["files"], pins)
         return loaded
@@ -178,6 +187,21 @@ def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], devic
         return models.load_model("minilm", device)
     uri = access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
     return models.load_model({"torchscript": uri}, device, layout.plan_pin(plan, uri))
+
+
+def uses_vllm(spec: InferenceJob, device: Any = None) -> bool:
+    """Whether ``generate`` runs on vLLM: asked for, or ``auto`` where vLLM is installed and a GPU is
+    there (on a CPU, vLLM's start-up costs more than it saves on a worker's shards)."""
+    from shardfold.functions.inference import vllm_engine
+
+    engine = spec.generation.engine if spec.generation else "transformers"
+    if engine != "auto":
+        return engine == "vllm"
+    if not vllm_engine.available() or (device is not None and str(device).startswith("cpu")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class _PlanFacts:
@@ -215,14 +239,18 @@ def encode_prompt(model: Any, value: Any) -> list[int]:
     return list(ids["input_ids"])
 
 
-def structured(model: Any, fmt: Any) -> Any:
-    """A fresh llguidance matcher for ``fmt`` (a ``ResponseFormat``), or None for plain text;
-    :class:`ValueError` when llguidance refuses the schema."""
+def schema_of(fmt: Any) -> dict[str, Any] | None:
+    """The JSON schema a ``ResponseFormat`` asks the output to follow; None for plain text."""
     if fmt is None or fmt.type == "text":
         return None
+    return fmt.json_schema.schema_ if fmt.type == "json_schema" else {"type": "object"}
+
+
+def structured(model: Any, schema: dict[str, Any]) -> Any:
+    """A fresh llguidance matcher for ``schema`` over ``model``'s tokens; :class:`ValueError` when
+    llguidance refuses the schema."""
     import llguidance
 
-    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else {"type": "object"}
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
     matcher = llguidance.LLMatcher(model.guidance_tokenizer(), grammar, log_level=0)
     if matcher.is_error():
@@ -236,7 +264,7 @@ def generate_rows(
     """Every row's ``n`` choices, generated with continuous batching; a row that cannot be generated gets
     its error and the others go on."""
     from shardfold.functions.inference import openai_batch
-    from shardfold.functions.inference.generation import Engine, Request, Sampling, row_seed
+    from shardfold.functions.inference.generation import Request, Sampling, row_seed
 
     gen = spec.generation
     assert gen is not None
@@ -257,8 +285,7 @@ def generate_rows(
         prompt_tokens[r] = len(ids)
         try:
             max_tokens, temperature, top_p, stop, seed, n, fmt = openai_batch.sampling(params[r], gen)
-            grammars = [structured(model, fmt) for _ in range(n)]
-        except ValueError as exc:  # an OpenAI Batch request's own option, or a schema llguidance refuses
+        except ValueError as exc:  # an OpenAI Batch request's own option
             errors[r] = str(exc)
             continue
         room = (model.max_positions or len(ids) + max_tokens) - len(ids)
@@ -271,15 +298,9 @@ def generate_rows(
             continue
         sampling = Sampling(min(max_tokens, room), temperature, top_p, stop)
         row = int(shard["row_index"][r])
-        requests += [Request((r, c), ids, sampling, row_seed(seed, row, c), grammars[c]) for c in range(n)]
-    engine = Engine(
-        model.model,
-        eos=model.eos,
-        batch_tokens=max(stats.budget, max_in + 1),
-        max_seqs=gen.max_num_seqs,
-        decode=model.decode,
-        pad_id=model.pad_id,
-    )
+        schema = schema_of(fmt)
+        requests += [Request((r, c), ids, sampling, row_seed(seed, row, c), schema) for c in range(n)]
+    engine = model.engine(batch_tokens=max(stats.budget, max_in + 1), max_seqs=gen.max_num_seqs)
     results = engine.run(requests)
     text = np.full((rows, gen.n), "", dtype=object)
     finish = np.full((rows, gen.n), "", dtype=object)
@@ -295,7 +316,7 @@ def generate_rows(
     stats.batches += s.steps + s.prefills
     stats.real_tokens += s.prefill_tokens + s.decode_tokens
     stats.padded_tokens += s.padded_prefill_tokens + s.decode_tokens
-    stats.generated_tokens += s.decode_tokens + len(results)  # each prefill yields a sequence's first token
+    stats.generated_tokens += sum(len(done.tokens) for done in results.values())
     stats.prompt_tokens += s.prompt_tokens
     stats.prefix_saved_tokens += s.prompt_tokens - s.prefill_tokens
     return {

@@ -52,7 +52,7 @@ class Request:
     prompt: Sequence[int]
     sampling: Sampling
     seed: int = 0
-    grammar: Any = None  # an llguidance LLMatcher the output must follow (structured output), or None
+    schema: dict[str, Any] | None = None  # a JSON schema the output follows (structured output)
 
 
 @dataclass
@@ -136,13 +136,15 @@ class _Seq:
     length: int  # tokens in the cache for this sequence (its position ids run 0..length-1)
     next_token: int = -1
     generator: Any = None
+    grammar: Any = None  # the matcher of its schema: which tokens may come next
 
 
 class Engine:
     """Continuous batching of :class:`Request` over ``model`` (a transformers causal LM in eval mode).
 
     ``eos``: the token ids that end a sequence; ``decode``: token ids to text (for stop strings);
-    ``pad_id``: any valid token id, fed at padded positions (masked out)."""
+    ``pad_id``: any valid token id, fed at padded positions (masked out); ``grammar``: a request's schema
+    to a fresh llguidance matcher (:func:`functions.inference.compute.structured`)."""
 
     def __init__(
         self,
@@ -153,6 +155,7 @@ class Engine:
         max_seqs: int = 64,
         decode: Callable[[list[int]], str] | None = None,
         pad_id: int = 0,
+        grammar: Callable[[dict[str, Any]], Any] | None = None,
     ):
         import torch
 
@@ -164,6 +167,7 @@ class Engine:
         self.max_seqs = max_seqs
         self.decode = decode
         self.pad_id = pad_id
+        self.grammar = grammar
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------------------------------ driver
@@ -305,6 +309,13 @@ class Engine:
             seq = _Seq(req, Completion(req.key), length=len(req.prompt))
             if req.sampling.temperature > 0:
                 seq.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+            if req.schema is not None:
+                try:
+                    assert self.grammar is not None, "a schema needs the engine's grammar"
+                    seq.grammar = self.grammar(req.schema)
+                except ValueError as exc:  # llguidance refused the schema: this row's error
+                    results[req.key] = Completion(req.key, error=str(exc))
+                    continue
             if self._advance(seq, logits[i]):
                 results[req.key] = seq.done
                 continue
@@ -377,7 +388,7 @@ class Engine:
 
     def _advance(self, seq: _Seq, logits: Any) -> bool:
         """Choose the sequence's next token from its logits; True when it has finished."""
-        done, sampling, grammar = seq.done, seq.req.sampling, seq.req.grammar
+        done, sampling, grammar = seq.done, seq.req.sampling, seq.grammar
         if grammar is not None:
             logits = self._constrain(logits, grammar)
             if logits is None:

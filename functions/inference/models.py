@@ -233,6 +233,21 @@ class CausalLM:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def engine(self, batch_tokens: int, max_seqs: int) -> Any:
+        """The continuous-batching engine over this model (:mod:`functions.inference.generation`)."""
+        from shardfold.functions.inference.compute import structured
+        from shardfold.functions.inference.generation import Engine
+
+        return Engine(
+            self.model,
+            eos=self.eos,
+            batch_tokens=batch_tokens,
+            max_seqs=max_seqs,
+            decode=self.decode,
+            pad_id=self.pad_id,
+            grammar=lambda schema: structured(self, schema),
+        )
+
     def guidance_tokenizer(self) -> Any:
         """The tokenizer as llguidance sees it (structured output), built once (about a second)."""
         if getattr(self, "_guidance", None) is None:

@@ -246,10 +246,15 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
         wf.REPAIR_PREPROCESS: 0,
         wf.REPAIR_WORKERS: 0,
     }
+    rate = (
+        f"~{gpu_s:,.0f} s each at ~{GPU_ROWS_PER_S} rows/s for MiniLM (order of magnitude)"
+        if spec.model == "minilm"
+        else f"timed as if at MiniLM's ~{GPU_ROWS_PER_S} rows/s (~{gpu_s:,.0f} s each): this model's "
+        "speed is not known before it runs"
+    )
     notes.append(
-        f"GPU stage: {workers} AWS Batch job(s) of 1 GPU, ~{gpu_s:,.0f} s each at ~{GPU_ROWS_PER_S} rows/s "
-        "for MiniLM "
-        f"(order of magnitude), priced as g5.xlarge on-demand (${pricing.BATCH_GPU_USD_PER_HOUR}/h) with "
+        f"GPU stage: {workers} AWS Batch job(s) of 1 GPU, {rate}, priced as g5.xlarge on-demand "
+        f"(${pricing.BATCH_GPU_USD_PER_HOUR}/h) with "
         f"~{pricing.BATCH_STARTUP_S:.0f} s of instance start per Batch job; "
         "the default Spot compute environment usually costs far less"
     )

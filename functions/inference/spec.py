@@ -91,6 +91,10 @@ class Generation(StrictModel):
     max_num_seqs: int = Field(
         default=64, ge=1, le=4096, description="sequences decoded side by side (continuous batching)"
     )
+    engine: Literal["auto", "transformers", "vllm"] = Field(
+        default="auto",
+        description="'auto': vLLM where the worker has it and a GPU, else transformers",
+    )
     response_format: ResponseFormat | None = Field(
         default=None, description="structured output: {type: json_object} or {type: json_schema, json_schema}"
     )
