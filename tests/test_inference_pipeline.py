@@ -152,7 +152,7 @@ def test_plan_is_deterministic_and_hash_tracks_config(root):
 def test_jsonl_shards_skip_blank_lines_and_keep_line_numbers(root):
     body = b'{"text": "a"}\n\n  \n{"text": "b"}\r\n{"text": "c"}'  # no final newline
     store.put(store.uri.join(root, "x.jsonl"), body)
-    rows = layout.jsonl_line_index(store.uri.join(root, "x.jsonl"))
+    rows = list(layout.jsonl_lines(store.uri.join(root, "x.jsonl")))
     assert [(body[s:e].strip(), n) for s, e, n in rows] == [
         (b'{"text": "a"}', 1),
         (b'{"text": "b"}', 4),
@@ -160,11 +160,11 @@ def test_jsonl_shards_skip_blank_lines_and_keep_line_numbers(root):
     ]
 
 
-def test_jsonl_line_index_across_read_chunks(root, monkeypatch):
+def test_jsonl_lines_across_read_chunks(root, monkeypatch):
     monkeypatch.setattr(layout, "READ_CHUNK", 7)
     docs = [{"text": t} for t in texts(30, 3)]
     put_jsonl(root, "y.jsonl", docs, raw_lines={5: b"   ", 9: b""})
-    rows = layout.jsonl_line_index(store.uri.join(root, "y.jsonl"))
+    rows = list(layout.jsonl_lines(store.uri.join(root, "y.jsonl")))
     data = store.get(store.uri.join(root, "y.jsonl"))
     assert [json.loads(data[s:e]) for s, e, _ in rows] == docs
     assert [n for *_, n in rows][4:7] == [5, 7, 8]

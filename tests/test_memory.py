@@ -454,3 +454,74 @@ def test_inference_generate(children, root):
     )
     assert summary["rows"] == 8
     job.check()
+
+
+def test_inference_a_million_rows(children, root):
+    """A million short rows: prepare keeps each shard's byte range, not an index of every line, and commit
+    streams the merged Parquet to the store one shard at a time (1.5 GB of embeddings), so both stay
+    within their projection whatever the row count. The worker's outputs are random vectors written
+    through the worker's own commit path (embedding a million rows would take this CPU an hour)."""
+    import time
+
+    from shardfold.functions.inference import handlers
+    from shardfold.functions.inference import shards as layout
+    from shardfold.functions.inference.compute import WorkerStats
+    from shardfold.functions.inference.worker import _process, load_shard
+
+    rows, dim = 1_000_000, 384
+    uri = join(root, "data", "million.jsonl")
+    with store.writer(uri) as f:
+        for start in range(0, rows, 100_000):
+            f.write(
+                "".join(
+                    f'{{"id": {i}, "text": "row {i} of many"}}\n' for i in range(start, start + 100_000)
+                ).encode()
+            )
+    doc = {
+        "kind": "inference",
+        "inputs": [uri],
+        "field": "text",
+        "id_field": "id",
+        "model": "minilm",
+        "shard_rows": 20_000,
+    }
+    job = Job.create(root, doc, "1,000,000 short rows")
+    h = "shardfold.functions.inference.handlers"
+    planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
+    shards = store.get_json(planned["manifest"]["uri"])
+    assert planned["rows"] == rows and len(shards) == 50
+    job.measure(
+        children,
+        "preprocess_shard",
+        f"{h}:preprocess",
+        job.event(item=shards[0], index=0),
+        imports=("tokenizers",),
+    )
+    for k, item in enumerate(shards[1:], 1):
+        handlers.preprocess(job.event(item=item, index=k))
+    handlers.cpu_done(job.event())
+    plan = layout.load_plan(root, job.job_id)
+    rng = np.random.default_rng(0)
+    stats = WorkerStats(attempt=0)
+    for k in range(len(shards)):
+        shard = load_shard(layout.pre_uri(root, job.job_id, plan["config_hash"], k))
+        n = len(shard["row_index"])
+        out = {"embedding": rng.standard_normal((n, dim), dtype=np.float32)}
+        _process(
+            lambda s, st, out=out: out,
+            root,
+            job.job_id,
+            plan["config_hash"],
+            k,
+            shard,
+            stats,
+            {},
+            time.monotonic(),
+        )
+    result = job.measure(children, "commit", f"{h}:commit", job.event(), imports=ARROW)
+    assert (result["rows"], result["dim"]) == (rows, dim)
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(store.uri.local_path(result["output"])).metadata
+    assert meta.num_rows == rows and meta.num_row_groups == 50
+    job.check()

@@ -6,7 +6,8 @@
 * **reconcile** lists the shards lacking a commit marker ``out/<H>/<k>.done`` into ``missing.json`` (the
   repair round's manifest). The workflow runs one repair round (no loops in the plan vocabulary).
 * **commit** fails naming the shards still missing, else merges every shard's output in input order into
-  the output Parquet (``id`` and the task's columns: ``embedding`` fixed_size_list<float32>[dim];
+  the output Parquet, streamed to the store a row group per shard (memory holds two shards, whatever the
+  rows; no local disk) (``id`` and the task's columns: ``embedding`` fixed_size_list<float32>[dim];
   ``label`` and ``scores``; ``text``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``; and
   ``error`` where rows may fail; the task, model and config in its metadata) plus a manifest (which holds
   the workers' reports), and writes the result (rows, rows with an error, the batches' padding fraction,
@@ -16,7 +17,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from typing import Any
 
@@ -251,12 +251,110 @@ def _batching_summary(workers: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
-    """Merge every shard's output in input order into the output Parquet and write the result; fail,
-    writing nothing, when more rows ended with an error than ``max_error_fraction`` allows."""
+class _StringIds(Exception):
+    """A shard has string ids after others wrote integer ones: the merge starts again with strings."""
+
+
+SKIPPED_LISTED = 1000  # skipped rows the manifest lists (the result counts them all)
+
+
+def _shards_in_order(store_root: str, job_id: str, p: dict[str, Any]):
+    """``(plan entry, preprocessed arrays, output arrays)`` of every shard in input order, one at a time,
+    the next one's two GETs under way while the caller writes this one's rows (two shards in memory)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardfold.functions import telemetry
+
+    h = p["config_hash"]
+
+    def load(s: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray]]:
+        sh = decode_shard(store.get(layout.pre_uri(store_root, job_id, h, s["shard"])))
+        n = len(sh["row_index"])
+        if not np.all(np.diff(sh["row_index"]) > 0):
+            raise ShardfoldError(f"shard {s['shard']}: rows out of input order in its preprocessed file")
+        # an empty shard adds no rows (and cannot say the width)
+        return s, sh, _load_out(store_root, job_id, h, s["shard"], n) if n else {}
+
+    with ThreadPoolExecutor(1, thread_name_prefix="sf-commit-read") as pool:
+        ahead = None
+        for s in p["shards"]:
+            current, ahead = ahead, pool.submit(telemetry.carried(load), s)
+            if current is not None:
+                yield current.result()
+        if ahead is not None:
+            yield ahead.result()
+
+
+def _merge(
+    spec: InferenceJob, job_id: str, store_root: str, p: dict[str, Any], f: Any, string_ids: bool
+) -> dict[str, Any]:
+    """Write every shard's rows in input order to ``f`` (Parquet row groups, or OpenAI lines), one shard at
+    a time; count rows, errors and skipped rows. :class:`_StringIds` when a shard's ids are strings and
+    ``string_ids`` is False."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    id_type = pa.string() if string_ids else pa.int64()
+    skipped: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []  # the first few, for the result
+    rows = failed = skipped_rows = 0
+    dim, writer = None, None
+    created = int(time.time())  # an OpenAI response's "created"
+    for s, sh, arrays in _shards_in_order(store_root, job_id, p):
+        skipped_rows += len(sh["skipped"])
+        skipped.extend(sh["skipped"][: SKIPPED_LISTED - len(skipped)])
+        n = len(sh["row_index"])
+        if not n:
+            continue
+        if sh["ids"].dtype.kind == "U" and not string_ids:
+            raise _StringIds
+        row_errors = arrays["error"] if "error" in arrays else sh["errors"]
+        ids = sh["ids"].astype(str) if string_ids else sh["ids"]
+        bad = np.flatnonzero(row_errors != "")
+        failed += len(bad)
+        errors += [{"id": ids[i].item(), "error": str(row_errors[i])} for i in bad[: 10 - len(errors)]]
+        rows += n
+        if spec.output_format == "openai":
+            f.writelines(_openai_lines(spec, job_id, sh, arrays, ids, row_errors, created))
+            continue
+        columns = _columns(spec, p, arrays, row_errors)
+        width = columns["embedding"].type.list_size if "embedding" in columns else None
+        if dim is None:
+            dim = width
+        elif width != dim:
+            raise ShardfoldError(f"shard {s['shard']}: embedding width {width}, others {dim}")
+        table = {"id": pa.array(ids, type=id_type), **columns}
+        if spec.errors_column:
+            table["error"] = _nullable(pa.array(row_errors.tolist(), pa.string()), row_errors == "")
+        t = pa.table(table)
+        if writer is None:
+            writer = pq.ParquetWriter(f, t.schema.with_metadata(_output_metadata(spec, p, dim)))
+        writer.write_table(t)
+    if writer is None and spec.output_format == "parquet":  # no rows: an empty table of its columns
+        schema = _empty_schema(spec, id_type).with_metadata(_output_metadata(spec, p, dim))
+        writer = pq.ParquetWriter(f, schema)
+    if writer is not None:
+        writer.close()
+    if rows and failed / rows > spec.max_error_fraction:
+        shown = "; ".join(f"id {e['id']}: {e['error']}" for e in errors[:3])
+        raise TooManyRowErrors(
+            f"{failed} of {rows} rows ended with an error ({failed / rows:.1%}), more than "
+            f"max_error_fraction {spec.max_error_fraction}; first: {shown}"
+        )
+    return {
+        "rows": rows,
+        "dim": dim,
+        "errors": failed,
+        "first_errors": errors,
+        "skipped": skipped,
+        "skipped_rows": skipped_rows,
+    }
+
+
+def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+    """Merge every shard's output in input order into the output (streamed to the store, one shard in
+    memory at a time) and write the result; fail, writing nothing, when more rows ended with an error than
+    ``max_error_fraction`` allows."""
     result_uri = join(store_root, "jobs", job_id, "result.json")
     if store.exists(result_uri):  # a retried commit after success: the result stands, scratch goes
         store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))
@@ -270,60 +368,15 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
             f"{len(missing)} shard(s) still lack a commit marker after the repair round: {shown}; "
             "resume the job to recompute only those"
         )
-    shards = [decode_shard(store.get(layout.pre_uri(store_root, job_id, h, s["shard"]))) for s in p["shards"]]
-    string_ids = any(sh["ids"].dtype.kind == "U" for sh in shards)
-    id_type = pa.string() if string_ids else pa.int64()
     out = output_uri(spec, store_root, job_id)
-    skipped: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []  # the first few, for the result
-    rows = failed = 0
-    dim, writer = None, None
-    created = int(time.time())  # an OpenAI response's "created"
-    with tempfile.TemporaryFile() as f:
-        for s, sh in zip(p["shards"], shards, strict=True):
-            skipped.extend(sh["skipped"])
-            n = len(sh["row_index"])
-            if not np.all(np.diff(sh["row_index"]) > 0):
-                raise ShardfoldError(f"shard {s['shard']}: rows out of input order in its preprocessed file")
-            if not n:  # an empty shard adds no rows (and cannot say the width)
-                continue
-            arrays = _load_out(store_root, job_id, h, s["shard"], n)
-            row_errors = arrays["error"] if "error" in arrays else sh["errors"]
-            ids = sh["ids"].astype(str) if string_ids else sh["ids"]
-            bad = np.flatnonzero(row_errors != "")
-            failed += len(bad)
-            errors += [{"id": ids[i].item(), "error": str(row_errors[i])} for i in bad[: 10 - len(errors)]]
-            rows += n
-            if spec.output_format == "openai":
-                f.writelines(_openai_lines(spec, job_id, sh, arrays, ids, row_errors, created))
-                continue
-            columns = _columns(spec, p, arrays, row_errors)
-            width = columns["embedding"].type.list_size if "embedding" in columns else None
-            if dim is None:
-                dim = width
-            elif width != dim:
-                raise ShardfoldError(f"shard {s['shard']}: embedding width {width}, others {dim}")
-            table = {"id": pa.array(ids, type=id_type), **columns}
-            if spec.errors_column:
-                table["error"] = _nullable(pa.array(row_errors.tolist(), pa.string()), row_errors == "")
-            t = pa.table(table)
-            if writer is None:
-                writer = pq.ParquetWriter(f, t.schema.with_metadata(_output_metadata(spec, p, dim)))
-            writer.write_table(t)
-        if writer is None and spec.output_format == "parquet":  # no rows: an empty table of its columns
-            writer = pq.ParquetWriter(
-                f, _empty_schema(spec, id_type).with_metadata(_output_metadata(spec, p, dim))
-            )
-        if writer is not None:
-            writer.close()
-        if rows and failed / rows > spec.max_error_fraction:
-            shown = "; ".join(f"id {e['id']}: {e['error']}" for e in errors[:3])
-            raise TooManyRowErrors(
-                f"{failed} of {rows} rows ended with an error ({failed / rows:.1%}), more than "
-                f"max_error_fraction {spec.max_error_fraction}; first: {shown}"
-            )
-        f.seek(0)
-        store.put_file(out, f)
+    try:  # integer ids unless a shard has strings: then once more, every id a string
+        with store.writer(out) as f:
+            merged = _merge(spec, job_id, store_root, p, f, string_ids=False)
+    except _StringIds:
+        with store.writer(out) as f:
+            merged = _merge(spec, job_id, store_root, p, f, string_ids=True)
+    rows, dim, failed, errors = merged["rows"], merged["dim"], merged["errors"], merged["first_errors"]
+    skipped = merged["skipped"]
     workers = worker_reports(store_root, job_id)
     manifest = {
         "workers": workers,
@@ -337,6 +390,7 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
         "inputs": list(spec.inputs),
         "shards": len(p["shards"]),
         "skipped": skipped,
+        "skipped_rows": merged["skipped_rows"],
     }
     stem = out.rsplit(".", 1)[0] if out.endswith((".parquet", ".jsonl")) else out
     manifest_out = stem + ".manifest.json"
@@ -350,7 +404,7 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
         "rows": rows,
         "dim": dim,
         "errors": failed,
-        "skipped": len(skipped),
+        "skipped": merged["skipped_rows"],
         "shards": len(p["shards"]),
         "config_hash": h,
         **_batching_summary(workers),

@@ -234,12 +234,11 @@ def config_hash(
 # ---------------------------------------------------------------------------------------------- rows
 
 
-def jsonl_line_index(uri: str, pin: Pin | None = None) -> list[tuple[int, int, int]]:
-    """``(byte_start, byte_end, line_number)`` of every non-blank line of a JSONL object (1-based lines,
-    end excludes the newline), scanning it in ranged reads of :data:`READ_CHUNK` bytes (of the pinned
-    object only, given a ``pin``)."""
+def jsonl_lines(uri: str, pin: Pin | None = None) -> Iterator[tuple[int, int, int]]:
+    """``(byte_start, byte_end, line_number)`` of each non-blank line of a JSONL object in turn (1-based
+    lines, end excludes the newline), scanning it in ranged reads of :data:`READ_CHUNK` bytes (of the
+    pinned object only, given a ``pin``): memory holds one chunk, whatever the file's size."""
     total = store.size(uri) if pin is None else pin.size
-    rows: list[tuple[int, int, int]] = []
     pos, line_no, line_start, blank = 0, 1, 0, True
     while pos < total:
         chunk = store.get(uri, pos, min(READ_CHUNK, total - pos), pin)
@@ -251,13 +250,12 @@ def jsonl_line_index(uri: str, pin: Pin | None = None) -> list[tuple[int, int, i
             if j < 0:
                 break
             if not blank:
-                rows.append((line_start, pos + j, line_no))
+                yield line_start, pos + j, line_no
             line_no += 1
             line_start, blank, i = pos + j + 1, True, j + 1
         pos += len(chunk)
     if not blank:
-        rows.append((line_start, total, line_no))
-    return rows
+        yield line_start, total, line_no
 
 
 @contextmanager
@@ -372,8 +370,14 @@ def make_shards(
         try:
             pin = (pins or {}).get(uri)
             if fmt == "jsonl":
-                lines = jsonl_line_index(uri, pin)
-                n = len(lines)
+                # each shard's first and last line, as the scan passes them: no index of every line
+                ranges: list[list[int]] = []
+                n = 0
+                for start, end, line in jsonl_lines(uri, pin):
+                    if n % spec.shard_rows == 0:
+                        ranges.append([start, end, line])
+                    ranges[-1][1] = end
+                    n += 1
             else:
                 n = parquet_num_rows(uri, f"inputs.{i} {raw}", pin)
         except (BadInputError, InputChanged, TransientError, OSError):  # a store fault is retried, not blamed
@@ -394,8 +398,8 @@ def make_shards(
                 "row_offset": row_offset + start,
             }
             if fmt == "jsonl":
-                first, last = lines[start], lines[start + rows - 1]
-                shard.update(byte_start=first[0], byte_end=last[1], first_line=first[2])
+                byte_start, byte_end, first_line = ranges[start // spec.shard_rows]
+                shard.update(byte_start=byte_start, byte_end=byte_end, first_line=first_line)
             shards.append(shard)
         row_offset += n
     return shards

@@ -9,8 +9,9 @@
   ``max_input_tokens`` per row) on top of the tokenizer runtime; the worker holds the model (a Hugging Face
   folder's weights as loaded, twice over while they load), for generate every running sequence's keys and
   values, a bounded prefetch of preprocessed
-  shards and, on a CPU, one batch's activations; commit holds the preprocessed shards' ids and streams
-  embeddings to Parquet one shard at a time.
+  shards and, on a CPU, one batch's activations; commit streams the output to the store two shards at a
+  time (one written, the next read), and prepare scans a JSONL input a chunk at a time, keeping each
+  shard's byte range: neither grows with the rows.
 
 The worker's host memory depends on where it runs (the probe's ``worker_device``): on AWS (an ``s3://``
 store) it is a Batch job with a GPU, locally it is this machine's GPU if it has one, else its CPU. On a GPU
@@ -28,6 +29,7 @@ from typing import Any
 from shardfold.functions import access, pricing, store
 from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from shardfold.functions.inference import workflow as wf
+from shardfold.functions.inference.shards import READ_CHUNK
 from shardfold.functions.inference.spec import HFModel, InferenceJob, inference_input_format
 from shardfold.functions.inference.worker import CPU_BATCH_TOKENS, PREFETCH
 from shardfold.functions.store.uri import is_s3
@@ -53,15 +55,21 @@ CPU_TOKENS_PER_S = 2_000_000  # tokenizers (Rust) on one Lambda vCPU, order of m
 GPU_ROWS_PER_S = 2000  # MiniLM on one A10G, order of magnitude, for the duration estimate only
 
 
+# prepare scans a JSONL input in READ_CHUNK reads (the chunk, the line being checked, the next read's
+# buffer) and keeps an entry per shard (its dict and its share of plan.json's text)
+PLAN_READ_CHUNKS = 3
+PLAN_BYTES_PER_SHARD = 2048
+
+
 def _input_rows(uri: str, fmt: str, head_bytes: int) -> tuple[int, int, bool]:
     """(rows, bytes, exact) of one input, reading at most ``head_bytes`` of a JSONL file."""
-    from shardfold.functions.inference.shards import jsonl_line_index, parquet_num_rows
+    from shardfold.functions.inference.shards import jsonl_lines, parquet_num_rows
 
     size = store.size(uri)
     if fmt == "parquet":
         return parquet_num_rows(uri), size, True
     if size <= head_bytes:
-        return len(jsonl_line_index(uri)), size, True
+        return sum(1 for _ in jsonl_lines(uri)), size, True
     head = store.get(uri, 0, head_bytes)
     lines = max(1, head.count(b"\n"))
     return max(lines, round(lines * size / len(head))), size, False
@@ -192,18 +200,22 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
             f"{PREFETCH_SHARDS + 1} preprocessed shards (activations live on the GPU){loaded}"
         )
     out_bytes = rows * EMBED_DIM * 4
-    commit_peak = RUNTIME_BYTES + n_shards * shard_rows * 16 + 3 * shard_rows * EMBED_DIM * 4
+    # two shards at a time (one written while the next is read): each one's preprocessed file, and its
+    # output as read (the .npz bytes and the arrays) and as Parquet (Arrow columns and the encoded row group)
+    commit_peak = RUNTIME_BYTES + 2 * (pre_bytes + 4 * shard_rows * EMBED_DIM * 4)
     cpu_s = pricing.TASK_OVERHEAD_S + shard_tokens / CPU_TOKENS_PER_S
     workers = max(1, min(spec.gpu_workers, n_shards))
     gpu_s = rows / GPU_ROWS_PER_S / workers  # per worker: the shards are shared out by claims
     # pyarrow is imported only to read Parquet inputs' footers
     parquet = any(inference_input_format(u) == "parquet" for u in spec.inputs)
     plan = TaskLoad(
-        peak_bytes=(RUNTIME_BYTES if parquet else BASE_RUNTIME_BYTES) + 24 * rows,
+        peak_bytes=(RUNTIME_BYTES if parquet else BASE_RUNTIME_BYTES)
+        + PLAN_READ_CHUNKS * READ_CHUNK
+        + n_shards * PLAN_BYTES_PER_SHARD,
         gets=len(spec.inputs),
         puts=2,
         duration_s=pricing.TASK_OVERHEAD_S,
-        why=f"the line index of {rows:,} rows",
+        why=f"one {READ_CHUNK // MiB} MiB read of an input at a time, and {n_shards:,} shards' entries",
     )
     preprocess = TaskLoad(
         peak_bytes=preprocess_peak,
@@ -226,8 +238,8 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
         peak_bytes=commit_peak,
         gets=2 * n_shards + 2,
         puts=3,
-        duration_s=pricing.TASK_OVERHEAD_S + out_bytes / pricing.LAMBDA_NET_BYTES_PER_S,
-        why="row ids of every shard, then one shard's embeddings at a time",
+        duration_s=pricing.TASK_OVERHEAD_S + 2 * out_bytes / pricing.LAMBDA_NET_BYTES_PER_S,  # read, write
+        why="two shards' ids and outputs at a time, streamed to the output as Parquet row groups",
     )
     tasks = {
         wf.PREPARE: plan,

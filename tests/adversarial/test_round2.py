@@ -645,10 +645,10 @@ def test_a_store_fault_while_sharding_an_inference_input_is_not_blamed_on_the_in
     def flaky(*a, **k):
         raise TransientError("GET data/rows.jsonl: connection reset")
 
-    monkeypatch.setattr(shards, "jsonl_line_index", flaky)
+    monkeypatch.setattr(shards, "jsonl_lines", flaky)
     with pytest.raises(TransientError):  # the workflow's retry policy retries it
         shards.make_shards(spec, local.store_root)
-    monkeypatch.setattr(shards, "jsonl_line_index", lambda *a, **k: (_ for _ in ()).throw(ValueError("junk")))
+    monkeypatch.setattr(shards, "jsonl_lines", lambda *a, **k: (_ for _ in ()).throw(ValueError("junk")))
     with pytest.raises(BadInputError, match="inputs.0 data/rows.jsonl: cannot read it"):
         shards.make_shards(spec, local.store_root)
 
