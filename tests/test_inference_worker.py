@@ -67,6 +67,14 @@ class Tiny(torch.nn.Module):
         return (self.emb(input_ids) * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
+class SmallVocabulary(Tiny):
+    """Tiny with 1,000 embeddings: MiniLM's tokenizer makes ids up to 30,521."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(1000, 8)
+
+
 class Wrong(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], input_ids.shape[1], 4)  # [B, T, D]: not [B, D]
@@ -269,6 +277,10 @@ def test_bad_model_files_give_clear_errors(root, tmp_path):
         load_model({"torchscript": wrong}, "cpu")
     assert "wrong.pt" in str(exc.value)
 
+    small = save_torchscript(SmallVocabulary(), tmp_path / "small.pt")
+    with pytest.raises(ModelLoadError, match="vocabulary smaller than the tokenizer's.*30521"):
+        load_model({"torchscript": small}, "cpu")  # at load, not as an opaque error in the middle of a job
+
     with pytest.raises(ModelLoadError, match="missing.pt"):
         load_model({"torchscript": "file://" + str(tmp_path / "missing.pt")}, "cpu")
 
@@ -310,6 +322,52 @@ def test_oom_halves_the_budget_and_the_shard_completes(tiny_uri):
     assert model.seen and max(model.seen) <= 256
     ref, _ = compute.embed_rows(load_model({"torchscript": tiny_uri}, "cpu"), ids, offsets, budget=4096)
     np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+class TransientOOM(LoadedModel):
+    """Fails its first call as cuBLAS does when an allocation fails (a RuntimeError), then runs."""
+
+    def __init__(self, inner: LoadedModel):
+        super().__init__(inner.fn, inner.device, "transient-oom")
+        self._dim = inner.dim
+        self.calls = 0
+
+    def __call__(self, input_ids, attention_mask):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return super().__call__(input_ids, attention_mask)
+
+
+def test_cublas_and_cudnn_allocation_failures_are_out_of_memory():
+    assert compute.is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    assert compute.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert compute.is_oom(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE"))
+    assert not compute.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_a_halved_budget_grows_back_after_calm_batches(tiny_uri):
+    model = TransientOOM(load_model({"torchscript": tiny_uri}, "cpu"))
+    ids, offsets, _ = tokenize(sentences(300, seed=5), MAX_TOKENS)
+    stats = W.WorkerStats(budget_cap=256)
+    got, budget = compute.embed_rows(model, ids, offsets, budget=256, stats=stats)
+    assert (stats.oom_halvings, stats.budget_growths, budget) == (1, 1, 256)
+    assert stats.grow_after == 2 * compute.GROW_AFTER  # a second out-of-memory would wait twice as long
+    ref, _ = compute.embed_rows(load_model({"torchscript": tiny_uri}, "cpu"), ids, offsets, budget=4096)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_precision_is_for_eager_embedding_models_and_a_cpu_computes_in_float32(tiny_uri):
+    base = {"kind": "inference", "inputs": ["x.jsonl"], "field": "text"}
+    assert parse_spec(base).precision == "auto"
+    assert parse_spec({**base, "precision": "float16"}).precision == "float16"
+    with pytest.raises(Exception, match="precision is for embed and classify"):
+        parse_spec({**base, "precision": "bfloat16", "model": {"torchscript": tiny_uri}})
+    model = load_model({"torchscript": tiny_uri}, "cpu")
+    from shardfold.functions.inference.models import set_precision
+
+    set_precision(model, "bfloat16")
+    assert model.autocast is None
 
 
 def test_oom_on_a_single_row_at_the_smallest_budget_is_an_error(tiny_uri):

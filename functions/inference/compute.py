@@ -25,6 +25,11 @@ from shardfold.functions.inference.spec import HFModel, InferenceJob
 from shardfold.functions.log import logger
 from shardfold.functions.store.pinning import Pin
 
+# cuBLAS and cuDNN report a failed allocation as a RuntimeError with one of these in its text, not as
+# torch.cuda.OutOfMemoryError
+_OOM_TEXTS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+GROW_AFTER = 16  # batches without an out-of-memory error before a halved budget doubles back (then 2x more)
+
 
 @dataclass
 class WorkerStats:
@@ -37,6 +42,10 @@ class WorkerStats:
     real_tokens: int = 0
     oom_halvings: int = 0
     budget: int = 0
+    budget_cap: int = 0  # the budget it started with: a halved one grows back to it
+    budget_growths: int = 0
+    calm_batches: int = 0  # batches since the last out-of-memory error or growth
+    grow_after: int = GROW_AFTER
     first_commit_s: float | None = None
     wall_s: float = 0.0
     shard_s: dict[int, float] = field(default_factory=dict)  # embedding seconds per committed shard
@@ -59,6 +68,7 @@ class WorkerStats:
             "padded_tokens": self.padded_tokens,
             "padding_fraction": round(pad, 4),
             "oom_halvings": self.oom_halvings,
+            "budget_growths": self.budget_growths,
             "budget": self.budget,
             "first_commit_s": self.first_commit_s,
             "compute_s": round(sum(self.shard_s.values()), 3),
@@ -76,11 +86,31 @@ class WorkerStats:
         }
 
 
-def _is_oom(exc: BaseException) -> bool:
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device running out of memory: PyTorch's own error, or cuBLAS/cuDNN's."""
     import torch
 
     oom = getattr(torch.cuda, "OutOfMemoryError", None) or getattr(torch, "OutOfMemoryError", None)
-    return oom is not None and isinstance(exc, oom)
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc) for t in _OOM_TEXTS)
+
+
+def _batch(
+    idx: np.ndarray, lengths: np.ndarray, input_ids: np.ndarray, offsets: np.ndarray, type_ids: Any
+) -> tuple[list[np.ndarray], int]:
+    """A batch's ``[ids, mask(, types)]`` int64 arrays, padded to its longest row; and that length."""
+    t = int(np.maximum(lengths[idx], 1).max())
+    ids = np.zeros((len(idx), t), dtype=np.int64)
+    mask = np.zeros((len(idx), t), dtype=np.int64)
+    types = np.zeros((len(idx), t), dtype=np.int64) if type_ids is not None else None
+    for j, r in enumerate(idx):
+        n = int(lengths[r])
+        ids[j, :n] = input_ids[offsets[r] : offsets[r] + n]
+        if types is not None:
+            types[j, :n] = type_ids[offsets[r] : offsets[r] + n]
+        mask[j, : max(n, 1)] = 1  # an empty row still attends to one (pad) token
+    return [a for a in (ids, mask, types) if a is not None], t
 
 
 def embed_rows(
@@ -92,8 +122,14 @@ def embed_rows(
     type_ids: np.ndarray | None = None,
 ) -> tuple[np.ndarray, int]:
     """The model's ``[rows, D]`` float32 output (embeddings, or class probabilities) of a shard's rows in
-    row order, ``type_ids`` (pairs) passed as token type ids; returns ``(out, budget)`` where budget may
-    have been halved on out-of-memory."""
+    row order, ``type_ids`` (pairs) passed as token type ids; returns ``(out, budget)``.
+
+    On a GPU nothing waits for a batch to finish: its inputs go from pinned memory without blocking, its
+    output stays on the device, and the host cuts the next batch while the GPU computes; the shard's
+    outputs come back in one copy at its end. Out of memory (PyTorch's error or cuBLAS/cuDNN's) halves the
+    budget, frees the failed batch and the allocator's cache, and re-cuts what is left; after
+    ``stats.grow_after`` batches without one the budget doubles back toward ``stats.budget_cap``, and each
+    further out-of-memory doubles that wait."""
     import torch
 
     stats = stats if stats is not None else WorkerStats()
@@ -103,57 +139,64 @@ def embed_rows(
     out = np.zeros((rows, dim), dtype=np.float32)
     if rows == 0:
         return out, budget
+    cap = max(stats.budget_cap, budget)
     device = model.device
     cuda = getattr(device, "type", str(device)) == "cuda"
     queue = deque(token_budget_batches(lengths, budget))
-    with torch.inference_mode():
+    on_device: list[tuple[np.ndarray, Any]] = []  # (rows, output) not yet copied back
+    with torch.inference_mode(), model.precision():
         while queue:
             idx = queue.popleft()
-            lens = np.maximum(lengths[idx], 1)
-            t = int(lens.max())
-            ids = np.zeros((len(idx), t), dtype=np.int64)
-            mask = np.zeros((len(idx), t), dtype=np.int64)
-            types = np.zeros((len(idx), t), dtype=np.int64) if type_ids is not None else None
-            for j, r in enumerate(idx):
-                n = int(lengths[r])
-                ids[j, :n] = input_ids[offsets[r] : offsets[r] + n]
-                if types is not None:
-                    types[j, :n] = type_ids[offsets[r] : offsets[r] + n]
-                mask[j, :n] = 1
-                if n == 0:
-                    mask[j, 0] = 1  # an empty row still attends to one (pad) token
-            tensors = [torch.from_numpy(a) for a in (ids, mask, types) if a is not None]
+            arrays, t = _batch(idx, lengths, input_ids, offsets, type_ids)
+            tensors = [torch.from_numpy(a) for a in arrays]
             if cuda:
                 tensors = [a.pin_memory().to(device, non_blocking=True) for a in tensors]
+            failure = None
             try:
                 y = model(*tensors)
             except Exception as exc:
-                if not _is_oom(exc):
+                if not is_oom(exc):
                     raise
+                failure = exc
+            if failure is not None:
                 if budget <= 1 or (len(idx) == 1 and budget < t):
                     raise ShardfoldError(
                         f"out of memory on a single row of {t} tokens even at a budget of {budget} tokens; "
                         "lower max_tokens or use a device with more memory"
-                    ) from exc
-                budget = max(1, budget // 2)
-                stats.oom_halvings += 1
-                logger.warning("out of memory: halving the token budget", extra={"budget": budget})
+                    ) from failure
+                del tensors, failure  # the batch (and the frames the error holds) before the cache is freed
                 if cuda:
                     torch.cuda.empty_cache()
+                budget = max(1, budget // 2)
+                stats.oom_halvings += 1
+                stats.calm_batches = 0
+                stats.grow_after *= 2
+                logger.warning("out of memory: halving the token budget", extra={"budget": budget})
                 # re-cut the failed batch and every batch still queued (cut under the old budget)
                 left = np.concatenate([idx, *queue])
                 queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
                 continue
-            y = y.detach().float()
             if y.dim() != 2 or y.shape[0] != len(idx) or y.shape[1] != dim:
                 raise ShardfoldError(
                     f"model {getattr(model, 'name', '?')} returned shape {list(y.shape)} for a batch of "
                     f"{len(idx)} rows; expected [{len(idx)}, {dim}]"
                 )
-            out[idx] = y.cpu().numpy()
+            if cuda:
+                on_device.append((idx, y.detach().float()))
+            else:
+                out[idx] = y.detach().float().numpy()
             stats.batches += 1
             stats.padded_tokens += len(idx) * t
-            stats.real_tokens += int(lens.sum())
+            stats.real_tokens += int(np.maximum(lengths[idx], 1).sum())
+            stats.calm_batches += 1
+            if budget < cap and stats.calm_batches >= stats.grow_after:
+                budget, stats.calm_batches = min(cap, budget * 2), 0
+                stats.budget_growths += 1
+                left = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
+                queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
+    if on_device:
+        order = np.concatenate([idx for idx, _ in on_device])
+        out[order] = torch.cat([y for _, y in on_device]).cpu().numpy()
     return out, budget
 
 
@@ -180,13 +223,18 @@ def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], devic
             loaded = VLLMModel(path, _PlanFacts(entry), dtype, gen.max_num_seqs, spec.batch_tokens, length)
         else:
             loaded = models.load_hf(spec.task, path, _PlanFacts(entry), device, spec.model.dtype)
+            if spec.task != "generate":
+                models.set_precision(loaded, spec.precision)
         if in_place:  # read where it lies: still the files the plan pinned, after loading too
             hf.check_unchanged(entry["files"], pins)
         return loaded
     if spec.model == "minilm":
-        return models.load_model("minilm", device)
-    uri = access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
-    return models.load_model({"torchscript": uri}, device, layout.plan_pin(plan, uri))
+        loaded = models.load_model("minilm", device)
+    else:
+        uri = access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
+        loaded = models.load_model({"torchscript": uri}, device, layout.plan_pin(plan, uri))
+    models.set_precision(loaded, spec.precision)
+    return loaded
 
 
 def uses_vllm(spec: InferenceJob, device: Any = None) -> bool:

@@ -100,11 +100,23 @@ def model_identity(spec_model: Any) -> str:
 class LoadedModel:
     """A callable model on a device: ``model(input_ids, attention_mask) -> [B, D]`` float32."""
 
-    def __init__(self, fn: Any, device: Any, name: str):
+    def __init__(self, fn: Any, device: Any, name: str, eager: bool = True):
         self.fn = fn
         self.device = device
         self.name = name
+        self.eager = eager  # PyTorch code autocast can reach (not a TorchScript or export graph)
+        self.autocast: Any = None  # the torch dtype its GPU batches compute in, None: as loaded
         self._dim: int | None = None
+
+    def precision(self) -> Any:
+        """The context a batch runs in: autocast to :attr:`autocast` on the GPU, else nothing."""
+        import contextlib
+
+        import torch
+
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
 
     def __call__(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Any:
         if token_type_ids is None:
@@ -135,6 +147,22 @@ def load_model(spec_model: Any, device: Any = None, pin: Any = None) -> LoadedMo
     if uri is None:
         return _load_minilm(device)
     return _load_user(uri, device, pin)
+
+
+def set_precision(model: LoadedModel, precision: str) -> None:
+    """How ``model`` computes on a GPU (the spec's ``precision``): 'auto' in bfloat16 where the GPU has it
+    (else float16) by autocast, with TF32 for the matmuls autocast leaves in float32; 'float32' exactly (no
+    TF32). A graph file is not autocast (it runs as exported; TF32 still applies); a CPU computes in
+    float32."""
+    import torch
+
+    if torch.device(model.device).type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = precision != "float32"
+    torch.backends.cudnn.allow_tf32 = precision != "float32"
+    if precision == "auto":
+        precision = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    model.autocast = None if precision == "float32" or not model.eager else getattr(torch, precision)
 
 
 def preload() -> None:
@@ -294,7 +322,13 @@ def _load_user(uri: str, device: Any, pin: Any = None) -> LoadedModel:
             errors.append(f"torch.jit.load: {type(exc).__name__}: {_first_line(exc)}")
         if fn is None:
             try:
-                fn = torch.export.load(path).module().to(device)
+                program = torch.export.load(path)
+                if device.type != "cpu":
+                    # a graph exported on a CPU holds its constants there; .to() would not move them
+                    from torch.export.passes import move_to_device_pass
+
+                    program = move_to_device_pass(program, device)
+                fn = program.module()
             except Exception as exc:
                 errors.append(f"torch.export.load: {type(exc).__name__}: {_first_line(exc)}")
     if fn is None:
@@ -303,23 +337,54 @@ def _load_user(uri: str, device: Any, pin: Any = None) -> LoadedModel:
             f"expected a model with signature {SIGNATURE}",
             uri=uri,
         )
-    model = LoadedModel(fn, device, uri)
+    model = LoadedModel(fn, device, uri, eager=False)
     _check_signature(model, uri)
     return model
 
 
+def probe_ids() -> list[list[int]]:
+    """Two rows of real token ids for a load check, from the tokenizer the worker feeds the model
+    (MiniLM's): a sentence, and the same with the vocabulary's last id in it, so a model whose embedding
+    table is smaller than the tokenizer's vocabulary fails here and not in the middle of a job."""
+    from shardfold.functions.inference.preprocess import load_tokenizer
+
+    tok = load_tokenizer(32)
+    ids = tok.encode("Shardfold checks a model on its tokenizer's tokens.").ids
+    last = tok.get_vocab_size() - 1
+    return [ids, [*ids[:-1], last, ids[-1]]]
+
+
 def _check_signature(model: LoadedModel, uri: str) -> None:
-    """Probe with a [2, 3] input: the output must be a float tensor [2, D]."""
+    """Probe with two rows of the tokenizer's tokens (:func:`probe_ids`): the output must be a float
+    tensor [2, D]."""
     import torch
 
-    ids = torch.ones((2, 3), dtype=torch.int64, device=model.device)
+    rows = probe_ids()
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((2, width), dtype=torch.int64)
+    mask = torch.zeros((2, width), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     try:
         with torch.inference_mode():
-            out = model(ids, torch.ones_like(ids))
+            out = model(ids, mask)
     except Exception as exc:
+        text = str(exc).lower()
+        hint = ""
+        if "device" in text:
+            hint = (
+                "; the graph holds tensors fixed to another device (traced or scripted with device='cpu' "
+                "constants): export it with torch.export (moved to the GPU on load) or trace it on the GPU"
+            )
+        elif "index" in text:
+            hint = (
+                f"; is its vocabulary smaller than the tokenizer's? The probe has its last id, {rows[1][-2]}"
+            )
         raise ModelLoadError(
-            f"model {uri} failed on a probe input of shape [2, 3]: {type(exc).__name__}: {exc}; expected "
-            f"signature {SIGNATURE}",
+            f"model {uri} failed on a probe of two rows of the tokenizer's tokens, shape {list(ids.shape)}: "
+            f"{type(exc).__name__}: {_first_line(exc)}{hint}; expected signature {SIGNATURE}",
             uri=uri,
         ) from None
     ok = isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim() == 2
@@ -330,7 +395,7 @@ def _check_signature(model: LoadedModel, uri: str) -> None:
             else type(out).__name__
         )
         raise ModelLoadError(
-            f"model {uri} returned a {got} for input [2, 3]; expected a float tensor [2, D] "
+            f"model {uri} returned a {got} for input {list(ids.shape)}; expected a float tensor [2, D] "
             f"(signature {SIGNATURE})",
             uri=uri,
         )

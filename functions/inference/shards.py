@@ -199,6 +199,7 @@ def config_hash(
             "task": spec.task,
             "files": {n: Pin.from_doc(d).fingerprint() for n, d in sorted(model["pins"].items())},
             "dtype": spec.model.dtype,
+            "precision": spec.precision,
             "max_input_tokens": model["input_tokens"],
             "field": spec.field,
             "pair_field": spec.pair_field,
@@ -226,6 +227,7 @@ def config_hash(
         "tokenizer_sha256": tok,
         "max_tokens": spec.max_input_tokens,
         "field": spec.field,
+        "precision": spec.precision,
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return digest, parts

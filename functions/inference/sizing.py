@@ -167,7 +167,8 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
     pre_bytes = shard_tokens * 4 + shard_rows * 3 * 8  # input_ids int32 + offsets, row_index, ids
     preprocess_peak = RUNTIME_BYTES + 3 * shard_text + 3 * pre_bytes  # text, encodings, npz buffer
     device = probed.facts.get("worker_device", "cuda")
-    embeddings = 3 * shard_rows * EMBED_DIM * 4  # one shard's output, its .npy buffer and bytes
+    # a shard's output being committed (the array, its .npy buffer and bytes) while the next one's fills
+    embeddings = 4 * shard_rows * EMBED_DIM * 4
     # a user's model: its file's bytes, held while torch builds its tensors from them (float32, as the
     # worker runs it), so twice the file at the load's peak (a 1 GiB file took a worker to 1.3 GiB before
     # it failed to load)

@@ -157,6 +157,11 @@ class InferenceJob(JobOptions):
         le=1,
         description="fail the job when more than this fraction of rows end with an error",
     )
+    precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="embed and classify on a GPU: 'auto' computes in bfloat16 (float16 where the GPU lacks "
+        "it) with TF32 matmuls; 'float32' exactly; on a CPU always float32",
+    )
     batch_tokens: int = Field(default=16384, ge=1, description="token budget of one GPU batch")
     shard_rows: int = Field(default=2000, ge=1, le=1_000_000, description="rows per shard")
     gpu_workers: int = Field(
@@ -208,6 +213,11 @@ class InferenceJob(JobOptions):
             raise ValueError(f"task {self.task!r} needs a Hugging Face model folder: model {{hf: uri}}")
         if self.pair_field is not None and self.task != "classify":
             raise ValueError("pair_field is for task 'classify' (cross-encoders)")
+        if self.precision != "auto" and (self.task == "generate" or isinstance(self.model, TorchScriptModel)):
+            raise ValueError(
+                "precision is for embed and classify with model 'minilm' or {hf}: a TorchScript or export "
+                "file runs as it was exported, and generate computes in the folder's model.dtype"
+            )
         if self.generation is not None and self.task != "generate":
             raise ValueError("generation options are for task 'generate'")
         if self.task == "generate" and self.generation is None:

@@ -11,11 +11,12 @@ event; the CLI takes the same event from ``--event`` JSON, ``$SHARDFOLD_EVENT`` 
    a small thread pool, so a worker never hoards shards others could take.
 2. Each shard's rows are computed by the job's task (:mod:`compute`): embed and classify batch them by
    token budget after sorting by length (:mod:`batcher`) under ``torch.inference_mode()`` on CUDA if
-   present, else CPU (on ``torch.cuda.OutOfMemoryError`` the worker halves its budget for the rest of its
-   life and re-splits the failed batch); generate decodes them with continuous batching
-   (:mod:`generation`).
+   present, else CPU (out of GPU memory halves the budget and re-splits the failed batch; the budget
+   grows back after calm batches: :func:`compute.embed_rows`); generate decodes them with continuous
+   batching (:mod:`generation`).
 3. ``out/<H>/<k>.npz`` (the task's arrays in the shard's row order, :mod:`compute`) is written, then the
-   commit marker ``out/<H>/<k>.done`` with ``put_if_absent``: a shard is committed iff its marker exists.
+   commit marker ``out/<H>/<k>.done`` with ``put_if_absent``, on a thread of its own while the next shard
+   computes: a shard is committed iff its marker exists.
 4. The worker exits once ``cpu_done.json`` exists (checked *before* the listing, so the listing is
    complete) and nothing is left to claim.
 
@@ -159,6 +160,7 @@ def run_worker(
         # On a CPU, batches past ~2k tokens run slower per token (activations and attention scores fall out
         # of cache; measured with MiniLM), and a GPU-sized budget would make few, heavily padded batches.
         stats.budget = min(stats.budget, CPU_BATCH_TOKENS)
+    stats.budget_cap = stats.budget
 
     remaining = set(targets)  # neither committed, nor claimed (by us or another worker) as far as we know
     # Listings start at the first remaining shard's key and happen only when no listed shard is left to
@@ -170,7 +172,10 @@ def run_worker(
     seen_ready: set[int] = set()
     last_progress = time.monotonic()
     wait_s = min(poll_s, FIRST_POLL_S)
-    with ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="prefetch") as pool:
+    with (
+        ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="prefetch") as pool,
+        _Writes() as writes,
+    ):
         while True:
             finished = False
             if remaining and not backlog and len(inflight) <= prefetch:
@@ -196,7 +201,7 @@ def run_worker(
                 finished = False  # listed shards are left to claim
             if inflight:
                 k, fut = inflight.popleft()
-                _process(run_shard, store_root, job_id, h, k, fut.result(), stats, worker_id, started)
+                _process(run_shard, store_root, job_id, h, k, fut.result(), stats, worker_id, started, writes)
                 continue
             if not remaining:
                 break
@@ -320,7 +325,10 @@ def _process(
     stats: WorkerStats,
     worker_id: dict[str, Any],
     started: float,
+    writes: _Writes | None = None,
 ) -> None:
+    """Compute shard ``k`` and commit it: its output, then its marker; the commit on ``writes``' thread
+    when given (the next shard computes meanwhile), else here."""
     done = layout.done_uri(store_root, job_id, h, k)
     if store.exists(done):  # committed while it was prefetched (another worker, or an earlier attempt)
         stats.skipped.append(k)
@@ -328,26 +336,61 @@ def _process(
     t0 = time.monotonic()
     arrays = run_shard(shard, stats)
     seconds = time.monotonic() - t0
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    data = buf.getvalue()
-    store.put(layout.out_uri(store_root, job_id, h, k), data)
     rows = len(shard["row_index"])
-    marker = {
-        "shard": k,
-        "rows": rows,
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "attempt": stats.attempt,
-        **worker_id,
-    }
-    if store.put_if_absent(done, json.dumps(marker).encode()):
-        stats.computed.append(k)
-        stats.shard_s[k] = seconds
-        stats.rows += rows
-        if stats.first_commit_s is None:
-            stats.first_commit_s = round(time.monotonic() - started, 3)
+
+    def write() -> None:
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        data = buf.getvalue()
+        store.put(layout.out_uri(store_root, job_id, h, k), data)
+        marker = {
+            "shard": k,
+            "rows": rows,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "attempt": stats.attempt,
+            **worker_id,
+        }
+        if store.put_if_absent(done, json.dumps(marker).encode()):
+            stats.computed.append(k)
+            stats.shard_s[k] = seconds
+            stats.rows += rows
+            if stats.first_commit_s is None:
+                stats.first_commit_s = round(time.monotonic() - started, 3)
+        else:
+            stats.skipped.append(k)
+
+    if writes is None:
+        write()
     else:
-        stats.skipped.append(k)
+        writes.submit(write)
+
+
+class _Writes:
+    """Shard commits on one thread beside the compute: at most one waits while the next shard computes
+    (so one more shard's output in memory), and a failed write is raised at the next submit or drain."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sf-commit")
+        self.pending: Future | None = None
+
+    def submit(self, write: Any) -> None:
+        self.drain()
+        self.pending = self.pool.submit(telemetry.carried(write))  # under the task's reach and credentials
+
+    def drain(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def __enter__(self) -> _Writes:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        try:
+            if exc_type is None:
+                self.drain()  # the last shard's commit, and its error if it failed
+        finally:
+            self.pool.shutdown(wait=True)
 
 
 def attempt_of(event: dict[str, Any]) -> int:
