@@ -370,6 +370,18 @@ def test_precision_is_for_eager_embedding_models_and_a_cpu_computes_in_float32(t
     assert model.autocast is None
 
 
+def test_a_cpu_worker_takes_its_share_of_the_cores_it_may_use(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(W, "CGROUP_CPU_MAX", tmp_path / "absent")
+    assert (W.cpu_threads(), W.cpu_threads(2), W.cpu_threads(16)) == (8, 4, 1)
+    quota = tmp_path / "cpu.max"
+    monkeypatch.setattr(W, "CGROUP_CPU_MAX", quota)
+    quota.write_text("250000 100000\n")  # a container limited to 2.5 CPUs of the host's 8
+    assert (W.cpu_threads(), W.cpu_threads(2)) == (3, 1)
+    quota.write_text("max 100000\n")
+    assert W.cpu_threads() == 8
+
+
 def test_oom_on_a_single_row_at_the_smallest_budget_is_an_error(tiny_uri):
     model = FakeOOM(load_model({"torchscript": tiny_uri}, "cpu"), limit=0)
     ids, offsets, _ = tokenize(["hello there"], MAX_TOKENS)

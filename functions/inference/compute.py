@@ -50,6 +50,7 @@ class WorkerStats:
     wall_s: float = 0.0
     shard_s: dict[int, float] = field(default_factory=dict)  # embedding seconds per committed shard
     device: str = ""
+    threads: int = 0  # a CPU worker's intra-op threads (0: on a GPU)
     generated_tokens: int = 0  # generate: tokens produced
     prompt_tokens: int = 0  # generate: prompt tokens of the requests
     prefix_saved_tokens: int = 0  # generate: prompt tokens not computed (shared prefixes)
@@ -59,6 +60,7 @@ class WorkerStats:
         return {
             "attempt": self.attempt,
             "device": self.device,
+            "threads": self.threads,
             "shards": len(self.computed),
             "computed": sorted(self.computed),
             "skipped": sorted(self.skipped),

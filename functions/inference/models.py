@@ -196,7 +196,9 @@ def _load_minilm(device: Any) -> LoadedModel:
     with _TRANSFORMERS_LOCK:
         AutoModel = import_transformers()
         path = minilm_dir()
-        model = AutoModel.from_pretrained(str(path), local_files_only=True).to(device).eval()
+        # without the pooler: its output (a dense layer over [CLS]) is not what mean pooling reads
+        model = AutoModel.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
+        model = model.to(device).eval()
 
     def embed(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

@@ -75,6 +75,23 @@ CPU_BATCH_TOKENS = 2048  # token budget cap when no GPU is present (see run_work
 IDLE_ENV, IDLE_S = "SHARDFOLD_INFERENCE_IDLE_S", 3600.0
 
 
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" in microseconds, or "max"
+
+
+def cpu_threads(workers: int = 1) -> int:
+    """Threads for a CPU worker's model: the cores this process may run on (its CPU affinity, and a
+    cgroup's CPU quota, a container's limit that torch's default of every core of the host ignores),
+    shared among the job's ``workers`` running side by side on this host."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores // max(1, workers))
+
+
 def _setting(env: str, default: float) -> float:
     """Read when a worker starts, not at import: a container forked from the local container server
     imported this module under an earlier environment."""
@@ -160,6 +177,12 @@ def run_worker(
         # On a CPU, batches past ~2k tokens run slower per token (activations and attention scores fall out
         # of cache; measured with MiniLM), and a GPU-sized budget would make few, heavily padded batches.
         stats.budget = min(stats.budget, CPU_BATCH_TOKENS)
+        import torch
+
+        # the model's intra-op threads, chosen: the cores this worker may use, shared with the job's other
+        # workers on this host (several workers are data-parallel CPU workers, each on its share)
+        stats.threads = cpu_threads(spec.gpu_workers)
+        torch.set_num_threads(stats.threads)
     stats.budget_cap = stats.budget
 
     remaining = set(targets)  # neither committed, nor claimed (by us or another worker) as far as we know
