@@ -12,8 +12,9 @@ loaded before the clock (both sides):
                         pinned non-blocking copies, one copy back per shard;
   encode, peer          sentence-transformers ``encode`` on the same model in float16 (``.half()``, its
                         documented GPU setting), batches of 256, length-sorted by ``encode`` itself;
-  generate, engine      the continuous-batching engine over SmolLM2-135M-Instruct (``make models``), mixed
-                        answer lengths, greedy, 64 sequences in flight;
+  generate, engine      the continuous-batching engine over SmolLM2-135M-Instruct (``make models``) on
+                        bench/generation.py's prompts (answers from a word to a paragraph), greedy, 64
+                        sequences in flight;
   generate, peer        transformers' static ``generate`` in batches of 64.
 
 GPU busy % is nvidia-smi's utilization (the share of time a kernel ran), sampled every 100 ms over the
@@ -39,6 +40,7 @@ for path in (REPO, HERE, REPO / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 from benchutil import table  # noqa: E402
+from generation import prompts as chat_prompts  # noqa: E402
 from inference import sentences  # noqa: E402
 
 RESULTS = HERE / "results" / "gpu.json"
@@ -146,19 +148,16 @@ def generate_rows(device: str, n: int, dry: bool, tmp: Path) -> list[dict[str, A
     folder = tiny_causal_lm(tmp / "tiny-lm") if dry else smollm2()
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
-    asks = ["Is 17 even? Answer yes or no.", "Name a colour.", "Write a short story about a fox."]
+    # bench/generation.py's prompts: three short questions, then a request for long text, and again
     prompts = [
         list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": f"{asks[i % 3]} ({i})"}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-            )["input_ids"]
+            tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
         )
         if tok.chat_template
-        else tok(f"{asks[i % 3]} {i}")["input_ids"]
-        for i in range(n)
+        else tok(m[0]["content"])["input_ids"]
+        for m in chat_prompts(n)
     ]
     max_tokens, seqs = (16, 8) if dry else (128, 64)
     eos = model.generation_config.eos_token_id
