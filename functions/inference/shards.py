@@ -182,6 +182,16 @@ def tokenizer_path() -> Path:
     return minilm_dir() / "tokenizer.json"
 
 
+def _object_sha256(uri: str, pin: Pin | None) -> str:
+    """The SHA-256 of an object, read in :data:`READ_CHUNK` ranges (a model file of GBs is not held whole);
+    of the pinned object only, given a ``pin``."""
+    total = store.size(uri) if pin is None else pin.size
+    h = hashlib.sha256()
+    for start in range(0, total, READ_CHUNK):
+        h.update(store.get(uri, start, min(READ_CHUNK, total - start), pin))
+    return h.hexdigest()
+
+
 def config_hash(
     spec: InferenceJob,
     store_root: str,
@@ -216,7 +226,7 @@ def config_hash(
         uri = access.input_uri(spec.model.torchscript, store_root, "model.torchscript")
         model_id = f"torchscript:{spec.model.input}"
         try:
-            weights = hashlib.sha256(store.get(uri, pin=(pins or {}).get(uri))).hexdigest()
+            weights = _object_sha256(uri, (pins or {}).get(uri))
         except (InputChanged, TransientError, OSError):  # the store's fault, not the spec's: retried
             raise
         except Exception as exc:  # ObjectNotFound and friends: name the spec field
