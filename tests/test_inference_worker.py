@@ -370,6 +370,23 @@ def test_precision_is_for_eager_embedding_models_and_a_cpu_computes_in_float32(t
     assert model.autocast is None
 
 
+def test_device_rows_come_back_in_row_order_when_numpy_asks():
+    """A GPU shard's outputs stay on the device as (rows, batch output) pairs until the shard is written;
+    np.savez on the commit thread puts them in row order (CPU tensors stand in for the device here)."""
+    import io
+
+    parts = [
+        (np.array([2, 0]), torch.tensor([[2.0, 2.5], [0.0, 0.5]])),
+        (np.array([1]), torch.tensor([[1.0, 1.5]])),
+    ]
+    rows = compute.DeviceRows(3, 2, parts)
+    assert len(rows) == 3 and rows.shape == (3, 2)
+    buf = io.BytesIO()
+    np.savez(buf, embedding=rows)
+    buf.seek(0)
+    np.testing.assert_array_equal(np.load(buf)["embedding"], [[0.0, 0.5], [1.0, 1.5], [2.0, 2.5]])
+
+
 def test_a_cpu_worker_takes_its_share_of_the_cores_it_may_use(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setattr(W, "CGROUP_CPU_MAX", tmp_path / "absent")

@@ -122,16 +122,17 @@ def embed_rows(
     budget: int,
     stats: WorkerStats | None = None,
     type_ids: np.ndarray | None = None,
-) -> tuple[np.ndarray, int]:
+) -> tuple[Any, int]:
     """The model's ``[rows, D]`` float32 output (embeddings, or class probabilities) of a shard's rows in
     row order, ``type_ids`` (pairs) passed as token type ids; returns ``(out, budget)``.
 
     On a GPU nothing waits for a batch to finish: its inputs go from pinned memory without blocking, its
-    output stays on the device, and the host cuts the next batch while the GPU computes; the shard's
-    outputs come back in one copy at its end. Out of memory (PyTorch's error or cuBLAS/cuDNN's) halves the
-    budget, frees the failed batch and the allocator's cache, and re-cuts what is left; after
-    ``stats.grow_after`` batches without one the budget doubles back toward ``stats.budget_cap``, and each
-    further out-of-memory doubles that wait."""
+    output stays on the device, and the host cuts the next batch while the GPU computes; ``out`` is then a
+    :class:`DeviceRows`, copied to the host in one go when the shard is written.
+
+    Out of memory (PyTorch's error or cuBLAS/cuDNN's) halves the budget, frees the failed batch and the
+    allocator's cache, and re-cuts what is left; after ``stats.grow_after`` batches without one the budget
+    doubles back toward ``stats.budget_cap``, and each further out-of-memory doubles that wait."""
     import torch
 
     stats = stats if stats is not None else WorkerStats()
@@ -197,9 +198,29 @@ def embed_rows(
                 left = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
                 queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
     if on_device:
-        order = np.concatenate([idx for idx, _ in on_device])
-        out[order] = torch.cat([y for _, y in on_device]).cpu().numpy()
+        return DeviceRows(rows, dim, on_device), budget
     return out, budget
+
+
+class DeviceRows:
+    """A shard's outputs still on the GPU, ``(rows, output)`` per batch, put on the host in row order when
+    numpy asks for them (``np.asarray``, ``np.savez``): on the worker's commit thread, so the compute
+    thread never waits for the GPU to finish a shard before it queues the next one's batches."""
+
+    def __init__(self, rows: int, dim: int, parts: list[tuple[np.ndarray, Any]]):
+        self.shape = (rows, dim)
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        import torch
+
+        out = np.zeros(self.shape, dtype=np.float32)
+        order = np.concatenate([idx for idx, _ in self.parts])
+        out[order] = torch.cat([y for _, y in self.parts]).cpu().numpy()
+        return out if dtype is None else out.astype(dtype, copy=False)
 
 
 def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], device: Any = None) -> Any:
