@@ -406,6 +406,17 @@ def test_string_ids_and_custom_output(root):
     assert read_output(result).column("id").to_pylist() == ["doc-1", "doc-2"]
 
 
+def test_string_ids_after_integer_ones_make_every_id_a_string(root):
+    """The merge streams row groups as it goes: a later shard's string ids restart it once, all strings."""
+    rows = [{"text": "x", "id": 1}, {"text": "y", "id": 2}, {"text": "z", "id": "doc-3"}]
+    put_jsonl(root, "a.jsonl", rows)
+    spec = spec_of(inputs=["a.jsonl"], id_field="id", shard_rows=2)
+    run_cpu(spec, root)
+    fake_worker(root)
+    result = pipeline.commit(spec, JOB, root)
+    assert read_output(result).column("id").to_pylist() == ["1", "2", "doc-3"]
+
+
 # --------------------------------------------------------------------------------- handlers, workflow
 
 

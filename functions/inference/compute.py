@@ -10,6 +10,7 @@ float32; ``scores`` ``[rows, labels]`` float32; ``text``, ``finish_reason`` (``[
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import deque
 from dataclasses import dataclass, field
@@ -132,7 +133,7 @@ def embed_rows(
 
     Out of memory (PyTorch's error or cuBLAS/cuDNN's) halves the budget, frees the failed batch and the
     allocator's cache, and re-cuts what is left; after ``stats.grow_after`` batches without one the budget
-    doubles back toward ``stats.budget_cap``, and each further out-of-memory doubles that wait."""
+    doubles back toward ``stats.budget_cap``, and an out-of-memory after such a growth doubles that wait."""
     import torch
 
     stats = stats if stats is not None else WorkerStats()
@@ -146,8 +147,11 @@ def embed_rows(
     device = model.device
     cuda = getattr(device, "type", str(device)) == "cuda"
     queue = deque(token_budget_batches(lengths, budget))
-    on_device: list[tuple[np.ndarray, Any]] = []  # (rows, output) not yet copied back
-    with torch.inference_mode(), model.precision():
+    on_device = None
+    if cuda:  # the shard's rows, filled batch by batch on the device; timed there too (events)
+        on_device = DeviceRows(torch.empty((rows, dim), dtype=torch.float32, device=device))
+    precision = getattr(model, "precision", contextlib.nullcontext)
+    with torch.inference_mode(), precision():
         while queue:
             idx = queue.popleft()
             arrays, t = _batch(idx, lengths, input_ids, offsets, type_ids)
@@ -172,8 +176,9 @@ def embed_rows(
                     torch.cuda.empty_cache()
                 budget = max(1, budget // 2)
                 stats.oom_halvings += 1
+                if stats.budget_growths:  # it grew back into trouble: wait twice as long next time
+                    stats.grow_after *= 2
                 stats.calm_batches = 0
-                stats.grow_after *= 2
                 logger.warning("out of memory: halving the token budget", extra={"budget": budget})
                 # re-cut the failed batch and every batch still queued (cut under the old budget)
                 left = np.concatenate([idx, *queue])
@@ -184,8 +189,9 @@ def embed_rows(
                     f"model {getattr(model, 'name', '?')} returned shape {list(y.shape)} for a batch of "
                     f"{len(idx)} rows; expected [{len(idx)}, {dim}]"
                 )
-            if cuda:
-                on_device.append((idx, y.detach().float()))
+            if on_device is not None:
+                # copied into the shard's rows: a view (a [CLS] slice) would keep the batch's activations
+                on_device.rows[torch.as_tensor(idx, device=device)] = y.detach().float()
             else:
                 out[idx] = y.detach().float().numpy()
             stats.batches += 1
@@ -197,30 +203,46 @@ def embed_rows(
                 stats.budget_growths += 1
                 left = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
                 queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
-    if on_device:
-        return DeviceRows(rows, dim, on_device), budget
+    if on_device is not None:
+        on_device.finish()
+        return on_device, budget
     return out, budget
 
 
 class DeviceRows:
-    """A shard's outputs still on the GPU, ``(rows, output)`` per batch, put on the host in row order when
-    numpy asks for them (``np.asarray``, ``np.savez``): on the worker's commit thread, so the compute
-    thread never waits for the GPU to finish a shard before it queues the next one's batches."""
+    """A shard's ``[rows, D]`` outputs on the GPU, copied to the host when numpy asks for them
+    (``np.asarray``, ``np.savez``): on the worker's commit thread, so the compute thread never waits for the
+    GPU to finish a shard before it queues the next one's batches. :meth:`seconds` is the GPU's time on the
+    shard, read once the copy has waited for it."""
 
-    def __init__(self, rows: int, dim: int, parts: list[tuple[np.ndarray, Any]]):
-        self.shape = (rows, dim)
-        self.parts = parts
+    def __init__(self, rows: Any):
+        import torch
+
+        self.rows = rows
+        self.shape = tuple(rows.shape)
+        self.start = self.end = None
+        if rows.is_cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def finish(self) -> None:
+        """Mark the end of the shard's work on the device (after its last batch is queued)."""
+        if self.end is not None:
+            self.end.record()
 
     def __len__(self) -> int:
         return self.shape[0]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        import torch
-
-        out = np.zeros(self.shape, dtype=np.float32)
-        order = np.concatenate([idx for idx, _ in self.parts])
-        out[order] = torch.cat([y for _, y in self.parts]).cpu().numpy()
+        out = self.rows.cpu().numpy()
         return out if dtype is None else out.astype(dtype, copy=False)
+
+    def seconds(self) -> float | None:
+        if self.start is None or self.end is None:
+            return None
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000
 
 
 def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], device: Any = None) -> Any:

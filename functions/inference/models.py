@@ -116,7 +116,7 @@ class LoadedModel:
 
         if self.autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=self.autocast)
 
     def __call__(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None) -> Any:
         if token_type_ids is None:

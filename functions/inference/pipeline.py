@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -300,36 +301,42 @@ def _merge(
     rows = failed = skipped_rows = 0
     dim, writer = None, None
     created = int(time.time())  # an OpenAI response's "created"
-    for s, sh, arrays in _shards_in_order(store_root, job_id, p):
-        skipped_rows += len(sh["skipped"])
-        skipped.extend(sh["skipped"][: SKIPPED_LISTED - len(skipped)])
-        n = len(sh["row_index"])
-        if not n:
-            continue
-        if sh["ids"].dtype.kind == "U" and not string_ids:
-            raise _StringIds
-        row_errors = arrays["error"] if "error" in arrays else sh["errors"]
-        ids = sh["ids"].astype(str) if string_ids else sh["ids"]
-        bad = np.flatnonzero(row_errors != "")
-        failed += len(bad)
-        errors += [{"id": ids[i].item(), "error": str(row_errors[i])} for i in bad[: 10 - len(errors)]]
-        rows += n
-        if spec.output_format == "openai":
-            f.writelines(_openai_lines(spec, job_id, sh, arrays, ids, row_errors, created))
-            continue
-        columns = _columns(spec, p, arrays, row_errors)
-        width = columns["embedding"].type.list_size if "embedding" in columns else None
-        if dim is None:
-            dim = width
-        elif width != dim:
-            raise ShardfoldError(f"shard {s['shard']}: embedding width {width}, others {dim}")
-        table = {"id": pa.array(ids, type=id_type), **columns}
-        if spec.errors_column:
-            table["error"] = _nullable(pa.array(row_errors.tolist(), pa.string()), row_errors == "")
-        t = pa.table(table)
-        if writer is None:
-            writer = pq.ParquetWriter(f, t.schema.with_metadata(_output_metadata(spec, p, dim)))
-        writer.write_table(t)
+    try:
+        for s, sh, arrays in _shards_in_order(store_root, job_id, p):
+            skipped_rows += len(sh["skipped"])
+            skipped.extend(sh["skipped"][: SKIPPED_LISTED - len(skipped)])
+            n = len(sh["row_index"])
+            if not n:
+                continue
+            if sh["ids"].dtype.kind == "U" and not string_ids:
+                raise _StringIds
+            row_errors = arrays["error"] if "error" in arrays else sh["errors"]
+            ids = sh["ids"].astype(str) if string_ids else sh["ids"]
+            bad = np.flatnonzero(row_errors != "")
+            failed += len(bad)
+            errors += [{"id": ids[i].item(), "error": str(row_errors[i])} for i in bad[: 10 - len(errors)]]
+            rows += n
+            if spec.output_format == "openai":
+                f.writelines(_openai_lines(spec, job_id, sh, arrays, ids, row_errors, created))
+                continue
+            columns = _columns(spec, p, arrays, row_errors)
+            width = columns["embedding"].type.list_size if "embedding" in columns else None
+            if dim is None:
+                dim = width
+            elif width != dim:
+                raise ShardfoldError(f"shard {s['shard']}: embedding width {width}, others {dim}")
+            table = {"id": pa.array(ids, type=id_type), **columns}
+            if spec.errors_column:
+                table["error"] = _nullable(pa.array(row_errors.tolist(), pa.string()), row_errors == "")
+            t = pa.table(table)
+            if writer is None:
+                writer = pq.ParquetWriter(f, t.schema.with_metadata(_output_metadata(spec, p, dim)))
+            writer.write_table(t)
+    except BaseException:
+        if writer is not None:  # closed, so it writes no footer later into a sink that is gone
+            with contextlib.suppress(Exception):
+                writer.close()
+        raise
     if writer is None and spec.output_format == "parquet":  # no rows: an empty table of its columns
         schema = _empty_schema(spec, id_type).with_metadata(_output_metadata(spec, p, dim))
         writer = pq.ParquetWriter(f, schema)
@@ -369,10 +376,13 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
             "resume the job to recompute only those"
         )
     out = output_uri(spec, store_root, job_id)
+    string_ids = False
     try:  # integer ids unless a shard has strings: then once more, every id a string
         with store.writer(out) as f:
             merged = _merge(spec, job_id, store_root, p, f, string_ids=False)
     except _StringIds:
+        string_ids = True  # the retry runs after the except block, so the first pass's shards are freed
+    if string_ids:
         with store.writer(out) as f:
             merged = _merge(spec, job_id, store_root, p, f, string_ids=True)
     rows, dim, failed, errors = merged["rows"], merged["dim"], merged["errors"], merged["first_errors"]

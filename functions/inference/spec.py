@@ -213,10 +213,12 @@ class InferenceJob(JobOptions):
             raise ValueError(f"task {self.task!r} needs a Hugging Face model folder: model {{hf: uri}}")
         if self.pair_field is not None and self.task != "classify":
             raise ValueError("pair_field is for task 'classify' (cross-encoders)")
-        if self.precision != "auto" and (self.task == "generate" or isinstance(self.model, TorchScriptModel)):
+        graph = isinstance(self.model, TorchScriptModel)
+        if self.precision != "auto" and (self.task == "generate" or graph and self.precision != "float32"):
             raise ValueError(
-                "precision is for embed and classify with model 'minilm' or {hf}: a TorchScript or export "
-                "file runs as it was exported, and generate computes in the folder's model.dtype"
+                f"precision {self.precision!r} is for embed and classify with model 'minilm' or {{hf}}: a "
+                "TorchScript or export file computes in the types it was exported with ('float32' only turns "
+                "TF32 off), and generate computes in the folder's model.dtype"
             )
         if self.generation is not None and self.task != "generate":
             raise ValueError("generation options are for task 'generate'")

@@ -181,7 +181,7 @@ def run_worker(
 
         # the model's intra-op threads, chosen: the cores this worker may use, shared with the job's other
         # workers on this host (several workers are data-parallel CPU workers, each on its share)
-        stats.threads = cpu_threads(spec.gpu_workers)
+        stats.threads = cpu_threads(min(spec.gpu_workers, len(plan["shards"])))  # as many as prepare starts
         torch.set_num_threads(stats.threads)
     stats.budget_cap = stats.budget
 
@@ -200,6 +200,7 @@ def run_worker(
         _Writes() as writes,
     ):
         while True:
+            writes.check()
             finished = False
             if remaining and not backlog and len(inflight) <= prefetch:
                 finished = store.exists(cpu_done)  # checked before the listing, so the listing is complete
@@ -363,8 +364,11 @@ def _process(
 
     def write() -> None:
         buf = io.BytesIO()
-        np.savez(buf, **arrays)
+        np.savez(buf, **arrays)  # a GPU shard's rows come back to the host here
         data = buf.getvalue()
+        # on a GPU the compute thread only queued the batches: the shard's time is the device's
+        on_gpu = [a.seconds() for a in arrays.values() if isinstance(a, compute.DeviceRows)]
+        shard_s = on_gpu[0] if on_gpu and on_gpu[0] is not None else seconds
         store.put(layout.out_uri(store_root, job_id, h, k), data)
         marker = {
             "shard": k,
@@ -375,7 +379,7 @@ def _process(
         }
         if store.put_if_absent(done, json.dumps(marker).encode()):
             stats.computed.append(k)
-            stats.shard_s[k] = seconds
+            stats.shard_s[k] = shard_s
             stats.rows += rows
             if stats.first_commit_s is None:
                 stats.first_commit_s = round(time.monotonic() - started, 3)
@@ -399,6 +403,11 @@ class _Writes:
     def submit(self, write: Any) -> None:
         self.drain()
         self.pending = self.pool.submit(telemetry.carried(write))  # under the task's reach and credentials
+
+    def check(self) -> None:
+        """Raise a finished write's error now (a worker waiting for shards would otherwise hold it)."""
+        if self.pending is not None and self.pending.done():
+            self.drain()
 
     def drain(self) -> None:
         if self.pending is not None:

@@ -322,7 +322,6 @@ class _StreamedUpload(io.RawIOBase):
         self.bucket, self.key = split_s3(uri)
         self.client = s3_client()
         self.buf = bytearray()
-        self.written = 0  # bytes written so far (tell: Parquet writers record their offsets)
         self.parts: list[dict] = []
         self.upload_id: str | None = None
         self.pending: Future | None = None
@@ -331,12 +330,8 @@ class _StreamedUpload(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self.written
-
     def write(self, data: Any) -> int:
         self.buf += data
-        self.written += len(data)
         if len(self.buf) >= WRITE_PART:
             self._send(bytes(self.buf))
             self.buf = bytearray()
