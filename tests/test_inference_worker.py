@@ -372,6 +372,31 @@ def test_precision_is_for_eager_embedding_models_and_a_cpu_computes_in_float32(t
     assert model.autocast is None
 
 
+def test_a_batch_gathered_at_once_equals_one_built_row_by_row():
+    """compute._batch pads the batch's rows in one indexing operation; here against the plain loop, over
+    random shards with empty rows, pairs' token types and any subset of rows in any order."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        rows = int(rng.integers(1, 30))
+        lengths = rng.integers(0, 20, rows)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        input_ids = rng.integers(1, 30000, offsets[-1]).astype(np.int32)
+        types = rng.integers(0, 2, offsets[-1]).astype(np.int32) if trial % 2 else None
+        idx = rng.permutation(rows)[: rng.integers(1, rows + 1)]
+        t = int(np.maximum(lengths[idx], 1).max())
+        want = [np.zeros((len(idx), t), np.int64) for _ in range(3 if types is not None else 2)]
+        for j, r in enumerate(idx):
+            n = int(lengths[r])
+            want[0][j, :n] = input_ids[offsets[r] : offsets[r] + n]
+            want[1][j, : max(n, 1)] = 1
+            if types is not None:
+                want[2][j, :n] = types[offsets[r] : offsets[r] + n]
+        got, width = compute._batch(idx, lengths, input_ids, offsets, types)
+        assert width == t and len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == np.int64 and np.array_equal(g, w), trial
+
+
 def test_device_rows_come_back_in_row_order_when_numpy_asks():
     """A GPU shard's outputs are filled batch by batch into one [rows, D] tensor on the device and copied
     back when np.savez on the commit thread asks (a CPU tensor stands in for the device here)."""
