@@ -50,6 +50,17 @@ def aws_env(monkeypatch):
 
 
 @pytest.fixture
+def local_client(tmp_path, monkeypatch):
+    """A client of a fresh local store, its inference workers polling every 50 ms."""
+    from shardfold.client import Client
+
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SHARDFOLD_INFERENCE_POLL_S", "0.05")
+    with Client() as c:
+        yield c
+
+
+@pytest.fixture
 def local_root(tmp_path, monkeypatch):
     """A fresh local store root (``SHARDFOLD_HOME`` under the test's tmp dir)."""
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))

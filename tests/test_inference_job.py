@@ -44,14 +44,6 @@ def moto_client(tmp_path_factory):
             yield c
 
 
-@pytest.fixture
-def local_client(tmp_path, monkeypatch):
-    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("SHARDFOLD_INFERENCE_POLL_S", "0.05")
-    with Client() as c:
-        yield c
-
-
 def put_corpus(client: Client, key: str, rows: list[dict]) -> str:
     from shardfold.functions import store
 

@@ -44,11 +44,8 @@ def lm(folders):
 
 
 @pytest.fixture
-def client(tmp_path, monkeypatch):
-    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("SHARDFOLD_INFERENCE_POLL_S", "0.05")
-    with Client() as c:
-        yield c
+def client(local_client):  # tests/conftest.py
+    return local_client
 
 
 def words(rng: random.Random, n: int) -> str:

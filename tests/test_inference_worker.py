@@ -397,6 +397,31 @@ def test_a_batch_gathered_at_once_equals_one_built_row_by_row():
             assert g.dtype == np.int64 and np.array_equal(g, w), trial
 
 
+def test_precision_on_a_gpu_autocasts_eager_models_and_sets_tf32(tiny_uri, monkeypatch):
+    """What set_precision decides for a model on a CUDA device (a torch.device object needs no GPU):
+    'auto' is bfloat16 autocast where the GPU has it, else float16, with TF32; 'float32' is neither; a
+    graph file is never autocast."""
+    from shardfold.functions.inference.models import set_precision
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # process-wide flags
+    cuda = torch.device("cuda")
+    try:
+        for bf16, precision, eager, dtype, tf32 in [
+            (True, "auto", True, torch.bfloat16, True),
+            (False, "auto", True, torch.float16, True),
+            (True, "float16", True, torch.float16, True),
+            (True, "float32", True, None, False),
+            (True, "auto", False, None, True),
+        ]:
+            monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda bf16=bf16: bf16)
+            model = LoadedModel(lambda ids, mask: ids, cuda, "m", eager=eager)
+            set_precision(model, precision)
+            assert model.autocast == dtype and torch.backends.cuda.matmul.allow_tf32 is tf32, precision
+            assert torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def test_device_rows_come_back_in_row_order_when_numpy_asks():
     """A GPU shard's outputs are filled batch by batch into one [rows, D] tensor on the device and copied
     back when np.savez on the commit thread asks (a CPU tensor stands in for the device here)."""

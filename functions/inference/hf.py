@@ -244,7 +244,8 @@ def input_tokens(spec_max: int, f: ModelFacts, task: str) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer_from_text(text: str, max_tokens: int):
+def tokenizer_from_text(text: str, max_tokens: int):
+    """A ``tokenizers.Tokenizer`` from a tokenizer.json's text, truncating to ``max_tokens``, unpadded."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(text)
@@ -258,7 +259,7 @@ def load_tokenizer(uri: str, pin: Pin | None, max_tokens: int):
     the longest first, as transformers does), without padding."""
     try:
         text = store.get(uri, pin=pin).decode("utf-8")
-        return _tokenizer_from_text(text, max_tokens)
+        return tokenizer_from_text(text, max_tokens)
     except (InputChanged, TransientError, OSError):
         raise
     except Exception as exc:

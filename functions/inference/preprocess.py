@@ -57,12 +57,7 @@ class ShardRows:
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(max_tokens: int):
     """The built-in tokenizer truncating to ``max_tokens`` (special tokens included), without padding."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_path()))
-    tok.no_padding()
-    tok.enable_truncation(max_length=max_tokens)
-    return tok
+    return hf.tokenizer_from_text(tokenizer_path().read_text(encoding="utf-8"), max_tokens)
 
 
 def tokenize(
