@@ -595,7 +595,7 @@ class DPQuery:
         for q in queries:
             tiny = PIECE_ROUNDING * float(np.max(np.abs(q), initial=0.0))
             parts.append({})
-            for pos, piece in pieces(q, shape).items():
+            for pos, piece in pieces(q, shape, [pl.attribute_total(i) for i in attrs]).items():
                 subset = tuple(attrs[p] for p in pos)
                 if not np.any(np.abs(piece) > tiny):
                     continue

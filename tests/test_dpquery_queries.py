@@ -109,9 +109,11 @@ CASES = [
 @pytest.mark.parametrize("domains, entries", CASES)
 def test_the_vectorised_plan_is_querysmashers(domains, entries):
     rho = 0.7
-    pl = planner.plan(
+    parts = dict(
         domains=domains, workload=[(a, w) for a, w, _ in entries], rho=rho, queries=[q for *_, q in entries]
     )
+    pl = planner.plan(**parts, split_totals=False)  # QuerySmasher's class: residuals orthogonal to the total
+    assert planner.plan(**parts).weighted_sse <= pl.weighted_sse  # the wider class is never worse
     ref = smasher.plan_kron(domains, [smasher.Entry(a, w, q) for a, w, q in entries], rho)
     index = pl.residual_index()
     assert set(index) == set(ref.sigma2)
@@ -220,7 +222,8 @@ def test_every_answer_is_exact_with_the_noise_seam_and_has_the_variance_of_its_p
                 else:
                     where.append(labels[name].index(values[name]))
             q[tuple(where)] = 1.0
-            _, var = smasher.answer(q.reshape(-1), attrs, domains, zeros, reference, mats)
+            totals = {a: pl.attribute_total(a) for a in attrs}
+            _, var = smasher.answer(q.reshape(-1), attrs, domains, zeros, reference, mats, totals)
             assert variances[row] == pytest.approx(var, rel=1e-9), (t["attributes"], row)
         assert t["std_error"] == pytest.approx(math.sqrt(variances.mean()), rel=1e-12)
     if workload is RANGES:
@@ -318,7 +321,8 @@ def _query_variance(pl, attrs, vector):
         sigma2[pl.residual(k)] = float(pl.sigma2[k])
     zeros = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
     plan = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
-    return smasher.answer(np.asarray(vector).reshape(-1), attrs, domains, zeros, plan, mats)[1]
+    totals = {a: pl.attribute_total(a) for a in attrs}
+    return smasher.answer(np.asarray(vector).reshape(-1), attrs, domains, zeros, plan, mats, totals)[1]
 
 
 def _box_variance(pl, attrs, q):

@@ -390,6 +390,41 @@ def answer_pieces(
     return estimate, variance
 
 
+def whole_answers(
+    pl: Plan, j: int, values: dict[int, np.ndarray], kind: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Workload marginal j's answers under a type over the marginal as a whole (a 2-way type, an explicit
+    matrix: ``kind``) and each one's variance, from the residual measurements ``values`` (y_k by index)."""
+    attrs = pl.marginal(j)
+    at = {a: k for k, a in enumerate(attrs)}
+    terms = [
+        (tuple(at[a] for a in pl.residual(k)), values[k], float(pl.sigma2[k]), _inverses(pl, k))
+        for k in pl.subsets(j).tolist()
+    ]
+    return rc.pair_answers(kind, [int(pl.domains[a]) for a in attrs], terms)
+
+
+def general_answers(pl: Plan, j: int, values: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Workload marginal j's answers under per-attribute query types (one axis per attribute, its queries)
+    and each one's variance, from the residual measurements ``values`` (y_k by residual index)."""
+    attrs = pl.marginal(j)
+    kinds = pl.marginal_types(j)
+    at = {a: k for k, a in enumerate(attrs)}
+    terms = []
+    for k in pl.subsets(j).tolist():
+        pos = tuple(at[a] for a in pl.residual(k))
+        inverses = _inverses(pl, k)
+        if isinstance(inverses, np.ndarray):  # one matrix over the set's cells
+            sizes = [int(pl.domains[attrs[p]]) for p in pos]
+            insides = rc.dense_inside([kinds[p] for p in pos], sizes, inverses)
+        else:
+            how = pl.set_strategies(k)
+            insides = [pl.inside(kinds[p], name) for p, name in zip(pos, how, strict=True)]
+        terms.append((pos, values[k], float(pl.sigma2[k]), inverses, insides))
+    totals = [pl.attribute_total(a) for a in attrs]
+    return rc.answers(kinds, [int(pl.domains[a]) for a in attrs], terms, totals)
+
+
 def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> dict[str, Any]:
     """Reconstruct one group of workload marginals and write their tables."""
     doc, pl = load_plan(store_root, job_id)
@@ -401,7 +436,6 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
     var = pl.var
     release = rc.release_info(doc, pl.rho, pl.delta, spec)
     release_meta = rc.parquet_metadata(release)
-    sigma2 = pl.sigma2
     entries = []
     whole = None  # each marginal's queries as the spec gives them, read for an explicit matrix only
     for j in range(start, stop):
@@ -429,31 +463,14 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
                 whole = whole if whole is not None else spec.marginal_queries()
                 kind = next(iter(whole[j].values()))
             sizes = [int(pl.domains[a]) for a in attrs]
-            at = {a: k for k, a in enumerate(attrs)}
-            terms = [
-                (tuple(at[a] for a in pl.residual(k)), values[k], float(sigma2[k]), _inverses(pl, k))
-                for k in pl.subsets(j).tolist()
-            ]
-            estimate, cell_var = rc.pair_answers(kind, sizes, terms)
+            estimate, cell_var = whole_answers(pl, j, values, kind)
             v = float(cell_var.mean())
             per_answer = True
             labels = rc.pair_labels(kind, names, sizes)
             tbl = rc.table(estimate, ["query"], [labels], cell_var, {**meta, "query_type": asked})
         else:  # general queries: each answer has its own variance
             kinds = pl.marginal_types(j)
-            at = {a: k for k, a in enumerate(attrs)}
-            terms = []
-            for k in pl.subsets(j).tolist():
-                pos = tuple(at[a] for a in pl.residual(k))
-                inverses = _inverses(pl, k)
-                if isinstance(inverses, np.ndarray):  # one matrix over the set's cells
-                    sizes = [int(pl.domains[attrs[p]]) for p in pos]
-                    insides = rc.dense_inside([kinds[p] for p in pos], sizes, inverses)
-                else:
-                    how = pl.set_strategies(k)
-                    insides = [pl.inside(kinds[p], name) for p, name in zip(pos, how, strict=True)]
-                terms.append((pos, values[k], float(sigma2[k]), inverses, insides))
-            estimate, cell_var = rc.answers(kinds, [int(pl.domains[a]) for a in attrs], terms)
+            estimate, cell_var = general_answers(pl, j, values)
             axes = [rc.query_labels(attributes[a], t) for a, t in zip(attrs, kinds, strict=True)]
             asked = {n: t for n, t in zip(names, kinds, strict=True) if t != "identity"}
             v = float(cell_var.mean())

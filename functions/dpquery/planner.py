@@ -210,6 +210,9 @@ class Plan:
     marg_types: np.ndarray | None = None  # (Σ|A|,) int8
     num_q: np.ndarray | None = None  # (|W|,) int64, ∏_{i∈A} m_i
     strategies: dict[str, np.ndarray] = field(default_factory=dict)
+    # beside a strategy of strategies, its u (the values its attribute's total is spread over) where it
+    # is not 1/n: RP+'s Schur-complement residuals (functions/dpquery/schur.py), whose rows are not ⊥ 1
+    totals: dict[str, np.ndarray] = field(default_factory=dict)
 
     # ---- sizes and accessors ------------------------------------------------------------------------
     @property
@@ -270,10 +273,29 @@ class Plan:
             if kind == "identity":
                 cache[name] = attribute_factors("identity", int(rest))
             elif kind in QUERY_TYPES:
-                cache[name] = AttributeFactors.of(kind, self.strategies[name], orthonormal=False)
+                total = self.totals.get(name)
+                cache[name] = AttributeFactors.of(kind, self.strategies[name], orthonormal=False, total=total)
             else:  # a mixed set's strategy answers no one type: Plan.inside takes its factors per type
                 cache[name] = AttributeFactors.of("identity", self.strategies[name], orthonormal=False)
         return cache[name]
+
+    def attribute_total(self, i: int) -> np.ndarray | None:
+        """u_i, the values attribute i's total is spread over in reconstruction (the same in every set:
+        the strategy of its 1-way set), where it is not 1/n_i; None where it is."""
+        if not self.totals:
+            return None
+        cache = self.__dict__.get("_attribute_totals")
+        if cache is None:
+            cache = {}
+            for k in range(1, self.num_residuals):  # the 1-way sets come right after ∅
+                attrs = self.residual(k)
+                if len(attrs) != 1:
+                    break
+                name = self.set_strategies(k)[0]
+                if name in self.totals:
+                    cache[attrs[0]] = self.totals[name]
+            self.__dict__["_attribute_totals"] = cache
+        return cache.get(i)
 
     def inside(self, kind: str, name: str) -> np.ndarray:
         """diag(W P Wᵀ) of ``kind`` queries measured through strategy ``name``: each one's variance factor
@@ -396,6 +418,9 @@ class Plan:
         }
         if self.solver:
             out["solver"] = self.solver
+        split = [i for i in range(int(self.domains.size)) if self.attribute_total(i) is not None]
+        if split:  # attributes measured through RP+'s Schur split (their residuals not ⊥ the total)
+            out["split_totals"] = [self.names[i] if self.names else i for i in split]
         return out
 
     # ---- fan-out ----------------------------------------------------------------------------------------
@@ -466,6 +491,7 @@ class Plan:
                 if getattr(self, name) is not None
             },
             "strategies": {key: _encode(b) for key, b in sorted(self.strategies.items())},
+            **({"totals": {k: _encode(u) for k, u in sorted(self.totals.items())}} if self.totals else {}),
             **({"strategy_names": self.strategy_names} if self.strategy_names else {}),
         }
 
@@ -490,6 +516,7 @@ class Plan:
             unit_rows=int(doc.get("unit_rows", 1)),
             rows_bound=None if doc.get("rows_bound") is None else int(doc["rows_bound"]),
             strategies={key: _decode(b) for key, b in (doc.get("strategies") or {}).items()},
+            totals={key: _decode(u) for key, u in (doc.get("totals") or {}).items()},
             strategy_names=list(doc.get("strategy_names") or []),
             **arrays,
         )
@@ -511,6 +538,7 @@ def plan(
     unit_rows: int | None = None,
     rows_bound: int | None = None,
     queries: list | None = None,
+    split_totals: bool = True,
 ) -> Plan:
     """Plan a job: ``plan(spec)`` for a :class:`functions.dpquery.spec.DPQueryJob`, or from bare parts,
     ``plan(domains=[n_0, …], workload=[(attrs, weight) | attrs, …], rho=ρ, loss=…)`` with attrs tuples
@@ -529,7 +557,11 @@ def plan(
 
     ``unit_rows`` (k) and ``rows_bound`` (N) set the charged sensitivity (module docstring); a spec gives
     its privacy unit's ``max_rows`` (default 1) and its ``max_rows_total`` (default
-    :data:`functions.dpquery.spec.DEFAULT_MAX_ROWS_TOTAL`)."""
+    :data:`functions.dpquery.spec.DEFAULT_MAX_ROWS_TOTAL`).
+
+    ``split_totals``: an attribute asked one way throughout (prefix or range) may be measured through RP+'s
+    Schur-complement residuals where they lower the loss (:func:`_choose_totals`); False keeps every
+    residual orthogonal to the total (QuerySmasher's class alone: the benchmark's and tests' reference)."""
     if spec is not None:
         unit_rows = spec.unit_rows() if unit_rows is None else unit_rows
         rows_bound = spec.rows_bound() if rows_bound is None else rows_bound
@@ -554,7 +586,19 @@ def plan(
     if rows_bound is not None and not (1 <= int(rows_bound) <= MAX_ROWS_BOUND):
         raise SpecError(f"rows_bound must lie in [1, 2^53], got {rows_bound}")
     return _plan(
-        n, sizes, padded_a, weights, float(rho), loss, names, delta, unit_rows, rows_bound, codes, kinds
+        n,
+        sizes,
+        padded_a,
+        weights,
+        float(rho),
+        loss,
+        names,
+        delta,
+        unit_rows,
+        rows_bound,
+        codes,
+        kinds,
+        split_totals,
     )
 
 
@@ -719,9 +763,11 @@ def _plan(
     rows_bound=None,
     codes=None,
     kinds=QUERY_TYPES,
+    split_totals=True,
 ) -> Plan:
     """``sizes``, ``padded_a`` and ``weights`` as :func:`_check_parts` returns them, ``codes`` and ``kinds``
-    (the type of each code) as :func:`_type_codes` does.
+    (the type of each code) as :func:`_type_codes` does. ``split_totals``: whether attributes of one query
+    type may be measured through RP+'s Schur-complement residuals (:func:`_choose_totals`).
 
     The sets are enumerated over *columns*: column i < d is attribute i queried as identity, column d pads
     short rows, and column d + 1 + k is the k-th (attribute, other query type) pair of the workload. Every
@@ -762,11 +808,10 @@ def _plan(
             for i, c in zip(extra_attr, extra_kind, strict=True)
         ]
         strategies = {f"{f.kind}:{f.n}": f.matrix for f in extra if f.kind != "identity"}
-        log_pfac_ext = np.append(log_pfac_ext, [math.log(f.privacy) for f in extra])
-        log_o_ext = np.append(log_o_ext, [math.log(float(f.outside.sum())) for f in extra])
-        log_nn1_ext = np.append(
-            log_nn1_ext, [math.log(float(f.inside.sum())) - math.log(float(f.outside.sum())) for f in extra]
-        )
+        logs = np.array([_column_logs(f) for f in extra]).reshape(-1, 3)
+        log_pfac_ext = np.append(log_pfac_ext, logs[:, 0])
+        log_o_ext = np.append(log_o_ext, logs[:, 1])
+        log_nn1_ext = np.append(log_nn1_ext, logs[:, 2])
         m_ext = np.append(m_ext, [f.queries for f in extra]).astype(np.int64)
         real_ext = np.append(real_ext, extra_attr)
         kind_ext = np.append(kind_ext, extra_kind)
@@ -871,15 +916,53 @@ def _plan(
     res_of_pair[order] = np.cumsum(new, dtype=idx_t) - 1
     del new
 
+    # the rounding of the mode-wise products: measure.charged_sensitivity's γ_{n+2} for the contrasts alone,
+    # measure.charged_norm's γ_n when the sets are measured through matrices charged entry by entry
+    log_gamma_ext = np.append(log1p_gamma(n, 2 if codes is None else 0), 0.0)[real_ext]
+    log_gamma = log_gamma_ext[uniq_rows].sum(axis=1)
+    column_names: dict[int, str] = {}  # a column measured through a strategy not named "<type>:<n>"
+    totals: dict[str, np.ndarray] = {}
+    chosen = False
+    if codes is not None and split_totals:
+        groups = _split_candidates(uniq_rows, uniq_size, real_ext, kind_ext, padded_c, inside_a, kinds, n)
+        if groups:
+            tables = (log_pfac_ext, log_o_ext, log_nn1_ext)
+            charge = 2.0 * np.log(charge_factor(log_gamma, unit_rows, rows_bound))
+            marg_sorted = pair_marg[order]
+            log_w = np.log(weights)
+            whole_a = {j: float(log_a[j]) for j in pairs}  # a type over a marginal as a whole: no o_i
+
+            def objective(pfac: np.ndarray, o: np.ndarray, nn1: np.ndarray, rows=uniq_rows) -> float:
+                """log Σ_u √(q_u v_u) over the column sets: the loss's root, as the plan would have it
+                with these per-column tables (sets merged below are counted apart, a bound)."""
+                la = log_w + o[padded_c].sum(axis=1)
+                for j, value in whole_a.items():
+                    la[j] = value
+                lse = _grouped_lse(la[marg_sorted], starts)
+                return _lse(0.5 * (pfac[rows].sum(axis=1) + charge + nn1[rows].sum(axis=1) + lse))
+
+            picked = _choose_totals(objective, tables, groups, extra, d)
+            for (kind, size), f in picked.items():
+                name = f"{kind}:{size}:schur"
+                strategies[name], totals[name] = f.matrix, f.total
+                for col in groups[(kind, size)]:
+                    column_names[col] = name
+                    log_pfac_ext[col], log_o_ext[col], log_nn1_ext[col] = _column_logs(f)
+                if not any(
+                    f"{e.kind}:{e.n}" == f"{kind}:{size}" and d + 1 + k not in column_names
+                    for k, e in enumerate(extra)
+                ):
+                    strategies.pop(f"{kind}:{size}", None)  # no column measures through it any more
+            chosen = bool(picked)
+            if chosen:
+                log_a = log_w + log_o_ext[padded_c].sum(axis=1)
+                for j, value in whole_a.items():
+                    log_a[j] = value
     # per column set u: the privacy factor, Σ(log ℓ − log o), the weights' LSE, the rounding charge
     log_p = log_pfac_ext[uniq_rows].sum(axis=1)
     log_lo = log_nn1_ext[uniq_rows].sum(axis=1)
     lse_a = _grouped_lse(log_a[pair_marg[order]], starts)
     del order
-    # the rounding of the mode-wise products: measure.charged_sensitivity's γ_{n+2} for the contrasts alone,
-    # measure.charged_norm's γ_n when the sets are measured through matrices charged entry by entry
-    log_gamma_ext = np.append(log1p_gamma(n, 2 if codes is None else 0), 0.0)[real_ext]
-    log_gamma = log_gamma_ext[uniq_rows].sum(axis=1)
     noise_count = np.prod(n1_ext[uniq_rows], axis=1)
     res_strategy = None
     strategy_names: list[str] = []
@@ -900,8 +983,9 @@ def _plan(
             strategies,
             pair_grams,
             log_gamma,
+            column_names,
         )
-        r_of_u, first, log_v, res_strategy, strategy_names, solved = merged
+        r_of_u, first, log_v, res_strategy, strategy_names, solved, merges = merged
         uniq_rows, uniq_size = real_ext[uniq_rows[first]], uniq_size[first]
         log_p, log_gamma, noise_count = log_p[first], log_gamma[first], noise_count[first]
         c = int(first.size)
@@ -977,10 +1061,17 @@ def _plan(
         marg_types=None if codes is None else kind_ext[padded_c][inside_a],
         num_q=num_q,
         strategies=strategies,
+        totals=totals,
     )
     cost = result.privacy_cost()
     if not abs(cost - two_rho) <= PRIVACY_CHECK_RTOL * two_rho:
         raise PlanError(f"internal: the allocation costs Σ q_S/σ_S² = {cost!r}, not 2ρ = {two_rho!r}")
+    if chosen and merges:
+        # the choice counted merged sets apart: keep it only if the plan it gives is better than without
+        args = (n, sizes, padded_a, weights, rho, loss, names, delta, unit_rows, rows_bound, codes, kinds)
+        other = _plan(*args, split_totals=False)
+        if other.weighted_sse < result.weighted_sse:
+            return other
     return result
 
 
@@ -997,6 +1088,7 @@ def _residual_sets(
     strategies,
     pair_grams,
     log_gamma,
+    column_names=None,
 ):
     """Group the column sets by their attributes: each group is one residual set, measured once.
 
@@ -1008,8 +1100,9 @@ def _residual_sets(
     ``log_p`` (and ``log_gamma``, for a set measured through one dense matrix) are recomputed for the
     chosen strategy, in place, and its matrices added to ``strategies``. Returns (the residual set of each
     column set, one column set per residual set, log v per residual set, the strategy id of each set's
-    attributes, the strategy names, {residual set: (BᵀB)⁺ over its cells} of the sets solved whole),
-    residual sets in (size, attributes) order."""
+    attributes, the strategy names, {residual set: (BᵀB)⁺ over its cells} of the sets solved whole, whether
+    any set was merged or solved whole), residual sets in (size, attributes) order. ``column_names``: a
+    column's strategy where it is not its type's ("<type>:<n>")."""
     c, width = uniq_rows.shape
     d = int(n.size)
     real = real_ext[uniq_rows]
@@ -1027,6 +1120,8 @@ def _residual_sets(
         return names.setdefault(name, len(names))
 
     def column_name(col: int) -> str:
+        if column_names and col in column_names:
+            return column_names[col]
         return f"{QUERY_TYPES[int(kind_ext[col])]}:{int(n[real_ext[col]])}"
 
     pair_col = kind_ext >= len(ATTRIBUTE_TYPES)  # a 2-way type's column: its sets are all solved whole
@@ -1122,10 +1217,97 @@ def _residual_sets(
     res_ids = set_ids[width_mask].astype(np.int32)
     if np.any(res_ids < 0):
         raise PlanError("internal: a residual set's attribute has no strategy")
-    return r_of_u, first, log_v, res_ids, list(names), solved
+    return r_of_u, first, log_v, res_ids, list(names), solved, bool(np.any(mixed | whole))
 
 
 _TINY = np.finfo(np.float64).tiny  # a piece of zero variance: its log stays finite
+# RP+'s split is tried for these types (circular ranges: their optimum is circulant, so u = 1/n already)
+SPLIT_TYPES = ("prefix", "range")
+SPLIT_ROUNDS = 2  # rounds of β² updates per (type, size) after RP+'s β² = 0
+
+
+def _column_logs(f: AttributeFactors) -> tuple[float, float, float]:
+    """A column's planner tables from its factors: log d (privacy), log t (Σ outside), log r − log t."""
+    t = float(f.outside.sum())
+    return math.log(f.privacy), math.log(t), math.log(float(f.inside.sum())) - math.log(t)
+
+
+def _split_candidates(uniq_rows, uniq_size, real_ext, kind_ext, padded_c, inside_a, kinds, n) -> dict:
+    """The columns that may be measured through a Schur split: {(type, n): [column, …]}. An attribute
+    qualifies when it is asked one way throughout (one column, a type of :data:`SPLIT_TYPES`) and no set
+    holding it is merged or solved whole (so its u is the same in every set that measures it, which
+    unbiased reconstruction needs, and no other solve sees it)."""
+    d = int(n.size)  # the padding column
+    used = np.unique(padded_c[inside_a])
+    per_attr = np.bincount(real_ext[used], minlength=d + 1)
+    real = real_ext[uniq_rows]
+    keyed = np.column_stack([uniq_size, real])
+    _, inverse, counts = np.unique(keyed, axis=0, return_inverse=True, return_counts=True)
+    whole = kind_ext[uniq_rows] >= len(ATTRIBUTE_TYPES)
+    shared = (counts[inverse.reshape(-1)] > 1) | whole.any(axis=1)
+    barred = set(np.unique(real[shared]).tolist())
+    groups: dict[tuple[str, int], list[int]] = {}
+    for col in used.tolist():
+        if col <= d or int(kind_ext[col]) >= len(ATTRIBUTE_TYPES):
+            continue
+        kind, attr = kinds[int(kind_ext[col])], int(real_ext[col])
+        if kind in SPLIT_TYPES and per_attr[attr] == 1 and attr not in barred:
+            groups.setdefault((kind, int(n[attr])), []).append(col)
+    return groups
+
+
+def _choose_totals(objective, tables, groups, extra, d) -> dict[tuple[str, int], AttributeFactors]:
+    """Which (type, size) groups of columns to measure through a Schur split, and with which β²
+    (:mod:`functions.dpquery.schur`), by the workload's loss: ``objective(pfac, o, nn1)`` is its log root
+    given the per-column tables (``tables``, not changed here). Each group starts from today's strategy
+    (its columns' factors in ``extra``), tries RP+'s split (β² = 0), then moves β² to where the loss's
+    slopes in t = ‖W u‖² and in d·r meet those of the split's own objective (√(t + β²) + √(d·r))², from
+    multipliers of the last solve, keeping only what lowers the loss. So no workload gets a worse plan than
+    without the split. Returns {(type, size): factors} of the groups that changed."""
+    from shardfold.functions.dpquery.schur import beta2_floor, schur_factors
+
+    work = [t.copy() for t in tables]
+    best = objective(*work)
+    picked: dict[tuple[str, int], AttributeFactors] = {}
+    current = {key: extra[cols[0] - d - 1] for key, cols in groups.items()}
+    starts: dict[tuple[str, int], np.ndarray] = {}
+
+    def trial(key, f: AttributeFactors) -> tuple[float, list[np.ndarray]]:
+        tried = [t.copy() for t in work]
+        for col in groups[key]:
+            tried[0][col], tried[1][col], tried[2][col] = _column_logs(f)
+        return objective(*tried), tried
+
+    def slope(key, which: int, h: float = 1e-4) -> float:
+        """∂ log-root / ∂ log t (which 1: o up, nn1 down: r kept) or ∂ / ∂ log(d·r) (which 0)."""
+        out = []
+        for step in (h, -h):
+            tried = [t.copy() for t in work]
+            for col in groups[key]:
+                tried[which][col] += step
+                if which == 1:
+                    tried[2][col] -= step
+            out.append(objective(*tried))
+        return (out[0] - out[1]) / (2 * h)
+
+    for rnd in range(SPLIT_ROUNDS + 1):
+        for key in groups:
+            kind, size = key
+            if rnd == 0:
+                beta2 = 0.0
+            else:
+                f = current[key]
+                t, dr = float(f.outside.sum()), f.privacy * float(f.inside.sum())
+                s_t, s_dr = slope(key, 1) / t, slope(key, 0) / dr  # ∂/∂t and ∂/∂(d·r)
+                # the split's objective has slopes ∝ (1/√(t + β²), 1/√(d·r)): match their ratio
+                beta2 = dr * (s_dr / s_t) ** 2 - t if s_t > 0 else 1e6 * t
+                beta2 = min(max(beta2, beta2_floor(kind, size)), 1e6 * t)
+            f, starts[key] = schur_factors(kind, size, beta2, starts.get(key))
+            value, tried = trial(key, f)
+            if value < best:
+                best, work = value, tried
+                current[key] = picked[key] = f
+    return picked
 
 
 def _solve_whole(members, cols, sizes, kind_ext, log_o_ext, lse_a, pair_grams, solves):

@@ -80,23 +80,31 @@ def reconstruct(
 
 
 def answers(
-    kinds: Sequence[str], sizes: Sequence[int], terms: Sequence[tuple]
+    kinds: Sequence[str],
+    sizes: Sequence[int],
+    terms: Sequence[tuple],
+    totals: Sequence[np.ndarray | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """A marginal's answers under general query types (QuerySmasher) and each answer's variance.
 
     ``kinds`` and ``sizes``: each attribute's query type and domain size, in the marginal's (schema) order;
     ``terms``: for every residual set S ⊆ A, (the positions of S's attributes in A, y_S, σ_S², each
-    attribute's B_i⁺, each attribute's inside factor diag(W_i (B_iᵀB_i)⁺ W_iᵀ)). x̂_A = Σ_S (⊗_{i∈S} B_i⁺
-    ⊗_{i∈A∖S} 1/n_i) y_S, then W_i along every axis; an answer's variance is Σ_S σ_S² ∏_{i∈S} inside_i
-    ∏_{i∈A∖S} (W_i 1/n_i)² (the measurements are independent). A set measured through one matrix B over
-    its cells (a 2-way type's, solved whole) gives B⁺ as one array and its inside factors as one table
-    over its attributes' queries (:func:`dense_inside`)."""
+    attribute's V_i (B_i⁺ when its rows are ⊥ 1), each attribute's inside factor diag(W_i V_i V_iᵀ W_iᵀ));
+    ``totals``: each attribute's u_i where its total is not spread evenly (an RP+ Schur split; None: 1/n_i).
+    x̂_A = Σ_S (⊗_{i∈S} V_i ⊗_{i∈A∖S} u_i) y_S, then W_i along every axis; an answer's variance is
+    Σ_S σ_S² ∏_{i∈S} inside_i ∏_{i∈A∖S} (W_i u_i)² (the measurements are independent). A set measured
+    through one matrix B over its cells (a 2-way type's, solved whole) gives B⁺ as one array and its inside
+    factors as one table over its attributes' queries (:func:`dense_inside`)."""
     shape = [int(n) for n in sizes]
-    outside = [(query_lengths(kind, n) / n) ** 2 for kind, n in zip(kinds, shape, strict=True)]
+    totals = list(totals) if totals is not None else [None] * len(shape)
+    outside = [
+        (query_lengths(kind, n) / n) ** 2 if u is None else answer_axis(kind, np.asarray(u), 0) ** 2
+        for kind, n, u in zip(kinds, shape, totals, strict=True)
+    ]
     x = np.zeros(shape, dtype=np.float64)
     var = np.zeros([o.size for o in outside], dtype=np.float64)
     for pos, y, s2, inverses, insides in terms:
-        x += _spread(shape, pos, _residual_estimate(shape, pos, y, inverses))
+        x += _spread(shape, pos, _residual_estimate(shape, pos, y, inverses), totals)
         if isinstance(insides, np.ndarray):  # one table over the set's queries
             v = float(s2) * insides.reshape([outside[k].size if k in pos else 1 for k in range(len(shape))])
         else:
@@ -122,10 +130,17 @@ def _residual_estimate(shape, pos, y, inverses) -> np.ndarray:
     return mode_product(inverses, y.reshape([shape[k] - 1 for k in pos]))
 
 
-def _spread(shape, pos, z: np.ndarray) -> np.ndarray:
-    """x̂_S spread evenly over the attributes of A not in S: its term of x̂_A (broadcast)."""
+def _spread(shape, pos, z: np.ndarray, totals: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+    """x̂_S spread over the attributes of A not in S: its term of x̂_A (broadcast), evenly, or along u_i
+    where ``totals`` gives one."""
     full = [shape[k] if k in pos else 1 for k in range(len(shape))]
-    return z.reshape(full) / math.prod(shape[k] for k in range(len(shape)) if k not in pos)
+    out = z.reshape(full) / math.prod(
+        shape[k] for k in range(len(shape)) if k not in pos and (totals is None or totals[k] is None)
+    )
+    for k in range(len(shape)):
+        if k not in pos and totals is not None and totals[k] is not None:
+            out = out * np.asarray(totals[k]).reshape([shape[k] if j == k else 1 for j in range(len(shape))])
+    return out
 
 
 def dense_inside(kinds: Sequence[str], sizes: Sequence[int], inverse: np.ndarray) -> np.ndarray:

@@ -166,20 +166,28 @@ def answer_axis(kind: str, x: np.ndarray, axis: int) -> np.ndarray:
     return out
 
 
-def pieces(q: np.ndarray, domains: Sequence[int]) -> dict[tuple[int, ...], np.ndarray]:
+def pieces(
+    q: np.ndarray, domains: Sequence[int], totals: Sequence[np.ndarray | None] | None = None
+) -> dict[tuple[int, ...], np.ndarray]:
     """QuerySmasher's decomposition of the row vector ``q`` over the cells of ``domains`` (C order): for
-    every subset A′ of the attribute positions (tuples, ascending), the piece over the cells of A′."""
+    every subset A′ of the attribute positions (tuples, ascending), the piece over the cells of A′:
+    q (⊗_{i∈A′} (I − u_i1ᵀ) ⊗_{i∉A′} u_i), so that q·x = Σ_{A′} piece_{A′}·x_{A′}. ``totals``: each
+    attribute's u_i (1ᵀu_i = 1), the values its total is spread over (:class:`AttributeFactors`); None,
+    or a None entry, is 1/n_i, and the pieces are orthogonal."""
     sizes = [int(n) for n in domains]
+    shares = [None if totals is None else totals[k] for k in range(len(sizes))]
     q = np.asarray(q, dtype=np.float64).reshape(sizes)
     out = {}
     for k in range(len(sizes) + 1):
         for subset in itertools.combinations(range(len(sizes)), k):
             piece = q
             for axis in range(len(sizes) - 1, -1, -1):  # high axes first: lower axis numbers stay put
+                u = shares[axis]
+                along = piece.mean(axis=axis) if u is None else np.tensordot(piece, u, axes=([axis], [0]))
                 if axis in subset:
-                    piece = piece - piece.mean(axis=axis, keepdims=True)
+                    piece = piece - np.expand_dims(along, axis)
                 else:
-                    piece = piece.mean(axis=axis)
+                    piece = along
             out[subset] = piece.reshape(-1)
     return out
 
@@ -328,65 +336,101 @@ def _coordinate_descent(
     return best, best_loss
 
 
-def _convex_strategy(a: np.ndarray, u: np.ndarray) -> AttributeStrategy:
-    """min tr(Ā M⁻¹) s.t. diag(U M Uᵀ) ≤ 1 through its dual, a smooth concave problem in n multipliers:
-    with K = Uᵀ diag(λ) U, the minimising M is K^{-1/2} (K^{1/2} Ā K^{1/2})^{1/2} K^{-1/2}, the dual value
-    g(λ) = 2 tr((K^{1/2} Ā K^{1/2})^{1/2}) − Σλ and ∂g/∂λ_i = diag(U M Uᵀ)_i − 1. L-BFGS-B maximises g; the
-    M it ends on is scaled to be feasible (max diagonal exactly 1), so the loss returned is achieved, and
-    it is within the duality gap of the optimum (checked against a conic solver in the tests)."""
+def _convex_strategy(
+    a: np.ndarray, u: np.ndarray, start: np.ndarray | None = None, h_form: bool = True
+) -> AttributeStrategy:
+    """min tr(Ā M⁻¹) s.t. diag(U M Uᵀ) ≤ 1 (``u``: U, whose rows are the constraint vectors; the identity
+    for a strategy over the whole domain) through its dual, a smooth concave problem in n multipliers:
+    with K = Uᵀ diag(λ) U and H = Ā^{1/2} K Ā^{1/2} = Fᵀ diag(λ) F (F = U Ā^{1/2}), the minimising M is
+    Ā^{1/2} H^{-1/2} Ā^{1/2} (the PSD solution of M K M = Ā), the dual value g(λ) = 2 tr(H^{1/2}) − Σλ and
+    ∂g/∂λ_i = diag(U M Uᵀ)_i − 1 = f_iᵀ H^{-1/2} f_i − 1: one eigendecomposition per step (a nearly singular
+    Ā, or an H left nearly singular by multipliers at their bound, takes the equivalent form in K and
+    K^{1/2} Ā K^{1/2}: two per step). L-BFGS-B
+    maximises g from ``start`` (multipliers of a nearby problem) or the optimum for Ā = scale·I; the M it
+    ends on is scaled to be feasible (max diagonal exactly 1), so the loss returned is achieved, and it is
+    within the duality gap of the optimum (checked against a conic solver in the tests)."""
     from scipy.optimize import minimize  # deferred: only general query types need it
 
     n = u.shape[0]
+    wa, va = np.linalg.eigh((a + a.T) / 2)
+    h_form = h_form and wa[0] > WELL_CONDITIONED * wa[-1]
+    if h_form:  # H's form: one eigendecomposition per step
+        a_half = (va * np.sqrt(wa)) @ va.T
+        f = u @ a_half
 
-    def parts(lam: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-        k = (u.T * lam) @ u
-        wk, vk = np.linalg.eigh(k)
-        wk = np.clip(wk, 1e-300, None)
-        k_half = (vk * np.sqrt(wk)) @ vk.T
-        k_ihalf = (vk / np.sqrt(wk)) @ vk.T
-        c = k_half @ a @ k_half
-        wc, vc = np.linalg.eigh((c + c.T) / 2)
-        wc = np.clip(wc, 0.0, None)
-        c_half = (vc * np.sqrt(wc)) @ vc.T
-        m = k_ihalf @ c_half @ k_ihalf
-        return 2.0 * float(np.sum(np.sqrt(wc))) - float(lam.sum()), m, np.einsum("ij,jk,ik->i", u, m, u)
+        def parts(lam: np.ndarray) -> tuple[float, np.ndarray, Callable[[], np.ndarray]]:
+            wh, vh = np.linalg.eigh((f.T * lam) @ f)
+            wh = np.clip(wh, _TINY, None)
+            z = (f @ vh) * wh**-0.25
+            g = 2.0 * float(np.sum(np.sqrt(wh))) - float(lam.sum())
+            return g, np.einsum("ij,ij->i", z, z), lambda: a_half @ ((vh * wh**-0.5) @ vh.T) @ a_half
+
+    else:  # a (nearly) singular Ā: K's form, M = K^{-1/2} (K^{1/2} Ā K^{1/2})^{1/2} K^{-1/2}, no Ā^{-1/2}
+
+        def parts(lam: np.ndarray) -> tuple[float, np.ndarray, Callable[[], np.ndarray]]:
+            wk, vk = np.linalg.eigh((u.T * lam) @ u)
+            wk = np.clip(wk, 1e-300, None)
+            k_half = (vk * np.sqrt(wk)) @ vk.T
+            k_ihalf = (vk / np.sqrt(wk)) @ vk.T
+            c = k_half @ a @ k_half
+            wc, vc = np.linalg.eigh((c + c.T) / 2)
+            wc = np.clip(wc, 0.0, None)
+            m = k_ihalf @ ((vc * np.sqrt(wc)) @ vc.T) @ k_ihalf
+            g = 2.0 * float(np.sum(np.sqrt(wc))) - float(lam.sum())
+            return g, np.einsum("ij,ij->i", u @ m, u), lambda: m
 
     def negative(lam: np.ndarray) -> tuple[float, np.ndarray]:
-        g, _, diag = parts(lam)
+        g, diag, _ = parts(lam)
         return -g, -(diag - 1.0)
 
     scale = np.trace(a) / max(a.shape[0], 1)
-    start = np.full(n, scale * ((n - 1) / n) ** 2)  # the optimum for Ā = scale·I
+    x0 = np.full(n, scale * ((n - 1) / n) ** 2) if start is None else np.asarray(start, dtype=np.float64)
     res = minimize(
         negative,
-        start,
+        x0,
         jac=True,
         method="L-BFGS-B",
         bounds=[(1e-12 * scale, None)] * n,
         options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12},
     )
-    _, m, diag = parts(res.x)
-    top = float(diag.max())
-    m = m / top  # feasible: max diag(U M Uᵀ) = 1
+    _, diag, solution = parts(res.x)
+    m = solution() / float(diag.max())  # feasible: max diag(U M Uᵀ) = 1
     m = (m + m.T) / 2
+    if h_form and not np.linalg.eigvalsh(m)[0] > 0:
+        # many multipliers at their bound leave H nearly singular and H^{-1/2} lost to rounding (a set
+        # whose queries reach few directions): K's form
+        return _convex_strategy(a, u, start, h_form=False)
     loss = float(np.trace(np.linalg.solve(m, a)))
-    return AttributeStrategy(u @ m @ u.T, loss, "convex")
+    out = AttributeStrategy(u @ m @ u.T, loss, "convex")
+    object.__setattr__(out, "_multipliers", res.x)  # a warm start for a nearby problem
+    return out
+
+
+_TINY = np.finfo(np.float64).tiny
+WELL_CONDITIONED = 1e-8  # Ā's smallest eigenvalue over its largest above which H's form is used
 
 
 @dataclass(frozen=True)
 class AttributeFactors:
-    """One attribute's query type as a job uses it: the matrix B_i measured (rows ⊥ 1), its pseudo-inverse
-    for reconstruction, and per query of W_i its variance factor when the attribute is in the measured
-    partition (``inside``: diag(W_i (B_iᵀB_i)⁺ W_iᵀ)) and when it is not (``outside``: (W_i 1/n_i)²), so a
-    query's variance is Σ_{A′} σ²_{A′} ∏_{i∈A′} inside_i ∏_{i∈A∖A′} outside_i, and its squared column norm
-    bound ``privacy`` = max diag(B_iᵀB_i). ``identity`` is ResidualPlanner's: B_i the Helmert contrasts."""
+    """One attribute's query type as a job uses it: the matrix B_i measured, the matrix that maps its
+    measurement back to the attribute's values (``inverse``), and per query of W_i its variance factor
+    when the attribute is in the measured partition (``inside``: diag(W_i V_i V_iᵀ W_iᵀ)) and when it is
+    not (``outside``: (W_i u_i)²), so a query's variance is Σ_{A′} σ²_{A′} ∏_{i∈A′} inside_i
+    ∏_{i∈A∖A′} outside_i, and its squared column norm bound ``privacy`` = max diag(B_iᵀB_i).
+
+    ``total``: u_i, the values the total's estimate is spread over (1ᵀu_i = 1, B_i u_i = 0); None is 1/n_i,
+    B_i's rows orthogonal to 1 (ResidualPlanner's and QuerySmasher's residuals) and V_i = B_i⁺. With a u_i
+    of its own (RP+'s Schur-complement residuals, :mod:`functions.dpquery.schur`) V_i = (I − u_i1ᵀ)B_i⁺:
+    V_iB_i + u_i1ᵀ = I, so x = u_i·(1ᵀx) + V_i(B_ix) and the reconstruction stays exact and unbiased.
+    ``identity`` is ResidualPlanner's: B_i the Helmert contrasts."""
 
     kind: str
     matrix: np.ndarray  # B_i, (n−1) × n
-    inverse: np.ndarray  # B_i⁺, n × (n−1)
+    inverse: np.ndarray  # V_i, n × (n−1)
     inside: np.ndarray  # (m_i,)
     outside: np.ndarray  # (m_i,)
     privacy: float
+    total: np.ndarray | None = None  # u_i, (n,); None: 1/n_i
 
     @property
     def n(self) -> int:
@@ -397,20 +441,28 @@ class AttributeFactors:
         return int(self.inside.size)
 
     @classmethod
-    def of(cls, kind: str, matrix: np.ndarray, orthonormal: bool | None = None) -> AttributeFactors:
+    def of(
+        cls, kind: str, matrix: np.ndarray, orthonormal: bool | None = None, total: np.ndarray | None = None
+    ) -> AttributeFactors:
         """The factors of measuring ``kind``'s queries through ``matrix`` (a plan's stored B_i), whose rows
-        are ``orthonormal`` (default: for identity, whose strategy is the contrasts) or not."""
+        are ``orthonormal`` (default: for identity, whose strategy is the contrasts) or not, with the
+        total spread over ``total`` (None: evenly, the rows orthogonal to 1)."""
         b = np.asarray(matrix, dtype=np.float64)
         n = b.shape[1]
         if orthonormal is None:
-            orthonormal = kind == "identity"
+            orthonormal = kind == "identity" and total is None
         inverse = b.T if orthonormal else np.linalg.pinv(b)
-        inside = block_sums(kind, inverse @ inverse.T)  # diag(W B⁺B⁺ᵀ Wᵀ)
-        outside = (query_lengths(kind, n) / n) ** 2
+        if total is None:
+            outside = (query_lengths(kind, n) / n) ** 2
+        else:
+            total = np.array(total, dtype=np.float64)
+            inverse = inverse - np.outer(total, inverse.sum(axis=0))  # (I − u1ᵀ)B⁺: 1ᵀV = 0
+            outside = answer_axis(kind, total, 0) ** 2
+        inside = block_sums(kind, inverse @ inverse.T)  # diag(W V Vᵀ Wᵀ)
         privacy = float(np.max(np.einsum("ij,ij->j", b, b)))
-        for a in (b, inverse, inside, outside):
+        for a in (b, inverse, inside, outside, *([] if total is None else [total])):
             a.setflags(write=False)
-        return cls(kind, b, inverse, inside, outside, privacy)
+        return cls(kind, b, inverse, inside, outside, privacy, total)
 
 
 @functools.lru_cache(maxsize=64)
@@ -506,6 +558,7 @@ MAX_SET_DIM = 100
 PIECE_ROUNDING = 1e-12  # a query's piece this small against its largest entry is rounding, not a piece
 _FLOORS = (1e-2, 1e-3, 1e-4)  # of the mean eigenvalue, added to a set's Gram for the full convex solve
 _TINY = np.finfo(np.float64).tiny
+WELL_CONDITIONED = 1e-8  # Ā's smallest eigenvalue over its largest above which H's form is used
 
 
 def pair_queries(kind: str | QueryMatrix, *sizes: int) -> np.ndarray:
@@ -818,12 +871,17 @@ def answer(
     estimates: Mapping[tuple[int, ...], np.ndarray],
     plan: SmashPlan,
     mats: Mapping[tuple[int, ...], Sequence[np.ndarray]],
+    totals: Mapping[int, np.ndarray | None] | None = None,
 ) -> tuple[float, float]:
     """The estimate of the query ``q`` over the cells of ``attrs`` (sorted, C order) and its exact variance,
-    from each partition's x̂ (``estimates``) and strategy matrices (``mats``)."""
+    from each partition's x̂ (``estimates``) and strategy matrices (``mats``), with ``totals``: u_i of
+    the attributes whose total is not spread evenly (:class:`AttributeFactors`). A piece is projected by
+    I − u_i1ᵀ on its attributes, which V_i = (I − u_i1ᵀ)B_i⁺ leaves unchanged, so its variance is
+    piece·(⊗ (B_iᵀB_i)⁺)·pieceᵀ either way."""
     attrs = tuple(attrs)
     value, var = 0.0, 0.0
-    for pos, piece in pieces(q, [domains[i] for i in attrs]).items():
+    shares = [None if totals is None else totals.get(i) for i in attrs]
+    for pos, piece in pieces(q, [domains[i] for i in attrs], shares).items():
         part = tuple(attrs[k] for k in pos)
         if part not in plan.sigma2:  # no query of the workload reaches this partition: none may use it
             if np.any(np.abs(piece) > 1e-12 * (1 + np.abs(q).max())):
