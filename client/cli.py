@@ -446,30 +446,69 @@ def jobs(
     if not chosen:
         out.print(f"no jobs on the {_t(backend)} backend" + (" match" if wanted or kinds_ else ""))
         return
-    headers = ["job id", "submitted", "kind", "state", "steps", "error"]
-    rows = [
-        [
-            st.job_id,
-            _submitted(st).replace("T", " "),
-            st.kind,
-            st.state,
-            _steps_text(st.steps),
-            st.error or "",
-        ]
-        for st in chosen
-    ]
     if not out.is_terminal:  # piped: whole values, one line per job, for grep and awk
+        headers = ["job id", "kind", "state", "submitted", "steps", "error"]
+        rows = [
+            [
+                st.job_id,
+                st.kind,
+                st.state,
+                _submitted(st).replace("T", " "),
+                _steps_text(st.steps),
+                st.error or "",
+            ]
+            for st in chosen
+        ]
         _print_table(TextTable(f"jobs ({backend}), newest first", headers, rows))
-    else:
+    else:  # a terminal: id, kind, state and age first and whole; the steps summed up; the error folds
         table = Table(title=f"jobs ({_t(backend)}), newest first", title_justify="left", box=box.SIMPLE_HEAD)
-        for h in headers:
-            table.add_column(h, no_wrap=h != "error", overflow="fold")
-        for r in rows:
-            r[3] = f"[{_state_style(r[3])}]{_t(r[3])}[/]"
-            table.add_row(*(v if i == 3 else _t(v) for i, v in enumerate(r)))
+        widest = max(len(st.job_id) for st in chosen)
+        table.add_column("job id", no_wrap=True, min_width=widest)
+        for h in ("kind", "state", "age", "progress"):
+            table.add_column(h, no_wrap=True)
+        table.add_column("error", overflow="fold", ratio=1)
+        now = time.time()
+        for st in chosen:
+            state = f"[{_state_style(st.state)}]{_t(st.state)}[/]"
+            age = _age(_submitted(st), now)
+            table.add_row(_t(st.job_id), _t(st.kind), state, age, _t(_steps_summary(st)), _t(st.error or ""))
         out.print(table)
     if len(chosen) == limit and len(statuses) > limit:
         err.print(f"[dim]the newest {limit}; --limit N shows more[/]")
+
+
+def _age(submitted: str, now: float) -> str:
+    """How long ago an ISO UTC time was, in its largest unit ("45s", "12m", "3h", "5d"); "" if unknown."""
+    import datetime as _dt
+
+    try:
+        then = _dt.datetime.fromisoformat(submitted).replace(tzinfo=_dt.UTC).timestamp()
+    except ValueError:
+        return ""
+    secs = max(0.0, now - then)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{int(secs // size)}{unit}"
+    return f"{int(secs)}s"
+
+
+def _steps_summary(status: Any) -> str:
+    """A job's progress in a few words: the step under way and its count ("infer 3/8"), else how many
+    steps ran ("5 steps")."""
+    steps = status.steps or {}
+    counts = [
+        (
+            name,
+            c.get("done", 0) if isinstance(c, dict) else getattr(c, "done", 0),
+            c.get("total") if isinstance(c, dict) else getattr(c, "total", None),
+        )
+        for name, c in steps.items()
+    ]
+    open_ = [(n, d, t) for n, d, t in counts if t is None or d < t]
+    if status.state == "RUNNING" and open_:
+        name, done, total = open_[0]
+        return f"{name} {done}/{total if total is not None else '?'}"
+    return f"{len(counts)} step{'s' if len(counts) != 1 else ''}" if counts else ""
 
 
 def _submitted(status: Any) -> str:

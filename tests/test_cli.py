@@ -437,7 +437,7 @@ def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path
     lines = invoke("jobs").output.splitlines()[
         1:
     ]  # piped: a title, then one whole line per job, newest first
-    assert lines[0].split() == ["job", "id", "submitted", "kind", "state", "steps", "error"]
+    assert lines[0].split() == ["job", "id", "kind", "state", "submitted", "steps", "error"]
     assert [line.split()[0] for line in lines[1:]] == [second, third, first]
     assert "2026-01-01 00:00:03" in lines[1]
     assert [d["job_id"] for d in json.loads(invoke("jobs", "--json", "--limit", "2").output)] == [
@@ -452,6 +452,16 @@ def test_jobs_newest_first_whole_and_filtered_and_json_everywhere(home, tmp_path
     assert json.loads(invoke("status", first, "--json").output)["state"] == "SUCCEEDED"
     assert json.loads(invoke("result", first, "--json").output)["job_id"] == first
     assert "SUCCEEDED" in invoke("wait", third).output  # --no-wait: it ran on in a process of its own
+    # at a terminal of 100 columns: whole ids, then kind, state and age; the steps summed up
+    from rich.console import Console
+
+    from shardfold.client import cli as cli_module
+
+    monkeypatch.setattr(cli_module, "out", Console(force_terminal=True, width=100, highlight=False))
+    shown = invoke("jobs").output
+    for job_id in (first, second, third):
+        line = next(line for line in shown.splitlines() if job_id in line)
+        assert "getbatch" in line and "SUCCEEDED" in line and "steps" in line, line
 
 
 def test_a_moto_result_says_its_objects_vanish_with_the_process(capsys):
