@@ -269,15 +269,16 @@ def _wait_and_report(job: Any) -> None:
     style = _state_style(status.state)
     out.print(f"job [bold]{_t(job.job_id)}[/] [{style}]{_t(status.state)}[/]")
     if status.state != "SUCCEEDED":
-        from shardfold.client.errors import JobFailed
-
-        raise JobFailed(
-            f"job {job.job_id} {status.state.lower()}: {status.error or 'no error recorded'}"
-            + (f"; fix the cause and run `shardfold resume {job.job_id}`" if status.state == "FAILED" else "")
-        )
+        raise _ended_badly(job, status)
     _print_result(job.result())
     if job.client.backend == "moto":
         err.print(MOTO_NOTE)
+
+
+def _ended_badly(job: Any, status: Any) -> Exception:
+    from shardfold.client.errors import ended_badly
+
+    return ended_badly(job.job_id, status.state, status.error)
 
 
 MOTO_NOTE = (
@@ -332,14 +333,13 @@ def run(
                 err.print("[yellow]note:[/] moto state lives in this process; waiting anyway")
             else:
                 return
-        if quiet or as_json:
+        if as_json:
+            _print_json(_result_quietly(job))
+            return
+        if quiet:
             status = job.wait(progress=False)
             if status.state != "SUCCEEDED":
-                raise ShardfoldError(
-                    f"job {job.job_id} {status.state}: {status.error or 'no error recorded'}"
-                )
-            if as_json:
-                _print_json(job.result())
+                raise _ended_badly(job, status)
             return
         _wait_and_report(job)
 
@@ -390,13 +390,29 @@ def plan(spec: str, backend: str, stack: str | None, as_json: bool, explain: boo
         out.print(f"[dim]- {_t(note)}[/]")
 
 
+JSON_HELP = "print the outcome as JSON on stdout (progress and notes stay on stderr)"
+
+
 @cli.command()
 @click.argument("job_id")
 @backend_option
-def wait(job_id: str, backend: str, stack: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON once the job succeeds")
+def wait(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
     """Follow a running job (from `run --no-wait`, or another terminal) to its end and print its result."""
     with _client(backend, stack) as client:
-        _wait_and_report(client.job(job_id))
+        job = client.job(job_id)
+        if as_json:
+            _print_json(_result_quietly(job))
+        else:
+            _wait_and_report(job)
+
+
+def _result_quietly(job: Any) -> dict[str, Any]:
+    """The job's result once it succeeds, waiting without progress; JobFailed naming why it did not."""
+    status = job.wait(progress=False)
+    if status.state != "SUCCEEDED":
+        raise _ended_badly(job, status)
+    return job.result()
 
 
 @cli.command()
@@ -413,7 +429,7 @@ def status(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
         return
     steps = data.pop("steps", None)
     data["steps"] = _steps_text(steps)
-    _print_kv(f"job {job_id}", {k: v for k, v in data.items() if v not in (None, "")})
+    _print_kv(f"job {st.job_id}", {k: v for k, v in data.items() if v not in (None, "")})
 
 
 @cli.command()
@@ -539,8 +555,17 @@ def result(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
 @click.option("--step", help="only this step's tasks (a workflow step name, as `shardfold report` lists)")
 @click.option("--task", type=int, help="only this Map item's task")
 @click.option("--follow", "-f", is_flag=True, help="keep printing new lines until the job ends")
+@click.option(
+    "--json", "as_json", is_flag=True, help="one JSON object per line: step, task, attempt and the line"
+)
 def logs(
-    job_id: str, backend: str, stack: str | None, step: str | None, task: int | None, follow: bool
+    job_id: str,
+    backend: str,
+    stack: str | None,
+    step: str | None,
+    task: int | None,
+    follow: bool,
+    as_json: bool,
 ) -> None:
     """Print the log lines of a job's tasks: each line after its step, task and attempt."""
     with _client(backend, stack) as client:
@@ -553,6 +578,16 @@ def logs(
                 key = (record["step"], record.get("task"), record.get("attempt"))
                 shown[key] = shown.get(key, 0) + 1
                 if shown[key] <= printed.get(key, 0):
+                    continue
+                if as_json:
+                    doc = {
+                        "step": record["step"],
+                        "task": record.get("task"),
+                        "attempt": record.get("attempt"),
+                    }
+                    out.print(
+                        json.dumps({**doc, "line": line}), soft_wrap=True, highlight=False, markup=False
+                    )
                     continue
                 item = "-" if record.get("task") is None else record["task"]
                 where = f"{record['step']}[{item}]#{record.get('attempt')}"
@@ -568,7 +603,10 @@ def logs(
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.option(
-    "--html", "html", type=click.Path(dir_okay=False), help="also write a self-contained HTML report"
+    "--html",
+    "html",
+    type=click.Path(dir_okay=False),
+    help="write a self-contained HTML report to this file and print one line (with --json, the JSON too)",
 )
 def report(job_id: str, backend: str, stack: str | None, as_json: bool, html: str | None) -> None:
     """What a job did against its plan: per step tasks, memory, requests, time and cost; SLA,
@@ -581,10 +619,10 @@ def report(job_id: str, backend: str, stack: str | None, as_json: bool, html: st
         Path(html).write_text(render(doc))
     if as_json:
         _print_json(doc)
-        return
-    _print_report(doc)
-    if html:
-        out.print(f"HTML report: {_t(html)}")
+    elif html:
+        out.print(f"wrote the HTML report of {_t(doc['job_id'])} to {_t(html)}")
+    else:
+        _print_report(doc)
 
 
 def _print_report(doc: dict[str, Any]) -> None:
@@ -638,22 +676,31 @@ def _print_report(doc: dict[str, Any]) -> None:
 @cli.command()
 @click.argument("job_id")
 @backend_option
-def cancel(job_id: str, backend: str, stack: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def cancel(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
     """Stop a running job; what it already committed stays readable."""
     with _client(backend, stack) as client:
-        client.job(job_id).cancel()
-    out.print(f"cancelled [bold]{_t(job_id)}[/]")
+        job = client.job(job_id)
+        job.cancel()
+        if as_json:
+            _print_json({"job_id": job.job_id, "state": job.status().state})
+            return
+    out.print(f"cancelled [bold]{_t(job.job_id)}[/]")
 
 
 @cli.command()
 @click.argument("job_id")
 @backend_option
 @click.option("--no-wait", is_flag=True, help="return once the job is restarted")
-def resume(job_id: str, backend: str, stack: str | None, no_wait: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP + "; the result once it succeeds")
+def resume(job_id: str, backend: str, stack: str | None, no_wait: bool, as_json: bool) -> None:
     """Re-run the unfinished tasks of a failed or cancelled job."""
     with _client(backend, stack) as client:
         job = client.job(job_id).resume()
-        out.print(f"resumed [bold]{_t(job_id)}[/]")
+        if as_json:
+            _print_json({"job_id": job.job_id, "state": "RUNNING"} if no_wait else _result_quietly(job))
+            return
+        out.print(f"resumed [bold]{_t(job.job_id)}[/]")
         if not no_wait:
             _wait_and_report(job)
 
@@ -668,12 +715,16 @@ def resume(job_id: str, backend: str, stack: str | None, no_wait: bool) -> None:
     help="only jobs ended at least DAYS ago (0 to 36500)",
 )
 @click.option("--failed", is_flag=True, help="FAILED and CANCELLED jobs too (they can no longer be resumed)")
-def clean(backend: str, stack: str | None, older_than: float, failed: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def clean(backend: str, stack: str | None, older_than: float, failed: bool, as_json: bool) -> None:
     """Remove ended jobs' scratch objects and journals; specs, status, results and outputs stay."""
     if older_than != older_than:  # nan passes FloatRange's comparisons
         raise click.BadParameter("must be a number of days, not nan", param_hint="'--older-than'")
     with _client(backend, stack) as client:
         cleaned = client.clean(older_than * 86400, failed=failed)
+    if as_json:
+        _print_json({"cleaned": cleaned})
+        return
     out.print(f"cleaned {len(cleaned)} job(s)" + "".join(f"\n  {_t(j)}" for j in cleaned))
 
 

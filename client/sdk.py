@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from shardfold.client import telemetry_table
-from shardfold.client.errors import BackendError, JobFailed, JobNotFinished
+from shardfold.client.errors import BackendError, JobNotFinished, ended_badly
 from shardfold.functions import extras, kinds, report, store, telemetry
 from shardfold.functions.access import Grants
 from shardfold.functions.errors import JobNotFound, ShardfoldError, SpecError
@@ -242,12 +242,22 @@ class Client:
             time.sleep(0.05)
 
     def job(self, job_id: str) -> Job:
-        """A handle on an existing job; :class:`JobNotFound` if this backend never saw it."""
+        """A handle on an existing job, by its id or the start of one that names one job only
+        (``getbatch-2026`` when no other job's id starts so); :class:`JobNotFound` if this backend never
+        saw it or the start names several."""
         if not store.exists(self.uri(spec_key(job_id))):
-            raise JobNotFound(
-                f"no job {job_id!r} on the {self.backend} backend (store {self.store_root}); "
-                "`shardfold jobs` lists the jobs there"
-            )
+            starting = sorted(s.job_id for s in self.jobs() if job_id and s.job_id.startswith(job_id))
+            if len(starting) > 1:
+                raise JobNotFound(
+                    f"{job_id!r} starts {len(starting)} job ids on the {self.backend} backend: "
+                    f"{', '.join(starting[:5])}{', ...' if len(starting) > 5 else ''}; give more of the id"
+                )
+            if not starting:
+                raise JobNotFound(
+                    f"no job {job_id!r} on the {self.backend} backend (store {self.store_root}); "
+                    "`shardfold jobs` lists the jobs there"
+                )
+            job_id = starting[0]
         kind = kind_of(job_id) or store.get_json(self.uri(spec_key(job_id))).get("kind", "?")
         return Job(self, job_id, kind)
 
@@ -424,8 +434,7 @@ class Job:
         status = self.status()
         state = status.state
         if state in ("FAILED", "CANCELLED", "INTERRUPTED"):
-            hint = f"; fix the cause and run `shardfold resume {self.job_id}`" if state == "FAILED" else ""
-            raise JobFailed(f"job {self.job_id} {state.lower()}: {status.error or 'no error recorded'}{hint}")
+            raise ended_badly(self.job_id, state, status.error)
         if state != "SUCCEEDED":
             raise JobNotFinished(
                 f"job {self.job_id} is {state}; wait for it (Job.wait() or `shardfold status {self.job_id}`)"
@@ -452,7 +461,10 @@ class Job:
 
     def logs(self, step: str | None = None, task: int | None = None) -> Iterator[tuple[dict[str, Any], str]]:
         """``(record, line)`` for each log line of each task attempt (of ``step``, of Map item ``task``), in
-        step, task and attempt order."""
+        step, task and attempt order. ``step`` is a step's name as status, the plan and the report show it
+        (a Map's own name also selects its tasks); another name is refused, listing the job's steps."""
+        if step is not None:
+            step = self._step_name(step)
         outputs = getattr(self.client.executor, "outputs", None) or {}
         groups = frozenset(str(g) for g in (outputs.get("log_groups") or {}).values())
         root = self.client.store_root
@@ -460,6 +472,23 @@ class Job:
             if (step is None or record["step"] == step) and (task is None or record.get("task") == task):
                 for line in telemetry.log_lines(record, root, self.job_id, groups):
                     yield record, line
+
+    def _step_name(self, step: str) -> str:
+        """``step`` as the job's tasks record it (a Map's name: its task's), or SpecError naming the steps."""
+        from shardfold.functions.workflow import BatchJob, Task
+
+        if self.kind not in kinds.packages():
+            return step
+        workflow = kinds.find(self.kind).workflow
+        names = [s.name for s in workflow.walk() if isinstance(s, Task | BatchJob)]
+        names += [workflow.on_failure.name] if workflow.on_failure is not None else []
+        shown = workflow.shown_name(step) if any(s.name == step for s in workflow.walk()) else step
+        if shown not in names:
+            raise SpecError(
+                f"a {self.kind} job has no step {step!r}; its steps are {', '.join(names)}",
+                [{"field": "step", "error": f"one of {', '.join(names)}"}],
+            )
+        return shown
 
     def cancel(self) -> None:
         """Stop the job; work already committed stays readable."""

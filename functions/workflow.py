@@ -243,6 +243,15 @@ class Workflow:
                 out.append(fn)
         return out
 
+    def shown_name(self, name: str) -> str:
+        """The name users see for step ``name`` in status and progress, as in the plan, the report, the
+        telemetry and ``shardfold logs``: a Map of one Task or BatchJob is its body's name (``gather_part``,
+        ``infer``), since that is what each of its items runs; any other step its own."""
+        step = next((s for s in self.walk() if s.name == name), None)
+        if isinstance(step, Map) and len(step.body) == 1 and isinstance(step.body[0], Task | BatchJob):
+            return step.body[0].name
+        return name
+
     def step(self, name: str) -> Step:
         for s in self.walk():
             if s.name == name:

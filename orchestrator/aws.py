@@ -136,7 +136,7 @@ class AwsExecutor:
             job_id=job_id,
             kind=kind,
             state="RUNNING",
-            steps=self._initial_steps(kind),
+            steps=self._shown(kind, self._initial_steps(kind)),
             backend=self.backend,
             started_at=now(),
             spec_uri=spec_uri,
@@ -159,7 +159,7 @@ class AwsExecutor:
             job_id=job_id,
             kind=old.kind,
             state=state,  # type: ignore[arg-type]
-            steps=self._steps(old.kind, arn),
+            steps=self._shown(old.kind, self._steps(old.kind, arn)),
             error=self._error(arn, desc) if state == "FAILED" else None,
             backend=old.backend or self.backend,
             started_at=old.started_at,
@@ -258,6 +258,11 @@ class AwsExecutor:
         """Nothing to release (boto3 clients close with the process); kept for a uniform interface."""
 
     # --- internals ---------------------------------------------------------------------------------------
+
+    def _shown(self, kind: str, steps: dict[str, dict[str, int | None]]) -> dict[str, dict[str, int | None]]:
+        """``steps`` (by state name) under the names users see (:meth:`Workflow.shown_name`)."""
+        workflow = self.workflows.get(kind)
+        return steps if workflow is None else {workflow.shown_name(k): v for k, v in steps.items()}
 
     def _initial_steps(self, kind: str) -> dict[str, dict[str, int | None]]:
         workflow = self.workflows.get(kind)

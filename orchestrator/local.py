@@ -322,11 +322,12 @@ class LocalExecutor:
         steps: dict[str, dict[str, int | None]] = {}
         for step in progress_steps(workflow.steps):
             total = None if isinstance(step, Map) else 1
-            steps[step.name] = {"done": 0, "total": total}
+            shown = workflow.shown_name(step.name)
+            steps[shown] = {"done": 0, "total": total}
             if step.name in done:
                 marker = store.get_json(self._marker_uri(journal, step.name))
                 total = marker.get("items", 1)
-                steps[step.name] = {"done": total, "total": total}
+                steps[shown] = {"done": total, "total": total}
         status = JobStatus(
             job_id=job_id,
             kind=workflow.kind,
@@ -758,6 +759,7 @@ class LocalExecutor:
     def _progress(
         self, run: _Run, name: str, *, inc: int = 0, done: int | None = None, total: int | None = None
     ):
+        name = run.workflow.shown_name(name)
         with run.cond:
             entry = run.status.steps.setdefault(name, {"done": 0, "total": None})
             if total is not None:

@@ -585,3 +585,43 @@ def test_the_moto_backend_without_moto_is_one_line_naming_the_dev_extra(home, mo
     assert res.exit_code != 0
     (line,) = [x for x in res.output.splitlines() if x.strip()]
     assert line.startswith("error: the moto backend needs the dev extra ('shardfold[dev]')"), res.output
+
+
+def test_one_name_per_step_and_json_on_every_verb_that_prints_data(home, tmp_path):
+    """Status, progress, logs and report name a getbatch part task gather_part; a Map's own name still
+    selects its logs; an unknown step is refused naming the job's steps; a unique start of an id names the
+    job; every verb that prints data takes --json; report --html prints one line."""
+    spec = str(spec_file(tmp_path, n=4))
+    job_id = json.loads(invoke("run", "--json", spec).stdout)["job_id"]
+    status = json.loads(invoke("status", job_id, "--json").output)
+    assert set(status["steps"]) == {"prepare", "gather_part", "assemble"}
+    assert (
+        invoke("logs", job_id, "--step", "gather").output
+        == invoke("logs", job_id, "--step", "gather_part").output
+    )
+    bad = invoke("logs", job_id, "--step", "nosuch", ok=False)
+    assert bad.exit_code != 0 and "prepare, gather_part, assemble" in bad.output
+    lines = [json.loads(line) for line in invoke("logs", job_id, "--json").output.splitlines()]
+    assert lines and all({"step", "task", "attempt", "line"} <= set(d) for d in lines)
+    # a start of the id that names one job only
+    assert json.loads(invoke("status", job_id[:-3], "--json").output)["job_id"] == job_id
+    other = json.loads(invoke("run", "--json", spec).stdout)["job_id"]
+    common = os.path.commonprefix([job_id, other])
+    ambiguous = invoke("status", common, ok=False)
+    assert ambiguous.exit_code != 0 and job_id in ambiguous.output and other in ambiguous.output
+    assert json.loads(invoke("wait", job_id, "--json").output)["job_id"] == job_id
+    assert json.loads(invoke("cancel", job_id, "--json").output) == {"job_id": job_id, "state": "SUCCEEDED"}
+    assert sorted(json.loads(invoke("clean", "--json").output)["cleaned"]) == sorted([job_id, other])
+    html = tmp_path / "r.html"
+    shown = invoke("report", other, "--html", str(html)).output
+    assert shown.strip() == f"wrote the HTML report of {other} to {html}" and html.read_text().startswith("<")
+
+
+def test_a_spec_failure_is_not_sent_to_resume():
+    from shardfold.client.errors import ended_badly
+
+    spec = str(ended_badly("j", "FAILED", "DatasetError: dataset x has no column 'age'"))
+    assert "submit it again" in spec and "shardfold resume" not in spec
+    transient = str(ended_badly("j", "FAILED", "ObjectNotFound: s3://b/in.bin"))
+    assert "shardfold resume j" in transient
+    assert "resume" not in str(ended_badly("j", "CANCELLED", None))

@@ -64,14 +64,14 @@ def test_toy_end_to_end(root, mode):
     assert status.state == "SUCCEEDED", status.error
     assert status.steps == {
         "plan": {"done": 1, "total": 1},
-        "squares": {"done": 20, "total": 20},
+        "square": {"done": 20, "total": 20},  # a Map of one task shows under its task's name
         "total": {"done": 1, "total": 1},
     }
     result = store.get_json(join(root, "jobs", job_id, "result.json"))
     assert result == {"sum": squares(20), "outputs": 20, "n": 20}
     assert calls(root, job_id) == {i: 1 for i in range(20)}
     assert seen and seen[-1].state == "SUCCEEDED"
-    done = [s.steps["squares"]["done"] for s in seen]
+    done = [s.steps["square"]["done"] for s in seen]
     assert done == sorted(done)  # progress only moves forward
     # the record on disk tells another process the same
     assert LocalExecutor(store_root=root).status(job_id).state == "SUCCEEDED"
@@ -231,7 +231,7 @@ def test_state_stays_small_for_100k_items(root):
         assert status.state == "SUCCEEDED", status.error
         assert ex.max_state_bytes(job_id) < 2048
     assert store.get_json(join(root, "jobs", job_id, "result.json"))["sum"] == squares(100_000)
-    assert status.steps["parts"] == {"done": 100, "total": 100}
+    assert status.steps["part"] == {"done": 100, "total": 100}
     fan = store.get_json(join(root, "jobs", job_id, "journal", "fan.json"))["result"]
     assert fan == {"stamp": {"job": job_id}}  # Parallel: $.fan holds the branches' task results
 

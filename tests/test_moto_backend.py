@@ -89,7 +89,7 @@ def test_parallel_and_state_size_for_100k_items(tmp_path, aws):
     (lid, lstat), (aid, astat) = run_both(tmp_path, aws, kind="toyparts", n=100_000, parts=5000)
     assert lstat.state == astat.state == "SUCCEEDED", (lstat.error, astat.error)
     assert result(f"file://{tmp_path}/store", lid) == result(aws.store_root, aid)
-    assert astat.steps["parts"] == {"done": 20, "total": 20}
+    assert astat.steps["part"] == {"done": 20, "total": 20}
     desc = aws._sfn.describe_execution(executionArn=astat.execution_arn)
     assert json.loads(desc["output"])["fan"] == {"stamp": {"job": aid}}
     # every state input/output in the history stays tiny: the 100,000 items never enter the state
@@ -142,7 +142,7 @@ def test_progress_callbacks_and_interface_errors(aws):
     job_id = start(aws, aws.store_root, n=3)
     status = aws.wait(job_id, on_progress=seen.append, timeout_s=WAIT_S)
     assert status.state == "SUCCEEDED" and seen[-1] == status
-    assert status.steps["squares"] == {"done": 3, "total": 3}
+    assert status.steps["square"] == {"done": 3, "total": 3}
     with pytest.raises(ShardfoldError, match="already exists"):
         aws.start(job_id, "toy", "s3://x/y")
     with pytest.raises(PlanError, match="not deployed"):
