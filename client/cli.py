@@ -38,6 +38,7 @@ from shardfold.functions.extras import MissingExtra
 from shardfold.functions.report import STEP_COLUMNS, step_row
 from shardfold.functions.report import tables as report_tables
 from shardfold.functions.tables import Table as TextTable
+from shardfold.functions.tables import size_text
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -154,16 +155,6 @@ def _client(backend: str, stack: str | None = None) -> Any:
     return client
 
 
-def _fmt_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _fmt_cell(v: Any) -> str:
     """A plan detail value: integers with separators, floats to 4 significant digits."""
     if isinstance(v, bool) or not isinstance(v, int | float):
@@ -172,7 +163,7 @@ def _fmt_cell(v: Any) -> str:
 
 
 def _kv_text(k: str, v: Any) -> str:
-    return str(_fmt_bytes(v) if k == "bytes" else json.dumps(v) if isinstance(v, dict | list) else v)
+    return str(size_text(v) if k == "bytes" else json.dumps(v) if isinstance(v, dict | list) else v)
 
 
 def _print_kv(title: str, data: dict[str, Any]) -> None:
@@ -1144,7 +1135,7 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
             f"[{_state_style(r.state)}]{_t(r.state)}[/]",
             _t(f"{r.items:,} {r.items_label}"),
             _t(f"{r.parts} {r.parts_label}"),
-            _fmt_bytes(r.bytes),
+            size_text(r.bytes),
             str(r.errors),
             f"{r.seconds:.2f}",
             "[green]yes[/]" if r.verified else "[red]no[/]",

@@ -24,7 +24,7 @@ from typing import Any
 
 from shardfold.functions import pricing
 from shardfold.functions.errors import PlanError
-from shardfold.functions.tables import Table
+from shardfold.functions.tables import Table, size_text
 from shardfold.functions.workflow import BatchJob, Map, Parallel, Step, Task, Workflow
 
 MiB = 1024 * 1024
@@ -301,7 +301,7 @@ def estimate(
     notes = [*probed.notes, *loads.notes, f"Lambda priced at the {limits.architecture} rate"]
     if loads.output_bytes is not None:
         notes.append(
-            f"output ~{loads.output_bytes / MiB:.1f} MiB; S3 Standard storage "
+            f"output ~{size_text(loads.output_bytes)}; S3 Standard storage "
             f"${loads.output_bytes / 1024**3 * pricing.S3_USD_PER_GB_MONTH:.6f}/month (not in the total)"
         )
     return Estimate(

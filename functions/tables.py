@@ -28,6 +28,17 @@ class ResultView:
     notes: list[str] = field(default_factory=list)
 
 
+def size_text(n: int | float | None) -> str:
+    """A byte count for people: "512 B", "7.2 KiB", "5.0 MiB" (binary units); "-" for None."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def result_fields(result: dict[str, Any]) -> ResultView:
     """The default view: every field of the result document, as it is."""
     return ResultView(summary=dict(result))

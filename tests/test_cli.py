@@ -594,7 +594,7 @@ def test_one_name_per_step_and_json_on_every_verb_that_prints_data(home, tmp_pat
     spec = str(spec_file(tmp_path, n=4))
     job_id = json.loads(invoke("run", "--json", spec).stdout)["job_id"]
     status = json.loads(invoke("status", job_id, "--json").output)
-    assert set(status["steps"]) == {"prepare", "gather_part", "assemble"}
+    assert {"prepare", "gather_part", "assemble"} <= set(status["steps"]) and "gather" not in status["steps"]
     assert (
         invoke("logs", job_id, "--step", "gather").output
         == invoke("logs", job_id, "--step", "gather_part").output

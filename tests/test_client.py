@@ -406,3 +406,17 @@ def test_upload_refuses_other_bytes_planted_at_the_key_it_would_use(tmp_path):
     store.put(join(root, key), b"ALPHA")  # same size, other bytes, where the next upload would look
     with pytest.raises(Refused, match="holds other bytes"):
         upload_inputs(doc, (tmp_path / "spec.json").as_uri(), root)
+
+
+def test_the_output_size_is_stated_only_from_sizes_read(client, root):
+    """`shardfold plan` looks the objects up and states the archive's size near the truth; the submit-time
+    estimate looks none up and states none (an assumed size per object is no estimate: it said ~5 MiB
+    for a 7 KiB archive)."""
+    spec = parse_spec({"kind": "getbatch", "items": [{"uri": f"data/obj-00{i}.bin"} for i in range(6)]})
+    planned = estimate(spec, store_root=root)
+    size = sum(len(store.get(join(root, "data", f"obj-00{i}.bin"))) for i in range(6))  # the members' bytes
+    assert any(n.startswith("output ~") for n in planned.notes)
+    # the members, a 512-byte header each plus padding, and the trailer
+    assert size + 6 * 512 <= planned.output_bytes <= size + 6 * 1024 + 1024
+    submitted = estimate(spec, store_root=root, budget=SUBMIT_BUDGET)
+    assert not any(n.startswith("output ~") for n in submitted.notes)

@@ -151,6 +151,8 @@ def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
             "largest_item_bytes": max(seen, default=fallback) if sized else None,
             "largest_part_bytes": part_bytes,
             "total_bytes": int(sum(seen) + mean * (n - len(seen))),
+            # whether total_bytes rests on sizes read (lengths given or objects looked up), not an assumption
+            "total_known": bool(found) or (bool(items) and all(i.length is not None for i in items)),
             "sizes_probed": len(found),
             "missing": sorted(missing),
         },
@@ -214,7 +216,7 @@ def loads(spec: GetBatchJob, probed: Probe) -> Loads:
         tasks={PREPARE: plan, GATHER_PART: gather, ASSEMBLE: assemble},
         map_items={GATHER: parts},
         notes=notes,
-        output_bytes=int(facts["total_bytes"])
-        + n * 1024
-        + 1024,  # a 512-byte header per member (plus padding) and the trailer
+        # a 512-byte header per member (plus padding) and the trailer; unknown when no size was read (the
+        # submit-time probe looks none up: an assumed size per object is no estimate of the output)
+        output_bytes=int(facts["total_bytes"]) + n * 1024 + 1024 if facts.get("total_known", True) else None,
     )
