@@ -41,7 +41,7 @@ def to_table(records: list[dict[str, Any]]) -> Any:
                 "error_type": error.get("type"),
                 "error": error.get("message"),
                 "requests": json.dumps(r.get("requests") or {}, sort_keys=True),
-                "log": json.dumps(r.get("log")) if r.get("log") else None,
+                "log": _place(r.get("log")),
                 "gets": gets if not r.get("withheld") else None,
                 "puts": puts if not r.get("withheld") else None,
                 "withheld": bool(r.get("withheld")),
@@ -59,6 +59,14 @@ def to_table(records: list[dict[str, Any]]) -> Any:
         ]
     )  # fmt: skip
     return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _place(log: Any) -> str | None:
+    """Where a record's log is, as JSON text; a small log kept in the record (``inline``) stays out of the
+    table (``job.logs()`` reads it from the record)."""
+    if not log:
+        return None
+    return json.dumps({k: v for k, v in log.items() if k != "inline"} if isinstance(log, dict) else log)
 
 
 def table(store_root: str, job_id: str, ended_at: str | None) -> Any:

@@ -18,15 +18,22 @@ still shows), then whole when it ends:
   executor's thread-mode tasks, the moto harness);
 * ``bytes_read``, ``bytes_written``, ``requests`` (store requests by type: GET, PUT, HEAD, LIST, DELETE,
   COPY, and the multipart calls on S3), ``store_retries`` (requests the store or botocore retried);
-* ``log``: where the attempt's log lines are: ``{"uri"}`` of a log object beside the record (tasks run
-  outside AWS log to it as well as to the console), or ``{"group", "stream", "request_id"}`` in CloudWatch
-  Logs (Lambda), or ``{"batch_job"}`` (an AWS Batch container; its log stream is the job's).
+* ``log``: where the attempt's log lines are: ``{"uri", "lines"}`` of a log object beside the record
+  (tasks run outside AWS log to it as well as to the console; a log of at most :data:`INLINE_LOG_BYTES`
+  is kept in the record itself instead, as ``"inline"``, so a task that says little costs no request for
+  it), or ``{"group", "stream", "request_id"}`` in CloudWatch Logs (Lambda), or ``{"batch_job"}`` (an AWS
+  Batch container; its log stream is the job's).
+
+**Every attempt's log** starts with ``task started`` (its attempt, host and pid) and ends with ``task
+ended`` (its outcome, and its duration, peak memory, bytes and store requests: the figures of its record,
+from memory, at no request), in between what the task itself logs; a failing attempt logs ``task failed``
+with its error before it ends.
 
 **Private steps.** A kind may name steps whose cost depends on private data (dpquery's prepare and
 measure, which read the rows): their records keep the step, task, attempt, outcome, error and log place,
 and withhold every measured figure (times, memory, bytes, requests), which would be proxies of the row
 count; ``"withheld": true`` says so. Their log lines are kept without their timestamps, for the same
-reason.
+reason, and their ``task ended`` line says only the outcome.
 
 Telemetry never fails a task: a record that cannot be written is logged and skipped.
 """
@@ -50,6 +57,7 @@ from shardfold.functions import jsontext
 from shardfold.functions.log import logger
 
 MAX_LOG_BYTES = 1024 * 1024  # a task's log object keeps its last MiB
+INLINE_LOG_BYTES = 4096  # a log this small is kept in the task's record: no object, no request of its own
 MAX_ATTEMPTS = 1000  # attempt slots probed before giving up on a record
 MEASURED = (
     "started_at",
@@ -342,6 +350,8 @@ def recording(
         _install()
     meter_token = _meter.set(meter)
     log_token = _log.set(task_log) if task_log is not None else None  # else a caller's capture goes on
+    attempt = doc["attempt"] if uri is not None else None
+    logger.info("task started", extra={"attempt": attempt, "host": doc["host"], "pid": doc["pid"]})
     started = time.perf_counter()
     error: BaseException | None = None
     try:
@@ -354,6 +364,8 @@ def recording(
     finally:
         duration = time.perf_counter() - started
         peak = peak_rss_mib()
+        outcome = "failed" if error is not None else "succeeded"
+        _log_ended(attempt, outcome, error, None if withheld else (duration, peak, meter))
         _meter.reset(meter_token)
         if log_token is not None:
             _log.reset(log_token)
@@ -361,7 +373,7 @@ def recording(
             shared = _shared != shared_at_start or _active > 1
             _active -= 1
         doc.update(
-            outcome="failed" if error is not None else "succeeded",
+            outcome=outcome,
             error=None if error is None else {"type": type(error).__name__, "message": str(error)[:2000]},
             ended_at=round(time.time(), 6),
             duration_s=round(duration, 6),
@@ -379,10 +391,39 @@ def recording(
                 if task_log is not None and task_log.lines and log_uri is not None:
                     if withheld:  # the lines' times would tell the task's duration the record withholds
                         task_log.lines = [_untimed(line) for line in task_log.lines]
-                    store.put(log_uri, task_log.text())
+                    if not task_log.dropped and task_log.size <= INLINE_LOG_BYTES:
+                        doc["log"]["inline"] = task_log.lines  # in the record: no request of its own
+                    else:
+                        store.put(log_uri, task_log.text())
                 store.put(uri, _dump(doc, withheld))
             except Exception as exc:  # noqa: BLE001 - telemetry never fails a task
                 logger.warning("telemetry record not written", extra={"step": step, "error": str(exc)})
+
+
+def _log_ended(
+    attempt: int | None,
+    outcome: str,
+    error: BaseException | None,
+    measured: tuple[float, float | None, Meter] | None,
+) -> None:
+    """The attempt's last line, ``task ended``: its outcome, and (``measured``: duration, peak memory and
+    meter, None for a private step) the figures its record keeps, all from memory."""
+    extra: dict[str, Any] = {"attempt": attempt, "outcome": outcome}
+    if error is not None:
+        extra["error_type"] = type(error).__name__
+    if measured is not None:
+        duration, peak, meter = measured
+        extra.update(
+            duration_s=round(duration, 3),
+            peak_memory_mib=peak,
+            bytes_read=meter.bytes_read,
+            bytes_written=meter.bytes_written,
+            requests=sum(meter.requests.values()),
+        )
+    try:
+        logger.info("task ended", extra=extra)
+    except Exception:  # noqa: BLE001, S110 - telemetry never fails a task
+        pass
 
 
 def _untimed(line: str) -> str:
@@ -460,6 +501,10 @@ def log_lines(
         own = join(store_root, job_key(job_id)) + "/"
         if not uri.startswith(own) or "/../" in uri:
             yield "(this record's log is outside the job's folder: not followed)"
+            return
+        inline = place.get("inline")
+        if isinstance(inline, list):  # a small log, kept in the record itself
+            yield from (line for line in inline if isinstance(line, str))
             return
         if not place.get("lines") and record.get("outcome") != "running":
             return

@@ -176,6 +176,73 @@ def test_every_task_of_a_local_job_records_itself_and_the_report_prices_its_reco
     assert again.to_pylist() == job.telemetry().to_pylist()
 
 
+def said(job, step: str | None = None) -> dict[tuple[str, int | None], list[dict]]:
+    """The JSON log lines of each task of ``job`` (by step and task), as ``Job.logs()`` gives them."""
+    out: dict[tuple[str, int | None], list[dict]] = {}
+    for rec, line in job.logs(step=step):
+        out.setdefault((rec["step"], rec.get("task")), []).append(json.loads(line))
+    return out
+
+
+def test_every_task_logs_its_start_what_it_read_and_wrote_and_its_end(local_client):
+    job = getbatch_job(local_client, n=6, per_part=2)
+    assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+    result = job.result()
+    logs = said(job)
+    assert sorted(logs, key=str) == sorted(
+        [("prepare", None), ("gather_part", 0), ("gather_part", 1), ("gather_part", 2), ("assemble", None)],
+        key=str,
+    )
+    for (step, task), lines in logs.items():  # every kind's tasks: framed by the task runner
+        first, last = lines[0], lines[-1]
+        assert first["message"] == "task started" and first["attempt"] == 0, (step, task, lines)
+        assert last["message"] == "task ended" and last["outcome"] == "succeeded", (step, task, lines)
+        assert last["duration_s"] >= 0 and last["bytes_written"] > 0 and last["requests"] > 0, last
+        assert all(line.get("task") == task for line in lines), lines
+        assert len(lines) == 3, lines  # one summary line per task, never one per item
+
+    planned = logs[("prepare", None)][1]
+    assert planned["message"] == "planned getbatch" and (planned["items"], planned["parts"]) == (6, 3)
+    assert planned["manifest"] == local_client.uri(f"jobs/{job.job_id}/getbatch/manifest.json")
+
+    def member(i: int) -> int:  # a TAR member: a 512-byte header, then its 100(i+1) bytes padded to 512
+        return 512 + -(-100 * (i + 1) // 512) * 512
+
+    for k in range(3):  # part k holds objects 2k and 2k+1
+        gathered = logs[("gather_part", k)][1]
+        assert gathered["message"] == "gathered part", gathered
+        assert (gathered["part"], gathered["parts"], gathered["items"], gathered["failed"]) == (k, 3, 2, 0)
+        assert gathered["item_bytes"] == 100 * (2 * k + 1) + 100 * (2 * k + 2)
+        assert gathered["fragment"] == local_client.uri(f"jobs/{job.job_id}/getbatch/fragments/{k:05d}.tar")
+        assert gathered["fragment_bytes"] == member(2 * k) + member(2 * k + 1)
+    assembled = logs[("assemble", None)][1]
+    assert assembled["message"] == "assembled getbatch", assembled
+    assert (assembled["archive"], assembled["status"]) == (result["archive"], result["status"])
+    assert (assembled["items"], assembled["failed"], assembled["item_bytes"]) == (6, 0, 2100)
+    assert assembled["archive_bytes"] == sum(map(member, range(6))) + 1024 == store.size(result["archive"])
+    # no object's bytes in any log (the objects hold runs of one letter)
+    assert not any(chr(65 + i) * 100 in json.dumps(list(logs.values())) for i in range(6))
+    # cheap: logs this small live in their records, so writing them took no request of its own
+    records = telemetry.read_records(local_client.store_root, job.job_id)
+    assert all(len(r["log"]["inline"]) == r["log"]["lines"] == 3 for r in records), records
+    assert not [u for u in store.list_uris(telemetry.prefix(local_client.store_root, job.job_id) + "/")
+                if u.endswith(".log")]  # fmt: skip
+    assert "inline" not in job.telemetry().column("log")[0].as_py()  # the table says where, not what
+
+
+def test_a_private_steps_end_says_only_its_outcome(tmp_path):
+    root = (tmp_path / "store").as_uri()
+    with telemetry.recording(store_root=root, job_id="j", kind="dpquery", function="dpquery.prepare",
+                             task=None, map_name=None, context=None):  # fmt: skip
+        store.put(f"{root}/jobs/j/x", b"some bytes")
+    (r,) = telemetry.read_records(root, "j")
+    assert r["withheld"] is True and r["step"] == "prepare"
+    lines = [json.loads(line) for line in telemetry.log_lines(r, root, "j")]
+    assert [line["message"] for line in lines] == ["task started", "task ended"]
+    assert all("timestamp" not in line for line in lines), lines
+    assert {"attempt", "outcome"} <= set(lines[-1]) and not {"duration_s", "bytes_written"} & set(lines[-1])
+
+
 def test_a_failing_task_shows_its_error_and_its_log(local_client):
     store.put(local_client.uri("d/there"), b"x")
     job = local_client.submit({"kind": "getbatch", "items": [{"uri": "d/there"}, {"uri": "d/gone"}]})
@@ -187,6 +254,8 @@ def test_a_failing_task_shows_its_error_and_its_log(local_client):
     assert failed and "gone" in failed[0]["error"]["message"] and failed[0]["error"]["type"]
     lines = [line for rec, line in job.logs() if rec["outcome"] == "failed"]
     assert any("task failed" in line and "gone" in line for line in lines), lines
+    ended = json.loads(lines[-1])  # a failed attempt ends as any other, with its outcome
+    assert ended["message"] == "task ended" and ended["outcome"] == "failed" and ended["error_type"], ended
     doc = job.report()
     assert doc["state"] == "FAILED" and sum(s["actual"]["failed"] for s in doc["steps"]) == 1
 

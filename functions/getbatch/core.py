@@ -18,6 +18,12 @@
   per-item status manifest and the job result, then removes the temporaries (after a one-part request,
   only the temporaries).
 
+Each task logs one summary line (never a line per item, never an object's bytes): prepare ``planned
+getbatch`` (items, parts, pinned objects, the part manifest's URI), gather ``gathered part`` (the part,
+its items, how many failed, their bytes, and the fragment or archive it wrote with its size and status
+rows), assemble ``assembled getbatch`` (the archive and its size, the status manifest, items, failed
+items and bytes; ``result already committed`` when an earlier attempt or the only part committed it).
+
 Every object goes to a key derived from (job id, stage, part), so retries and resumes overwrite identical
 bytes and never double-count.
 """
@@ -178,7 +184,18 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
         manifest.append(ref)
     manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
     store.put_json(manifest_uri, manifest, indent=None)
-    logger.info("planned getbatch", extra={"job_id": job_id, "items": len(items), "parts": n_parts})
+    logger.info(
+        "planned getbatch",
+        extra={
+            "job_id": job_id,
+            "items": len(items),
+            "parts": n_parts,
+            "items_per_part": size,
+            "pinned": len(pins),  # objects read more than once, held to one version
+            "part_lists": sum(1 for ref in manifest if not ref.get("inline")),
+            "manifest": manifest_uri,
+        },
+    )
     return {"manifest": manifest_ref(manifest_uri, n_parts), "parts": n_parts, "items": len(items)}
 
 
@@ -213,8 +230,9 @@ def gather(
     # engine's byte budget and a write buffer, never the fragment.
     target = output_uri(spec, store_root, job_id) if whole else _fragment_uri(store_root, job_id, part)
     try:
-        with store.writer(target) as frag:
-            rows = write_tar(entries, frag, end_of_archive=whole)
+        with store.writer(target) as out:
+            frag = _Counted(out)
+            rows = write_tar(entries, frag, end_of_archive=whole)  # type: ignore[arg-type]
             if whole:
                 _check_soft_errors(spec, rows)  # before the archive is committed
     except BatchItemError as exc:  # name the item by its place in the user's request, not the part
@@ -223,12 +241,31 @@ def gather(
         raise BatchItemError(first + exc.index, exc.item, exc.reason) from None
     for row in rows:
         row["index"] += first
-    if whole:
-        _commit_result(spec, job_id, store_root, rows, 1, target)
-    else:
-        store.put_json(_status_uri(store_root, job_id, part), rows, indent=None)
     errors = sum(1 for r in rows if r["error"])
-    return {"part": part, "items": len(rows), "errors": errors, "bytes": sum(r["size"] for r in rows)}
+    size = sum(r["size"] for r in rows)
+    said: dict[str, Any] = {"job_id": job_id, "part": part, "parts": parts or None, "items": len(rows)}
+    said |= {"failed": errors, "item_bytes": size}
+    if whole:
+        result = _commit_result(spec, job_id, store_root, rows, 1, target)
+        said |= {"archive": target, "archive_bytes": frag.bytes, "status": result["status"]}
+    else:
+        status = _status_uri(store_root, job_id, part)
+        store.put_json(status, rows, indent=None)
+        said |= {"fragment": target, "fragment_bytes": frag.bytes, "status": status}
+    logger.info("gathered part", extra=said)  # one line per part, never one per item
+    return {"part": part, "items": len(rows), "errors": errors, "bytes": size}
+
+
+class _Counted:
+    """A file to write through that counts what is written (a fragment's size, known without a HEAD)."""
+
+    def __init__(self, out: Any):
+        self._write = out.write
+        self.bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.bytes += len(data)
+        return self._write(data)
 
 
 def _check_soft_errors(spec: GetBatchJob, rows: list[dict]) -> None:
@@ -248,13 +285,16 @@ def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dic
     result_uri = job_uri(store_root, job_id, "result.json")
     if store.exists(result_uri):
         store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))
-        return store.get_json(result_uri)
+        result = store.get_json(result_uri)
+        _log_assembled("result already committed", job_id, result, None)
+        return result
     rows: list[dict] = []
     for p in range(parts):
         rows.extend(store.get_json(_status_uri(store_root, job_id, p)))
     _check_soft_errors(spec, rows)
     out = output_uri(spec, store_root, job_id)
     fragments = [_fragment_uri(store_root, job_id, p) for p in range(parts)]
+    archive_bytes = None
     if parts == 1 and not store.exists(fragments[0]):  # the only part's gather wrote the archive itself
         if not store.exists(out):
             raise ObjectNotFound(
@@ -263,10 +303,19 @@ def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dic
     else:
         trailer = job_uri(store_root, job_id, STAGE, "fragments", "trailer.tar")
         store.put(trailer, TAR_TRAILER)
-        store.assemble([*fragments, trailer], out)
+        archive_bytes = store.assemble([*fragments, trailer], out)
     result = _commit_result(spec, job_id, store_root, rows, parts, out)
     store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))  # part lists, fragments, status rows
+    _log_assembled("assembled getbatch", job_id, result, archive_bytes)
     return result
+
+
+def _log_assembled(message: str, job_id: str, result: Any, archive_bytes: int | None) -> None:
+    """assemble's one line: the archive and status manifest the job's result names, items and bytes."""
+    doc = result if isinstance(result, dict) else {}
+    said = {k: doc.get(k) for k in ("archive", "status", "parts", "items")}
+    said |= {"failed": doc.get("errors"), "item_bytes": doc.get("bytes"), "archive_bytes": archive_bytes}
+    logger.info(message, extra={"job_id": job_id, **said})
 
 
 def _commit_result(

@@ -260,9 +260,9 @@ def delete_prefix(prefix_uri: str) -> int:
     return local.delete_prefix(str(local_path(prefix_uri)) + _slash(prefix_uri))
 
 
-def assemble(part_uris: list[str], dest_uri: str) -> None:
-    """Concatenate objects, in order, into one new object (atomically). Parts and destination share a
-    scheme: S3 copies server-side where it can (multipart UploadPartCopy)."""
+def assemble(part_uris: list[str], dest_uri: str) -> int:
+    """Concatenate objects, in order, into one new object (atomically); its size in bytes. Parts and
+    destination share a scheme: S3 copies server-side where it can (multipart UploadPartCopy)."""
     dest_uri = reach(dest_uri, write=True)
     parts = [reach(u) for u in part_uris]
     if any(is_s3(u) != is_s3(dest_uri) for u in parts):
@@ -275,8 +275,8 @@ def assemble(part_uris: list[str], dest_uri: str) -> None:
                 raise ObjectNotFound(f"assemble: part {uri} does not exist")
             lengths.append(n)
         s3.assemble(parts, dest_uri, lengths)
-    else:
-        local.assemble([local_path(u) for u in parts], parts, local_path(dest_uri))
+        return sum(lengths)
+    return local.assemble([local_path(u) for u in parts], parts, local_path(dest_uri))
 
 
 def get_json(uri: str) -> Any:

@@ -312,9 +312,9 @@ def delete_prefix(prefix: str) -> int:
     return len(paths)
 
 
-def assemble(paths: list[Path], uris: list[str], dest: Path) -> None:
-    """Concatenate ``paths`` into ``dest`` atomically. The kernel copies (``copy_file_range``: no byte
-    passes through this process, and a filesystem with reflinks shares the blocks instead of copying);
+def assemble(paths: list[Path], uris: list[str], dest: Path) -> int:
+    """Concatenate ``paths`` into ``dest`` atomically; its size. The kernel copies (``copy_file_range``: no
+    byte passes through this process, and a filesystem with reflinks shares the blocks instead of copying);
     read and write in blocks where it cannot."""
     with writer(dest) as out:
         for path, uri in zip(paths, uris, strict=True):
@@ -325,6 +325,7 @@ def assemble(paths: list[Path], uris: list[str], dest: Path) -> None:
             with f:
                 telemetry.count("COPY")  # a part copied, as UploadPartCopy on S3
                 _append(f, out)
+        return out.tell()
 
 
 def _append(src: BinaryIO, out: BinaryIO) -> None:
