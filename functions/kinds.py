@@ -58,8 +58,10 @@ class JobKind:
       Their IAM policies are built from it, and every task checks its store calls against it
       (:class:`~functions.access.TaskScope`), so an undeclared reach fails on every backend, not only on AWS.
     * ``result_view``: the result document -> a :class:`~functions.tables.ResultView` the CLI prints.
-    * ``progress``: ``"module:function"`` of ``(store_root, job_id) -> {counter: {"done", "total"}}``, work
-      inside one step that the executors cannot count (an inference job's GPU shards), or None.
+    * ``progress``: ``"module:function"`` of ``(store_root, job_id) -> {counter: {"done", "total", "unit"}}``
+      (:func:`counter`), work inside one step that the executors cannot count (an inference job's GPU
+      shards), or counted in the user's units (rows, items, bytes) rather than tasks; or None. Each call
+      should cost a few store requests: the SDK calls it every couple of seconds while a job runs.
     * ``handlers``: workflow function name -> ``"module:function"``, where the convention does not hold.
     * ``private_steps``: steps whose cost depends on private data; their telemetry withholds every measured
       figure (:mod:`functions.telemetry`).
@@ -116,11 +118,21 @@ class JobKind:
         for extra in self.extras(spec):
             extras.require(extra, f"this {self.name} job")
 
-    def counters(self, store_root: str, job_id: str) -> dict[str, dict[str, int]]:
+    def counters(self, store_root: str, job_id: str) -> dict[str, dict[str, Any]]:
         if self.progress is None:
             return {}
         module, _, name = self.progress.partition(":")
         return getattr(importlib.import_module(module), name)(store_root, job_id)
+
+
+def counter(done: int, total: int | None, unit: str | None = None) -> dict[str, Any]:
+    """One entry of a kind's progress counters: ``done`` of ``total`` (None while not known yet), ints as in
+    ``JobStatus.steps``, and the ``unit`` they count (``"rows"``, ``"items"``, ``"bytes"``: the progress view
+    shows them in it, with a rate and an ETA). No unit: counted like a step's tasks."""
+    entry: dict[str, Any] = {"done": int(done), "total": None if total is None else int(total)}
+    if unit is not None:
+        entry["unit"] = unit
+    return entry
 
 
 _lock = threading.Lock()
@@ -153,6 +165,9 @@ def names() -> list[str]:
 def find(name: Any) -> JobKind:
     """The descriptor of kind ``name``; :class:`SpecError` naming the field ``kind`` when there is none."""
     known = packages()
+    if name is None:
+        msg = f"the spec has no 'kind': say which job it is, one of {', '.join(sorted(known))}"
+        raise SpecError(msg, [{"field": "kind", "error": msg}])
     if not isinstance(name, str) or name not in known:
         msg = f"unknown job kind {name!r}; expected one of {sorted(known)}"
         raise SpecError(msg, [{"field": "kind", "error": msg}])

@@ -511,6 +511,25 @@ def test_a_shard_whose_rows_are_all_skipped(root):
     assert read_output(result).column("id").to_pylist() == [0, 1, 4]
 
 
+def test_progress_counts_the_input_rows_of_the_shards_embedded(root):
+    # the GPU stage in the user's units: rows (skipped ones included, as the plan counts them), beside shards
+    put_jsonl(root, "a.jsonl", [{"text": "x"}, {"text": "y"}, {"no": 1}, {"no": 2}, {"text": "z"}])
+    spec = spec_of(inputs=["a.jsonl"], shard_rows=2, on_bad_row="skip")
+    assert pipeline.progress(root, JOB) == {}
+    run_cpu(spec, root)
+    fake_worker(root, shards=[2])
+    assert pipeline.progress(root, JOB) == {
+        "embedded_shards": {"done": 1, "total": 3},
+        "embedded_rows": {"done": 1, "total": 5, "unit": "rows"},
+    }
+    fake_worker(root)
+    pipeline.commit(spec, JOB, root)  # the scratch is gone: from the result (3 rows out, 2 skipped)
+    assert pipeline.progress(root, JOB) == {
+        "embedded_shards": {"done": 3, "total": 3},
+        "embedded_rows": {"done": 5, "total": 5, "unit": "rows"},
+    }
+
+
 def test_commit_removes_the_scratch_and_a_retried_commit_too(root):
     put_jsonl(root, "a.jsonl", [{"text": t} for t in texts(12)])
     spec = spec_of(inputs=["a.jsonl"], shard_rows=5)

@@ -44,5 +44,7 @@ KIND = JobKind(
     # DP-FedAvg reserves each round's budget before any noise is drawn and spends it at commit
     rights=frozenset({Right.INPUTS, Right.OUTPUTS, Right.LEDGER}),
     result_view=result_view,
+    # the averaged model's bytes written, where the executors count shards
+    progress="shardfold.functions.fedavg.progress:progress",
     extras=lambda spec: ("dp",) if spec.dp is not None else (),  # DP-FedAvg's noise: OpenDP
 )

@@ -14,4 +14,6 @@ KIND = JobKind(
     workflow=WORKFLOW,
     sizing="shardfold.functions.getbatch.sizing",
     rights=frozenset({Right.INPUTS, Right.OUTPUTS}),
+    # items and bytes gathered, where the executors count parts
+    progress="shardfold.functions.getbatch.progress:progress",
 )

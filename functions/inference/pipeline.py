@@ -31,6 +31,7 @@ from shardfold.functions.inference.preprocess import decode_shard, encode_shard,
 from shardfold.functions.inference.shards import STAGE, load_plan, output_uri, prepare
 from shardfold.functions.inference.spec import HFModel, InferenceJob
 from shardfold.functions.jobs import scratch_key
+from shardfold.functions.kinds import counter
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.store.uri import join
@@ -77,19 +78,25 @@ def missing_shards(store_root: str, job_id: str, p: dict[str, Any]) -> list[int]
     return [s["shard"] for s in p["shards"] if s["shard"] not in done]
 
 
-def progress(store_root: str, job_id: str) -> dict[str, dict[str, int]]:
-    """Shards embedded so far (commit markers) of the planned shards: the GPU workers' progress, which an
-    executor sees only as one running step. Empty until the plan exists; from the result once the job has
-    it (its scratch, the markers included, is gone then)."""
+def progress(store_root: str, job_id: str) -> dict[str, dict[str, Any]]:
+    """Shards embedded so far (commit markers) of the planned shards, and the input rows they hold: the GPU
+    workers' progress, which an executor sees only as one running step. Empty until the plan exists; from
+    the result once the job has it (its scratch, the markers included, is gone then)."""
     result_uri = join(store_root, "jobs", job_id, "result.json")
     if store.exists(result_uri):
-        shards = int(store.get_json(result_uri)["shards"])
-        return {"embedded_shards": {"done": shards, "total": shards}}
+        result = store.get_json(result_uri)
+        shards = int(result["shards"])
+        rows = int(result["rows"]) + int(result.get("skipped") or 0)  # the input's rows, as the plan counts
+        return {"embedded_shards": counter(shards, shards), "embedded_rows": counter(rows, rows, "rows")}
     if not store.exists(layout.plan_uri(store_root, job_id)):
         return {}
     p = load_plan(store_root, job_id)
-    done = len(p["shards"]) - len(missing_shards(store_root, job_id, p))
-    return {"embedded_shards": {"done": done, "total": len(p["shards"])}}
+    missing = set(missing_shards(store_root, job_id, p))
+    done = [s for s in p["shards"] if s["shard"] not in missing]
+    return {
+        "embedded_shards": counter(len(done), len(p["shards"])),
+        "embedded_rows": counter(sum(s["rows"] for s in done), sum(s["rows"] for s in p["shards"]), "rows"),
+    }
 
 
 def reconcile(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
