@@ -282,7 +282,11 @@ MOTO_NOTE = (
 @click.version_option(package_name="shardfold", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="show the JSON logs (-v: info, -vv: debug)")
 def cli(verbose: int) -> None:
-    """Shardfold: serverless batch jobs on AWS Step Functions and Lambda, or locally."""
+    """Shardfold: serverless batch jobs on AWS Step Functions and Lambda, or locally.
+
+    Local jobs live in a store folder: ./.shardfold in the working directory, or $SHARDFOLD_HOME (set it
+    once, e.g. in your shell's profile, to see the same jobs from every directory). Every verb names the
+    store it used."""
     # The library logs JSON lines for CloudWatch; at a terminal they would drown the tables, so the CLI
     # shows only errors unless asked (an explicit POWERTOOLS_LOG_LEVEL wins).
     if verbose or not os.environ.get("POWERTOOLS_LOG_LEVEL"):
@@ -293,7 +297,7 @@ def cli(verbose: int) -> None:
 
 
 @cli.command()
-@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
 @backend_option
 @click.option(
     "--no-wait", is_flag=True, help="print the job id and return at once (locally the job runs on, detached)"
@@ -311,14 +315,19 @@ def cli(verbose: int) -> None:
 def run(
     spec: str, backend: str, stack: str | None, no_wait: bool, quiet: bool, as_json: bool, upload: bool
 ) -> None:
-    """Submit the job in SPEC (a JSON file), show progress and print its result."""
+    """Submit the job in SPEC (a JSON file; - reads it from standard input), show progress and print its
+    result."""
+    source: Any = sys.stdin.read() if spec == "-" else Path(spec)
     with _client(backend, stack) as client:
         # --no-wait on the local backend: the job runs in a process of its own, which outlives this one
-        job = client.submit(Path(spec), detach=no_wait and backend == "local", upload=upload)
+        job = client.submit(source, detach=no_wait and backend == "local", upload=upload)
         if quiet or as_json:
             (out if quiet else err).print(job.job_id, highlight=False, markup=False)
         else:
-            out.print(f"submitted [bold]{_t(job.job_id)}[/] ({_t(job.kind)}) on {backend}")
+            out.print(
+                f"submitted [bold]{_t(job.job_id)}[/] ({_t(job.kind)}) on {backend}, "
+                f"store {_t(_where(client))}"
+            )
         if no_wait:
             if backend == "moto":
                 err.print("[yellow]note:[/] moto state lives in this process; waiting anyway")
@@ -442,6 +451,7 @@ def jobs(
     """List the jobs on a backend, newest first."""
     with _client(backend, stack) as client:
         statuses = client.jobs()
+        where = _where(client)
     wanted = {s.upper() for s in states}
     chosen = [
         st for st in statuses if (not wanted or st.state in wanted) and (not kinds_ or st.kind in kinds_)
@@ -451,7 +461,15 @@ def jobs(
         _print_json([_status_dict(st) for st in chosen])
         return
     if not chosen:
-        out.print(f"no jobs on the {_t(backend)} backend" + (" match" if wanted or kinds_ else ""))
+        out.print(
+            f"no jobs in the {_t(backend)} store {_t(where)}"
+            + (" match" if wanted or kinds_ else "")
+            + (
+                " ($SHARDFOLD_HOME or another directory's .shardfold may hold yours)"
+                if backend == "local"
+                else ""
+            )
+        )
         return
     if not out.is_terminal:  # piped: whole values, one line per job, for grep and awk
         headers = ["job id", "kind", "state", "submitted", "steps", "error"]
@@ -466,9 +484,10 @@ def jobs(
             ]
             for st in chosen
         ]
-        _print_table(TextTable(f"jobs ({backend}), newest first", headers, rows))
+        _print_table(TextTable(f"jobs ({backend}, store {where}), newest first", headers, rows))
     else:  # a terminal: id, kind, state and age first and whole; the steps summed up; the error folds
-        table = Table(title=f"jobs ({_t(backend)}), newest first", title_justify="left", box=box.SIMPLE_HEAD)
+        title = f"jobs ({_t(backend)}, store {_t(where)}), newest first"
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
         widest = max(len(st.job_id) for st in chosen)
         table.add_column("job id", no_wrap=True, min_width=widest)
         for h in ("kind", "state", "age", "progress"):
@@ -482,6 +501,12 @@ def jobs(
         out.print(table)
     if len(chosen) == limit and len(statuses) > limit:
         err.print(f"[dim]the newest {limit}; --limit N shows more[/]")
+
+
+def _where(client: Any) -> str:
+    """The store a client uses, as a user would type it: a local folder's path, else its URI."""
+    root = client.store_root
+    return root[len("file://") :] if root.startswith("file://") else root
 
 
 def _age(submitted: str, now: float) -> str:
@@ -677,6 +702,27 @@ def cancel(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
             _print_json({"job_id": job.job_id, "state": job.status().state})
             return
     out.print(f"cancelled [bold]{_t(job.job_id)}[/]")
+
+
+@cli.command()
+@click.argument("job_ids", nargs=-1, required=True, metavar="JOB_ID...")
+@backend_option
+@click.option("--yes", "-y", is_flag=True, help="do not ask before deleting")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def delete(job_ids: tuple[str, ...], backend: str, stack: str | None, yes: bool, as_json: bool) -> None:
+    """Delete ended jobs: each one's whole folder (spec, status, result, outputs inside it). An output the
+    spec placed elsewhere and a dpquery job's budget-ledger entry stay. `clean` frees scratch only."""
+    with _client(backend, stack) as client:
+        chosen = [client.job(j).job_id for j in job_ids]  # every id resolved before anything is deleted
+        if not yes:
+            if not sys.stdin.isatty():
+                raise click.UsageError("deleting needs --yes when the input is not a terminal")
+            click.confirm(f"delete {len(chosen)} job(s): {', '.join(chosen)}?", abort=True, err=True)
+        deleted = [client.delete(j) for j in chosen]
+    if as_json:
+        _print_json({"deleted": deleted})
+        return
+    out.print(f"deleted {len(deleted)} job(s)" + "".join(f"\n  {_t(j)}" for j in deleted))
 
 
 @cli.command()

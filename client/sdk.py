@@ -50,11 +50,12 @@ DETACH_START_S = 60.0  # how long submit(detach=True) waits for the detached pro
 
 
 def load_spec_document(spec: SpecInput) -> tuple[Any, str | None]:
-    """The spec as a dict/JSON text plus, when it came from a file, that file's URI.
+    """The spec as a dict/JSON text plus the URI its ``./`` and ``../`` fields are relative to.
 
     A path (``Path`` or a string naming an existing ``.json`` file) is read; its ``./`` and ``../`` URI
-    fields are then relative to the file, so a spec can ship with its data (see ``events/``).
-    """
+    fields are then relative to the file, so a spec can ship with its data (see ``events/``). Those of a
+    dict or JSON text (``shardfold run -``) are relative to the working directory. A model built in Python
+    was resolved when it was built: its values are kept as they are."""
     if isinstance(spec, BaseModel):
         return dump_spec(spec), None
     if isinstance(spec, os.PathLike) or (
@@ -65,7 +66,7 @@ def load_spec_document(spec: SpecInput) -> tuple[Any, str | None]:
             return path.read_bytes(), path.as_uri()
         except OSError as exc:
             raise SpecError(f"cannot read spec file {path}: {exc.strerror}") from exc
-    return spec, None
+    return spec, (Path.cwd() / "spec.json").as_uri()  # a file's siblings: the working directory's files
 
 
 def validate_spec(spec: SpecInput) -> JobSpec:
@@ -300,6 +301,23 @@ class Client:
             cleaned.append(st.job_id)
         return cleaned
 
+    def delete(self, job_id: str) -> str:
+        """Remove an ended job's folder from the store: its spec, status, journal, scratch, result and the
+        outputs written inside it (an ``output`` the spec placed elsewhere stays, as does a dpquery job's
+        entry in its dataset's budget ledger: spent budget stays spent). Refuses a job that is still running.
+        Returns the job's id."""
+        from shardfold.functions.jobs import job_key
+
+        job = self.job(job_id)
+        status = job.status()
+        if not status.finished:
+            raise SpecError(
+                f"job {job.job_id} is {status.state}: cancel it first (`shardfold cancel {job.job_id}`)",
+                [{"field": "job_id", "error": "the job is still running"}],
+            )
+        store.delete_prefix(self.uri(job_key(job.job_id) + "/"))
+        return job.job_id
+
     # -- direct helpers -----------------------------------------------------------------------------------
 
     @property
@@ -414,13 +432,17 @@ class Job:
         return status
 
     def _with_kind_progress(self, status: Any, throttle_s: float = 0.0) -> Any:
-        """``status`` with the kind's counters added to its steps (read at most every ``throttle_s``)."""
+        """``status`` with the kind's counters added to its steps (read at most every ``throttle_s``; while
+        there are none yet, as the work is not planned, every quarter second: a counter's bar then begins
+        when its work does)."""
         if self.kind not in kinds.packages() or kinds.find(self.kind).progress is None:
             return status
         kind = kinds.find(self.kind)
         now = time.monotonic()
         cached = self._kind_progress
-        if cached is None or now - cached[0] >= throttle_s or status.finished:
+        if cached is None or now - cached[0] >= (throttle_s if cached[1] else min(throttle_s, 0.25)):
+            cached = None
+        if cached is None or status.finished:
             try:
                 cached = (now, kind.counters(self.client.store_root, self.job_id))
             except ShardfoldError:  # the store is unreachable now; the executor's own counts still show

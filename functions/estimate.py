@@ -36,15 +36,20 @@ class ProbeBudget:
 
     ``figures``: whether to look up what only the cost, time and output figures need, not the memory
     check (getbatch's object sizes: its engine's memory is bounded in bytes whatever the sizes). Submit
-    checks memory only; ``shardfold plan`` shows the figures."""
+    checks memory only; ``shardfold plan`` shows the figures.
+
+    ``refuse``: whether what the job's first step would certainly fail on (a missing input, a column the
+    dataset lacks) is refused here, naming the field, rather than noted: at submit, not when planning
+    ahead of the data."""
 
     objects: int
     data_bytes: int
     figures: bool = True
+    refuse: bool = False
 
 
 # What submit may spend (a few dozen objects' metadata, at most 1 MiB of data) and what `shardfold plan` may.
-SUBMIT_BUDGET = ProbeBudget(objects=32, data_bytes=1 * MiB, figures=False)
+SUBMIT_BUDGET = ProbeBudget(objects=32, data_bytes=1 * MiB, figures=False, refuse=True)
 PLAN_BUDGET = ProbeBudget(objects=10_000, data_bytes=256 * MiB)
 
 

@@ -9,7 +9,9 @@ Validation errors become :class:`SpecError` listing every problem with the field
 job reads it) or :data:`OutputUri` (the job writes it). From that metadata alone
 
 * a ``./x`` or ``../x`` value in a spec *file* resolves against the file's own location, so a spec can
-  travel with its data (``events/getbatch.json`` + ``events/data/``): :func:`parse_spec` with ``base_uri``;
+  travel with its data (``events/getbatch.json`` + ``events/data/``): :func:`parse_spec` with ``base_uri``
+  (the SDK gives a dict's the working directory); an absolute path ``/x`` is the local file ``file:///x``;
+  a bare ``x`` is the key ``x`` under the store root;
 * every value is kept in normal form (:func:`functions.store.uri.normalise`): a key under the store root
   without ``./``, ``//`` or ``a/..`` (``./c``, ``.//c`` and ``a/../c`` are all ``c``), a ``file://`` path
   without ``//`` or ``/./``, so one object has one name and :func:`repeated_uris` finds a repeat by string;
@@ -18,6 +20,7 @@ job reads it) or :data:`OutputUri` (the job writes it). From that metadata alone
 
 from __future__ import annotations
 
+import difflib
 import json
 import types
 from collections.abc import Iterator, Sequence
@@ -112,6 +115,8 @@ def _resolve_against_spec_file(value: str, info: ValidationInfo) -> str:
     from shardfold.functions.store.uri import normalise
 
     base = (info.context or {}).get("base_uri")
+    if value.startswith("/") and not value.startswith("//"):
+        value = "file://" + value  # an absolute path is a local file, as it is to every other program
     return normalise(resolve_relative(value, base) if base else value)
 
 
@@ -399,10 +404,34 @@ def describe_errors(err: ValidationError, prefix: str = "", model: Any = None) -
                 shapes[field][2].append(_message(e).removeprefix("Input should be "))
                 continue
             shapes[field] = (len(out), e, [_message(e)])
-        out.append({"field": field, "error": error_text(e)})
+        text = error_text(e)
+        if e["type"] == "extra_forbidden" and model is not None and loc:
+            cls = model if isinstance(model, type) else type(model)
+            near = difflib.get_close_matches(str(loc[-1]), sorted(_field_names(cls)), n=1)
+            text += f" (did you mean {near[0]!r}?)" if near else ""
+        out.append({"field": field, "error": text})
     for i, e, wanted in shapes.values():
         out[i]["error"] = error_text(e, " or ".join(wanted))
     return out
+
+
+def _field_names(cls: Any, seen: set | None = None) -> set[str]:
+    """Every field name (and alias) of a spec model and the models it holds: what a misspelt key is
+    matched against."""
+    seen = set() if seen is None else seen
+    if cls in seen or not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+        return set()
+    seen.add(cls)
+    names: set[str] = set()
+    for name, info in cls.model_fields.items():
+        names.add(info.alias or name)
+        stack = [info.annotation]
+        while stack:
+            ann = stack.pop()
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                names |= _field_names(ann, seen)
+            stack.extend(get_args(ann))
+    return names
 
 
 def _is_shape_error(e: Any) -> bool:

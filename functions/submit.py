@@ -20,8 +20,8 @@ from shardfold.functions import access, claims, kinds, store
 from shardfold.functions.errors import NoCredentials, ShardfoldError, SpecError, StoreError, StoreUnreachable
 from shardfold.functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
 from shardfold.functions.jobs import job_key, new_job_id, spec_key
-from shardfold.functions.specs import JobSpec, UriField, dump_spec, parse_spec, uri_fields
-from shardfold.functions.store.uri import join
+from shardfold.functions.specs import JobSpec, UriField, dump_spec, parse_spec, resolve_relative, uri_fields
+from shardfold.functions.store.uri import join, local_path
 
 # (job_id, kind, spec_uri) -> execution id (an ARN on AWS) or None
 Starter = Callable[[str, str, str], str | None]
@@ -168,6 +168,37 @@ def claim_outputs(
     return outputs
 
 
+# Inputs named as store keys that check_local_twins stats (the rest are found when a task reads them)
+MAX_TWIN_CHECKS = 10_000
+
+
+def check_local_twins(spec: JobSpec, store_root: str, base_uri: str | None) -> None:
+    """Refuse an input named as a store key (``data/x``) that the store lacks while a local file of that
+    name sits beside the spec (or in the working directory, for a dict): the user meant the file, spelled
+    ``./data/x``. One stat per key (the first :data:`MAX_TWIN_CHECKS`), and a store lookup only for a key
+    that has a local twin; a spec from the bucket has no local files and is not looked at."""
+    if not base_uri or not base_uri.startswith("file://"):
+        return
+    missing = []
+    keys = [f for f in uri_fields(spec) if f.role == "input" and "://" not in f.uri and not f.prefix]
+    for f in keys[:MAX_TWIN_CHECKS]:
+        twin = resolve_relative("./" + f.uri, base_uri)
+        if local_path(twin).is_file() and not store.exists(join(store_root, f.uri)):
+            missing.append((f, twin))
+    if missing:
+        errors = [
+            {"field": f.field, "error": f"no object {f.uri!r} in the store; the local file is './{f.uri}'"}
+            for f, _ in missing
+        ]
+        f, twin = missing[0]
+        raise SpecError(
+            f"{f.field}: {f.uri!r} names a key under the store root ({store_root}), which has no such "
+            f"object, while the local file {local_path(twin)} exists: write './{f.uri}' for that file"
+            + (f" (and {len(missing) - 1} more like it)" if len(missing) > 1 else ""),
+            errors,
+        )
+
+
 def _document_bytes(doc: Any) -> int | None:
     """The size of a spec document as JSON text (None for a parsed model: measured once dumped)."""
     if isinstance(doc, bytes | str):
@@ -201,6 +232,7 @@ def check(
     with access.policy(spec):
         check_policy(spec, store_root, grants)
         check_credentials(spec, store_root)
+        check_local_twins(spec, store_root, base_uri)
         overwrite = bool(getattr(spec, "overwrite", False))
         with store.endpoint_errors():
             for f, full in _outputs(spec, store_root, grants):  # what submit's claim would refuse

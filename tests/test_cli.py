@@ -200,8 +200,13 @@ def test_user_errors_are_one_red_line(home, tmp_path):
 def test_failed_job_exits_nonzero(home, tmp_path):
     path = tmp_path / "missing.json"
     path.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": "data/not-there.bin"}]}))
+    res = invoke("run", str(path), ok=False)  # a local file that is not there: refused at submit
+    assert res.exit_code == 1 and "items.0.uri: no file at" in res.output and "not-there.bin" in res.output
+    # in a manifest (inline items are what submit stats) the job runs, fails, and says how to go on
+    store.put(join(home, "m.jsonl"), b'{"uri": "data/not-there.bin"}\n')
+    path.write_text(json.dumps({"kind": "getbatch", "manifest": "m.jsonl"}))
     res = invoke("run", str(path), ok=False)
-    assert res.exit_code == 1 and "not-there.bin" in res.output and "resume" in res.output
+    assert res.exit_code == 1 and "not-there.bin" in res.output and "shardfold resume" in res.output
 
 
 # --- user text prints as written (rich markup is escaped) ---------------------------------------------------

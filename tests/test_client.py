@@ -167,13 +167,17 @@ def test_plan_refuses_task_that_does_not_fit(client, root, monkeypatch):
 
 
 @pytest.mark.slow
-def test_failed_job_result_is_a_clear_error(client):
-    job = client.submit(
-        {"kind": "getbatch", "items": [{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}]}
-    )
+def test_failed_job_result_is_a_clear_error(client, root):
+    items = [{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}]
+    with pytest.raises(SpecError, match=r"items\.1\.uri: no file at .*nope\.bin"):  # a local file: at submit
+        client.submit({"kind": "getbatch", "items": items})
+    # in a manifest (submit stats inline items only) the job runs and fails naming it
+    store.put(join(root, "m.jsonl"), "".join(json.dumps(i) + "\n" for i in items).encode())
+    job = client.submit({"kind": "getbatch", "manifest": "m.jsonl"})
     status = job.wait(progress=False)
     assert status.state == "FAILED" and "nope.bin" in (status.error or "")
-    with pytest.raises(JobFailed, match="nope.bin"):
+    # a missing object: resume once it is there
+    with pytest.raises(JobFailed, match=r"nope\.bin.*shardfold resume"):
         job.result()
 
 

@@ -21,7 +21,7 @@ from shardfold.client.cli import cli
 from shardfold.client.demo import fedavg_reference, fedavg_updates
 from shardfold.client.fedavg import UpdateError, decode_update, encode_update
 from shardfold.functions import store
-from shardfold.functions.errors import PlanError
+from shardfold.functions.errors import PlanError, SpecError
 from shardfold.functions.jobs import new_job_id, spec_key
 from shardfold.functions.store.uri import local_path
 
@@ -154,8 +154,18 @@ def test_sdk_run_with_relative_keys_and_weights_on_moto(moto_client):
 def test_missing_client_fails_the_job_naming_it_and_writes_no_output(moto_client):
     keys = save_all(moto_client, "rounds/3", fedavg_updates(SMALL, 2, seed=5))
     missing = "rounds/3/client-gone.safetensors"
-    job = moto_client.fedavg.submit([keys[0], missing, keys[1]], output="results/never.safetensors")
-    status = job.wait(progress=False, timeout_s=WAIT_S)
+    with pytest.raises(SpecError, match=r"clients: client 1 .*client-gone\.safetensors"):  # at submit
+        moto_client.fedavg.submit([keys[0], missing, keys[1]], output="results/never.safetensors")
+    # started without submit's look (the client deleted after it): the prepare step checks again
+    from shardfold.functions.jobs import new_job_id, spec_key
+    from shardfold.functions.specs import dump_spec, parse_spec
+
+    doc = {"kind": "fedavg", "clients": [{"uri": k} for k in (keys[0], missing, keys[1])]}
+    job_id = new_job_id("fedavg")
+    spec_uri = moto_client.uri(spec_key(job_id))
+    store.put_json(spec_uri, dump_spec(parse_spec({**doc, "output": "results/never.safetensors"})))
+    moto_client.executor.start(job_id, "fedavg", spec_uri)
+    status = moto_client.executor.wait(job_id, timeout_s=WAIT_S)
     assert status.state == "FAILED"
     assert "client 1" in status.error and "client-gone.safetensors" in status.error
     assert not store.exists(moto_client.uri("results/never.safetensors"))

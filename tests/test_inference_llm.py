@@ -320,7 +320,7 @@ def test_embed_with_a_folder_pools_as_sentence_transformers_does(client, folders
 
 
 def test_a_folder_that_cannot_do_the_task_is_refused_at_submit(client, folders, tmp_path):
-    inputs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the sea"}])
+    inputs = write_jsonl(tmp_path / "p.jsonl", [{"id": 0, "prompt": "the sea"}])
     enc = "file://" + str(folders["enc"])
     with pytest.raises(SpecError, match=r"task generate: model\.hf .* not a causal language model"):
         client.submit(generate_spec(inputs, folders["enc"]))
@@ -383,7 +383,7 @@ def test_the_plan_sizes_the_worker_by_the_folders_weights_and_the_generation_cac
     from shardfold.functions.estimate import estimate
     from shardfold.functions.specs import parse_spec
 
-    inputs = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the sea"}])
+    inputs = write_jsonl(tmp_path / "p.jsonl", [{"id": 0, "prompt": "the sea"}])
     base = generate_spec(inputs, folders["lm"])
 
     def peak(spec: dict) -> float:

@@ -259,7 +259,9 @@ def test_one_big_object_is_one_window_not_256(local, tmp_path):
 def test_clean_removes_scratch_and_journals_of_ended_jobs(local, tmp_path, monkeypatch):
     (tmp_path / "a.bin").write_bytes(b"a" * 100)
     ok = local.submit({"kind": "getbatch", "items": [{"uri": (tmp_path / "a.bin").as_uri()}]})
-    bad = local.submit({"kind": "getbatch", "items": [{"uri": (tmp_path / "missing.bin").as_uri()}]})
+    listed = tmp_path / "items.jsonl"  # a manifest's items are read by the job, not stat-ed at submit
+    listed.write_text(json.dumps({"uri": (tmp_path / "missing.bin").as_uri()}) + "\n")
+    bad = local.submit({"kind": "getbatch", "manifest": listed.as_uri()})
     assert ok.wait(progress=False).state == "SUCCEEDED" and bad.wait(progress=False).state == "FAILED"
     folder = tmp_path / "store" / "jobs"
     assert (folder / ok.job_id / "journal").exists() and (folder / bad.job_id / "getbatch").exists()

@@ -245,8 +245,9 @@ def test_a_private_steps_end_says_only_its_outcome(tmp_path):
 
 def test_a_failing_task_shows_its_error_and_its_log(local_client):
     store.put(local_client.uri("d/there"), b"x")
-    job = local_client.submit({"kind": "getbatch", "items": [{"uri": "d/there"}, {"uri": "d/gone"}]})
-    store.delete(local_client.uri("d/gone"))  # missing by the time the job reads it
+    # listed in a manifest, which submit does not stat item by item: the job runs and its task fails
+    store.put(local_client.uri("d/items.jsonl"), b'{"uri": "d/there"}\n{"uri": "d/gone"}\n')
+    job = local_client.submit({"kind": "getbatch", "manifest": "d/items.jsonl"})
     assert job.wait(progress=False, timeout_s=WAIT_S).state == "FAILED"
     failed = [
         r for r in telemetry.read_records(local_client.store_root, job.job_id) if r["outcome"] == "failed"

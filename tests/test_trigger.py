@@ -42,7 +42,11 @@ class Starter:
 @pytest.fixture
 def root(tmp_path, monkeypatch) -> str:
     monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
-    return store_root()
+    root = store_root()
+    # the objects the specs name (submit refuses a local file that is not there)
+    for key in ("data/a.bin", "data/b.bin", "jobs/data/a.bin"):
+        store.put(join(root, key), b"0123456789")
+    return root
 
 
 def put_spec(root: str, name: str, doc: dict | bytes) -> str:

@@ -235,11 +235,17 @@ def _opaque(uri: str, fmt: str, exc: BaseException) -> DatasetError:
     )
 
 
-def _missing(uri: str, missing: list[str], wanted: int, found: int) -> DatasetError:
-    """A schema attribute the file lacks (the header or the Parquet schema: public facts)."""
+MAX_NAMED_COLUMNS = 50  # a refusal lists at most this many of the dataset's columns
+
+
+def _missing(uri: str, missing: list[str], wanted: int, names: Sequence[str]) -> DatasetError:
+    """A schema attribute the file lacks, naming the columns it has (the header or the Parquet schema:
+    public facts, like the schema itself)."""
+    shown = ", ".join(repr(c) for c in list(names)[:MAX_NAMED_COLUMNS])
+    more = f", and {len(names) - MAX_NAMED_COLUMNS} more" if len(names) > MAX_NAMED_COLUMNS else ""
     return DatasetError(
-        f"dataset {uri} has no column {', '.join(repr(c) for c in missing)} "
-        f"(the schema names {wanted} attribute(s); the dataset has {found} column(s))",
+        f"dataset {uri} has no column {', '.join(repr(c) for c in missing)}; its {len(names)} column(s): "
+        f"{shown}{more} (each attribute is named as its column)",
         column=missing[0],
         missing=missing,
     )
@@ -251,7 +257,7 @@ def record_batches(uri: str, fmt: str, columns: Sequence[str]) -> Iterator[pa.Re
     names = column_names(uri, fmt)
     missing = [c for c in columns if c not in names]
     if missing:
-        raise _missing(uri, missing, len(columns), len(names))
+        raise _missing(uri, missing, len(columns), names)
     if fmt != "parquet":
         yield from _csv_batches(uri, columns)
         return
@@ -539,7 +545,7 @@ def check_schema(uri: str, fmt: str, attributes: Sequence[DPAttribute]) -> None:
     names = column_names(uri, fmt)
     missing = [a.name for a in attributes if a.name not in names]
     if missing:
-        raise _missing(uri, missing, len(attributes), len(names))
+        raise _missing(uri, missing, len(attributes), names)
     if fmt != "parquet":
         return
     with _open(uri) as f:

@@ -29,7 +29,7 @@ from shardfold.functions.dpquery.workflow import (
     RECONSTRUCT,
     RECONSTRUCT_GROUP,
 )
-from shardfold.functions.errors import StoreError
+from shardfold.functions.errors import AccessDenied, NoCredentials, ObjectNotFound, SpecError, StoreError
 from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from shardfold.functions.tables import Table
 
@@ -117,14 +117,32 @@ def _names(spec: Any, pl: Any, j: int) -> str:
     return marginal_name(names) + (f" ({', '.join(asked)})" if asked else "")
 
 
-def _dataset_size(spec: Any, store_root: str) -> tuple[int | None, str | None]:
+def _dataset_size(spec: Any, store_root: str, refuse: bool) -> tuple[int | None, str | None]:
+    """The dataset's size; with ``refuse`` (at submit), after the public facts its prepare step checks
+    first (it exists; its header or Parquet schema has the schema's columns, of types that hold them:
+    :func:`data.check_schema`), so a spec that names a missing dataset or column is refused, naming it.
+    Without, a missing dataset is a note (a plan made ahead of the data). A lookup this process may not
+    make (the job's role may read what the submitter cannot) is a note, not a refusal."""
     from shardfold.functions import access, store
+    from shardfold.functions.dpquery import data
 
     uri = access.input_uri(spec.dataset, store_root, "dataset")
     try:
-        return store.size(uri), None
-    except StoreError as exc:  # missing, or no permission: the job's prepare step would fail the same way
-        return None, f"dataset {uri}: {exc}; the job will fail at its prepare step (nothing is spent)"
+        size = store.size(uri)
+    except ObjectNotFound as exc:
+        if not refuse:
+            return None, f"dataset {uri}: {exc}; the job will fail at its prepare step (nothing is spent)"
+        raise SpecError(
+            f"dataset: no object at {uri}", [{"field": "dataset", "error": f"no object at {uri}"}]
+        ) from exc
+    except StoreError as exc:  # no permission here: the job's prepare step reads it with its own role
+        return None, f"dataset {uri}: {exc}; its prepare step fails too if the job's role cannot read it"
+    if refuse:
+        try:
+            data.check_schema(uri, spec.format, spec.attributes)
+        except (AccessDenied, NoCredentials):
+            pass  # as above: the job's role decides
+    return size, None
 
 
 def _ledger(spec: Any, store_root: str) -> tuple[Any, str | None]:
@@ -271,7 +289,7 @@ def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
 
     pl = planner.plan(spec)  # a PlanError (a marginal too large, ...) is the job's own refusal
     notes: list[str] = []
-    size, problem = _dataset_size(spec, store_root)
+    size, problem = _dataset_size(spec, store_root, budget.refuse)
     if problem:
         notes.append(problem)
     state, problem = _ledger(spec, store_root)

@@ -693,7 +693,13 @@ def scaled(plan: ShardPlan, n: int, shards: int | None) -> ShardPlan:
 def probe(spec: Any, store_root: str, budget: Any) -> Any:
     """Client headers, as the job's prepare step reads them, for at most ``budget.objects`` clients (evenly
     sampled beyond); an unreadable update becomes a note (the job fails at its prepare step naming it)."""
-    from shardfold.functions.errors import InvalidModelFile, StoreError, TooFewClients
+    from shardfold.functions.errors import (
+        InvalidModelFile,
+        ObjectNotFound,
+        SpecError,
+        StoreError,
+        TooFewClients,
+    )
     from shardfold.functions.estimate import Probe
     from shardfold.functions.fedavg import core
 
@@ -707,6 +713,10 @@ def probe(spec: Any, store_root: str, budget: Any) -> Any:
     try:
         plan = core.inspect(sample, ESTIMATE_JOB_ID, store_root)
     except (StoreError, InvalidModelFile, TooFewClients) as exc:
+        # at submit, a round that waits for no one fails at prepare on a missing or unreadable update:
+        # refused now, naming it (a tolerant round may still see it arrive, or go on without it)
+        if budget.refuse and not spec.tolerant and isinstance(exc, ObjectNotFound | InvalidModelFile):
+            raise SpecError(f"clients: {exc}", [{"field": "clients", "error": str(exc)}]) from exc
         return Probe(
             facts={"clients": n, "headers_read": 0},
             notes=[f"{exc}: the job will fail at its prepare step; sizes, shards and memory are not known"],

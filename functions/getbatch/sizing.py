@@ -23,12 +23,13 @@ import math
 from typing import Any
 
 from shardfold.functions import access, jsontext, pricing, store
-from shardfold.functions.errors import ShardfoldError
+from shardfold.functions.errors import ShardfoldError, SpecError
 from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from shardfold.functions.getbatch import core
 from shardfold.functions.getbatch.spec import GetBatchJob
 from shardfold.functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PREPARE
 from shardfold.functions.store import batch, s3
+from shardfold.functions.store.uri import local_path
 
 # Python memory of one parsed BatchItem plus its JSON (plan and assemble hold all of them / their rows).
 ITEM_OBJECT_BYTES = 1024
@@ -108,7 +109,29 @@ def _check_endpoint(items: list[Any], notes: list[str]) -> None:
         notes.append(f"{first}: {exc}")
 
 
+# Local files among a spec's inline items that submit stats (a stat costs microseconds; S3 objects are left
+# to the job, which reports each one)
+MAX_LOCAL_CHECKS = 10_000
+
+
+def _refuse_missing_local_files(spec: GetBatchJob, store_root: str) -> None:
+    """At submit: an inline item that is a local file (``file://``, an absolute path, a key of the local
+    store) that does not exist fails the job unless ``continue_on_error``: refused here, naming it."""
+    if spec.items is None or spec.continue_on_error:
+        return
+    for k, item in enumerate(spec.items[:MAX_LOCAL_CHECKS]):
+        uri = access.input_uri(item.uri, store_root, f"items.{k}.uri")
+        if uri.startswith("file://") and not local_path(uri).is_file():
+            raise SpecError(
+                f"items.{k}.uri: no file at {local_path(uri)} (set continue_on_error to fetch the others and "
+                "mark it missing)",
+                [{"field": f"items.{k}.uri", "error": f"no file at {local_path(uri)}"}],
+            )
+
+
 def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
+    if budget.refuse:
+        _refuse_missing_local_files(spec, store_root)
     items, n, notes = _items(spec, store_root, budget)
     found = _sizes(spec, items, budget, notes)
     missing = {u for u, s in found.items() if s is None}

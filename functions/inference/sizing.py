@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfold.functions import access, pricing, store
+from shardfold.functions.errors import ObjectNotFound, SpecError
 from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from shardfold.functions.inference import workflow as wf
 from shardfold.functions.inference.shards import READ_CHUNK
@@ -75,20 +76,75 @@ def _input_rows(uri: str, fmt: str, head_bytes: int) -> tuple[int, int, bool]:
     return max(lines, round(lines * size / len(head))), size, False
 
 
+FIRST_ROW_BYTES = 16 * 1024  # what submit reads of a JSONL input to find its first row's keys
+
+
+def _refuse_absent_fields(spec: InferenceJob, uri: str, fmt: str | None, i: int) -> None:
+    """At submit: a column the spec reads (``field``, ``pair_field``, ``id_field``) that no row of input
+    ``i`` can have (a Parquet schema without it), or that its first JSONL row lacks when a bad row fails
+    the job (``on_bad_row: fail``), is refused naming the field and the columns there are."""
+    wanted = {
+        k: v
+        for k, v in (("field", spec.field), ("pair_field", spec.pair_field), ("id_field", spec.id_field))
+        if v
+    }
+    if not wanted:
+        return
+    if fmt == "parquet":
+        from shardfold.functions.inference.shards import open_parquet
+
+        have = list(open_parquet(uri, f"inputs.{i}").schema_arrow.names)
+        where = "its columns"
+    elif fmt == "jsonl" and spec.on_bad_row == "fail":
+        from shardfold.functions import jsontext
+
+        size = store.size(uri)
+        text = store.get(uri, 0, min(size, FIRST_ROW_BYTES))
+        if b"\n" not in text and size > FIRST_ROW_BYTES:
+            return  # a first row longer than that: the job reads it
+        first = text.split(b"\n", 1)[0]
+        try:
+            row = jsontext.loads(first)
+        except ValueError:
+            return  # a bad first line is the job's to report, with its line number
+        if not isinstance(row, dict):
+            return
+        have = list(row)
+        where = "the keys of its first row"
+    else:
+        return
+    for name, column in wanted.items():
+        if column not in have:
+            shown = ", ".join(repr(c) for c in have[:30]) + (", ..." if len(have) > 30 else "")
+            msg = f"inputs.{i} has no {column!r} ({where}: {shown})"
+            raise SpecError(f"{name}: {msg}", [{"field": name, "error": msg}])
+
+
 def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
     notes: list[str] = []
     inputs = []
-    head = max(64 * 1024, budget.data_bytes // max(1, min(len(spec.inputs), budget.objects)))
+    probed = max(1, min(len(spec.inputs), budget.objects))
+    # at submit each input's first row is read too (FIRST_ROW_BYTES): the budget holds both
+    head = max(64 * 1024, budget.data_bytes // probed - (FIRST_ROW_BYTES if budget.refuse else 0))
     for i, raw in enumerate(spec.inputs[: budget.objects]):
         try:
             uri = access.input_uri(raw, store_root, f"inputs.{i}")
             rows, size, exact = _input_rows(uri, inference_input_format(raw), head)
+        except ObjectNotFound as exc:
+            if budget.refuse:  # at submit: the job's prepare step would fail on it
+                raise SpecError(f"inputs.{i}: {exc}", [{"field": f"inputs.{i}", "error": str(exc)}]) from exc
+            notes.append(
+                f"inputs.{i} {raw}: {exc}: the job will fail at its prepare step; rows are not known"
+            )
+            continue
         except Exception as exc:  # noqa: BLE001 - any unreadable input becomes a note, as in the other kinds
             notes.append(
                 f"inputs.{i} {raw}: {exc}: the job will fail at its prepare step; rows are not known"
             )
             continue
         inputs.append({"rows": rows, "bytes": size, "exact": exact})
+        if budget.refuse:
+            _refuse_absent_fields(spec, uri, inference_input_format(raw), i)
     if len(spec.inputs) > budget.objects:
         notes.append(f"{budget.objects} of {len(spec.inputs)} inputs probed; the rest assumed alike")
     model_bytes = 0  # the built-in MiniLM's are in WORKER_RUNTIME_BYTES

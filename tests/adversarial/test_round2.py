@@ -344,17 +344,20 @@ def test_a_failing_job_writes_no_log_line_to_stdout(tmp_path):
 
     env = {**__import__("os").environ, "SHARDFOLD_HOME": str(tmp_path / "store")}
     env.pop("POWERTOOLS_LOG_LEVEL", None)
+    # a missing file in a manifest: submit stats inline items only, so the job runs and fails in its task
     missing = (tmp_path / "missing.bin").as_uri()
+    manifest = tmp_path / "items.jsonl"
+    manifest.write_text(json.dumps({"uri": missing}) + "\n")
     script = (
         "from shardfold import Client\n"
         "with Client() as c:\n"
-        f"    job = c.submit({{'kind': 'getbatch', 'items': [{{'uri': {missing!r}}}]}})\n"
+        f"    job = c.submit({{'kind': 'getbatch', 'manifest': {manifest.as_uri()!r}}})\n"
         "    print('STATE', job.wait(progress=False).state)\n"
     )
     sdk = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert sdk.returncode == 0 and sdk.stdout == "STATE FAILED\n", (sdk.stdout, sdk.stderr[-2000:])
     spec = tmp_path / "missing.json"
-    spec.write_text(json.dumps({"kind": "getbatch", "items": [{"uri": missing}]}))
+    spec.write_text(json.dumps({"kind": "getbatch", "manifest": manifest.as_uri()}))
     for args in (["run", "--json", str(spec)], ["-v", "run", "--json", str(spec)]):
         cli_run = subprocess.run(
             [sys.executable, "-m", "shardfold.client.cli", *args],
