@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from shardfold.client import Client
 from shardfold.client.cli import SAMPLE_EVENTS, cli
 from shardfold.functions import store
+from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.store.uri import join, store_root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -630,3 +631,29 @@ def test_a_spec_failure_is_not_sent_to_resume():
     transient = str(ended_badly("j", "FAILED", "ObjectNotFound: s3://b/in.bin"))
     assert "shardfold resume j" in transient
     assert "resume" not in str(ended_badly("j", "CANCELLED", None))
+
+
+def test_delete_removes_an_ended_jobs_folder_and_refuses_a_running_one(home, tmp_path, monkeypatch):
+    spec = str(spec_file(tmp_path, n=2))
+    first = json.loads(invoke("run", "--json", spec).stdout)["job_id"]
+    second = json.loads(invoke("run", "--json", spec).stdout)["job_id"]
+    assert f"store {home.removeprefix('file://')}" in invoke("jobs").output  # the store it listed
+    refused = invoke("delete", first, ok=False)  # not a terminal, no --yes: nothing deleted
+    assert (
+        refused.exit_code != 0
+        and "--yes" in refused.output
+        and store.exists(join(home, "jobs", first, "spec.json"))
+    )
+    assert json.loads(invoke("delete", first, "--yes", "--json").output) == {"deleted": [first]}
+    assert store.list_uris(join(home, "jobs", first) + "/") == []
+    assert "no job" in invoke("status", first, ok=False).output
+    assert store.exists(join(home, "data", "obj-0.bin"))  # its inputs stay
+    from types import SimpleNamespace
+
+    from shardfold.client import Client
+    from shardfold.client.sdk import Job
+
+    running = SimpleNamespace(finished=False, state="RUNNING")
+    monkeypatch.setattr(Job, "status", lambda self: running)
+    with Client() as client, pytest.raises(ShardfoldError, match="is RUNNING: cancel it first"):
+        client.delete(second)
