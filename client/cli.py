@@ -128,6 +128,23 @@ STACK_HELP = (
 )
 
 
+def _complete_job_ids(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """Shell completion of job ids: those in the backend's store that start with what was typed (the local
+    store unless --backend says otherwise; nothing when the backend cannot be reached)."""
+    try:
+        backend = ctx.params.get("backend") or os.environ.get("SHARDFOLD_BACKEND", "local")
+        with _client(backend, ctx.params.get("stack")) as client:
+            return sorted(st.job_id for st in client.jobs() if st.job_id.startswith(incomplete))
+    except Exception:  # noqa: BLE001 - completion must never print an error into the user's shell
+        return []
+
+
+def _complete_kinds(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    from shardfold.functions import kinds
+
+    return [k for k in kinds.names() if k.startswith(incomplete)]
+
+
 def backend_option(f: Any) -> Any:
     f = click.option("--stack", metavar="NAME", default=None, help=STACK_HELP)(f)
     return click.option(
@@ -394,7 +411,7 @@ JSON_HELP = "print the outcome as JSON on stdout (progress and notes stay on std
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", shell_complete=_complete_job_ids)
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON once the job succeeds")
 def wait(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
@@ -416,7 +433,7 @@ def _result_quietly(job: Any) -> dict[str, Any]:
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", shell_complete=_complete_job_ids)
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help="print the status record as JSON")
 def status(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
@@ -437,7 +454,13 @@ def status(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
 @click.option(
     "--state", "states", multiple=True, help="only jobs in this state (repeatable): RUNNING, FAILED, ..."
 )
-@click.option("--kind", "kinds_", multiple=True, help="only jobs of this kind (repeatable)")
+@click.option(
+    "--kind",
+    "kinds_",
+    multiple=True,
+    help="only jobs of this kind (repeatable)",
+    shell_complete=_complete_kinds,
+)
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="newest N jobs")
 @click.option("--json", "as_json", is_flag=True, help="print the status records as JSON")
 def jobs(
@@ -550,7 +573,7 @@ def _submitted(status: Any) -> str:
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", shell_complete=_complete_job_ids)
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help="print the raw result.json")
 def result(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
@@ -566,7 +589,7 @@ def result(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", shell_complete=_complete_job_ids)
 @backend_option
 @click.option("--step", help="only this step's tasks (a workflow step name, as `shardfold report` lists)")
 @click.option("--task", type=int, help="only this Map item's task")
@@ -615,7 +638,7 @@ def logs(
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", shell_complete=_complete_job_ids)
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.option(
@@ -690,7 +713,7 @@ def _print_report(doc: dict[str, Any]) -> None:
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", shell_complete=_complete_job_ids)
 @backend_option
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def cancel(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
@@ -705,7 +728,7 @@ def cancel(job_id: str, backend: str, stack: str | None, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("job_ids", nargs=-1, required=True, metavar="JOB_ID...")
+@click.argument("job_ids", nargs=-1, required=True, metavar="JOB_ID...", shell_complete=_complete_job_ids)
 @backend_option
 @click.option("--yes", "-y", is_flag=True, help="do not ask before deleting")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
@@ -726,7 +749,7 @@ def delete(job_ids: tuple[str, ...], backend: str, stack: str | None, yes: bool,
 
 
 @cli.command()
-@click.argument("job_id")
+@click.argument("job_id", shell_complete=_complete_job_ids)
 @backend_option
 @click.option("--no-wait", is_flag=True, help="return once the job is restarted")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + "; the result once it succeeds")
@@ -766,7 +789,7 @@ def clean(backend: str, stack: str | None, older_than: float, failed: bool, as_j
 
 
 @cli.command()
-@click.argument("kind")
+@click.argument("kind", shell_complete=_complete_kinds)
 @click.option("--region", default="us-east-1", show_default=True, help="region in the placeholder ARNs")
 @click.option("--account", default="123456789012", show_default=True, help="account in the placeholder ARNs")
 @click.option("--stage", default="dev", show_default=True, help="stage suffix of the function names")
@@ -995,7 +1018,7 @@ def _dispatch_here(event: dict[str, Any]) -> None:
 
 
 @cli.command()
-@click.argument("kind")
+@click.argument("kind", shell_complete=_complete_kinds)
 def schema(kind: str) -> None:
     """Print the JSON Schema of KIND's spec (for an editor's completion and checks of spec files)."""
     from shardfold.functions import kinds

@@ -657,3 +657,24 @@ def test_delete_removes_an_ended_jobs_folder_and_refuses_a_running_one(home, tmp
     monkeypatch.setattr(Job, "status", lambda self: running)
     with Client() as client, pytest.raises(ShardfoldError, match="is RUNNING: cancel it first"):
         client.delete(second)
+
+
+def test_shell_completion_offers_job_ids_and_kinds(home, tmp_path):
+    import subprocess
+    import sys
+
+    job_id = json.loads(invoke("run", "--json", str(spec_file(tmp_path, n=1))).stdout)["job_id"]
+
+    def complete(words: str) -> list[str]:
+        env = {**os.environ, "_SHARDFOLD_COMPLETE": "bash_complete", "COMP_WORDS": words}
+        env["COMP_CWORD"] = str(len(words.split()) - (0 if words.endswith(" ") else 1))
+        code = "from shardfold.client.cli import main; main()"
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+        )
+        return [line.split(",", 1)[1] for line in out.stdout.splitlines() if "," in line]
+
+    assert complete("shardfold status getb") == [job_id]
+    assert complete("shardfold status dpq") == []
+    assert complete("shardfold schema f") == ["fedavg"]
+    assert "inference" in complete("shardfold jobs --kind ")
