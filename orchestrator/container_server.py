@@ -281,6 +281,9 @@ def _child(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
     kill_with_parent()
     _name_process(NAME)
     watch_parent(server_pid)  # also covers a server that ended before prctl took effect
+    # a group of its own, as a container is: Ctrl-C at the owner's terminal is the owner's, which stops its
+    # containers itself; a SIGINT sent to the container still ends it as it ends an interpreter
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.dup2(fds[0], 1)

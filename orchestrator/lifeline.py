@@ -97,7 +97,9 @@ def kill_with_parent() -> bool:
 
 def pool_worker_init(owner: int) -> None:
     """``ProcessPoolExecutor`` initializer: the worker exits once ``owner`` (the process whose pool it is)
-    has ended."""
+    has ended, and ignores Ctrl-C, which the terminal sends its whole process group: the owner stops its
+    workers itself (:meth:`LocalExecutor.interrupt`), without a traceback from each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_process(owner)
 
 

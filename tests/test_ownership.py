@@ -360,13 +360,18 @@ def hold(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
-def shardfold(hold, *args: str) -> subprocess.Popen:
+def shardfold(hold, *args: str, session: bool = False) -> subprocess.Popen:
     """``shardfold ARGS`` in a subprocess; its output goes to files (a worker left alive would hold a pipe
-    open), read with :func:`output`."""
+    open), read with :func:`output`. ``session``: in a session of its own, as a terminal runs a command, so
+    that a signal to its process group reaches it and everything it started, as Ctrl-C does."""
     n = len(list(hold["store"].parent.glob("cli-*.out")))
     outs = [open(hold["store"].parent / f"cli-{n}.{name}", "w") for name in ("out", "err")]  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardfold.client.cli", *args], env=hold["env"], stdout=outs[0], stderr=outs[1]
+        [sys.executable, "-m", "shardfold.client.cli", *args],
+        env=hold["env"],
+        stdout=outs[0],
+        stderr=outs[1],
+        start_new_session=session,
     )
     for f in outs:
         f.close()
@@ -446,6 +451,29 @@ def test_a_signal_to_shardfold_run_ends_its_workers_and_records_interrupted(hold
     record = read_status(hold["root"], job_id)
     assert record["state"] == "INTERRUPTED" and signal.Signals(sig).name in record["error"]
     assert ownership.current(hold["root"], job_id).released
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_the_terminal_stops_everything_without_a_traceback(hold):
+    """Ctrl-C signals the terminal's whole process group: the CLI, its pool workers, its container server
+    and the containers. Only the CLI acts on it (the workers ignore it, the containers have a group of their
+    own): no KeyboardInterrupt traceback from a worker, no task failed of it, no semaphore leaked, nothing
+    left running, the job INTERRUPTED and resumable."""
+    cli = shardfold(hold, "run", str(hold["spec"]), session=True)
+    job_id, workers = both_workers_running(hold, cli)
+    started = hold["store"] / "jobs" / job_id / "hold" / "started"
+    crunch, contain = (int((started / n).read_text()) for n in ("crunch", "contain"))
+    ignored = int(Path(f"/proc/{crunch}/status").read_text().split("SigIgn:")[1].split()[0], 16)
+    assert ignored >> (signal.SIGINT - 1) & 1, "a pool worker ignores SIGINT"
+    assert os.getpgid(contain) != os.getpgid(cli.pid), "a container has a process group of its own"
+    os.killpg(os.getpgid(cli.pid), signal.SIGINT)
+    out, err = output(cli)
+    assert cli.returncode == 128 + signal.SIGINT, (out, err)
+    assert f"resume with: shardfold resume {job_id}" in err
+    for noise in ("Traceback", "KeyboardInterrupt", "leaked semaphore", "task failed"):
+        assert noise not in err, err
+    assert_all_gone(workers)
+    assert read_status(hold["root"], job_id)["state"] == "INTERRUPTED"
 
 
 @pytest.mark.slow  # end to end: a job, a model or child processes

@@ -196,8 +196,16 @@ def _load_minilm(device: Any) -> LoadedModel:
     with _TRANSFORMERS_LOCK:
         AutoModel = import_transformers()
         path = minilm_dir()
-        # without the pooler: its output (a dense layer over [CLS]) is not what mean pooling reads
-        model = AutoModel.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
+        # without the pooler: its output (a dense layer over [CLS]) is not what mean pooling reads; its
+        # weights, left out on purpose, are no news to the user (transformers reports them as UNEXPECTED)
+        from transformers.utils import logging as hf_logging
+
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model = AutoModel.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
+        finally:
+            hf_logging.set_verbosity(level)
         model = model.to(device).eval()
 
     def embed(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
