@@ -168,6 +168,7 @@ class Estimate:
     details: list[Table] = field(default_factory=list)
     probe: dict[str, Any] = field(default_factory=dict)
     architecture: str = pricing.DEFAULT_LAMBDA_ARCHITECTURE  # the Lambda rate it is priced at
+    fan_out: dict[str, int] = field(default_factory=dict)  # each Map step's children
 
     @property
     def gets(self) -> int:
@@ -187,7 +188,18 @@ class Estimate:
         return out
 
     def check(self) -> Estimate:
-        """Raise :class:`PlanError` naming each step whose task would not fit the memory it gets."""
+        """Raise :class:`PlanError` naming each step whose task would not fit the memory it gets, or that
+        would fan out over more children than a Map may have (:data:`functions.manifest.MAX_MAP_ITEMS`)."""
+        from shardfold.functions.manifest import MAX_MAP_ITEMS
+
+        wide = {name: k for name, k in self.fan_out.items() if k > MAX_MAP_ITEMS}
+        if wide:
+            what = "; ".join(f"step {name!r} would run {k:,} tasks" for name, k in wide.items())
+            raise PlanError(
+                f"plan refused: {what}, and a Map fans out over at most {MAX_MAP_ITEMS:,} (Step Functions "
+                "gathers every child's output into 256 KiB): give each task more to do (getbatch "
+                "items_per_part, inference shard_rows, fedavg shards)"
+            )
         over = [s for s in self.steps if not s.fits]
         if over:
             what = "; ".join(
@@ -320,4 +332,5 @@ def estimate(
         details=list(loads.details),
         probe=probed.facts,
         architecture=limits.architecture,
+        fan_out={workflow.shown_name(m.name): int(k) for m, k in loads.map_items.items()},
     )

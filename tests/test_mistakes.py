@@ -59,6 +59,12 @@ def _getbatch(*uris: str, **over) -> Callable[[Path], dict]:
     }
 
 
+def _many_parts(folder: Path) -> dict:
+    """60,000 items, one per part: a Map of 60,000 children."""
+    (folder / "items.jsonl").write_text('{"uri": "./data/hello.txt"}\n' * 60_000)
+    return {"kind": "getbatch", "manifest": "./items.jsonl", "items_per_part": 1}
+
+
 MISTAKES = [
     # paths: what a spelling means
     Mistake(
@@ -133,6 +139,12 @@ MISTAKES = [
         _file(_event("inference", inputs=["./data/inference/nothing.jsonl"])),
         r"nothing\.jsonl",
         "inputs.0",
+    ),
+    Mistake(
+        "more parts than a Map may have",
+        _file(_many_parts),
+        r"'gather_part' would run 60,000 tasks.*items_per_part",
+        None,
     ),
     # the spec itself
     Mistake(
