@@ -218,9 +218,11 @@ def test_a_spec_dropped_in_the_bucket_runs_through_the_trigger(on_emulator):
 def test_a_failed_task_names_its_error_as_locally(on_emulator, on_local):
     """A task's exception reaches the workflow under its own name (AWS's errorType), which Retry and Catch
     match; the job fails with the same error on both."""
-    spec = {"kind": "getbatch", "items": [{"uri": "nowhere/missing.bin"}]}
+    # listed in a manifest: submit stats inline local items, and the point is the task's error
+    spec = {"kind": "getbatch", "manifest": "nowhere/items.jsonl"}
     errors = []
     for client in (on_emulator, on_local):
+        store.put(client.uri("nowhere/items.jsonl"), b'{"uri": "nowhere/missing.bin"}\n')
         status = _wait(client.submit(spec))
         assert status.state == "FAILED"
         errors.append(status.error.split(":", 2)[1].strip())
