@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from shardfold.functions import access, jsontext, pricing, store
@@ -29,7 +30,7 @@ from shardfold.functions.getbatch import core
 from shardfold.functions.getbatch.spec import GetBatchJob
 from shardfold.functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PREPARE
 from shardfold.functions.store import batch, s3
-from shardfold.functions.store.uri import local_path
+from shardfold.functions.store.uri import join, local_path
 
 # Python memory of one parsed BatchItem plus its JSON (plan and assemble hold all of them / their rows).
 ITEM_OBJECT_BYTES = 1024
@@ -120,8 +121,9 @@ def _refuse_missing_local_files(spec: GetBatchJob, store_root: str) -> None:
     if spec.items is None or spec.continue_on_error:
         return
     for k, item in enumerate(spec.items[:MAX_LOCAL_CHECKS]):
-        uri = access.input_uri(item.uri, store_root, f"items.{k}.uri")
-        if uri.startswith("file://") and not local_path(uri).is_file():
+        # submit's policy check allowed every URI already: here only where it points
+        uri = item.uri if "://" in item.uri else join(store_root, item.uri)
+        if uri.startswith("file://") and not os.path.isfile(uri[len("file://") :]):
             raise SpecError(
                 f"items.{k}.uri: no file at {local_path(uri)} (set continue_on_error to fetch the others and "
                 "mark it missing)",
