@@ -5,7 +5,8 @@ the shard-task measurements (N = ``--job-n`` is measured once and used by all th
 
   1. ``fedavg_throughput.py``: input bytes aggregated per second by the job on the local executor, by one
      shard task and by ``core.aggregate_into``, against the fastest memory-bound kernel on all cores
-     (``np.add``/``np.copyto``, threaded) measured in the same run.
+     (``np.add``/``np.copyto``, threaded) and against all cores reading and summing the job's own files
+     (mmap or pread, numpy), both measured in the same run.
   2. ``fedavg_memory.py``: peak RSS of one shard task per N in ``--sweep`` against Flower's
      ``aggregate_inplace`` and ``aggregate`` on the same updates, each in a fresh process.
   3. ``fedavg_cost.py``: a cost model on Lambda prices, the sharded design against a lambda-FL tree, using

@@ -159,6 +159,12 @@ def client_paths(directory: Path, distinct_paths: list[Path], n: int) -> list[Pa
     return out
 
 
+def data_start(path: Path) -> int:
+    """Where a safetensors file's data buffer begins: 8 + its header's length."""
+    with open(path, "rb") as fh:
+        return 8 + int.from_bytes(fh.read(8), "little")
+
+
 def tensor_views(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """name -> (safetensors dtype, shape, absolute byte offset of the data) from a file's header."""
     with open(path, "rb") as fh:
@@ -319,6 +325,126 @@ def child_stream(req: dict) -> dict:
     return out
 
 
+FILESUM_KERNELS = ("mmap + np.add", "mmap + weighted fold", "pread + weighted fold")
+
+
+def child_filesum(req: dict) -> dict:
+    """The all-core limit on the job's own files: every core reads a contiguous slice of the model's data
+    from all N client files and sums it, chunk by chunk (``chunk_bytes``), as a fedavg shard does, with
+    nothing else (no plan, no store, no part, no process start). Rates are input bytes (N x the model) per
+    second of wall time, best of ``repeats``; the files are served from the page cache.
+
+    Kernels (``FILESUM_KERNELS``): each file mapped (``mmap``, mapped anew per repeat, so its pages fault in
+    as a reader's would) and summed with ``np.add`` (the cheapest sum: the ceiling) or with the job's own
+    weighted fold (``kernels.axpy``: the same arithmetic as the job); or read like ``cat`` (``os.preadv``
+    into one reused page-aligned buffer per thread) and folded. One thread per core (numpy and ``preadv``
+    release the GIL)."""
+    import mmap
+
+    from shardfold.functions.fedavg import kernels
+
+    paths = [Path(p) for p in req["paths"]]
+    weights = [np.float32(w) for w in req["weights"]]
+    starts = [int(x) for x in req["data_starts"]]  # each file's data buffer (8 + its header's length)
+    nbytes = int(req["data_bytes"])
+    threads = max(1, int(req["threads"]))
+    chunk = max(4, int(req["chunk_bytes"]) // 4 * 4)
+    repeats = max(1, int(req["repeats"]))
+    elems = nbytes // 4
+    cuts = np.linspace(0, elems, threads + 1).astype(np.int64)
+    ranges = [(int(cuts[k]), int(cuts[k + 1])) for k in range(threads)]
+    step = chunk // 4
+    accs = [np.empty(step, np.float32) for _ in range(threads)]
+    scratches = [np.empty(kernels.BLOCK, np.float32) for _ in range(threads)]
+    raws = [np.empty(chunk + 4096, np.uint8) for _ in range(threads)]
+    bufs = [r[-r.ctypes.data % 4096 :][:chunk] for r in raws]  # page-aligned, as the store's are
+
+    def mapped(kernel: str) -> None:
+        fds = [os.open(p, os.O_RDONLY) for p in paths]
+        maps = [mmap.mmap(fd, 0, prot=mmap.PROT_READ) for fd in fds]
+        try:
+
+            def work(k: int) -> None:
+                lo_all, hi_all = ranges[k]
+                acc, scratch = accs[k], scratches[k]
+                for lo in range(lo_all, hi_all, step):
+                    count = min(step, hi_all - lo)
+                    a = acc[:count]
+                    for i, mm in enumerate(maps):
+                        x = np.frombuffer(mm, np.float32, count, starts[i] + 4 * lo)
+                        if kernel == "mmap + np.add" and i == 0:
+                            np.copyto(a, x)
+                        elif kernel == "mmap + np.add":
+                            np.add(a, x, out=a)
+                        elif i == 0:
+                            np.multiply(x, weights[0], out=a)
+                        else:
+                            kernels.axpy(a, x, weights[i], scratch)
+                        del x
+
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(work, range(threads)))
+        finally:
+            for mm in maps:
+                mm.close()
+            for fd in fds:
+                os.close(fd)
+
+    def read() -> None:
+        fds = [os.open(p, os.O_RDONLY) for p in paths]
+        try:
+
+            def work(k: int) -> None:
+                lo_all, hi_all = ranges[k]
+                acc, scratch, buf = accs[k], scratches[k], bufs[k]
+                for lo in range(lo_all, hi_all, step):
+                    count = min(step, hi_all - lo)
+                    a, view = acc[:count], buf[: 4 * count]
+                    x = view.view(np.float32)
+                    for i, fd in enumerate(fds):
+                        got = os.preadv(fd, [view], starts[i] + 4 * lo)
+                        if got != view.nbytes:
+                            raise OSError(f"{paths[i]}: short read ({got} of {view.nbytes} bytes)")
+                        if i == 0:
+                            np.multiply(x, weights[0], out=a)
+                        else:
+                            kernels.axpy(a, x, weights[i], scratch)
+
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(work, range(threads)))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    runs = {
+        "mmap + np.add": lambda: mapped("mmap + np.add"),
+        "mmap + weighted fold": lambda: mapped("mmap + weighted fold"),
+        "pread + weighted fold": read,
+    }
+    total = len(paths) * elems * 4
+    out: dict[str, Any] = {"threads": threads, "input_bytes": total, "chunk_bytes": chunk, "kernels": {}}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():
+        fn()  # warm: the page cache, the threads, the buffers' pages
+    for _ in range(repeats):  # interleaved, so a burst of other load falls on every kernel alike
+        for name, fn in runs.items():
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            times.setdefault(name + " cpu", []).append(time.process_time() - c0)
+    for name in runs:
+        ts = times[name]
+        best = int(np.argmin(ts))
+        out["kernels"][name] = {
+            "best_Bps": total / ts[best],
+            "median_Bps": total / float(np.median(ts)),
+            "seconds": ts,
+            "cpu_s_per_GB": times[name + " cpu"][best] / (total / 1e9),
+        }
+    return out
+
+
 def child_flower(req: dict) -> dict:
     """Flower's aggregation on updates read from disk, as a Flower server holds them: the FitRes list
     (``aggregate_inplace``, the FedAvg strategy's default) or the NDArrays list (``aggregate``)."""
@@ -432,6 +558,7 @@ def child_core_split(req: dict) -> dict:
 
 CHILD_OPS = {
     "stream": child_stream,
+    "filesum": child_filesum,
     "flower": child_flower,
     "shard": child_shard,
     "core_split": child_core_split,

@@ -31,7 +31,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -430,7 +430,7 @@ def engine_settings() -> dict:
 
 def _synthetic_plan(sizing: Any, model_bytes: int, n: int, budget_overrides: dict | None = None) -> Any:
     """A fedavg ShardPlan for an N-client float32 model of ``model_bytes`` (a tensor per 64 MiB, every client
-    laid out like client 0), built with the planner's own shard and chunk rules."""
+    laid out like client 0), built with the planner's own shard and chunk rules, as on S3 (Lambda)."""
     from shardfold.functions.fedavg.layout import Tensor
 
     elems = max(1, model_bytes // 4)
@@ -440,7 +440,9 @@ def _synthetic_plan(sizing: Any, model_bytes: int, n: int, budget_overrides: dic
         count = min(per, elems - i * per)
         tensors.append(Tensor(f"t{i}", "F32", (count,), begin, begin + 4 * count))
         begin += 4 * count
-    budget = sizing.Budget(**(budget_overrides or {}))
+    # the budget the job gets on S3 (Lambda): the deployed sizes and as many shards as run at once there
+    base = sizing.default_budget("s3://b") if hasattr(sizing, "default_budget") else sizing.Budget()
+    budget = replace(base, **(budget_overrides or {}))
     header = len(sizing.encode_header(tensors, {}))
     choice = sizing.choose_shards(begin, n, header, budget)
     bounds = sizing.Geometry(tensors).shard_bounds(choice.shards)
@@ -490,8 +492,8 @@ def sizing_hook(budget_overrides: dict | None = None) -> tuple[Any, str]:
                 "peak_bytes": agg.peak_bytes,
                 "gets_per_task": math.ceil(agg.gets / agg.tasks),
                 "puts_per_task": math.ceil(agg.puts / agg.tasks),
-                "plan_gets": loads["plan"].gets + loads["commit"].gets,
-                "plan_puts": loads["plan"].puts,
+                "plan_gets": loads["prepare"].gets + loads["commit"].gets,
+                "plan_puts": loads["prepare"].puts,
                 "commit_puts": loads["commit"].puts,
                 "source": "shardfold.functions.fedavg.sizing.task_loads",
             }

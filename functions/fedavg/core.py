@@ -123,6 +123,7 @@ from shardfold.functions.fedavg.sizing import (
     ShardPlan,
     choose_shards,
     chunk_bytes_for,
+    default_budget,
     read_window,
     runs,
     shard_caps,
@@ -320,14 +321,15 @@ def inspect(
     refuse any other: :class:`InputChanged`). ``wait_s``: how long to wait for updates not there yet (HEADs
     of the missing ones every :data:`POLL_S`). Memory: one parsed header per distinct set of tensors (one,
     for a sound round) plus the one being read, and one offset list per distinct layout. ``budget``
-    defaults to :class:`Budget()` (the deployed functions); tests pass small ones.
+    defaults to :func:`~functions.fedavg.sizing.default_budget` (the deployed functions, and as many workers
+    as run aggregate tasks at once where the job runs); tests pass small ones.
 
     Every update is needed unless the spec sets ``min_clients``/``min_fraction``: then a client whose update
     is missing, unreadable, not safetensors, unlike the round's (the tensors most clients have; a tie goes to
     the earliest), or without a needed weight is left out, and :class:`TooFewClients` is raised when fewer
     than needed remain. Otherwise the first such problem fails the round naming the client.
     """
-    budget = budget or Budget()
+    budget = budget or default_budget(store_root)
     uris = _client_uris(spec, store_root)
     out = output_uri(spec, store_root, job_id)
     inputs = [(f"clients.{i}.uri", u) for i, u in enumerate(uris)]
@@ -1064,6 +1066,7 @@ def aggregate_dp_into(plan: ShardPlan, shard: int, out: BinaryIO, factors: np.nd
     acc: list[np.ndarray | None] = []
     base: dict[int, np.ndarray] = {}
     current: _Chunk | None = None
+    scratch = np.empty(kernels.BLOCK, np.float64)  # one update's difference, block by block
     with np.errstate(over="ignore", invalid="ignore"):
         for chunk, i, r, data in _shard_reads(plan, shard, stats):
             if chunk is not current:
@@ -1081,11 +1084,8 @@ def aggregate_dp_into(plan: ShardPlan, shard: int, out: BinaryIO, factors: np.nd
                     continue
                 if a is None or factors[i] == 0.0:  # an integer tensor, or an update that adds nothing
                     continue
-                d = x.astype(np.float64)
-                if j in base:
-                    d -= base[j]
-                d *= factors[i]
-                a += d
+                # a += c_i (float64(x) - float64(base)), in one pass
+                kernels.axpy_difference(a, x, base.get(j), factors[i], scratch)
             del data
             if chunk.remaining == 0:
                 for j, s in enumerate(chunk.segs):

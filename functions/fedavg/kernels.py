@@ -45,7 +45,7 @@ from shardfold.functions.fedavg.layout import DType
 
 Method = Literal["mean", "median", "trimmed_mean", "first", "max"]
 
-BLOCK = 1 << 16  # elements per inner step of the weighted sum: scratch stays in L2
+BLOCK = 1 << 16  # elements per inner step of the weighted sum (axpy): scratch stays in L2
 ALIGN = 64
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
@@ -254,9 +254,46 @@ class Reducer:
         return self.out
 
 
+def axpy(acc: np.ndarray, x: np.ndarray, w: np.floating, scratch: np.ndarray) -> None:
+    """``acc += w * x`` in one pass over ``acc`` and ``x``, with no temporary the size of either.
+
+    Each product is rounded to ``acc``'s dtype, then added and rounded again: the plain formula's two
+    roundings (Flower's ``x * n`` then ``np.add``), never a fused multiply-add, so the bits are those of
+    ``acc + w * x`` however the pieces are cut. ``x`` is cast as it is multiplied (a float16/bfloat16/float32
+    input into a float32/float64 ``acc``), block by block through ``scratch`` (``acc``'s dtype), which stays
+    in cache: the product is written and read back there, and ``acc`` and ``x`` cross memory once each."""
+    step = scratch.size
+    n = acc.size
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        t = scratch[: hi - lo]
+        np.multiply(x[lo:hi], w, out=t, casting="unsafe")
+        a = acc[lo:hi]
+        np.add(a, t, out=a)
+
+
+def axpy_difference(
+    acc: np.ndarray, x: np.ndarray, base: np.ndarray | None, f: np.floating, scratch: np.ndarray
+) -> None:
+    """``acc += f * (float64(x) - float64(base))`` (``base`` None: ``f * float64(x)``) for a float64 ``acc``,
+    block by block through the float64 ``scratch``: the same three roundings as ``d = x.astype(float64);
+    d -= base; d *= f; acc += d``, so the same bits, with no chunk-sized float64 copy of ``x``."""
+    step = scratch.size
+    n = acc.size
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        t = scratch[: hi - lo]
+        np.copyto(t, x[lo:hi], casting="unsafe")
+        if base is not None:
+            np.subtract(t, base[lo:hi], out=t)
+        np.multiply(t, f, out=t)
+        a = acc[lo:hi]
+        np.add(a, t, out=a)
+
+
 class MeanReducer(Reducer):
-    """``acc = w_0 x_0; acc += w_i x_i; acc / W`` (``w_i = 1`` unweighted), blocked so the scratch for
-    ``w_i x_i`` stays in cache."""
+    """``acc = w_0 x_0; acc += w_i x_i; acc / W`` (``w_i = 1`` unweighted); the weighted sum in one pass per
+    client (:func:`axpy`)."""
 
     def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
         super().__init__(rule, count, params, arena)
@@ -274,15 +311,8 @@ class MeanReducer(Reducer):
         w = self.params.w(rule.acc, client)
         if client == 0:
             np.multiply(x, w, out=acc, casting="unsafe")
-            return
-        tmp = self.params.scratch[rule.acc]
-        n = self.count
-        for lo in range(0, n, BLOCK):
-            hi = min(lo + BLOCK, n)
-            t = tmp[: hi - lo]
-            np.multiply(x[lo:hi], w, out=t, casting="unsafe")
-            a = acc[lo:hi]
-            np.add(a, t, out=a)
+        else:
+            axpy(acc, x, w, self.params.scratch[rule.acc])
 
     def finish(self) -> np.ndarray:
         acc = self.acc

@@ -20,9 +20,13 @@ spools its part to ephemeral storage), so the shard size ``S`` is the target siz
 * S3: at most 5 GiB per copied part is handled by the store, at most 10,000 parts per object.
 
 and floored by S3's 5 MiB multipart minimum (every shard but the last is at least ``min_shard_bytes``, so
-commit assembles the output with server-side UploadPartCopy only). ``M = ceil(B / S)``, then boundaries
-``floor(k B / M)`` aligned down to an element. A ``shards`` given in the spec is used, lowered to what the
-5 MiB floor allows; if it breaks the time or storage cap a note says so.
+commit assembles the output with server-side UploadPartCopy only). ``M = ceil(B / S)``, raised to a whole
+number of waves of ``Budget.workers`` (the aggregate tasks that run at once where the job runs, see
+:func:`workers_for`: one task per worker at least, so no worker idles while another sums a larger shard),
+then lowered to what the 5 MiB floor allows; boundaries ``floor(k B / M)`` aligned down to an element (they
+may fall inside a tensor). More shards only shrink each task's part and reads: a task's peak memory is set
+by its chunk, not its shard. A ``shards`` given in the spec is used, lowered to what the 5 MiB floor allows;
+if it breaks the time or storage cap a note says so.
 
 **Chunks** (:func:`chunk_bytes_for`). The mean reads ``Budget.chunk_bytes`` (4 MiB) per ranged GET.
 median/trimmed_mean hold all N values of a chunk, so their chunk is ``robust_bytes / (N * acc_ratio)``
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -45,6 +50,7 @@ from shardfold.functions.fedavg.layout import Tensor, encode_header
 from shardfold.functions.store.local import WRITE_BUFFER
 from shardfold.functions.store.pinning import Pin
 from shardfold.functions.store.s3 import MAX_SINGLE_PUT
+from shardfold.functions.store.uri import is_s3
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every multipart part but the last
@@ -89,6 +95,9 @@ class Budget:
     inflight_bytes: int = 32 * MiB  # reads buffered or in flight per task
     robust_bytes: int = 256 * MiB  # median/trimmed_mean: the N x chunk matrix
     min_robust_chunk: int = 4096
+    # aggregate tasks that run at once (:func:`workers_for`): the plan cuts at least this many shards when the
+    # floor allows, in whole waves of it
+    workers: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -270,6 +279,26 @@ class ShardChoice:
     notes: tuple[str, ...] = ()
 
 
+def workers_for(store_root: str) -> int:
+    """How many aggregate tasks the plan keeps busy at once where a job on ``store_root`` runs.
+
+    A local store: the local executor's worker processes (``os.cpu_count()``, as
+    :class:`~orchestrator.local.LocalExecutor` sizes its pool): fewer shards than that leave cores idle
+    while the job runs. S3 (Lambda, and the moto backend that stands in for it): 1, the size rule alone.
+    Lambda runs every shard at once in any case (its concurrency, 1,000 per region by default, is far above
+    a round's shards), so no worker waits; cutting the model down to 5 MiB shards to fill that concurrency
+    would cut a round's time 4-10x but raise its bill 1.4-3.3x (more GETs, PUTs and Map transitions;
+    ``bench/fedavg_cost.py`` at 43 MB-5 GB, N = 20 and 100), against a design whose point is its cost."""
+    if is_s3(store_root):
+        return 1
+    return max(1, os.cpu_count() or 1)
+
+
+def default_budget(store_root: str) -> Budget:
+    """The deployed functions' :class:`Budget`, with ``workers`` for where a job on ``store_root`` runs."""
+    return Budget(workers=workers_for(store_root))
+
+
 def shard_caps(n_clients: int, header_bytes: int, budget: Budget) -> tuple[int, int]:
     """(smallest, largest) shard size in bytes the budget allows (see the module docstring)."""
     by_time = budget.time_fraction * budget.timeout_s * budget.read_bytes_per_s / (n_clients + 1)
@@ -314,7 +343,9 @@ def choose_shards(
                 "the clients in groups (a tree of jobs, passing each group's num_examples on)"
             )
         target = min(max(budget.target_shard_bytes, smallest), largest)
-        shards = min(max(math.ceil(data_bytes / target), fewest), most)
+        shards = max(math.ceil(data_bytes / target), fewest)
+        shards = -(-shards // budget.workers) * budget.workers  # whole waves: every worker busy to the end
+        shards = min(shards, most)
     if shards > S3_MAX_PARTS:
         raise PlanError(
             f"{shards} shards exceed S3's {S3_MAX_PARTS} parts per object; raise Budget.target_shard_bytes"
@@ -644,9 +675,9 @@ def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad
         components={"runtime": RUNTIME_BYTES},
     )
     spool = 2 * min(largest, SPOOL_BYTES + chunk) if on_s3 else min(largest, WRITE_BUFFER)  # as task_loads
-    # the mean's float64 accumulators and one update's difference, the base's values, OpenDP's working
-    # block and the cast of the noisy chunk
-    working = 2 * widen * chunk + 2 * chunk + dp.NOISE_BLOCK_BYTES
+    # the mean's float64 accumulators, one update's difference (a block at a time: kernels.axpy_difference),
+    # the base's values, OpenDP's working block and the cast of the noisy chunk
+    working = widen * chunk + 8 * kernels.BLOCK + 2 * chunk + dp.NOISE_BLOCK_BYTES
     aggregate = StepLoad(
         tasks=plan.shards,
         peak_bytes=RUNTIME_BYTES + DP_RUNTIME_BYTES + buffers + working + spool + objects,

@@ -105,7 +105,15 @@ class FedAvgJob(JobOptions):
         ),
     )
     allow_nonfinite: bool = Field(default=False, description="accept NaN/Inf in updates instead of failing")
-    shards: int | None = Field(default=None, ge=1, le=10_000, description="default: chosen from model size")
+    shards: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000,
+        description=(
+            "aggregate tasks (byte ranges of the model); default: from the model's size, and locally at "
+            "least one per CPU (in whole multiples of the CPU count) while every shard keeps 5 MiB"
+        ),
+    )
     min_clients: int | None = Field(
         default=None,
         ge=1,
