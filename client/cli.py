@@ -1226,6 +1226,10 @@ def main() -> None:
     """Console-script entry point (``shardfold``)."""
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, _on_signal)
+    # Interrupted, the CLI kills its process pool and leaves with os._exit: the pool's semaphores are then
+    # unlinked by multiprocessing's resource tracker (a child started with this interpreter's -W options),
+    # which also warns of them as "leaked". They are not: say nothing of them to the user.
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     try:
         cli(prog_name="shardfold")
     except SystemExit as exc:
