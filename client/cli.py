@@ -526,6 +526,14 @@ def jobs(
         err.print(f"[dim]the newest {limit}; --limit N shows more[/]")
 
 
+def _print_ids(done: str, job_ids: list[str], as_json: bool) -> None:
+    """What a verb did to which jobs: ``{done: [ids]}`` as JSON, or a count and one id per line."""
+    if as_json:
+        _print_json({done: job_ids})
+    else:
+        out.print(f"{done} {len(job_ids)} job(s)" + "".join(f"\n  {_t(j)}" for j in job_ids))
+
+
 def _where(client: Any) -> str:
     """The store a client uses, as a user would type it: a local folder's path, else its URI."""
     root = client.store_root
@@ -742,10 +750,7 @@ def delete(job_ids: tuple[str, ...], backend: str, stack: str | None, yes: bool,
                 raise click.UsageError("deleting needs --yes when the input is not a terminal")
             click.confirm(f"delete {len(chosen)} job(s): {', '.join(chosen)}?", abort=True, err=True)
         deleted = [client.delete(j) for j in chosen]
-    if as_json:
-        _print_json({"deleted": deleted})
-        return
-    out.print(f"deleted {len(deleted)} job(s)" + "".join(f"\n  {_t(j)}" for j in deleted))
+    _print_ids("deleted", deleted, as_json)
 
 
 @cli.command()
@@ -782,10 +787,7 @@ def clean(backend: str, stack: str | None, older_than: float, failed: bool, as_j
         raise click.BadParameter("must be a number of days, not nan", param_hint="'--older-than'")
     with _client(backend, stack) as client:
         cleaned = client.clean(older_than * 86400, failed=failed)
-    if as_json:
-        _print_json({"cleaned": cleaned})
-        return
-    out.print(f"cleaned {len(cleaned)} job(s)" + "".join(f"\n  {_t(j)}" for j in cleaned))
+    _print_ids("cleaned", cleaned, as_json)
 
 
 @cli.command()

@@ -135,6 +135,22 @@ def counter(done: int, total: int | None, unit: str | None = None) -> dict[str, 
     return entry
 
 
+def counted(
+    from_result: Callable[[str, str], dict | None],
+    from_parts: Callable[[str, str], dict],
+    store_root: str,
+    job_id: str,
+) -> dict[str, dict[str, Any]]:
+    """A kind's progress counters: from its result once written, else from the parts finished so far; a
+    scratch object gone between two reads (the last step removes the scratch) means the result is there."""
+    from shardfold.functions.errors import ObjectNotFound
+
+    try:
+        return from_result(store_root, job_id) or from_parts(store_root, job_id)
+    except ObjectNotFound:
+        return from_result(store_root, job_id) or {}
+
+
 _lock = threading.Lock()
 _loaded: dict[str, JobKind] = {}
 

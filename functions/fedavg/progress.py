@@ -11,9 +11,8 @@ import re
 from typing import Any
 
 from shardfold.functions import store
-from shardfold.functions.errors import ObjectNotFound
 from shardfold.functions.fedavg.core import STAGE, job_uri, manifest_uri
-from shardfold.functions.kinds import counter
+from shardfold.functions.kinds import counted, counter
 
 _PART = re.compile(r"/(\d{5})\.bin$")  # jobs/<id>/fedavg/parts/<shard:05d>.bin, as core.part_uri names it
 
@@ -21,10 +20,7 @@ _PART = re.compile(r"/(\d{5})\.bin$")  # jobs/<id>/fedavg/parts/<shard:05d>.bin,
 def progress(store_root: str, job_id: str) -> dict[str, dict[str, Any]]:
     """``aggregated_bytes``: the model's data bytes in finished shards, of all of them. Empty until the
     round is planned."""
-    try:
-        return _from_result(store_root, job_id) or _from_parts(store_root, job_id)
-    except ObjectNotFound:  # commit removed the scratch between two reads: the result is there now
-        return _from_result(store_root, job_id) or {}
+    return counted(_from_result, _from_parts, store_root, job_id)
 
 
 def _from_result(store_root: str, job_id: str) -> dict[str, dict[str, Any]] | None:

@@ -15,9 +15,8 @@ from collections import OrderedDict
 from typing import Any
 
 from shardfold.functions import store
-from shardfold.functions.errors import ObjectNotFound
 from shardfold.functions.getbatch.core import STAGE, job_uri
-from shardfold.functions.kinds import counter
+from shardfold.functions.kinds import counted, counter
 
 _PART = re.compile(r"/(\d{5})\.json$")  # jobs/<id>/getbatch/status/<part:05d>.json, as core.gather writes it
 _CACHED_PARTS = 4096  # parts whose byte sums are kept (a few dozen bytes each)
@@ -29,10 +28,7 @@ def progress(store_root: str, job_id: str) -> dict[str, dict[str, Any]]:
     """``gathered_items`` (of the request's) and ``gathered_bytes`` (their size; the total is known only at
     the end) of the parts finished so far. Empty until the parts are planned. A one-part request writes its
     archive and result at once, so it shows nothing done until then."""
-    try:
-        return _from_result(store_root, job_id) or _from_parts(store_root, job_id)
-    except ObjectNotFound:  # assemble removed the scratch between two reads: the result is there now
-        return _from_result(store_root, job_id) or {}
+    return counted(_from_result, _from_parts, store_root, job_id)
 
 
 def _from_result(store_root: str, job_id: str) -> dict[str, dict[str, Any]] | None:

@@ -77,6 +77,18 @@ def thread_pool(name: str) -> ThreadPoolExecutor:
     return pool
 
 
+def _deliver(read: Callable[[], bytes], done: Done) -> None:
+    """Run a read and report its bytes or its error to ``done`` (reported, never raised: a transport's
+    reads run on pool or reader threads, or inline for the engine, which hears of them only through
+    ``done``)."""
+    try:
+        data = read()
+    except BaseException as exc:
+        done(None, exc)
+        return
+    done(data, None)
+
+
 class _ThreadTransport:
     """Runs a blocking read function on a shared thread pool."""
 
@@ -95,14 +107,7 @@ class _ThreadTransport:
         pin: Pin | None = None,
         limit: int | None = None,
     ) -> Cancel | None:
-        def run() -> None:
-            try:
-                data = self._read(uri, start, length, pin, limit)
-            except BaseException as exc:  # reported, not raised: this runs on a pool thread
-                done(None, exc)
-                return
-            done(data, None)
-
+        run = functools.partial(_deliver, functools.partial(self._read, uri, start, length, pin, limit), done)
         return thread_pool(self.name).submit(telemetry.carried(run)).cancel
 
 
@@ -127,16 +132,7 @@ class _Readers:
     def _loop(self) -> None:
         while True:
             context, read, done = self.queue.get()
-            context.run(self._one, read, done)
-
-    @staticmethod
-    def _one(read: Callable[[], bytes], done: Done) -> None:
-        try:
-            data = read()
-        except BaseException as exc:  # reported, not raised: this runs on a reader thread
-            done(None, exc)
-            return
-        done(data, None)
+            context.run(_deliver, read, done)
 
 
 _readers: dict[int, _Readers] = {}
@@ -175,18 +171,12 @@ class LocalTransport:
         pin: Pin | None = None,
         limit: int | None = None,
     ) -> Cancel | None:
+        read = functools.partial(self._read, uri, start, length, pin, limit)
         size = length if length is not None else limit
         if size is not None and size <= INLINE_READ_BYTES:
-            # small: read here, on the engine's thread; handing it to a reader costs more than the read
-            try:
-                data = self._read(uri, start, length, pin, limit)
-            except BaseException as exc:  # reported, not raised, as from a reader
-                done(None, exc)
-                return None
-            done(data, None)
-            return None
-        read = functools.partial(self._read, uri, start, length, pin, limit)
-        local_readers().queue.put((contextvars.copy_context(), read, done))
+            _deliver(read, done)  # small: read here; handing it to a reader costs more than the read
+        else:
+            local_readers().queue.put((contextvars.copy_context(), read, done))
         return None
 
 
