@@ -338,7 +338,7 @@ def _stays_inside(full: str, store_root: str, uri: str, field: str, checked: set
     names thousands, mostly in a few folders) passes one set, so each folder costs one ``lstat``."""
     if not (is_file(full) and is_file(store_root)):
         return
-    path, root = posixpath.normpath(full[len(FILE) :]), posixpath.normpath(store_root[len(FILE) :])
+    path, root = _normal_path(full[len(FILE) :]), _normal_path(store_root[len(FILE) :])
     if not path.startswith(root + "/"):
         return  # a file:// path elsewhere: the user's own machine
     # one lstat per component below the root, not a realpath: only a link needs resolving
@@ -363,6 +363,13 @@ def _stays_inside(full: str, store_root: str, uri: str, field: str, checked: set
                 "name data outside the store by its own file:// URI"
             )
         return
+
+
+def _normal_path(path: str) -> str:
+    """``posixpath.normpath``, skipped for a path with nothing to normalise (a request checks thousands)."""
+    if "/." in path or "//" in path or path.endswith("/") or not path.startswith("/"):
+        return posixpath.normpath(path)
+    return path
 
 
 def _other_bucket(full: str, store_root: str) -> tuple[str, str] | None:

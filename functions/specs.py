@@ -21,9 +21,10 @@ job reads it) or :data:`OutputUri` (the job writes it). From that metadata alone
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -111,13 +112,19 @@ def resolve_relative(value: str, base_uri: str) -> str:
 
 def _resolve_against_spec_file(value: str, info: ValidationInfo) -> str:
     """``value`` resolved against the spec file (if any), in normal form."""
-    # Imported here: functions.store's package imports boto3, which parsing a spec does not otherwise need.
-    from shardfold.functions.store.uri import normalise
-
     base = (info.context or {}).get("base_uri")
     if value.startswith("/") and not value.startswith("//"):
         value = "file://" + value  # an absolute path is a local file, as it is to every other program
-    return normalise(resolve_relative(value, base) if base else value)
+    return _normalise()(resolve_relative(value, base) if base else value)
+
+
+@functools.cache
+def _normalise() -> Callable[[str], str]:
+    # Imported on first use: functions.store's package imports boto3, which parsing a spec does not otherwise
+    # need. Cached: a request of 50,000 items calls this once per item.
+    from shardfold.functions.store.uri import normalise
+
+    return normalise
 
 
 def _names_an_object(value: str) -> str:
@@ -223,7 +230,10 @@ def _walk(value: Any, annotation: Any, loc: tuple[str | int, ...], out: list[Uri
     elif kind == "list" and isinstance(value, list):
         element = shape[1]
         for i, v in enumerate(value):
-            _walk(v, element, (*loc, i), out)
+            if isinstance(v, BaseModel):  # the common case (a request's items): no shape to work out
+                _model_uris(v, (*loc, i), out)
+            else:
+                _walk(v, element, (*loc, i), out)
 
 
 # What the walk needs of a model class and of an annotation, worked out once (a spec may list thousands of

@@ -119,10 +119,11 @@ def check_policy(spec: JobSpec, store_root: str, grants: access.Grants | None = 
     errors: list[dict[str, str]] = []
     inputs: list[tuple[str, str]] = []
     outputs: list[tuple[UriField, str]] = []
+    checked: set[str] = set()  # folders found not to be links, shared by every input's check
     for f in uri_fields(spec):
         try:
             if f.role == "input":
-                inputs.append((f.field, access.input_uri(f.uri, store_root, grants=grants)))
+                inputs.append((f.field, access.input_uri(f.uri, store_root, grants=grants, checked=checked)))
             else:
                 outputs.append((f, access.output_uri(f.uri, store_root, grants=grants)))
         except ShardfoldError as exc:

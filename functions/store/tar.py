@@ -30,8 +30,8 @@ _UNSAFE_CHARS = frozenset(
 def unsafe_name(name: str) -> str | None:
     """Why ``name`` cannot be an archive entry's name (where an extracting tool writes it: it must stay
     inside the folder and read as what it is), or None when it can."""
-    bad = sorted({f"U+{ord(c):04X}" for c in name if c in _UNSAFE_CHARS})
-    if bad:
+    if not _UNSAFE_CHARS.isdisjoint(name):  # the set test first: every entry of a request is checked
+        bad = sorted({f"U+{ord(c):04X}" for c in name if c in _UNSAFE_CHARS})
         return f"holds {', '.join(bad[:4])} (a control, bidi or backslash character)"
     if name.startswith("/") or (len(name) > 1 and name[1] == ":" and name[0].isalpha()):
         return "is absolute; give a relative path"

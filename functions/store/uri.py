@@ -91,8 +91,8 @@ def normalise(uri_or_key: str) -> str:
     """
     if uri_or_key.startswith(FILE):
         path = uri_or_key[len(FILE) :]
-        if not path.startswith("/"):
-            return uri_or_key
+        if not path.startswith("/") or ("//" not in path and "/./" not in path and not path.endswith("/.")):
+            return uri_or_key  # not absolute, or already normal (the common case: checked without a split)
         kept = [seg for seg in path.split("/") if seg not in ("", ".")]
         tail = "/" if path.endswith("/") and kept else ""
         return FILE + "/" + "/".join(kept) + tail
