@@ -104,7 +104,7 @@ class Buffers:
 
 
 def get(
-    path: Path,
+    path: Path | str,
     uri: str,
     start: int = 0,
     length: int | None = None,

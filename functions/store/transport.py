@@ -26,7 +26,6 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Protocol
 
 from shardfold.functions import telemetry
@@ -160,7 +159,8 @@ class LocalTransport:
         self.buffers = buffers
 
     def _read(self, uri: str, start: int, length: int | None, pin: Pin | None, limit: int | None) -> bytes:
-        return local.get(Path(uri[len(FILE) :]), uri, start, length, pin, limit=limit, into=self.buffers)
+        # the path as a string: a Path per read cost as much as the read of a small file
+        return local.get(uri[len(FILE) :], uri, start, length, pin, limit=limit, into=self.buffers)
 
     def fetch(
         self,
