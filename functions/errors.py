@@ -26,7 +26,12 @@ class ObjectExists(StoreError):
 
 
 class InvalidRange(StoreError):
-    """A byte range lies outside the object (HTTP 416) or is malformed."""
+    """A byte range lies outside the object (HTTP 416) or is malformed. ``reason`` is the message without
+    the object's URI that starts it, for a caller that names the object its own way."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 class NoCredentials(StoreError):
@@ -81,15 +86,22 @@ class JobNotFound(ShardfoldError):
 
 class InvalidModelFile(ShardfoldError):
     """A model update cannot be aggregated: not a safetensors file, truncated, unlike the other clients'
-    updates, without a usable weight, or holding NaN/Inf. The message names the client and the tensor."""
+    updates, without a usable weight, or holding NaN/Inf. The message names the client and the tensor;
+    ``reason`` is what is wrong without the client's label, for a caller that names the file its own way."""
 
     def __init__(
-        self, message: str, client: int | None = None, uri: str | None = None, tensor: str | None = None
+        self,
+        message: str,
+        client: int | None = None,
+        uri: str | None = None,
+        tensor: str | None = None,
+        reason: str | None = None,
     ):
         super().__init__(message)
         self.client = client
         self.uri = uri
         self.tensor = tensor
+        self.reason = message if reason is None else reason
 
 
 class NonFiniteUpdate(InvalidModelFile):

@@ -251,71 +251,88 @@ def reserve(
     for _ in range(MAX_ATTEMPTS):
         state = read(store_root, dataset_id)
         need_bind = identity is not None and _check_binding(state, identity, version)
-        if state.total_rho is None:
-            if total_rho is None:
-                raise SpecError(
-                    f"dataset {dataset_id!r} has no budget ledger yet: the first job on it must give "
-                    "'dataset_budget_rho' (the dataset's total ρ, fixed from then on)",
-                    [{"field": "dataset_budget_rho", "error": "required for a dataset's first job"}],
-                )
-            if not (total_rho > 0 and math.isfinite(total_rho)):
-                raise SpecError(f"dataset_budget_rho must be a finite number > 0, got {total_rho}")
-            entry = {
-                "type": "open",
-                "total_rho": float(total_rho),
-                "unit": unit,
-                "job_id": job_id,
-                "time": _now(),
-            }
+        if state.total_rho is None:  # the dataset's first job opens its ledger (a racing one may instead)
+            total = _first_total(dataset_id, total_rho)
+            entry = {"type": "open", "total_rho": total, "unit": unit, "job_id": job_id, "time": _now()}
             if identity is not None:
                 _claim(store_root, dataset_id, version, job_id, identity)
                 entry.update(dataset=_public(identity), version=version)
-            _append(store_root, dataset_id, 0, entry)  # lost race: someone else opened it; re-read
+            _append(store_root, dataset_id, 0, entry)
             continue
-        if state.unit != unit:
-            raise SpecError(
-                f"dataset_id {dataset_id!r} is the budget ledger of {_UNIT_TEXT[state.unit]}, but this job "
-                f"protects {_UNIT_TEXT[unit]}; budgets of different privacy units do not add up: give this "
-                "job its own dataset_id",
-                [{"field": "dataset_id", "error": f"a ledger of privacy unit {state.unit!r}"}],
-            )
-        if total_rho is not None and float(total_rho) != state.total_rho:
-            raise SpecError(
-                f"dataset_budget_rho {total_rho} differs from the total {state.total_rho} registered for "
-                f"dataset {dataset_id!r}; a dataset's total never changes (omit the field or give the total)",
-                [{"field": "dataset_budget_rho", "error": f"registered total is {state.total_rho}"}],
-            )
+        _check_terms(state, total_rho, unit)
         if need_bind:
-            _claim(store_root, dataset_id, version, job_id, identity)
-            entry = {
-                "type": "bind",
-                "dataset": _public(identity),
-                "version": version,
-                "job_id": job_id,
-                "time": _now(),
-            }
-            _append(store_root, dataset_id, state.next_seq, entry)  # won or lost: re-read and re-check
+            _bind(store_root, state, job_id, identity, version)
             continue
-        if job_id in state.reserved:
-            if state.reserved[job_id] != float(rho):
-                raise ShardfoldError(
-                    f"job {job_id} already reserved rho {state.reserved[job_id]} on dataset {dataset_id!r}, "
-                    f"not {rho}; its spec changed after planning"
-                )
+        if _held(state, job_id, rho):
             return state.summary()
-        committed = state.committed()
-        if math.fsum([committed, float(rho)]) > state.total_rho:
-            raise BudgetExceeded(
-                f"dataset {dataset_id!r}: this job's rho {rho:.6g} exceeds the remaining budget "
-                f"{state.remaining():.6g} (total {state.total_rho:.6g}, already committed {committed:.6g} by "
-                f"{len(state.reserved)} job(s)); nothing was measured"
-            )
         entry = {"type": "reserve", "job_id": job_id, "rho": float(rho), "time": _now()}
         if _append(store_root, dataset_id, state.next_seq, entry):
-            state.reserved[job_id] = float(rho)
-            state.entries.append(entry)
+            _fold(state, entry)
             return state.summary()
     raise StoreError(f"ledger of {dataset_id!r}: too many concurrent writers; retry the job")
+
+
+def _first_total(dataset_id: str, total_rho: float | None) -> float:
+    """The total ρ the first job on a dataset gives its ledger."""
+    if total_rho is None:
+        raise SpecError(
+            f"dataset {dataset_id!r} has no budget ledger yet: the first job on it must give "
+            "'dataset_budget_rho' (the dataset's total ρ, fixed from then on)",
+            [{"field": "dataset_budget_rho", "error": "required for a dataset's first job"}],
+        )
+    if not (total_rho > 0 and math.isfinite(total_rho)):
+        raise SpecError(f"dataset_budget_rho must be a finite number > 0, got {total_rho}")
+    return float(total_rho)
+
+
+def _check_terms(state: LedgerState, total_rho: float | None, unit: str) -> None:
+    """Refuse a job whose privacy unit or given total is not the ledger's."""
+    if state.unit != unit:
+        raise SpecError(
+            f"dataset_id {state.dataset_id!r} is the budget ledger of {_UNIT_TEXT[state.unit]}, but this job "
+            f"protects {_UNIT_TEXT[unit]}; budgets of different privacy units do not add up: give this "
+            "job its own dataset_id",
+            [{"field": "dataset_id", "error": f"a ledger of privacy unit {state.unit!r}"}],
+        )
+    if total_rho is not None and float(total_rho) != state.total_rho:
+        raise SpecError(
+            f"dataset_budget_rho {total_rho} differs from the total {state.total_rho} registered for "
+            f"dataset {state.dataset_id!r}; a dataset's total never changes (omit the field or give the "
+            "total)",
+            [{"field": "dataset_budget_rho", "error": f"registered total is {state.total_rho}"}],
+        )
+
+
+def _bind(store_root: str, state: LedgerState, job_id: str, identity: dict, version: str | None) -> None:
+    """Claim the content for (dataset, ``version``) and append its ``bind`` entry (won or lost: re-read)."""
+    _claim(store_root, state.dataset_id, version, job_id, identity)
+    entry = {
+        "type": "bind",
+        "dataset": _public(identity),
+        "version": version,
+        "job_id": job_id,
+        "time": _now(),
+    }
+    _append(store_root, state.dataset_id, state.next_seq, entry)
+
+
+def _held(state: LedgerState, job_id: str, rho: float) -> bool:
+    """Whether the job holds its reservation already (a retried plan), else that ``rho`` fits the total."""
+    if job_id in state.reserved:
+        if state.reserved[job_id] != float(rho):
+            raise ShardfoldError(
+                f"job {job_id} already reserved rho {state.reserved[job_id]} on dataset "
+                f"{state.dataset_id!r}, not {rho}; its spec changed after planning"
+            )
+        return True
+    committed = state.committed()
+    if math.fsum([committed, float(rho)]) > state.total_rho:
+        raise BudgetExceeded(
+            f"dataset {state.dataset_id!r}: this job's rho {rho:.6g} exceeds the remaining budget "
+            f"{state.remaining():.6g} (total {state.total_rho:.6g}, already committed {committed:.6g} by "
+            f"{len(state.reserved)} job(s)); nothing was measured"
+        )
+    return False
 
 
 def spend(store_root: str, dataset_id: str, job_id: str, rho_spent: float) -> dict[str, Any]:
@@ -333,8 +350,7 @@ def spend(store_root: str, dataset_id: str, job_id: str, rho_spent: float) -> di
         entry = {"type": "spend", "job_id": job_id, "rho_spent": float(rho_spent), "time": _now()}
         entry["rho_reserved"] = state.reserved[job_id]
         if _append(store_root, dataset_id, state.next_seq, entry):
-            state.spent[job_id] = float(rho_spent)
-            state.entries.append(entry)
+            _fold(state, entry)
             return state.summary()
     raise StoreError(f"ledger of {dataset_id!r}: too many concurrent writers; retry the job")
 

@@ -408,10 +408,7 @@ def describe_errors(err: ValidationError, prefix: str = "", model: Any = None) -
     list or a generator) is named by its own path, without pydantic's label of each shape, and only the
     shape the value has is reported on: "workload.3.weight: ...", not also "workload: should be an
     object" from the shape it does not have."""
-    found = []
-    for e in err.errors():
-        loc, union_at, whole = _without_union_labels(model, e["loc"]) if model else (e["loc"], None, False)
-        found.append((loc, union_at, whole and _is_shape_error(e), e))
+    found = _located(err, model)
     deeper = {u for _, u, mismatch, _ in found if u is not None and not mismatch}
     out: list[dict] = []
     shapes: dict[str, tuple[int, Any, list[str]]] = {}  # field -> (its entry, first error, shapes it has not)
@@ -424,15 +421,28 @@ def describe_errors(err: ValidationError, prefix: str = "", model: Any = None) -
                 shapes[field][2].append(_message(e).removeprefix("Input should be "))
                 continue
             shapes[field] = (len(out), e, [_message(e)])
-        text = error_text(e)
-        if e["type"] == "extra_forbidden" and model is not None and loc:
-            cls = model if isinstance(model, type) else type(model)
-            near = difflib.get_close_matches(str(loc[-1]), sorted(_field_names(cls)), n=1)
-            text += f" (did you mean {near[0]!r}?)" if near else ""
-        out.append({"field": field, "error": text})
+        out.append({"field": field, "error": error_text(e) + _did_you_mean(e, loc, model)})
     for i, e, wanted in shapes.values():
         out[i]["error"] = error_text(e, " or ".join(wanted))
     return out
+
+
+def _located(err: ValidationError, model: Any) -> list[tuple[tuple, tuple | None, bool, Any]]:
+    """Each error with its union-free ``loc``, its union's path, and whether the value fits none of it."""
+    found = []
+    for e in err.errors():
+        loc, union_at, whole = _without_union_labels(model, e["loc"]) if model else (e["loc"], None, False)
+        found.append((loc, union_at, whole and _is_shape_error(e), e))
+    return found
+
+
+def _did_you_mean(e: Any, loc: tuple, model: Any) -> str:
+    """For a key the model does not have, the nearest field name it does, as a hint ("" when none)."""
+    if e["type"] != "extra_forbidden" or model is None or not loc:
+        return ""
+    cls = model if isinstance(model, type) else type(model)
+    near = difflib.get_close_matches(str(loc[-1]), sorted(_field_names(cls)), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def _field_names(cls: Any, seen: set | None = None) -> set[str]:
@@ -524,10 +534,6 @@ def _without_union_labels(model: Any, loc: tuple) -> tuple[tuple, tuple | None, 
     return tuple(out), union_at, whole
 
 
-def _describe(err: ValidationError, model: Any = None) -> list[dict]:
-    return describe_errors(err, model=model)
-
-
 def load_document(doc: dict | str | bytes) -> dict:
     """A spec document as a dict; :class:`SpecError` when it is not a JSON object, or not one this project
     accepts (:mod:`functions.jsontext`: too deep, a key twice, NaN or Infinity)."""
@@ -553,7 +559,7 @@ def parse_spec(doc: dict | str | bytes, *, base_uri: str | None = None) -> JobSp
     try:
         return kind.spec.model_validate(doc, context={"base_uri": base_uri} if base_uri else None)
     except ValidationError as exc:
-        errors = _describe(exc, kind.spec)
+        errors = describe_errors(exc, model=kind.spec)
         summary = "; ".join(f"{e['field']}: {e['error']}" for e in errors)
         raise SpecError(f"invalid {kind.name} spec: {summary}", errors) from exc
 

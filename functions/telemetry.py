@@ -94,6 +94,7 @@ class Meter:
             self.retries += retries
 
 
+_Figures = tuple[float, float | None, Meter]  # an attempt's duration (s), peak memory (MiB) and meter
 _meter: contextvars.ContextVar[Meter | None] = contextvars.ContextVar("shardfold_meter", default=None)
 
 
@@ -205,6 +206,27 @@ def _reset_peak() -> None:
         pass
 
 
+def _attempt_starts() -> int:
+    """Count an attempt in: the process's peak is reset for it when it runs alone. The sharing count now."""
+    global _active, _shared
+    with _active_lock:
+        _active += 1
+        if _active == 1:
+            _reset_peak()
+        else:
+            _shared += 1
+        return _shared
+
+
+def _attempt_ends(shared_at_start: int) -> bool:
+    """Count an attempt out: whether another ran in the process while it did (its peak is then shared)."""
+    global _active
+    with _active_lock:
+        shared = _shared != shared_at_start or _active > 1
+        _active -= 1
+    return shared
+
+
 def peak_rss_mib() -> float | None:
     """The process's peak resident set (MiB) since it started or was last reset."""
     try:
@@ -305,9 +327,6 @@ def recording(
     batch_job_id: str | None = None,
 ) -> Iterator[None]:
     """Record one attempt of a task around the ``with`` body (see the module doc)."""
-    from shardfold.functions import store
-
-    global _active, _shared
     step = step_of(kind, function, map_name, batch_step)
     withheld = step in private_steps(kind)
     doc: dict[str, Any] = {
@@ -324,26 +343,11 @@ def recording(
         "started_at": round(time.time(), 6),
     }
     place = _log_place(context, batch_job_id)
-    uri: str | None = None
-    try:
-        for n in range(MAX_ATTEMPTS):
-            candidate = record_uri(store_root, job_id, step, task, n)
-            doc["attempt"] = n
-            if store.put_if_absent(candidate, _dump(doc, withheld)):
-                uri = candidate
-                break
-    except Exception as exc:  # noqa: BLE001 - telemetry never fails a task
-        logger.warning("no telemetry record for this task", extra={"step": step, "error": str(exc)})
+    uri = _claim_record(store_root, job_id, task, doc, withheld)
     log_uri = uri[: -len(".json")] + ".log" if uri is not None and place is None else None
     doc["log"] = place or ({"uri": log_uri} if log_uri else None)
 
-    with _active_lock:
-        _active += 1
-        if _active == 1:
-            _reset_peak()
-        else:
-            _shared += 1
-        shared_at_start = _shared
+    shared_at_start = _attempt_starts()
     meter = Meter()
     task_log = _TaskLog() if log_uri else None
     if task_log is not None:
@@ -362,53 +366,71 @@ def recording(
         logger.error("task failed", extra={"step": step, "error": f"{type(exc).__name__}: {exc}"[:2000]})
         raise
     finally:
-        duration = time.perf_counter() - started
-        peak = peak_rss_mib()
-        outcome = "failed" if error is not None else "succeeded"
-        _log_ended(attempt, outcome, error, None if withheld else (duration, peak, meter))
+        duration, peak = time.perf_counter() - started, peak_rss_mib()
+        _log_ended(attempt, error, None if withheld else (duration, peak, meter))
         _meter.reset(meter_token)
         if log_token is not None:
             _log.reset(log_token)
-        with _active_lock:
-            shared = _shared != shared_at_start or _active > 1
-            _active -= 1
-        doc.update(
-            outcome=outcome,
-            error=None if error is None else {"type": type(error).__name__, "message": str(error)[:2000]},
-            ended_at=round(time.time(), 6),
-            duration_s=round(duration, 6),
-            peak_memory_mib=peak,
-            memory_scope="shared" if shared else "task",
-            bytes_read=meter.bytes_read,
-            bytes_written=meter.bytes_written,
-            requests=dict(sorted(meter.requests.items())),
-            store_retries=meter.retries,
-        )
-        if task_log is not None:
-            doc["log"] = {"uri": log_uri, "lines": len(task_log.lines) + task_log.dropped}
+        shared = _attempt_ends(shared_at_start)
         if uri is not None:
-            try:
-                if task_log is not None and task_log.lines and log_uri is not None:
-                    if withheld:  # the lines' times would tell the task's duration the record withholds
-                        task_log.lines = [_untimed(line) for line in task_log.lines]
-                    if not task_log.dropped and task_log.size <= INLINE_LOG_BYTES:
-                        doc["log"]["inline"] = task_log.lines  # in the record: no request of its own
-                    else:
-                        store.put(log_uri, task_log.text())
-                store.put(uri, _dump(doc, withheld))
-            except Exception as exc:  # noqa: BLE001 - telemetry never fails a task
-                logger.warning("telemetry record not written", extra={"step": step, "error": str(exc)})
+            _write_record(uri, _ended(doc, error, (duration, peak, meter), shared), withheld, task_log)
 
 
-def _log_ended(
-    attempt: int | None,
-    outcome: str,
-    error: BaseException | None,
-    measured: tuple[float, float | None, Meter] | None,
-) -> None:
+def _claim_record(store_root: str, job_id: str, task: int | None, doc: dict, withheld: bool) -> str | None:
+    """Write ``doc`` at the first free attempt number, which it takes; its URI (None: none written)."""
+    from shardfold.functions import store
+
+    try:
+        for n in range(MAX_ATTEMPTS):
+            candidate = record_uri(store_root, job_id, doc["step"], task, n)
+            doc["attempt"] = n
+            if store.put_if_absent(candidate, _dump(doc, withheld)):
+                return candidate
+    except Exception as exc:  # noqa: BLE001 - telemetry never fails a task
+        logger.warning("no telemetry record for this task", extra={"step": doc["step"], "error": str(exc)})
+    return None
+
+
+def _ended(doc: dict, error: BaseException | None, measured: _Figures, shared: bool) -> dict[str, Any]:
+    """The ended attempt's record: its outcome and figures (``measured``: duration, peak memory, meter)."""
+    duration, peak, meter = measured
+    return doc | {
+        "outcome": "failed" if error is not None else "succeeded",
+        "error": None if error is None else {"type": type(error).__name__, "message": str(error)[:2000]},
+        "ended_at": round(time.time(), 6),
+        "duration_s": round(duration, 6),
+        "peak_memory_mib": peak,
+        "memory_scope": "shared" if shared else "task",
+        "bytes_read": meter.bytes_read,
+        "bytes_written": meter.bytes_written,
+        "requests": dict(sorted(meter.requests.items())),
+        "store_retries": meter.retries,
+    }
+
+
+def _write_record(uri: str, doc: dict[str, Any], withheld: bool, task_log: _TaskLog | None) -> None:
+    """Write the ended attempt's record, and its log: inline when small, else as the object beside it."""
+    from shardfold.functions import store
+
+    if task_log is not None:
+        doc["log"] = {"uri": doc["log"]["uri"], "lines": len(task_log.lines) + task_log.dropped}
+    try:
+        if task_log is not None and task_log.lines:
+            if withheld:  # the lines' times would tell the task's duration the record withholds
+                task_log.lines = [_untimed(line) for line in task_log.lines]
+            if not task_log.dropped and task_log.size <= INLINE_LOG_BYTES:
+                doc["log"]["inline"] = task_log.lines  # in the record: no request of its own
+            else:
+                store.put(doc["log"]["uri"], task_log.text())
+        store.put(uri, _dump(doc, withheld))
+    except Exception as exc:  # noqa: BLE001 - telemetry never fails a task
+        logger.warning("telemetry record not written", extra={"step": doc["step"], "error": str(exc)})
+
+
+def _log_ended(attempt: int | None, error: BaseException | None, measured: _Figures | None) -> None:
     """The attempt's last line, ``task ended``: its outcome, and (``measured``: duration, peak memory and
     meter, None for a private step) the figures its record keeps, all from memory."""
-    extra: dict[str, Any] = {"attempt": attempt, "outcome": outcome}
+    extra: dict[str, Any] = {"attempt": attempt, "outcome": "failed" if error is not None else "succeeded"}
     if error is not None:
         extra["error_type"] = type(error).__name__
     if measured is not None:

@@ -33,7 +33,7 @@ from shardfold.functions.jobs import status_key
 from shardfold.functions.log import logger
 from shardfold.functions.specs import load_document
 from shardfold.functions.store.uri import is_s3, join, split_s3, store_root
-from shardfold.functions.submit import MAX_SPEC_BYTES, SpecTooLarge, Starter, submit
+from shardfold.functions.submit import MAX_SPEC_BYTES, SpecTooLarge, Starter, Submitted, submit
 
 # The deployed sizes (the stack's ``sizes`` output), which the Pulumi program gives the dispatch function.
 SIZES_ENV = "SHARDFOLD_SIZES"
@@ -155,6 +155,14 @@ def dispatch(
         _settle(claim, report)
         return report
 
+    report = _report_started(spec_uri, job, digest, status_uri, error_uri)
+    _settle(claim, report)
+    logger.info("dispatched", extra={"job_id": job.job_id, "kind": job.kind, "spec_uri": spec_uri})
+    return report
+
+
+def _report_started(spec_uri: str, job: Submitted, digest: str, status_uri: str, error_uri: str) -> dict:
+    """Write the report of a started job beside its spec (``.status.json``), replacing an old complaint."""
     report = {
         "job_id": job.job_id,
         "kind": job.kind,
@@ -168,8 +176,6 @@ def dispatch(
     store.put_json(status_uri, report)
     if store.exists(error_uri):  # a fixed spec replaces the old complaint
         store.delete(error_uri)
-    _settle(claim, report)
-    logger.info("dispatched", extra={"job_id": job.job_id, "kind": job.kind, "spec_uri": spec_uri})
     return report
 
 

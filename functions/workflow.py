@@ -284,38 +284,52 @@ def selectable(branch: tuple[Step, ...]) -> list[str]:
 
 
 def _check_steps(steps: tuple[Step, ...], where: str, seen: set[str]) -> None:
+    """Check a sequence of steps and the steps inside them; ``seen``: the names taken so far."""
     if not steps:
         raise PlanError(f"{where} has no steps")
     for step in steps:
-        if not isinstance(step, Task | BatchJob | Map | Parallel):
-            raise PlanError(f"{where}: {step!r} is not a Task, BatchJob, Map or Parallel")
-        if not _NAME_RE.match(step.name):
-            raise PlanError(f"{where}: step name {step.name!r} must be an identifier (letters, digits, _)")
-        if step.name in RESERVED_NAMES:
-            raise PlanError(f"{where}: step name {step.name!r} is reserved for workflow input fields")
-        if step.name in seen:
-            raise PlanError(f"{where}: step name {step.name!r} is used twice; names must be unique")
-        seen.add(step.name)
+        _check_name(step, where, seen)
         if isinstance(step, Task | BatchJob):
-            if isinstance(step, Task) and step.mode not in ("thread", "process"):
-                raise PlanError(f"step {step.name!r}: mode must be 'thread' or 'process'")
-            if step.timeout_s < 1 or step.memory_mb < 128:
-                raise PlanError(f"step {step.name!r}: timeout_s must be >= 1 and memory_mb >= 128")
-            if isinstance(step, BatchJob) and step.timeout_s < 60:
-                raise PlanError(f"BatchJob {step.name!r}: timeout_s must be >= 60 (AWS Batch's minimum)")
-        if isinstance(step, Map):
-            if not re.fullmatch(r"\$(\.[A-Za-z_][A-Za-z0-9_]*)+", step.items):
-                raise PlanError(
-                    f"Map {step.name!r}: items {step.items!r} must be a JSONPath like '$.plan.manifest'"
-                )
-            if step.max_concurrency < 0:
-                raise PlanError(f"Map {step.name!r}: max_concurrency must be >= 0")
-            pct = step.tolerated_failure_percentage
-            if pct is not None and not 0.0 <= pct <= 100.0:
-                raise PlanError(f"Map {step.name!r}: tolerated_failure_percentage must be within 0..100")
+            _check_task(step)
+        elif isinstance(step, Map):
+            _check_map(step)
             _check_steps(step.body, f"Map {step.name!r}", seen)
-        if isinstance(step, Parallel):
+        else:
             if not step.branches:
                 raise PlanError(f"Parallel {step.name!r} has no branches")
             for branch in step.branches:
                 _check_steps(branch, f"Parallel {step.name!r}", seen)
+
+
+def _check_name(step: Step, where: str, seen: set[str]) -> None:
+    """A step of a known type, named by an identifier no other step (nor a workflow input field) has."""
+    if not isinstance(step, Task | BatchJob | Map | Parallel):
+        raise PlanError(f"{where}: {step!r} is not a Task, BatchJob, Map or Parallel")
+    if not _NAME_RE.match(step.name):
+        raise PlanError(f"{where}: step name {step.name!r} must be an identifier (letters, digits, _)")
+    if step.name in RESERVED_NAMES:
+        raise PlanError(f"{where}: step name {step.name!r} is reserved for workflow input fields")
+    if step.name in seen:
+        raise PlanError(f"{where}: step name {step.name!r} is used twice; names must be unique")
+    seen.add(step.name)
+
+
+def _check_task(step: Task | BatchJob) -> None:
+    """A Task's or BatchJob's mode, timeout and memory."""
+    if isinstance(step, Task) and step.mode not in ("thread", "process"):
+        raise PlanError(f"step {step.name!r}: mode must be 'thread' or 'process'")
+    if step.timeout_s < 1 or step.memory_mb < 128:
+        raise PlanError(f"step {step.name!r}: timeout_s must be >= 1 and memory_mb >= 128")
+    if isinstance(step, BatchJob) and step.timeout_s < 60:
+        raise PlanError(f"BatchJob {step.name!r}: timeout_s must be >= 60 (AWS Batch's minimum)")
+
+
+def _check_map(step: Map) -> None:
+    """A Map's items path, concurrency and tolerated failures."""
+    if not re.fullmatch(r"\$(\.[A-Za-z_][A-Za-z0-9_]*)+", step.items):
+        raise PlanError(f"Map {step.name!r}: items {step.items!r} must be a JSONPath like '$.plan.manifest'")
+    if step.max_concurrency < 0:
+        raise PlanError(f"Map {step.name!r}: max_concurrency must be >= 0")
+    pct = step.tolerated_failure_percentage
+    if pct is not None and not 0.0 <= pct <= 100.0:
+        raise PlanError(f"Map {step.name!r}: tolerated_failure_percentage must be within 0..100")

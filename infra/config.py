@@ -76,10 +76,15 @@ Trigger
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, ConfigDict, ValidationError, ValidationInfo, model_validator
+from pydantic.alias_generators import to_camel as _key  # a field's config key: lambda_runtime, lambdaRuntime
+from pydantic.alias_generators import to_snake
+from pydantic.dataclasses import dataclass
 
 from shardfold.functions.access import SYSTEM_PREFIXES, Grants
 from shardfold.functions.errors import ShardfoldError
@@ -122,125 +127,164 @@ ECR_IMAGE_RE = re.compile(
 )
 
 
-@dataclass(frozen=True)
+def _checked(problems: Callable[[Any, ValidationInfo], list[str]]) -> BeforeValidator:
+    """A field's check: ``problems(value, info)`` (``info.data``: the fields above it), as one error."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if found := problems(value, info):
+            raise ValueError("; ".join(found))
+        return value
+
+    return BeforeValidator(check)
+
+
+def _rule(ok: Callable[[Any], Any], problem: str) -> BeforeValidator:
+    """``problem`` (``{key}``: the field's config key, ``{v}``: its value) unless ``ok(value)``."""
+    return _checked(lambda v, info: [] if ok(v) else [problem.format(key=_key(info.field_name), v=v)])
+
+
+def _one_of(choices: tuple) -> BeforeValidator:
+    """One of ``choices``."""
+    return _rule(lambda v: v in choices, f"{{key}} must be one of {choices}")
+
+
+def _at_least(lo: int, why: str = "") -> BeforeValidator:
+    """At least ``lo``."""
+    return _rule(lambda v: v >= lo, f"{{key}} must be >= {lo}{why}")
+
+
+def _within(lo: int, hi: int, why: str = "") -> BeforeValidator:
+    """Within ``lo..hi``."""
+    return _rule(lambda v: lo <= v <= hi, f"{{key}} must be within {lo}..{hi}{why}")
+
+
+def _sizes(bounds: tuple[int, int | None]) -> BeforeValidator:
+    """Per-function or per-entry-point sizes, each an integer within ``bounds``."""
+    return _checked(lambda v, info: _check_map(_key(info.field_name), v, bounds))
+
+
+def _image_problems(image: str | None, info: ValidationInfo) -> list[str]:
+    """lambdaImage: a private Amazon ECR image in the stack's Region."""
+    found = ECR_IMAGE_RE.match(image) if image else None
+    region = info.data.get("region")
+    if image and not found:
+        return [
+            "lambdaImage must be a private Amazon ECR image, <account>.dkr.ecr.<region>."
+            "amazonaws.com/<repository>:<tag> or ...@sha256:<digest> (Lambda runs no other)"
+        ]
+    if found and region and found["region"] != region:
+        return [f"lambdaImage must be in the stack's Region {region}, not {found['region']}"]
+    return []
+
+
+def _kms_problems(arn: str | None, info: ValidationInfo) -> list[str]:
+    """kmsKeyArn: a key ARN, for sseAlgorithm aws:kms."""
+    if not arn:
+        return []
+    wrong = (
+        ("kmsKeyArn needs sseAlgorithm aws:kms", info.data.get("sse_algorithm") != "aws:kms"),
+        ("kmsKeyArn must be a key ARN (arn:...:kms:...:key/...)", not arn.startswith("arn:")),
+    )
+    return [problem for problem, bad in wrong if bad]
+
+
+def _prefix_problems(prefixes: tuple[str, ...], info: ValidationInfo) -> list[str]:
+    """outputPrefixes: folders of the job bucket outside the system prefixes."""
+    return [
+        f"outputPrefixes entry {prefix!r} must be a folder of the job bucket outside "
+        f"{', '.join(SYSTEM_PREFIXES)}, e.g. results/ (no '..', no wildcards)"
+        for prefix in prefixes
+        if not (key := prefix.strip("/"))
+        or ".." in key.split("/")
+        or key.split("/")[0] + "/" in SYSTEM_PREFIXES
+        or "*" in key
+    ]
+
+
+def _network_problems(groups: tuple[str, ...], info: ValidationInfo) -> list[str]:
+    """securityGroupIds: given with subnetIds, or a vpcId to make one in."""
+    if info.data.get("subnet_ids") and not info.data.get("vpc_id") and not groups:
+        return ["subnetIds without securityGroupIds needs vpcId (the security group's VPC)"]
+    return []
+
+
+def _vcpu_problems(values: Mapping[str, Any], info: ValidationInfo) -> list[str]:
+    """batchVcpus: each within 1..maxVcpus (a job asking more never starts)."""
+    return _check_map("batchVcpus", values, (1, info.data.get("max_vcpus", 0)), "maxVcpus")
+
+
+_STAGE = "{key} {v!r} must be 1-16 of [a-z0-9-], starting with a letter or digit"
+_NO_TYPES = "{key} must name at least one instance type"
+_Sizes = Mapping[str, int]  # {function or entry point: MB, seconds, vCPUs or GPUs}
+
+
+def _none() -> Any:
+    """No sizes given: each is the plan's."""
+    return dataclasses.field(default_factory=dict)
+
+
+# Validated by pydantic, every field's problems at once; fields stand in the order their problems are listed.
+@dataclass(frozen=True, config=ConfigDict(validate_default=True))
 class StackConfig:
     """The whole configuration of one stack, with the documented defaults (see the module docstring)."""
 
-    stage: str = "dev"
+    stage: Annotated[str, _rule(_STAGE_RE.match, _STAGE)] = "dev"
     region: str | None = None
-    tags: Mapping[str, str] = field(default_factory=dict)
-    lambda_architecture: str = "arm64"
-    lambda_runtime: str = "python3.12"
-    function_memory: Mapping[str, int] = field(default_factory=dict)
-    function_timeout: Mapping[str, int] = field(default_factory=dict)
-    function_ephemeral_storage: Mapping[str, int] = field(default_factory=dict)
-    lambda_image: str | None = None
+    tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    lambda_architecture: Annotated[str, _one_of(ARCHITECTURES)] = "arm64"
+    lambda_runtime: Annotated[str, _one_of(RUNTIMES)] = "python3.12"
+    lambda_image: Annotated[str | None, _checked(_image_problems)] = None
     build_lambda_image: bool = True
-    log_retention_days: int = 14
-    sfn_log_level: str = "ERROR"
+    log_retention_days: Annotated[int, _one_of(LOG_RETENTION_DAYS)] = 14
+    sfn_log_level: Annotated[str, _one_of(SFN_LOG_LEVELS)] = "ERROR"
     tracing: bool = False
     bucket_name: str | None = None
     force_destroy: bool = False
-    sse_algorithm: str = "AES256"
-    kms_key_arn: str | None = None
-    temp_expiration_days: int = 7
-    abort_incomplete_upload_days: int = 2
-    jobs_expiration_days: int = 0
-    output_prefixes: tuple[str, ...] = ("results/",)
+    sse_algorithm: Annotated[str, _one_of(SSE_ALGORITHMS)] = "AES256"
+    kms_key_arn: Annotated[str | None, _checked(_kms_problems)] = None
+    temp_expiration_days: Annotated[int, _at_least(1)] = 7
+    abort_incomplete_upload_days: Annotated[int, _at_least(1)] = 2
+    jobs_expiration_days: Annotated[int, _at_least(0, " (0: never)")] = 0
+    output_prefixes: Annotated[tuple[str, ...], _checked(_prefix_problems)] = ("results/",)
     read_buckets: tuple[str, ...] = ()
     write_buckets: tuple[str, ...] = ()
+    function_memory: Annotated[_Sizes, _sizes(LAMBDA_MEMORY_MB)] = _none()
+    function_timeout: Annotated[_Sizes, _sizes(LAMBDA_TIMEOUT_S)] = _none()
+    function_ephemeral_storage: Annotated[_Sizes, _sizes(LAMBDA_EPHEMERAL_MB)] = _none()
     batch: bool = True
-    gpu_instance_types: tuple[str, ...] = ("g5.xlarge", "g4dn.xlarge")
-    max_vcpus: int = 16
+    gpu_instance_types: Annotated[tuple[str, ...], _rule(bool, _NO_TYPES)] = ("g5.xlarge", "g4dn.xlarge")
+    max_vcpus: Annotated[int, _at_least(1)] = 16
     spot: bool = True
-    gpu_image_type: str = "ECS_AL2023_NVIDIA"
+    gpu_image_type: Annotated[str, _one_of(GPU_IMAGE_TYPES)] = "ECS_AL2023_NVIDIA"
     vpc_id: str | None = None
     subnet_ids: tuple[str, ...] = ()
-    security_group_ids: tuple[str, ...] = ()
+    security_group_ids: Annotated[tuple[str, ...], _checked(_network_problems)] = ()
     worker_image: str | None = None
     build_worker_image: bool = True
     instance_role_managed_policy: bool = False
-    runnable_timeout_seconds: int = 14400
-    batch_vcpus: Mapping[str, int] = field(default_factory=dict)
-    batch_memory: Mapping[str, int] = field(default_factory=dict)
-    batch_gpus: Mapping[str, int] = field(default_factory=dict)
-    batch_timeout: Mapping[str, int] = field(default_factory=dict)
-    dispatch_retry_attempts: int = 8
-    dispatch_max_event_age_seconds: int = 3600
-    dlq_retention_days: int = 14
+    batch_vcpus: Annotated[_Sizes, _checked(_vcpu_problems)] = _none()
+    batch_memory: Annotated[_Sizes, _sizes(BATCH_MEMORY_MB)] = _none()
+    batch_gpus: Annotated[_Sizes, _sizes(BATCH_GPUS)] = _none()
+    batch_timeout: Annotated[_Sizes, _sizes(BATCH_TIMEOUT_S)] = _none()
+    runnable_timeout_seconds: Annotated[int, _within(600, 86400)] = 14400
+    dispatch_retry_attempts: Annotated[int, _within(0, 185)] = 8
+    dispatch_max_event_age_seconds: Annotated[int, _within(60, 86400)] = 3600
+    dlq_retention_days: Annotated[int, _within(1, 14, " (SQS's limit)")] = 14
 
-    def __post_init__(self) -> None:
-        problems = []
-        if not _STAGE_RE.match(self.stage):
-            problems.append(
-                f"stage {self.stage!r} must be 1-16 of [a-z0-9-], starting with a letter or digit"
-            )
-        if self.lambda_architecture not in ARCHITECTURES:
-            problems.append(f"lambdaArchitecture must be one of {ARCHITECTURES}")
-        if self.lambda_runtime not in RUNTIMES:
-            problems.append(f"lambdaRuntime must be one of {RUNTIMES}")
-        if self.lambda_image:
-            m = ECR_IMAGE_RE.match(self.lambda_image)
-            if not m:
-                problems.append(
-                    "lambdaImage must be a private Amazon ECR image, <account>.dkr.ecr.<region>."
-                    "amazonaws.com/<repository>:<tag> or ...@sha256:<digest> (Lambda runs no other)"
-                )
-            elif self.region and m["region"] != self.region:
-                problems.append(f"lambdaImage must be in the stack's Region {self.region}, not {m['region']}")
-        if self.log_retention_days not in LOG_RETENTION_DAYS:
-            problems.append(f"logRetentionDays must be one of {LOG_RETENTION_DAYS}")
-        if self.sfn_log_level not in SFN_LOG_LEVELS:
-            problems.append(f"sfnLogLevel must be one of {SFN_LOG_LEVELS}")
-        if self.sse_algorithm not in SSE_ALGORITHMS:
-            problems.append(f"sseAlgorithm must be one of {SSE_ALGORITHMS}")
-        if self.kms_key_arn and self.sse_algorithm != "aws:kms":
-            problems.append("kmsKeyArn needs sseAlgorithm aws:kms")
-        if self.kms_key_arn and not self.kms_key_arn.startswith("arn:"):
-            problems.append("kmsKeyArn must be a key ARN (arn:...:kms:...:key/...)")
-        for name, value in (
-            ("tempExpirationDays", self.temp_expiration_days),
-            ("abortIncompleteUploadDays", self.abort_incomplete_upload_days),
-        ):
-            if value < 1:
-                problems.append(f"{name} must be >= 1")
-        if self.jobs_expiration_days < 0:
-            problems.append("jobsExpirationDays must be >= 0 (0: never)")
-        for prefix in self.output_prefixes:
-            key = prefix.strip("/")
-            system = key.split("/")[0] + "/" in SYSTEM_PREFIXES
-            if not key or ".." in key.split("/") or system or "*" in key:
-                problems.append(
-                    f"outputPrefixes entry {prefix!r} must be a folder of the job bucket outside "
-                    f"{', '.join(SYSTEM_PREFIXES)}, e.g. results/ (no '..', no wildcards)"
-                )
-        problems += _check_map("functionMemory", self.function_memory, LAMBDA_MEMORY_MB)
-        problems += _check_map("functionTimeout", self.function_timeout, LAMBDA_TIMEOUT_S)
-        problems += _check_map(
-            "functionEphemeralStorage", self.function_ephemeral_storage, LAMBDA_EPHEMERAL_MB
-        )
-        if not self.gpu_instance_types:
-            problems.append("gpuInstanceTypes must name at least one instance type")
-        if self.max_vcpus < 1:
-            problems.append("maxVcpus must be >= 1")
-        if self.gpu_image_type not in GPU_IMAGE_TYPES:
-            problems.append(f"gpuImageType must be one of {GPU_IMAGE_TYPES}")
-        if self.subnet_ids and not self.vpc_id and not self.security_group_ids:
-            problems.append("subnetIds without securityGroupIds needs vpcId (the security group's VPC)")
-        problems += _check_map("batchVcpus", self.batch_vcpus, (1, self.max_vcpus), "maxVcpus")
-        problems += _check_map("batchMemory", self.batch_memory, BATCH_MEMORY_MB)
-        problems += _check_map("batchGpus", self.batch_gpus, BATCH_GPUS)
-        problems += _check_map("batchTimeout", self.batch_timeout, BATCH_TIMEOUT_S)
-        if not 600 <= self.runnable_timeout_seconds <= 86400:
-            problems.append("runnableTimeoutSeconds must be within 600..86400")
-        if not 0 <= self.dispatch_retry_attempts <= 185:
-            problems.append("dispatchRetryAttempts must be within 0..185")
-        if not 60 <= self.dispatch_max_event_age_seconds <= 86400:
-            problems.append("dispatchMaxEventAgeSeconds must be within 60..86400")
-        if not 1 <= self.dlq_retention_days <= 14:
-            problems.append("dlqRetentionDays must be within 1..14 (SQS's limit)")
-        if problems:
-            raise ShardfoldError("invalid shardfold stack config: " + "; ".join(problems))
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_error(cls, values: Any, handler: Callable[[Any], Any]) -> Any:
+        """Every problem of the configuration in one :class:`ShardfoldError`."""
+        try:
+            return handler(values)
+        except ValidationError as exc:
+            problems = [
+                str(e["ctx"]["error"])
+                if e["type"] == "value_error"
+                else f"{_key(str(e['loc'][0]))}: {e['msg']}"
+                for e in exc.errors()
+            ]
+            raise ShardfoldError("invalid shardfold stack config: " + "; ".join(problems)) from None
 
     @property
     def name_prefix(self) -> str:
@@ -253,12 +297,7 @@ class StackConfig:
 
     def batch_overrides(self) -> dict[str, Mapping[str, int]]:
         """``{BatchJob field: {entry point: value}}`` of the ``batch*`` keys (``{"memory_mb": {...}}``)."""
-        return {
-            "vcpus": self.batch_vcpus,
-            "memory_mb": self.batch_memory,
-            "gpus": self.batch_gpus,
-            "timeout_s": self.batch_timeout,
-        }
+        return {name: getattr(self, to_snake(key)) for name, key in BATCH_SIZE_KEYS.items()}
 
 
 def size_key(key: str, name: str) -> str:
@@ -287,86 +326,39 @@ def stage_from_stack(stack: str) -> str:
 
 
 def load() -> StackConfig:
-    """The :class:`StackConfig` of the running Pulumi program (``shardfold:*`` keys)."""
+    """The :class:`StackConfig` of the running Pulumi program: each field from the ``shardfold:*`` key of its
+    name in camelCase (``lambda_runtime``: ``shardfold:lambdaRuntime``), its default where that is unset."""
     import pulumi
 
     c = pulumi.Config("shardfold")
-    defaults = StackConfig()
+    given = {f.name: _read(c, _key(f.name), f) for f in dataclasses.fields(StackConfig)}
+    given = {name: value for name, value in given.items() if value is not None}
+    given["stage"] = given.get("stage") or stage_from_stack(pulumi.get_stack())
+    given["region"] = given.get("region") or pulumi.Config("aws").get("region")
+    given["tags"] = {str(k): str(v) for k, v in given["tags"].items()}
+    return StackConfig(**given)
 
-    def s(key: str, default: str | None) -> str | None:
-        value = c.get(key)
-        return value if value not in (None, "") else default
 
-    def b(key: str, default: bool) -> bool:
-        value = c.get_bool(key)
-        return default if value is None else value
-
-    def i(key: str, default: int) -> int:
-        value = c.get_int(key)
-        return default if value is None else value
-
-    def lst(key: str, default: tuple[str, ...]) -> tuple[str, ...]:
-        raw = c.get(key)
-        if raw is None or not raw.strip():
-            return default
-        if raw.lstrip().startswith("["):
-            value = c.get_object(key)
-        else:  # a comma-separated string is accepted too: g5.xlarge,g4dn.xlarge
-            value = [v.strip() for v in raw.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ShardfoldError(f"shardfold:{key} must be a list (JSON) or comma-separated")
-        return tuple(str(v) for v in value)
-
-    def obj(key: str) -> dict[str, Any]:
+def _read(c: Any, key: str, f: dataclasses.Field) -> Any:
+    """One key, read as the kind of value its field holds (the field's default tells); None when unset."""
+    if f.default_factory is not dataclasses.MISSING:
         value = c.get_object(key) or {}
         if not isinstance(value, dict):
             raise ShardfoldError(f"shardfold:{key} must be an object")
         return dict(value)
-
-    region = s("region", None) or pulumi.Config("aws").get("region")
-    return StackConfig(
-        stage=s("stage", None) or stage_from_stack(pulumi.get_stack()),
-        region=region,
-        tags={str(k): str(v) for k, v in obj("tags").items()},
-        lambda_architecture=s("lambdaArchitecture", defaults.lambda_architecture),
-        lambda_runtime=s("lambdaRuntime", defaults.lambda_runtime),
-        function_memory=obj("functionMemory"),
-        function_timeout=obj("functionTimeout"),
-        function_ephemeral_storage=obj("functionEphemeralStorage"),
-        lambda_image=s("lambdaImage", None),
-        build_lambda_image=b("buildLambdaImage", defaults.build_lambda_image),
-        log_retention_days=i("logRetentionDays", defaults.log_retention_days),
-        sfn_log_level=s("sfnLogLevel", defaults.sfn_log_level),
-        tracing=b("tracing", defaults.tracing),
-        bucket_name=s("bucketName", None),
-        force_destroy=b("forceDestroy", defaults.force_destroy),
-        sse_algorithm=s("sseAlgorithm", defaults.sse_algorithm),
-        kms_key_arn=s("kmsKeyArn", None),
-        temp_expiration_days=i("tempExpirationDays", defaults.temp_expiration_days),
-        abort_incomplete_upload_days=i("abortIncompleteUploadDays", defaults.abort_incomplete_upload_days),
-        jobs_expiration_days=i("jobsExpirationDays", defaults.jobs_expiration_days),
-        output_prefixes=lst("outputPrefixes", defaults.output_prefixes),
-        read_buckets=lst("readBuckets", ()),
-        write_buckets=lst("writeBuckets", ()),
-        batch=b("batch", defaults.batch),
-        gpu_instance_types=lst("gpuInstanceTypes", defaults.gpu_instance_types),
-        max_vcpus=i("maxVcpus", defaults.max_vcpus),
-        spot=b("spot", defaults.spot),
-        gpu_image_type=s("gpuImageType", defaults.gpu_image_type),
-        vpc_id=s("vpcId", None),
-        subnet_ids=lst("subnetIds", ()),
-        security_group_ids=lst("securityGroupIds", ()),
-        worker_image=s("workerImage", None),
-        build_worker_image=b("buildWorkerImage", defaults.build_worker_image),
-        instance_role_managed_policy=b("instanceRoleManagedPolicy", defaults.instance_role_managed_policy),
-        runnable_timeout_seconds=i("runnableTimeoutSeconds", defaults.runnable_timeout_seconds),
-        batch_vcpus=obj("batchVcpus"),
-        batch_memory=obj("batchMemory"),
-        batch_gpus=obj("batchGpus"),
-        batch_timeout=obj("batchTimeout"),
-        dispatch_retry_attempts=i("dispatchRetryAttempts", defaults.dispatch_retry_attempts),
-        dispatch_max_event_age_seconds=i(
-            "dispatchMaxEventAgeSeconds", defaults.dispatch_max_event_age_seconds
-        ),
-        dlq_retention_days=i("dlqRetentionDays", defaults.dlq_retention_days),
-    )
+    if isinstance(f.default, bool):
+        return c.get_bool(key)
+    if isinstance(f.default, int):
+        return c.get_int(key)
+    if not isinstance(f.default, tuple):
+        return c.get(key) or None  # text; "" is unset
+    raw = c.get(key)
+    if raw is None or not raw.strip():
+        return None
+    if raw.lstrip().startswith("["):
+        value = c.get_object(key)
+    else:  # a comma-separated string is accepted too: g5.xlarge,g4dn.xlarge
+        value = [v.strip() for v in raw.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ShardfoldError(f"shardfold:{key} must be a list (JSON) or comma-separated")
+    return tuple(str(v) for v in value)

@@ -183,28 +183,51 @@ def pin(uri: str) -> Pin:
     return found
 
 
-def pins(uris: list[str]) -> dict[str, Pin | None]:
+def pins(uris: list[str], failed: dict[str, StoreError] | None = None) -> dict[str, Pin | None]:
     """The pin of each object (None where there is no object), looked up concurrently: S3 objects by HEADs
-    all in flight on the CRT client when it is the transport, else on the process's shared thread pool."""
+    all in flight on the CRT client when it is the transport, else on the process's shared thread pool.
+    A failure is raised once every lookup has answered (the first in ``uris`` order); with ``failed``, a
+    :class:`StoreError` (refused, malformed) is put there by URI instead and the others' pins returned."""
     resolved = {u: reach(u) for u in uris}
-    on_s3 = list(dict.fromkeys(r for r in resolved.values() if is_s3(r)))
-    found: dict[str, Pin | None] = {}
-    if on_s3 and transport.s3_transport_name() == "crt":
-        try:
-            from shardfold.functions.store.crt import head_pins
-        except ImportError:  # no awscrt here: boto3 below, as GetBatch itself falls back
-            head_pins = None
-        if head_pins is not None:
-            found = head_pins(on_s3)
-
-    def one(uri: str) -> Pin | None:
-        return s3.head_pin(uri) if is_s3(uri) else local.pin(local_path(uri), uri)
-
-    rest = list(dict.fromkeys(r for r in resolved.values() if r not in found))
+    wanted = list(dict.fromkeys(resolved.values()))
+    found = _crt_pins([r for r in wanted if is_s3(r)], failed is not None)
+    rest = [r for r in wanted if r not in found]
     pool = transport.thread_pool("size")
-    futures = [pool.submit(telemetry.carried(one), u) for u in rest]  # counted for the calling task
-    found.update(zip(rest, (f.result() for f in futures), strict=True))
-    return {u: found[r] for u, r in resolved.items()}
+    futures = [pool.submit(telemetry.carried(_pin), r) for r in rest]  # counted for the calling task
+    errors: dict[str, Exception] = {}
+    for r, future in zip(rest, futures, strict=True):
+        try:
+            found[r] = future.result()
+        except Exception as exc:  # noqa: BLE001 - every lookup answers first; raised or reported below
+            errors[r] = exc
+    for u, r in resolved.items():
+        if (exc := errors.get(r)) is not None:
+            if failed is None or not isinstance(exc, StoreError):
+                raise exc
+            failed[u] = exc
+    return {u: found[r] for u, r in resolved.items() if r not in errors}
+
+
+def _pin(uri: str) -> Pin | None:
+    """One object's pin (one HEAD or stat)."""
+    return s3.head_pin(uri) if is_s3(uri) else local.pin(local_path(uri), uri)
+
+
+def _crt_pins(on_s3: list[str], tolerant: bool) -> dict[str, Pin | None]:
+    """Pins by HEADs all in flight on the CRT client, when it is the transport (else {}: the pool asks).
+    It answers all or raises: ``tolerant``, a failure leaves every lookup to the pool, which tells which."""
+    if not on_s3 or transport.s3_transport_name() != "crt":
+        return {}
+    try:
+        from shardfold.functions.store.crt import head_pins
+    except ImportError:  # no awscrt here: boto3, as GetBatch itself falls back
+        return {}
+    try:
+        return head_pins(on_s3)
+    except StoreError:
+        if not tolerant:
+            raise
+        return {}
 
 
 def verify(uri: str, pinned: Pin) -> None:
