@@ -140,8 +140,7 @@ def embed_rows(
 
     stats = stats if stats is not None else WorkerStats()
     lengths = np.diff(offsets).astype(np.int64)
-    rows = len(lengths)
-    dim = model.dim
+    rows, dim = len(lengths), model.dim
     out = np.zeros((rows, dim), dtype=np.float32)
     if rows == 0:
         return out, budget
@@ -149,9 +148,8 @@ def embed_rows(
     device = model.device
     cuda = getattr(device, "type", str(device)) == "cuda"
     queue = deque(token_budget_batches(lengths, budget))
-    on_device = None
     if cuda:  # the shard's rows, filled batch by batch on the device; timed there too (events)
-        on_device = DeviceRows(torch.empty((rows, dim), dtype=torch.float32, device=device))
+        out = DeviceRows(torch.empty((rows, dim), dtype=torch.float32, device=device))
     precision = getattr(model, "precision", contextlib.nullcontext)
     with torch.inference_mode(), precision():
         while queue:
@@ -166,49 +164,81 @@ def embed_rows(
             except Exception as exc:
                 if not is_oom(exc):
                     raise
-                failure = exc
+                failure = exc  # handled past the except block, which holds the batch's frames
             if failure is not None:
-                if budget <= 1 or (len(idx) == 1 and budget < t):
-                    raise ShardfoldError(
-                        f"out of memory on a single row of {t} tokens even at a budget of {budget} tokens; "
-                        "lower max_tokens or use a device with more memory"
-                    ) from failure
+                _refuse_single_row(failure, budget, idx, t)
                 del tensors, failure  # the batch (and the frames the error holds) before the cache is freed
-                if cuda:
-                    torch.cuda.empty_cache()
-                budget = max(1, budget // 2)
-                stats.oom_halvings += 1
-                if stats.budget_growths:  # it grew back into trouble: wait twice as long next time
-                    stats.grow_after *= 2
-                stats.calm_batches = 0
-                logger.warning("out of memory: halving the token budget", extra={"budget": budget})
+                budget = _halved(budget, stats, cuda)
                 # re-cut the failed batch and every batch still queued (cut under the old budget)
-                left = np.concatenate([idx, *queue])
-                queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
+                queue = _recut([idx, *queue], lengths, budget)
                 continue
-            if y.dim() != 2 or y.shape[0] != len(idx) or y.shape[1] != dim:
-                raise ShardfoldError(
-                    f"model {getattr(model, 'name', '?')} returned shape {list(y.shape)} for a batch of "
-                    f"{len(idx)} rows; expected [{len(idx)}, {dim}]"
-                )
-            if on_device is not None:
-                # copied into the shard's rows: a view (a [CLS] slice) would keep the batch's activations
-                on_device.rows[torch.as_tensor(idx, device=device)] = y.detach().float()
-            else:
-                out[idx] = y.detach().float().numpy()
-            stats.batches += 1
-            stats.padded_tokens += len(idx) * t
-            stats.real_tokens += int(np.maximum(lengths[idx], 1).sum())
-            stats.calm_batches += 1
-            if budget < cap and stats.calm_batches >= stats.grow_after:
-                budget, stats.calm_batches = min(cap, budget * 2), 0
-                stats.budget_growths += 1
-                left = np.concatenate(list(queue)) if queue else np.zeros(0, dtype=np.int64)
-                queue = deque(left[b] for b in token_budget_batches(lengths[left], budget))
-    if on_device is not None:
-        on_device.finish()
-        return on_device, budget
+            _keep(model, y, idx, dim, out)
+            grown = _fitted(stats, idx, lengths, t, budget, cap)
+            if grown != budget:
+                budget, queue = grown, _recut(list(queue), lengths, grown)
+    if isinstance(out, DeviceRows):
+        out.finish()
     return out, budget
+
+
+def _refuse_single_row(failure: BaseException, budget: int, idx: np.ndarray, t: int) -> None:
+    """Raise when halving the budget cannot help: it is 1, or the batch is one row longer than it."""
+    if budget <= 1 or (len(idx) == 1 and budget < t):
+        raise ShardfoldError(
+            f"out of memory on a single row of {t} tokens even at a budget of {budget} tokens; "
+            "lower max_tokens or use a device with more memory"
+        ) from failure
+
+
+def _halved(budget: int, stats: WorkerStats, cuda: bool) -> int:
+    """The budget after an out-of-memory error, the allocator's cache freed; a budget that had grown back
+    waits twice as long before it grows again."""
+    import torch
+
+    if cuda:
+        torch.cuda.empty_cache()
+    budget = max(1, budget // 2)
+    stats.oom_halvings += 1
+    if stats.budget_growths:  # it grew back into trouble: wait twice as long next time
+        stats.grow_after *= 2
+    stats.calm_batches = 0
+    logger.warning("out of memory: halving the token budget", extra={"budget": budget})
+    return budget
+
+
+def _fitted(stats: WorkerStats, idx: np.ndarray, lengths: np.ndarray, t: int, budget: int, cap: int) -> int:
+    """Count a batch that fit (``t`` tokens wide); the budget after it, doubled back toward ``cap`` after
+    ``stats.grow_after`` calm batches."""
+    stats.batches += 1
+    stats.padded_tokens += len(idx) * t
+    stats.real_tokens += int(np.maximum(lengths[idx], 1).sum())
+    stats.calm_batches += 1
+    if budget < cap and stats.calm_batches >= stats.grow_after:
+        budget, stats.calm_batches = min(cap, budget * 2), 0
+        stats.budget_growths += 1
+    return budget
+
+
+def _recut(parts: list[np.ndarray], lengths: np.ndarray, budget: int) -> deque[np.ndarray]:
+    """The rows of ``parts`` (batches of row indices) cut again into batches under ``budget``."""
+    left = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return deque(left[b] for b in token_budget_batches(lengths[left], budget))
+
+
+def _keep(model: Any, y: Any, idx: np.ndarray, dim: int, out: Any) -> None:
+    """Check a batch's output is ``[len(idx), D]`` and write it into the shard's rows ``out``."""
+    if y.dim() != 2 or y.shape[0] != len(idx) or y.shape[1] != dim:
+        raise ShardfoldError(
+            f"model {getattr(model, 'name', '?')} returned shape {list(y.shape)} for a batch of "
+            f"{len(idx)} rows; expected [{len(idx)}, {dim}]"
+        )
+    if isinstance(out, DeviceRows):
+        import torch
+
+        # copied into the shard's rows: a view (a [CLS] slice) would keep the batch's activations
+        out.rows[torch.as_tensor(idx, device=model.device)] = y.detach().float()
+    else:
+        out[idx] = y.detach().float().numpy()
 
 
 class DeviceRows:

@@ -137,30 +137,17 @@ def facts(folder: Folder, config: dict[str, Any], sizes: dict[str, int | None], 
     heads = _int(text.get("num_attention_heads"), 1)
     hidden = _int(text.get("hidden_size") or text.get("d_model"), 0)
     head_dim = _int(text.get("head_dim"), hidden // heads if heads else 0)
-    kv_heads = _int(text.get("num_key_value_heads"), heads)
-    id2label = config.get("id2label") if isinstance(config.get("id2label"), dict) else {}
-    try:
-        labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int))
-    except (TypeError, ValueError):
-        raise SpecError(f"{FIELD} {folder.uri}: config.json id2label has keys that are not numbers") from None
+    labels = _labels(folder, config)
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    pooling, normalize, max_seq = _sentence_transformers(folder, pins)
-    tok_config = read_json(
-        folder, "tokenizer_config.json", (pins or {}).get(folder.file("tokenizer_config.json"))
-    )
-    has_template = "chat_template.jinja" in folder.files or bool(
-        isinstance(tok_config, dict) and tok_config.get("chat_template")
-    )
+    pooling, normalize, max_seq = _sentence_transformers(folder, pins or {})
     archs = config.get("architectures") or []
     return ModelFacts(
         architectures=tuple(str(a) for a in archs) if isinstance(archs, list) else (),
         model_type=str(config.get("model_type") or "?"),
         dtype=dtype if dtype in DTYPE_BYTES else "float32",
-        weight_bytes=sum(
-            s or 0 for n, u in folder.files.items() if n.endswith(".safetensors") for s in [sizes.get(u)]
-        ),
+        weight_bytes=sum(sizes.get(u) or 0 for n, u in folder.files.items() if n.endswith(".safetensors")),
         layers=_int(text.get("num_hidden_layers"), 0),
-        kv_dim=kv_heads * head_dim,
+        kv_dim=_int(text.get("num_key_value_heads"), heads) * head_dim,
         hidden=hidden,
         max_positions=_int(text.get("max_position_embeddings"), 0) or None,
         labels=labels,
@@ -169,7 +156,7 @@ def facts(folder: Folder, config: dict[str, Any], sizes: dict[str, int | None], 
         pooling=pooling,
         normalize=normalize,
         max_seq_length=max_seq,
-        chat_template=has_template,
+        chat_template=_has_chat_template(folder, pins or {}),
     )
 
 
@@ -177,11 +164,32 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
 
 
-def _sentence_transformers(folder: Folder, pins) -> tuple[str | None, bool, int | None]:
+def _labels(folder: Folder, config: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels, ``id2label`` in id order; none for another model."""
+    id2label = config.get("id2label") if isinstance(config.get("id2label"), dict) else {}
+    try:
+        return tuple(str(id2label[k]) for k in sorted(id2label, key=int))
+    except (TypeError, ValueError):
+        raise SpecError(f"{FIELD} {folder.uri}: config.json id2label has keys that are not numbers") from None
+
+
+def _pinned_json(folder: Folder, name: str, pins: dict[str, Pin]) -> Any:
+    """:func:`read_json` of the folder's file ``name`` under its pin in ``pins`` (file URI → pin)."""
+    return read_json(folder, name, pins.get(folder.file(name)))
+
+
+def _has_chat_template(folder: Folder, pins: dict[str, Pin]) -> bool:
+    """Whether the folder has a chat template: ``chat_template.jinja``, or one in its tokenizer config."""
+    tok_config = _pinned_json(folder, "tokenizer_config.json", pins)  # read (and checked) either way
+    return "chat_template.jinja" in folder.files or bool(
+        isinstance(tok_config, dict) and tok_config.get("chat_template")
+    )
+
+
+def _sentence_transformers(folder: Folder, pins: dict[str, Pin]) -> tuple[str | None, bool, int | None]:
     """(pooling mode, normalize, max_seq_length) from a sentence-transformers folder's ``modules.json``;
     (None, False, None) without one. A module this worker does not run (Dense, …) is refused."""
-    pins = pins or {}
-    modules = read_json(folder, "modules.json", pins.get(folder.file("modules.json")))
+    modules = _pinned_json(folder, "modules.json", pins)
     if modules is None:
         return None, False, None
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
@@ -197,23 +205,24 @@ def _sentence_transformers(folder: Folder, pins) -> tuple[str | None, bool, int 
         if kind == "Normalize":
             normalize = True
         elif kind == "Pooling":
-            path = str(m.get("path") or "").strip("/")
-            name = f"{path}/config.json" if path else "config.json"
-            cfg = read_json(folder, name, pins.get(folder.file(name))) or {}
-            modes = [mode for mode in POOLING_MODES if cfg.get(f"pooling_mode_{mode}")]
-            if len(modes) != 1:
-                raise SpecError(
-                    f"{FIELD} {folder.uri}: {name} asks for pooling {modes or 'none'}; one of "
-                    f"{', '.join(POOLING_MODES)} is supported"
-                )
-            pooling = modes[0]
-    st_config = read_json(
-        folder, "sentence_bert_config.json", pins.get(folder.file("sentence_bert_config.json"))
-    )
-    max_seq = (
-        _int((st_config or {}).get("max_seq_length"), 0) or None if isinstance(st_config, dict) else None
-    )
+            pooling = _pooling_mode(folder, m, pins)
+    st_config = _pinned_json(folder, "sentence_bert_config.json", pins)
+    max_seq = (_int(st_config.get("max_seq_length"), 0) or None) if isinstance(st_config, dict) else None
     return pooling, normalize, max_seq
+
+
+def _pooling_mode(folder: Folder, module: dict[str, Any], pins: dict[str, Pin]) -> str:
+    """The one pooling mode a Pooling module's ``config.json`` asks for."""
+    path = str(module.get("path") or "").strip("/")
+    name = f"{path}/config.json" if path else "config.json"
+    cfg = _pinned_json(folder, name, pins) or {}
+    modes = [mode for mode in POOLING_MODES if cfg.get(f"pooling_mode_{mode}")]
+    if len(modes) != 1:
+        raise SpecError(
+            f"{FIELD} {folder.uri}: {name} asks for pooling {modes or 'none'}; one of "
+            f"{', '.join(POOLING_MODES)} is supported"
+        )
+    return modes[0]
 
 
 def check_task(task: str, f: ModelFacts, uri: str) -> None:

@@ -51,11 +51,6 @@ def minilm_dir() -> Path:
     return path
 
 
-def minilm_tokenizer_file() -> Path:
-    """The bundled ``tokenizer.json`` (for the ``tokenizers`` library)."""
-    return minilm_dir() / "tokenizer.json"
-
-
 def spec_model_uri(spec_model: Any) -> str | None:
     """The user's model URI (``{torchscript: uri}``), or None for the built-in model."""
     if spec_model == MINILM:

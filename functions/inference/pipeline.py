@@ -178,20 +178,81 @@ def _columns(spec: InferenceJob, plan: dict[str, Any], out: dict[str, np.ndarray
     }
 
 
-def _output_metadata(spec: InferenceJob, plan: dict[str, Any], dim: int | None) -> dict[str, str]:
-    """What the output Parquet says of itself: the task, the model, the vectors' width, the config hash and
-    config."""
-    config = plan.get("config") or {}
-    model = config.get("model")
-    if model == "hf":
-        model = f"hf:{spec.model.hf}"
-    return {
-        "shardfold.task": spec.task,
-        "shardfold.model": model if isinstance(model, str) else json.dumps(model, sort_keys=True),
-        "shardfold.dim": str(dim or 0),
-        "shardfold.config_hash": str(plan.get("config_hash", "")),
-        "shardfold.config": json.dumps(config, sort_keys=True),
-    }
+class _ParquetOut:
+    """The output Parquet, a row group per shard: its schema and metadata from the first shard's table,
+    every shard's vectors of one width (``dim``); with no rows, an empty table of the task's columns."""
+
+    def __init__(self, spec: InferenceJob, plan: dict[str, Any], f: Any, string_ids: bool) -> None:
+        import pyarrow as pa
+
+        self.spec, self.plan, self.f = spec, plan, f
+        self.id_type = pa.string() if string_ids else pa.int64()
+        self.dim: int | None = None
+        self.writer: Any = None
+
+    def write(self, shard: int, ids: np.ndarray, columns: dict[str, Any], row_errors: np.ndarray) -> None:
+        """One shard's rows: ``id``, the task's columns and ``error`` (where the output has it)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        width = columns["embedding"].type.list_size if "embedding" in columns else None
+        if self.dim is not None and width != self.dim:
+            raise ShardfoldError(f"shard {shard}: embedding width {width}, others {self.dim}")
+        self.dim = width
+        table = {"id": pa.array(ids, type=self.id_type), **columns}
+        if self.spec.errors_column:
+            table["error"] = _nullable(pa.array(row_errors.tolist(), pa.string()), row_errors == "")
+        t = pa.table(table)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.f, t.schema.with_metadata(self.metadata()))
+        self.writer.write_table(t)
+
+    def close(self) -> int | None:
+        """Write the footer (the schema first, when no shard had rows); the vectors' width."""
+        import pyarrow.parquet as pq
+
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.f, self.empty_schema().with_metadata(self.metadata()))
+        self.writer.close()
+        return self.dim
+
+    def abort(self) -> None:
+        """Close after an error, so the writer writes no footer later into a sink that is gone."""
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                self.writer.close()
+
+    def metadata(self) -> dict[str, str]:
+        """What the output Parquet says of itself: the task, the model, the vectors' width, the config hash
+        and config."""
+        config = self.plan.get("config") or {}
+        model = config.get("model")
+        if model == "hf":
+            model = f"hf:{self.spec.model.hf}"
+        return {
+            "shardfold.task": self.spec.task,
+            "shardfold.model": model if isinstance(model, str) else json.dumps(model, sort_keys=True),
+            "shardfold.dim": str(self.dim or 0),
+            "shardfold.config_hash": str(self.plan.get("config_hash", "")),
+            "shardfold.config": json.dumps(config, sort_keys=True),
+        }
+
+    def empty_schema(self) -> Any:
+        """The schema of an output of no rows (its vectors of no fixed width)."""
+        import pyarrow as pa
+
+        columns = {
+            "embed": [("embedding", pa.list_(pa.float32()))],
+            "classify": [("label", pa.string()), ("scores", pa.list_(pa.float32()))],
+            "generate": [
+                ("text", pa.string()),
+                ("finish_reason", pa.string()),
+                ("prompt_tokens", pa.int32()),
+                ("completion_tokens", pa.int32()),
+            ],
+        }[self.spec.task]
+        error = [("error", pa.string())] if self.spec.errors_column else []
+        return pa.schema([("id", self.id_type), *columns, *error])
 
 
 def _openai_lines(
@@ -218,22 +279,6 @@ def _openai_lines(
             job_id, int(sh["row_index"][i]), str(ids[i]), model, created, row, str(row_errors[i]) or None
         )
         yield (line + "\n").encode()
-
-
-def _empty_schema(spec: InferenceJob, id_type: Any) -> Any:
-    import pyarrow as pa
-
-    columns = {
-        "embed": [("embedding", pa.list_(pa.float32()))],
-        "classify": [("label", pa.string()), ("scores", pa.list_(pa.float32()))],
-        "generate": [
-            ("text", pa.string()),
-            ("finish_reason", pa.string()),
-            ("prompt_tokens", pa.int32()),
-            ("completion_tokens", pa.int32()),
-        ],
-    }[spec.task]
-    return pa.schema([("id", id_type), *columns] + ([("error", pa.string())] if spec.errors_column else []))
 
 
 def worker_reports(store_root: str, job_id: str) -> list[dict[str, Any]]:
@@ -299,14 +344,10 @@ def _merge(
     """Write every shard's rows in input order to ``f`` (Parquet row groups, or OpenAI lines), one shard at
     a time; count rows, errors and skipped rows. :class:`_StringIds` when a shard's ids are strings and
     ``string_ids`` is False."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    id_type = pa.string() if string_ids else pa.int64()
     skipped: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []  # the first few, for the result
     rows = failed = skipped_rows = 0
-    dim, writer = None, None
+    parquet = _ParquetOut(spec, p, f, string_ids) if spec.output_format == "parquet" else None
     created = int(time.time())  # an OpenAI response's "created"
     try:
         for s, sh, arrays in _shards_in_order(store_root, job_id, p):
@@ -323,32 +364,15 @@ def _merge(
             failed += len(bad)
             errors += [{"id": ids[i].item(), "error": str(row_errors[i])} for i in bad[: 10 - len(errors)]]
             rows += n
-            if spec.output_format == "openai":
+            if parquet is None:
                 f.writelines(_openai_lines(spec, job_id, sh, arrays, ids, row_errors, created))
-                continue
-            columns = _columns(spec, p, arrays, row_errors)
-            width = columns["embedding"].type.list_size if "embedding" in columns else None
-            if dim is None:
-                dim = width
-            elif width != dim:
-                raise ShardfoldError(f"shard {s['shard']}: embedding width {width}, others {dim}")
-            table = {"id": pa.array(ids, type=id_type), **columns}
-            if spec.errors_column:
-                table["error"] = _nullable(pa.array(row_errors.tolist(), pa.string()), row_errors == "")
-            t = pa.table(table)
-            if writer is None:
-                writer = pq.ParquetWriter(f, t.schema.with_metadata(_output_metadata(spec, p, dim)))
-            writer.write_table(t)
+            else:
+                parquet.write(s["shard"], ids, _columns(spec, p, arrays, row_errors), row_errors)
     except BaseException:
-        if writer is not None:  # closed, so it writes no footer later into a sink that is gone
-            with contextlib.suppress(Exception):
-                writer.close()
+        if parquet is not None:
+            parquet.abort()
         raise
-    if writer is None and spec.output_format == "parquet":  # no rows: an empty table of its columns
-        schema = _empty_schema(spec, id_type).with_metadata(_output_metadata(spec, p, dim))
-        writer = pq.ParquetWriter(f, schema)
-    if writer is not None:
-        writer.close()
+    dim = parquet.close() if parquet is not None else None
     if rows and failed / rows > spec.max_error_fraction:
         shown = "; ".join(f"id {e['id']}: {e['error']}" for e in errors[:3])
         raise TooManyRowErrors(
@@ -383,31 +407,24 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
             "resume the job to recompute only those"
         )
     out = output_uri(spec, store_root, job_id)
-    string_ids = False
-    try:  # integer ids unless a shard has strings: then once more, every id a string
-        with store.writer(out) as f:
-            merged = _merge(spec, job_id, store_root, p, f, string_ids=False)
-    except _StringIds:
-        string_ids = True  # the retry runs after the except block, so the first pass's shards are freed
-    if string_ids:
-        with store.writer(out) as f:
-            merged = _merge(spec, job_id, store_root, p, f, string_ids=True)
-    rows, dim, failed, errors = merged["rows"], merged["dim"], merged["errors"], merged["first_errors"]
-    skipped = merged["skipped"]
+    # integer ids unless a shard has strings: then once more, every id a string (the retry runs after the
+    # except block, so the first pass's shards are freed)
+    for string_ids in (False, True):
+        try:
+            with store.writer(out) as f:
+                merged = _merge(spec, job_id, store_root, p, f, string_ids)
+            break
+        except _StringIds:
+            continue
     workers = worker_reports(store_root, job_id)
-    manifest = {
+    manifest = {  # written with sorted keys
+        **merged,
         "workers": workers,
         "output": out,
-        "rows": rows,
-        "dim": dim,
-        "errors": failed,
-        "first_errors": errors,
         "config_hash": h,
         "config": p["config"],
         "inputs": list(spec.inputs),
         "shards": len(p["shards"]),
-        "skipped": skipped,
-        "skipped_rows": merged["skipped_rows"],
     }
     stem = out.rsplit(".", 1)[0] if out.endswith((".parquet", ".jsonl")) else out
     manifest_out = stem + ".manifest.json"
@@ -418,9 +435,9 @@ def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
         "task": spec.task,
         "output": out,
         "manifest": manifest_out,
-        "rows": rows,
-        "dim": dim,
-        "errors": failed,
+        "rows": merged["rows"],
+        "dim": merged["dim"],
+        "errors": merged["errors"],
         "skipped": merged["skipped_rows"],
         "shards": len(p["shards"]),
         "config_hash": h,

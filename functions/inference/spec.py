@@ -191,6 +191,15 @@ class InferenceJob(JobOptions):
 
     @model_validator(mode="after")
     def _consistent(self) -> InferenceJob:
+        """The fields checked against each other; generate's decoding options default."""
+        self._check_rows()
+        self._check_task()
+        if self.task == "generate" and self.generation is None:
+            self.generation = Generation()
+        return self
+
+    def _check_rows(self) -> None:
+        """Refuse rows the batches cannot hold, and an input or output format at odds with the fields."""
         if self.batch_tokens < self.max_input_tokens:
             raise ValueError(
                 f"batch_tokens {self.batch_tokens} < max_input_tokens {self.max_input_tokens}: a full row "
@@ -208,8 +217,10 @@ class InferenceJob(JobOptions):
         for name in ("input_format", "output_format"):
             if getattr(self, name) == "openai" and self.task != "generate":
                 raise ValueError(f"{name} 'openai' is for task 'generate'")
-        hf = isinstance(self.model, HFModel)
-        if self.task != "embed" and not hf:
+
+    def _check_task(self) -> None:
+        """Refuse a model, or options (pair_field, precision, generation), the task does not take."""
+        if self.task != "embed" and not isinstance(self.model, HFModel):
             raise ValueError(f"task {self.task!r} needs a Hugging Face model folder: model {{hf: uri}}")
         if self.pair_field is not None and self.task != "classify":
             raise ValueError("pair_field is for task 'classify' (cross-encoders)")
@@ -222,9 +233,6 @@ class InferenceJob(JobOptions):
             )
         if self.generation is not None and self.task != "generate":
             raise ValueError("generation options are for task 'generate'")
-        if self.task == "generate" and self.generation is None:
-            self.generation = Generation()
-        return self
 
     @property
     def errors_column(self) -> bool:

@@ -157,12 +157,9 @@ def run_worker(
     idle_s = _setting(IDLE_ENV, IDLE_S) if idle_s is None else idle_s
     stop = stop or threading.Event()
     plan = layout.load_plan(store_root, job_id)
-    h = plan["config_hash"]
     targets = _targets(store_root, job_id, attempt, plan)
     stats = WorkerStats(attempt=attempt, budget=spec.batch_tokens)
     worker_id = _worker_identity()
-    pre, out = layout.pre_prefix(store_root, job_id, h), layout.out_prefix(store_root, job_id, h)
-    cpu_done = layout.cpu_done_uri(store_root, job_id)
     logger.info(
         "inference worker start", extra={"job_id": job_id, "attempt": attempt, "targets": len(targets)}
     )
@@ -171,7 +168,40 @@ def run_worker(
         return stats.summary()
     if model is None:
         model = compute.load_runner(spec, store_root, plan, device)
+    _tune_for_device(spec, plan, model, stats)
     run_shard = functools.partial(compute.compute, spec, plan, model)
+    h = plan["config_hash"]
+    with (
+        ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="prefetch") as pool,
+        _Writes() as writes,
+    ):
+        queue = _Queue(store_root, job_id, attempt, h, targets, worker_id, pool, prefetch, poll_s)
+        while True:
+            writes.check()
+            finished = queue.refill()
+            queue.claim()
+            if queue.inflight:
+                k, fut = queue.inflight.popleft()
+                _process(run_shard, store_root, job_id, h, k, fut.result(), stats, worker_id, started, writes)
+                continue
+            if not queue.remaining:
+                break
+            if finished and not queue.backlog:  # the CPU stage is done, and listed shards are all claimed
+                logger.warning(
+                    "CPU stage done but shards have no preprocessed input; leaving them to reconcile",
+                    extra={"job_id": job_id, "shards": sorted(queue.remaining)[:20]},
+                )
+                break
+            queue.check_cpu_stage(idle_s)
+            if stop.wait(queue.wait_s):
+                break
+            # idle: back off to poll_s; reset when a shard arrives
+            queue.wait_s = min(poll_s, queue.wait_s * 2)
+    return _report(store_root, job_id, worker_id, stats, started)
+
+
+def _tune_for_device(spec: InferenceJob, plan: dict[str, Any], model: Any, stats: WorkerStats) -> None:
+    """Note the model's device in ``stats``; on a CPU, cap the token budget and set the model's threads."""
     stats.device = str(getattr(model, "device", "cpu"))
     if stats.device.startswith("cpu"):
         # On a CPU, batches past ~2k tokens run slower per token (activations and attention scores fall out
@@ -185,73 +215,83 @@ def run_worker(
         torch.set_num_threads(stats.threads)
     stats.budget_cap = stats.budget
 
-    remaining = set(targets)  # neither committed, nor claimed (by us or another worker) as far as we know
-    # Listings start at the first remaining shard's key and happen only when no listed shard is left to
-    # claim, so a job of N shards lists O(N) keys in all when shards arrive roughly in order, not O(N^2).
-    keys = sorted(remaining, key=layout.shard_name)  # the order S3 lists them in
-    first = 0
-    backlog: deque[int] = deque()  # listed as ready, not yet claimed
-    inflight: deque[tuple[int, Future]] = deque()
-    seen_ready: set[int] = set()
-    last_progress = time.monotonic()
-    wait_s = min(poll_s, FIRST_POLL_S)
-    with (
-        ThreadPoolExecutor(max_workers=max(1, prefetch), thread_name_prefix="prefetch") as pool,
-        _Writes() as writes,
-    ):
-        while True:
-            writes.check()
-            finished = False
-            if remaining and not backlog and len(inflight) <= prefetch:
-                finished = store.exists(cpu_done)  # checked before the listing, so the listing is complete
-                while keys[first] not in remaining:
-                    first += 1
-                ready = _listed(pre, ".npz", layout.shard_name(keys[first])) & remaining
-                if ready - seen_ready:
-                    seen_ready |= ready
-                    last_progress = time.monotonic()
-                    wait_s = min(poll_s, FIRST_POLL_S)
-                if ready:
-                    remaining -= _listed(out, ".done", layout.shard_name(keys[first]))
-                    backlog.extend(sorted(ready & remaining))
-            while backlog and len(inflight) <= prefetch:
-                k = backlog.popleft()
-                remaining.discard(k)
-                if _claim(layout.claim_uri(store_root, job_id, attempt, k), worker_id):
-                    # carried: the read counts for this task, under its reach and credentials
-                    load = telemetry.carried(load_shard)
-                    inflight.append((k, pool.submit(load, layout.pre_uri(store_root, job_id, h, k))))
-            if backlog:
-                finished = False  # listed shards are left to claim
-            if inflight:
-                k, fut = inflight.popleft()
-                _process(run_shard, store_root, job_id, h, k, fut.result(), stats, worker_id, started, writes)
-                continue
-            if not remaining:
-                break
-            if finished:
-                logger.warning(
-                    "CPU stage done but shards have no preprocessed input; leaving them to reconcile",
-                    extra={"job_id": job_id, "shards": sorted(remaining)[:20]},
-                )
-                break
-            failed = layout.cpu_failed_uri(store_root, job_id)
-            if store.exists(failed):
-                raise ShardfoldError(f"job {job_id}: the CPU stage failed: {store.get_json(failed)['error']}")
-            if time.monotonic() - last_progress > idle_s:
-                raise ShardfoldError(
-                    f"job {job_id}: no preprocessed shard appeared for {idle_s:.0f} s and the CPU stage has "
-                    f"not finished ({layout.cpu_done_uri(store_root, job_id)} is absent); "
-                    f"{len(remaining)} shard(s) left, e.g. {sorted(remaining)[:10]}"
-                )
-            if stop.wait(wait_s):
-                break
-            wait_s = min(poll_s, wait_s * 2)  # idle: back off to poll_s; reset when a shard arrives
+
+class _Queue:
+    """The attempt's target shards as this worker knows them: those left (neither committed, nor claimed by
+    it or another worker), those listed as ready and not yet claimed, and the claimed ones being read ahead
+    (at most ``prefetch`` besides the one computing).
+
+    Listings start at the first remaining shard's key and happen only when no listed shard is left to
+    claim, so a job of N shards lists O(N) keys in all when shards arrive roughly in order, not O(N^2)."""
+
+    def __init__(self, store_root, job_id, attempt, h, targets, worker_id, pool, prefetch, poll_s) -> None:
+        self.job_id, self.worker_id, self.pool = job_id, worker_id, pool
+        self.prefetch, self.poll_s = prefetch, poll_s
+        self.pre = layout.pre_prefix(store_root, job_id, h)
+        self.out = layout.out_prefix(store_root, job_id, h)
+        self.pre_uri = functools.partial(layout.pre_uri, store_root, job_id, h)
+        self.claim_uri = functools.partial(layout.claim_uri, store_root, job_id, attempt)
+        self.cpu_done = layout.cpu_done_uri(store_root, job_id)
+        self.cpu_failed = layout.cpu_failed_uri(store_root, job_id)
+        self.remaining = set(targets)
+        self.keys = sorted(targets, key=layout.shard_name)  # the order S3 lists them in
+        self.first = 0  # keys before it are no longer remaining
+        self.backlog: deque[int] = deque()  # listed as ready, not yet claimed
+        self.inflight: deque[tuple[int, Future]] = deque()  # claimed, being read
+        self.seen_ready: set[int] = set()
+        self.last_progress = time.monotonic()  # when a preprocessed shard last appeared
+        self.wait_s = min(poll_s, FIRST_POLL_S)
+
+    def refill(self) -> bool:
+        """List the ready shards when none listed is left to claim and there is room to read one ahead;
+        whether the CPU stage was done before this listing (so the listing is complete)."""
+        if not self.remaining or self.backlog or len(self.inflight) > self.prefetch:
+            return False
+        finished = store.exists(self.cpu_done)
+        while self.keys[self.first] not in self.remaining:
+            self.first += 1
+        after = layout.shard_name(self.keys[self.first])
+        ready = _listed(self.pre, ".npz", after) & self.remaining
+        if ready - self.seen_ready:
+            self.seen_ready |= ready
+            self.last_progress = time.monotonic()
+            self.wait_s = min(self.poll_s, FIRST_POLL_S)
+        if ready:
+            self.remaining -= _listed(self.out, ".done", after)
+            self.backlog.extend(sorted(ready & self.remaining))
+        return finished
+
+    def claim(self) -> None:
+        """Claim listed shards and start reading the ones won, while there is room to read ahead."""
+        while self.backlog and len(self.inflight) <= self.prefetch:
+            k = self.backlog.popleft()
+            self.remaining.discard(k)
+            if _claim(self.claim_uri(k), self.worker_id):
+                # carried: the read counts for this task, under its reach and credentials
+                self.inflight.append((k, self.pool.submit(telemetry.carried(load_shard), self.pre_uri(k))))
+
+    def check_cpu_stage(self, idle_s: float) -> None:
+        """Raise when the CPU stage failed, or has shown no new shard for ``idle_s`` without finishing."""
+        if store.exists(self.cpu_failed):
+            error = store.get_json(self.cpu_failed)["error"]
+            raise ShardfoldError(f"job {self.job_id}: the CPU stage failed: {error}")
+        if time.monotonic() - self.last_progress > idle_s:
+            raise ShardfoldError(
+                f"job {self.job_id}: no preprocessed shard appeared for {idle_s:.0f} s and the CPU stage has "
+                f"not finished ({self.cpu_done} is absent); "
+                f"{len(self.remaining)} shard(s) left, e.g. {sorted(self.remaining)[:10]}"
+            )
+
+
+def _report(
+    store_root: str, job_id: str, worker_id: dict[str, Any], stats: WorkerStats, started: float
+) -> dict[str, Any]:
+    """Write the worker's summary to ``workers/<attempt>/<host>-<pid>-<run>.json``, log it, return it."""
     stats.wall_s = time.monotonic() - started
     summary = stats.summary()
     name = f"{worker_id['host']}-{worker_id['pid']}-{worker_id['run']}"
     store.put_json(
-        layout.worker_report_uri(store_root, job_id, attempt, name), {**summary, "worker": worker_id}
+        layout.worker_report_uri(store_root, job_id, stats.attempt, name), {**summary, "worker": worker_id}
     )
     logger.info(
         "inference worker done",
