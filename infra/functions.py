@@ -55,7 +55,7 @@ LAMBDA_DEFAULT_EPHEMERAL_MB = 512
 class FunctionSpec:
     """One Lambda function to deploy."""
 
-    function: str  # the registered name ("getbatch.plan"), or "dispatch"
+    function: str  # the registered name ("getbatch.prepare"), or "dispatch"
     name: str  # the Lambda function name
     handler: str  # Lambda's Handler setting
     memory_mb: int

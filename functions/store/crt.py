@@ -291,11 +291,6 @@ class _Head:
             self.future.set_exception(_error(self.uri, error, status_code, kw.get("error_body"), "HEAD"))
 
 
-def head_sizes(uris: list[str], timeout_s: float = 120.0) -> dict[str, int | None]:
-    """Sizes of S3 objects (None: no object); see :func:`head_pins`."""
-    return {u: None if p is None else p.size for u, p in head_pins(uris, timeout_s).items()}
-
-
 def head_pins(uris: list[str], timeout_s: float = 120.0) -> dict[str, Pin | None]:
     """Pins (size, ETag) of S3 objects (None: no object), every HEAD in flight at once on the process's CRT
     client: no thread per request, a fraction of boto3's CPU per call."""
