@@ -237,7 +237,7 @@ WORKFLOWS: Mapping[str, Workflow] = Workflows()
 
 
 def handler_path(function: str) -> str | None:
-    """``module:function`` of a kind's workflow function (``getbatch.plan``), or None if no kind has it."""
+    """``module:function`` of a kind's workflow function (``getbatch.prepare``), or None if no kind has it."""
     name = function.split(".", 1)[0]
     if name not in packages():
         return None
