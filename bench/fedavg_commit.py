@@ -7,11 +7,11 @@ was done before:
   local  parts of the given sizes on this machine's disk, flushed first (``sync``), then assembled:
          ``copy_file_range`` (the kernel copies; Shardfold now) against a read/write loop of 8 MiB blocks
          through Python (Shardfold before; what ``shutil.copyfileobj`` does). Best of ``--repeats``.
-  s3     the same parts on the benchmark S3 server (``bench/s3server.py``: in memory, every answer delayed by
-         an injected time to first byte), assembled with ``UploadPartCopy``: one copy request at a time
-         (before) against :data:`functions.store.s3.COPY_CONCURRENCY` at once (now). The server copies in
-         memory, so this measures the request pattern (parts x latency against about one latency), not
-         AWS's copy rate, which is slower per byte: the more parts, the more the overlap saves there.
+  s3     the same parts on the benchmark S3 server (``bench/s3server.py``: SeaweedFS on loopback, every
+         answer delayed by an injected time to first byte), assembled with ``UploadPartCopy``: one copy
+         request at a time (before) against :data:`functions.store.s3.COPY_CONCURRENCY` at once (now).
+         SeaweedFS copies on this machine's disk, so this measures the request pattern (parts x latency
+         against about one latency) plus a local copy, not AWS's copy rate.
 
 Prints a table, writes ``bench/results/fedavg_commit.json`` (``--out``). Nothing asserts on time.
 
@@ -145,7 +145,7 @@ def main() -> int:
             rows.append(local_case(work, mib * MiB, parts, args.repeats))
         with ServerHandle(ttfb_median_s=args.ttfb_ms / 1000) as server:
             set_client_env(server.endpoint, str(work / "home"))
-            server.call("bucket", bucket="sf-commit-bench")
+            server.make_bucket("sf-commit-bench")
             for mib, parts in cases:
                 rows.append(s3_case(mib * MiB, parts, args.repeats, s3.COPY_CONCURRENCY))
 

@@ -13,13 +13,14 @@ Compares, in one run and on the same keys:
        from (e)'s runs: the read is a consumer's work that (d) does not have, so it is shown apart
   (x)  opt-in reference ceiling: awscrt's native S3Client given the whole batch at once (no product code)
 
-The endpoint is ``bench/s3server.py``: an in-memory asyncio S3 server started in a child process on
-127.0.0.1, with an injected lognormal time-to-first-byte. Before the timed modes it is measured with no
-injected latency (capacity, server CPU per request); during every mode its CPU use is reported, so a
-reader can check it was never the bottleneck. Client CPU is the benchmark process's CPU time (all its
-threads, plus any child processes it started, the server excluded). Each mode's ``others`` column and the
-run's closing line come from ``benchutil.LoadWatch``: the CPU other processes used meanwhile (% of one
-core), marked NOISY above half a core, with the load averages before and after; all go to the JSON.
+The endpoint is ``bench/s3server.py``: SeaweedFS, a real S3 server, in a child process on 127.0.0.1,
+behind a loopback proxy that injects a lognormal time-to-first-byte. Before the timed modes SeaweedFS is
+measured directly with no injected latency (capacity, server CPU per request); during every mode its CPU
+use and the proxy's are reported, so a reader can check neither was the bottleneck. Client CPU is the
+benchmark process's CPU time (all its threads, plus any child processes it started, SeaweedFS and the
+proxy excluded). Each mode's ``others`` column and the run's closing line come from ``benchutil.LoadWatch``:
+the CPU other processes used meanwhile (% of one core), marked NOISY above half a core, with the load
+averages before and after; all go to the JSON.
 
 The benchmark prints a table and writes JSON to bench/results/getbatch.json. It never asserts on timing:
 the targets are reported as pass/fail lines. Every mode has a time budget, so the run ends by itself.
@@ -505,7 +506,8 @@ class Row:
     lat_max_ms: float | None = None
     batch_latencies_ms: list[float] = field(default_factory=list)
     server_cpu_s: float | None = None
-    server_busy_pct: float | None = None
+    server_busy_pct: float | None = None  # SeaweedFS
+    proxy_busy_pct: float | None = None  # the latency proxy in front of it
     other_busy_pct: float | None = None  # CPU used by other processes on the machine, % of one core
     load: dict = field(default_factory=dict)  # benchutil.LoadWatch report over the timed batches
     server_requests: dict = field(default_factory=dict)
@@ -610,7 +612,7 @@ def run_mode(
                 row.note = f"time budget {budget_s:g}s reached after {row.batches} of {len(batches)} batches"
                 break
         wall, elapsed = sum(lat), time.perf_counter() - t0
-        s1 = server.cpu_seconds()
+        s1 = server.cpu_seconds()  # (SeaweedFS, proxy)
         row.load = watch.stop()
         stats = server.call("stats")
     except Exception as exc:
@@ -635,10 +637,11 @@ def run_mode(
     row.lat_p95_ms = percentile(row.batch_latencies_ms, 95)
     row.lat_p99_ms = percentile(row.batch_latencies_ms, 99)
     row.lat_max_ms = max(row.batch_latencies_ms)
-    row.server_cpu_s = s1 - s0
+    row.server_cpu_s = s1[0] - s0[0]
     row.server_busy_pct = 100 * row.server_cpu_s / elapsed
+    row.proxy_busy_pct = 100 * (s1[1] - s0[1]) / elapsed
     row.untimed = [list(u) for u in untimed] if any(w for w, _ in untimed) else []
-    row.other_busy_pct = 100 * row.load["others_cores"]  # the server is our child: not counted here
+    row.other_busy_pct = 100 * row.load["others_cores"]  # the servers are our children: not counted here
     row.server_requests = stats["counts"]
     row.requests_per_obj = sum(stats["counts"].values()) / row.objects
     if phases:
@@ -657,7 +660,8 @@ def run_mode(
         print(f"    {desc}", flush=True)
     print(
         f"  {row.label:<26} {row.obj_per_s:9.1f} obj/s  {row.cpu_s_per_1k:7.3f} CPU-s/1k  "
-        f"p50 {row.lat_p50_ms:8.1f} ms  server {row.server_busy_pct:5.1f}% busy",
+        f"p50 {row.lat_p50_ms:8.1f} ms  server {row.server_busy_pct:5.1f}% busy "
+        f"(+ proxy {row.proxy_busy_pct:4.1f}%)",
         flush=True,
     )
     return row
@@ -691,14 +695,13 @@ async def _load(port: int, bucket: str, keys: list[str], conns: int, seconds: fl
 
 
 def measure_capacity(server: ServerHandle, keys: list[str], size: int, seconds: float, conns: int) -> dict:
-    """GET rate and server CPU per GET with no injected latency, driven by a raw asyncio HTTP client."""
+    """GET rate and SeaweedFS's CPU per GET, asked directly (no proxy, no injected latency) by a raw asyncio
+    HTTP client."""
     import asyncio
 
-    server.set_latency(0.0)
-    server.call("reset_stats")
-    s0 = server.cpu_seconds()
-    n, wall = asyncio.run(_load(server.port, BUCKET, keys, conns, seconds))
-    srv_cpu = server.cpu_seconds() - s0
+    s0 = server.cpu_seconds()[0]
+    n, wall = asyncio.run(_load(server.s3_port, BUCKET, keys, conns, seconds))
+    srv_cpu = server.cpu_seconds()[0] - s0
     per_req_us = srv_cpu / n * 1e6 if n else None
     return {
         "size": size,
@@ -1008,12 +1011,15 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(args.seed)
     store_home = tempfile.mkdtemp(prefix="shardfold-bench-")
-    server = ServerHandle(ttfb_median_s=0.0, ttfb_sigma=0.0, seed=args.seed)
+    server = ServerHandle(args.ttfb_ms / 1000, args.ttfb_sigma, args.seed, args.ttfb_cap_ms / 1000)
     set_client_env(server.endpoint, store_home)
     if not args.verbose and not (os.environ.get("POWERTOOLS_LOG_LEVEL") or os.environ.get("LOG_LEVEL")):
         os.environ["POWERTOOLS_LOG_LEVEL"] = "WARNING"  # library INFO lines would bury the table
-    cpu = ClientCPU({server.pid})
-    print(f"S3 server {server.endpoint} (pid {server.pid}); client pid {os.getpid()}; {os.cpu_count()} CPUs")
+    cpu = ClientCPU(server.pids)
+    print(
+        f"S3 endpoint {server.endpoint}: SeaweedFS {server.s3_endpoint} (pid {server.pid}) behind the "
+        f"latency proxy (pid {server.proxy.pid}); client pid {os.getpid()}; {os.cpu_count()} CPUs"
+    )
     print(
         f"injected TTFB: lognormal median {args.ttfb_ms:g} ms, sigma {args.ttfb_sigma:g} "
         f"(p99 ~ {args.ttfb_ms * math.exp(2.326 * args.ttfb_sigma):.0f} ms), cap {args.ttfb_cap_ms:g} ms"
@@ -1032,23 +1038,24 @@ def main(argv: list[str] | None = None) -> int:
             pool_n = max(args.batch, min(args.batch * args.batches, args.pool_mib * MiB // size))
             prefix = f"obj{size}/"
             keys = synthetic_keys(prefix, pool_n)
+            t_pop = time.perf_counter()
             server.populate(BUCKET, prefix, pool_n, size, seed=args.seed)
+            t_pop = time.perf_counter() - t_pop
             batches = [rng.sample(keys, args.batch) for _ in range(args.batches)]
             print(
                 f"\n== {fmt_size(size)} objects: {pool_n} distinct keys, batch {args.batch}, "
-                f"{args.batches} batches, concurrency {args.concurrency}"
+                f"{args.batches} batches, concurrency {args.concurrency} (written in {t_pop:.1f} s)"
             )
 
             cap = measure_capacity(server, keys, size, args.capacity_s, conns=max(8, args.concurrency))
             capacity.append(cap)
             print(
-                f"  server capacity (no injected latency, raw client, {cap['connections']} conns): "
+                f"  SeaweedFS capacity (asked directly, no injected latency, {cap['connections']} conns): "
                 f"{cap['achieved_get_per_s']:.0f} GET/s achieved at "
                 f"{cap['server_busy_pct']:.0f}% server CPU; "
                 f"{cap['server_cpu_us_per_get']:.0f} us server CPU per GET -> "
                 f"~{cap['capacity_get_per_s_one_core']:.0f} GET/s per server core"
             )
-            server.set_latency(args.ttfb_ms / 1000, args.ttfb_sigma, args.ttfb_cap_ms / 1000, seed=args.seed)
 
             ctx = Ctx(
                 endpoint=server.endpoint,
@@ -1077,7 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
                             )
                         )
                         gc.collect()
-            server.call("clear", bucket=BUCKET, prefix=prefix)
+            server.clear(BUCKET, prefix)
     finally:
         server.stop()
         shutil.rmtree(store_home, ignore_errors=True)
@@ -1135,7 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
 def _give_up(limit: float) -> None:
     """Watchdog: a stuck client must not keep the benchmark running forever."""
     print(f"\ngetbatch benchmark: still running after {limit:.0f} s (--max-total-s); giving up", flush=True)
-    os._exit(3)  # the server child is a daemon process on a closed pipe: it exits with us
+    os._exit(3)  # the proxy stops on its closed pipe, SeaweedFS on its parent-death signal
 
 
 if __name__ == "__main__":
