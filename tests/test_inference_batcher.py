@@ -2,22 +2,65 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiers import examples
 
-from shardfold.functions.inference.batcher import (
-    fixed_size_batches,
-    padded_tokens,
-    padding_tokens,
-    restore_order,
-    token_budget_batches,
-)
+from shardfold.functions.inference.batcher import _lengths, token_budget_batches
 
 lengths_st = st.lists(st.integers(min_value=0, max_value=300), min_size=0, max_size=200)
 budget_st = st.integers(min_value=1, max_value=4096)
+
+
+# What the properties compare the batcher with (the tests' own: the job needs none of them)
+
+
+def fixed_size_batches(
+    lengths: Sequence[int] | np.ndarray, batch_size: int, sort: bool = True
+) -> list[np.ndarray]:
+    """Row indices per batch of ``batch_size`` rows (the last may be smaller), longest rows first when
+    ``sort`` (sentence-transformers' ``encode``), else in input order. The ablation baseline."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    eff = np.maximum(_lengths(lengths), 1)
+    order = np.argsort(-eff, kind="stable") if sort else np.arange(len(eff))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def padded_tokens(lengths: Sequence[int] | np.ndarray, batches: Sequence[np.ndarray]) -> list[int]:
+    """Padded tokens (``rows * max length``, a row counting at least one token) of each batch."""
+    eff = np.maximum(_lengths(lengths), 1)
+    return [int(len(b) * eff[b].max()) if len(b) else 0 for b in batches]
+
+
+def padding_tokens(lengths: Sequence[int] | np.ndarray, batches: Sequence[np.ndarray]) -> int:
+    """Pad tokens in total: padded tokens minus real tokens."""
+    eff = np.maximum(_lengths(lengths), 1)
+    return sum(padded_tokens(eff, batches)) - int(sum(eff[b].sum() for b in batches))
+
+
+def restore_order(batches: Sequence[np.ndarray], outputs: Sequence[np.ndarray], rows: int) -> np.ndarray:
+    """Stack per-batch outputs (``outputs[i]`` has one row per index of ``batches[i]``) in row order."""
+    if len(batches) != len(outputs):
+        raise ValueError(f"{len(batches)} batches but {len(outputs)} outputs")
+    if not outputs:
+        raise ValueError("restore_order needs at least one batch to know the output's shape")
+    first = np.asarray(outputs[0])
+    out = np.empty((rows, *first.shape[1:]), dtype=first.dtype)
+    seen = np.zeros(rows, dtype=bool)
+    for idx, y in zip(batches, outputs, strict=True):
+        y = np.asarray(y)
+        if len(y) != len(idx):
+            raise ValueError(f"a batch of {len(idx)} rows produced {len(y)} outputs")
+        out[idx] = y
+        seen[idx] = True
+    if not seen.all():
+        raise ValueError(f"rows {np.flatnonzero(~seen)[:10].tolist()} are in no batch")
+    return out
 
 
 @settings(max_examples=examples(300), deadline=None)

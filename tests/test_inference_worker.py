@@ -25,7 +25,7 @@ from shardfold.functions.errors import ModelLoadError, ShardfoldError
 from shardfold.functions.inference import compute
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference import worker as W
-from shardfold.functions.inference.models import LoadedModel, load_model, minilm_dir, model_identity
+from shardfold.functions.inference.models import LoadedModel, load_model, minilm_dir
 from shardfold.functions.inference.preprocess import ShardRows, encode_shard, tokenize
 from shardfold.functions.inference.spec import InferenceJob
 from shardfold.functions.specs import parse_spec
@@ -215,16 +215,6 @@ def test_batching_does_not_change_outputs(minilm):
     one, _ = compute.embed_rows(minilm, ids, offsets, budget=1)  # every row alone
     many, _ = compute.embed_rows(minilm, ids, offsets, budget=4096)
     np.testing.assert_allclose(one, many, atol=1e-5)
-
-
-def test_model_identity_needs_no_torch_and_tracks_bytes(tmp_path, tiny_uri):
-    code = "import sys; from shardfold.functions.inference.models import model_identity as m; m('minilm'); "
-    code += "assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
-    a = model_identity({"torchscript": tiny_uri})
-    other = save_torchscript(Wrong(), tmp_path / "wrong.pt")
-    assert a.startswith("torchscript:") and a != model_identity({"torchscript": other})
-    assert model_identity("minilm").startswith("minilm:")
 
 
 # ---------------------------------------------------------------------------------------------- user models

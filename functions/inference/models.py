@@ -1,9 +1,9 @@
 """Inference models: the built-in ``minilm``, a user's TorchScript / ``torch.export`` file, and Hugging Face
 folders (:mod:`functions.inference.hf`) for embed, classify and generate.
 
-Only the GPU worker imports torch: :func:`model_identity` and :func:`minilm_dir` do not, so the plan task
-(Lambda, no torch) can hash a model's weights for the config hash. torch and transformers are imported
-inside :func:`load_model`.
+Only the GPU worker imports torch: :func:`minilm_dir` does not, so the plan task (Lambda, no torch) can find
+the built-in model's files (``functions.inference.shards.config_hash`` hashes them). torch and transformers
+are imported inside :func:`load_model`.
 
 Every model is called as ``model(input_ids, attention_mask)`` with int64 ``[B, T]`` tensors on its device
 and returns float32 ``[B, D]``. ``minilm`` is sentence-transformers/all-MiniLM-L6-v2 from the PyPI package
@@ -13,8 +13,6 @@ and L2 normalisation, as sentence-transformers' modules.json for that model pres
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
 import tempfile
 import threading
@@ -61,35 +59,6 @@ def spec_model_uri(spec_model: Any) -> str | None:
     if not uri:
         raise ModelLoadError(f"unknown model {spec_model!r}; use 'minilm' or {{torchscript: uri}}")
     return str(uri)
-
-
-@functools.lru_cache(maxsize=4)
-def _hash_dir(path: str) -> str:
-    h = hashlib.sha256()
-    root = Path(path)
-    for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-        h.update(str(f.relative_to(root)).encode() + b"\0")
-        with f.open("rb") as fh:
-            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def model_identity(spec_model: Any) -> str:
-    """A string naming the model and the sha256 of its files, without importing torch.
-
-    ``minilm:<sha256 of every bundled file (weights, config, tokenizer), path-prefixed, in sorted order>``,
-    or ``torchscript:<sha256 of the store object's bytes>``. Part of the job's config hash.
-    """
-    uri = spec_model_uri(spec_model)
-    if uri is None:
-        return f"{MINILM}:{_hash_dir(str(minilm_dir()))}"
-    try:
-        data = store.get(uri)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read the model file {uri}: {exc}", uri=uri) from exc
-    return f"torchscript:{hashlib.sha256(data).hexdigest()}"
 
 
 class LoadedModel:
