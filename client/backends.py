@@ -45,12 +45,12 @@ def _moto() -> tuple[Any, str, list[Closer]]:
     try:
         import moto  # noqa: F401 - the harness imports it only once the stack starts
 
-        from shardfold.orchestrator import moto_harness
+        from shardfold import dryrun
     except ImportError as exc:  # moto is a dev dependency
         raise BackendError(f"the moto backend needs the dev extra ('shardfold[dev]'): {exc}") from None
     from shardfold.orchestrator.aws import AwsExecutor
 
-    stack = moto_harness.MotoStack()
+    stack = dryrun.MotoStack()
     outputs = stack.start()
     executor = AwsExecutor(outputs)
     return executor, f"s3://{outputs['bucket']}", [stack.stop, *_closers_of(executor)]

@@ -2,7 +2,7 @@
 
 :func:`build` creates every resource for a :class:`~infra.config.StackConfig` and returns the stack
 outputs, exactly the keys the ``aws`` backend reads (``client.stack.load_stack_outputs``, the same shape
-``orchestrator.moto_harness.build_stack`` gives the moto twin) plus a few for people and tools:
+``shardfold.dryrun.build_stack`` gives the moto twin) plus a few for people and tools:
 
 ==========================  ============================================================================
 ``backend``                 ``"aws"``

@@ -7,8 +7,7 @@ trigger, which ships only ``functions/``, sizes a job against its workflow befor
 * :mod:`orchestrator.registry` — function name -> handler, shared by every backend and by infra.
 * :mod:`orchestrator.asl` — compile a workflow to ASL; validate ASL (statelint + moto's parser).
 * :mod:`orchestrator.local` — LocalExecutor (in-process; the default backend).
-* :mod:`orchestrator.aws` — AwsExecutor (Step Functions; also drives the moto backend).
-* :mod:`orchestrator.moto_harness` — a whole stack inside moto (dev dependency).
+* :mod:`orchestrator.aws` — AwsExecutor (Step Functions; and the moto backend: :mod:`shardfold.dryrun`).
 
 Nothing is imported here, so ``import orchestrator`` stays cheap; import the module you need.
 """

@@ -30,10 +30,17 @@ import: a torch op or a GPU initialised before a fork breaks every child.
 
 Elsewhere than Linux, where ``SHARDFOLD_CONTAINER_SERVER=0``, or when the server cannot start a container,
 each container is a fresh ``python -m functions.container`` (:func:`orchestrator.local_batch.run_container`).
+
+Why not multiprocessing's forkserver (the process pools', :func:`orchestrator.local._fork_server`): there is
+one per process, its preload a fixed list read when it starts, so every pool worker would import torch, never
+under a request's environment nor for a handler registered later; and its children write to its stdout, not
+the executor's current one, exit 1 on Ctrl-C rather than die of SIGINT, outlive it, and are signalled by a pid
+it may have reaped: this module's code again, around it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import json
@@ -93,12 +100,10 @@ def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], lis
     """The next message and the descriptors sent with it; EOFError once the peer has closed its end."""
     if max_fds:
         head, fds, _, _ = socket.recv_fds(sock, _HEAD.size, max_fds)
-        if not head:
-            raise EOFError
     else:
         head, fds = sock.recv(_HEAD.size), []
-        if not head:
-            raise EOFError
+    if not head:
+        raise EOFError
     (size,) = _HEAD.unpack(_exactly(sock, _HEAD.size, head))
     return json.loads(_exactly(sock, size)), fds
 
@@ -146,8 +151,7 @@ class _Server:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env[PARENT_ENV] = str(os.getpid())
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
@@ -186,12 +190,9 @@ class _Server:
             raise OSError(f"the container server started no container in {START_TIMEOUT_S:.0f} s") from None
 
     def signal(self, request_id: int, sig: int) -> None:
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError):
             if self.alive:
-                try:
-                    _send(self._sock, {"signal": [request_id, int(sig)]})
-                except OSError:
-                    pass
+                _send(self._sock, {"signal": [request_id, int(sig)]})
 
     def _read(self) -> None:
         try:
@@ -263,17 +264,19 @@ def _become(request: dict[str, Any]) -> None:
 
 
 def _preload(request: dict[str, Any]) -> None:
-    _become(request)
-    importlib.import_module(request["handler"].partition(":")[0]).preload()
+    """Import the handler's module under the request's environment, and call its ``preload()``."""
+    try:
+        _become(request)
+        importlib.import_module(request["handler"].partition(":")[0]).preload()
+    except Exception:  # the container imports what it needs itself, and reports what fails
+        traceback.print_exc()
 
 
 def _name_process(name: str) -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _child(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
@@ -346,63 +349,65 @@ def serve(sock: socket.socket, owner: int) -> None:
         owner_fd: int | None = os.pidfd_open(owner)
     except (AttributeError, OSError):
         owner_fd = None
-    _SERVER_FDS[:] = [sock.fileno(), wake_r, wake_w, *([owner_fd] if owner_fd is not None else [])]
+    watched = [sock.fileno(), wake_r, *([owner_fd] if owner_fd is not None else [])]
+    _SERVER_FDS[:] = [*watched, wake_w]
     children: dict[int, int] = {}  # request id -> pid, until reaped
     try:
         while True:
-            watched = [sock, wake_r] + ([owner_fd] if owner_fd is not None else [])
             ready, _, _ = select.select(watched, [], [], None if owner_fd is not None else 0.5)
             if wake_r in ready:
                 os.read(wake_r, 4096)
-            while children:  # reap, and report, every child that ended
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if pid == 0:
-                    break
-                for request_id in [r for r, p in children.items() if p == pid]:
-                    del children[request_id]
-                    _send(sock, {"exited": [request_id, os.waitstatus_to_exitcode(status)]})
+            _reap(sock, children)
             if owner_fd in ready or os.getppid() != owner:
                 return
-            if sock not in ready:
-                continue
-            message, fds = _receive(sock, max_fds=2)
-            if "signal" in message:
-                request_id, sig = message["signal"]
-                if request_id in children:
-                    os.kill(children[request_id], sig)
-                continue
-            request = message["start"]
-            try:
-                if request["preload"]:
-                    _preload(request)
-            except Exception:  # the container imports what it needs itself, and reports what fails
-                traceback.print_exc()
-            try:
-                pid = _fork(request, fds)
-            except OSError as exc:
-                _send(sock, {"failed": [request["id"], f"cannot fork a container: {exc}"]})
-                continue
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            children[request["id"]] = pid
-            _send(sock, {"started": [request["id"], pid]})
+            if sock.fileno() in ready:
+                _answer(sock, children)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass
     finally:
         for pid in children.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+
+
+def _reap(sock: socket.socket, children: dict[int, int]) -> None:
+    """Reap every child that ended, and report its exit code by its request's id."""
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        for request_id in [r for r, p in children.items() if p == pid]:
+            del children[request_id]
+            _send(sock, {"exited": [request_id, os.waitstatus_to_exitcode(status)]})
+
+
+def _answer(sock: socket.socket, children: dict[int, int]) -> None:
+    """Act on the next request: signal a child not reaped yet, or preload and fork a container."""
+    message, fds = _receive(sock, max_fds=2)
+    if "signal" in message:
+        request_id, sig = message["signal"]
+        if request_id in children:
+            os.kill(children[request_id], sig)
+        return
+    request = message["start"]
+    if request["preload"]:
+        _preload(request)
+    try:
+        pid = _fork(request, fds)
+    except OSError as exc:
+        _send(sock, {"failed": [request["id"], f"cannot fork a container: {exc}"]})
+        return
+    finally:
+        for fd in fds:
+            os.close(fd)
+    children[request["id"]] = pid
+    _send(sock, {"started": [request["id"], pid]})
 
 
 def main(argv: list[str]) -> None:
     # Python 3.12+ warns at every fork from a process with threads; this one forks from its only Python
     # thread, and the native threads its imports start (OpenBLAS) are fork-safe (module doc)
-    warnings.filterwarnings(
-        "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
-    )
+    warnings.filterwarnings("ignore", r".*fork\(\) may lead to deadlocks", DeprecationWarning)
     owner = int(os.environ.pop(PARENT_ENV, "0") or 0) or os.getppid()
     own = {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
     _BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]  # sys.path[0]: the directory it started in

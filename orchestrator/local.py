@@ -883,7 +883,9 @@ class _WorkerPopen(popen_forkserver.Popen):
     multiprocessing prepares every child by importing the parent's ``__main__`` (so that functions defined
     there unpickle). The workers run only :func:`orchestrator.invoke.call_in_worker` and handlers named by
     module path, so they need none of it; and a script that runs jobs without ``if __name__ ==
-    "__main__":`` (as a README snippet pasted into a file) would run again in every worker."""
+    "__main__":`` (as a README snippet pasted into a file) would run again in every worker. No public
+    hook skips it (the pool's initializer runs after it), so the launch's ``spawn.get_preparation_data`` is
+    swapped for one that leaves ``__main__`` out."""
 
     def _launch(self, process_obj: Any) -> None:
         real = spawn.get_preparation_data
@@ -906,8 +908,6 @@ _LAUNCH_LOCK = threading.Lock()
 
 
 class _WorkerProcess(multiprocessing.context.ForkServerProcess):
-    _start_method = "forkserver"
-
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
         return _WorkerPopen(process_obj)

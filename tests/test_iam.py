@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from botocore.exceptions import ClientError
 
+from shardfold import dryrun
 from shardfold.client import Client
 from shardfold.functions import kinds, store
 from shardfold.functions.access import Grants, Right
 from shardfold.functions.credentials import Credentials
-from shardfold.orchestrator import iam, moto_harness
+from shardfold.orchestrator import iam
 
 pytestmark = pytest.mark.slow
 
@@ -107,8 +108,8 @@ def client(reacher, tmp_path_factory):
 
 
 @pytest.fixture
-def stack(client) -> moto_harness.MotoStack:
-    found = moto_harness.running()
+def stack(client) -> dryrun.MotoStack:
+    found = dryrun.running()
     assert found is not None
     return found
 
@@ -189,7 +190,7 @@ def test_a_state_machine_role_invokes_its_own_functions_only(stack):
         role = roles.get_role(RoleName=f"{arn.rsplit(':', 1)[1]}-role")["Role"]["Arn"]
         for function, function_arn in stack.outputs["functions"].items():
             own = function.split(".")[0] == kind
-            assert moto_harness._permitted(role, "lambda:InvokeFunction", function_arn) == own, (
+            assert dryrun._permitted(role, "lambda:InvokeFunction", function_arn) == own, (
                 kind,
                 function,
             )

@@ -320,8 +320,8 @@ def test_outputs_are_what_the_aws_backend_reads(stack, workflows):
 
 
 def test_outputs_list_every_deployed_size_and_the_key_that_changes_it(stack, workflows):
+    from shardfold import dryrun
     from shardfold.client.stack import BatchSize, deployed_sizes
-    from shardfold.orchestrator import moto_harness
 
     sizes = stack.outputs["sizes"]
     fns = {r.inputs["name"]: r.inputs for r in stack.of("aws:lambda/function:Function")}
@@ -361,7 +361,7 @@ def test_outputs_list_every_deployed_size_and_the_key_that_changes_it(stack, wor
     )
     # the moto twin reports the same sizes for the same workflows (it has no dispatch function)
     assert sizes["lambda_architecture"] == "arm64"  # the plan prices Lambda at the deployed rate
-    twin = moto_harness.stack_sizes(workflows)
+    twin = dryrun.stack_sizes(workflows)
     assert twin == {
         "functions": {k: v for k, v in sizes["functions"].items() if k != "dispatch"},
         "batch": sizes["batch"],

@@ -1,7 +1,7 @@
 """Every job kind with a Map of 10,000 children on the moto backend (issue 12, item 2): the compiled ASL on
 moto's Step Functions interpreter with the real handlers, each job's result checked, and each Map's gathered
 result (every child's output, which AWS holds to 256 KiB even under ``ResultPath: null``) read back from the
-harness (:func:`orchestrator.moto_harness.gathered_results`) and checked to stay small.
+harness (:func:`shardfold.dryrun.gathered_results`) and checked to stay small.
 
 Inputs are tiny and shaped only to fan out: getbatch one item per part; fedavg a 160 KB model cut into
 10,000 shards (the 5 MiB shard floor lowered, as the fedavg core tests do: it only matters for S3's
@@ -27,11 +27,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from shardfold import dryrun
 from shardfold.client import Client, inference
 from shardfold.client.demo import fedavg_reference, fedavg_updates, inference_corpus
 from shardfold.functions import kinds, store
 from shardfold.functions.store.uri import join
-from shardfold.orchestrator import moto_harness
 
 OPT_IN = pytest.mark.skipif(
     os.environ.get("SHARDFOLD_SCALE_TESTS") != "1",
@@ -61,7 +61,7 @@ def succeeded(job):
 
 def assert_gathered_small(status, maps: dict[str, int]) -> None:
     """Each Map in ``maps`` (state name -> children) gathered exactly that many outputs of ``{}``."""
-    gathered = moto_harness.gathered_results(status.execution_arn)
+    gathered = dryrun.gathered_results(status.execution_arn)
     for name, children in maps.items():
         assert gathered[name] == {"children": children, "bytes": len(json.dumps([{}] * children))}, name
         assert gathered[name]["bytes"] < LIMIT

@@ -8,13 +8,13 @@ import pytest
 import toyflow
 from toyflow import calls, fail_switch, parts_workflow, toy_workflow, write_spec
 
+from shardfold.dryrun import MotoStack
 from shardfold.functions import store
 from shardfold.functions.errors import JobNotFound, PlanError, ShardfoldError
 from shardfold.functions.jobs import new_job_id
 from shardfold.functions.store.uri import join
 from shardfold.orchestrator.aws import AwsExecutor
 from shardfold.orchestrator.local import LocalExecutor
-from shardfold.orchestrator.moto_harness import MotoStack
 from shardfold.orchestrator.status import JobStatus
 
 pytestmark = pytest.mark.slow

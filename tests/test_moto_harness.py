@@ -14,13 +14,13 @@ import toyflow
 from botocore.exceptions import ClientError
 from toyflow import fail_switch, toy_workflow, write_spec
 
+from shardfold import dryrun
+from shardfold.dryrun import MotoStack
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.jobs import new_job_id
 from shardfold.functions.workflow import BatchJob, Map, Task, Workflow
-from shardfold.orchestrator import moto_harness
 from shardfold.orchestrator.aws import AwsExecutor
 from shardfold.orchestrator.local import LocalExecutor
-from shardfold.orchestrator.moto_harness import MotoStack
 from shardfold.orchestrator.registry import register
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def test_stop_undoes_everything():
     assert LambdaSimpleBackend.invoke is before_invoke
     assert not hasattr(StepFunctionResponse, "redrive_execution")
     assert os.environ.get("AWS_ENDPOINT_URL") == before_env
-    assert moto_harness._active is None and not moto_harness._originals
+    assert dryrun._active is None and not dryrun._originals
 
 
 @pytest.fixture(scope="module")
@@ -178,12 +178,12 @@ def test_sizes_are_the_largest_any_step_asks_for():
             ),
         )
     }
-    sizes = moto_harness.stack_sizes(flows)
+    sizes = dryrun.stack_sizes(flows)
     plan = sizes["functions"]["toy.plan"]
     assert (plan["memory_mb"], plan["ephemeral_mb"], plan["timeout_s"]) == (3008, 512, 600)
     job = sizes["batch"]["toy.batch_fail"]
     assert (job["vcpus"], job["memory_mb"], job["gpus"], job["timeout_s"]) == (8, 4096, 1, 7200)
-    assert moto_harness.stack_sizes(flows, batch=False)["batch"] == {}
+    assert dryrun.stack_sizes(flows, batch=False)["batch"] == {}
 
 
 def test_lambda_invoke_runs_the_registered_handler(stack, aws):
@@ -340,7 +340,7 @@ def test_a_state_output_over_256_kib_fails_the_execution(aws):
 
 def _run_raw(stack, name: str, definition: dict, payload: dict) -> dict:
     sfn = boto3.client("stepfunctions", region_name=stack.region)
-    role = f"arn:aws:iam::{moto_harness.ACCOUNT}:role/shardfold-{stack.stage}"
+    role = f"arn:aws:iam::{dryrun.ACCOUNT}:role/shardfold-{stack.stage}"
     arn = sfn.create_state_machine(name=name, definition=json.dumps(definition), roleArn=role)[
         "stateMachineArn"
     ]
@@ -380,12 +380,12 @@ def test_a_maps_gathered_result_counts_even_under_result_path_null(stack, catch)
         stack, f"gather-{catch}", _gathering_map(catch), {"items": [1, 2, 3], "blob": "x" * 90_000}
     )
     assert desc["status"] == "FAILED" and desc["error"] == "States.DataLimitExceeded", desc
-    assert moto_harness.gathered_results(desc["executionArn"])["m"]["bytes"] > 256 * 1024
+    assert dryrun.gathered_results(desc["executionArn"])["m"]["bytes"] > 256 * 1024
     # two children (180 KB) fit
     desc = _run_raw(stack, f"gather2-{catch}", _gathering_map(catch), {"items": [1, 2], "blob": "x" * 90_000})
     assert desc["status"] == "SUCCEEDED", desc
     size = len(json.dumps([{"blob": "x" * 90_000}] * 2))
-    assert moto_harness.gathered_results(desc["executionArn"]) == {"m": {"children": 2, "bytes": size}}
+    assert dryrun.gathered_results(desc["executionArn"]) == {"m": {"children": 2, "bytes": size}}
 
 
 def test_a_state_input_over_256_kib_fails(stack):
@@ -423,7 +423,7 @@ def test_a_wide_map_runs_its_children_on_few_threads_and_never_recurses(aws, mon
         return eval_job(self, *args, **kwargs)
 
     monkeypatch.setattr(Worker, "_eval_job", measured)
-    monkeypatch.setattr(moto_harness, "MAP_WORKER_THREADS", 1)
+    monkeypatch.setattr(dryrun, "MAP_WORKER_THREADS", 1)
     WIDEST["threads"] = 0
     before = threading.active_count()
     job_id = new_job_id("toywide")
@@ -433,7 +433,7 @@ def test_a_wide_map_runs_its_children_on_few_threads_and_never_recurses(aws, mon
     assert status.steps["count"] == {"done": 300, "total": 300}  # the Map shows as its one task
     assert len(depths) == 300 and max(depths) == min(depths), (min(depths), max(depths))
     # each child outputs {} (its last state's OutputPath is null): the gathered result stays small
-    gathered = moto_harness.gathered_results(status.execution_arn)
+    gathered = dryrun.gathered_results(status.execution_arn)
     assert gathered == {"wide": {"children": 300, "bytes": len(json.dumps([{}] * 300))}}
     # the worker, its task's timeout thread, and the server's request threads (the executor polling)
     assert WIDEST["threads"] - before < 20, (before, WIDEST)
@@ -441,7 +441,7 @@ def test_a_wide_map_runs_its_children_on_few_threads_and_never_recurses(aws, mon
 
 def test_a_task_calling_an_unknown_function_fails_through_motos_own_path(stack):
     """The harness calls our functions directly; any other function ARN still goes through moto's Invoke."""
-    arn = f"arn:aws:lambda:{stack.region}:{moto_harness.ACCOUNT}:function:shardfold-moto-not-there"
+    arn = f"arn:aws:lambda:{stack.region}:{dryrun.ACCOUNT}:function:shardfold-moto-not-there"
     definition = {"StartAt": "t", "States": {"t": {"Type": "Task", "Resource": arn, "End": True}}}
     desc = _run_raw(stack, "unknown-function", definition, {})
     assert desc["status"] == "FAILED", desc

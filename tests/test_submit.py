@@ -289,11 +289,11 @@ def test_watch_on_the_s3_store_holds_outputs_to_the_deployment(tmp_path, monkeyp
 
 def test_lambda_is_priced_at_the_deployed_architecture(tmp_path):
     """The stack deploys arm64 unless lambdaArchitecture says x86_64; the plan prices the one deployed."""
+    from shardfold.dryrun import stack_sizes
     from shardfold.functions import pricing
     from shardfold.functions.estimate import Limits, estimate
     from shardfold.functions.kinds import WORKFLOWS
     from shardfold.functions.specs import parse_spec
-    from shardfold.orchestrator.moto_harness import stack_sizes
 
     root = f"file://{tmp_path}"
     store.put(f"{root}/data/a.bin", b"x" * 1000)

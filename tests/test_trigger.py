@@ -430,8 +430,8 @@ def test_sample_events():
 def test_dispatch_to_a_real_workflow_on_moto(tmp_path, monkeypatch):
     # end to end: a spec dropped in the bucket runs the compiled getbatch state machine (moto harness),
     # and the AWS executor reads the job the trigger started like one it started itself
+    from shardfold.dryrun import MotoStack
     from shardfold.orchestrator.aws import AwsExecutor
-    from shardfold.orchestrator.moto_harness import MotoStack
 
     monkeypatch.setattr(trigger_mod, "_sfn_clients", {})
     with MotoStack() as stack:

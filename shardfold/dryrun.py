@@ -1,6 +1,7 @@
 """The moto backend: a whole Shardfold stack inside moto, driven by the unchanged :class:`AwsExecutor`.
 
-Every piece of moto-internal patching lives in this module (tests: ``tests/test_moto_harness.py``).
+Every piece of moto-internal patching lives in this module (tests: ``tests/test_moto_harness.py``). The tests'
+moto tier, and the users' dry run (``Client(backend="moto")``, ``--backend moto``; moto: the dev extra).
 Usage::
 
     with MotoStack(workflows) as stack:            # or: outputs = stack.start(); ...; stack.stop()
@@ -115,6 +116,7 @@ from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.log import logger
 from shardfold.functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
 from shardfold.functions.workflow import BatchJob, Task, Workflow
+from shardfold.infra.config import BATCH_SIZE_KEYS, FUNCTION_SIZE_KEYS, size_key
 from shardfold.orchestrator import iam
 from shardfold.orchestrator.asl import StackResolver, compile_workflow
 from shardfold.orchestrator.invoke import HandlerFailed, call
@@ -125,19 +127,6 @@ GRANTS = Grants()
 
 ACCOUNT = "123456789012"  # moto's default account
 LAMBDA_EPHEMERAL_MB = 512  # Lambda's default /tmp, which infra deploys unless configured
-# The stack config keys that change each size on AWS (infra.config's FUNCTION_SIZE_KEYS / BATCH_SIZE_KEYS;
-# the orchestrator may not import infra, and tests/test_infra.py checks the two agree).
-FUNCTION_SIZE_KEYS = {
-    "memory_mb": "functionMemory",
-    "ephemeral_mb": "functionEphemeralStorage",
-    "timeout_s": "functionTimeout",
-}
-BATCH_SIZE_KEYS = {
-    "vcpus": "batchVcpus",
-    "memory_mb": "batchMemory",
-    "gpus": "batchGpus",
-    "timeout_s": "batchTimeout",
-}
 # Threads that run one Distributed Map's children (its MaxConcurrency when lower). On AWS the children run
 # side by side; in moto they share one process and its GIL, so more threads only add contention.
 MAP_WORKER_THREADS = 8
@@ -185,7 +174,9 @@ def install_patches() -> None:
         if _installed > 1:
             return
         _patch_lambda()
-        _patch_distributed_map()
+        _patch_map_child_records()
+        _patch_map_failure_tolerance()
+        _patch_map_workers()
         _patch_map_children_api()
         _patch_definite_json_paths()
         _patch_json_path_parsing()
@@ -193,6 +184,8 @@ def install_patches() -> None:
         _patch_redrive()
         _patch_batch()
         _patch_data_limits()
+        _patch_map_gathered_limit()
+        _patch_data_limit_uncaught()
         _patch_resource_arns()
         _patch_s3_actions()
         _patch_signature_payload()
@@ -267,28 +260,35 @@ def _write_lambda_log(context: dict[str, Any], lines: list[str], seconds: float,
         f"REPORT RequestId: {rid}\tDuration: {ms:.2f} ms\tBilled Duration: {math.ceil(ms)} ms\t"
         f"Memory Size: {memory_mb} MB\tMax Memory Used: {math.ceil(peak)} MB\t",
     ]
-    now = int(time.time() * 1000)
-    events = [{"timestamp": now, "message": m} for m in messages]
-    _logs_client().put_log_events(
-        logGroupName=context["log_group_name"], logStreamName=context["log_stream_name"], logEvents=events
-    )
+    _put_log(context["log_group_name"], context["log_stream_name"], messages)
 
 
 def _write_batch_log(stream: str, lines: list[str]) -> None:
     """A Batch container's lines in ``/aws/batch/job``, in the stream DescribeJobs names (as awslogs)."""
-    logs, group = _logs_client(), "/aws/batch/job"
-    try:
-        logs.create_log_group(logGroupName=group)
-    except logs.exceptions.ResourceAlreadyExistsException:
-        pass
-    try:
-        logs.create_log_stream(logGroupName=group, logStreamName=stream)
-    except logs.exceptions.ResourceAlreadyExistsException:
-        pass
+    group = "/aws/batch/job"
+    _create_log(group)
+    _create_log(group, stream)
     if lines:
-        now = int(time.time() * 1000)
-        events = [{"timestamp": now, "message": m} for m in lines]
-        logs.put_log_events(logGroupName=group, logStreamName=stream, logEvents=events)
+        _put_log(group, stream, lines)
+
+
+def _put_log(group: str, stream: str, messages: list[str]) -> None:
+    """Write ``messages`` to a log stream, each stamped now."""
+    now = int(time.time() * 1000)
+    events = [{"timestamp": now, "message": m} for m in messages]
+    _logs_client().put_log_events(logGroupName=group, logStreamName=stream, logEvents=events)
+
+
+def _create_log(group: str, stream: str | None = None) -> None:
+    """Create a log group, or a stream in it, unless it exists."""
+    logs = _logs_client()
+    try:
+        if stream is None:
+            logs.create_log_group(logGroupName=group)
+        else:
+            logs.create_log_stream(logGroupName=group, logStreamName=stream)
+    except logs.exceptions.ResourceAlreadyExistsException:
+        pass
 
 
 _streams: dict[tuple[str, int], tuple[str, str]] = {}
@@ -305,13 +305,10 @@ def _log_stream(function: str) -> tuple[str, str]:
     key = (function, threading.get_ident())
     found = _streams.get(key)
     if found is None:
-        logs, group = _logs_client(), f"/aws/lambda/{function}"
+        group = f"/aws/lambda/{function}"
         stream = f"{_dt.datetime.now(_dt.UTC):%Y/%m/%d}/[$LATEST]{uuid.uuid4().hex}"
-        try:
-            logs.create_log_group(logGroupName=group)
-        except logs.exceptions.ResourceAlreadyExistsException:
-            pass
-        logs.create_log_stream(logGroupName=group, logStreamName=stream)
+        _create_log(group)
+        _logs_client().create_log_stream(logGroupName=group, logStreamName=stream)
         found = _streams[key] = (group, stream)
     return found
 
@@ -363,23 +360,11 @@ def _patch_lambda() -> None:
 # --- Distributed Map: failure tolerance and child executions ----------------------------------------------
 
 
-def _patch_distributed_map() -> None:
-    from moto.stepfunctions.parser.api import HistoryEventType, MapRunFailedEventDetails
-    from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import (
-        FailureEvent,
-        FailureEventException,
-    )
-    from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name import StatesErrorName
-    from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name_type import (
-        StatesErrorNameType,
-    )
-    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration import (
-        distributed_iteration_component as dic,
-    )
+def _patch_map_child_records() -> None:
+    """Record each Distributed Map child as the execution AWS would have started for it."""
     from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.itemprocessor import (
         distributed_item_processor_worker as dipw,
     )
-    from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
     from moto.stepfunctions.parser.asl.eval.program_state import ProgramEnded, ProgramError, ProgramStopped
 
     def make_eval_input(original: Any) -> Any:
@@ -419,6 +404,16 @@ def _patch_distributed_map() -> None:
 
         return _eval_job
 
+    _patch(dipw.DistributedItemProcessorWorker, "_eval_input", make_eval_input)
+    _patch(dipw.DistributedItemProcessorWorker, "_eval_job", make_eval_job)
+
+
+def _patch_map_failure_tolerance() -> None:
+    """Fail a Distributed Map whose failed children exceed its ``ToleratedFailure*`` (moto ignores them)."""
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration import (
+        distributed_iteration_component as dic,
+    )
+
     def make_map_run(original: Any) -> Any:
         def _map_run(self, env, eval_input):
             original(self, env, eval_input)
@@ -436,21 +431,21 @@ def _patch_distributed_map() -> None:
                     f"The specified tolerated failure threshold was exceeded: {failed} of "
                     f"{record.item_counter.total.get()} items failed"
                 )
-                error = StatesErrorNameType.StatesExceedToleratedFailureThreshold
-                raise FailureEventException(
-                    FailureEvent(
-                        env=env,
-                        error_name=StatesErrorName(typ=error),
-                        event_type=HistoryEventType.MapRunFailed,
-                        event_details=EventDetails(
-                            mapRunFailedEventDetails=MapRunFailedEventDetails(
-                                error=error.to_name(), cause=cause
-                            )
-                        ),
-                    )
-                )
+                raise _states_failure(env, "StatesExceedToleratedFailureThreshold", cause, map_run=True)
 
         return _map_run
+
+    _patch(dic.DistributedIterationComponent, "_map_run", make_map_run)
+
+
+def _patch_map_workers() -> None:
+    """Run a Distributed Map's children on a few threads, each taking children in a loop (speed)."""
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration import (
+        distributed_iteration_component as dic,
+    )
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.itemprocessor import (
+        distributed_item_processor_worker as dipw,
+    )
 
     def make_launch_worker(original: Any) -> Any:
         def _launch_worker(self, env, eval_input, job_pool):
@@ -491,10 +486,7 @@ def _patch_distributed_map() -> None:
 
         return _eval_pool
 
-    _patch(dipw.DistributedItemProcessorWorker, "_eval_input", make_eval_input)
-    _patch(dipw.DistributedItemProcessorWorker, "_eval_job", make_eval_job)
     _patch(dipw.DistributedItemProcessorWorker, "_eval_pool", make_eval_pool)
-    _patch(dic.DistributedIterationComponent, "_map_run", make_map_run)
     _patch(dic.DistributedIterationComponent, "_launch_worker", make_launch_worker)
 
 
@@ -506,9 +498,17 @@ def gathered_results(execution_arn: str) -> dict[str, dict[str, int]]:
         return copy.deepcopy(_gathered.get(execution_arn, {}))
 
 
-def _child(arn: str) -> dict[str, Any] | None:
-    with _lock:
-        return _child_records.get(arn)
+def _child_row(child: dict[str, Any]) -> dict[str, Any]:
+    """A Map child's record as ListExecutions lists it (DescribeExecution adds its input, error and cause)."""
+    return {
+        "executionArn": child["executionArn"],
+        "stateMachineArn": child["mapRunArn"].rpartition(":")[0].replace(":mapRun:", ":stateMachine:", 1),
+        "name": child["executionArn"].rsplit(":", 1)[-1],
+        "status": child["status"],
+        "startDate": child["startDate"],
+        "stopDate": child["stopDate"],
+        "mapRunArn": child["mapRunArn"],
+    }
 
 
 def _patch_map_children_api() -> None:
@@ -524,17 +524,7 @@ def _patch_map_children_api() -> None:
             with _lock:
                 children = list(_map_children.get(map_run_arn, []))
             rows = [
-                {
-                    "executionArn": c["executionArn"],
-                    "stateMachineArn": map_run_arn.rpartition(":")[0].replace(
-                        ":mapRun:", ":stateMachine:", 1
-                    ),
-                    "name": c["executionArn"].rsplit(":", 1)[-1],
-                    "status": c["status"],
-                    "startDate": c["startDate"],
-                    "stopDate": c["stopDate"],
-                    "mapRunArn": map_run_arn,
-                }
+                _child_row(c)
                 for c in sorted(children, key=lambda c: c["index"])
                 if status is None or c["status"] == status
             ]
@@ -545,21 +535,11 @@ def _patch_map_children_api() -> None:
 
     def make_describe(original: Any) -> Any:
         def describe_execution(self):
-            child = _child(self._get_param("executionArn") or "")
+            with _lock:
+                child = _child_records.get(self._get_param("executionArn") or "")
             if child is None:
                 return original(self)
-            out = {
-                "executionArn": child["executionArn"],
-                "stateMachineArn": child["mapRunArn"]
-                .rpartition(":")[0]
-                .replace(":mapRun:", ":stateMachine:", 1),
-                "name": child["executionArn"].rsplit(":", 1)[-1],
-                "status": child["status"],
-                "startDate": child["startDate"],
-                "stopDate": child["stopDate"],
-                "input": child["input"],
-                "mapRunArn": child["mapRunArn"],
-            }
+            out = {**_child_row(child), "input": child["input"]}
             out.update({k: child[k] for k in ("error", "cause") if child[k] is not None})
             return ActionResult(out)
 
@@ -646,24 +626,25 @@ def _patch_redrive() -> None:
 
 # --- the 256 KiB payload limit ---------------------------------------------------------------------------
 
+# AWS Step Functions quota: a state's input or output, a task's result and the parameters it is given may
+# be at most 256 KiB of UTF-8 JSON ("Maximum input or output size for a task, state, or execution",
+# docs.aws.amazon.com/step-functions/latest/dg/service-quotas.html); over it the state fails with
+# States.DataLimitExceeded, which States.ALL does not match (docs: "States.ALL ... can't catch the
+# States.DataLimitExceeded terminal error type"). A Distributed Map's gathered result counts even under
+# ResultPath null (aws-cdk#24799). moto (5.2.5) checks a state's output and a task's result
+# (CommonStateField._verify_size_quota, with moto's 256 * 1024 bound); the rest is added here.
 DATA_LIMIT_ERROR = "States.DataLimitExceeded"
 
 
 def _patch_data_limits() -> None:
-    # AWS Step Functions quota: a state's input or output, a task's result and the parameters it is given
-    # may be at most 256 KiB of UTF-8 JSON ("Maximum input or output size for a task, state, or execution",
-    # docs.aws.amazon.com/step-functions/latest/dg/service-quotas.html); over it the state fails with
-    # States.DataLimitExceeded, which States.ALL does not match (docs: "States.ALL ... can't catch the
-    # States.DataLimitExceeded terminal error type"). A Distributed Map's gathered result counts even under
-    # ResultPath null (aws-cdk#24799). moto (5.2.5) checks a state's output and a task's result
-    # (CommonStateField._verify_size_quota, with moto's 256 * 1024 bound); the rest is added here.
-    from moto.stepfunctions.parser.asl.component.common.error_name.error_equals_decl import ErrorEqualsDecl
-    from moto.stepfunctions.parser.asl.component.state.exec.state_map import state_map
+    """Check a state's input (after InputPath), a task's Parameters and a Map child's input (after
+    ItemSelector) against the limit."""
     from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.itemprocessor import (
         distributed_item_processor_worker as dipw,
     )
     from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task import StateTask
     from moto.stepfunctions.parser.asl.component.state.state import CommonStateField
+    from moto.stepfunctions.parser.quotas import MAX_STATE_SIZE_UTF8_BYTES, is_within_size_quota
 
     def make_state_input(original: Any) -> Any:
         def _eval_state_input(self, env):
@@ -687,11 +668,22 @@ def _patch_data_limits() -> None:
             # child fails; the Map fails by its failure tolerance, as on AWS.)
             value = env_frame.states.get_input()
             if not is_within_size_quota(value):
-                raise _data_limit_failure(
-                    env_frame, f"a Map child's input is over {MAX_STATE_SIZE_UTF8_BYTES}"
-                )
+                cause = f"a Map child's input is over {MAX_STATE_SIZE_UTF8_BYTES}"
+                raise _states_failure(env_frame, "StatesStatesDataLimitExceeded", cause)
 
         return _eval_input
+
+    _patch(CommonStateField, "_eval_state_input", make_state_input)
+    _patch(StateTask, "_eval_parameters", make_parameters)
+    _patch(dipw.DistributedItemProcessorWorker, "_eval_input", make_child_input)
+
+
+def _patch_map_gathered_limit() -> None:
+    """Check a Distributed Map's gathered result against the limit (unless a ResultWriter takes it), and
+    record its size for :func:`gathered_results`."""
+    from moto.stepfunctions.parser.asl.component.state.exec.state_map import state_map
+    from moto.stepfunctions.parser.asl.utils.encoding import to_json_str
+    from moto.stepfunctions.parser.quotas import MAX_STATE_SIZE_UTF8_BYTES
 
     def make_map_execution(original: Any) -> Any:
         def _eval_execution(self, env):
@@ -705,13 +697,20 @@ def _patch_data_limits() -> None:
                 with _lock:
                     _gathered.setdefault(execution, {})[self.name] = record
                 if size >= MAX_STATE_SIZE_UTF8_BYTES:
-                    raise _data_limit_failure(
-                        env,
+                    cause = (
                         f"The state/task '{self.name}' returned a result with a size exceeding the maximum "
-                        f"number of bytes service limit: {len(gathered)} children's outputs gathered",
+                        f"number of bytes service limit: {len(gathered)} children's outputs gathered"
                     )
+                    raise _states_failure(env, "StatesStatesDataLimitExceeded", cause)
 
         return _eval_execution
+
+    _patch(state_map.StateMap, "_eval_execution", make_map_execution)
+
+
+def _patch_data_limit_uncaught() -> None:
+    """A Retry or Catch matches States.DataLimitExceeded only by its name: ``States.ALL`` does not."""
+    from moto.stepfunctions.parser.asl.component.common.error_name.error_equals_decl import ErrorEqualsDecl
 
     def make_error_equals(original: Any) -> Any:
         def _eval_body(self, env):
@@ -727,18 +726,13 @@ def _patch_data_limits() -> None:
 
         return _eval_body
 
-    from moto.stepfunctions.parser.asl.utils.encoding import to_json_str
-    from moto.stepfunctions.parser.quotas import MAX_STATE_SIZE_UTF8_BYTES, is_within_size_quota
-
-    _patch(CommonStateField, "_eval_state_input", make_state_input)
-    _patch(StateTask, "_eval_parameters", make_parameters)
-    _patch(dipw.DistributedItemProcessorWorker, "_eval_input", make_child_input)
-    _patch(state_map.StateMap, "_eval_execution", make_map_execution)
     _patch(ErrorEqualsDecl, "_eval_body", make_error_equals)
 
 
-def _data_limit_failure(env: Any, cause: str) -> Exception:
-    from moto.stepfunctions.parser.api import ExecutionFailedEventDetails, HistoryEventType
+def _states_failure(env: Any, error_type: str, cause: str, map_run: bool = False) -> Exception:
+    """moto's failure of a state with the States error ``error_type`` (a ``StatesErrorNameType`` member) and
+    ``cause``: a Map run's (``map_run``) or a task's, with the event details each has."""
+    from moto.stepfunctions.parser import api
     from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import (
         FailureEvent,
         FailureEventException,
@@ -749,17 +743,16 @@ def _data_limit_failure(env: Any, cause: str) -> Exception:
     )
     from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
 
-    error = StatesErrorNameType.StatesStatesDataLimitExceeded
-    return FailureEventException(
-        failure_event=FailureEvent(
-            env=env,
-            error_name=StatesErrorName(typ=error),
-            event_type=HistoryEventType.TaskFailed,
-            event_details=EventDetails(
-                executionFailedEventDetails=ExecutionFailedEventDetails(error=error.to_name(), cause=cause)
-            ),
-        )
+    error = getattr(StatesErrorNameType, error_type)
+    named = {"error": error.to_name(), "cause": cause}
+    details = (
+        EventDetails(mapRunFailedEventDetails=api.MapRunFailedEventDetails(**named))
+        if map_run
+        else EventDetails(executionFailedEventDetails=api.ExecutionFailedEventDetails(**named))
     )
+    event_type = api.HistoryEventType.MapRunFailed if map_run else api.HistoryEventType.TaskFailed
+    failure = FailureEvent(env, StatesErrorName(typ=error), event_type, details)
+    return FailureEventException(failure)
 
 
 # --- IAM: every request signed by a role, and checked against its policy ------------------------------------
@@ -982,12 +975,10 @@ def _patch_batch() -> None:
 
     def make_finish(original: Any) -> Any:
         def _mark_job_as_finished(self, include_start_attempt, job):
-            env: dict[str, str] = {}
             props = job.job_definition.container_properties or {}
-            for item in props.get("environment", []) or []:
-                env[item["name"]] = item["value"]
-            for item in (job.container_overrides or {}).get("environment", []) or []:
-                env[item["name"]] = item["value"]
+            overrides = job.container_overrides or {}
+            items = [*(props.get("environment", []) or []), *(overrides.get("environment", []) or [])]
+            env = {item["name"]: item["value"] for item in items}
             if "SHARDFOLD_HANDLER" not in env:
                 return original(self, include_start_attempt, job)  # not one of ours: moto's default
             self.backend._jobs[job.job_id] = job
@@ -995,9 +986,8 @@ def _patch_batch() -> None:
             job.log_stream_name = job._stream_name
             if include_start_attempt:
                 job._start_attempt()
-            from shardfold.functions.container import (
-                run as run_worker,
-            )  # the container's entry point, in-process
+            # the container's entry point, in-process
+            from shardfold.functions.container import run as run_worker
 
             env["AWS_BATCH_JOB_ID"] = job.job_id  # as Batch sets it in the container
             try:
@@ -1033,10 +1023,6 @@ def _dummy_zip() -> bytes:
     return buf.getvalue()
 
 
-def _size_keys(keys: Mapping[str, str], name: str) -> dict[str, str]:
-    return {field: f'shardfold:{key}["{name}"]' for field, key in keys.items()}
-
-
 def stack_sizes(workflows: Mapping[str, Workflow], *, batch: bool = True) -> dict[str, Any]:
     """The ``sizes`` output for ``workflows`` (see the module docstring; ``infra.program`` documents the
     shape): ``{"functions": {function: {...}}, "batch": {entry point: {...}}}``, no ARNs."""
@@ -1050,13 +1036,13 @@ def stack_sizes(workflows: Mapping[str, Workflow], *, batch: bool = True) -> dic
                     "memory_mb": max(prev["memory_mb"], step.memory_mb),
                     "ephemeral_mb": LAMBDA_EPHEMERAL_MB,
                     "timeout_s": max(prev["timeout_s"], step.timeout_s),
-                    "config": _size_keys(FUNCTION_SIZE_KEYS, step.function),
+                    "config": {f: size_key(k, step.function) for f, k in FUNCTION_SIZE_KEYS.items()},
                 }
             elif isinstance(step, BatchJob) and batch:
                 prev = jobs.get(step.entry_point, {f: 0 for f in BATCH_SIZE_KEYS})
                 jobs[step.entry_point] = {
                     **{f: max(prev[f], getattr(step, f)) for f in BATCH_SIZE_KEYS},
-                    "config": _size_keys(BATCH_SIZE_KEYS, step.entry_point),
+                    "config": {f: size_key(k, step.entry_point) for f, k in BATCH_SIZE_KEYS.items()},
                 }
     return {
         "functions": dict(sorted(functions.items())),
@@ -1076,9 +1062,8 @@ def _role(
     clients["iam"].put_role_policy(
         RoleName=name, PolicyName=f"{name}-policy", PolicyDocument=iam.to_json(policy)
     )
-    c = clients["sts"].assume_role(RoleArn=arn, RoleSessionName=name[:64], DurationSeconds=43200)[
-        "Credentials"
-    ]
+    assumed = clients["sts"].assume_role(RoleArn=arn, RoleSessionName=name[:64], DurationSeconds=43200)
+    c = assumed["Credentials"]
     session = Credentials(c["AccessKeyId"], c["SecretAccessKey"], c["SessionToken"])
     with _lock:
         _role_signers[arn] = session
@@ -1103,7 +1088,6 @@ def build_stack(
     rights), each with a session the harness signs that role's requests with."""
     kw = {"region_name": region, "endpoint_url": endpoint_url}
     clients = {s: boto3.client(s, **kw) for s in ("iam", "sts", "s3", "lambda", "stepfunctions")}
-    lam, sfn = clients["lambda"], clients["stepfunctions"]
     if region == "us-east-1":
         clients["s3"].create_bucket(Bucket=bucket)
     else:
@@ -1124,15 +1108,26 @@ def build_stack(
         "read_buckets": list(GRANTS.read_buckets),
         "write_buckets": list(GRANTS.write_buckets),
     }
+    _build_functions(clients, outputs)
+    definition_names: dict[str, str] = {}
+    if outputs["sizes"]["batch"]:
+        definition_names = _build_batch(clients, boto3.client("batch", **kw), workflows, outputs)
+    _build_state_machines(clients, workflows, definition_names, outputs)
+    _build_dispatch_role(clients, workflows, outputs)
+    return outputs
+
+
+def _build_functions(clients: Mapping[str, Any], outputs: dict[str, Any]) -> None:
+    """One Lambda function per entry of the ``sizes`` output, each with its own role, run by the harness."""
     code = _dummy_zip()
-    sizes = outputs["sizes"]
+    region, bucket, stage = outputs["region"], outputs["bucket"], outputs["stage"]
     logs = f"arn:aws:logs:{region}:{ACCOUNT}:log-group"
-    for function, size in sizes["functions"].items():
+    for function, size in outputs["sizes"]["functions"].items():
         name = lambda_name(function, stage)
         statements = iam.worker_statements("aws", bucket, GRANTS, iam.function_rights(function))
         policy = iam.lambda_policy(f"{logs}:/aws/lambda/{name}", statements, tracing=False)
         role = _role(clients, f"{name}-role", "lambda.amazonaws.com", policy, signer=name)
-        fn = lam.create_function(
+        fn = clients["lambda"].create_function(
             FunctionName=name,
             Runtime="python3.11",
             Role=role,
@@ -1147,74 +1142,26 @@ def build_stack(
         outputs["log_groups"][function] = f"/aws/lambda/{name}"
         with _lock:
             _lambda_functions[name] = function
-    definition_names: dict[str, str] = {}
-    if sizes["batch"]:
-        job_role = _role(
-            clients,
-            f"shardfold-{stage}-batch-job-role",
-            "ecs-tasks.amazonaws.com",
-            iam.document(*iam.batch_job_statements("aws", bucket, GRANTS, iam.batch_rights(workflows))),
-            signer=BATCH_ROLE,
-        )
-        # moto wants a service role for the compute environment (AWS uses Batch's service-linked role)
-        service_role = clients["iam"].create_role(
-            RoleName=f"shardfold-{stage}-batch-service-role",
-            AssumeRolePolicyDocument=iam.to_json(iam.assume_role("batch.amazonaws.com")),
-        )["Role"]["Arn"]
-        definition_names = _build_batch(
-            boto3.client("batch", **kw), service_role, job_role, stage, sizes["batch"], outputs
-        )
-        outputs["log_groups"]["batch"] = telemetry.BATCH_LOG_GROUP
-    resolver = StackResolver(outputs)
-    states = f"arn:aws:states:{region}:{ACCOUNT}:stateMachine"
-    for kind, wf in workflows.items():
-        name = f"shardfold-{stage}-{kind}"
-        statements = iam.state_machine_statements(
-            wf,
-            partition="aws",
-            region=region,
-            account=ACCOUNT,
-            name=name,
-            bucket=bucket,
-            function_arns=[outputs["functions"][f] for f in dict.fromkeys(t.function for t in wf.tasks())],
-            queue=outputs.get("batch_job_queue"),
-            definition_names=[definition_names[s.entry_point] for s in wf.walk() if isinstance(s, BatchJob)],
-            tracing=False,
-        )
-        role = _role(clients, f"{name}-role", "states.amazonaws.com", iam.document(*statements))
-        definition = json.dumps(compile_workflow(wf, resolver))
-        sm = sfn.create_state_machine(name=name, definition=definition, roleArn=role)
-        outputs["state_machine_arns"][kind] = sm["stateMachineArn"]
-    # the dispatch function's role: moto has no trigger; MotoStack.dispatch runs the handler under it
-    _role(
-        clients,
-        f"shardfold-{stage}-dispatch-role",
-        "lambda.amazonaws.com",
-        iam.document(
-            *iam.dispatch_statements(
-                "aws",
-                bucket,
-                state_machine_arns=[f"{states}:shardfold-{stage}-{k}" for k in workflows],
-                dlq_arn=None,
-                kms_key_arn=None,
-                read_refs=access.reach({Right.INPUTS}, GRANTS, bucket)[0],
-            )
-        ),
-        signer=DISPATCH_ROLE,
-    )
-    return outputs
 
 
 def _build_batch(
-    client: Any,
-    service_role: str,
-    job_role: str,
-    stage: str,
-    sizes: Mapping[str, Mapping[str, Any]],
-    outputs: dict[str, Any],
+    clients: Mapping[str, Any], client: Any, workflows: Mapping[str, Workflow], outputs: dict[str, Any]
 ) -> dict[str, str]:
-    """The compute environment, queue and one job definition per entry point (run under ``job_role``);
-    ``{entry point: job definition name}``."""
+    """The job role, the compute environment, queue and one job definition per entry point (run under the
+    job role); ``{entry point: job definition name}``."""
+    bucket, stage = outputs["bucket"], outputs["stage"]
+    job_role = _role(
+        clients,
+        f"shardfold-{stage}-batch-job-role",
+        "ecs-tasks.amazonaws.com",
+        iam.document(*iam.batch_job_statements("aws", bucket, GRANTS, iam.batch_rights(workflows))),
+        signer=BATCH_ROLE,
+    )
+    # moto wants a service role for the compute environment (AWS uses Batch's service-linked role)
+    service_role = clients["iam"].create_role(
+        RoleName=f"shardfold-{stage}-batch-service-role",
+        AssumeRolePolicyDocument=iam.to_json(iam.assume_role("batch.amazonaws.com")),
+    )["Role"]["Arn"]
     ce = client.create_compute_environment(
         computeEnvironmentName=f"shardfold-{stage}",
         type="UNMANAGED",
@@ -1230,7 +1177,7 @@ def _build_batch(
     outputs["batch_job_queue"] = queue["jobQueueArn"]
     outputs["batch_job_definitions"] = {}
     names: dict[str, str] = {}
-    for entry_point, size in sizes.items():
+    for entry_point, size in outputs["sizes"]["batch"].items():
         requirements = [
             {"type": "VCPU", "value": str(size["vcpus"])},
             {"type": "MEMORY", "value": str(size["memory_mb"])},
@@ -1250,7 +1197,56 @@ def _build_batch(
             timeout={"attemptDurationSeconds": size["timeout_s"]},
         )
         outputs["batch_job_definitions"][entry_point] = jd["jobDefinitionArn"]
+    outputs["log_groups"]["batch"] = telemetry.BATCH_LOG_GROUP
     return names
+
+
+def _build_state_machines(
+    clients: Mapping[str, Any],
+    workflows: Mapping[str, Workflow],
+    definition_names: Mapping[str, str],
+    outputs: dict[str, Any],
+) -> None:
+    """One state machine per workflow, from its compiled ASL, with the role ``infra`` gives it."""
+    region, bucket, stage = outputs["region"], outputs["bucket"], outputs["stage"]
+    resolver = StackResolver(outputs)
+    for kind, wf in workflows.items():
+        name = f"shardfold-{stage}-{kind}"
+        statements = iam.state_machine_statements(
+            wf,
+            partition="aws",
+            region=region,
+            account=ACCOUNT,
+            name=name,
+            bucket=bucket,
+            function_arns=[outputs["functions"][f] for f in dict.fromkeys(t.function for t in wf.tasks())],
+            queue=outputs.get("batch_job_queue"),
+            definition_names=[definition_names[s.entry_point] for s in wf.walk() if isinstance(s, BatchJob)],
+            tracing=False,
+        )
+        role = _role(clients, f"{name}-role", "states.amazonaws.com", iam.document(*statements))
+        definition = json.dumps(compile_workflow(wf, resolver))
+        sm = clients["stepfunctions"].create_state_machine(name=name, definition=definition, roleArn=role)
+        outputs["state_machine_arns"][kind] = sm["stateMachineArn"]
+
+
+def _build_dispatch_role(
+    clients: Mapping[str, Any], workflows: Mapping[str, Workflow], outputs: dict[str, Any]
+) -> None:
+    """The dispatch function's role: moto has no trigger; :meth:`MotoStack.dispatch` runs the handler
+    under it."""
+    region, bucket, stage = outputs["region"], outputs["bucket"], outputs["stage"]
+    states = f"arn:aws:states:{region}:{ACCOUNT}:stateMachine"
+    statements = iam.dispatch_statements(
+        "aws",
+        bucket,
+        state_machine_arns=[f"{states}:shardfold-{stage}-{k}" for k in workflows],
+        dlq_arn=None,
+        kms_key_arn=None,
+        read_refs=access.reach({Right.INPUTS}, GRANTS, bucket)[0],
+    )
+    policy = iam.document(*statements)
+    _role(clients, f"shardfold-{stage}-dispatch-role", "lambda.amazonaws.com", policy, signer=DISPATCH_ROLE)
 
 
 OPERATOR = "shardfold-operator"
