@@ -1,6 +1,6 @@
 """The authors' QuerySmasher (arXiv:2604.00868; GitHub ``cmla-psu/QuerySmasherMatrixMechanism``) as a
 baseline for the dpquery benchmark: the total variance of its plan for a Kronecker workload, for comparison
-with :func:`functions.dpquery.smasher.plan_kron` in the same run.
+with :func:`plan_kron` of the tests' reference planners (tests/smash_reference.py) in the same run.
 
 Their code is never vendored into the package and never imported by it. It is loaded at bench time from
 an exported checkout named by ``$QS_REF_DIR`` (default ``bench/results/qs_reference``, which git ignores):
@@ -352,13 +352,14 @@ def reference_rmse_in_child(
 
 
 def _ours(domains: Sequence[int], workload: Workload, privacy_cost: float) -> dict[str, Any]:
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from shardfold.functions.dpquery import smasher
+    for path in (str(REPO), str(REPO / "tests")):  # the package, and the reference planner beside its tests
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    from smash_reference import Entry, plan_kron
 
     entries = normalise_workload(domains, workload)
     t0 = time.perf_counter()
-    plan = smasher.plan_kron(domains, [smasher.Entry(a, 1.0, k) for a, k in entries], privacy_cost / 2)
+    plan = plan_kron(domains, [Entry(a, 1.0, k) for a, k in entries], privacy_cost / 2)
     seconds = time.perf_counter() - t0
     queries = query_count(domains, entries)
     return {

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from smash_reference import plan_dense
 from test_dpquery_job import make_dataset, read_table, run_core, spec_doc, truth
 
 from shardfold.functions.dpquery import core, planner, smasher
@@ -95,7 +96,7 @@ def test_the_planner_equals_the_dense_reference_and_a_named_type_given_as_its_ma
     assert pl.marginal_types(0) == ("matrix", "matrix") and pl.marginal_types(2) == ("identity", "prefix")
     prefix = np.kron(np.eye(4), smasher.attribute_queries("prefix", 3))
     entries = [((0, 1), two.rows, 1.0), ((2,), one.rows, 2.0), ((1, 2), prefix, 0.5)]
-    ref = smasher.plan_dense(domains, entries, 0.5)
+    ref = plan_dense(domains, entries, 0.5)
     assert ref.total * 0.99 <= pl.weighted_sse <= ref.total * (1 + 1e-6)
     for j, (attrs, w, _) in enumerate(entries):
         assert pl.var[j] == pytest.approx(np.mean([ref.variance(q, attrs) for q in w]), rel=2e-2), j
@@ -111,7 +112,7 @@ def test_a_pairs_cells_and_its_affine_queries_are_one_matrix():
     """A marginal is listed once: its cells and its affine queries together are one matrix of both."""
     both = QueryMatrix(np.vstack([np.eye(20), smasher.pair_queries("affine", 5, 4)]))
     pl = planner.plan(domains=[5, 4], workload=[(0, 1)], rho=0.5, queries=[{0: both, 1: both}])
-    ref = smasher.plan_dense([5, 4], [((0, 1), both.rows, 1.0)], 0.5)
+    ref = plan_dense([5, 4], [((0, 1), both.rows, 1.0)], 0.5)
     assert ref.total * 0.99 <= pl.weighted_sse <= ref.total * (1 + 1e-6)
     assert int(pl.queries[0]) == 20 + 8
 

@@ -1,6 +1,6 @@
 """dpquery with 2-way query types (``"queries": "affine"`` or ``"abs_diff"`` on a marginal of two ordered
 attributes): the spec's refusals name the field; the job's planner solves every residual set such a type
-reaches whole, and equals QuerySmasher's dense reference (:func:`functions.dpquery.smasher.plan_dense`) in
+reaches whole, and equals QuerySmasher's dense reference (:func:`smash_reference.plan_dense`) in
 total loss and privacy cost; a job answers every query exactly with the noise seam, with the variances the
 plan predicts; and under OpenDP's noise the answers are unbiased with those variances (Monte Carlo)."""
 
@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from smash_reference import plan_dense
 from test_dpquery_job import (
     make_dataset,
     moto_client,  # noqa: F401 - a fixture
@@ -124,7 +125,7 @@ def test_the_job_planner_equals_the_dense_reference(domains, workload, queries):
     pl = planner.plan(domains=domains, workload=workload, rho=0.5, queries=queries)
     assert pl.privacy_cost() == pytest.approx(2 * pl.rho_planned, rel=1e-12)
     entries = [(a, _explicit(domains, a, q), w) for (a, w), q in zip(workload, queries, strict=True)]
-    ref = smasher.plan_dense(domains, entries, 0.5)
+    ref = plan_dense(domains, entries, 0.5)
     # no worse than the reference, and near it: the job's planner also tries the per-attribute solver's
     # closed forms and unfloored optimum on one-attribute sets, where it may do better
     assert ref.total * 0.99 <= pl.weighted_sse <= ref.total * (1 + 1e-6)
@@ -149,7 +150,7 @@ def test_pairs_of_one_structure_share_one_solve_whatever_their_weights():
     assert len(pl.strategies) == 2
     assert pl.privacy_cost() == pytest.approx(2 * pl.rho_planned, rel=1e-12)
     q = smasher.pair_queries("affine", 6, 6)
-    ref = smasher.plan_dense([6, 6, 6, 6], [((0, 1), q, 1.0), ((2, 3), q, 4.0)], 0.5)
+    ref = plan_dense([6, 6, 6, 6], [((0, 1), q, 1.0), ((2, 3), q, 4.0)], 0.5)
     assert ref.total * 0.99 <= pl.weighted_sse <= ref.total * (1 + 1e-6)
 
 

@@ -1,7 +1,7 @@
 """dpquery with general query types (``queries``: prefix, range, circular_range along ordered attributes),
 planned, measured and answered by QuerySmasher's Kronecker solver: the spec's refusals name the field, the
-vectorised planner equals :func:`functions.dpquery.smasher.plan_kron`, a job answers every query exactly
-with the noise seam and gives each answer the variance :func:`smasher.answer` derives from the pieces, the
+vectorised planner equals :func:`smash_reference.plan_kron`, a job answers every query exactly with the
+noise seam and gives each answer the variance :func:`smash_reference.answer` derives from the pieces, the
 noisy job stays within its budget, the measurements export with their strategies, and the workflow runs
 the same on the local executor and on moto's ASL interpreter."""
 
@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from smash_reference import Entry, SmashPlan, answer, plan_kron
 from test_dpquery_job import (
     ledger_types,
     make_dataset,
@@ -114,7 +115,7 @@ def test_the_vectorised_plan_is_querysmashers(domains, entries):
     )
     pl = planner.plan(**parts, split_totals=False)  # QuerySmasher's class: residuals orthogonal to the total
     assert planner.plan(**parts).weighted_sse <= pl.weighted_sse  # the wider class is never worse
-    ref = smasher.plan_kron(domains, [smasher.Entry(a, w, q) for a, w, q in entries], rho)
+    ref = plan_kron(domains, [Entry(a, w, q) for a, w, q in entries], rho)
     index = pl.residual_index()
     assert set(index) == set(ref.sigma2)
     for part, sigma2 in ref.sigma2.items():
@@ -193,12 +194,12 @@ def test_every_answer_is_exact_with_the_noise_seam_and_has_the_variance_of_its_p
     mixed = [pl.set_strategies(k) for k in range(pl.num_residuals) if pl.residual(k) == (2,)]
     assert (mixed[0][0].startswith("mixed:")) == (workload is MIXED)
     domains = [int(n) for n in pl.domains]
-    # smasher.answer reads each measured set's matrices and σ² only
+    # answer() reads each measured set's matrices and σ² only
     mats = {
         pl.residual(k): [pl.strategy(h).matrix for h in pl.set_strategies(k)] for k in range(pl.num_residuals)
     }
     sigma2 = {pl.residual(k): float(pl.sigma2[k]) for k in range(pl.num_residuals)}
-    reference = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
+    reference = SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
     names = [a.name for a in spec.attributes]
     labels = {"sex": ["f", "m"], "region": [1, 2, 3]}
     for t in result["tables"]:
@@ -207,7 +208,7 @@ def test_every_answer_is_exact_with_the_noise_seam_and_has_the_variance_of_its_p
         est = tbl.column("estimate").to_numpy()
         assert np.max(np.abs(est - expected.reshape(-1))) < 1e-8
         assert t["cells"] == expected.size == tbl.num_rows
-        # each answer's variance, against smasher.answer's sum over the query's pieces (no noise: the value
+        # each answer's variance, against answer()'s sum over the query's pieces (no noise: the value
         # is exact; the variance is the plan's)
         attrs = tuple(names.index(n) for n in t["attributes"])
         zeros = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
@@ -223,7 +224,7 @@ def test_every_answer_is_exact_with_the_noise_seam_and_has_the_variance_of_its_p
                     where.append(labels[name].index(values[name]))
             q[tuple(where)] = 1.0
             totals = {a: pl.attribute_total(a) for a in attrs}
-            _, var = smasher.answer(q.reshape(-1), attrs, domains, zeros, reference, mats, totals)
+            _, var = answer(q.reshape(-1), attrs, domains, zeros, reference, mats, totals)
             assert variances[row] == pytest.approx(var, rel=1e-9), (t["attributes"], row)
         assert t["std_error"] == pytest.approx(math.sqrt(variances.mean()), rel=1e-12)
     if workload is RANGES:
@@ -312,7 +313,7 @@ def released(root: str, doc: dict) -> dict:
 
 
 def _query_variance(pl, attrs, vector):
-    """A query's variance by smasher.answer on its dense vector over the cells of ``attrs`` (sorted, C
+    """A query's variance by answer() on its dense vector over the cells of ``attrs`` (sorted, C
     order): the pieces, independently of the client's code."""
     domains = [int(n) for n in pl.domains]
     mats, sigma2 = {}, {}
@@ -320,9 +321,9 @@ def _query_variance(pl, attrs, vector):
         mats[pl.residual(k)] = [pl.strategy(how).matrix for how in pl.set_strategies(k)]
         sigma2[pl.residual(k)] = float(pl.sigma2[k])
     zeros = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
-    plan = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
+    plan = SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
     totals = {a: pl.attribute_total(a) for a in attrs}
-    return smasher.answer(np.asarray(vector).reshape(-1), attrs, domains, zeros, plan, mats, totals)[1]
+    return answer(np.asarray(vector).reshape(-1), attrs, domains, zeros, plan, mats, totals)[1]
 
 
 def _box_variance(pl, attrs, q):
@@ -367,7 +368,7 @@ def test_any_box_inside_the_release_is_answered_exactly_with_its_variance(client
 @pytest.mark.parametrize("general", [False, True], ids=["identity release", "prefix release"])
 def test_any_linear_query_is_answered_from_its_pieces_with_its_variance(client_root, general):
     """Weights over a marginal's cells, the attributes in the caller's order (age before region here, the
-    schema's order reversed): exact with the noise seam, the variance smasher.answer gives its dense vector,
+    schema's order reversed): exact with the noise seam, the variance answer() gives its dense vector,
     a stack answered query by query, and a box equal to its weights."""
     client, root = client_root
     dataset, idx = make_dataset(root)
@@ -468,13 +469,13 @@ def test_identity_cells_read_through_a_mixed_set_get_each_its_own_variance(tmp_p
     }
     sigma2 = {pl.residual(k): float(pl.sigma2[k]) for k in range(pl.num_residuals)}
     zeros = {part: np.zeros(math.prod(domains[i] for i in part)) for part in sigma2}
-    reference = smasher.SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
+    reference = SmashPlan(domains, 1.0, {}, sigma2, {}, 0.0)
     entry = result["tables"][0]
     assert entry["attributes"] == ["age"] and "queries" not in entry
     tbl = read_table(entry["parquet"])
     assert np.max(np.abs(tbl.column("estimate").to_numpy() - counts)) < 1e-8
     variances = tbl.column("variance").to_numpy()
-    expected = [smasher.answer(np.eye(10)[b], (2,), domains, zeros, reference, mats)[1] for b in range(10)]
+    expected = [answer(np.eye(10)[b], (2,), domains, zeros, reference, mats)[1] for b in range(10)]
     assert variances == pytest.approx(expected, rel=1e-9)
     assert np.ptp(variances) > 1e-3 * variances.max()  # they do differ
     assert entry["max_std_error"] == pytest.approx(math.sqrt(variances.max()))

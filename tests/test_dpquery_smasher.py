@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from smash_reference import Entry, answer, apply, plan_dense, plan_kron, reconstruct_partition
 
 from shardfold.functions.dpquery import measure, smasher
 from shardfold.functions.dpquery.planner import plan as rp_plan
@@ -82,10 +83,9 @@ def test_an_identity_workload_is_residual_planner(domains, workload):
     rho = 0.5
     rp = rp_plan(domains=domains, workload=workload, rho=rho)
     entries = [
-        smasher.Entry(e[0], e[1]) if len(e) == 2 and isinstance(e[0], tuple) else smasher.Entry(tuple(e))
-        for e in workload
+        Entry(e[0], e[1]) if len(e) == 2 and isinstance(e[0], tuple) else Entry(tuple(e)) for e in workload
     ]
-    qs = smasher.plan_kron(domains, entries, rp.rho_planned)
+    qs = plan_kron(domains, entries, rp.rho_planned)
     sse = float(np.sum(rp.weights * rp.cells * rp.var))
     assert math.isclose(qs.total, sse, rel_tol=1e-12)
     # RP measures E_S x_S (pcost p_S); here B_S = E_S/√p_S (pcost 1): the same mechanism, σ² scaled by p_S
@@ -146,20 +146,26 @@ def _residual_planner_substitute(domains, entries, rho):
 
 
 PREFIX_WORKLOADS = [
-    ([6, 2], [smasher.Entry((0, 1), 1.0, {0: "prefix"}), smasher.Entry((0,), 1.0, {0: "prefix"})]),
+    (
+        [6, 2],
+        [Entry((0, 1), 1.0, {0: "prefix"}), Entry((0,), 1.0, {0: "prefix"})],
+    ),
     (
         [5, 4, 3],
-        [smasher.Entry((0, 1), 1.0, {0: "prefix", 1: "prefix"}), smasher.Entry((1, 2), 2.0, {1: "prefix"})],
+        [
+            Entry((0, 1), 1.0, {0: "prefix", 1: "prefix"}),
+            Entry((1, 2), 2.0, {1: "prefix"}),
+        ],
     ),
-    ([7, 3], [smasher.Entry((0, 1), 1.0, {0: "range"}), smasher.Entry((1,), 1.0)]),
-    ([6], [smasher.Entry((0,), 1.0, {0: "circular_range"})]),
+    ([7, 3], [Entry((0, 1), 1.0, {0: "range"}), Entry((1,), 1.0)]),
+    ([6], [Entry((0,), 1.0, {0: "circular_range"})]),
 ]
 
 
 @pytest.mark.parametrize("domains, entries", PREFIX_WORKLOADS)
 def test_general_queries_beat_summing_residual_planner_cells(domains, entries):
     substitute, rp = _residual_planner_substitute(domains, entries, 0.5)
-    qs = smasher.plan_kron(domains, entries, rp.rho_planned)
+    qs = plan_kron(domains, entries, rp.rho_planned)
     assert math.isclose(_explicit_variance(domains, entries, qs), qs.total, rel_tol=1e-6)
     assert qs.total <= substitute * (1 + 1e-9), (qs.total, substitute)
     assert any(s.solver != "identity" for per in qs.strategies.values() for s in per.values())
@@ -168,7 +174,7 @@ def test_general_queries_beat_summing_residual_planner_cells(domains, entries):
 @pytest.mark.parametrize("domains, entries", PREFIX_WORKLOADS)
 def test_the_joint_privacy_cost_is_exactly_two_rho(domains, entries):
     rho = 0.25
-    qs = smasher.plan_kron(domains, entries, rho)
+    qs = plan_kron(domains, entries, rho)
     # diag(Σ_{A'} BᵀB/σ²) over every cell of the full domain: each record's squared sensitivity
     cost = np.zeros(domains)
     for part, sigma2 in qs.sigma2.items():
@@ -183,18 +189,18 @@ def test_the_joint_privacy_cost_is_exactly_two_rho(domains, entries):
 
 
 def test_an_attribute_queried_two_ways_is_refused_naming_the_entry():
-    entries = [smasher.Entry((0, 1), 1.0, {0: "prefix"}), smasher.Entry((0,), 1.0)]
+    entries = [Entry((0, 1), 1.0, {0: "prefix"}), Entry((0,), 1.0)]
     with pytest.raises(SpecError, match=r"workload\.1: attribute 0 is queried as 'identity'"):
-        smasher.plan_kron([4, 3], entries, 0.5)
+        plan_kron([4, 3], entries, 0.5)
 
 
 # --- measure and answer -------------------------------------------------------------------------------------
 
-MIXED = [smasher.Entry((0, 1), 1.0, {0: "prefix"}), smasher.Entry((0,), 2.0, {0: "prefix"})]
+MIXED = [Entry((0, 1), 1.0, {0: "prefix"}), Entry((0,), 2.0, {0: "prefix"})]
 
 
 def _measured(domains, entries, rho):
-    qs = smasher.plan_kron(domains, entries, rho)
+    qs = plan_kron(domains, entries, rho)
     mats = {part: [smasher.strategy_matrix(per[i]) for i in part] for part, per in qs.strategies.items()}
     return qs, mats
 
@@ -223,14 +229,14 @@ def test_without_noise_every_query_is_answered_exactly_in_or_out_of_the_workload
     qs, mats = _measured(domains, MIXED, 0.5)
     x = np.random.default_rng(3).integers(0, 40, size=domains).astype(np.float64)
     est = {
-        part: smasher.reconstruct_partition(smasher.apply(mats[part], _marginal_shaped(x, part)), mats[part])
+        part: reconstruct_partition(apply(mats[part], _marginal_shaped(x, part)), mats[part])
         for part in qs.sigma2
     }
     rng = np.random.default_rng(4)
     queries = [row for e in MIXED for row in _queries(domains, e)[0]] + list(rng.normal(size=(5, 12)))
     for q in queries:  # the workload's prefix sums (1- and 2-way) and arbitrary queries on both attributes
         attrs = (0, 1) if q.size == 12 else (0,)
-        value, var = smasher.answer(q, attrs, domains, est, qs, mats)
+        value, var = answer(q, attrs, domains, est, qs, mats)
         assert math.isclose(value, q @ _marginal_shaped(x, attrs).reshape(-1), rel_tol=1e-9, abs_tol=1e-9)
         assert var > 0
     # each partition's strategy is scaled to privacy cost 1: its charged sensitivity is 1, to rounding
@@ -249,19 +255,17 @@ def test_monte_carlo_unbiased_with_the_predicted_variance_under_opendp_noise():
     x = np.random.default_rng(5).integers(0, 30, size=domains).astype(np.float64)
     draws = {}
     for part, sigma2 in qs.sigma2.items():
-        y = smasher.apply(mats[part], _marginal_shaped(x, part))
+        y = apply(mats[part], _marginal_shaped(x, part))
         d_in = measure.charged_norm(mats[part])
         noisy, spent = mz.release(np.tile(y, runs), math.sqrt(sigma2), d_in)
         assert spent <= d_in**2 / (2 * sigma2) * (1 + 1e-9)  # the sampler's map, for R releases at once
-        draws[part] = np.stack(
-            [smasher.reconstruct_partition(r, mats[part]) for r in noisy.reshape(runs, y.size)]
-        )
+        draws[part] = np.stack([reconstruct_partition(r, mats[part]) for r in noisy.reshape(runs, y.size)])
     for e in MIXED:
         rows, _ = _queries(domains, e)
         truth = rows @ _marginal_shaped(x, e.attrs).reshape(-1)
         for q, t in zip(rows, truth, strict=True):
             # every run's answer Σ_{A'} piece·x̂_{A'} at once; the variance is the plan's, from answer()
-            _, var = smasher.answer(q, e.attrs, domains, {p: d[0] for p, d in draws.items()}, qs, mats)
+            _, var = answer(q, e.attrs, domains, {p: d[0] for p, d in draws.items()}, qs, mats)
             answers = sum(
                 draws[tuple(e.attrs[k] for k in pos)] @ piece
                 for pos, piece in smasher.pieces(q, [domains[i] for i in e.attrs]).items()
@@ -444,7 +448,7 @@ def test_a_pair_workload_is_planned_through_its_pieces(kind, sizes):
     domains = [*sizes, 3]  # a third attribute no query asks
     rows = smasher.pair_queries(kind, *sizes)
     substitute, rp = _summed_cells(domains, (0, 1), rows, 0.5)
-    pl = smasher.plan_dense(domains, [((0, 1), rows, 1.0)], rp.rho_planned)
+    pl = plan_dense(domains, [((0, 1), rows, 1.0)], rp.rho_planned)
     explicit = sum(pl.variance(q, (0, 1)) for q in rows)
     assert math.isclose(explicit, pl.total, rel_tol=1e-9)  # the loss it claims is the loss it gives
     assert pl.total < substitute * 0.95, (pl.total, substitute)  # better than summing RP's cells
@@ -518,20 +522,23 @@ def test_a_dense_plan_of_cells_is_residual_planner_and_of_prefixes_no_worse_than
     domains = [4, 3]
     cells = _kron([np.eye(4), np.eye(3)])
     rp = rp_plan(domains=domains, workload=[((0, 1), 1.0)], rho=0.5)
-    dense = smasher.plan_dense(domains, [((0, 1), cells, 1.0)], rp.rho_planned)
+    dense = plan_dense(domains, [((0, 1), cells, 1.0)], rp.rho_planned)
     assert math.isclose(dense.total, rp.weighted_sse, rel_tol=1e-9)
     assert all(s.solver == "identity" for s in dense.strategies.values())
-    entries = [smasher.Entry((0, 1), 1.0, {0: "prefix"}), smasher.Entry((0,), 2.0, {0: "prefix"})]
-    kron = smasher.plan_kron(domains, entries, 0.5)
+    entries = [
+        Entry((0, 1), 1.0, {0: "prefix"}),
+        Entry((0,), 2.0, {0: "prefix"}),
+    ]
+    kron = plan_kron(domains, entries, 0.5)
     workload = [(e.attrs, _queries(domains, e)[0], e.weight) for e in entries]
-    assert smasher.plan_dense(domains, workload, 0.5).total <= kron.total * (1 + 1e-6)
+    assert plan_dense(domains, workload, 0.5).total <= kron.total * (1 + 1e-6)
 
 
 def test_a_lightly_weighted_partition_is_still_measured_and_a_missing_one_is_refused():
     rows = smasher.pair_queries("abs_diff", 3, 3)
-    pl = smasher.plan_dense([3, 3, 3], [((0, 1), rows, 1.0), ((2,), np.eye(3), 1e-14)], 0.5)
+    pl = plan_dense([3, 3, 3], [((0, 1), rows, 1.0), ((2,), np.eye(3), 1e-14)], 0.5)
     assert (2,) in pl.sigma2 and 0 < pl.variance(np.eye(3)[0], (2,)) < np.inf  # asked, however lightly
-    only = smasher.plan_dense([3, 3, 3], [((0, 1), rows, 1.0)], 0.5)
+    only = plan_dense([3, 3, 3], [((0, 1), rows, 1.0)], 0.5)
     with pytest.raises(PlanError, match=r"measured no residual of \(2,\)"):
         only.variance(1e-9 * np.eye(3)[0], (2,))  # however small the query
     with pytest.raises(ValueError, match="ascending"):
@@ -540,10 +547,10 @@ def test_a_lightly_weighted_partition_is_still_measured_and_a_missing_one_is_ref
 
 def test_a_dense_workload_is_refused_naming_the_entry():
     with pytest.raises(SpecError, match=r"workload\.0: attributes must be distinct and ascending"):
-        smasher.plan_dense([3, 3], [((1, 0), np.ones((1, 9)), 1.0)], 0.5)
+        plan_dense([3, 3], [((1, 0), np.ones((1, 9)), 1.0)], 0.5)
     with pytest.raises(SpecError, match=r"workload\.1: a query matrix over 9 cells needs 9 columns"):
-        smasher.plan_dense([3, 3], [((0,), np.ones((1, 3)), 1.0), ((0, 1), np.ones((1, 8)), 1.0)], 0.5)
+        plan_dense([3, 3], [((0,), np.ones((1, 3)), 1.0), ((0, 1), np.ones((1, 8)), 1.0)], 0.5)
     with pytest.raises(SpecError, match=r"workload\.0: the weight must be positive, got -1"):
-        smasher.plan_dense([3, 3], [((0,), np.ones((1, 3)), -1)], 0.5)
+        plan_dense([3, 3], [((0,), np.ones((1, 3)), -1)], 0.5)
     with pytest.raises(SpecError, match="workload: no query to plan"):
-        smasher.plan_dense([3, 3], [], 0.5)
+        plan_dense([3, 3], [], 0.5)

@@ -36,7 +36,7 @@ import io
 import json
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -429,81 +429,106 @@ def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> d
     """Reconstruct one group of workload marginals and write their tables."""
     doc, pl = load_plan(store_root, job_id)
     start, stop = doc["reconstruct_groups"][group]
-    needed = pl.needed_residuals(start, stop)
-    values = read_residuals(store_root, job_id, doc, pl, needed)
-    attributes = spec.attributes
+    values = read_residuals(store_root, job_id, doc, pl, pl.needed_residuals(start, stop))
     prefix = output_prefix(spec, store_root, job_id)
-    var = pl.var
     release = rc.release_info(doc, pl.rho, pl.delta, spec)
     release_meta = rc.parquet_metadata(release)
+    var = pl.var
+    asked_whole: list = []  # each marginal's queries as the spec gives them, read for an explicit matrix only
     entries = []
-    whole = None  # each marginal's queries as the spec gives them, read for an explicit matrix only
     for j in range(start, stop):
-        attrs = pl.marginal(j)
-        names = [attributes[a].name for a in attrs]
+        names = [spec.attributes[a].name for a in pl.marginal(j)]
         meta = {**release_meta, "job_id": job_id, "attributes": json.dumps(names), "marginal": str(j)}
-        asked: dict[str, str] = {}
-        per_answer = False  # every cell of the marginal has one variance
         if pl.marg_types is None:  # identity marginals: every cell has the plan's variance
-            terms = [(pl.residual(int(k)), values[int(k)]) for k in pl.subsets(j)]
-            sizes = [int(pl.domains[a]) for a in attrs]
-            estimate = rc.reconstruct(sizes, attrs, terms)
-            v = float(var[j])
-            tbl = rc.table(
-                estimate,
-                names,
-                [attributes[a].labels() for a in attrs],
-                v,
-                meta,
-                [rc.attribute_bounds(attributes[a]) for a in attrs],
-            )
-        elif attrs and pl.marginal_types(j)[0] in WHOLE_TYPES:  # a 2-way type, a matrix: a list of answers
-            kind = asked = pl.marginal_types(j)[0]
-            if kind == MATRIX:
-                whole = whole if whole is not None else spec.marginal_queries()
-                kind = next(iter(whole[j].values()))
-            sizes = [int(pl.domains[a]) for a in attrs]
-            estimate, cell_var = whole_answers(pl, j, values, kind)
-            v = float(cell_var.mean())
-            per_answer = True
-            labels = rc.pair_labels(kind, names, sizes)
-            tbl = rc.table(estimate, ["query"], [labels], cell_var, {**meta, "query_type": asked})
+            out = _identity_table(spec, pl, j, values, meta, names, float(var[j]))
+        elif names and pl.marginal_types(j)[0] in WHOLE_TYPES:  # a 2-way type, a matrix: a list of answers
+            out = _whole_table(spec, pl, j, values, meta, names, asked_whole)
         else:  # general queries: each answer has its own variance
-            kinds = pl.marginal_types(j)
-            estimate, cell_var = general_answers(pl, j, values)
-            axes = [rc.query_labels(attributes[a], t) for a, t in zip(attrs, kinds, strict=True)]
-            asked = {n: t for n, t in zip(names, kinds, strict=True) if t != "identity"}
-            v = float(cell_var.mean())
-            # cells of one variance (identity cells measured through the contrasts) get it once; a set
-            # measured through a strategy fitted to several query types gives each cell its own
-            per_answer = bool(np.ptp(cell_var) > 1e-12 * float(cell_var.max()))
-            cells_var = cell_var if per_answer else v
-            tbl = rc.table(estimate, names, [a[0] for a in axes], cells_var, meta, [a[1] for a in axes])
-        stem = rc.file_stem(j, names)
-        buf = io.BytesIO()
-        pq.write_table(tbl, buf)
-        parquet_uri = f"{prefix}/{stem}.parquet"
-        store.put(parquet_uri, buf.getvalue())
-        entry = {
-            "index": j,
-            "attributes": names,
-            "cells": int(estimate.size),
-            "variance": v,
-            "std_error": math.sqrt(v),
-            "weight": float(pl.weights[j]),
-            "parquet": parquet_uri,
-        }
-        if asked:  # the types asked: per attribute, or a 2-way type's name
-            entry["queries"] = asked
-        if per_answer:  # variance and std_error: the mean over the answers (the RMSE); each row has its own
-            entry["max_std_error"] = math.sqrt(float(cell_var.max()))
-        if estimate.size <= rc.JSON_MAX_CELLS:
-            json_uri = f"{prefix}/{stem}.json"
-            store.put_json(json_uri, rc.json_doc(tbl, None if per_answer else v, names, release))
-            entry["json"] = json_uri
-        entries.append(entry)
+            out = _general_table(spec, pl, j, values, meta, names)
+        entries.append(_write_table(out, j, names, float(pl.weights[j]), prefix, release))
     store.put_json(_tables_uri(store_root, job_id, group), entries)
     return {"group": group, "marginals": stop - start}
+
+
+class _Table(NamedTuple):
+    """A reconstructed marginal: its table, estimates, mean variance, each answer's variance (where they
+    differ: ``per_answer``), and the query types asked (per attribute, or a 2-way type's name)."""
+
+    table: Any
+    estimate: np.ndarray
+    variance: float
+    cell_var: np.ndarray | None
+    asked: dict[str, str] | str
+    per_answer: bool
+
+
+def _identity_table(spec: DPQueryJob, pl: Plan, j: int, values: dict, meta: dict, names, v: float) -> _Table:
+    """An identity marginal's cells, every one of the plan's variance ``v``."""
+    attrs, attributes = pl.marginal(j), spec.attributes
+    terms = [(pl.residual(int(k)), values[int(k)]) for k in pl.subsets(j)]
+    estimate = rc.reconstruct([int(pl.domains[a]) for a in attrs], attrs, terms)
+    labels = [attributes[a].labels() for a in attrs]
+    bounds = [rc.attribute_bounds(attributes[a]) for a in attrs]
+    tbl = rc.table(estimate, names, labels, v, meta, bounds)
+    return _Table(tbl, estimate, v, None, {}, False)
+
+
+def _whole_table(spec: DPQueryJob, pl: Plan, j: int, values: dict, meta: dict, names, asked_whole) -> _Table:
+    """The answers of a type over the marginal as a whole (a 2-way type, an explicit matrix: the spec's
+    matrices are read into ``asked_whole`` the first time one is needed), each with its variance."""
+    attrs = pl.marginal(j)
+    kind = asked = pl.marginal_types(j)[0]
+    if kind == MATRIX:
+        if not asked_whole:
+            asked_whole.extend(spec.marginal_queries())
+        kind = next(iter(asked_whole[j].values()))
+    estimate, cell_var = whole_answers(pl, j, values, kind)
+    labels = rc.pair_labels(kind, names, [int(pl.domains[a]) for a in attrs])
+    tbl = rc.table(estimate, ["query"], [labels], cell_var, {**meta, "query_type": asked})
+    return _Table(tbl, estimate, float(cell_var.mean()), cell_var, asked, True)
+
+
+def _general_table(spec: DPQueryJob, pl: Plan, j: int, values: dict, meta: dict, names) -> _Table:
+    """Per-attribute query types' answers, each with its variance."""
+    attrs, kinds = pl.marginal(j), pl.marginal_types(j)
+    estimate, cell_var = general_answers(pl, j, values)
+    axes = [rc.query_labels(spec.attributes[a], t) for a, t in zip(attrs, kinds, strict=True)]
+    asked = {n: t for n, t in zip(names, kinds, strict=True) if t != "identity"}
+    v = float(cell_var.mean())
+    # cells of one variance (identity cells measured through the contrasts) get it once; a set
+    # measured through a strategy fitted to several query types gives each cell its own
+    per_answer = bool(np.ptp(cell_var) > 1e-12 * float(cell_var.max()))
+    cells_var = cell_var if per_answer else v
+    tbl = rc.table(estimate, names, [a[0] for a in axes], cells_var, meta, [a[1] for a in axes])
+    return _Table(tbl, estimate, v, cell_var, asked, per_answer)
+
+
+def _write_table(out: _Table, j: int, names: list[str], weight: float, prefix: str, release: dict) -> dict:
+    """Write marginal j's table (Parquet; JSON too when small) and return its entry in the result."""
+    stem = rc.file_stem(j, names)
+    buf = io.BytesIO()
+    pq.write_table(out.table, buf)
+    parquet_uri = f"{prefix}/{stem}.parquet"
+    store.put(parquet_uri, buf.getvalue())
+    v = out.variance
+    entry = {
+        "index": j,
+        "attributes": names,
+        "cells": int(out.estimate.size),
+        "variance": v,
+        "std_error": math.sqrt(v),
+        "weight": weight,
+        "parquet": parquet_uri,
+    }
+    if out.asked:  # the types asked: per attribute, or a 2-way type's name
+        entry["queries"] = out.asked
+    if out.per_answer:  # variance and std_error: the mean over the answers (the RMSE); each row has its own
+        entry["max_std_error"] = math.sqrt(float(out.cell_var.max()))
+    if out.estimate.size <= rc.JSON_MAX_CELLS:
+        json_uri = f"{prefix}/{stem}.json"
+        store.put_json(json_uri, rc.json_doc(out.table, None if out.per_answer else v, names, release))
+        entry["json"] = json_uri
+    return entry
 
 
 # --- finalize -----------------------------------------------------------------------------------------------

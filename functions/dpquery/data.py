@@ -612,6 +612,20 @@ def marginals(
     read = sorted(set(used) | {a for a, d in enumerate(all_doms) if d.drops})
     doms = {a: all_doms[a] for a in read}
     sizes = {a: doms[a].size for a in used}
+    hist = _zero_histograms(covers, sizes, attributes)
+    for batch in _counted_batches(uri, fmt, attributes, [doms[a].name for a in read], unit):
+        idx, rows = _kept_indices(batch, doms, read, used, unit)
+        _count(hist, idx, sizes, rows)
+    shaped = {t: h.reshape([sizes[a] for a in t]) for t, h in hist.items()}
+    out: dict[tuple[int, ...], np.ndarray] = {}
+    for t in wanted:
+        cover = next(c for c in covers if set(t) <= set(c))
+        out[t] = marginal_from(shaped[cover], cover, t)
+    return out
+
+
+def _zero_histograms(covers, sizes: dict[int, int], attributes) -> dict[tuple[int, ...], np.ndarray]:
+    """A flat int64 histogram of zeros per maximal tuple; a PlanError names one of too many cells."""
     hist: dict[tuple[int, ...], np.ndarray] = {}
     for t in covers:
         cells = int(np.prod([sizes[a] for a in t], dtype=object)) if t else 1
@@ -620,33 +634,33 @@ def marginals(
                 f"marginal {[attributes[a].name for a in t]} has {cells:,} cells; too many to count"
             )
         hist[t] = np.zeros(cells, dtype=np.int64)
-    names = [doms[a].name for a in read]
-    droppers = [a for a in read if doms[a].drops]
+    return hist
+
+
+def _counted_batches(uri, fmt, attributes, names: list[str], unit) -> Iterator[pa.RecordBatch]:
+    """The batches :func:`marginals` counts: the columns ``names`` (and the privacy unit's id column, after a
+    first pass over it chooses the rows kept), or the row counts alone when no column is read."""
     if unit is not None:
         for batch in record_batches(uri, fmt, [unit.id_column]):
             unit.count(batch.column(0))
         unit.finish()
-        columns = names + ([unit.id_column] if unit.id_column not in names else [])
-        batches = record_batches(uri, fmt, columns)
-    else:
-        batches = record_batches(uri, fmt, names) if read else _rows_only(uri, fmt, attributes)
-    for batch in batches:
-        idx = {a: doms[a].indices(batch.column(j)) for j, a in enumerate(read)}
-        rows = batch.num_rows
-        keep = unit.keep(batch.column(unit.id_column)) if unit is not None else None
-        if droppers:
-            kept = np.logical_and.reduce([idx[a] >= 0 for a in droppers])
-            keep = kept if keep is None else keep & kept
-        if keep is not None and not keep.all():  # left out of every histogram: a data-independent filter
-            idx = {a: idx[a][keep] for a in used}
-            rows = int(np.count_nonzero(keep))
-        _count(hist, {a: idx[a] for a in used}, sizes, rows)
-    shaped = {t: h.reshape([sizes[a] for a in t]) for t, h in hist.items()}
-    out: dict[tuple[int, ...], np.ndarray] = {}
-    for t in wanted:
-        cover = next(c for c in covers if set(t) <= set(c))
-        out[t] = marginal_from(shaped[cover], cover, t)
-    return out
+        return record_batches(uri, fmt, names + ([unit.id_column] if unit.id_column not in names else []))
+    return record_batches(uri, fmt, names) if names else _rows_only(uri, fmt, attributes)
+
+
+def _kept_indices(batch, doms, read, used, unit) -> tuple[dict[int, np.ndarray], int]:
+    """Each used attribute's value indices of a batch's rows that are counted, and their number: rows
+    that an attribute drops, or the privacy unit leaves out, are left out of every histogram (a
+    data-independent filter)."""
+    idx = {a: doms[a].indices(batch.column(j)) for j, a in enumerate(read)}
+    keep = unit.keep(batch.column(unit.id_column)) if unit is not None else None
+    droppers = [a for a in read if doms[a].drops]
+    if droppers:
+        kept = np.logical_and.reduce([idx[a] >= 0 for a in droppers])
+        keep = kept if keep is None else keep & kept
+    if keep is not None and not keep.all():
+        return {a: idx[a][keep] for a in used}, int(np.count_nonzero(keep))
+    return {a: idx[a] for a in used}, batch.num_rows
 
 
 def _flat_dtype(cells: int) -> type:

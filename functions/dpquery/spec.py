@@ -415,21 +415,51 @@ class DPQueryJob(JobOptions):
 
     @model_validator(mode="after")
     def _consistent(self) -> DPQueryJob:
-        problems: list[tuple[tuple, str]] = []
-        if self.format is None:
-            path = self.dataset.split("?", 1)[0].lower()
-            ext = next((e for e in DATASET_FORMATS if path.endswith(e)), None)
-            if ext is None:
-                problems.append(
-                    (
-                        ("format",),
-                        f"cannot infer the format of {self.dataset!r} from its extension; "
-                        "set 'format' to 'csv' or 'parquet'",
-                    )
+        """The checks across fields, every problem found reported at once; then the budget's ρ when it is
+        given as (ε, δ), against dataset_budget_rho."""
+        index: dict[str, int] = {}  # attribute name -> its schema index
+        problems = self._format_problems() + self._schema_problems(index)
+        if isinstance(self.workload, DPMarginalGenerator):
+            problems += self._generator_problems(index)
+        else:
+            problems += self._list_problems(index)
+        over = self.dataset_budget_rho is not None and self.budget.rho is not None
+        if over and self.budget.rho > self.dataset_budget_rho:
+            message = f"rho {self.budget.rho} exceeds dataset_budget_rho {self.dataset_budget_rho}"
+            problems.append((("budget", "rho"), message))
+        if problems:
+            fail("DPQueryJob", problems, self.dataset)
+        if self.dataset_budget_rho is not None and self.budget.rho is None:
+            rho = self.budget.zcdp_rho()
+            if rho > self.dataset_budget_rho:
+                message = (
+                    f"(epsilon {self.budget.epsilon}, delta {self.budget.delta}) is rho {rho:.6g}, "
+                    f"more than dataset_budget_rho {self.dataset_budget_rho}"
                 )
-            else:
-                self.format = DATASET_FORMATS[ext]
-        index: dict[str, int] = {}
+                fail("DPQueryJob", [(("budget",), message)], self.dataset)
+        return self
+
+    def _format_problems(self) -> list[tuple[tuple, str]]:
+        """An unset ``format`` inferred from the dataset's extension, or the problem that it cannot be."""
+        if self.format is not None:
+            return []
+        path = self.dataset.split("?", 1)[0].lower()
+        ext = next((e for e in DATASET_FORMATS if path.endswith(e)), None)
+        if ext is None:
+            return [
+                (
+                    ("format",),
+                    f"cannot infer the format of {self.dataset!r} from its extension; "
+                    "set 'format' to 'csv' or 'parquet'",
+                )
+            ]
+        self.format = DATASET_FORMATS[ext]
+        return []
+
+    def _schema_problems(self, index: dict[str, int]) -> list[tuple[tuple, str]]:
+        """What is wrong with the schema's attributes (a policy their kind cannot take, a repeated name),
+        each given the job's out_of_domain to inherit and entered in ``index``."""
+        problems: list[tuple[tuple, str]] = []
         for j, a in enumerate(self.schema_):
             a._inherited = self.out_of_domain
             if a.policy == "clip" and a.categories is not None:
@@ -454,90 +484,82 @@ class DPQueryJob(JobOptions):
                 )
             else:
                 index[a.name] = j
-        if isinstance(self.workload, DPMarginalGenerator):
-            g = self.workload
-            names = g.attributes if g.attributes is not None else [a.name for a in self.schema_]
-            for i, name in enumerate(names):
-                if name not in index:
-                    problems.append((("workload", "attributes", i), f"unknown attribute {name!r}"))
-            if g.attributes is not None and len(set(g.attributes)) != len(g.attributes):
-                problems.append((("workload", "attributes"), "lists an attribute more than once"))
-            problems += self._query_problems(g.queries, names, ("workload", "queries"))
-            d = len(set(names))
-            count = sum(math.comb(d, k) for k in range(min(g.all_marginals_up_to, d) + 1))
-            if count > DP_MAX_MARGINALS:
+        return problems
+
+    def _generator_problems(self, index: dict[str, int]) -> list[tuple[tuple, str]]:
+        """What is wrong with a generated workload: its attributes, its queries, the marginals it makes."""
+        g = self.workload
+        names = g.attributes if g.attributes is not None else [a.name for a in self.schema_]
+        problems: list[tuple[tuple, str]] = []
+        for i, name in enumerate(names):
+            if name not in index:
+                problems.append((("workload", "attributes", i), f"unknown attribute {name!r}"))
+        if g.attributes is not None and len(set(g.attributes)) != len(g.attributes):
+            problems.append((("workload", "attributes"), "lists an attribute more than once"))
+        problems += self._query_problems(g.queries, names, ("workload", "queries"))
+        d = len(set(names))
+        count = sum(math.comb(d, k) for k in range(min(g.all_marginals_up_to, d) + 1))
+        if count > DP_MAX_MARGINALS:
+            problems.append(
+                (
+                    ("workload", "all_marginals_up_to"),
+                    f"{g.all_marginals_up_to} over {d} attributes gives {count:,} marginals; "
+                    f"the limit is {DP_MAX_MARGINALS:,}",
+                )
+            )
+        return problems
+
+    def _list_problems(self, index: dict[str, int]) -> list[tuple[tuple, str]]:
+        """What is wrong with a listed workload: its length, each marginal (:meth:`_marginal_problems`), a
+        marginal listed twice, too many explicit matrices."""
+        problems: list[tuple[tuple, str]] = []
+        if len(self.workload) > DP_MAX_MARGINALS:
+            problems.append(
+                (("workload",), f"{len(self.workload):,} marginals; the limit is {DP_MAX_MARGINALS:,}")
+            )
+        seen: dict[frozenset, int] = {}
+        for i, m in enumerate(self.workload):
+            found, bad = self._marginal_problems(i, m, index)
+            problems += found
+            key = frozenset(m.attributes)
+            if bad:
+                continue
+            if key in seen:
                 problems.append(
                     (
-                        ("workload", "all_marginals_up_to"),
-                        f"{g.all_marginals_up_to} over {d} attributes gives {count:,} marginals; "
-                        f"the limit is {DP_MAX_MARGINALS:,}",
+                        ("workload", i, "attributes"),
+                        f"the same marginal as workload.{seen[key]}; list each marginal once "
+                        "(raise its weight instead)",
                     )
                 )
+            else:
+                seen[key] = i
+        matrices = sum(isinstance(m.queries, list) for m in self.workload)
+        if matrices > MAX_MATRICES:
+            problems.append(
+                (("workload",), f"{matrices} explicit query matrices; the limit is {MAX_MATRICES}")
+            )
+        return problems
+
+    def _marginal_problems(self, i: int, m: DPMarginal, index: dict[str, int]) -> tuple[list, bool]:
+        """What is wrong with workload marginal i (its attributes, its queries), and whether its attributes
+        are at fault (then its explicit matrix is not checked, nor whether it repeats another)."""
+        at = ("workload", i)
+        problems: list[tuple[tuple, str]] = []
+        for k, name in enumerate(m.attributes):
+            if name not in index:
+                problems.append(((*at, "attributes", k), f"unknown attribute {name!r}"))
+        if len(set(m.attributes)) != len(m.attributes):
+            problems.append(((*at, "attributes"), "lists an attribute more than once"))
+        bad = bool(problems)
+        if isinstance(m.queries, str):
+            problems += self._pair_problems(m.queries, m.attributes, (*at, "queries"))
+        elif isinstance(m.queries, list):
+            if not bad:
+                problems += self._matrix_problems(m.queries, m.attributes, (*at, "queries"))
         else:
-            if len(self.workload) > DP_MAX_MARGINALS:
-                problems.append(
-                    (("workload",), f"{len(self.workload):,} marginals; the limit is {DP_MAX_MARGINALS:,}")
-                )
-            seen: dict[frozenset, int] = {}
-            matrices = 0
-            for i, m in enumerate(self.workload):
-                bad = False
-                for k, name in enumerate(m.attributes):
-                    if name not in index:
-                        problems.append((("workload", i, "attributes", k), f"unknown attribute {name!r}"))
-                        bad = True
-                if len(set(m.attributes)) != len(m.attributes):
-                    problems.append((("workload", i, "attributes"), "lists an attribute more than once"))
-                    bad = True
-                if isinstance(m.queries, str):
-                    problems += self._pair_problems(m.queries, m.attributes, ("workload", i, "queries"))
-                elif isinstance(m.queries, list):
-                    if not bad:
-                        problems += self._matrix_problems(m.queries, m.attributes, ("workload", i, "queries"))
-                    matrices += 1
-                else:
-                    problems += self._query_problems(m.queries, m.attributes, ("workload", i, "queries"))
-                key = frozenset(m.attributes)
-                if not bad:
-                    if key in seen:
-                        problems.append(
-                            (
-                                ("workload", i, "attributes"),
-                                f"the same marginal as workload.{seen[key]}; list each marginal once "
-                                "(raise its weight instead)",
-                            )
-                        )
-                    else:
-                        seen[key] = i
-            if matrices > MAX_MATRICES:
-                problems.append(
-                    (("workload",), f"{matrices} explicit query matrices; the limit is {MAX_MATRICES}")
-                )
-        if self.dataset_budget_rho is not None and self.budget.rho is not None:
-            if self.budget.rho > self.dataset_budget_rho:
-                problems.append(
-                    (
-                        ("budget", "rho"),
-                        f"rho {self.budget.rho} exceeds dataset_budget_rho {self.dataset_budget_rho}",
-                    )
-                )
-        if problems:
-            fail("DPQueryJob", problems, self.dataset)
-        if self.dataset_budget_rho is not None and self.budget.rho is None:
-            rho = self.budget.zcdp_rho()
-            if rho > self.dataset_budget_rho:
-                fail(
-                    "DPQueryJob",
-                    [
-                        (
-                            ("budget",),
-                            f"(epsilon {self.budget.epsilon}, delta {self.budget.delta}) is rho {rho:.6g}, "
-                            f"more than dataset_budget_rho {self.dataset_budget_rho}",
-                        )
-                    ],
-                    self.dataset,
-                )
-        return self
+            problems += self._query_problems(m.queries, m.attributes, (*at, "queries"))
+        return problems, bad
 
     def _query_problems(
         self, queries: dict[str, str] | None, attributes: Sequence[str], at: tuple

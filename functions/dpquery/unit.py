@@ -220,11 +220,6 @@ class ContributionBound:
             keep[h] = (lo < self.k) & (at == j)
         return keep
 
-    @property
-    def distinct_ids(self) -> int:
-        """How many persons pass 1 saw (private: for tests and in-process sizing checks only)."""
-        return len(self._codes)
-
 
 def bounded_mask_all(bound: ContributionBound, batches: Iterable) -> list[np.ndarray]:
     """Both passes over in-memory batches of the id column (tests)."""
