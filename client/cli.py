@@ -24,6 +24,7 @@ import re
 import signal
 import sys
 import time
+from operator import methodcaller
 from pathlib import Path
 from typing import Any
 
@@ -210,13 +211,23 @@ def _state_style(state: str) -> str:
     }.get(state, "white")
 
 
+def _step_counts(steps: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
+    """``(name, done, total)`` of each step entry: a dict {done, total} or an object with those attributes."""
+    return [
+        (name, c.get("done", 0), c.get("total"))
+        if isinstance(c, dict)
+        else (name, getattr(c, "done", 0), getattr(c, "total", None))
+        for name, c in (steps or {}).items()
+    ]
+
+
+def _step_text(name: str, done: Any, total: Any) -> str:
+    """One step's count as the status lines write it ("infer 3/8", "prepare 0/?")."""
+    return f"{name} {done}/{total if total is not None else '?'}"
+
+
 def _steps_text(steps: dict[str, Any] | None) -> str:
-    parts = []
-    for name, c in (steps or {}).items():
-        done = c.get("done", 0) if isinstance(c, dict) else getattr(c, "done", 0)
-        total = c.get("total") if isinstance(c, dict) else getattr(c, "total", None)
-        parts.append(f"{name} {done}/{total if total is not None else '?'}")
-    return ", ".join(parts)
+    return ", ".join(_step_text(*c) for c in _step_counts(steps))
 
 
 def _status_dict(status: Any) -> dict[str, Any]:
@@ -484,17 +495,13 @@ def jobs(
         _print_json([_status_dict(st) for st in chosen])
         return
     if not chosen:
-        out.print(
-            f"no jobs in the {_t(backend)} store {_t(where)}"
-            + (" match" if wanted or kinds_ else "")
-            + (
-                " ($SHARDFOLD_HOME or another directory's .shardfold may hold yours)"
-                if backend == "local"
-                else ""
-            )
-        )
+        match = " match" if wanted or kinds_ else ""
+        hint = " ($SHARDFOLD_HOME or another directory's .shardfold may hold yours)" * (backend == "local")
+        out.print(f"no jobs in the {_t(backend)} store {_t(where)}{match}{hint}")
         return
-    if not out.is_terminal:  # piped: whole values, one line per job, for grep and awk
+    if out.is_terminal:
+        _print_jobs_table(chosen, f"jobs ({_t(backend)}, store {_t(where)}), newest first")
+    else:  # piped: whole values, one line per job, for grep and awk
         headers = ["job id", "kind", "state", "submitted", "steps", "error"]
         rows = [
             [
@@ -508,22 +515,23 @@ def jobs(
             for st in chosen
         ]
         _print_table(TextTable(f"jobs ({backend}, store {where}), newest first", headers, rows))
-    else:  # a terminal: id, kind, state and age first and whole; the steps summed up; the error folds
-        title = f"jobs ({_t(backend)}, store {_t(where)}), newest first"
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-        widest = max(len(st.job_id) for st in chosen)
-        table.add_column("job id", no_wrap=True, min_width=widest)
-        for h in ("kind", "state", "age", "progress"):
-            table.add_column(h, no_wrap=True)
-        table.add_column("error", overflow="fold", ratio=1)
-        now = time.time()
-        for st in chosen:
-            state = f"[{_state_style(st.state)}]{_t(st.state)}[/]"
-            age = _age(_submitted(st), now)
-            table.add_row(_t(st.job_id), _t(st.kind), state, age, _t(_steps_summary(st)), _t(st.error or ""))
-        out.print(table)
     if len(chosen) == limit and len(statuses) > limit:
         err.print(f"[dim]the newest {limit}; --limit N shows more[/]")
+
+
+def _print_jobs_table(chosen: list[Any], title: str) -> None:
+    """The jobs at a terminal: id, kind, state and age whole; the steps summed up; the error folds."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("job id", no_wrap=True, min_width=max(len(st.job_id) for st in chosen))
+    for h in ("kind", "state", "age", "progress"):
+        table.add_column(h, no_wrap=True)
+    table.add_column("error", overflow="fold", ratio=1)
+    now = time.time()
+    for st in chosen:
+        state = f"[{_state_style(st.state)}]{_t(st.state)}[/]"
+        age = _age(_submitted(st), now)
+        table.add_row(_t(st.job_id), _t(st.kind), state, age, _t(_steps_summary(st)), _t(st.error or ""))
+    out.print(table)
 
 
 def _print_ids(done: str, job_ids: list[str], as_json: bool) -> None:
@@ -558,19 +566,10 @@ def _age(submitted: str, now: float) -> str:
 def _steps_summary(status: Any) -> str:
     """A job's progress in a few words: the step under way and its count ("infer 3/8"), else how many
     steps ran ("5 steps")."""
-    steps = status.steps or {}
-    counts = [
-        (
-            name,
-            c.get("done", 0) if isinstance(c, dict) else getattr(c, "done", 0),
-            c.get("total") if isinstance(c, dict) else getattr(c, "total", None),
-        )
-        for name, c in steps.items()
-    ]
+    counts = _step_counts(status.steps)
     open_ = [(n, d, t) for n, d, t in counts if t is None or d < t]
     if status.state == "RUNNING" and open_:
-        name, done, total = open_[0]
-        return f"{name} {done}/{total if total is not None else '?'}"
+        return _step_text(*open_[0])
     return f"{len(counts)} step{'s' if len(counts) != 1 else ''}" if counts else ""
 
 
@@ -627,14 +626,8 @@ def logs(
                 if shown[key] <= printed.get(key, 0):
                     continue
                 if as_json:
-                    doc = {
-                        "step": record["step"],
-                        "task": record.get("task"),
-                        "attempt": record.get("attempt"),
-                    }
-                    out.print(
-                        json.dumps({**doc, "line": line}), soft_wrap=True, highlight=False, markup=False
-                    )
+                    doc = {**dict(zip(("step", "task", "attempt"), key, strict=True)), "line": line}
+                    out.print(json.dumps(doc), soft_wrap=True, highlight=False, markup=False)
                     continue
                 item = "-" if record.get("task") is None else record["task"]
                 where = f"{record['step']}[{item}]#{record.get('attempt')}"
@@ -673,6 +666,27 @@ def report(job_id: str, backend: str, stack: str | None, as_json: bool, html: st
 
 
 def _print_report(doc: dict[str, Any]) -> None:
+    """``shardfold report``: the summary, the plan, actual and cost tables, then the notes and reasons."""
+    summary = _report_summary(doc)
+    _print_kv(f"report: {doc['kind']}", summary)
+    for table in report_tables(doc):
+        _print_table(table)
+    worst = [
+        f"{s['name']}: peak {s['actual']['peak_mb']:.0f} MiB"
+        + ("" if s["actual"]["worst_task"] is None else f" in task {s['actual']['worst_task']}")
+        + (" (process shared with other tasks)" if "shared" in s["actual"]["memory_scope"] else "")
+        for s in doc["steps"]
+        if s["actual"]["peak_mb"] is not None
+    ]
+    withheld = [s["name"] for s in doc["steps"] if s["actual"]["withheld"]]
+    for line in worst + [f"figures withheld (private data): {', '.join(withheld)}"] * bool(withheld):
+        out.print(f"[dim]- {_t(line)}[/]")
+    for reason in doc["interpretability"]:
+        out.print(f"[dim]- {_t(reason)}[/]")
+
+
+def _report_summary(doc: dict[str, Any]) -> dict[str, str]:
+    """The report's labelled values: job, state, tasks, cost, then its SLA, responsiveness and scaling."""
     summary = {
         "job": doc["job_id"],
         "state": doc["state"],
@@ -703,21 +717,7 @@ def _print_report(doc: dict[str, Any]) -> None:
                 f"{st['peak']} of {st['allowed']} allowed at most; {st['task_s']:.2f} task-s of idle slots "
                 f"while work waited (mean {st['mean']:.2f} below the allowance)"
             )
-    _print_kv(f"report: {doc['kind']}", summary)
-    for table in report_tables(doc):
-        _print_table(table)
-    worst = [
-        f"{s['name']}: peak {s['actual']['peak_mb']:.0f} MiB"
-        + ("" if s["actual"]["worst_task"] is None else f" in task {s['actual']['worst_task']}")
-        + (" (process shared with other tasks)" if "shared" in s["actual"]["memory_scope"] else "")
-        for s in doc["steps"]
-        if s["actual"]["peak_mb"] is not None
-    ]
-    withheld = [s["name"] for s in doc["steps"] if s["actual"]["withheld"]]
-    for line in worst + [f"figures withheld (private data): {', '.join(withheld)}"] * bool(withheld):
-        out.print(f"[dim]- {_t(line)}[/]")
-    for reason in doc["interpretability"]:
-        out.print(f"[dim]- {_t(reason)}[/]")
+    return summary
 
 
 @cli.command()
@@ -1168,15 +1168,12 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
     if unknown:
         raise ShardfoldError(f"no demo for {unknown}; available: {sorted(DEMOS)}")
     rows, skipped, failed = [], {}, {}
+    wait = methodcaller("wait", progress=progress, console=err)  # each demo's job, with bars on stderr
     with _client("local") as client:
         for kind in selected:
             out.print(f"[bold]{_t(kind)}[/]: generating its inputs and running the job")
             try:
-                rows.append(
-                    DEMOS[kind](
-                        client, items=n_items, wait=lambda job: job.wait(progress=progress, console=err)
-                    )
-                )
+                rows.append(DEMOS[kind](client, items=n_items, wait=wait))
             except MissingExtra as exc:  # not installed here: the others still run
                 skipped[kind] = str(exc)
             except ShardfoldError as exc:  # failed: said below, after what the others did
@@ -1189,17 +1186,8 @@ def demo(n_items: int, kinds: tuple[str, ...], progress: bool) -> None:
         collapse_padding=True,
         pad_edge=False,
     )
-    for col, just in [
-        ("kind", "left"),
-        ("state", "left"),
-        ("inputs", "right"),
-        ("tasks", "right"),
-        ("bytes", "right"),
-        ("err", "right"),
-        ("s", "right"),
-        ("ok", "left"),
-    ]:
-        table.add_column(col, justify=just, no_wrap=True)
+    for col in ("kind", "state", "inputs", "tasks", "bytes", "err", "s", "ok"):
+        table.add_column(col, justify="left" if col in ("kind", "state", "ok") else "right", no_wrap=True)
     for r in rows:
         table.add_row(
             _t(r.kind),

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -44,6 +44,37 @@ class DemoResult:
 
 class DemoFailed(ShardfoldError):
     """The demo's job ran but its output did not match what was generated."""
+
+
+class _Ran(NamedTuple):
+    """A demo's job that succeeded: the job, its final status, seconds from submit to its end, its result."""
+
+    job: Any
+    status: Any
+    seconds: float
+    result: dict
+
+
+def _run(submit: Callable[[], Any], wait: Callable[[Any], Any] | None) -> _Ran:
+    """Submit a demo's job, wait for it and time it; :class:`DemoFailed` unless it succeeded."""
+    t0 = time.perf_counter()
+    job = submit()
+    status = wait(job) if wait else job.wait(progress=False)
+    seconds = time.perf_counter() - t0
+    if status.state != "SUCCEEDED":
+        raise DemoFailed(f"demo job {job.job_id} ended {status.state}: {status.error}")
+    return _Ran(job, status, seconds, job.result())
+
+
+def _verified(
+    kind: str, ran: _Ran, checks: list[str], labels: tuple[str, str] = ("items", "parts"), **figures: Any
+) -> DemoResult:
+    """The row of a demo whose output passed ``checks``: ``figures`` its items, parts, bytes (and errors),
+    ``labels`` what its items and parts count."""
+    figures = {"errors": 0, **figures, "items_label": labels[0], "parts_label": labels[1]}
+    return DemoResult(
+        kind, ran.job.job_id, ran.status.state, seconds=ran.seconds, verified=True, checks=checks, **figures
+    )
 
 
 def _tar_bytes(members: dict[str, bytes]) -> bytes:
@@ -124,25 +155,16 @@ def verify_getbatch(result: dict, expected: list[bytes | None]) -> list[str]:
 def demo_getbatch(client: Any, items: int = 300, wait: Callable[[Any], Any] | None = None) -> DemoResult:
     """Seed, run and verify one getbatch job on ``client``'s backend."""
     spec, expected = seed_getbatch(client, items)
-    t0 = time.perf_counter()
-    job = client.submit(spec)
-    status = wait(job) if wait else job.wait(progress=False)
-    seconds = time.perf_counter() - t0
-    if status.state != "SUCCEEDED":
-        raise DemoFailed(f"demo job {job.job_id} ended {status.state}: {status.error}")
-    result = job.result()
-    checks = verify_getbatch(result, expected)
-    return DemoResult(
-        kind="getbatch",
-        job_id=job.job_id,
-        state=status.state,
+    ran = _run(lambda: client.submit(spec), wait)
+    result = ran.result
+    return _verified(
+        "getbatch",
+        ran,
+        verify_getbatch(result, expected),
         items=result.get("items", len(expected)),
         parts=result.get("parts", 0),
         bytes=result.get("bytes", 0),
         errors=result.get("errors", 0),
-        seconds=seconds,
-        verified=True,
-        checks=checks,
     )
 
 
@@ -215,13 +237,8 @@ def demo_fedavg(client: Any, items: int = 0, wait: Callable[[Any], Any] | None =
     keys = [f"{DEMO_PREFIX}/fedavg/client-{i:02d}.safetensors" for i in range(len(updates))]
     for key, (tensors, n) in zip(keys, updates, strict=True):
         client.fedavg.save_update(tensors, key, num_examples=n)
-    t0 = time.perf_counter()
-    job = client.fedavg.submit(keys, shards=DEMO_SHARDS)
-    status = wait(job) if wait else job.wait(progress=False)
-    seconds = time.perf_counter() - t0
-    if status.state != "SUCCEEDED":
-        raise DemoFailed(f"demo job {job.job_id} ended {status.state}: {status.error}")
-    result = job.result()
+    ran = _run(lambda: client.fedavg.submit(keys, shards=DEMO_SHARDS), wait)
+    result = ran.result
     got = client.fedavg.load(result["output"])
     weights = [n for _, n in updates]
     want = fedavg_reference([u for u, _ in updates], weights)
@@ -240,20 +257,8 @@ def demo_fedavg(client: Any, items: int = 0, wait: Callable[[Any], Any] | None =
         f"{len(updates)} clients",
         f"output num_examples = {sum(weights)} (the clients' total)",
     ]
-    return DemoResult(
-        kind="fedavg",
-        job_id=job.job_id,
-        state=status.state,
-        items=result["clients"],
-        parts=result["shards"],
-        bytes=result["bytes"],
-        errors=0,
-        seconds=seconds,
-        verified=True,
-        checks=checks,
-        items_label="clients",
-        parts_label="shards",
-    )
+    figures = {"items": result["clients"], "parts": result["shards"], "bytes": result["bytes"]}
+    return _verified("fedavg", ran, checks, ("clients", "shards"), **figures)
 
 
 # --- dpquery ------------------------------------------------------------------------------------------------
@@ -336,56 +341,18 @@ def demo_dpquery(client: Any, items: int = 0, wait: Callable[[Any], Any] | None 
     Each run is a new synthetic dataset with its own ledger id (``demo-people-<run>``) and a total budget
     of one job, so the demo never runs out of budget and never re-spends a dataset's."""
     extras.require("dp", "the dpquery demo")
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     run = uuid.uuid4().hex[:12]
     columns = synthetic_people(DEMO_DP_ROWS, seed=int(run, 16) % 2**32)
-    buf = io.BytesIO()
-    pq.write_table(pa.table(columns), buf)
-    key = f"{DEMO_PREFIX}/dpquery/people.parquet"
-    store.put(client.uri(key), buf.getvalue())
-    spec = client.dpquery.spec(
-        {
-            "kind": "dpquery",
-            "dataset": client.uri(key),
-            "schema": PEOPLE_SCHEMA,
-            "workload": {"all_marginals_up_to": 2},
-            "budget": {"rho": DEMO_DP_RHO},
-            "dataset_id": f"demo-people-{run}",
-            "dataset_budget_rho": DEMO_DP_RHO,
-        }
-    )
-    t0 = time.perf_counter()
-    job = client.dpquery.submit(spec)
-    status = wait(job) if wait else job.wait(progress=False)
-    seconds = time.perf_counter() - t0
-    if status.state != "SUCCEEDED":
-        raise DemoFailed(f"demo job {job.job_id} ended {status.state}: {status.error}")
-    result = job.result()
-    report = result["report"]
+    spec = _people_release(client, columns, run)
+    ran = _run(lambda: client.dpquery.submit(spec), wait)
+    result, report = ran.result, ran.result["report"]
     arrays = client.dpquery.arrays(result)
     std = client.dpquery.std_errors(result)
     idx = people_indices(columns, PEOPLE_SCHEMA)
     del columns
-    names = [a["name"] for a in PEOPLE_SCHEMA]
-    sizes = [a.size for a in spec.attributes]
-    sq_err = 0.0
-    z2 = 0.0
-    max_z = 0.0
-    cells = 0
-    for entry in result["tables"]:
-        attrs = [names.index(n) for n in entry["attributes"]]
-        name = marginal_name(entry["attributes"])
-        values, labels = arrays[name]
-        if list(labels) != entry["attributes"]:
-            raise DemoFailed(f"marginal {name}: axes {list(labels)} differ from {entry['attributes']}")
-        err = values - true_marginal(idx, sizes, attrs)
-        sq_err += float(np.sum(err * err))
-        z = err / std[name]
-        z2 += float(np.sum(z * z))
-        max_z = max(max_z, float(np.max(np.abs(z))))
-        cells += int(err.size)
+    sq_err, z2, max_z, cells = _release_errors(
+        result["tables"], arrays, std, idx, [a.size for a in spec.attributes]
+    )
     del idx
     observed = math.sqrt(sq_err / cells)
     predicted = float(report["predicted_rmse"])
@@ -399,27 +366,60 @@ def demo_dpquery(client: Any, items: int = 0, wait: Callable[[Any], Any] | None 
         )
     out_bytes = sum(store.size(e["parquet"]) for e in result["tables"])
     checks = [
-        f"{len(arrays)} marginals (every ≤2-way of {len(names)} attributes), {cells:,} cells: workload RMSE "
-        f"predicted {predicted:.4g}, observed {observed:.4g} (ratio {ratio:.2f}) against the true counts",
+        f"{len(arrays)} marginals (every ≤2-way of {len(PEOPLE_SCHEMA)} attributes), {cells:,} cells: "
+        f"workload RMSE predicted {predicted:.4g}, observed {observed:.4g} (ratio {ratio:.2f}) against the "
+        "true counts",
         f"standardised errors (estimate − truth) / predicted std error: mean square {z2 / cells:.2f} "
         f"(expected 1), max |z| {max_z:.2f}",
         f"ρ {report['rho_spent']:.6g} spent of {DEMO_DP_RHO:g} (OpenDP's map): ε {report['epsilon_cks']:.4g} "
         f"(CKS) / {report['epsilon_gaussian']:.4g} (exact Gaussian) at δ {report['delta']:g}",
     ]
-    return DemoResult(
-        kind="dpquery",
-        job_id=job.job_id,
-        state=status.state,
-        items=DEMO_DP_ROWS,
-        parts=len(arrays),
-        bytes=out_bytes,
-        errors=0,
-        seconds=seconds,
-        verified=True,
-        checks=checks,
-        items_label="rows",
-        parts_label="marginals",
+    figures = {"items": DEMO_DP_ROWS, "parts": len(arrays), "bytes": out_bytes}
+    return _verified("dpquery", ran, checks, ("rows", "marginals"), **figures)
+
+
+def _people_release(client: Any, columns: dict[str, np.ndarray], run: str) -> Any:
+    """Write the population as Parquet under ``demo/dpquery/``; the spec releasing its ≤2-way marginals."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table(columns), buf)
+    key = f"{DEMO_PREFIX}/dpquery/people.parquet"
+    store.put(client.uri(key), buf.getvalue())
+    return client.dpquery.spec(
+        {
+            "kind": "dpquery",
+            "dataset": client.uri(key),
+            "schema": PEOPLE_SCHEMA,
+            "workload": {"all_marginals_up_to": 2},
+            "budget": {"rho": DEMO_DP_RHO},
+            "dataset_id": f"demo-people-{run}",
+            "dataset_budget_rho": DEMO_DP_RHO,
+        }
     )
+
+
+def _release_errors(
+    tables: list[dict], arrays: dict, std: dict[str, float], idx: np.ndarray, sizes: list[int]
+) -> tuple[float, float, float, int]:
+    """The released marginals against the true counts: Σ error², Σ z², the largest |z| and the cells."""
+    names = [a["name"] for a in PEOPLE_SCHEMA]
+    sq_err = z2 = max_z = 0.0
+    cells = 0
+    for entry in tables:
+        attrs = [names.index(n) for n in entry["attributes"]]
+        name = marginal_name(entry["attributes"])
+        values, labels = arrays[name]
+        if list(labels) != entry["attributes"]:
+            raise DemoFailed(f"marginal {name}: axes {list(labels)} differ from {entry['attributes']}")
+        err = values - true_marginal(idx, sizes, attrs)
+        sq_err += float(np.sum(err * err))
+        z = err / std[name]
+        z2 += float(np.sum(z * z))
+        max_z = max(max_z, float(np.max(np.abs(z))))
+        cells += int(err.size)
+    return sq_err, z2, max_z, cells
 
 
 # --- inference ---------------------------------------------------------------------------------------------
@@ -470,13 +470,8 @@ def demo_inference(client: Any, items: int = 0, wait: Callable[[Any], Any] | Non
         "model": "minilm",
         "shard_rows": DEMO_INFERENCE_SHARD_ROWS,
     }
-    t0 = time.perf_counter()
-    job = client.submit(spec)
-    status = wait(job) if wait else job.wait(progress=False)
-    seconds = time.perf_counter() - t0
-    if status.state != "SUCCEEDED":
-        raise DemoFailed(f"demo job {job.job_id} ended {status.state}: {status.error}")
-    result = job.result()
+    ran = _run(lambda: client.submit(spec), wait)
+    result, seconds = ran.result, ran.seconds
     ids, emb = load(result)
     want = [r["id"] for r in rows]
     if [str(i) for i in ids] != want:
@@ -488,20 +483,8 @@ def demo_inference(client: Any, items: int = 0, wait: Callable[[Any], Any] | Non
         f"{len(rows)} sentences embedded in input order, {emb.shape[1]}-d unit vectors",
         f"{len(rows) / seconds:,.1f} rows/s end to end (job start to commit, {seconds:.1f} s)",
     ]
-    return DemoResult(
-        kind="inference",
-        job_id=job.job_id,
-        state=status.state,
-        items=result["rows"],
-        parts=result["shards"],
-        bytes=len(data),
-        errors=result.get("skipped", 0),
-        seconds=seconds,
-        verified=True,
-        checks=checks,
-        items_label="rows",
-        parts_label="shards",
-    )
+    figures = {"items": result["rows"], "parts": result["shards"], "bytes": len(data)}
+    return _verified("inference", ran, checks, ("rows", "shards"), **figures, errors=result.get("skipped", 0))
 
 
 # Every job kind's demo; a new kind registers here.

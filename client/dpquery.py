@@ -133,6 +133,37 @@ def _weighted_queries(
     return attrs, rows, single
 
 
+def _measured_pieces(
+    pl: Any, attrs: tuple[int, ...], queries: np.ndarray, names: list[str], sizes: list[int]
+) -> list[dict[int, np.ndarray]]:
+    """Each query's nonzero pieces by residual set; refused if one is on a set the release did not measure."""
+    from shardfold.functions.dpquery.smasher import PIECE_ROUNDING, pieces
+
+    index = pl.residual_index()
+    shape = [sizes[i] for i in attrs]
+    parts: list[dict[int, np.ndarray]] = []
+    missing: set[tuple[int, ...]] = set()
+    for q in queries:
+        tiny = PIECE_ROUNDING * float(np.max(np.abs(q), initial=0.0))
+        parts.append({})
+        for pos, piece in pieces(q, shape, [pl.attribute_total(i) for i in attrs]).items():
+            subset = tuple(attrs[p] for p in pos)
+            if not np.any(np.abs(piece) > tiny):
+                continue
+            if subset not in index:
+                missing.add(subset)
+            else:
+                parts[-1][index[subset]] = piece
+    if missing:
+        lacking = marginal_name([names[i] for i in max(missing, key=len)])
+        raise ShardfoldError(
+            f"answer: the release did not measure {lacking!r}, which a query over "
+            f"{marginal_name([names[i] for i in attrs])!r} needs (ask for a marginal holding those "
+            "attributes in the workload)"
+        )
+    return parts
+
+
 def _selection(attribute: Any, chosen: Any) -> np.ndarray:
     """The 0/1 vector over an attribute's domain of what ``chosen`` selects (see :meth:`DPQuery.answer`)."""
     labels = attribute.labels()
@@ -576,7 +607,6 @@ class DPQuery:
         set the release did not measure is refused, naming what is missing. A query that is one of the
         release's answers gets that answer's estimate and standard error."""
         from shardfold.functions.dpquery import core
-        from shardfold.functions.dpquery.smasher import PIECE_ROUNDING, pieces
 
         job_id, doc, pl = self._job_plan(result)
         spec = self.spec(store.get_json(self._client.uri(spec_key(job_id))))
@@ -588,28 +618,7 @@ class DPQuery:
             raise SpecError("answer: give a box (where) or a query (on and weights together), not both")
         else:
             attrs, queries, single = _weighted_queries(names, sizes, on, weights)
-        index = pl.residual_index()
-        shape = [sizes[i] for i in attrs]
-        parts: list[dict[int, np.ndarray]] = []
-        missing: set[tuple[int, ...]] = set()
-        for q in queries:
-            tiny = PIECE_ROUNDING * float(np.max(np.abs(q), initial=0.0))
-            parts.append({})
-            for pos, piece in pieces(q, shape, [pl.attribute_total(i) for i in attrs]).items():
-                subset = tuple(attrs[p] for p in pos)
-                if not np.any(np.abs(piece) > tiny):
-                    continue
-                if subset not in index:
-                    missing.add(subset)
-                else:
-                    parts[-1][index[subset]] = piece
-        if missing:
-            lacking = marginal_name([names[i] for i in max(missing, key=len)])
-            raise ShardfoldError(
-                f"answer: the release did not measure {lacking!r}, which a query over "
-                f"{marginal_name([names[i] for i in attrs])!r} needs (ask for a marginal holding those "
-                "attributes in the workload)"
-            )
+        parts = _measured_pieces(pl, attrs, queries, names, sizes)
         needed = np.array(sorted({k for p in parts for k in p}), dtype=np.int64)
         values = core.read_residuals(self._client.store_root, job_id, doc, pl, needed)
         answers = []

@@ -57,6 +57,26 @@ class _Clock:
     last_total: int | None = None
     last_done: int = 0
 
+    def observe(
+        self, now: float, done: int, total: int | None, ended: bool, before: float, next_in_line: bool
+    ) -> None:
+        """Take the step's count at ``now``. ``before``: when the steps listed before it ended (the view's
+        start if none has); ``next_in_line``: none of them is still open; ``ended``: the job has ended."""
+        finished = total is not None and done >= total
+        if self.start is None:
+            if self.last_total is None and total is not None and not finished:
+                self.start, self.base = now, done  # a Map's items became known: it began
+            elif done > 0 or finished:  # a step seen only once it moved began when the one before ended
+                self.start = before
+        if total == 0:
+            self.timed = False  # nothing to run (a repair round with nothing to repair): no time to show
+        if done != self.last_done:
+            self.changed, self.last_done = now, done
+        if self.end is None and (finished or ended):
+            self.end = now
+        self.last_total = total
+        self.since = before if self.start is None and next_in_line and not ended else None
+
     def running_time(self, now: float) -> float | None:
         if self.end is not None:
             return self.end - self.start if self.timed and self.start is not None else None
@@ -143,10 +163,6 @@ class _CountColumn(ProgressColumn):
 class _RateColumn(ProgressColumn):
     """A counter's rate in its unit per second ("400 rows/s", "1.2 MiB/s"): its average since it began."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        super().__init__()
-        self._clock = clock
-
     def render(self, task: Any) -> Text:
         unit, step = task.fields.get("unit"), task.fields.get("clock")
         rate = step.rate(int(task.completed)) if unit and step else None
@@ -194,7 +210,7 @@ class ProgressView:
             TextColumn("[bold]{task.description}"),
             BarColumn(bar_width=30),
             _CountColumn(),
-            _RateColumn(self._now),
+            _RateColumn(),
             _TimeColumn(self._now),
             console=console or Console(stderr=True),
             get_time=self._now,
@@ -217,6 +233,7 @@ class ProgressView:
         return self._progress.get_renderable()
 
     def update(self, status: Any) -> None:
+        """Take a job's status (the executor's ``on_progress``): each step's count, and when it ran."""
         state = getattr(status, "state", None)
         ended = bool(getattr(status, "finished", False))
         now, first = self._now(), self._updates == 0
@@ -225,48 +242,38 @@ class ProgressView:
         next_in_line = True  # no step listed before this one is still open
         for step, value in (getattr(status, "steps", None) or {}).items():
             done, total = _counts(value)
-            finished = total is not None and done >= total
-            clock = self._clocks.get(step)
-            if clock is None:
-                clock = self._clocks[step] = _Clock(changed=now, last_total=total, last_done=done)
-                if first:  # what it did before the view watched is not timed
-                    if finished:
-                        clock.start, clock.end, clock.timed = self._t0, self._t0, False
-                    elif done > 0:
-                        clock.start, clock.base = self._t0, done
-                elif finished:  # appeared already done (a kind's counter read late): its time is unknown
-                    clock.start, clock.end, clock.timed = now, now, False
-                else:  # appeared under way (a kind's counter, once its work is planned)
-                    clock.start, clock.base = now, done
-                # the description is rendered as markup: a step name prints as written
-                self._tasks[step] = self._progress.add_task(
-                    escape(str(step)), total=total, completed=done, unit=_unit(value), clock=clock
-                )
-            elif clock.start is None:
-                if clock.last_total is None and total is not None and not finished:
-                    clock.start, clock.base = now, done  # a Map's items became known: it began
-                elif done > 0 or finished:  # a step seen only once it moved began when the one before ended
-                    clock.start = latest_end if latest_end is not None else self._t0
-            if total == 0:
-                clock.timed = False  # nothing to run (a repair round with nothing to repair): no time to show
-            if done != clock.last_done:
-                clock.changed, clock.last_done = now, done
-            if clock.end is None and (finished or ended):
-                clock.end = now
-            clock.last_total = total
-            clock.since = None
-            if clock.start is None and next_in_line and not ended:
-                clock.since = latest_end if latest_end is not None else self._t0
-            task = self._tasks[step]
-            self._progress.update(task, completed=done, total=total, unit=_unit(value))
-            if ended and (total is None or done < total or total == 0):
-                # no spinner left turning once the job has ended: say what became of the step
-                mark = _ENDED.get(state, "[dim]–[/]") if total != 0 else "[dim]skipped[/]"
-                self._progress.update(task, ended=mark)
-                self._progress.stop_task(task)
+            clock = self._clocks.get(step) or self._add(step, value, now, first)
+            before = latest_end if latest_end is not None else self._t0
+            clock.observe(now, done, total, ended, before, next_in_line)
+            self._draw(self._tasks[step], value, state, ended)
             if clock.end is not None and total != 0:
                 latest_end = clock.end if latest_end is None else max(latest_end, clock.end)
-            next_in_line = next_in_line and finished
+            next_in_line = next_in_line and total is not None and done >= total
+
+    def _add(self, step: str, value: Any, now: float, first: bool) -> _Clock:
+        """A bar and a clock for a step seen for the first time: what it did before the view watched is not
+        timed; one that appears later under way began now, and one that appears done has no known time."""
+        done, total = _counts(value)
+        clock = self._clocks[step] = _Clock(changed=now, last_total=total, last_done=done)
+        when = self._t0 if first else now
+        if total is not None and done >= total:
+            clock.start, clock.end, clock.timed = when, when, False
+        elif done > 0 or not first:
+            clock.start, clock.base = when, done
+        # the description is rendered as markup: a step name prints as written
+        self._tasks[step] = self._progress.add_task(
+            escape(str(step)), total=total, completed=done, unit=_unit(value), clock=clock
+        )
+        return clock
+
+    def _draw(self, task: TaskID, value: Any, state: str | None, ended: bool) -> None:
+        """A step's bar at its count; once the job has ended, what became of it if it did not finish."""
+        done, total = _counts(value)
+        self._progress.update(task, completed=done, total=total, unit=_unit(value))
+        if ended and (total is None or done < total or total == 0):
+            mark = _ENDED.get(state, "[dim]–[/]") if total != 0 else "[dim]skipped[/]"
+            self._progress.update(task, ended=mark)
+            self._progress.stop_task(task)
 
 
 # What an unfinished step shows once the job has ended in this state.

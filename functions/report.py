@@ -38,6 +38,7 @@ PUT_CLASS = frozenset(
 )
 FREE = frozenset({"DELETE", "AbortMultipartUpload"})
 STEP_COLUMNS = ["step", "tasks", "MiB peak/mem", "GET", "PUT", "s/task", "GB-s"]
+Doc = dict[str, Any]  # a record, an estimate, a part of the report
 
 
 def requests_by_class(requests: dict[str, int]) -> tuple[int, int]:
@@ -45,6 +46,12 @@ def requests_by_class(requests: dict[str, int]) -> tuple[int, int]:
     put = sum(n for op, n in requests.items() if op in PUT_CLASS)
     get = sum(n for op, n in requests.items() if op not in PUT_CLASS and op not in FREE)
     return get, put
+
+
+def _request_totals(records: list[Doc]) -> tuple[int, int]:
+    """``(GET-class, PUT-class)`` request counts of ``records`` together."""
+    pairs = [requests_by_class(r.get("requests") or {}) for r in records]
+    return sum(g for g, _ in pairs), sum(p for _, p in pairs)
 
 
 def billed_s(duration_s: float) -> float:
@@ -82,7 +89,7 @@ def actual_cost(
     ``batch_steps`` (priced as GPU instance time, not Lambda), ``transitions`` (Step Functions)."""
     rate = pricing.lambda_usd_per_gb_s(architecture)
     lambda_gb_s = batch_s = 0.0
-    lambda_requests = gets = puts = 0
+    lambda_requests = 0
     for r in records:
         if r["step"] in batch_steps:
             batch_s += r.get("duration_s") or 0.0
@@ -90,8 +97,7 @@ def actual_cost(
             lambda_requests += 1
             if _measured(r):
                 lambda_gb_s += task_gb_s(r, memory_mb.get(r["step"], 0))
-        g, p = requests_by_class(r.get("requests") or {})
-        gets, puts = gets + g, puts + p
+    gets, puts = _request_totals(records)
     cost = {
         "lambda_compute": lambda_gb_s * rate,
         "lambda_requests": lambda_requests * pricing.LAMBDA_USD_PER_REQUEST,
@@ -160,79 +166,122 @@ def _reversals(series: list[tuple[float, int]]) -> int:
     return turns
 
 
+RECORD_FIELDS = (
+    "step", "task", "attempt", "outcome", "started_at", "ended_at", "duration_s", "peak_memory_mib", "error",
+)  # fmt: skip  # a ``tasks`` row: what the timeline draws of an attempt
+
+
+def _latest_attempts(rs: list[Doc]) -> dict[Any, Doc]:
+    """Each task's latest attempt, which says how it ended."""
+    last: dict[Any, Doc] = {}
+    for r in rs:
+        key = r.get("task")
+        if key not in last or (r.get("attempt") or 0) >= (last[key].get("attempt") or 0):
+            last[key] = r
+    return last
+
+
+def _step(name: str, rs: list[Doc], plan: Doc | None, memory_mb: int | None, batch: bool) -> Doc:
+    """One step's entry: its plan and its actual figures from the records ``rs`` of its attempts
+    (``memory_mb``: what each of its tasks gets)."""
+    measured = [r for r in rs if _measured(r)]
+    last = _latest_attempts(rs).values()
+    peaks = [r for r in measured if _peak(r) is not None]
+    worst = max(peaks, key=_peak, default=None) or {}
+    slowest = max(measured, key=lambda r: r["duration_s"], default=None) or {}
+    gets, puts = _request_totals(rs)
+    durations = [r["duration_s"] for r in measured]
+    actual = {
+        "tasks": len(last),
+        "attempts": len(rs),
+        "failed": sum(r.get("outcome") == "failed" for r in last),
+        "lost": sum(r.get("outcome") == "running" for r in last),
+        "peak_mb": _peak(worst),
+        "worst_task": worst.get("task"),
+        "memory_scope": sorted({r.get("memory_scope") for r in peaks if r.get("memory_scope")}),
+        "gets": gets,
+        "puts": puts,
+        "duration_s": statistics.median(durations) if durations else None,
+        "max_duration_s": slowest.get("duration_s"),
+        "slowest_task": slowest.get("task"),
+        "gb_s": 0.0 if batch else sum(task_gb_s(r, memory_mb or 0) for r in measured),
+        "instance_s": sum(durations) if batch else 0.0,
+        "withheld": any(r.get("withheld") for r in rs),
+    }
+    return {"name": name, "memory_mb": memory_mb, "plan": plan, "actual": actual}
+
+
+def _cost(
+    estimate: Doc, steps: list[Doc], records: list[Doc], memory: dict[str, int], batch_steps: set[str]
+) -> Doc:
+    """The ``cost`` dimension: the actual cost at list prices beside the plan's, with its transitions."""
+    tasks_per_step = {s["name"]: s["actual"]["tasks"] for s in steps}
+    extra = sum(max(0, s["actual"]["attempts"] - s["actual"]["tasks"]) for s in steps)
+    transitions = _transitions(estimate, tasks_per_step, extra)
+    cost = actual_cost(records, memory, batch_steps, transitions, estimate.get("architecture"))
+    return {"actual": cost, "plan": estimate.get("cost_usd", {}), "transitions": transitions}
+
+
+def _sla(timed: list[Doc], start: float | None, deadline_s: float | None) -> Doc:
+    """The ``sla`` dimension: the time from ``start`` to the last task's end against the deadline."""
+    ended = max((r["ended_at"] for r in timed), default=None)
+    elapsed = (ended - start) if (ended is not None and start is not None) else None
+    met = None if deadline_s is None or elapsed is None else elapsed <= deadline_s
+    return {"deadline_s": deadline_s, "elapsed_s": elapsed, "met": met}
+
+
+def _responsiveness(timed: list[Doc], start: float | None, first_step: str | None) -> Doc:
+    """The ``responsiveness`` dimension: ``start`` to the first task running, and to the first task done
+    after the first step."""
+    first_start = min((r["started_at"] for r in timed), default=None)
+    later_done = [r["ended_at"] for r in timed if r["outcome"] == "succeeded" and r["step"] != first_step]
+    return {
+        "first_task_s": None if start is None or first_start is None else first_start - start,
+        "first_result_s": None if start is None or not later_done else min(later_done) - start,
+    }
+
+
+def _scaling(records: list[Doc], by_step: dict[str, list[Doc]], allowed: dict[str, int] | None) -> Doc:
+    """The ``scaling`` dimension: how many tasks ran at once over time against what each step allows."""
+    series = _running_series(records)
+    return {
+        "peak_running": max((n for _, n in series), default=0),
+        "allowed": allowed or {},
+        "reversals": _reversals(series),
+        "span_s": (series[-1][0] - series[0][0]) if len(series) > 1 else 0.0,
+        "steps": {name: shortfall(by_step.get(name, []), n) for name, n in (allowed or {}).items()},
+    }
+
+
+def _interpretability(estimate: Doc) -> list[str]:
+    """The ``interpretability`` dimension: the estimator's reasons, per step and for the job."""
+    reasons = [f"{s['name']}: {s['why']}" for s in estimate["steps"] if s.get("why")]
+    return reasons + list(estimate.get("notes", []))
+
+
 def build(
-    estimate: dict[str, Any] | None,
-    records: list[dict[str, Any]],
-    status: dict[str, Any],
+    estimate: Doc | None,
+    records: list[Doc],
+    status: Doc,
     *,
     batch_steps: set[str],
     allowed: dict[str, int] | None = None,
     deadline_s: float | None = None,
     submitted_at: float | None = None,
-) -> dict[str, Any]:
+) -> Doc:
     """The report document (see the module doc). ``allowed``: how many tasks of each step may run at once
     (its Map's max concurrency, or what the executor runs at once); ``submitted_at``: epoch seconds."""
     estimate = estimate or {"steps": [], "cost_usd": {}, "transitions": 0, "notes": []}
     planned = {s["name"]: s for s in estimate["steps"]}
-    by_step: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    by_step: dict[str, list[Doc]] = defaultdict(list)
     for r in records:
         by_step[r["step"]].append(r)
     order = [s["name"] for s in estimate["steps"]] + sorted(set(by_step) - set(planned))
     memory = {name: int(s.get("memory_mb") or 0) for name, s in planned.items()}
-
-    steps = []
-    for name in order:
-        rs, plan = by_step.get(name, []), planned.get(name)
-        measured = [r for r in rs if _measured(r)]
-        last = {}
-        for r in rs:  # the latest attempt of each task says how it ended
-            key = r.get("task")
-            if key not in last or (r.get("attempt") or 0) >= (last[key].get("attempt") or 0):
-                last[key] = r
-        peaks = [r for r in measured if _peak(r) is not None]
-        worst = max(peaks, key=_peak, default=None)
-        slowest = max(measured, key=lambda r: r["duration_s"], default=None)
-        gets = puts = 0
-        for r in rs:
-            g, p = requests_by_class(r.get("requests") or {})
-            gets, puts = gets + g, puts + p
-        durations = [r["duration_s"] for r in measured]
-        actual = {
-            "tasks": len(last),
-            "attempts": len(rs),
-            "failed": sum(1 for r in last.values() if r.get("outcome") == "failed"),
-            "lost": sum(1 for r in last.values() if r.get("outcome") == "running"),
-            "peak_mb": _peak(worst) if worst else None,
-            "worst_task": worst.get("task") if worst else None,
-            "memory_scope": sorted({r.get("memory_scope") for r in peaks if r.get("memory_scope")}),
-            "gets": gets,
-            "puts": puts,
-            "duration_s": statistics.median(durations) if durations else None,
-            "max_duration_s": slowest["duration_s"] if slowest else None,
-            "slowest_task": slowest.get("task") if slowest else None,
-            "gb_s": 0.0 if name in batch_steps else sum(task_gb_s(r, memory.get(name, 0)) for r in measured),
-            "instance_s": sum(r["duration_s"] for r in measured) if name in batch_steps else 0.0,
-            "withheld": any(r.get("withheld") for r in rs),
-        }
-        steps.append({"name": name, "memory_mb": memory.get(name), "plan": plan, "actual": actual})
-
-    tasks_per_step = {s["name"]: s["actual"]["tasks"] for s in steps}
-    extra = sum(max(0, s["actual"]["attempts"] - s["actual"]["tasks"]) for s in steps)
-    transitions = _transitions(estimate, tasks_per_step, extra)
-    cost = actual_cost(records, memory, batch_steps, transitions, estimate.get("architecture"))
-
+    steps = [_step(n, by_step.get(n, []), planned.get(n), memory.get(n), n in batch_steps) for n in order]
     timed = [r for r in records if _measured(r)]
-    first_start = min((r["started_at"] for r in timed), default=None)
+    start = submitted_at if submitted_at is not None else min((r["started_at"] for r in timed), default=None)
     first_step = estimate["steps"][0]["name"] if estimate["steps"] else None
-    later_done = [r["ended_at"] for r in timed if r["outcome"] == "succeeded" and r["step"] != first_step]
-    ended = max((r["ended_at"] for r in timed), default=None)
-    start = submitted_at if submitted_at is not None else first_start
-    elapsed = (ended - start) if (ended is not None and start is not None) else None
-    series = _running_series(records)
-    peak_running = max((n for _, n in series), default=0)
-    span = (series[-1][0] - series[0][0]) if len(series) > 1 else 0.0
-    turns = _reversals(series)
-
     return {
         "job_id": status.get("job_id"),
         "kind": status.get("kind"),
@@ -241,42 +290,12 @@ def build(
         "tasks": sum(s["actual"]["tasks"] for s in steps),
         "attempts": len(records),
         "steps": steps,
-        "cost": {"actual": cost, "plan": estimate.get("cost_usd", {}), "transitions": transitions},
-        "sla": {
-            "deadline_s": deadline_s,
-            "elapsed_s": elapsed,
-            "met": None if deadline_s is None or elapsed is None else elapsed <= deadline_s,
-        },
-        "responsiveness": {
-            "first_task_s": None if start is None or first_start is None else first_start - start,
-            "first_result_s": None if start is None or not later_done else min(later_done) - start,
-        },
-        "scaling": {
-            "peak_running": peak_running,
-            "allowed": allowed or {},
-            "reversals": turns,
-            "span_s": span,
-            "steps": {name: shortfall(by_step.get(name, []), n) for name, n in (allowed or {}).items()},
-        },
-        "interpretability": [f"{s['name']}: {s['why']}" for s in estimate["steps"] if s.get("why")]
-        + list(estimate.get("notes", [])),
-        "records": [
-            {
-                k: r.get(k)
-                for k in (
-                    "step",
-                    "task",
-                    "attempt",
-                    "outcome",
-                    "started_at",
-                    "ended_at",
-                    "duration_s",
-                    "peak_memory_mib",
-                    "error",
-                )
-            }
-            for r in records
-        ],
+        "cost": _cost(estimate, steps, records, memory, batch_steps),
+        "sla": _sla(timed, start, deadline_s),
+        "responsiveness": _responsiveness(timed, start, first_step),
+        "scaling": _scaling(records, by_step, allowed),
+        "interpretability": _interpretability(estimate),
+        "records": [{k: r.get(k) for k in RECORD_FIELDS} for r in records],
     }
 
 
@@ -339,11 +358,9 @@ def for_job(
     spec = store.get_json(join(store_root, job_key(job_id, "spec.json")))
     allowed: dict[str, int] = {}
     for step in kind.workflow.walk():
-        if isinstance(step, Map):
-            limit = step.max_concurrency or default_concurrency
-            for inner in step.body:
-                if limit:
-                    allowed[inner.name] = limit
+        limit = isinstance(step, Map) and (step.max_concurrency or default_concurrency)
+        if limit:
+            allowed |= dict.fromkeys((inner.name for inner in step.body), limit)
     return build(
         estimate,
         telemetry.with_lambda_reports(telemetry.read_records(store_root, job_id)),
