@@ -1,7 +1,8 @@
 """Plain tables the CLI prints: a kind's plan details and its result view.
 
-Kinds describe what to show as data (titles, columns, rows of str/int/float); only the CLI knows how to
-draw it, so nothing here imports a terminal library and a Lambda package carries it for free.
+Kinds describe what to show as data (titles, columns, rows of str/int/float); the client draws it (the
+CLI at a terminal, the HTML report), so nothing here imports a terminal library and a Lambda package
+carries it for free.
 """
 
 from __future__ import annotations
