@@ -9,7 +9,8 @@ step holds in memory, reads, writes and takes, reading the engine's own constant
   job at submit costs far less than running it. Missing or unreadable inputs become notes: the job itself
   fails naming them.
 * ``loads(spec, probe) -> Loads``: per step of the workflow, keyed by the step objects themselves; a step
-  without a load is an error, never a default.
+  without a load is an error, never a default. Every kind states memory alike (:class:`TaskLoad`): the
+  task's runtime baseline plus the buffers it declares, each named.
 
 :func:`estimate` joins the two on the workflow and prices the result (:mod:`functions.pricing`);
 :meth:`Estimate.check` refuses a job whose task would not fit the memory it will get — the workflow's
@@ -64,22 +65,38 @@ class Probe:
     model: Any = None
 
 
+def projected_peak(runtime_bytes: int, buffers: Mapping[str, float]) -> int:
+    """Every task's memory model (Cubed's): the runtime baseline plus each buffer the task declares."""
+    return int(runtime_bytes + sum(buffers.values()))
+
+
 @dataclass
 class TaskLoad:
-    """What ONE task of a step does: peak memory, S3 requests, estimated duration, and why.
+    """What ONE task of a step does: memory, S3 requests, estimated duration.
 
+    Memory is ``runtime_bytes`` (the warm interpreter with the task's libraries, each kind's measured
+    constant) plus the ``buffers`` it holds at its peak, named as ``shardfold plan`` shows them (``why``).
     ``total_gets``/``total_puts``, when set, are the exact counts over all of the step's tasks (tasks that
     differ, e.g. fedavg shards); otherwise the step's counts are ``gets``/``puts`` times its tasks.
-    ``why`` says in words what the peak is made of.
     """
 
-    peak_bytes: int
+    runtime_bytes: int
+    buffers: Mapping[str, float] = field(default_factory=dict)
     gets: int = 0
     puts: int = 0
     duration_s: float = 0.0
     total_gets: int | None = None
     total_puts: int | None = None
-    why: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        return projected_peak(self.runtime_bytes, self.buffers)
+
+    @property
+    def why(self) -> str:
+        """The peak in words: the runtime and each buffer with its size (an empty one left out)."""
+        terms = {"runtime": self.runtime_bytes, **self.buffers}
+        return ", ".join(f"{name} {size_text(n)}" for name, n in terms.items() if n)
 
 
 @dataclass

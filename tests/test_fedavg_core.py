@@ -947,8 +947,10 @@ def test_task_loads_count_the_reads_the_tasks_make_and_memory_is_flat_in_n(root)
         for k in (2, 6)
     )
     # only the plan document (one row per client) grows: a few hundred bytes per client
-    assert {k: v for k, v in small.components.items() if k != "objects"} == {
-        k: v for k, v in large.components.items() if k != "objects"
+    plan_doc = "the plan document and read descriptors"
+    assert small.runtime_bytes == large.runtime_bytes
+    assert {k: v for k, v in small.buffers.items() if k != plan_doc} == {
+        k: v for k, v in large.buffers.items() if k != plan_doc
     }
     assert 0 <= large.peak_bytes - small.peak_bytes <= 1024 * (6 - 2) and large.peak_bytes < 512 * MiB
     robust = task_loads(

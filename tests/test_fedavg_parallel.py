@@ -105,10 +105,11 @@ def test_a_local_plan_has_a_shard_per_core_and_no_larger_task_peak(root, monkeyp
     assert one.shards == 1
     for on_s3 in (False, True):  # more shards: the same or smaller buffers per task, never larger
         many, single = (task_loads(p, on_s3)["aggregate"] for p in (plan, one))
-        for name, value in many.components.items():
+        assert many.runtime_bytes == single.runtime_bytes
+        for name, value in many.buffers.items():
             # only the plan document, which every task parses, grows: by a manifest row per shard
-            slack = 2 * 50 * (plan.shards - 1) if name == "objects" else 0
-            assert value <= single.components[name] + slack, (on_s3, name)
+            slack = 2 * 50 * (plan.shards - 1) if name == "the plan document and read descriptors" else 0
+            assert value <= single.buffers[name] + slack, (on_s3, name)
         assert many.peak_bytes <= single.peak_bytes + 2 * 50 * (plan.shards - 1)
     monkeypatch.setattr(sizing.os, "cpu_count", lambda: 64)
     assert core.inspect(spec, JOB, root).shards == 3  # 16 MiB: three shards of >= 5 MiB at most

@@ -85,7 +85,7 @@ TALLY = {
 
         def loads(spec, probed):
             n = probed.facts["words"]
-            word = TaskLoad(peak_bytes=100 * MiB + probed.facts["longest"] * MiB, gets=1, puts=1)
+            word = TaskLoad(100 * MiB, {"the longest word": probed.facts["longest"] * MiB}, gets=1, puts=1)
             return Loads(
                 items=n,
                 tasks={SPLIT: TaskLoad(100 * MiB), COUNT_WORD: word, TOTAL: TaskLoad(100 * MiB)},

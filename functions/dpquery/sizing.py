@@ -303,25 +303,81 @@ def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
 
 
 def loads(spec: DPQueryJob, probed: Probe) -> Loads:
-    from shardfold.functions.dpquery import planner, smasher
+    from shardfold.functions.dpquery import planner
     from shardfold.functions.dpquery import reconstruct as rc
 
     pl, state, size = probed.model
-    notes: list[str] = []
     fmt = spec.format
     mgroups = pl.residual_groups(spec.noise_samples_per_task)
     rgroups = pl.marginal_groups(spec.cells_per_task)
-    notes: list[str] = []
-
+    n_r = len(rgroups)
+    ledger_entries = len(state.entries) if state is not None else 0
     data_bytes = size or 0
-    chunks = max(1, -(-data_bytes // READ_CHUNK_BYTES))
-    scan_gets = 3 + chunks  # HEADs, the header/footer read, then ranged GETs of 8 MiB
-    scan_s = data_bytes / SCAN_BYTES_PER_S[fmt]
-    latency = pricing.S3_GET_LATENCY_S
-
+    # a streaming pass over the dataset: (bytes, requests: HEADs + header/footer + 8 MiB ranges, seconds)
+    scan = (data_bytes, 3 + max(1, -(-data_bytes // READ_CHUNK_BYTES)), data_bytes / SCAN_BYTES_PER_S[fmt])
     arrays_bytes = sum(getattr(pl, name).nbytes for name in planner.Plan._ARRAYS)
     arrays_bytes += sum(b.nbytes for b in pl.strategies.values())  # general queries' strategy matrices
-    plan_doc_bytes = PLAN_DOC_FACTOR * arrays_bytes
+    doc = PLAN_DOC_FACTOR * arrays_bytes
+    samples = max(int(pl.noise_count[s:t].sum()) for s, t in mgroups)
+    output_bytes = int(
+        pl.num_queries * OUTPUT_BYTES_PER_CELL
+        + pl.num_marginals * TABLE_OVERHEAD_BYTES
+        + float(pl.queries[pl.queries <= rc.JSON_MAX_CELLS].sum()) * JSON_BYTES_PER_CELL
+    )
+    budget_rows, budget_notes = _budget_rows(spec, state)
+    answers = "cells" if pl.marg_types is None else "answers"
+    notes = [
+        f"{pl.num_residuals:,} residual set(s), {pl.total_noise_samples:,} noise samples in "
+        f"{len(mgroups)} measure task(s) (up to {samples:,} samples each); "
+        f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} {answers} in {n_r} reconstruct task(s)",
+        f"the dataset ({'unknown size' if size is None else f'{data_bytes / MiB:,.1f} MiB'}, {fmt}) is read "
+        f"once by plan (validation) and once by each measure task (its columns only)",
+        *budget_notes,
+    ]
+    if spec.privacy_unit is not None:
+        notes.append(
+            f"privacy unit: at most {spec.privacy_unit.max_rows} row(s) per {spec.privacy_unit.id_column!r}; "
+            f"plan and measure tasks also hold about {UNIT_BYTES_PER_ID} bytes per distinct id (not in the "
+            "peaks above: the number of ids is data the plan does not read)"
+        )
+    title, rows = marginal_rows(spec, pl)
+    return Loads(
+        items=pl.num_marginals,
+        tasks={
+            PREPARE: _plan_load(spec, pl, state, scan, doc),
+            MEASURE_GROUP: _measure_load(spec, pl, mgroups, scan, doc, samples),
+            RECONSTRUCT_GROUP: _reconstruct_load(pl, mgroups, rgroups, doc),
+            # the measurements' trailers, the ledger's spend entry, the tables index and the result
+            FINALIZE: TaskLoad(
+                RUNTIME_BYTES,
+                {
+                    "the plan document": doc,
+                    "every measurement's trailer": 100 * pl.num_residuals,
+                    "every table's index entry": 400 * pl.num_marginals,
+                },
+                gets=2 + len(mgroups) + n_r + 1 + ledger_entries + 1,
+                puts=3,
+                duration_s=pricing.TASK_OVERHEAD_S + (6 + ledger_entries) * pricing.S3_GET_LATENCY_S,
+            ),
+        },
+        map_items={MEASURE: len(mgroups), RECONSTRUCT: n_r},
+        notes=notes,
+        output_bytes=output_bytes,
+        details=[
+            Table("privacy and accuracy plan", ["quantity", "value"], privacy_rows(spec, pl) + budget_rows),
+            Table(title, ["marginal", "cells", "weight", "variance", "std error"], rows),
+        ],
+    )
+
+
+def _plan_load(spec: DPQueryJob, pl: Any, state: Any, scan: tuple[int, int, float], doc: int) -> TaskLoad:
+    """plan: allocate, scan once (and the privacy unit's id column), hash the dataset for the ledger, reserve
+    on it, write the plan document and two manifests."""
+    from shardfold.functions.dpquery import smasher
+
+    data_bytes, scan_gets, scan_s = scan
+    ledger_entries = len(state.entries) if state is not None else 0
+    unit_scans = 1 if spec.privacy_unit is not None else 0  # the id column, at plan and again in measure
     pairs = int(pl.sub_ptr[-1])
     # the strategies 2-way types' sets were solved for (a Kronecker set's per-attribute ones are cheap)
     solved = [b for name, b in pl.strategies.items() if name.startswith("dense:")]
@@ -334,17 +390,14 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         for b in solved
     )
     solve_bytes = max((SOLVE_MATRICES * 8 * b.shape[1] ** 2 for b in solved), default=0)
-
-    ledger_entries = len(state.entries) if state is not None else 0
-
-    # plan: allocate, scan once, reserve on the ledger, write the plan document and two manifests
-    unit_scans = 1 if spec.privacy_unit is not None else 0  # the id column, at plan and again in measure
-    plan_load = TaskLoad(
-        peak_bytes=RUNTIME_BYTES
-        + PLAN_BYTES_PER_PAIR * pairs
-        + plan_doc_bytes
-        + SCAN_BYTES[fmt]
-        + solve_bytes,
+    return TaskLoad(
+        RUNTIME_BYTES,
+        {
+            f"the noise plan ({pairs:,} marginal-subset pairs)": PLAN_BYTES_PER_PAIR * pairs,
+            "the plan document": doc,
+            f"one streaming scan of the {spec.format} dataset": SCAN_BYTES[spec.format],
+            "the strategy solver's matrices": solve_bytes,
+        },
         # + the fingerprint's reads, the ledger's LIST and entries, the fingerprint index
         gets=(2 + unit_scans) * scan_gets + 2 + ledger_entries,
         puts=4 + (1 if state is not None and state.total_rho is None else 0) + 1,
@@ -353,35 +406,43 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         + solve_s
         + (1 + unit_scans) * scan_s
         + data_bytes / HASH_BYTES_PER_S
-        + (5 + ledger_entries) * latency,
-        why=f"the noise plan ({pairs:,} marginal-subset pairs) and its document, one streaming scan of the "
-        f"{fmt} dataset, and its sha256 for the ledger"
-        + (" and one scan of the privacy unit's id column (+ its ids, see notes)" if unit_scans else ""),
+        + (5 + ledger_entries) * pricing.S3_GET_LATENCY_S,
     )
 
-    # measure: per group, the histograms of its residual sets, their residuals and the noisy payload
+
+def _measure_load(spec: DPQueryJob, pl: Any, mgroups: list, scan: tuple, doc: int, samples: int) -> TaskLoad:
+    """measure: per group, its residual sets' histograms, their residuals and the noisy payload."""
+    _, scan_gets, scan_s = scan
+    unit_scans = 1 if spec.privacy_unit is not None else 0
     res_cells = _residual_cells(pl)
     hist_bytes = max(8 * float(res_cells[s:t].sum()) for s, t in mgroups)
-    samples = [int(pl.noise_count[s:t].sum()) for s, t in mgroups]
-    measure_load = TaskLoad(
-        peak_bytes=int(
-            MEASURE_RUNTIME_BYTES + plan_doc_bytes + SCAN_BYTES[fmt] + hist_bytes + 24 * max(samples)
-        ),
+    return TaskLoad(
+        MEASURE_RUNTIME_BYTES,
+        {
+            "the plan document": doc,
+            f"one streaming scan of the {spec.format} dataset": SCAN_BYTES[spec.format],
+            "the group's histograms": int(hist_bytes),
+            f"{samples:,} noise samples": 24 * samples,
+        },
         gets=(1 + unit_scans) * scan_gets + 2,  # + the plan document, + the measurement's check
         puts=1,
         duration_s=pricing.TASK_OVERHEAD_S
         + (1 + unit_scans) * scan_s
-        + max(samples) / SAMPLER_SAMPLES_PER_S
-        + 3 * latency,
-        why=f"OpenDP's runtime, the plan document, one streaming scan of the {fmt} dataset, the group's "
-        f"histograms ({hist_bytes / MiB:,.1f} MiB) and up to {max(samples):,} noise samples",
+        + samples / SAMPLER_SAMPLES_PER_S
+        + 3 * pricing.S3_GET_LATENCY_S,
     )
 
-    # reconstruct: per group, the measurements it needs and its largest marginal's table
+
+def _reconstruct_load(pl: Any, mgroups: list, rgroups: list, doc: int) -> TaskLoad:
+    """reconstruct: per group, the measurements it needs and its largest marginal's table; the largest group
+    sets the peak, the slowest the duration."""
+    from shardfold.functions.dpquery import planner
+    from shardfold.functions.dpquery import reconstruct as rc
+
     sizes = np.diff(pl.marg_ptr)
     terms = np.diff(pl.sub_ptr)
-    json_tables = int(np.count_nonzero(pl.queries <= rc.JSON_MAX_CELLS))
-    peak = 0.0
+    latency = pricing.S3_GET_LATENCY_S
+    held = (0.0, 0.0)  # the largest group's measured residuals and table
     worst_s = 0.0
     recon_gets = 0
     for s, t in rgroups:
@@ -394,71 +455,25 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
         per_cell = RECON_BYTES_PER_CELL + 48 * int(sizes[s + biggest])
         if pl.marg_types is not None:
             per_cell += RECON_BYTES_PER_ANSWER
-        peak = max(peak, 16 * float(pl.noise_count[needed].sum()) + float(cells[biggest]) * per_cell)
+        group = (16 * float(pl.noise_count[needed].sum()), float(cells[biggest]) * per_cell)
+        held = group if sum(group) > sum(held) else held
         work = (
             float(np.sum(cells * terms[s:t])) * RECON_S_PER_CELL_TERM + float(cells.sum()) * TABLE_S_PER_CELL
         )
         worst_s = max(worst_s, work + (1 + owners.size + 2 * (t - s)) * latency)
     n_r = len(rgroups)
-    recon_puts = pl.num_marginals + json_tables + n_r
-    reconstruct_load = TaskLoad(
-        peak_bytes=int(RUNTIME_BYTES + plan_doc_bytes + ARROW_WRITE_BYTES + peak),
+    recon_puts = pl.num_marginals + int(np.count_nonzero(pl.queries <= rc.JSON_MAX_CELLS)) + n_r
+    return TaskLoad(
+        RUNTIME_BYTES,
+        {
+            "the plan document": doc,
+            "the group's measured residuals": held[0],
+            "its largest marginal's table": held[1],
+            "the Parquet writer": ARROW_WRITE_BYTES,
+        },
         gets=-(-recon_gets // n_r),
         puts=-(-recon_puts // n_r),
         duration_s=pricing.TASK_OVERHEAD_S + worst_s,
         total_gets=recon_gets,
         total_puts=recon_puts,
-        why="the plan document, the group's measured residuals, its largest marginal's table and the "
-        "Parquet writer",
-    )
-
-    # finalize: the measurements' trailers, the ledger's spend entry, the tables index and the result
-    finalize_load = TaskLoad(
-        peak_bytes=int(RUNTIME_BYTES + plan_doc_bytes + 400 * pl.num_marginals + 100 * pl.num_residuals),
-        gets=2 + len(mgroups) + n_r + 1 + ledger_entries + 1,
-        puts=3,
-        duration_s=pricing.TASK_OVERHEAD_S + (6 + ledger_entries) * latency,
-        why="the plan document, every measurement's trailer and every table's index entry",
-    )
-
-    output_bytes = int(
-        pl.num_queries * OUTPUT_BYTES_PER_CELL
-        + pl.num_marginals * TABLE_OVERHEAD_BYTES
-        + float(pl.queries[pl.queries <= rc.JSON_MAX_CELLS].sum()) * JSON_BYTES_PER_CELL
-    )
-
-    budget_rows, budget_notes = _budget_rows(spec, state)
-    answers = "cells" if pl.marg_types is None else "answers"
-    notes = [
-        f"{pl.num_residuals:,} residual set(s), {pl.total_noise_samples:,} noise samples in "
-        f"{len(mgroups)} measure task(s) (up to {max(samples):,} samples each); "
-        f"{pl.num_marginals:,} marginal(s), {pl.num_queries:,} {answers} in {n_r} reconstruct task(s)",
-        f"the dataset ({'unknown size' if size is None else f'{data_bytes / MiB:,.1f} MiB'}, {fmt}) is read "
-        f"once by plan (validation) and once by each measure task (its columns only)",
-        *notes,
-        *budget_notes,
-    ]
-    if spec.privacy_unit is not None:
-        notes.append(
-            f"privacy unit: at most {spec.privacy_unit.max_rows} row(s) per {spec.privacy_unit.id_column!r}; "
-            f"plan and measure tasks also hold about {UNIT_BYTES_PER_ID} bytes per distinct id (not in the "
-            "peaks above: the number of ids is data the plan does not read)"
-        )
-    title, rows = marginal_rows(spec, pl)
-    details = [
-        Table("privacy and accuracy plan", ["quantity", "value"], privacy_rows(spec, pl) + budget_rows),
-        Table(title, ["marginal", "cells", "weight", "variance", "std error"], rows),
-    ]
-    return Loads(
-        items=pl.num_marginals,
-        tasks={
-            PREPARE: plan_load,
-            MEASURE_GROUP: measure_load,
-            RECONSTRUCT_GROUP: reconstruct_load,
-            FINALIZE: finalize_load,
-        },
-        map_items={MEASURE: len(mgroups), RECONSTRUCT: n_r},
-        notes=notes,
-        output_bytes=output_bytes,
-        details=details,
     )

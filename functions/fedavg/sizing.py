@@ -31,7 +31,9 @@ if it breaks the time or storage cap a note says so.
 **Chunks** (:func:`chunk_bytes_for`). The mean reads ``Budget.chunk_bytes`` (4 MiB) per ranged GET.
 median/trimmed_mean hold all N values of a chunk, so their chunk is ``robust_bytes / (N * acc_ratio)``
 bytes: the matrix stays within ``robust_bytes`` whatever N is (more, smaller GETs as N grows), down to
-``min_robust_chunk`` bytes, below which memory grows as ``N * min_robust_chunk * acc_ratio``.
+``min_robust_chunk`` bytes, below which memory grows as ``N * min_robust_chunk * acc_ratio``. A task keeps
+``Budget.inflight_bytes`` of reads buffered or in flight (:func:`read_window`): 8 chunks of the mean on S3, 2
+on a local store (:data:`LOCAL_INFLIGHT_BYTES`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 
 from shardfold.functions import pricing
 from shardfold.functions.errors import PlanError
+from shardfold.functions.estimate import projected_peak
 from shardfold.functions.fedavg import kernels
 from shardfold.functions.fedavg.layout import Tensor, encode_header
 from shardfold.functions.store.local import WRITE_BUFFER
@@ -294,9 +297,21 @@ def workers_for(store_root: str) -> int:
     return max(1, os.cpu_count() or 1)
 
 
+# A local task's reads buffered or in flight: two chunks. A local range comes from the page cache in well
+# under a millisecond, so two reads ahead keep the fold fed; and the fewer buffers rotate, the likelier
+# the one folded is still in cache from its read (reader threads write it, the task's thread reads it):
+# with 9 buffers of 4 MiB (the S3 window) a shard's reads and fold took 0.29-0.31 CPU-s per GB, with 3
+# 0.26-0.28 (256 MiB x 32 clients from the page cache, 2 cores, interleaved in one process), and the whole
+# job 15-20 % less CPU. On S3 a read waits tens of milliseconds for its first byte: a deeper window there.
+LOCAL_INFLIGHT_BYTES = 8 * MiB
+
+
 def default_budget(store_root: str) -> Budget:
-    """The deployed functions' :class:`Budget`, with ``workers`` for where a job on ``store_root`` runs."""
-    return Budget(workers=workers_for(store_root))
+    """The deployed functions' :class:`Budget`, with ``workers`` for where a job on ``store_root`` runs and,
+    locally, :data:`LOCAL_INFLIGHT_BYTES` of reads in flight."""
+    if is_s3(store_root):
+        return Budget(workers=workers_for(store_root))
+    return Budget(workers=workers_for(store_root), inflight_bytes=LOCAL_INFLIGHT_BYTES)
 
 
 def shard_caps(n_clients: int, header_bytes: int, budget: Budget) -> tuple[int, int]:
@@ -479,8 +494,8 @@ def chunk_bytes_for(aggregator: str, n_clients: int, tensors: list[Tensor], budg
 
 
 def read_window(chunk_bytes: int, budget: Budget) -> int:
-    """Reads buffered or in flight per task: ``inflight_bytes`` worth, between 4 and 64."""
-    return max(4, min(64, budget.inflight_bytes // max(chunk_bytes, 1)))
+    """Reads buffered or in flight per task: ``inflight_bytes`` worth, between 1 and 64."""
+    return max(1, min(64, budget.inflight_bytes // max(chunk_bytes, 1)))
 
 
 # --- loads -------------------------------------------------------------------------------------------------
@@ -490,19 +505,23 @@ def read_window(chunk_bytes: int, budget: Budget) -> int:
 class StepLoad:
     """What one step of a fedavg plan does.
 
-    ``peak_bytes``: the largest per-task peak memory (``components`` breaks it down); ``gets``/``puts``:
-    S3 requests summed over the step's ``tasks`` (``gets`` counts GET and HEAD; ``puts`` counts PUT,
-    multipart create/part/copy/complete, LIST and DeleteObjects); ``read_bytes``/``write_bytes``: the
-    largest per-task bytes read from / written to the store.
+    Memory as every kind states it (:class:`functions.estimate.TaskLoad`): ``runtime_bytes`` and the
+    ``buffers`` its largest task holds; ``gets``/``puts``: S3 requests summed over the step's ``tasks``
+    (``gets`` counts GET and HEAD; ``puts`` counts PUT, multipart create/part/copy/complete, LIST and
+    DeleteObjects); ``read_bytes``/``write_bytes``: the largest per-task bytes read from/written to the store.
     """
 
     tasks: int
-    peak_bytes: int
+    runtime_bytes: int
     gets: int
     puts: int
     read_bytes: int
     write_bytes: int
-    components: dict[str, int] = field(default_factory=dict)
+    buffers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return projected_peak(self.runtime_bytes, self.buffers)
 
 
 def _upload_puts(nbytes: int) -> int:
@@ -532,7 +551,6 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
     plan_doc_bytes = 200 * (len(plan.tensors) * (1 + len(plan.layouts)) + n) + 50 * plan.shards
 
     agg_gets = agg_puts = 0
-    peak = 0
     comps: dict[str, int] = {}
     max_read = max_write = 0
     for k in range(plan.shards):
@@ -546,6 +564,8 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
                     reads += count * len(runs(plan.tensors, plan.layouts[j], segs))
             arena = max(arena, sum(kernels.need(rules[s.tensor], s.count, n) for s in segs))
             counts = [s.count for s in segs]
+            # a bool mask per element: the robust reducers' input check (N per element); for the mean only
+            # where a result is not finite (its checks run block by block), counted all the same
             transient = max(transient, (n if plan.robust() else 1) * max(counts, default=0))
         part = (end - start) + (header_bytes if k == 0 else 0)
         buffers = (plan.read_window + 1) * plan.chunk_bytes
@@ -553,22 +573,22 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
         # S3: the spool holds up to SPOOL_BYTES plus one write, and copies it once when it rolls over to
         # disk. Locally the part is written in place through the writer's buffer.
         spool = 2 * min(part, SPOOL_BYTES + plan.chunk_bytes) if on_s3 else min(part, WRITE_BUFFER)
-        agg_phase = buffers + arena + params_scratch + transient + spool + objects
-        # then S3's upload of the spool: s3transfer holds up to 10 parts (one PUT streams the file)
-        upload = min(part, UPLOAD_BUFFER_BYTES) if on_s3 else 0
-        upload_phase = upload + objects
-        task_peak = RUNTIME_BYTES + max(agg_phase, upload_phase)
-        if task_peak > peak:
-            peak = task_peak
-            comps = {
-                "runtime": RUNTIME_BYTES,
-                "reads_in_flight": buffers,
-                "accumulators": arena,
-                "scratch": params_scratch + transient,
-                "spool_in_memory": spool,
-                "objects": objects,
-                "upload_buffers": upload,
-            }
+        comps = max(  # the buffers of the largest task's larger phase
+            comps,
+            {
+                "the reads in flight": buffers,
+                "the reducers' accumulators": arena,
+                "the kernels' scratch": params_scratch + transient,
+                "the part's spool in memory": spool,
+                "the plan document and read descriptors": objects,
+            },
+            # then S3's upload of the spool: s3transfer holds up to 10 parts (one PUT streams the file)
+            {
+                "the upload's buffers": min(part, UPLOAD_BUFFER_BYTES) if on_s3 else 0,
+                "the plan document and read descriptors": objects,
+            },
+            key=lambda buffers: sum(buffers.values()),
+        )
         agg_gets += 2 + reads  # spec + plan document + the ranged reads
         agg_puts += _upload_puts(part)
         max_read = max(max_read, n * (end - start))
@@ -578,13 +598,15 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
     out_bytes = header_bytes + plan.data_bytes
     plan_step = StepLoad(
         tasks=1,
-        # client 0's parsed header and one other at a time, the layouts, the plan document
-        peak_bytes=RUNTIME_BYTES + 2 * HEADER_PARSE_FACTOR * plan.clients[0].data_start + 2 * plan_doc_bytes,
+        runtime_bytes=RUNTIME_BYTES,
         gets=1 + 3 * n,  # spec; per client: length prefix, header, HEAD
         puts=2,  # plan document, manifest
         read_bytes=sum(c.data_start for c in plan.clients),
         write_bytes=plan_doc_bytes,
-        components={"runtime": RUNTIME_BYTES},
+        buffers={
+            "client 0's parsed header and one other": 2 * HEADER_PARSE_FACTOR * plan.clients[0].data_start,
+            "the plan document with its layouts": 2 * plan_doc_bytes,
+        },
     )
     if out_bytes >= S3_MIN_PART:
         copies = sum(
@@ -596,41 +618,40 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
         assemble_puts, assemble_gets = 1, 2 * m  # HEAD and GET of each part, one PUT
     commit_step = StepLoad(
         tasks=1,
-        peak_bytes=RUNTIME_BYTES + 2 * plan_doc_bytes + (0 if out_bytes >= S3_MIN_PART else out_bytes),
+        runtime_bytes=RUNTIME_BYTES,
         gets=3 + assemble_gets,  # spec, result (HEAD), plan document, the parts
         puts=assemble_puts + 1 + 1 + math.ceil((m + 2) / DELETE_BATCH),  # + result, LIST, deletes
         read_bytes=plan_doc_bytes,
         write_bytes=out_bytes,
-        components={"runtime": RUNTIME_BYTES},
+        buffers={
+            "the plan document": 2 * plan_doc_bytes,
+            # below S3's multipart minimum the parts are joined in memory, not copied server-side
+            "the output joined in memory": 0 if out_bytes >= S3_MIN_PART else out_bytes,
+        },
     )
     aggregate_step = StepLoad(
         tasks=m,
-        peak_bytes=peak,
+        runtime_bytes=RUNTIME_BYTES,
         gets=agg_gets,
         puts=agg_puts,
         read_bytes=max_read,
         write_bytes=max_write,
-        components=comps,
+        buffers=comps,
     )
     steps = {"prepare": plan_step, "aggregate": aggregate_step, "commit": commit_step}
     if plan.dp is not None:
         # prepare asks OpenDP for the round's ρ (the ledger's charge)
-        steps["prepare"] = replace(
-            plan_step,
-            peak_bytes=plan_step.peak_bytes + DP_RUNTIME_BYTES,
-            components={**plan_step.components, "opendp": DP_RUNTIME_BYTES},
-        )
+        steps["prepare"] = replace(plan_step, runtime_bytes=RUNTIME_BYTES + DP_RUNTIME_BYTES)
         steps.update(_dp_loads(plan, aggregate_step, on_s3))
     else:  # the DP steps run empty: no norms task, a clip task that reads the plan
-        steps["norms"] = StepLoad(tasks=0, peak_bytes=0, gets=0, puts=0, read_bytes=0, write_bytes=0)
+        steps["norms"] = StepLoad(tasks=0, runtime_bytes=0, gets=0, puts=0, read_bytes=0, write_bytes=0)
         steps["clip"] = StepLoad(  # reads only the spec
             tasks=1,
-            peak_bytes=RUNTIME_BYTES,
+            runtime_bytes=RUNTIME_BYTES,
             gets=1,
             puts=0,
             read_bytes=0,
             write_bytes=0,
-            components={"runtime": RUNTIME_BYTES},
         )
     return steps
 
@@ -652,27 +673,25 @@ def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad
     gets = 2 * plan.shards + (agg.gets - 2 * plan.shards) * sources // max(n, 1)  # + the base's reads
     norms = StepLoad(
         tasks=plan.shards,
-        # the chunk's base values and one update's difference, both float64
-        peak_bytes=RUNTIME_BYTES + buffers + 2 * widen * chunk + objects,
+        runtime_bytes=RUNTIME_BYTES,
         gets=gets,
         puts=plan.shards,
         read_bytes=agg.read_bytes * sources // max(n, 1),
         write_bytes=8 * n,
-        components={
-            "runtime": RUNTIME_BYTES,
-            "reads_in_flight": buffers,
-            "float64_base_and_difference": 2 * widen * chunk,
-            "objects": objects,
+        buffers={
+            "the reads in flight": buffers,
+            "the chunk's base values and one update's difference in float64": 2 * widen * chunk,
+            "the plan document and read descriptors": objects,
         },
     )
     clip = StepLoad(
         tasks=1,
-        peak_bytes=RUNTIME_BYTES + 3 * 8 * n + 2 * plan_doc_bytes,
+        runtime_bytes=RUNTIME_BYTES,
         gets=2 + plan.shards,
         puts=1 + 1 + math.ceil(plan.shards / DELETE_BATCH),  # the factors; then LIST and delete the norms
         read_bytes=8 * n * plan.shards,
         write_bytes=8 * n,
-        components={"runtime": RUNTIME_BYTES},
+        buffers={"every client's norms and clip factor": 3 * 8 * n, "the plan document": 2 * plan_doc_bytes},
     )
     spool = 2 * min(largest, SPOOL_BYTES + chunk) if on_s3 else min(largest, WRITE_BUFFER)  # as task_loads
     # the mean's float64 accumulators, one update's difference (a block at a time: kernels.axpy_difference),
@@ -680,17 +699,16 @@ def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad
     working = widen * chunk + 8 * kernels.BLOCK + 2 * chunk + dp.NOISE_BLOCK_BYTES
     aggregate = StepLoad(
         tasks=plan.shards,
-        peak_bytes=RUNTIME_BYTES + DP_RUNTIME_BYTES + buffers + working + spool + objects,
+        runtime_bytes=RUNTIME_BYTES + DP_RUNTIME_BYTES,
         gets=gets + 1,  # + the clip factors
         puts=agg.puts,
         read_bytes=agg.read_bytes * sources // max(n, 1),
         write_bytes=agg.write_bytes,
-        components={
-            "runtime": RUNTIME_BYTES + DP_RUNTIME_BYTES,
-            "reads_in_flight": buffers,
-            "float64_mean_and_noise": working,
-            "spool_in_memory": spool,
-            "objects": objects,
+        buffers={
+            "the reads in flight": buffers,
+            "the float64 mean and its noise": working,
+            "the part's spool in memory": spool,
+            "the plan document and read descriptors": objects,
         },
     )
     return {"norms": norms, "clip": clip, "aggregate": aggregate}
@@ -767,99 +785,87 @@ def probe(spec: Any, store_root: str, budget: Any) -> Any:
 
 
 def loads(spec: Any, probed: Any) -> Any:
-    from shardfold.functions import pricing
-    from shardfold.functions.estimate import Loads, TaskLoad
-    from shardfold.functions.fedavg.workflow import (
-        AGGREGATE,
-        AGGREGATE_SHARD,
-        CLIP,
-        COMMIT,
-        NORMS,
-        NORMS_SHARD,
-        PREPARE,
-    )
+    from shardfold.functions.estimate import Loads
+    from shardfold.functions.fedavg import workflow as wf
 
     plan: ShardPlan | None = probed.model
     if plan is None:  # unreadable: one shard, runtime memory, one read each
-        n = len(spec.clients)
-        base = TaskLoad(peak_bytes=RUNTIME_BYTES, duration_s=pricing.TASK_OVERHEAD_S, why="runtime only")
-        return Loads(
-            items=n,
-            tasks={
-                PREPARE: TaskLoad(**{**asdict(base), "gets": 1 + 3 * n, "puts": 3}),
-                NORMS_SHARD: TaskLoad(**{**asdict(base), "gets": 2 + n, "puts": 1}),
-                CLIP: TaskLoad(**{**asdict(base), "gets": 3, "puts": 1}),
-                AGGREGATE_SHARD: TaskLoad(**{**asdict(base), "gets": 2 + n, "puts": 1}),
-                COMMIT: TaskLoad(**{**asdict(base), "gets": 4, "puts": 4}),
-            },
-            map_items={NORMS: 1 if spec.dp is not None else 0, AGGREGATE: 1},
-        )
+        return _unread_loads(spec)
     steps = task_loads(plan, on_s3=True)  # the requests AWS would bill
-    p, a, c = steps["prepare"], steps["aggregate"], steps["commit"]
-    nm, cl = steps["norms"], steps["clip"]
-    net = pricing.LAMBDA_NET_BYTES_PER_S
-    latency = pricing.S3_GET_LATENCY_S
-    n, m = plan.n_clients, plan.shards
-    parts = ", ".join(f"{k} {_fmt_mib(v)}" for k, v in a.components.items())
-    plan_load = TaskLoad(
-        peak_bytes=p.peak_bytes,
-        gets=p.gets,
-        puts=p.puts,
-        # two rounds of concurrent ranged GETs (length prefixes, headers) beside the HEADs, then two PUTs
-        duration_s=pricing.TASK_OVERHEAD_S + 4 * latency + p.read_bytes / net,
-        why="client 0's parsed header and one other at a time, the layouts, the plan document",
+    tasks = _estimate_tasks(plan, steps)
+    return Loads(
+        items=plan.n_clients,
+        tasks=tasks,
+        map_items={wf.NORMS: plan.shards if plan.dp is not None else 0, wf.AGGREGATE: plan.shards},
+        notes=_notes(plan, steps, tasks[wf.AGGREGATE_SHARD].why),
+        output_bytes=len(plan.header()) + plan.data_bytes,
     )
-    aggregate_load = TaskLoad(
-        peak_bytes=a.peak_bytes,
-        gets=-(-a.gets // m),
-        puts=-(-a.puts // m),
-        # the largest shard: N x its bytes read at the budget's assumed per-function throughput, then uploaded
-        duration_s=pricing.TASK_OVERHEAD_S
-        + a.read_bytes / plan.budget.read_bytes_per_s
-        + a.write_bytes / net,
-        total_gets=a.gets,
-        total_puts=a.puts,
-        why=parts,
-    )
-    norms_load = TaskLoad(
-        peak_bytes=nm.peak_bytes,
-        gets=-(-nm.gets // max(m, 1)),
-        puts=1,
-        duration_s=pricing.TASK_OVERHEAD_S + nm.read_bytes / pricing.FEDAVG_READ_BYTES_PER_S,
-        total_gets=nm.gets,
-        total_puts=nm.puts,
-        why="DP: each client's squared norm over the shard (float64 copies of a chunk)"
-        if plan.dp is not None
-        else "no task: a round without DP",
-    )
-    clip_load = TaskLoad(
-        peak_bytes=cl.peak_bytes,
-        gets=cl.gets,
-        puts=cl.puts,
-        duration_s=pricing.TASK_OVERHEAD_S + cl.gets * latency,
-        why="DP: the clip factors from every shard's norms" if plan.dp is not None else "returns at once",
-    )
-    if plan.dp is not None:  # the aggregate task also draws the noise
-        floats = sum(t.elements for t in plan.tensors if t.dt.kind == "float")
-        from shardfold.functions.fedavg import dp
 
-        noise_s = floats / m / dp.NOISE_SAMPLES_PER_S
-        aggregate_load.duration_s = (
-            pricing.TASK_OVERHEAD_S
-            + a.read_bytes / pricing.FEDAVG_READ_BYTES_PER_S
-            + noise_s
-            + a.write_bytes / net
-        )
-    commit_load = TaskLoad(
-        peak_bytes=c.peak_bytes,
-        gets=c.gets,
-        puts=c.puts,
-        # server-side copies, one by one: each a request plus its bytes at S3's copy rate
-        duration_s=pricing.TASK_OVERHEAD_S
-        + (c.gets + c.puts) * latency
-        + plan.data_bytes / pricing.S3_COPY_BYTES_PER_S,
-        why="the plan document; the parts are joined server-side",
+
+def _unread_loads(spec: Any) -> Any:
+    """The loads of a round whose headers could not be read: one shard, runtime memory, one read each."""
+    from shardfold.functions.estimate import Loads, TaskLoad
+    from shardfold.functions.fedavg import workflow as wf
+
+    n = len(spec.clients)
+    base = TaskLoad(RUNTIME_BYTES, duration_s=pricing.TASK_OVERHEAD_S)
+    return Loads(
+        items=n,
+        tasks={
+            wf.PREPARE: replace(base, gets=1 + 3 * n, puts=3),
+            wf.NORMS_SHARD: replace(base, gets=2 + n, puts=1),
+            wf.CLIP: replace(base, gets=3, puts=1),
+            wf.AGGREGATE_SHARD: replace(base, gets=2 + n, puts=1),
+            wf.COMMIT: replace(base, gets=4, puts=4),
+        },
+        map_items={wf.NORMS: 1 if spec.dp is not None else 0, wf.AGGREGATE: 1},
     )
+
+
+def _estimate_tasks(plan: ShardPlan, steps: dict[str, StepLoad]) -> dict:
+    """Each step's task: its memory and requests from ``steps``, its duration at the assumed rates."""
+    from shardfold.functions.estimate import TaskLoad
+    from shardfold.functions.fedavg import workflow as wf
+
+    def task(step: StepLoad, duration_s: float, **counts: int) -> TaskLoad:
+        counts = {"gets": step.gets, "puts": step.puts, **counts}
+        return TaskLoad(step.runtime_bytes, step.buffers, duration_s=duration_s, **counts)
+
+    def shared(step: StepLoad, puts: int) -> dict[str, int]:  # the shard tasks differ: the exact totals
+        return dict(gets=-(-step.gets // max(m, 1)), puts=puts, total_gets=step.gets, total_puts=step.puts)
+
+    p, a, c, nm, cl = (steps[k] for k in ("prepare", "aggregate", "commit", "norms", "clip"))
+    overhead, latency, m = pricing.TASK_OVERHEAD_S, pricing.S3_GET_LATENCY_S, plan.shards
+    return {
+        # two rounds of concurrent ranged GETs (length prefixes, headers) beside the HEADs, then two PUTs
+        wf.PREPARE: task(p, overhead + 4 * latency + p.read_bytes / pricing.LAMBDA_NET_BYTES_PER_S),
+        wf.NORMS_SHARD: task(nm, overhead + nm.read_bytes / pricing.FEDAVG_READ_BYTES_PER_S, **shared(nm, 1)),
+        wf.CLIP: task(cl, overhead + cl.gets * latency),
+        wf.AGGREGATE_SHARD: task(a, _aggregate_s(plan, a), **shared(a, -(-a.puts // m))),
+        # server-side copies, one by one: each a request plus its bytes at S3's copy rate
+        wf.COMMIT: task(
+            c, overhead + (c.gets + c.puts) * latency + plan.data_bytes / pricing.S3_COPY_BYTES_PER_S
+        ),
+    }
+
+
+def _aggregate_s(plan: ShardPlan, a: StepLoad) -> float:
+    """An aggregate task's seconds: the largest shard's N x bytes read at the budget's assumed rate (a DP
+    round's at ``FEDAVG_READ_BYTES_PER_S``, then its noise drawn), then its part uploaded."""
+    upload_s = a.write_bytes / pricing.LAMBDA_NET_BYTES_PER_S
+    if plan.dp is None:
+        return pricing.TASK_OVERHEAD_S + a.read_bytes / plan.budget.read_bytes_per_s + upload_s
+    from shardfold.functions.fedavg import dp
+
+    floats = sum(t.elements for t in plan.tensors if t.dt.kind == "float")
+    noise_s = floats / plan.shards / dp.NOISE_SAMPLES_PER_S
+    return pricing.TASK_OVERHEAD_S + a.read_bytes / pricing.FEDAVG_READ_BYTES_PER_S + noise_s + upload_s
+
+
+def _notes(plan: ShardPlan, steps: dict[str, StepLoad], aggregate_why: str) -> list[str]:
+    """The round's model, shards and reads, the aggregate task's peak, and what to do if it would not fit."""
+    n, m = plan.n_clients, plan.shards
+    p, a = steps["prepare"], steps["aggregate"]
     dtypes = ", ".join(f"{k} x{v}" for k, v in plan.dtype_counts().items())
     shard_bytes = max(b - a_ for a_, b in zip(plan.bounds, plan.bounds[1:], strict=False))
     notes = [
@@ -867,7 +873,7 @@ def loads(spec: Any, probed: Any) -> Any:
         f"{m} shard(s) of up to {_fmt_mib(shard_bytes)}; each aggregate task reads N x its shard "
         f"(up to {_fmt_mib(a.read_bytes)}) as ranged GETs of {_fmt_mib(plan.chunk_bytes)} per client, "
         f"{plan.read_window} in flight",
-        f"aggregate peak per task: {parts} (does not grow with the number of clients"
+        f"aggregate peak per task: {aggregate_why} (does not grow with the number of clients"
         + (")" if not plan.robust() else "; median/trimmed_mean shrink the chunk as N grows)"),
     ]
     if plan.weighted() and plan.total_weight is not None:
@@ -880,16 +886,4 @@ def loads(spec: Any, probed: Any) -> Any:
         )
     if p.peak_bytes > PLAN_MEMORY_MB * MiB:
         notes.append("to fit: the headers are too large for the plan function; merge small tensors")
-    return Loads(
-        items=n,
-        tasks={
-            PREPARE: plan_load,
-            NORMS_SHARD: norms_load,
-            CLIP: clip_load,
-            AGGREGATE_SHARD: aggregate_load,
-            COMMIT: commit_load,
-        },
-        map_items={NORMS: m if plan.dp is not None else 0, AGGREGATE: m},
-        notes=notes,
-        output_bytes=len(plan.header()) + plan.data_bytes,
-    )
+    return notes

@@ -31,6 +31,7 @@ from shardfold.functions.getbatch.spec import GetBatchJob
 from shardfold.functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PREPARE
 from shardfold.functions.store import batch, s3
 from shardfold.functions.store.uri import join, local_path
+from shardfold.functions.tables import size_text
 
 # Python memory of one parsed BatchItem plus its JSON (plan and assemble hold all of them / their rows).
 ITEM_OBJECT_BYTES = 1024
@@ -143,57 +144,65 @@ def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
     members = sum(1 for i in items if i.archpath)
     if members:
         notes.append(f"{members} TAR member(s): sizes assumed <= 1 MiB each")
-    shards = {i.uri for i in items if i.archpath is not None}
-    plain = [v for u, v in found.items() if v is not None and u not in shards]
-    fallback = int(sum(plain) / len(plain)) if plain else UNKNOWN_OBJECT_ASSUMED
+    if not budget.figures:
+        notes.append("object sizes not looked up (the memory check needs none); `shardfold plan` does")
+    return Probe(facts=_size_facts(spec, items, n, found), notes=notes)
+
+
+def _size_facts(spec: GetBatchJob, items: list[Any], n: int, found: dict[str, int | None]) -> dict[str, Any]:
+    """The probe's facts: item count, largest item and part, total bytes and whether sizes were read."""
+    fallback = _fallback(items, found)
+    seen = [_item_bytes(i, found, fallback) for i in items]
+    mean = sum(seen) / len(seen) if seen else fallback
+    per_part = spec.items_per_part
+    parts = math.ceil(n / per_part)
+    part_bytes = max((sum(seen[p * per_part : (p + 1) * per_part]) for p in range(parts)), default=0)
+    if len(seen) < n:  # the request was read in part: the rest is like what was seen
+        part_bytes = max(part_bytes, int(mean * min(per_part, n)))
     # The largest item is known when every item read has a length or a looked-up size (not sampled, not a
     # TAR member's guess); otherwise the memory model uses the engine's byte bound.
     sized = len(items) == n and all(
         i.length is not None or (i.archpath is None and i.uri in found) for i in items
     )
-
-    def item_bytes(i: Any) -> int:
-        if i.length is not None:
-            return i.length
-        if i.uri in missing:
-            return 0
-        whole = found.get(i.uri) or fallback
-        return min(whole, TAR_MEMBER_ASSUMED) if i.archpath is not None else max(whole - i.start, 0)
-
-    seen = [item_bytes(i) for i in items]
-    per_part = spec.items_per_part
-    parts = math.ceil(n / per_part)
-    part_bytes = max((sum(seen[p * per_part : (p + 1) * per_part]) for p in range(parts)), default=0)
-    mean = sum(seen) / len(seen) if seen else fallback
-    if len(seen) < n:  # the request was read in part: the rest is like what was seen
-        part_bytes = max(part_bytes, int(mean * min(per_part, n)))
-    if not budget.figures:
-        notes.append("object sizes not looked up (the memory check needs none); `shardfold plan` does")
-    return Probe(
-        facts={
-            "items": n,
-            # None: not known, and not needed for memory (the engine holds a bounded number of bytes)
-            "largest_item_bytes": max(seen, default=fallback) if sized else None,
-            "largest_part_bytes": part_bytes,
-            "total_bytes": int(sum(seen) + mean * (n - len(seen))),
-            # whether total_bytes rests on sizes read (lengths given or objects looked up), not an assumption
-            "total_known": bool(found) or (bool(items) and all(i.length is not None for i in items)),
-            "sizes_probed": len(found),
-            "missing": sorted(missing),
-        },
-        notes=notes,
-    )
+    return {
+        "items": n,
+        # None: not known, and not needed for memory (the engine holds a bounded number of bytes)
+        "largest_item_bytes": max(seen, default=fallback) if sized else None,
+        "largest_part_bytes": part_bytes,
+        "total_bytes": int(sum(seen) + mean * (n - len(seen))),
+        # whether total_bytes rests on sizes read (lengths given or objects looked up), not an assumption
+        "total_known": bool(found) or (bool(items) and all(i.length is not None for i in items)),
+        "sizes_probed": len(found),
+        "missing": sorted(u for u, v in found.items() if v is None),
+    }
 
 
-def gather_buffer_bytes(per_part: int, largest: int | None) -> tuple[int, str]:
-    """What the engine holds in one gather task, and how to say it: its byte budget (plus one read's
-    step), or, when the largest item is known, the window's worth of it if that is less."""
+def _fallback(items: list[Any], found: dict[str, int | None]) -> int:
+    """The size of an object not looked up: the mean of the plain objects that were, else 1 MiB."""
+    shards = {i.uri for i in items if i.archpath is not None}
+    plain = [v for u, v in found.items() if v is not None and u not in shards]
+    return int(sum(plain) / len(plain)) if plain else UNKNOWN_OBJECT_ASSUMED
+
+
+def _item_bytes(item: Any, found: dict[str, int | None], fallback: int) -> int:
+    """The bytes an item reads: its length, else its object's size less its start (a TAR member <= 1 MiB)."""
+    if item.length is not None:
+        return item.length
+    if item.uri in found and found[item.uri] is None:
+        return 0
+    whole = found.get(item.uri) or fallback
+    return min(whole, TAR_MEMBER_ASSUMED) if item.archpath is not None else max(whole - item.start, 0)
+
+
+def gather_buffer(per_part: int, largest: int | None) -> dict[str, int]:
+    """What the engine holds in one gather task, named: its byte budget (plus one read's step), or, when the
+    largest item is known, the window's worth of it if that is less."""
     concurrency = batch.DEFAULT_CONCURRENCY
     window = min(batch.WINDOW_PER_READ * concurrency, per_part)
     bound = batch.DEFAULT_MAX_BYTES + batch.step_bytes(batch.DEFAULT_MAX_BYTES, concurrency)
     if largest is not None and window * largest < bound:
-        return window * largest, f"{window} item(s) in the engine's window x largest {largest / MiB:.2f} MiB"
-    return bound, f"the engine's byte budget ({bound / MiB:.0f} MiB, whatever the objects' sizes)"
+        return {f"the engine's window ({window} item(s) of up to {size_text(largest)})": window * largest}
+    return {"the engine's byte budget (whatever the objects' sizes)": bound}
 
 
 def loads(spec: GetBatchJob, probed: Probe) -> Loads:
@@ -204,43 +213,42 @@ def loads(spec: GetBatchJob, probed: Probe) -> Loads:
     per_part = min(spec.items_per_part, n)
     parts = math.ceil(n / spec.items_per_part)
     concurrency = batch.DEFAULT_CONCURRENCY
-    write_buffer = 2 * s3.WRITE_PART  # the streamed fragment's part filling + uploading
-    if largest is not None:
-        write_buffer = min(part_bytes, write_buffer)
-    buffered, held = gather_buffer_bytes(per_part, None if largest is None else int(largest))
+    # the streamed fragment's part filling + uploading, no more than the part where its size is known
+    write_buffer = 2 * s3.WRITE_PART if largest is None else min(part_bytes, 2 * s3.WRITE_PART)
     gather = TaskLoad(
-        peak_bytes=RUNTIME_BYTES + buffered + write_buffer + per_part * ITEM_OBJECT_BYTES,
+        RUNTIME_BYTES,
+        {
+            **gather_buffer(per_part, None if largest is None else int(largest)),
+            "the TAR fragment's write buffer": write_buffer,
+            f"{per_part:,} parsed items": per_part * ITEM_OBJECT_BYTES,
+        },
         gets=2 + per_part,  # spec + part list + one GET per item
         puts=1 + math.ceil(max(part_bytes, 1) / MULTIPART_CHUNK) + (2 if part_bytes > MULTIPART_CHUNK else 0),
         duration_s=pricing.TASK_OVERHEAD_S
         + math.ceil(per_part / concurrency) * pricing.S3_GET_LATENCY_S
         + part_bytes / pricing.LAMBDA_NET_BYTES_PER_S,
-        why=f"{held}, the TAR fragment's write buffer (up to two {s3.WRITE_PART // MiB} MiB parts), "
-        f"{per_part:,} parsed items",
     )
     plan = TaskLoad(
-        peak_bytes=RUNTIME_BYTES + n * ITEM_OBJECT_BYTES * 2,
+        RUNTIME_BYTES,
+        {f"{n:,} parsed items and their part lists": n * ITEM_OBJECT_BYTES * 2},
         gets=1 + (1 if spec.manifest else 0),
         puts=parts + 1,
         duration_s=pricing.TASK_OVERHEAD_S + (parts + 1) * pricing.S3_GET_LATENCY_S,
-        why=f"{n:,} parsed items and their part lists",
     )
     assemble = TaskLoad(
-        peak_bytes=RUNTIME_BYTES + n * STATUS_ROW_BYTES * 2,
+        RUNTIME_BYTES,
+        {f"{n:,} status rows and their JSON Lines text": n * STATUS_ROW_BYTES * 2},
         gets=1 + parts,
         # trailer, multipart create + one copy per fragment + complete, status, result, and a LIST to clean up
         puts=1 + (parts + 3) + 1 + 1 + 1,
         duration_s=pricing.TASK_OVERHEAD_S + (parts + 5) * pricing.S3_GET_LATENCY_S,
-        why=f"{n:,} status rows and their JSON Lines text",
     )
-    notes = []
-    if n * ITEM_OBJECT_BYTES * 2 > 512 * MiB:
-        notes.append("to fit: a request this long needs a bigger plan function; split it into several jobs")
+    too_long = "to fit: a request this long needs a bigger plan function; split it into several jobs"
     return Loads(
         items=n,
         tasks={PREPARE: plan, GATHER_PART: gather, ASSEMBLE: assemble},
         map_items={GATHER: parts},
-        notes=notes,
+        notes=[too_long] if n * ITEM_OBJECT_BYTES * 2 > 512 * MiB else [],
         # a 512-byte header per member (plus padding) and the trailer; unknown when no size was read (the
         # submit-time probe looks none up: an assumed size per object is no estimate of the output)
         output_bytes=int(facts["total_bytes"]) + n * 1024 + 1024 if facts.get("total_known", True) else None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -206,104 +207,57 @@ def worker_device(store_root: str) -> str:
 
 
 def loads(spec: InferenceJob, probed: Probe) -> Loads:
-    inputs = probed.facts["inputs"]
-    notes: list[str] = []
-    if inputs:
-        scale = probed.facts["of"] / len(inputs)
-        per_input = [x["rows"] for x in inputs]
-        n_shards = max(1, round(scale * sum(math.ceil(r / spec.shard_rows) for r in per_input)))
-        rows = round(scale * sum(per_input))
-        shard_rows = min(spec.shard_rows, max(per_input))
-        bytes_per_row = max(x["bytes"] / max(1, x["rows"]) for x in inputs)
-        shard_text = int(shard_rows * bytes_per_row)
-    else:
-        n_shards, rows, shard_rows = 1, spec.shard_rows, spec.shard_rows
-        shard_text = shard_rows * TEXT_BYTES_PER_ROW
+    n_shards, rows, shard_rows, shard_text = _shards(spec, probed.facts)
     shard_tokens = shard_rows * spec.max_input_tokens
     pre_bytes = shard_tokens * 4 + shard_rows * 3 * 8  # input_ids int32 + offsets, row_index, ids
-    preprocess_peak = RUNTIME_BYTES + 3 * shard_text + 3 * pre_bytes  # text, encodings, npz buffer
-    device = probed.facts.get("worker_device", "cuda")
-    # a shard's output being committed (the array, its .npy buffer and bytes) while the next one's fills
-    embeddings = 4 * shard_rows * EMBED_DIM * 4
-    # a user's model: its file's bytes, held while torch builds its tensors from them (float32, as the
-    # worker runs it), so twice the file at the load's peak (a 1 GiB file took a worker to 1.3 GiB before
-    # it failed to load)
-    model = MODEL_LOAD_FACTOR * probed.facts.get("model_bytes", 0)
-    folder = probed.facts.get("folder") or {}
-    kv = 0
-    if spec.task == "generate" and folder:
-        gen = spec.generation
-        assert gen is not None
-        # every running sequence's keys and values at their longest, twice while a joiner's are merged in
-        kv = 2 * gen.max_num_seqs * (folder["input_tokens"] + gen.max_tokens) * folder["kv_bytes_per_token"]
-    held = (PREFETCH_SHARDS + 1) * pre_bytes + embeddings + model + kv
-    loaded = (
-        f", the model's {model / MODEL_LOAD_FACTOR / MiB:,.0f} MiB twice over as it loads" if model else ""
-    )
-    if kv:
-        loaded += f", {kv / MiB:,.0f} MiB of keys and values for {spec.generation.max_num_seqs} sequences"
-    if device == "cpu":
-        budget = min(spec.batch_tokens, CPU_BATCH_TOKENS)
-        width = max(1.0, folder.get("hidden", EMBED_DIM) / EMBED_DIM)  # activations scale with the width
-        worker_peak = WORKER_RUNTIME_BYTES + held + int(budget * CPU_BYTES_PER_BATCH_TOKEN * width)
-        worker_why = (
-            f"CPU worker: torch, transformers and the model, {PREFETCH_SHARDS + 1} preprocessed shards, "
-            f"one {budget:,}-token batch's activations{loaded}"
-        )
-    else:
-        worker_peak = WORKER_RUNTIME_BYTES + CUDA_HOST_BYTES + held
-        worker_why = (
-            f"GPU worker (host memory): torch, transformers and the model, the CUDA context, "
-            f"{PREFETCH_SHARDS + 1} preprocessed shards (activations live on the GPU){loaded}"
-        )
     out_bytes = rows * EMBED_DIM * 4
-    # two shards at a time (one written while the next is read): each one's preprocessed file, and its
-    # output as read (the .npz bytes and the arrays) and as Parquet (Arrow columns and the encoded row group)
-    commit_peak = RUNTIME_BYTES + 2 * (pre_bytes + 4 * shard_rows * EMBED_DIM * 4)
-    cpu_s = pricing.TASK_OVERHEAD_S + shard_tokens / CPU_TOKENS_PER_S
     workers = max(1, min(spec.gpu_workers, n_shards))
     gpu_s = rows / GPU_ROWS_PER_S / workers  # per worker: the shards are shared out by claims
     # pyarrow is imported only to read Parquet inputs' footers
     parquet = any(inference_input_format(u) == "parquet" for u in spec.inputs)
     plan = TaskLoad(
-        peak_bytes=(RUNTIME_BYTES if parquet else BASE_RUNTIME_BYTES)
-        + PLAN_READ_CHUNKS * READ_CHUNK
-        + n_shards * PLAN_BYTES_PER_SHARD,
+        RUNTIME_BYTES if parquet else BASE_RUNTIME_BYTES,
+        {
+            f"an input's {READ_CHUNK // MiB} MiB reads": PLAN_READ_CHUNKS * READ_CHUNK,
+            f"{n_shards:,} shards' entries": n_shards * PLAN_BYTES_PER_SHARD,
+        },
         gets=len(spec.inputs),
         puts=2,
         duration_s=pricing.TASK_OVERHEAD_S,
-        why=f"one {READ_CHUNK // MiB} MiB read of an input at a time, and {n_shards:,} shards' entries",
     )
     preprocess = TaskLoad(
-        peak_bytes=preprocess_peak,
+        RUNTIME_BYTES,  # with the tokenizer; the text, its encodings and the npz buffer: 3 copies each
+        {"3 copies of a shard's text": 3 * shard_text, "3 copies of its token ids": 3 * pre_bytes},
         gets=3,
         puts=1,
-        duration_s=cpu_s,
-        why=f"tokenizer runtime, a shard's text ({shard_text / MiB:.1f} MiB) and its token ids, 3 copies",
+        duration_s=pricing.TASK_OVERHEAD_S + shard_tokens / CPU_TOKENS_PER_S,
     )
-    small = TaskLoad(
-        peak_bytes=RUNTIME_BYTES, gets=1, puts=1, duration_s=pricing.TASK_OVERHEAD_S, why="runtime"
-    )
+    small = TaskLoad(RUNTIME_BYTES, gets=1, puts=1, duration_s=pricing.TASK_OVERHEAD_S)
     worker = TaskLoad(
-        peak_bytes=worker_peak,
+        WORKER_RUNTIME_BYTES,  # torch, transformers and MiniLM
+        _worker_buffers(spec, probed.facts, pre_bytes, shard_rows),
         gets=2 * -(-n_shards // workers) + 2,
         puts=3 * -(-n_shards // workers),
         duration_s=gpu_s,
-        why=worker_why,
     )
+    # two shards at a time (one written while the next is read): each one's preprocessed file, and its
+    # output as read (the .npz bytes and the arrays) and as Parquet (Arrow columns and the encoded row group)
     commit = TaskLoad(
-        peak_bytes=commit_peak,
+        RUNTIME_BYTES,
+        {
+            "two shards' preprocessed files": 2 * pre_bytes,
+            "their outputs as read and as Parquet row groups": 2 * 4 * shard_rows * EMBED_DIM * 4,
+        },
         gets=2 * n_shards + 2,
         puts=3,
         duration_s=pricing.TASK_OVERHEAD_S + 2 * out_bytes / pricing.LAMBDA_NET_BYTES_PER_S,  # read, write
-        why="two shards' ids and outputs at a time, streamed to the output as Parquet row groups",
     )
     tasks = {
         wf.PREPARE: plan,
         wf.PREPROCESS_SHARD: preprocess,
         wf.CPU_DONE: small,
         wf.INFER: worker,
-        wf.RECONCILE: TaskLoad(**{**small.__dict__, "gets": 2}),
+        wf.RECONCILE: replace(small, gets=2),
         wf.REPAIR_PREPROCESS_SHARD: preprocess,
         wf.REPAIR_INFER: worker,
         wf.COMMIT: commit,
@@ -315,44 +269,71 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
         wf.REPAIR_PREPROCESS: 0,
         wf.REPAIR_WORKERS: 0,
     }
+    columns = ["rows", "shards", "CPU tasks", "GPU jobs", "preprocess MiB", "worker MiB", "commit MiB"]
+    peaks = [round(t.peak_bytes / MiB) for t in (preprocess, worker, commit)]
+    row = [rows, n_shards, n_shards, f"{workers} Batch job(s), 1 GPU each", *peaks]
+    return Loads(
+        items=rows,
+        tasks=tasks,
+        map_items=map_items,
+        notes=_notes(spec, workers, gpu_s),
+        output_bytes=out_bytes,
+        details=[Table("inference plan", columns, [row])],
+    )
+
+
+def _shards(spec: InferenceJob, facts: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(shards, rows, the largest shard's rows and text bytes): the inputs not probed like those probed."""
+    inputs = facts["inputs"]
+    if not inputs:
+        return 1, spec.shard_rows, spec.shard_rows, spec.shard_rows * TEXT_BYTES_PER_ROW
+    scale = facts["of"] / len(inputs)
+    per_input = [x["rows"] for x in inputs]
+    n_shards = max(1, round(scale * sum(math.ceil(r / spec.shard_rows) for r in per_input)))
+    shard_rows = min(spec.shard_rows, max(per_input))
+    bytes_per_row = max(x["bytes"] / max(1, x["rows"]) for x in inputs)
+    return n_shards, round(scale * sum(per_input)), shard_rows, int(shard_rows * bytes_per_row)
+
+
+def _worker_buffers(spec: InferenceJob, facts: dict[str, Any], pre_bytes: int, shard_rows: int) -> dict:
+    """What the worker holds on the host besides its runtime: shards, outputs, a user's model as it loads, a
+    generator's keys and values, and on a GPU the CUDA context, on a CPU one batch's activations."""
+    folder = facts.get("folder") or {}
+    buffers = {
+        f"{PREFETCH_SHARDS + 1} preprocessed shards": (PREFETCH_SHARDS + 1) * pre_bytes,
+        # a shard's output being committed (the array, its .npy buffer and bytes) while the next one's fills
+        "the outputs being written and filled": 4 * shard_rows * EMBED_DIM * 4,
+        # a user's model: its file's bytes, held while torch builds its tensors from them (float32, as the
+        # worker runs it), so twice the file at the load's peak (a 1 GiB file took a worker to 1.3 GiB
+        # before it failed to load)
+        "the model twice over as it loads": MODEL_LOAD_FACTOR * facts.get("model_bytes", 0),
+    }
+    gen = spec.generation
+    if spec.task == "generate" and folder and gen is not None:
+        # every running sequence's keys and values at their longest, twice while a joiner's are merged in
+        kv = 2 * gen.max_num_seqs * (folder["input_tokens"] + gen.max_tokens) * folder["kv_bytes_per_token"]
+        buffers[f"keys and values for {gen.max_num_seqs} sequences"] = kv
+    if facts.get("worker_device", "cuda") == "cpu":
+        budget = min(spec.batch_tokens, CPU_BATCH_TOKENS)
+        width = max(1.0, folder.get("hidden", EMBED_DIM) / EMBED_DIM)  # activations scale with the width
+        activations = int(budget * CPU_BYTES_PER_BATCH_TOKEN * width)
+        return {**buffers, f"one {budget:,}-token CPU batch's activations": activations}
+    return {"the CUDA context on the host (the activations live on the GPU)": CUDA_HOST_BYTES, **buffers}
+
+
+def _notes(spec: InferenceJob, workers: int, gpu_s: float) -> list[str]:
+    """The GPU stage's jobs and pricing, and the repair round's."""
     rate = (
         f"~{gpu_s:,.0f} s each at ~{GPU_ROWS_PER_S} rows/s for MiniLM (order of magnitude)"
         if spec.model == "minilm"
         else f"timed as if at MiniLM's ~{GPU_ROWS_PER_S} rows/s (~{gpu_s:,.0f} s each): this model's "
         "speed is not known before it runs"
     )
-    notes.append(
+    return [
         f"GPU stage: {workers} AWS Batch job(s) of 1 GPU, {rate}, priced as g5.xlarge on-demand "
         f"(${pricing.BATCH_GPU_USD_PER_HOUR}/h) with "
         f"~{pricing.BATCH_STARTUP_S:.0f} s of instance start per Batch job; "
-        "the default Spot compute environment usually costs far less"
-    )
-    notes.append(
+        "the default Spot compute environment usually costs far less",
         "repair round (not priced): only for shards lacking a commit marker, none in a clean run; then one "
-        f"more Batch job of 1 GPU (~{pricing.BATCH_STARTUP_S:.0f} s of instance start), a CPU task per shard"
-    )
-    details = [
-        Table(
-            title="inference plan",
-            columns=["rows", "shards", "CPU tasks", "GPU jobs", "preprocess MiB", "worker MiB", "commit MiB"],
-            rows=[
-                [
-                    rows,
-                    n_shards,
-                    n_shards,
-                    f"{workers} Batch job(s), 1 GPU each",
-                    round(preprocess_peak / MiB),
-                    round(worker_peak / MiB),
-                    round(commit_peak / MiB),
-                ]
-            ],
-        )
+        f"more Batch job of 1 GPU (~{pricing.BATCH_STARTUP_S:.0f} s of instance start), a CPU task per shard",
     ]
-    return Loads(
-        items=rows,
-        tasks=tasks,
-        map_items=map_items,
-        notes=notes,
-        output_bytes=out_bytes,
-        details=details,
-    )
