@@ -6,7 +6,7 @@ below, registered in ``PARTS`` and run in order (``--parts plan,measure,e2e``; d
 
   plan     Planning time and predicted error for d = 10, 20, 50, 100 (``--plan-d``). Each d runs in a fresh
            child process pinned to one core (sched_setaffinity, BLAS/OpenMP threads = 1): expand the
-           workload from a DPQueryJob spec, then ``planner.plan(spec)`` (best of ``--plan-repeats``). It
+           workload from a DPQuerySpec spec, then ``planner.plan(spec)`` (best of ``--plan-repeats``). It
            reports |C(W)| (residual sets), workload marginals, queries (cells), noise samples, the largest
            marginal, the predicted workload RMSE and max per-cell stddev at ρ (``--rho``, default 1/2, i.e.
            privacy cost 2ρ = 1, the reference's unit), ε at δ by CKS and by the exact Gaussian curve, the
@@ -138,7 +138,7 @@ CHILDREN: dict[str, Callable[[dict], dict]] = {}  # child entry points by name, 
 
 
 def synthetic_spec(d: int, n: int = 10, k: int = 3, rho: float = 0.5, loss: str = "sum_of_variances") -> dict:
-    """A DPQueryJob document over n^d with all marginals of at most k attributes."""
+    """A DPQuerySpec document over n^d with all marginals of at most k attributes."""
     return {
         "kind": "dpquery",
         "dataset": "bench/synthetic.parquet",

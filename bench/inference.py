@@ -310,7 +310,7 @@ def _shardfold_imports() -> tuple[Any, Any]:
     """The client and the inference kind; raises ImportError with a note when the kind is not there."""
     from shardfold.client import Client
     from shardfold.functions import inference
-    from shardfold.functions.inference.spec import InferenceJob  # noqa: F401
+    from shardfold.functions.inference.spec import InferenceSpec  # noqa: F401
 
     return Client, inference
 

@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shardfold.functions import store
-from shardfold.functions.dpquery.spec import TOTAL_NAME, DPQueryJob, marginal_name, schema_order
+from shardfold.functions.dpquery.spec import TOTAL_NAME, DPQuerySpec, marginal_name, schema_order
 from shardfold.functions.errors import ShardfoldError, SpecError
 from shardfold.functions.jobs import spec_key
 from shardfold.functions.ledger import DATASET_ID
@@ -377,13 +377,13 @@ class DPQuery:
 
     # -- specs and plans ----------------------------------------------------------------------------------
 
-    def spec(self, spec: Any) -> DPQueryJob:
-        """The validated :class:`DPQueryJob` of ``spec`` (a model, a dict, JSON text or a ``.json`` file
+    def spec(self, spec: Any) -> DPQuerySpec:
+        """The validated :class:`DPQuerySpec` of ``spec`` (a model, a dict, JSON text or a ``.json`` file
         path, whose ``./`` URIs are then relative to the file). Reads nothing but the spec file."""
         from shardfold.client.sdk import validate_spec
 
         parsed = validate_spec(spec)
-        if not isinstance(parsed, DPQueryJob):
+        if not isinstance(parsed, DPQuerySpec):
             raise SpecError(f"client.dpquery needs a 'dpquery' spec, got kind {parsed.kind!r}")
         return parsed
 

@@ -29,7 +29,7 @@ import safetensors.numpy
 from shardfold.functions import extras, store
 from shardfold.functions.errors import ShardfoldError, SpecError
 from shardfold.functions.fedavg.layout import DTYPES
-from shardfold.functions.fedavg.spec import FedAvgClient, FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgClient, FedAvgSpec
 from shardfold.functions.ledger import DATASET_ID
 from shardfold.functions.specs import parse_spec
 from shardfold.functions.store.uri import resolve
@@ -359,8 +359,8 @@ class FedAvg:
         # relative keys name objects under this client's store root, where save_update wrote them
         return entry.model_copy(update={"uri": self.uri(entry.uri)})
 
-    def spec(self, updates: Iterable[UpdateInput], output: str | None = None, **options: Any) -> FedAvgJob:
-        """The ``fedavg`` spec averaging ``updates`` (in this order); ``options`` are FedAvgJob fields
+    def spec(self, updates: Iterable[UpdateInput], output: str | None = None, **options: Any) -> FedAvgSpec:
+        """The ``fedavg`` spec averaging ``updates`` (in this order); ``options`` are FedAvgSpec fields
         (aggregator, trim_fraction, uniform, accumulate, integer_policy, allow_nonfinite, shards)."""
         try:
             clients = [self._client_entry(u) for u in updates]

@@ -16,7 +16,7 @@ Classify or generate with a Hugging Face model folder from the store, and read t
 
 (``from client import inference`` gives the same functions unbound: ``inference.run(..., client=c)``.)
 
-``run`` builds an ``InferenceJob`` spec from its arguments, submits it on a :class:`client.Client` (the local
+``run`` builds an ``InferenceSpec`` spec from its arguments, submits it on a :class:`client.Client` (the local
 executor unless ``client=`` or ``backend=`` says otherwise), waits for it and returns the job's result
 (``output`` is the Parquet URI, ``manifest`` its manifest JSON). ``load`` reads that Parquet back: the id
 column and the ``embedding`` list<float32> column as one ``[rows, dim]`` array; ``table`` reads any task's
@@ -33,7 +33,7 @@ import numpy as np
 
 from shardfold.functions import store
 from shardfold.functions.errors import ShardfoldError, SpecError
-from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.spec import InferenceSpec
 from shardfold.functions.specs import parse_spec
 from shardfold.functions.store.uri import resolve
 
@@ -43,14 +43,14 @@ WAIT_S = 24 * 3600.0
 def spec(
     inputs: str | Iterable[str], field: str, model: Any = "minilm", output: str | None = None, **options: Any
 ):
-    """The validated ``InferenceJob`` for these arguments (``options``: task, id_field, pair_field,
+    """The validated ``InferenceSpec`` for these arguments (``options``: task, id_field, pair_field,
     max_input_tokens, generation, batch_tokens, shard_rows, on_bad_row, max_error_fraction, …)."""
     uris = [inputs] if isinstance(inputs, str) else list(inputs)
     doc: dict[str, Any] = {"kind": "inference", "inputs": uris, "field": field, "model": model, **options}
     if output is not None:
         doc["output"] = output
     job = parse_spec(doc)
-    if not isinstance(job, InferenceJob):  # parse_spec dispatches on kind; kept as a guard
+    if not isinstance(job, InferenceSpec):  # parse_spec dispatches on kind; kept as a guard
         raise SpecError(f"expected an inference spec, got {type(job).__name__}")
     return job
 
@@ -95,7 +95,7 @@ class Inference:
     def __init__(self, client: Any):
         self.client = client
 
-    spec = staticmethod(spec)  # the validated InferenceJob (no client needed)
+    spec = staticmethod(spec)  # the validated InferenceSpec (no client needed)
 
     def submit(
         self,

@@ -3,7 +3,7 @@
 A handler is a pure call wrapped in :func:`task`::
 
     @task(GatherEvent, kind="getbatch")
-    def gather(e: GatherEvent, spec: GetBatchJob) -> dict:
+    def gather(e: GatherEvent, spec: GetBatchSpec) -> dict:
         return core.gather(spec, e.job_id, e.store_root, e.item.part)
 
 ``gather`` is then ``gather(event, context=None)``: the Lambda signature that Lambda, the local executor,

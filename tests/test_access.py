@@ -15,7 +15,7 @@ from tiers import examples
 from shardfold.functions import access, store
 from shardfold.functions.errors import ShardfoldError, SpecError, UnsafeKey
 from shardfold.functions.getbatch import core as getbatch
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.specs import parse_spec
 from shardfold.functions.submit import check_policy
 
@@ -102,10 +102,10 @@ def test_a_request_checks_each_folder_once_and_still_finds_a_link_out(tmp_path, 
     calls = []
     real_lstat = os.lstat
     monkeypatch.setattr(os, "lstat", lambda path, *a, **kw: calls.append(path) or real_lstat(path, *a, **kw))
-    assert len(getbatch.load_items(GetBatchJob(kind="getbatch", items=items), store_root)) == 200
+    assert len(getbatch.load_items(GetBatchSpec(kind="getbatch", items=items), store_root)) == 200
     assert len(calls) == 200 + 3  # each file, and data/, data/a/, data/a/b/ once
     with pytest.raises(SpecError, match="symbolic link") as err:
-        linked = GetBatchJob(kind="getbatch", items=[*items, {"uri": "data/out/secret"}])
+        linked = GetBatchSpec(kind="getbatch", items=[*items, {"uri": "data/out/secret"}])
         getbatch.load_items(linked, store_root)
     assert [e["field"] for e in err.value.errors] == ["items.200.uri"]
 
@@ -180,7 +180,7 @@ def test_the_prepare_task_checks_a_manifests_items_again(aws_env):
         boto3.client("s3").create_bucket(Bucket="jobs-bucket")
         items = [{"uri": "s3://jobs-bucket/data/a.bin"}, {"uri": "file:///proc/self/environ"}]
         store.put(f"{S3_ROOT}/requests/m.json", json.dumps(items).encode())
-        spec = GetBatchJob(manifest="requests/m.json")
+        spec = GetBatchSpec(manifest="requests/m.json")
         check_policy(spec, S3_ROOT)  # the spec itself is fine
         with pytest.raises(ShardfoldError, match=r"items\.1\.uri.*local file"):
             getbatch.prepare(spec, "getbatch-20260101T000000-abcdef", S3_ROOT)
@@ -188,13 +188,13 @@ def test_the_prepare_task_checks_a_manifests_items_again(aws_env):
         store.put(f"{S3_ROOT}/requests/n.json", json.dumps(bad_name).encode())
         with pytest.raises(SpecError, match=r"items\.0.*'\.\.' component"):
             getbatch.prepare(
-                GetBatchJob(manifest="requests/n.json"), "getbatch-20260101T000000-abcdef", S3_ROOT
+                GetBatchSpec(manifest="requests/n.json"), "getbatch-20260101T000000-abcdef", S3_ROOT
             )
         # an output equal to an item named only in the manifest is refused by the task too
         store.put(f"{S3_ROOT}/requests/o.json", json.dumps([{"uri": "results/x.tar"}]).encode())
         with pytest.raises(UnsafeKey, match="may not overwrite"):
             getbatch.prepare(
-                GetBatchJob(manifest="requests/o.json", output="results/x.tar"),
+                GetBatchSpec(manifest="requests/o.json", output="results/x.tar"),
                 "getbatch-20260101T000000-abcdef",
                 S3_ROOT,
             )

@@ -17,7 +17,7 @@ from shardfold.client.stack import save_stack_outputs
 from shardfold.functions import store
 from shardfold.functions.errors import JobNotFound, PlanError, SpecError
 from shardfold.functions.estimate import SUBMIT_BUDGET, estimate
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.specs import parse_spec
 from shardfold.functions.store.uri import join, store_root
 
@@ -86,7 +86,7 @@ def test_wait_with_progress_bars(client):
 
 @pytest.mark.slow
 def test_submit_accepts_model_json_text_and_file(client, tmp_path):
-    model = GetBatchJob.model_validate(spec(3))
+    model = GetBatchSpec.model_validate(spec(3))
     assert client.submit(model).wait(progress=False).state == "SUCCEEDED"
     assert client.submit(json.dumps(spec(2))).wait(progress=False).state == "SUCCEEDED"
     # a spec file names its data relative to itself

@@ -181,7 +181,7 @@ def test_other_counts_bad_values_in_an_extra_category(tmp_path, fmt):
 
 
 def test_the_job_default_and_per_attribute_overrides():
-    from shardfold.functions.dpquery.spec import DPQueryJob
+    from shardfold.functions.dpquery.spec import DPQuerySpec
 
     doc = {
         "dataset": "file:///tmp/x.csv",
@@ -194,15 +194,15 @@ def test_the_job_default_and_per_attribute_overrides():
         "dataset_id": "d",
         "out_of_domain": "other",
     }
-    spec = DPQueryJob.model_validate(doc)
+    spec = DPQuerySpec.model_validate(doc)
     assert [a.policy for a in spec.attributes] == ["other", "drop"] and spec.domains() == [3, 10]
     assert "out_of_domain" not in spec.model_dump(exclude_none=True)["schema"][0]  # inherited, not dumped
-    assert DPQueryJob.model_validate({**doc, "out_of_domain": "drop"}).domains() == [2, 10]
+    assert DPQuerySpec.model_validate({**doc, "out_of_domain": "drop"}).domains() == [2, 10]
     with pytest.raises(ValueError, match="applies only to ranges"):
-        DPQueryJob.model_validate({**doc, "out_of_domain": "clip"})
+        DPQuerySpec.model_validate({**doc, "out_of_domain": "clip"})
     other = {**doc, "schema": [{"name": "a", "categories": ["x", "(other)"]}, doc["schema"][1]]}
     with pytest.raises(ValueError, match="label of the out-of-domain category"):
-        DPQueryJob.model_validate(other)
+        DPQuerySpec.model_validate(other)
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])

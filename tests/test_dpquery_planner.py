@@ -20,7 +20,7 @@ from shardfold.functions.dpquery.planner import (
     Plan,
     plan,
 )
-from shardfold.functions.dpquery.spec import DPQueryJob
+from shardfold.functions.dpquery.spec import DPQuerySpec
 from shardfold.functions.errors import PlanError, SpecError
 from shardfold.functions.privacy import (
     MAX_RHO,
@@ -440,7 +440,7 @@ SPEC = {
 
 def test_spec_parses_and_round_trips():
     spec = parse_spec(SPEC)
-    assert isinstance(spec, DPQueryJob)
+    assert isinstance(spec, DPQuerySpec)
     assert spec.format == "csv" and spec.loss == "sum_of_variances"
     assert spec.domains() == [2, 10, 3]
     assert spec.marginals() == [((0, 1), 1.0), ((2,), 2.0)]

@@ -19,7 +19,7 @@ from shardfold.functions import ledger, store
 from shardfold.functions.dpquery import core, data, unit
 from shardfold.functions.dpquery import measure as mz
 from shardfold.functions.dpquery.planner import plan
-from shardfold.functions.dpquery.spec import DEFAULT_MAX_ROWS_TOTAL, DPQueryJob
+from shardfold.functions.dpquery.spec import DEFAULT_MAX_ROWS_TOTAL, DPQuerySpec
 from shardfold.functions.errors import DatasetError, SpecError
 from shardfold.functions.jobs import new_job_id
 from shardfold.functions.kinds import WORKFLOWS
@@ -340,12 +340,12 @@ def test_prepare_refuses_before_the_ledger(tmp_path, monkeypatch):
             parse_spec(_doc(uri, privacy_unit={"id_column": "nobody", "max_rows": 2})), "dpquery-x", root
         )
     # a dataset over the row bound (here a bound of 100 stands in for 2^32: a bound a spec may not give)
-    monkeypatch.setattr(DPQueryJob, "rows_bound", lambda self: 100)
+    monkeypatch.setattr(DPQuerySpec, "rows_bound", lambda self: 100)
     with pytest.raises(DatasetError, match="more than 100 rows") as err:
         core.prepare(parse_spec(_doc(uri)), new_job_id("dpquery"), root)
     assert "300" not in str(err.value)  # the row count is never told
     assert not store.list_uris(join(root, "ledger") + "/")
-    monkeypatch.setattr(DPQueryJob, "rows_bound", lambda self: 300)
+    monkeypatch.setattr(DPQuerySpec, "rows_bound", lambda self: 300)
     _run_core(root, _doc(uri), noise=False)  # the bound holds: fine
     monkeypatch.undo()
     copy = join(root, "data", "copy.csv")

@@ -30,7 +30,7 @@ from shardfold.functions.errors import (
 from shardfold.functions.fedavg import core, handlers, kernels
 from shardfold.functions.fedavg.layout import DTYPES, Tensor
 from shardfold.functions.fedavg.sizing import Budget, Geometry, MiB, Segment, choose_shards, task_loads
-from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.specs import parse_spec
 
 JOB = "fedavg-20260101T000000-abcdef"
@@ -116,7 +116,7 @@ def put_clients(root: str, updates: list[dict[str, np.ndarray]], num_examples=No
     return uris
 
 
-def run_job(spec: FedAvgJob, root: str, budget: Budget = TINY, job_id: str = JOB) -> dict:
+def run_job(spec: FedAvgSpec, root: str, budget: Budget = TINY, job_id: str = JOB) -> dict:
     planned = core.prepare(spec, job_id, root, budget=budget)
     for item in store.get_json(planned["manifest"]["uri"]):
         core.aggregate(spec, job_id, root, item["shard"])
@@ -248,7 +248,7 @@ def client_specs(uris, weights, spec_weight_for=(1,)):
 @pytest.mark.parametrize("shards", [1, 2, 3, 5, 8, 13, 40, 200])
 def test_mean_is_bitwise_equal_to_the_reference_at_any_shard_count(root, clients7, shards):
     updates, weights, uris = clients7
-    spec = FedAvgJob(clients=client_specs(uris, weights), shards=shards)
+    spec = FedAvgSpec(clients=client_specs(uris, weights), shards=shards)
     result = run_job(spec, root)
     got = load(result["output"])
     want = reference(updates, weights)
@@ -275,7 +275,7 @@ def test_data_is_identical_across_shard_and_chunk_sizes(root, clients7, tmp_path
     updates, weights, uris = clients7
     buffers = set()
     for shards, chunk in [(1, 4 * MiB), (4, 56), (17, 8), (1, 1)]:
-        spec = FedAvgJob(clients=client_specs(uris, weights), shards=shards)
+        spec = FedAvgSpec(clients=client_specs(uris, weights), shards=shards)
         budget = Budget(min_shard_bytes=1, chunk_bytes=chunk)
         result = run_job(spec, root, budget, job_id=f"fedavg-20260101T000000-{shards:03d}{chunk % 1000:03d}")
         buffers.add(data_buffer(result["output"]))
@@ -294,7 +294,7 @@ def test_data_is_identical_across_shard_and_chunk_sizes(root, clients7, tmp_path
 )
 def test_mean_options_match_the_reference(root, clients7, options):
     updates, weights, uris = clients7
-    spec = FedAvgJob(clients=client_specs(uris, weights), shards=6, **options)
+    spec = FedAvgSpec(clients=client_specs(uris, weights), shards=6, **options)
     got = load(run_job(spec, root)["output"])
     want = reference(updates, weights, **options)
     for name in want:
@@ -308,7 +308,7 @@ def test_integer_valued_updates_give_sharded_equal_tree_equal_flat(root):
     updates = [{"w": np.round(rng.standard_normal((31, 17)) * 100).astype(np.float32)} for _ in range(n)]
     weights = [float(w) for w in rng.integers(1, 64, n)]
     uris = put_clients(root, updates, [int(w) for w in weights])
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], shards=9)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], shards=9)
     sharded = load(run_job(spec, root)["output"])["w"]
 
     xs = [u["w"] for u in updates]
@@ -333,14 +333,14 @@ def test_float32_mean_is_bitwise_flowers_aggregate(root):
     ]
     n_examples = [int(x) for x in rng.integers(1, 1000, 6)]
     uris = put_clients(root, updates, n_examples)
-    got = load(run_job(FedAvgJob(clients=[{"uri": u} for u in uris], shards=3), root)["output"])
+    got = load(run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], shards=3), root)["output"])
     flower = aggregate([([u["a"], u["b"]], n) for u, n in zip(updates, n_examples, strict=True)])
     assert same_bits(got["a"], flower[0]) and same_bits(got["b"], flower[1])
 
 
 def test_output_is_a_valid_safetensors_file(root, clients7):
     updates, weights, uris = clients7
-    result = run_job(FedAvgJob(clients=client_specs(uris, weights), shards=4), root)
+    result = run_job(FedAvgSpec(clients=client_specs(uris, weights), shards=4), root)
     raw = store.get(result["output"])
     (n,) = struct.unpack("<Q", raw[:8])
     assert (8 + n) % 8 == 0 and raw[8 : 8 + n].rstrip(b" ").endswith(b"}")
@@ -378,7 +378,7 @@ def test_files_written_by_safetensors_itself_are_read_by_their_offsets(root, tmp
         path = tmp_path / f"st-{i}.safetensors"
         save_file(u, str(path), metadata={"num_examples": str(i + 1), "format": "np"})
         uris.append(f"file://{path}")
-    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], shards=3), root)
+    result = run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], shards=3), root)
     got = load(result["output"])
     want = reference(updates, [1.0, 2.0, 3.0])
     for name in want:
@@ -403,7 +403,7 @@ def test_robust_aggregators_match_numpy_sort_references(root, n, options):
     rng = np.random.default_rng(n)
     updates = [model(rng) for _ in range(n)]
     uris = put_clients(root, updates)  # no num_examples at all: robust aggregators need no weights
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], shards=5, **options)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], shards=5, **options)
     result = run_job(spec, root)
     got = load(result["output"])
     want = reference(updates, [1.0] * n, **options)
@@ -419,10 +419,10 @@ def test_median_and_trimmed_mean_agree_with_numpy_statistics(root):
     uris = put_clients(root, updates)
     stack = np.stack([u["x"] for u in updates])
     med = load(
-        run_job(FedAvgJob(clients=[{"uri": u} for u in uris], aggregator="median", shards=2), root)["output"]
+        run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], aggregator="median", shards=2), root)["output"]
     )
     np.testing.assert_array_equal(med["x"], np.median(stack, axis=0))
-    spec = FedAvgJob(
+    spec = FedAvgSpec(
         clients=[{"uri": u} for u in uris], aggregator="trimmed_mean", trim_fraction=0.2, shards=2
     )
     trimmed = load(run_job(spec, root, job_id="fedavg-20260101T000000-000002")["output"])
@@ -437,7 +437,7 @@ def test_robust_chunk_shrinks_as_n_grows_so_the_matrix_stays_bounded(root):
     for n in (2, 16):
         updates = [{"x": rng.standard_normal(3000).astype(np.float32)} for _ in range(n)]
         uris = put_clients(root, updates)
-        spec = FedAvgJob(clients=[{"uri": u} for u in uris[:n]], aggregator="median")
+        spec = FedAvgSpec(clients=[{"uri": u} for u in uris[:n]], aggregator="median")
         plan = core.inspect(spec, JOB, root, budget=budget)
         sizes[n] = plan.chunk_bytes
         matrix = n * plan.chunk_bytes * 2  # float32 acc for F32 inputs; chunk sized for the worst ratio (8/4)
@@ -454,13 +454,13 @@ def test_integer_mean_rounds_half_to_even_and_bool_is_a_weighted_majority(root):
         {"i": np.array([2, 3, -2, 7], np.int64), "b": np.array([False, True, False, False])},
     ]
     uris = put_clients(root, ups, [1, 1])
-    got = load(run_job(FedAvgJob(clients=[{"uri": u} for u in uris]), root)["output"])
+    got = load(run_job(FedAvgSpec(clients=[{"uri": u} for u in uris]), root)["output"])
     assert got["i"].tolist() == [2, 2, -2, 7]  # 1.5 -> 2, 2.5 -> 2, -1.5 -> -2
     assert got["b"].dtype == np.bool_ and got["b"].tolist() == [False, True, False, False]  # ties -> False
-    spec = FedAvgJob(clients=[{"uri": uris[0], "weight": 3.0}, {"uri": uris[1], "weight": 1.0}])
+    spec = FedAvgSpec(clients=[{"uri": uris[0], "weight": 3.0}, {"uri": uris[1], "weight": 1.0}])
     got = load(run_job(spec, root, job_id="fedavg-20260101T000000-000003")["output"])
     assert got["b"].tolist() == [True, True, False, True]  # client 0 outweighs client 1
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], integer_policy="max")
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], integer_policy="max")
     got = load(run_job(spec, root, job_id="fedavg-20260101T000000-000004")["output"])
     assert got["i"].tolist() == [2, 3, -1, 7] and got["b"].tolist() == [True, True, False, True]
 
@@ -559,7 +559,7 @@ def test_bad_input_is_refused_naming_the_client_and_nothing_is_written(root, cas
         store.delete(uris[1])
     else:
         store.put(uris[1], data)
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris])
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris])
     with pytest.raises(error) as exc:
         run_job(spec, root)
     assert f"client 1 ({uris[1]})" in str(exc.value) and fragment in str(exc.value)
@@ -581,7 +581,7 @@ def test_bad_input_is_refused_naming_the_client_and_nothing_is_written(root, cas
 )
 def test_a_missing_or_bad_num_examples_names_the_client(root, num_examples, fragment):
     uris = put_clients(root, [good(), good()], [4, num_examples])
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris])
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris])
     with pytest.raises(InvalidModelFile, match=fragment) as exc:
         core.prepare(spec, JOB, root, budget=TINY)
     assert f"client 1 ({uris[1]})" in str(exc.value) and "clients.1.weight" in str(exc.value)
@@ -592,12 +592,12 @@ def test_a_missing_or_bad_num_examples_names_the_client(root, num_examples, frag
         {"aggregator": "median"},
     ):
         doc = {"clients": [{"uri": u} for u in uris], **kw}
-        assert core.inspect(FedAvgJob(**doc), JOB, root, budget=TINY).n_clients == 2
+        assert core.inspect(FedAvgSpec(**doc), JOB, root, budget=TINY).n_clients == 2
 
 
 def test_spec_weights_must_be_positive():
     with pytest.raises(ValueError, match="finite number > 0"):
-        FedAvgJob(clients=[{"uri": "a", "weight": 0}])
+        FedAvgSpec(clients=[{"uri": "a", "weight": 0}])
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
@@ -606,7 +606,7 @@ def test_nonfinite_updates_are_rejected_naming_client_and_tensor(root, value, ag
     ups = [good(np.random.default_rng(i)) for i in range(4)]
     ups[2]["a"][3, 1] = value
     uris = put_clients(root, ups, [1, 1, 1, 1])
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], aggregator=aggregator, shards=3)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], aggregator=aggregator, shards=3)
     with pytest.raises(NonFiniteUpdate) as exc:
         run_job(spec, root, budget=Budget(min_shard_bytes=1, chunk_bytes=12))
     assert f"client 2 ({uris[2]})" in str(exc.value) and "tensor 'a'" in str(exc.value)
@@ -614,7 +614,7 @@ def test_nonfinite_updates_are_rejected_naming_client_and_tensor(root, value, ag
     assert exc.value.client == 2 and exc.value.tensor == "a"
     assert not store.exists(core.output_uri(spec, root, JOB))
     # opted out: aggregated as IEEE arithmetic says
-    spec = FedAvgJob(
+    spec = FedAvgSpec(
         clients=[{"uri": u} for u in uris], aggregator=aggregator, shards=3, allow_nonfinite=True
     )
     got = load(run_job(spec, root, job_id="fedavg-20260101T000000-000005")["output"])
@@ -627,12 +627,12 @@ def test_nonfinite_updates_are_rejected_naming_client_and_tensor(root, value, ag
 def test_overflow_of_finite_updates_says_to_accumulate_in_float64(root):
     big = {"a": np.full(4, 3e38, np.float32)}
     uris = put_clients(root, [big, big], [10, 10])
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris])
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris])
     with pytest.raises(AggregationOverflow, match="accumulate='float64'"):
         run_job(spec, root)
     got = load(
         run_job(
-            FedAvgJob(clients=[{"uri": u} for u in uris], accumulate="float64"),
+            FedAvgSpec(clients=[{"uri": u} for u in uris], accumulate="float64"),
             root,
             job_id="fedavg-20260101T000000-000006",
         )["output"]
@@ -694,7 +694,7 @@ def test_weights_from_5e_324_to_1e300_give_the_float64_mean(root, magnitude, acc
     updates = float_updates(4)
     weights = [magnitude * r for r in (1, 2, 3, 5)]  # exact multiples: even 5e-324 = 2^-1074 keeps the ratios
     uris = put_clients(root, updates)
-    spec = FedAvgJob(clients=client_specs(uris, weights, range(4)), accumulate=accumulate, shards=2)
+    spec = FedAvgSpec(clients=client_specs(uris, weights, range(4)), accumulate=accumulate, shards=2)
     result = run_job(spec, root)
     assert result["total_weight"] == math.fsum(weights)
     assert_float64_mean(load(result["output"]), updates, weights, accumulate)
@@ -705,7 +705,7 @@ def test_weights_of_every_magnitude_in_one_round(root, accumulate):
     updates = float_updates(5, seed=6)
     weights = [5e-324, 1e-300, 1.0, 3e299, 1e300]
     uris = put_clients(root, updates)
-    spec = FedAvgJob(clients=client_specs(uris, weights, range(5)), accumulate=accumulate)
+    spec = FedAvgSpec(clients=client_specs(uris, weights, range(5)), accumulate=accumulate)
     assert_float64_mean(load(run_job(spec, root)["output"]), updates, weights, accumulate)
 
 
@@ -718,12 +718,11 @@ def test_weights_scaled_by_a_power_of_two_give_identical_bits(root, k, accumulat
     updates = [model(rng) for _ in range(7)]
     plain = [float(w) for w in range(1, 8)]
     uris = put_clients(root, updates)
-    want = load(
-        run_job(FedAvgJob(clients=client_specs(uris, plain, range(7)), accumulate=accumulate), root)["output"]
-    )
+    spec = FedAvgSpec(clients=client_specs(uris, plain, range(7)), accumulate=accumulate)
+    want = load(run_job(spec, root)["output"])
     assert all(same_bits(want[k_], v) for k_, v in reference(updates, plain, accumulate=accumulate).items())
     scaled = [math.ldexp(w, k) for w in plain]
-    spec = FedAvgJob(clients=client_specs(uris, scaled, range(7)), accumulate=accumulate)
+    spec = FedAvgSpec(clients=client_specs(uris, scaled, range(7)), accumulate=accumulate)
     got = load(run_job(spec, root, job_id="fedavg-20260101T000000-000008")["output"])
     assert all(same_bits(got[name], want[name]) for name in want)
 
@@ -754,16 +753,16 @@ def test_kernels_first_nonfinite_scans_block_by_block():
 def test_weights_totalling_beyond_float64_are_a_spec_error_naming_the_field(root):
     updates = float_updates(2)
     uris = put_clients(root, updates)
-    spec = FedAvgJob(clients=client_specs(uris, [1e308, 1e308], range(2)))
+    spec = FedAvgSpec(clients=client_specs(uris, [1e308, 1e308], range(2)))
     with pytest.raises(SpecError, match=r"clients\.0\.weight = 1e\+308.*only their ratios matter") as exc:
         core.prepare(spec, JOB, root)
     assert exc.value.errors[0]["field"] == "clients.0.weight"
     uris = put_clients(root, updates, ["1e308", "1.5e308"])
     with pytest.raises(SpecError, match=r"client 1 \(.*\) __metadata__\.num_examples = 1\.5e\+308"):
-        core.prepare(FedAvgJob(clients=[{"uri": u} for u in uris]), JOB, root)
+        core.prepare(FedAvgSpec(clients=[{"uri": u} for u in uris]), JOB, root)
     assert not store.exists(core.plan_uri(root, JOB))
     # a total within range works, however large (math.fsum alone overflowed on the way to 1.5e308)
-    spec = FedAvgJob(clients=client_specs(uris, [1e308, 5e307], range(2)))
+    spec = FedAvgSpec(clients=client_specs(uris, [1e308, 5e307], range(2)))
     result = run_job(spec, root)
     assert result["total_weight"] == 1.5e308
     assert_float64_mean(load(result["output"]), updates, [1e308, 5e307], "float32")
@@ -774,7 +773,7 @@ def test_a_nonfinite_aggregate_fails_naming_the_tensor_even_without_the_weight_s
     0, the mean 0/0; the task fails instead of writing NaN."""
     monkeypatch.setattr(kernels, "weight_scale", lambda weights: 0)
     uris = put_clients(root, [good(np.random.default_rng(i)) for i in range(3)])
-    spec = FedAvgJob(clients=client_specs(uris, [1e-50, 2e-50, 3e-50], range(3)))
+    spec = FedAvgSpec(clients=client_specs(uris, [1e-50, 2e-50, 3e-50], range(3)))
     with pytest.raises(
         NonFiniteAggregate, match=r"tensor 'a': the mean is NaN or Inf at flat element 0"
     ) as exc:
@@ -790,13 +789,15 @@ def test_a_robust_aggregate_that_overflows_fails_even_when_nonfinite_is_allowed(
     uris = put_clients(root, [big, big], [1, 1])
     extra = {"trim_fraction": 0.0} if aggregator == "trimmed_mean" else {}
     for allow in (False, True):
-        spec = FedAvgJob(
+        spec = FedAvgSpec(
             clients=[{"uri": u} for u in uris], aggregator=aggregator, allow_nonfinite=allow, **extra
         )
         with pytest.raises(NonFiniteAggregate, match="tensor 'a'.*accumulate='float64'") as exc:
             run_job(spec, root)
         assert exc.value.tensor == "a" and not store.exists(core.output_uri(spec, root, JOB))
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], aggregator=aggregator, accumulate="float64", **extra)
+    spec = FedAvgSpec(
+        clients=[{"uri": u} for u in uris], aggregator=aggregator, accumulate="float64", **extra
+    )
     assert load(run_job(spec, root)["output"])["a"].tolist() == [np.float32(3e38)] * 4
 
 
@@ -809,13 +810,13 @@ def test_allow_nonfinite_allows_only_where_an_input_was_not_finite(root):
         u["a"][0, 0] = v
     uris = put_clients(root, ups)
     weights = [1.0, 1.0, 2.0]  # -3e38 * 2 is -Inf in float32
-    spec = FedAvgJob(clients=client_specs(uris, weights, range(3)), allow_nonfinite=True, shards=2)
+    spec = FedAvgSpec(clients=client_specs(uris, weights, range(3)), allow_nonfinite=True, shards=2)
     with pytest.raises(
         NonFiniteAggregate, match="tensor 'a': the mean is NaN or Inf at flat element 0 "
     ) as exc:
         run_job(spec, root, budget=Budget(min_shard_bytes=1, chunk_bytes=12))
     assert not isinstance(exc.value, NonFiniteUpdate) and exc.value.element == 0
-    strict = FedAvgJob(clients=client_specs(uris, weights, range(3)))
+    strict = FedAvgSpec(clients=client_specs(uris, weights, range(3)))
     with pytest.raises(NonFiniteUpdate, match="client 1 .*tensor 'a'"):  # the NaN input is named first
         run_job(strict, root)
     for u in ups:
@@ -848,13 +849,13 @@ def test_one_client_spelled_two_ways_is_refused_naming_both_fields(root, first, 
         parse_spec(doc)
     assert [e["field"] for e in exc.value.errors] == ["clients.2.uri"]
     with pytest.raises(ValueError, match=r"clients\.2 repeats clients\.0"):
-        FedAvgJob(clients=doc["clients"])
+        FedAvgSpec(clients=doc["clients"])
 
 
 def test_client_uris_are_kept_in_normal_form_and_read_once(root):
     uris = put_clients(root, [good(np.random.default_rng(i)) for i in range(2)], [1, 3])
     keys = [u.removeprefix(root + "/") for u in uris]  # round/client-000.safetensors, ...
-    spec = FedAvgJob(clients=[{"uri": "./" + keys[0]}, {"uri": "x/..//" + keys[1].replace("/", "/./")}])
+    spec = FedAvgSpec(clients=[{"uri": "./" + keys[0]}, {"uri": "x/..//" + keys[1].replace("/", "/./")}])
     assert [c.uri for c in spec.clients] == keys
     assert [c.uri for c in core.inspect(spec, JOB, root, budget=TINY).clients] == uris
     spec = parse_spec(
@@ -866,7 +867,7 @@ def test_client_uris_are_kept_in_normal_form_and_read_once(root):
 
 def test_bad_client_uri_is_a_spec_error(root):
     with pytest.raises(SpecError, match=r"clients\.0\.uri"):
-        core.prepare(FedAvgJob(clients=[{"uri": "../outside"}]), JOB, root)
+        core.prepare(FedAvgSpec(clients=[{"uri": "../outside"}]), JOB, root)
 
 
 # --- plan geometry and sizing -------------------------------------------------------------------------------
@@ -917,12 +918,12 @@ def test_real_budget_shards_are_at_least_5_mib_except_the_last(root):
         "c": np.zeros(1001, np.float64),
     }
     uris = put_clients(root, [up, up], [1, 1])
-    plan = core.inspect(FedAvgJob(clients=[{"uri": u} for u in uris], shards=50), JOB, root)
+    plan = core.inspect(FedAvgSpec(clients=[{"uri": u} for u in uris], shards=50), JOB, root)
     sizes = [b - a for a, b in zip(plan.bounds, plan.bounds[1:], strict=False)]
     assert len(sizes) == 3 and plan.notes  # 16 MiB: three shards of >= 5 MiB, the request was lowered
     assert all(s >= 5 * MiB for s in sizes[:-1])
     plan = core.inspect(
-        FedAvgJob(clients=[{"uri": u} for u in uris]), JOB, root, budget=Budget(target_shard_bytes=MiB)
+        FedAvgSpec(clients=[{"uri": u} for u in uris]), JOB, root, budget=Budget(target_shard_bytes=MiB)
     )
     sizes = [b - a for a, b in zip(plan.bounds, plan.bounds[1:], strict=False)]
     assert len(sizes) == 3 and all(s >= 5 * MiB for s in sizes[:-1])
@@ -934,7 +935,7 @@ def test_task_loads_count_the_reads_the_tasks_make_and_memory_is_flat_in_n(root)
     names = sorted(updates[0])
     orders = [names, names[::-1]] * 3  # two layouts: the reversed clients need one read per segment
     uris = put_clients(root, updates, [1] * 6, orders)
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], shards=4)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], shards=4)
     planned = core.prepare(spec, JOB, root, budget=TINY)
     plan = core.load_plan(root, JOB)
     loads = task_loads(plan)
@@ -943,7 +944,7 @@ def test_task_loads_count_the_reads_the_tasks_make_and_memory_is_flat_in_n(root)
     assert loads["aggregate"].tasks == planned["shards"] and loads["prepare"].gets == 1 + 3 * 6
     # memory: the mean's per-task peak does not depend on N; the robust one is bounded by robust_bytes
     small, large = (
-        task_loads(core.inspect(FedAvgJob(clients=[{"uri": u} for u in uris[:k]]), JOB, root))["aggregate"]
+        task_loads(core.inspect(FedAvgSpec(clients=[{"uri": u} for u in uris[:k]]), JOB, root))["aggregate"]
         for k in (2, 6)
     )
     # only the plan document (one row per client) grows: a few hundred bytes per client
@@ -954,7 +955,7 @@ def test_task_loads_count_the_reads_the_tasks_make_and_memory_is_flat_in_n(root)
     }
     assert 0 <= large.peak_bytes - small.peak_bytes <= 1024 * (6 - 2) and large.peak_bytes < 512 * MiB
     robust = task_loads(
-        core.inspect(FedAvgJob(clients=[{"uri": u} for u in uris], aggregator="median"), JOB, root)
+        core.inspect(FedAvgSpec(clients=[{"uri": u} for u in uris], aggregator="median"), JOB, root)
     )
     assert robust["aggregate"].peak_bytes < 1769 * MiB
 
@@ -964,7 +965,7 @@ def test_task_loads_count_the_reads_the_tasks_make_and_memory_is_flat_in_n(root)
 
 def test_handlers_run_the_job_and_retries_are_idempotent(root, clients7):
     updates, weights, uris = clients7
-    spec = FedAvgJob(clients=client_specs(uris, weights), shards=3)
+    spec = FedAvgSpec(clients=client_specs(uris, weights), shards=3)
     spec_uri = store.uri.join(root, "jobs", JOB, "spec.json")
     store.put(spec_uri, spec.model_dump_json().encode())
     state = {"job_id": JOB, "spec_uri": spec_uri, "store_root": root}
@@ -999,7 +1000,7 @@ def test_a_model_without_data_and_a_single_client(root):
     uris = put_clients(
         root, [{"empty": np.zeros((0,), np.float32)}, {"empty": np.zeros((0,), np.float32)}], [1, 1]
     )
-    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris]), root)
+    result = run_job(FedAvgSpec(clients=[{"uri": u} for u in uris]), root)
     assert (
         result["data_bytes"] == 0 and result["shards"] == 1 and load(result["output"])["empty"].shape == (0,)
     )
@@ -1007,7 +1008,7 @@ def test_a_model_without_data_and_a_single_client(root):
     uris = put_clients(root, [up], [5])
     got = load(
         run_job(
-            FedAvgJob(clients=[{"uri": uris[0]}], shards=4), root, job_id="fedavg-20260101T000000-000007"
+            FedAvgSpec(clients=[{"uri": uris[0]}], shards=4), root, job_id="fedavg-20260101T000000-000007"
         )["output"]
     )
     want = reference([up], [5.0])
@@ -1017,5 +1018,5 @@ def test_a_model_without_data_and_a_single_client(root):
 def test_a_plan_whose_task_would_not_fit_the_function_memory_is_refused(root):
     uris = put_clients(root, [good(), good()], [1, 1])
     with pytest.raises(PlanError, match="MiB but the function has 128 MiB"):
-        core.prepare(FedAvgJob(clients=[{"uri": u} for u in uris]), JOB, root, budget=Budget(memory_mb=128))
+        core.prepare(FedAvgSpec(clients=[{"uri": u} for u in uris]), JOB, root, budget=Budget(memory_mb=128))
     assert not store.exists(core.plan_uri(root, JOB))

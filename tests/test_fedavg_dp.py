@@ -20,7 +20,7 @@ from shardfold.functions.errors import BudgetExceeded, InvalidModelFile, PlanErr
 from shardfold.functions.fedavg import core, dp
 from shardfold.functions.fedavg.kind import KIND
 from shardfold.functions.fedavg.sizing import Budget
-from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.specs import parse_spec
 
 JOB = "fedavg-20260101T000000-0dp0dp"
@@ -41,7 +41,7 @@ def no_noise(monkeypatch):
 FACTORS: dict[str, np.ndarray] = {}  # job id -> the clip factors it used (commit removes them)
 
 
-def run_dp(spec: FedAvgJob, root: str, job_id: str = JOB) -> dict:
+def run_dp(spec: FedAvgSpec, root: str, job_id: str = JOB) -> dict:
     """The workflow's steps in order, in this process: prepare, norms per shard, clip, aggregate, commit."""
     planned = core.prepare(spec, job_id, root, budget=TINY)
     for item in store.get_json(planned["norms"]["uri"]):
@@ -114,7 +114,7 @@ def test_clipping_is_exact_against_an_in_memory_reference(root, no_noise, shards
         base_uri = store.uri.join(root, "global.safetensors")
         store.put(base_uri, encode(base))
         doc["dp"]["base"] = base_uri
-    spec = FedAvgJob(**{**doc, "shards": shards})
+    spec = FedAvgSpec(**{**doc, "shards": shards})
     result = run_dp(spec, root)
     assert result["shards"] == shards
     # the clip factors: the whole-model norms summed in another order, so equal to float64 rounding
@@ -135,10 +135,10 @@ def test_integer_tensors_are_the_bases_and_need_a_base(root, no_noise):
     ups = [{"w": base["w"] + 0.1 * i, "steps": np.array(100 + i, np.int64)} for i in range(3)]
     uris = put_clients(root, ups)
     with pytest.raises(PlanError, match="tensor 'steps' is I64: a DP round takes integer and bool tensors"):
-        core.prepare(FedAvgJob(**spec_doc(uris)), JOB, root, budget=TINY)
+        core.prepare(FedAvgSpec(**spec_doc(uris)), JOB, root, budget=TINY)
     base_uri = store.uri.join(root, "global.safetensors")
     store.put(base_uri, encode(base))
-    result = run_dp(FedAvgJob(**spec_doc(uris, base=base_uri)), root, job_id=JOB.replace("0dp0dp", "1dp1dp"))
+    result = run_dp(FedAvgSpec(**spec_doc(uris, base=base_uri)), root, job_id=JOB.replace("0dp0dp", "1dp1dp"))
     assert load(result["output"])["steps"] == 7
 
 
@@ -148,7 +148,7 @@ def test_an_update_with_nan_or_inf_counts_as_zero_and_fails_nothing(root, no_noi
     updates[1]["w"][3, 4] = np.nan
     updates[2]["h"][0] = np.inf
     uris = put_clients(root, updates)
-    result = run_dp(FedAvgJob(**spec_doc(uris, clip_norm=100.0)), root)
+    result = run_dp(FedAvgSpec(**spec_doc(uris, clip_norm=100.0)), root)
     want, factors = dp_reference(updates, None, 100.0, 3)
     assert factors == [1.0, 0.0, 0.0]
     got = load(result["output"])
@@ -157,7 +157,7 @@ def test_an_update_with_nan_or_inf_counts_as_zero_and_fails_nothing(root, no_noi
 
 def test_the_output_holds_nothing_that_depends_on_the_clients_but_the_noisy_mean(root, no_noise):
     uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(3)], num_examples=[5, 6, 7])
-    result = run_dp(FedAvgJob(**spec_doc(uris)), root)
+    result = run_dp(FedAvgSpec(**spec_doc(uris)), root)
     raw = store.get(result["output"])
     meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
     assert "num_examples" not in meta and "shardfold_clients" not in meta
@@ -170,7 +170,7 @@ def test_the_noise_has_the_mechanisms_variance(root):
     n_el = 20_000
     zeros = {"w": np.zeros(n_el, np.float64)}
     uris = put_clients(root, [zeros, zeros])
-    spec = FedAvgJob(**spec_doc(uris, clip_norm=3.0, noise_multiplier=0.7, expected_clients=4), shards=2)
+    spec = FedAvgSpec(**spec_doc(uris, clip_norm=3.0, noise_multiplier=0.7, expected_clients=4), shards=2)
     result = run_dp(spec, root)
     noise = load(result["output"])["w"]
     sigma = 0.7 * 3.0 / 4
@@ -183,10 +183,10 @@ def test_the_noise_has_the_mechanisms_variance(root):
     assert abs(np.corrcoef(noise[:half], noise[half : 2 * half])[0, 1]) < 5 / math.sqrt(half)
 
 
-def clipped_round(root: str) -> FedAvgJob:
+def clipped_round(root: str) -> FedAvgSpec:
     """A 2-client, 2-shard DP round taken up to its aggregate step; its spec."""
     uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
-    spec = FedAvgJob(**spec_doc(uris), shards=2)
+    spec = FedAvgSpec(**spec_doc(uris), shards=2)
     planned = core.prepare(spec, JOB, root, budget=TINY)
     for k in range(planned["shards"]):
         core.norms(spec, JOB, root, k)
@@ -201,7 +201,7 @@ def test_a_failed_rounds_scrub_deletes_every_clients_clip_factor(root):
     assert core.scrub(spec, JOB, root)["removed"] >= 1
     assert not store.exists(core.clip_uri(root, JOB))
     assert not store.list_uris(core.job_uri(root, JOB, core.STAGE, "norms") + "/")
-    plain = FedAvgJob(clients=spec.clients)  # a round without DP has nothing to scrub
+    plain = FedAvgSpec(clients=spec.clients)  # a round without DP has nothing to scrub
     assert core.scrub(plain, JOB, root) == {"removed": 0}
 
 
@@ -228,7 +228,7 @@ def test_of_two_concurrent_aggregate_attempts_one_part_stands(root, monkeypatch)
 def test_each_round_charges_the_federations_ledger_once(root):
     uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
     z = 2.0
-    spec = FedAvgJob(**spec_doc(uris, noise_multiplier=z, dataset_budget_rho=0.3))
+    spec = FedAvgSpec(**spec_doc(uris, noise_multiplier=z, dataset_budget_rho=0.3))
     result = run_dp(spec, root)
     rho = result["privacy"]["rho_spent"]
     assert 1 / (2 * z**2) <= rho <= 1 / (2 * z**2) * 1.001  # OpenDP's map: the ideal plus its grid's rounding
@@ -253,7 +253,7 @@ def test_a_dpquery_ledger_is_not_a_federations(root):
     ledger.reserve(root, "people", "dpquery-job", 0.1, 1.0)  # a dataset's ledger (rows)
     uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
     with pytest.raises(SpecError, match="budget ledger of a dataset's rows") as exc:
-        core.prepare(FedAvgJob(**spec_doc(uris, dataset_id="people")), JOB, root, budget=TINY)
+        core.prepare(FedAvgSpec(**spec_doc(uris, dataset_id="people")), JOB, root, budget=TINY)
     assert exc.value.errors[0]["field"] == "dataset_id"
 
 
@@ -265,7 +265,7 @@ def test_the_rounds_tensors_are_the_bases_and_a_client_unlike_it_is_the_odd_one(
     base_uri = store.uri.join(root, "global.safetensors")
     store.put(base_uri, encode({"w": np.zeros((16, 12), np.float32)}))
     with pytest.raises(InvalidModelFile, match=r"client 0 \(.*\): its tensors are not the round's"):
-        core.prepare(FedAvgJob(**spec_doc(uris, base=base_uri)), JOB, root, budget=TINY)
+        core.prepare(FedAvgSpec(**spec_doc(uris, base=base_uri)), JOB, root, budget=TINY)
 
 
 @pytest.mark.parametrize(
@@ -398,7 +398,7 @@ def test_a_dp_shard_that_could_not_finish_is_refused_before_any_budget_is_reserv
     """shards=1 on a model whose one shard's noise would outlast its share of the timeout."""
     monkeypatch.setattr(dp, "NOISE_SAMPLES_PER_S", 0.1)  # as if OpenDP drew a sample in 10 s
     uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
-    spec = FedAvgJob(**spec_doc(uris), shards=1)
+    spec = FedAvgSpec(**spec_doc(uris), shards=1)
     with pytest.raises(PlanError, match="raise 'shards' to"):
         core.prepare(spec, JOB, root, budget=TINY)
     assert ledger.read(root, "fed").entries == []
@@ -408,7 +408,7 @@ def test_the_aggregate_task_checks_the_clip_factors_it_reads(root):
     """A clip document of the wrong length, or a factor above 1 (an unclipped update), is refused before
     any noise is drawn or part written."""
     uris = put_clients(root, [model(np.random.default_rng(i)) for i in range(2)])
-    spec = FedAvgJob(**spec_doc(uris))
+    spec = FedAvgSpec(**spec_doc(uris))
     core.prepare(spec, JOB, root, budget=TINY)
     core.norms(spec, JOB, root, 0)
     core.clip(spec, JOB, root)

@@ -17,7 +17,7 @@ from test_fedavg_core import JOB, TINY, bad_files, encode, good, load, put_clien
 from shardfold.functions import store
 from shardfold.functions.errors import InvalidModelFile, ObjectNotFound, SpecError, TooFewClients
 from shardfold.functions.fedavg import core
-from shardfold.functions.fedavg.spec import MAX_WAIT_S, FedAvgJob
+from shardfold.functions.fedavg.spec import MAX_WAIT_S, FedAvgSpec
 from shardfold.functions.specs import parse_spec
 
 
@@ -50,7 +50,7 @@ def test_a_bad_update_is_left_out_naming_why_and_the_rest_are_averaged(root, cas
         store.delete(uris[1])
     else:
         store.put(uris[1], data)
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=3)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=3)
     result = run_job(spec, root)
     assert result["clients"] == 3 and result["clients_listed"] == 4
     ((left,),) = [result["excluded"]]
@@ -59,7 +59,7 @@ def test_a_bad_update_is_left_out_naming_why_and_the_rest_are_averaged(root, cas
     assert result["total_weight"] == 3 + 7 + 11  # weights renormalised over the remaining clients
     assert_round_of(result, ups, weights, [0, 2, 3])
     # the same round without the bad client: the same bytes, and the output's header counts the clients
-    alone = FedAvgJob(clients=[{"uri": uris[i]} for i in (0, 2, 3)])
+    alone = FedAvgSpec(clients=[{"uri": uris[i]} for i in (0, 2, 3)])
     other = run_job(alone, root, job_id=JOB.replace("abcdef", "bcdefa"))
     assert store.get(other["output"]) == store.get(result["output"])
     assert b'"shardfold_clients":"3"' in store.get(result["output"])[:4096]
@@ -69,14 +69,14 @@ def test_without_min_clients_the_first_bad_update_still_fails_the_round(root):
     uris = put_clients(root, updates(3), [1, 2, 3])
     store.delete(uris[2])
     with pytest.raises(ObjectNotFound, match=r"client 2 \("):
-        run_job(FedAvgJob(clients=[{"uri": u} for u in uris]), root)
+        run_job(FedAvgSpec(clients=[{"uri": u} for u in uris]), root)
 
 
 def test_too_few_usable_updates_fail_the_round_listing_every_one_left_out(root):
     uris = put_clients(root, updates(5), [1, 2, 3, 4, 5])
     store.delete(uris[0])
     store.put(uris[3], b"not a model")
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=4)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=4)
     with pytest.raises(TooFewClients) as exc:
         run_job(spec, root)
     msg = str(exc.value)
@@ -85,7 +85,7 @@ def test_too_few_usable_updates_fail_the_round_listing_every_one_left_out(root):
     assert [e["client"] for e in exc.value.excluded] == [0, 3]
     assert not store.exists(core.output_uri(spec, root, JOB))
     # three of five is enough at min_fraction 0.6 (0.6 x 5 = 3, whatever float rounding says)
-    ok = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_fraction=0.6), root)
+    ok = run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], min_fraction=0.6), root)
     assert ok["clients"] == 3 and [e["client"] for e in ok["excluded"]] == [0, 3]
 
 
@@ -102,7 +102,7 @@ def test_too_few_usable_updates_fail_the_round_listing_every_one_left_out(root):
     ],
 )
 def test_required_clients(n, kw, need):
-    spec = FedAvgJob(clients=[{"uri": f"c{i}"} for i in range(n)], **kw)
+    spec = FedAvgSpec(clients=[{"uri": f"c{i}"} for i in range(n)], **kw)
     assert spec.required_clients == need and spec.tolerant == bool(kw)
 
 
@@ -136,7 +136,7 @@ def test_the_round_takes_the_tensors_most_clients_have_not_client_0s(root):
     ups, weights = updates(4), [2.0, 3.0, 5.0, 7.0]
     uris = put_clients(root, ups, [int(w) for w in weights])
     store.put(uris[0], encode({**good(), "a": good()["a"].reshape(2, 8)}, {"num_examples": "2"}))
-    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2), root)
+    result = run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2), root)
     ((left,),) = [result["excluded"]]
     assert left["client"] == 0 and "tensor 'a' has shape [2, 8], but client 1's has [4, 4]" in left["reason"]
     assert_round_of(result, ups, weights, [1, 2, 3])
@@ -147,7 +147,7 @@ def test_a_tie_between_tensor_sets_goes_to_the_earliest_client(root):
     uris = put_clients(root, ups, [1, 1, 1, 1])
     for i in (1, 3):
         store.put(uris[i], encode({"z": np.ones(3, np.float32)}, {"num_examples": "1"}))
-    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2), root)
+    result = run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2), root)
     assert [e["client"] for e in result["excluded"]] == [1, 3]
     assert all("has no tensor 'a', which client 0 has" in e["reason"] for e in result["excluded"])
 
@@ -155,12 +155,12 @@ def test_a_tie_between_tensor_sets_goes_to_the_earliest_client(root):
 def test_a_needed_weight_that_is_missing_leaves_the_client_out(root):
     ups = updates(3)
     uris = put_clients(root, ups, [4, None, 6])
-    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_fraction=0.5), root)
+    result = run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], min_fraction=0.5), root)
     assert [e["client"] for e in result["excluded"]] == [1]
     assert "no 'num_examples'" in result["excluded"][0]["reason"]
     assert_round_of(result, ups, [4.0, 0.0, 6.0], [0, 2])
     # a uniform round needs no weight: nobody is left out
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=1, uniform=True)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=1, uniform=True)
     uniform = run_job(spec, root, job_id=JOB.replace("abcdef", "fedcba"))
     assert uniform["excluded"] == [] and uniform["clients"] == 3
 
@@ -169,7 +169,7 @@ def test_integer_policy_first_takes_the_first_client_in_the_round(root):
     ups = [{"a": np.full(2, float(i), np.float32), "b": np.full(2, 10 + i, np.int64)} for i in range(3)]
     uris = put_clients(root, ups, [1, 1, 1])
     store.delete(uris[0])
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2, integer_policy="first")
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2, integer_policy="first")
     assert load(run_job(spec, root)["output"])["b"].tolist() == [11, 11]
 
 
@@ -178,7 +178,7 @@ def test_an_error_found_while_aggregating_names_the_client_by_its_place_in_the_s
     ups[3]["a"][1, 1] = np.nan
     uris = put_clients(root, ups, [1, 1, 1, 1])
     store.delete(uris[1])
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=3)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=3)
     with pytest.raises(InvalidModelFile) as exc:
         run_job(spec, root)
     assert f"client 3 ({uris[3]})" in str(exc.value) and exc.value.client == 3
@@ -193,7 +193,7 @@ def test_wait_s_waits_for_a_late_update_and_no_longer(root, monkeypatch):
     timer = threading.Timer(0.3, store.put, (uris[2], late))
     timer.start()
     try:
-        spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=30)
+        spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=30)
         result = run_job(spec, root)
     finally:
         timer.cancel()
@@ -201,7 +201,7 @@ def test_wait_s_waits_for_a_late_update_and_no_longer(root, monkeypatch):
     assert_round_of(result, ups, weights, [0, 1, 2])
     # nobody comes: after wait_s the round goes on without the missing client
     store.delete(uris[2])
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=0.2)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=0.2)
     result = run_job(spec, root, job_id=JOB.replace("abcdef", "fedcba"))
     assert [e["client"] for e in result["excluded"]] == [2]
 
@@ -209,7 +209,7 @@ def test_wait_s_waits_for_a_late_update_and_no_longer(root, monkeypatch):
 def test_the_plan_document_and_manifest_count_only_the_clients_in_the_round(root):
     uris = put_clients(root, updates(4), [1, 2, 3, 4])
     store.delete(uris[2])
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=3)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=3)
     planned = core.prepare(spec, JOB, root, budget=TINY)
     assert planned["clients"] == 3 and planned["left_out"] == 1
     plan = core.load_plan(root, JOB)
@@ -223,7 +223,7 @@ def test_truncated_updates_do_not_vote_on_the_rounds_tensors(root):
     uris = put_clients(root, [{"a": np.zeros(4, np.float32)}] * 2 + [sound], [1, 1, 1])
     for u in uris[:2]:
         store.put(u, store.get(u)[:-3])
-    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=1), root)
+    result = run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=1), root)
     assert [e["client"] for e in result["excluded"]] == [0, 1] and result["clients"] == 1
     assert all("truncated" in e["reason"] for e in result["excluded"])
     assert load(result["output"])["a"].tolist() == sound["a"].tolist()
@@ -242,8 +242,8 @@ def test_an_update_whose_head_is_refused_is_left_out_naming_the_error(root, monk
         return real(batch)
 
     monkeypatch.setattr(store, "pins", pins)
-    result = run_job(FedAvgJob(clients=[{"uri": u} for u in uris], min_clients=2), root)
+    result = run_job(FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2), root)
     ((left,),) = [result["excluded"]]
     assert left["client"] == 1 and "AccessDenied" in left["reason"]
     with pytest.raises(StoreError, match="AccessDenied"):  # every update needed: the round fails
-        run_job(FedAvgJob(clients=[{"uri": u} for u in uris]), root, job_id=JOB.replace("abcdef", "fedcba"))
+        run_job(FedAvgSpec(clients=[{"uri": u} for u in uris]), root, job_id=JOB.replace("abcdef", "fedcba"))

@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 from shardfold.functions import store
 from shardfold.functions.fedavg import core
 from shardfold.functions.fedavg.sizing import RUNTIME_BYTES, Budget, MiB, task_loads
-from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.specs import dump_spec
 from shardfold.functions.store.uri import join
 
@@ -72,7 +72,7 @@ def run_task(children, model_dir: Path, n: int, aggregator: str) -> tuple[dict, 
     """Plan here, run shard 0 in a fresh interpreter; (its stats, predicted buffer bytes, data bytes)."""
     root = store.uri.store_root()
     uris = [f"file://{model_dir / f'client-{i:03d}.safetensors'}" for i in range(n)]
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], shards=1, aggregator=aggregator)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], shards=1, aggregator=aggregator)
     job_id = f"fedavg-20260101T000000-{n:06x}"
     spec_uri = join(root, "jobs", job_id, "spec.json")
     store.put_json(spec_uri, dump_spec(spec))

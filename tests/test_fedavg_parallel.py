@@ -20,7 +20,7 @@ from shardfold.functions import store
 from shardfold.functions.fedavg import core, kernels, sizing
 from shardfold.functions.fedavg.layout import DTYPES
 from shardfold.functions.fedavg.sizing import Budget, MiB, choose_shards, task_loads, workers_for
-from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgSpec
 
 JOB = "fedavg-20260101T000000-0c0c0c"
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -96,7 +96,7 @@ def sixteen_mib(root: str) -> list[str]:
 def test_a_local_plan_has_a_shard_per_core_and_no_larger_task_peak(root, monkeypatch):
     uris = sixteen_mib(root)
     monkeypatch.setattr(sizing.os, "cpu_count", lambda: 3)
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris])
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris])
     plan = core.inspect(spec, JOB, root)  # the default budget: the deployed sizes, this machine's cores
     assert plan.budget.workers == 3 and plan.shards == 3
     sizes = [b - a for a, b in zip(plan.bounds, plan.bounds[1:], strict=False)]
@@ -117,7 +117,7 @@ def test_a_local_plan_has_a_shard_per_core_and_no_larger_task_peak(root, monkeyp
 
 def test_the_output_is_the_same_bits_with_a_shard_per_core(root, monkeypatch):
     uris = sixteen_mib(root)
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris])
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris])
     outs = []
     for cores, job in ((1, JOB), (3, JOB.replace("0c0c0c", "0d0d0d"))):
         monkeypatch.setattr(sizing.os, "cpu_count", lambda cores=cores: cores)

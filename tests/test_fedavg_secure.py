@@ -16,7 +16,7 @@ from shardfold.client.fedavg import UpdateError
 from shardfold.functions import store
 from shardfold.functions.errors import InvalidModelFile, ObjectNotFound, SpecError
 from shardfold.functions.fedavg import core, secagg
-from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.specs import parse_spec
 
 JOB = "fedavg-20260101T000000-5ec5ec"
@@ -69,7 +69,7 @@ def quantised(ups: list, n: int) -> list[np.ndarray]:
     return out
 
 
-def run(spec: FedAvgJob, root: str, job_id: str = JOB) -> dict:
+def run(spec: FedAvgSpec, root: str, job_id: str = JOB) -> dict:
     planned = core.prepare(spec, job_id, root)
     for item in store.get_json(planned["manifest"]["uri"]):
         core.aggregate(spec, job_id, root, item["shard"])
@@ -90,7 +90,7 @@ def test_the_masks_cancel_and_the_job_returns_the_dequantised_plain_sum(client):
     assert total.dtype == np.uint32 and np.array_equal(total, want_total)  # the masks cancel exactly
     assert not any(np.array_equal(m, q) for m, q in zip(masked, plain, strict=True))  # and each one masks
 
-    result = run(FedAvgJob(clients=[{"uri": u} for u in uris], secure=True), client.store_root)
+    result = run(FedAvgSpec(clients=[{"uri": u} for u in uris], secure=True), client.store_root)
     out = client.fedavg.load(result["output"])
     params = secagg.RoundParams.from_json(client.fedavg.metadata(uris[0])[secagg.METADATA_KEY])
     mean = secagg.dequantise(want_total, params, 4).astype(np.float32)
@@ -129,20 +129,20 @@ def test_a_missing_masked_update_fails_the_round_naming_it(client):
     uris = secure_round(client, updates(3))
     store.delete(uris[2])
     with pytest.raises(ObjectNotFound, match=r"client 2 \("):
-        run(FedAvgJob(clients=[{"uri": u} for u in uris], secure=True), client.store_root)
+        run(FedAvgSpec(clients=[{"uri": u} for u in uris], secure=True), client.store_root)
     # listing only the two that came is refused too: their masks would not cancel
     with pytest.raises(InvalidModelFile, match="masked for a round of 3 clients"):
-        run(FedAvgJob(clients=[{"uri": u} for u in uris[:2]], secure=True), client.store_root)
+        run(FedAvgSpec(clients=[{"uri": u} for u in uris[:2]], secure=True), client.store_root)
 
 
 def test_updates_of_other_rounds_or_unmasked_ones_are_refused_naming_the_client(client):
     a = secure_round(client, updates(2), "rounds/a")
     b = secure_round(client, updates(2), "rounds/b")
     with pytest.raises(InvalidModelFile, match=r"client 1 \(.*\): masked for another round"):
-        run(FedAvgJob(clients=[{"uri": a[0]}, {"uri": b[1]}], secure=True), client.store_root)
+        run(FedAvgSpec(clients=[{"uri": a[0]}, {"uri": b[1]}], secure=True), client.store_root)
     plain = [client.fedavg.save_update(u, f"plain/{i}.safetensors") for i, u in enumerate(updates(2))]
     with pytest.raises(InvalidModelFile, match="not a masked update's U32"):
-        run(FedAvgJob(clients=[{"uri": u} for u in plain], secure=True), client.store_root)
+        run(FedAvgSpec(clients=[{"uri": u} for u in plain], secure=True), client.store_root)
 
 
 def test_the_sdk_refuses_what_it_cannot_mask(client):

@@ -9,7 +9,7 @@ import pytest
 from shardfold.functions import store
 from shardfold.functions.errors import BatchItemError, SpecError, TooManySoftErrors
 from shardfold.functions.getbatch import core
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.store.tar import write_tar
 
 
@@ -23,7 +23,7 @@ def root(tmp_path, monkeypatch):
 
 
 def run_job(
-    spec: GetBatchJob, root: str, job_id: str = "getbatch-20260101T000000-abcdef", say_parts: bool = True
+    spec: GetBatchSpec, root: str, job_id: str = "getbatch-20260101T000000-abcdef", say_parts: bool = True
 ) -> dict:
     planned = core.prepare(spec, job_id, root)
     for part in store.get_json(planned["manifest"]["uri"]):
@@ -44,7 +44,7 @@ def members(uri: str) -> list[tuple[str, bytes]]:
 )
 def test_archive_equals_single_tar_of_whole_request(root, items_per_part, say_parts):
     uris = [f"data/obj-{i:03d}.bin" for i in (5, 0, 22, 5, 9, 3, 17, 1, 1, 12)]
-    spec = GetBatchJob(items=[{"uri": u} for u in uris], items_per_part=items_per_part)
+    spec = GetBatchSpec(items=[{"uri": u} for u in uris], items_per_part=items_per_part)
     result = run_job(spec, root, say_parts=say_parts)
     assert result["items"] == len(uris) and result["errors"] == 0
     got = members(result["archive"])
@@ -60,7 +60,7 @@ def test_archive_equals_single_tar_of_whole_request(root, items_per_part, say_pa
 
 
 def test_missing_item_with_continue_on_error_keeps_neighbours(root):
-    spec = GetBatchJob(
+    spec = GetBatchSpec(
         items=[{"uri": "data/obj-001.bin"}, {"uri": "data/nope.bin"}, {"uri": "data/obj-002.bin"}],
         continue_on_error=True,
         items_per_part=2,
@@ -76,7 +76,7 @@ def test_missing_item_with_continue_on_error_keeps_neighbours(root):
 
 def test_missing_item_strict_fails_and_writes_no_archive(root):
     items = [{"uri": "data/obj-001.bin"}] * 3 + [{"uri": "data/nope.bin"}]
-    spec = GetBatchJob(items=items, items_per_part=2)
+    spec = GetBatchSpec(items=items, items_per_part=2)
     job_id = "getbatch-20260101T000000-000001"
     planned = core.prepare(spec, job_id, root)
     core.gather(spec, job_id, root, 0)
@@ -90,7 +90,7 @@ def test_missing_item_strict_fails_and_writes_no_archive(root):
 
 def test_soft_error_budget_is_enforced_across_parts(root):
     items = [{"uri": f"data/missing-{i}.bin"} for i in range(3)] + [{"uri": "data/obj-001.bin"}]
-    spec = GetBatchJob(items=items, continue_on_error=True, max_soft_errors=2, items_per_part=1)
+    spec = GetBatchSpec(items=items, continue_on_error=True, max_soft_errors=2, items_per_part=1)
     with pytest.raises(TooManySoftErrors, match="max_soft_errors=2"):
         run_job(spec, root)
 
@@ -98,7 +98,7 @@ def test_soft_error_budget_is_enforced_across_parts(root):
 def test_manifest_jsonl_and_bare_uris(root):
     manifest = store.uri.join(root, "requests", "r.jsonl")
     store.put(manifest, b'"data/obj-004.bin"\n{"uri": "data/obj-006.bin", "start": 2, "length": 3}\n')
-    result = run_job(GetBatchJob(manifest="requests/r.jsonl"), root)
+    result = run_job(GetBatchSpec(manifest="requests/r.jsonl"), root)
     got = members(result["archive"])
     assert [d for _, d in got] == [bytes([4]) * 104, bytes([6]) * 3]
 
@@ -107,14 +107,14 @@ def test_bad_manifest_item_is_named(root):
     manifest = store.uri.join(root, "requests", "bad.json")
     store.put(manifest, json.dumps([{"uri": "data/obj-001.bin"}, {"uri": "x", "start": -1}]).encode())
     with pytest.raises(SpecError, match=r"items\.1"):
-        core.prepare(GetBatchJob(manifest="requests/bad.json"), "getbatch-20260101T000000-000002", root)
+        core.prepare(GetBatchSpec(manifest="requests/bad.json"), "getbatch-20260101T000000-000002", root)
 
 
 def test_manifest_that_is_not_utf8_names_the_manifest_and_line(root):
     manifest = store.uri.join(root, "requests", "latin1.jsonl")
     store.put(manifest, b'"data/obj-001.bin"\n"data/caf\xe9.bin"\n')
     with pytest.raises(SpecError, match=r"manifest requests/latin1\.jsonl, line 2: not UTF-8") as info:
-        core.load_items(GetBatchJob(manifest="requests/latin1.jsonl"), root)
+        core.load_items(GetBatchSpec(manifest="requests/latin1.jsonl"), root)
     assert info.value.errors[0]["field"] == "manifest"
 
 
@@ -122,7 +122,7 @@ def test_manifest_line_that_is_not_json_is_named(root):
     manifest = store.uri.join(root, "requests", "r.jsonl")
     store.put(manifest, b'"data/obj-001.bin"\n\n{"uri": "data/obj-002.bin",\n')
     with pytest.raises(SpecError, match=r"r\.jsonl, line 3: not a JSON value"):
-        core.load_items(GetBatchJob(manifest="requests/r.jsonl"), root)
+        core.load_items(GetBatchSpec(manifest="requests/r.jsonl"), root)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +141,7 @@ def test_manifest_item_of_the_wrong_type_is_named(root, bad, field, says, form):
     text = json.dumps(docs) if form == "array" else "".join(json.dumps(d) + "\n" for d in docs)
     store.put(store.uri.join(root, "requests", "m"), text.encode())
     with pytest.raises(SpecError) as info:
-        core.load_items(GetBatchJob(manifest="requests/m"), root)
+        core.load_items(GetBatchSpec(manifest="requests/m"), root)
     (err,) = info.value.errors
     assert err["field"] == field and says in err["error"]
     assert "pydantic" not in str(info.value) and "BatchItem" not in str(info.value)
@@ -151,7 +151,7 @@ def test_manifest_item_of_the_wrong_type_is_named(root, bad, field, says, form):
 
 
 def test_assemble_is_idempotent(root):
-    spec = GetBatchJob(items=[{"uri": "data/obj-001.bin"}, {"uri": "data/obj-002.bin"}], items_per_part=1)
+    spec = GetBatchSpec(items=[{"uri": "data/obj-001.bin"}, {"uri": "data/obj-002.bin"}], items_per_part=1)
     job_id = "getbatch-20260101T000000-000003"
     first = run_job(spec, root, job_id)
     again = core.assemble(spec, job_id, root, 2)
@@ -160,7 +160,7 @@ def test_assemble_is_idempotent(root):
 
 def test_assemble_removes_the_scratch_and_a_retried_assemble_too(root):
     job_id = "getbatch-20260101T000000-0000aa"
-    spec = GetBatchJob(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in range(6)], items_per_part=2)
+    spec = GetBatchSpec(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in range(6)], items_per_part=2)
     result = run_job(spec, root, job_id)
     scratch = core.job_uri(root, job_id, "getbatch") + "/"
     assert not store.list_uris(scratch)  # part lists, fragments, status rows
@@ -171,7 +171,7 @@ def test_assemble_removes_the_scratch_and_a_retried_assemble_too(root):
 
 def test_the_only_part_commits_the_archive_status_and_result_itself(root):
     job_id = "getbatch-20260101T000000-0000bb"
-    spec = GetBatchJob(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in (3, 1, 5)])
+    spec = GetBatchSpec(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in (3, 1, 5)])
     planned = core.prepare(spec, job_id, root)
     (part,) = store.get_json(planned["manifest"]["uri"])
     assert part["inline"]  # nothing pinned: no part list, gather reads the items from the spec

@@ -345,10 +345,10 @@ def test_a_folder_that_cannot_do_the_task_is_refused_at_submit(client, folders, 
 
 def test_auto_chooses_vllm_only_on_a_gpu_worker_that_has_it(folders, monkeypatch):
     from shardfold.functions.inference import compute, vllm_engine
-    from shardfold.functions.inference.spec import InferenceJob
+    from shardfold.functions.inference.spec import InferenceSpec
 
-    def spec(engine: str) -> InferenceJob:
-        return InferenceJob.model_validate(
+    def spec(engine: str) -> InferenceSpec:
+        return InferenceSpec.model_validate(
             generate_spec("file:///p.jsonl", folders["lm"], generation={"engine": engine})
         )
 

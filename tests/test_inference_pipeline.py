@@ -13,7 +13,7 @@ from shardfold.functions.errors import BadInputError, SpecError
 from shardfold.functions.inference import pipeline
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference.preprocess import decode_shard, load_tokenizer
-from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.spec import InferenceSpec
 from shardfold.functions.specs import parse_spec
 
 JOB = "inference-20260101T000000-abcdef"
@@ -47,11 +47,11 @@ def put_parquet(root: str, key: str, table: pa.Table, row_group_size: int) -> st
     return key
 
 
-def spec_of(**kw) -> InferenceJob:
+def spec_of(**kw) -> InferenceSpec:
     return parse_spec({"kind": "inference", "field": "text", **kw})
 
 
-def run_cpu(spec: InferenceJob, root: str) -> dict:
+def run_cpu(spec: InferenceSpec, root: str) -> dict:
     planned = pipeline.prepare(spec, JOB, root)
     for item in store.get_json(planned["manifest"]["uri"]):
         pipeline.preprocess(spec, JOB, root, item["shard"])

@@ -27,7 +27,7 @@ from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference import worker as W
 from shardfold.functions.inference.models import LoadedModel, load_model, minilm_dir
 from shardfold.functions.inference.preprocess import ShardRows, encode_shard, tokenize
-from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.spec import InferenceSpec
 from shardfold.functions.specs import parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,8 +128,8 @@ def make_job(root: str, job_id: str, shards: list[list[str]], model, batch_token
     return parse_spec(json.dumps(spec_doc).encode()), spec_uri
 
 
-def spec_of_tokens(max_tokens: int) -> InferenceJob:
-    return InferenceJob(inputs=["a.jsonl"], field="text", max_input_tokens=max_tokens)
+def spec_of_tokens(max_tokens: int) -> InferenceSpec:
+    return InferenceSpec(inputs=["a.jsonl"], field="text", max_input_tokens=max_tokens)
 
 
 def write_pre(root: str, job_id: str, k: int, texts: list[str]) -> None:

@@ -14,7 +14,7 @@ from shardfold.client.progress import ProgressView
 from shardfold.functions import store
 from shardfold.functions.getbatch import core as getbatch
 from shardfold.functions.getbatch.progress import progress as getbatch_progress
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 
 
 class Clock:
@@ -146,7 +146,7 @@ def root(tmp_path, monkeypatch):
 
 
 def test_getbatch_counts_items_and_bytes_part_by_part(root):
-    spec = GetBatchJob(items=[{"uri": f"data/obj-{i}.bin"} for i in range(5)], items_per_part=2)
+    spec = GetBatchSpec(items=[{"uri": f"data/obj-{i}.bin"} for i in range(5)], items_per_part=2)
     assert getbatch_progress(root, JOB) == {}  # nothing planned yet
     planned = getbatch.prepare(spec, JOB, root)
     assert getbatch_progress(root, JOB) == {
@@ -173,7 +173,7 @@ def test_fedavg_counts_the_models_bytes_shard_by_shard(root):
     from shardfold.functions.fedavg import core as fedavg
     from shardfold.functions.fedavg.progress import progress
     from shardfold.functions.fedavg.sizing import Budget
-    from shardfold.functions.fedavg.spec import FedAvgJob
+    from shardfold.functions.fedavg.spec import FedAvgSpec
 
     job = "fedavg-20260101T000000-abcdef"
     rng = np.random.default_rng(1)
@@ -181,7 +181,7 @@ def test_fedavg_counts_the_models_bytes_shard_by_shard(root):
     for i in range(3):
         uris.append(store.uri.join(root, "round", f"c{i}.safetensors"))
         store.put(uris[-1], save({"w": rng.standard_normal(64).astype(np.float32)}))
-    spec = FedAvgJob(clients=[{"uri": u} for u in uris], uniform=True, shards=4)
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], uniform=True, shards=4)
     assert progress(root, job) == {}
     planned = fedavg.prepare(spec, job, root, budget=Budget(min_shard_bytes=1, chunk_bytes=64))
     assert planned["shards"] == 4 and planned["bytes"] == 256

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from shardfold.functions import runtime, store
 from shardfold.functions.access import Grants, Right, TaskScope
 from shardfold.functions.errors import AccessDenied, SpecError
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.runtime import JobEvent, logger, task
 from shardfold.functions.store.uri import join
 from shardfold.orchestrator.invoke import LocalContext, call
@@ -40,13 +40,13 @@ def log_line() -> dict:
 
 
 @task(PartEvent, kind="getbatch")
-def gather(e: PartEvent, spec: GetBatchJob) -> dict:
+def gather(e: PartEvent, spec: GetBatchSpec) -> dict:
     seen.append({"spec": spec, "log": log_line()})
     return {"part": e.item.part, "items": len(spec.items or [])}
 
 
 @task(JobEvent, kind="getbatch", step="getbatch.custom")
-def plan(e: JobEvent, spec: GetBatchJob) -> dict:
+def plan(e: JobEvent, spec: GetBatchSpec) -> dict:
     seen.append({"spec": spec, "log": log_line()})
     return {"job": e.job_id}
 
@@ -213,7 +213,7 @@ def test_concurrent_tasks_on_threads_each_log_their_own_keys(root):
     lines: dict[str, dict] = {}
 
     @task(JobEvent, kind="getbatch", step="getbatch.wait")
-    def wait_for_all(e: JobEvent, spec: GetBatchJob) -> None:
+    def wait_for_all(e: JobEvent, spec: GetBatchSpec) -> None:
         barrier.wait(timeout=30)  # every task is inside its call before any logs
         lines[e.job_id] = log_line()
 
@@ -278,7 +278,7 @@ def test_handlers_keep_the_lambda_signature_and_their_importable_names(root):
 
 
 @task(JobEvent, kind="getbatch", step="getbatch.reach")
-def reach(e: JobEvent, spec: GetBatchJob) -> dict:
+def reach(e: JobEvent, spec: GetBatchSpec) -> dict:
     """Touches what the event names: ``writes``, ``reads`` and ``pins`` (keys under the store root); returns
     the refusal of each, or None."""
     out: dict[str, str | None] = {}
@@ -373,7 +373,7 @@ def test_a_prefix_delete_in_a_task_cannot_reach_the_ledger(root):
     store.put(join(root, "ledger/ds/entries/00000001.json"), b"{}")
 
     @task(JobEvent, kind="getbatch", step="getbatch.sweep")
-    def sweep(e: JobEvent, spec: GetBatchJob) -> int:
+    def sweep(e: JobEvent, spec: GetBatchSpec) -> int:
         return store.delete_prefix(join(e.store_root, "l"))
 
     with pytest.raises(AccessDenied, match="'ledger' right"):

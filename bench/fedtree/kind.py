@@ -19,7 +19,7 @@ class TreeClient(StrictModel):
     weight: float = Field(gt=0)
 
 
-class FedTreeJob(StrictModel):
+class FedTreeSpec(StrictModel):
     kind: Literal["fedtree"] = "fedtree"
     clients: list[TreeClient] = Field(min_length=1)
 
@@ -33,7 +33,7 @@ WORKFLOW = Workflow(kind="fedtree", steps=(GROUP, LEAVES, ROOT))
 KIND = JobKind(
     name="fedtree",
     package=__package__,
-    spec=FedTreeJob,
+    spec=FedTreeSpec,
     workflow=WORKFLOW,
     sizing="fedtree.sizing",
     rights=frozenset({Right.INPUTS}),  # reads the clients' updates; writes its job's folder only

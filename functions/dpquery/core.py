@@ -46,7 +46,7 @@ from shardfold.functions.dpquery import data, planner
 from shardfold.functions.dpquery import measure as mz
 from shardfold.functions.dpquery import reconstruct as rc
 from shardfold.functions.dpquery.planner import Plan
-from shardfold.functions.dpquery.spec import MATRIX, WHOLE_TYPES, DPQueryJob
+from shardfold.functions.dpquery.spec import MATRIX, WHOLE_TYPES, DPQuerySpec
 from shardfold.functions.dpquery.unit import ContributionBound, job_seed, unit_report
 from shardfold.functions.errors import DatasetError, InputChanged, PlanError, StoreError
 from shardfold.functions.log import logger
@@ -78,7 +78,7 @@ def _tables_uri(store_root: str, job_id: str, group: int) -> str:
     return job_uri(store_root, job_id, STAGE, "tables", f"{group:05d}.json")
 
 
-def output_prefix(spec: DPQueryJob, store_root: str, job_id: str) -> str:
+def output_prefix(spec: DPQuerySpec, store_root: str, job_id: str) -> str:
     if spec.output:
         return access.output_uri(spec.output, store_root, "output", job_id).rstrip("/")
     return job_uri(store_root, job_id, "output")
@@ -116,7 +116,7 @@ def _payload_offsets(pl: Plan) -> np.ndarray:
 # --- plan ---------------------------------------------------------------------------------------------------
 
 
-def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
+def prepare(spec: DPQuerySpec, job_id: str, store_root: str) -> dict:
     """Plan the job, validate the dataset, reserve the budget, write the plan and the manifests.
 
     Order matters: the allocation and the dataset scan raise on bad input BEFORE the ledger is touched,
@@ -195,13 +195,13 @@ def prepare(spec: DPQueryJob, job_id: str, store_root: str) -> dict:
     }
 
 
-def _bound(spec: DPQueryJob, job_id: str) -> ContributionBound | None:
+def _bound(spec: DPQuerySpec, job_id: str) -> ContributionBound | None:
     """The job's contribution bounding (None: one row is one person), seeded from the job id."""
     u = spec.privacy_unit
     return None if u is None else ContributionBound(u.id_column, u.max_rows, job_seed(job_id))
 
 
-def _check_unit(spec: DPQueryJob, dataset: str, job_id: str) -> None:
+def _check_unit(spec: DPQuerySpec, dataset: str, job_id: str) -> None:
     """Pass 1 of the contribution bounding at plan time: the id column is present and readable as ids (its
     type: a public fact), before any budget is reserved. Rows without an id are never counted, never an
     error."""
@@ -211,7 +211,7 @@ def _check_unit(spec: DPQueryJob, dataset: str, job_id: str) -> None:
     bound.finish()
 
 
-def _check_rows_bound(spec: DPQueryJob, dataset: str, identity: dict) -> None:
+def _check_rows_bound(spec: DPQuerySpec, dataset: str, identity: dict) -> None:
     """Refuse (before the ledger) a dataset that may hold more rows than the public bound N the rounding
     is charged for. The message states the bound, never the count."""
     bound = spec.rows_bound()
@@ -232,7 +232,7 @@ def _trailer(uri: str, payload_bytes: int) -> dict:
 
 
 def measure(
-    spec: DPQueryJob, job_id: str, store_root: str, group: int, *, noise: bool = True
+    spec: DPQuerySpec, job_id: str, store_root: str, group: int, *, noise: bool = True
 ) -> dict[str, Any]:
     """Measure one group of residual sets and write it once (put-if-absent). A measurement already in the
     store is read back, never redrawn. ``noise=False`` is the tests' seam: handlers never pass it."""
@@ -425,7 +425,7 @@ def general_answers(pl: Plan, j: int, values: dict[int, np.ndarray]) -> tuple[np
     return rc.answers(kinds, [int(pl.domains[a]) for a in attrs], terms, totals)
 
 
-def reconstruct(spec: DPQueryJob, job_id: str, store_root: str, group: int) -> dict[str, Any]:
+def reconstruct(spec: DPQuerySpec, job_id: str, store_root: str, group: int) -> dict[str, Any]:
     """Reconstruct one group of workload marginals and write their tables."""
     doc, pl = load_plan(store_root, job_id)
     start, stop = doc["reconstruct_groups"][group]
@@ -462,7 +462,7 @@ class _Table(NamedTuple):
     per_answer: bool
 
 
-def _identity_table(spec: DPQueryJob, pl: Plan, j: int, values: dict, meta: dict, names, v: float) -> _Table:
+def _identity_table(spec: DPQuerySpec, pl: Plan, j: int, values: dict, meta: dict, names, v: float) -> _Table:
     """An identity marginal's cells, every one of the plan's variance ``v``."""
     attrs, attributes = pl.marginal(j), spec.attributes
     terms = [(pl.residual(int(k)), values[int(k)]) for k in pl.subsets(j)]
@@ -473,7 +473,7 @@ def _identity_table(spec: DPQueryJob, pl: Plan, j: int, values: dict, meta: dict
     return _Table(tbl, estimate, v, None, {}, False)
 
 
-def _whole_table(spec: DPQueryJob, pl: Plan, j: int, values: dict, meta: dict, names, asked_whole) -> _Table:
+def _whole_table(spec: DPQuerySpec, pl: Plan, j: int, values: dict, meta: dict, names, asked_whole) -> _Table:
     """The answers of a type over the marginal as a whole (a 2-way type, an explicit matrix: the spec's
     matrices are read into ``asked_whole`` the first time one is needed), each with its variance."""
     attrs = pl.marginal(j)
@@ -488,7 +488,7 @@ def _whole_table(spec: DPQueryJob, pl: Plan, j: int, values: dict, meta: dict, n
     return _Table(tbl, estimate, float(cell_var.mean()), cell_var, asked, True)
 
 
-def _general_table(spec: DPQueryJob, pl: Plan, j: int, values: dict, meta: dict, names) -> _Table:
+def _general_table(spec: DPQuerySpec, pl: Plan, j: int, values: dict, meta: dict, names) -> _Table:
     """Per-attribute query types' answers, each with its variance."""
     attrs, kinds = pl.marginal(j), pl.marginal_types(j)
     estimate, cell_var = general_answers(pl, j, values)
@@ -534,7 +534,7 @@ def _write_table(out: _Table, j: int, names: list[str], weight: float, prefix: s
 # --- finalize -----------------------------------------------------------------------------------------------
 
 
-def finalize(spec: DPQueryJob, job_id: str, store_root: str) -> dict[str, Any]:
+def finalize(spec: DPQuerySpec, job_id: str, store_root: str) -> dict[str, Any]:
     """Sum the sampler maps, record the spend on the ledger, write ``result.json``."""
     result_uri = job_uri(store_root, job_id, "result.json")
     if store.exists(result_uri):  # a retried finalize after success: the committed result stands

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from shardfold.functions.dpquery import core
-from shardfold.functions.dpquery.spec import DPQueryJob
+from shardfold.functions.dpquery.spec import DPQuerySpec
 from shardfold.functions.runtime import JobEvent, task
 
 
@@ -25,20 +25,20 @@ class GroupEvent(JobEvent):
 
 
 @task(JobEvent, kind="dpquery")
-def prepare(e: JobEvent, spec: DPQueryJob) -> dict:
+def prepare(e: JobEvent, spec: DPQuerySpec) -> dict:
     return core.prepare(spec, e.job_id, e.store_root)
 
 
 @task(GroupEvent, kind="dpquery")
-def measure(e: GroupEvent, spec: DPQueryJob) -> dict:
+def measure(e: GroupEvent, spec: DPQuerySpec) -> dict:
     return core.measure(spec, e.job_id, e.store_root, e.item.group)
 
 
 @task(GroupEvent, kind="dpquery")
-def reconstruct(e: GroupEvent, spec: DPQueryJob) -> dict:
+def reconstruct(e: GroupEvent, spec: DPQuerySpec) -> dict:
     return core.reconstruct(spec, e.job_id, e.store_root, e.item.group)
 
 
 @task(JobEvent, kind="dpquery")
-def finalize(e: JobEvent, spec: DPQueryJob) -> dict:
+def finalize(e: JobEvent, spec: DPQuerySpec) -> dict:
     return core.finalize(spec, e.job_id, e.store_root)

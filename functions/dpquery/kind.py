@@ -6,7 +6,7 @@ from typing import Any
 
 from shardfold.functions import ledger
 from shardfold.functions.access import Right
-from shardfold.functions.dpquery.spec import DPQueryJob, marginal_name
+from shardfold.functions.dpquery.spec import DPQuerySpec, marginal_name
 from shardfold.functions.dpquery.workflow import WORKFLOW
 from shardfold.functions.kinds import JobKind
 from shardfold.functions.tables import ResultView, Table
@@ -60,7 +60,7 @@ def result_view(result: dict[str, Any]) -> ResultView:
 KIND = JobKind(
     name="dpquery",
     package=__package__,
-    spec=DPQueryJob,
+    spec=DPQuerySpec,
     workflow=WORKFLOW,
     sizing="shardfold.functions.dpquery.sizing",
     # the budget is reserved before the first noisy answer and spent when the answers are written

@@ -21,7 +21,7 @@ Allocation (``loss``):
 
 * Residual sets are indexed 0..|C|−1 in the order (size, then lexicographic); index 0 is always ∅. A set is a
   tuple of attribute indices in increasing order: :meth:`Plan.residual`.
-* Workload marginals keep the order they were given in (a spec's :meth:`DPQueryJob.marginals`), each a sorted
+* Workload marginals keep the order they were given in (a spec's :meth:`DPQuerySpec.marginals`), each a sorted
   tuple: :meth:`Plan.marginal`; :meth:`Plan.subsets` lists the residual indices S ⊆ A (ascending).
 * Coefficients are held as **natural logarithms** (``log_p``, ``log_v``, ``log_sigma2``, ``log_var``): a
   product over 100 attributes under- or overflows float64. They are finite (never −inf): every p_S, v_S,
@@ -511,7 +511,7 @@ def plan(
     queries: list | None = None,
     split_totals: bool = True,
 ) -> Plan:
-    """Plan a job: ``plan(spec)`` for a :class:`functions.dpquery.spec.DPQueryJob`, or from bare parts,
+    """Plan a job: ``plan(spec)`` for a :class:`functions.dpquery.spec.DPQuerySpec`, or from bare parts,
     ``plan(domains=[n_0, …], workload=[(attrs, weight) | attrs, …], rho=ρ, loss=…)`` with attrs tuples
     of attribute indices. Keyword arguments given with a spec override it (e.g. ``rho``).
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from shardfold.functions import pricing
-from shardfold.functions.dpquery.spec import QUERY_TYPES, WHOLE_TYPES, DPQueryJob, marginal_name
+from shardfold.functions.dpquery.spec import QUERY_TYPES, WHOLE_TYPES, DPQuerySpec, marginal_name
 from shardfold.functions.dpquery.workflow import (
     FINALIZE,
     MEASURE,
@@ -283,7 +283,7 @@ def marginal_rows(spec: Any, pl: Any) -> tuple[str, list[list[Any]]]:
     return title, rows
 
 
-def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
+def probe(spec: DPQuerySpec, store_root: str, budget: ProbeBudget) -> Probe:
     """The dataset's size (one HEAD) and the budget ledger; the noise plan itself needs no data."""
     from shardfold.functions.dpquery import planner
 
@@ -302,7 +302,7 @@ def probe(spec: DPQueryJob, store_root: str, budget: ProbeBudget) -> Probe:
     return Probe(facts={"dataset_found": size is not None}, notes=notes, model=(pl, state, size))
 
 
-def loads(spec: DPQueryJob, probed: Probe) -> Loads:
+def loads(spec: DPQuerySpec, probed: Probe) -> Loads:
     from shardfold.functions.dpquery import planner
     from shardfold.functions.dpquery import reconstruct as rc
 
@@ -370,7 +370,7 @@ def loads(spec: DPQueryJob, probed: Probe) -> Loads:
     )
 
 
-def _plan_load(spec: DPQueryJob, pl: Any, state: Any, scan: tuple[int, int, float], doc: int) -> TaskLoad:
+def _plan_load(spec: DPQuerySpec, pl: Any, state: Any, scan: tuple[int, int, float], doc: int) -> TaskLoad:
     """plan: allocate, scan once (and the privacy unit's id column), hash the dataset for the ledger, reserve
     on it, write the plan document and two manifests."""
     from shardfold.functions.dpquery import smasher
@@ -410,7 +410,7 @@ def _plan_load(spec: DPQueryJob, pl: Any, state: Any, scan: tuple[int, int, floa
     )
 
 
-def _measure_load(spec: DPQueryJob, pl: Any, mgroups: list, scan: tuple, doc: int, samples: int) -> TaskLoad:
+def _measure_load(spec: DPQuerySpec, pl: Any, mgroups: list, scan: tuple, doc: int, samples: int) -> TaskLoad:
     """measure: per group, its residual sets' histograms, their residuals and the noisy payload."""
     _, scan_gets, scan_s = scan
     unit_scans = 1 if spec.privacy_unit is not None else 0

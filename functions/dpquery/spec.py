@@ -89,7 +89,7 @@ class DPAttribute(StrictModel):
         description="drop (the record), clip (ranges: to the first/last bin) or other (one more category); "
         "default: the job's out_of_domain",
     )
-    # the job's out_of_domain, set by DPQueryJob for an attribute that gives none (not part of the spec)
+    # the job's out_of_domain, set by DPQuerySpec for an attribute that gives none (not part of the spec)
     _inherited: OutOfDomain = PrivateAttr(default="drop")
 
     @property
@@ -329,7 +329,7 @@ class DPPrivacyUnit(StrictModel):
     max_rows: StrictInt = Field(ge=1, le=MAX_UNIT_ROWS, description="k: rows counted per person at most")
 
 
-class DPQueryJob(JobOptions):
+class DPQuerySpec(JobOptions):
     """Answer a workload of marginals of a dataset under zCDP (ResidualPlanner), with per-cell error bars.
 
     Budget ledger rule (per ``dataset_id``, append-only in the store): the first job that names a dataset
@@ -414,7 +414,7 @@ class DPQueryJob(JobOptions):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> DPQueryJob:
+    def _consistent(self) -> DPQuerySpec:
         """The checks across fields, every problem found reported at once; then the budget's ρ when it is
         given as (ε, δ), against dataset_budget_rho."""
         index: dict[str, int] = {}  # attribute name -> its schema index
@@ -428,7 +428,7 @@ class DPQueryJob(JobOptions):
             message = f"rho {self.budget.rho} exceeds dataset_budget_rho {self.dataset_budget_rho}"
             problems.append((("budget", "rho"), message))
         if problems:
-            fail("DPQueryJob", problems, self.dataset)
+            fail("DPQuerySpec", problems, self.dataset)
         if self.dataset_budget_rho is not None and self.budget.rho is None:
             rho = self.budget.zcdp_rho()
             if rho > self.dataset_budget_rho:
@@ -436,7 +436,7 @@ class DPQueryJob(JobOptions):
                     f"(epsilon {self.budget.epsilon}, delta {self.budget.delta}) is rho {rho:.6g}, "
                     f"more than dataset_budget_rho {self.dataset_budget_rho}"
                 )
-                fail("DPQueryJob", [(("budget",), message)], self.dataset)
+                fail("DPQuerySpec", [(("budget",), message)], self.dataset)
         return self
 
     def _format_problems(self) -> list[tuple[tuple, str]]:

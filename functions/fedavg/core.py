@@ -129,7 +129,7 @@ from shardfold.functions.fedavg.sizing import (
     shard_caps,
     task_loads,
 )
-from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.jobs import cancel_key, scratch_key
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
@@ -174,7 +174,7 @@ def part_uri(store_root: str, job_id: str, shard: int) -> str:
     return job_uri(store_root, job_id, STAGE, "parts", f"{shard:05d}.bin")
 
 
-def output_uri(spec: FedAvgJob, store_root: str, job_id: str) -> str:
+def output_uri(spec: FedAvgSpec, store_root: str, job_id: str) -> str:
     if spec.output:
         return access.output_uri(spec.output, store_root, "output", job_id)
     return job_uri(store_root, job_id, "output", "model.safetensors")
@@ -183,7 +183,7 @@ def output_uri(spec: FedAvgJob, store_root: str, job_id: str) -> str:
 # --- plan ---------------------------------------------------------------------------------------------------
 
 
-def _client_uris(spec: FedAvgJob, store_root: str) -> list[str]:
+def _client_uris(spec: FedAvgSpec, store_root: str) -> list[str]:
     uris, errors = [], []
     for i, c in enumerate(spec.clients):
         try:
@@ -252,7 +252,7 @@ class _Round:
     """Who is in the round: a failure that names a client either fails the round (every update needed) or
     leaves that client out (``min_clients``/``min_fraction``), with its reason."""
 
-    def __init__(self, spec: FedAvgJob, uris: list[str]):
+    def __init__(self, spec: FedAvgSpec, uris: list[str]):
         self.spec, self.uris = spec, uris
         self.left_out: dict[int, str] = {}
 
@@ -312,7 +312,7 @@ class _Round:
 
 
 def inspect(
-    spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None, wait_s: float = 0.0
+    spec: FedAvgSpec, job_id: str, store_root: str, *, budget: Budget | None = None, wait_s: float = 0.0
 ) -> ShardPlan:
     """Read and check every client's header and size, resolve weights, choose shards; write nothing.
 
@@ -358,7 +358,7 @@ def inspect(
     return _inspect(spec, job_id, members, out, pins, budget, base, reference)
 
 
-def _dp_uri(spec: FedAvgJob, store_root: str, name: str) -> str | None:
+def _dp_uri(spec: FedAvgSpec, store_root: str, name: str) -> str | None:
     """The full URI of ``dp.<name>`` (a server-side model: ``base``, ``structure``), if the round has one."""
     uri = None if spec.dp is None else getattr(spec.dp, name)
     if uri is None:
@@ -369,7 +369,7 @@ def _dp_uri(spec: FedAvgJob, store_root: str, name: str) -> str | None:
         raise SpecError(f"dp.{name}: {exc}", [{"field": f"dp.{name}", "error": str(exc)}]) from None
 
 
-def _base_uri(spec: FedAvgJob, store_root: str) -> str | None:
+def _base_uri(spec: FedAvgSpec, store_root: str) -> str | None:
     return _dp_uri(spec, store_root, "base")
 
 
@@ -394,7 +394,7 @@ def _signature(header: FileHeader) -> tuple:
 
 
 def _inspect(
-    spec: FedAvgJob,
+    spec: FedAvgSpec,
     job_id: str,
     members: _Round,
     out: str,
@@ -566,7 +566,7 @@ def _inspect(
 
 
 def _base_ref(
-    spec: FedAvgJob,
+    spec: FedAvgSpec,
     first: FileHeader,
     ref: int,
     order: list,
@@ -655,7 +655,7 @@ def _with_noise_time(budget: Budget, tensors: list, clients: int) -> Budget:
     return dataclasses.replace(budget, read_bytes_per_s=(clients + 1) / seconds_per_byte)
 
 
-def _total_weight(spec: FedAvgJob, weights: list[float], uris: list[str], clients: list[ClientRef]) -> float:
+def _total_weight(spec: FedAvgSpec, weights: list[float], uris: list[str], clients: list[ClientRef]) -> float:
     """The weights' total (``math.fsum``); a :class:`SpecError` naming the largest weight's field when the
     total is beyond float64 (each weight is finite, but N of them near 1e308 are not)."""
     total = kernels.weight_total(weights)
@@ -675,7 +675,7 @@ def _total_weight(spec: FedAvgJob, weights: list[float], uris: list[str], client
     )
 
 
-def _weight(spec: FedAvgJob, metadata: dict[str, str], i: int, uri: str, needed: bool) -> float | None:
+def _weight(spec: FedAvgSpec, metadata: dict[str, str], i: int, uri: str, needed: bool) -> float | None:
     given = spec.clients[i].weight
     if given is not None:
         return float(given)
@@ -687,7 +687,7 @@ def _weight(spec: FedAvgJob, metadata: dict[str, str], i: int, uri: str, needed:
         return None  # unweighted job: a missing or odd num_examples does not matter
 
 
-def prepare(spec: FedAvgJob, job_id: str, store_root: str, *, budget: Budget | None = None) -> dict:
+def prepare(spec: FedAvgSpec, job_id: str, store_root: str, *, budget: Budget | None = None) -> dict:
     """Inspect the clients, write the plan document and the shard manifest; return small references.
 
     Returns ``{"manifest": manifest_ref, "shards", "clients", "tensors", "bytes", "plan", "notes"}``. Refuses
@@ -745,7 +745,7 @@ def _check_dp_shards(p: ShardPlan) -> None:
         )
 
 
-def _reserve(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dict:
+def _reserve(spec: FedAvgSpec, job_id: str, store_root: str, p: ShardPlan) -> dict:
     """Charge the round's ρ (OpenDP's map of its mechanism) to the federation's ledger, before any noise."""
     return ledger.reserve(
         store_root,
@@ -773,7 +773,7 @@ class _Chunk:
     remaining: int  # reads not yet folded in
 
 
-def aggregate(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict:
+def aggregate(spec: FedAvgSpec, job_id: str, store_root: str, shard: int) -> dict:
     """Aggregate one shard into its part object ``jobs/<id>/fedavg/parts/<shard>.bin``.
 
     Returns ``{"shard", "bytes", "reads", "read_bytes", ...}``. A DP round's part is written only if absent:
@@ -799,7 +799,7 @@ def aggregate(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict
     return stats
 
 
-def scrub(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
+def scrub(spec: FedAvgSpec, job_id: str, store_root: str) -> dict:
     """A failed round's on_failure task: a DP round's clip factors and partial norms (each client's exact
     update norm, which only the noisy mean may reflect) are deleted, not kept until ``clean``. A resume
     computes them again from the updates."""
@@ -813,7 +813,7 @@ def scrub(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
     return {"removed": removed}
 
 
-def norms(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict:
+def norms(spec: FedAvgSpec, job_id: str, store_root: str, shard: int) -> dict:
     """A DP round's first pass over one shard: each client's partial squared norm of its update there, as
     N float64 (plan order) in ``jobs/<id>/fedavg/norms/<shard>.f64``. Returns read statistics only."""
     p = load_plan(store_root, job_id)
@@ -822,7 +822,7 @@ def norms(spec: FedAvgJob, job_id: str, store_root: str, shard: int) -> dict:
     return stats
 
 
-def clip(spec: FedAvgJob, job_id: str, store_root: str) -> dict:
+def clip(spec: FedAvgSpec, job_id: str, store_root: str) -> dict:
     """A DP round's clip factors from every shard's partial norms (``jobs/<id>/fedavg/clip.f64``); nothing
     for a round without DP. Returns no figure that depends on the updates."""
     if spec.dp is None:  # the plan has no DP either (prepare built it from this spec): nothing to read
@@ -1182,7 +1182,7 @@ def _nonfinite_error(plan: ShardPlan, client: int, tensor: str, element: int) ->
 # --- commit -------------------------------------------------------------------------------------------------
 
 
-def _spend(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dict:
+def _spend(spec: FedAvgSpec, job_id: str, store_root: str, p: ShardPlan) -> dict:
     """Record the round's ρ on the ledger; the privacy report of the result."""
     mech = p.mechanism()
     rho = p.dp["rho"]
@@ -1202,7 +1202,7 @@ def _spend(spec: FedAvgJob, job_id: str, store_root: str, p: ShardPlan) -> dict:
     }
 
 
-def commit(spec: FedAvgJob, job_id: str, store_root: str, shards: int) -> dict:
+def commit(spec: FedAvgSpec, job_id: str, store_root: str, shards: int) -> dict:
     """Assemble the parts into the output, write ``jobs/<id>/result.json``, remove the temporaries."""
     result_uri = job_uri(store_root, job_id, "result.json")
     if store.exists(result_uri):  # a retried commit after success: the result stands, scratch goes

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from shardfold.functions.fedavg import core
-from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.runtime import JobEvent, task
 
 
@@ -31,30 +31,30 @@ class CommitEvent(JobEvent):
 
 
 @task(JobEvent, kind="fedavg")
-def prepare(e: JobEvent, spec: FedAvgJob) -> dict:
+def prepare(e: JobEvent, spec: FedAvgSpec) -> dict:
     return core.prepare(spec, e.job_id, e.store_root)
 
 
 @task(AggregateEvent, kind="fedavg")
-def aggregate(e: AggregateEvent, spec: FedAvgJob) -> dict:
+def aggregate(e: AggregateEvent, spec: FedAvgSpec) -> dict:
     return core.aggregate(spec, e.job_id, e.store_root, e.item.shard)
 
 
 @task(AggregateEvent, kind="fedavg")
-def norms(e: AggregateEvent, spec: FedAvgJob) -> dict:
+def norms(e: AggregateEvent, spec: FedAvgSpec) -> dict:
     return core.norms(spec, e.job_id, e.store_root, e.item.shard)
 
 
 @task(JobEvent, kind="fedavg")
-def clip(e: JobEvent, spec: FedAvgJob) -> dict:
+def clip(e: JobEvent, spec: FedAvgSpec) -> dict:
     return core.clip(spec, e.job_id, e.store_root)
 
 
 @task(CommitEvent, kind="fedavg")
-def commit(e: CommitEvent, spec: FedAvgJob) -> dict:
+def commit(e: CommitEvent, spec: FedAvgSpec) -> dict:
     return core.commit(spec, e.job_id, e.store_root, e.prepare.shards)
 
 
 @task(JobEvent, kind="fedavg")
-def scrub(e: JobEvent, spec: FedAvgJob) -> dict:
+def scrub(e: JobEvent, spec: FedAvgSpec) -> dict:
     return core.scrub(spec, e.job_id, e.store_root)

@@ -6,7 +6,7 @@ from typing import Any
 
 from shardfold.functions import ledger
 from shardfold.functions.access import Right
-from shardfold.functions.fedavg.spec import FedAvgJob
+from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.fedavg.workflow import WORKFLOW
 from shardfold.functions.kinds import JobKind
 from shardfold.functions.tables import ResultView, Table
@@ -38,7 +38,7 @@ def result_view(result: dict[str, Any]) -> ResultView:
 KIND = JobKind(
     name="fedavg",
     package=__package__,
-    spec=FedAvgJob,
+    spec=FedAvgSpec,
     workflow=WORKFLOW,
     sizing="shardfold.functions.fedavg.sizing",
     # DP-FedAvg reserves each round's budget before any noise is drawn and spends it at commit

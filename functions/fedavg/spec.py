@@ -75,7 +75,7 @@ class FedAvgDP(StrictModel):
     )
 
 
-class FedAvgJob(JobOptions):
+class FedAvgSpec(JobOptions):
     """Average N client updates (safetensors) into one model, sharded by byte range (GradsSharding)."""
 
     kind: Literal["fedavg"] = "fedavg"
@@ -155,10 +155,10 @@ class FedAvgJob(JobOptions):
         return max(self.min_clients or 1, by_fraction, 1)
 
     @model_validator(mode="after")
-    def _enough_clients_listed(self) -> FedAvgJob:
+    def _enough_clients_listed(self) -> FedAvgSpec:
         if self.min_clients is not None and self.min_clients > len(self.clients):
             fail(
-                "FedAvgJob",
+                "FedAvgSpec",
                 [
                     (
                         ("min_clients",),
@@ -182,7 +182,7 @@ class FedAvgJob(JobOptions):
         return problems
 
     @model_validator(mode="after")
-    def _dp_options(self) -> FedAvgJob:
+    def _dp_options(self) -> FedAvgSpec:
         """A DP round is the uniform, clipped mean in float64, its integer and bool tensors the base's:
         weights, another aggregator and allow_nonfinite are refused; ``uniform``, ``accumulate`` and
         ``integer_policy`` do not apply (a dumped spec carries their defaults)."""
@@ -208,11 +208,11 @@ class FedAvgJob(JobOptions):
                 )
             )
         if problems:
-            fail("FedAvgJob", problems, self.dp)
+            fail("FedAvgSpec", problems, self.dp)
         return self
 
     @model_validator(mode="after")
-    def _secure_options(self) -> FedAvgJob:
+    def _secure_options(self) -> FedAvgSpec:
         """A secure round sums every masked update: a client's masks cancel only against all the others'."""
         if not self.secure:
             return self
@@ -235,15 +235,15 @@ class FedAvgJob(JobOptions):
                     )
                 )
         if problems:
-            fail("FedAvgJob", problems, self.secure)
+            fail("FedAvgSpec", problems, self.secure)
         return self
 
     @model_validator(mode="after")
-    def _distinct_clients(self) -> FedAvgJob:
+    def _distinct_clients(self) -> FedAvgSpec:
         repeats = repeated_uris([c.uri for c in self.clients])
         if repeats:
             fail(
-                "FedAvgJob",
+                "FedAvgSpec",
                 [
                     (
                         ("clients", i, "uri"),

@@ -47,7 +47,7 @@ from shardfold.functions.errors import (
     TooManySoftErrors,
     UnsafeKey,
 )
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.jobs import scratch_key
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
@@ -63,13 +63,13 @@ def job_uri(store_root: str, job_id: str, *parts: str) -> str:
     return join(store_root, "jobs", job_id, *parts)
 
 
-def output_uri(spec: GetBatchJob, store_root: str, job_id: str) -> str:
+def output_uri(spec: GetBatchSpec, store_root: str, job_id: str) -> str:
     if spec.output:
         return access.output_uri(spec.output, store_root, "output", job_id)
     return job_uri(store_root, job_id, "output", "batch.tar")
 
 
-def load_items(spec: GetBatchJob, store_root: str) -> list[BatchItem]:
+def load_items(spec: GetBatchSpec, store_root: str) -> list[BatchItem]:
     """The request's items, from the spec or from its manifest (a JSON array or JSON Lines of items).
 
     Every bad item is reported (up to ten in the message, all in ``SpecError.errors``) by its index in the
@@ -158,7 +158,7 @@ def parse_item(doc: Any, store_root: str, field: str = "", checked: set[str] | N
     return item.model_copy(update={"uri": access.input_uri(item.uri, store_root, field, checked=checked)})
 
 
-def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
+def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
     """Split the request into parts and write their item lists and the part manifest."""
     items = load_items(spec, store_root)
     inputs = [(f"items.{i}.uri", item.uri) for i, item in enumerate(items)]
@@ -200,7 +200,7 @@ def prepare(spec: GetBatchJob, job_id: str, store_root: str) -> dict:
 
 
 def gather(
-    spec: GetBatchJob, job_id: str, store_root: str, part: int, parts: int = 0, inline: bool = False
+    spec: GetBatchSpec, job_id: str, store_root: str, part: int, parts: int = 0, inline: bool = False
 ) -> dict:
     """Fetch one part in request order and write its TAR fragment and status rows.
 
@@ -268,7 +268,7 @@ class _Counted:
         return self._write(data)
 
 
-def _check_soft_errors(spec: GetBatchJob, rows: list[dict]) -> None:
+def _check_soft_errors(spec: GetBatchSpec, rows: list[dict]) -> None:
     failed = [r for r in rows if r["error"]]
     if spec.max_soft_errors is not None and len(failed) > spec.max_soft_errors:
         raise TooManySoftErrors(
@@ -277,7 +277,7 @@ def _check_soft_errors(spec: GetBatchJob, rows: list[dict]) -> None:
         )
 
 
-def assemble(spec: GetBatchJob, job_id: str, store_root: str, parts: int) -> dict:
+def assemble(spec: GetBatchSpec, job_id: str, store_root: str, parts: int) -> dict:
     """Join the fragments into the archive, write the status manifest and the result, clean up.
 
     After a one-part request's gather (which committed all three) and after a retried assemble, the
@@ -319,7 +319,7 @@ def _log_assembled(message: str, job_id: str, result: Any, archive_bytes: int | 
 
 
 def _commit_result(
-    spec: GetBatchJob, job_id: str, store_root: str, rows: list[dict], parts: int, archive: str
+    spec: GetBatchSpec, job_id: str, store_root: str, rows: list[dict], parts: int, archive: str
 ) -> dict:
     """Write the per-item status manifest, then the result (last: it marks the job's output complete)."""
     status = job_uri(store_root, job_id, "output", "status.jsonl")

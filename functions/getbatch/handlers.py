@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from shardfold.functions.getbatch import core
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.runtime import JobEvent, task
 
 
@@ -31,15 +31,15 @@ class AssembleEvent(JobEvent):
 
 
 @task(JobEvent, kind="getbatch")
-def prepare(e: JobEvent, spec: GetBatchJob) -> dict:
+def prepare(e: JobEvent, spec: GetBatchSpec) -> dict:
     return core.prepare(spec, e.job_id, e.store_root)
 
 
 @task(GatherEvent, kind="getbatch")
-def gather(e: GatherEvent, spec: GetBatchJob) -> dict:
+def gather(e: GatherEvent, spec: GetBatchSpec) -> dict:
     return core.gather(spec, e.job_id, e.store_root, e.item.part, e.item.of, e.item.inline)
 
 
 @task(AssembleEvent, kind="getbatch")
-def assemble(e: AssembleEvent, spec: GetBatchJob) -> dict:
+def assemble(e: AssembleEvent, spec: GetBatchSpec) -> dict:
     return core.assemble(spec, e.job_id, e.store_root, e.prepare.parts)

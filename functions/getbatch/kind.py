@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from shardfold.functions.access import Right
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.getbatch.workflow import WORKFLOW
 from shardfold.functions.kinds import JobKind
 
 KIND = JobKind(
     name="getbatch",
     package=__package__,
-    spec=GetBatchJob,
+    spec=GetBatchSpec,
     workflow=WORKFLOW,
     sizing="shardfold.functions.getbatch.sizing",
     rights=frozenset({Right.INPUTS, Right.OUTPUTS}),

@@ -27,7 +27,7 @@ from shardfold.functions import access, jsontext, pricing, store
 from shardfold.functions.errors import ShardfoldError, SpecError
 from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from shardfold.functions.getbatch import core
-from shardfold.functions.getbatch.spec import GetBatchJob
+from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.getbatch.workflow import ASSEMBLE, GATHER, GATHER_PART, PREPARE
 from shardfold.functions.store import batch, s3
 from shardfold.functions.store.uri import join, local_path
@@ -44,7 +44,7 @@ RUNTIME_BYTES = pricing.LAMBDA_BASELINE_MB * MiB
 ENDPOINT_ANSWERED_S = 60.0  # how recent an answer from the S3 endpoint spares submit its one HEAD
 
 
-def _items(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> tuple[list[Any], int, list[str]]:
+def _items(spec: GetBatchSpec, store_root: str, budget: ProbeBudget) -> tuple[list[Any], int, list[str]]:
     """(items read, the request's item count, notes). A manifest over the byte budget is read in part.
 
     Inline items are the spec's own (submit's policy check has resolved and allowed every URI); they are
@@ -75,7 +75,7 @@ def _items(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> tuple[lis
 
 
 def _sizes(
-    spec: GetBatchJob, items: list[Any], budget: ProbeBudget, notes: list[str]
+    spec: GetBatchSpec, items: list[Any], budget: ProbeBudget, notes: list[str]
 ) -> dict[str, int | None]:
     """Sizes of (a sample of) the objects read whole or to their end; {} when the budget says not to."""
     if not budget.figures:
@@ -116,7 +116,7 @@ def _check_endpoint(items: list[Any], notes: list[str]) -> None:
 MAX_LOCAL_CHECKS = 10_000
 
 
-def _refuse_missing_local_files(spec: GetBatchJob, store_root: str) -> None:
+def _refuse_missing_local_files(spec: GetBatchSpec, store_root: str) -> None:
     """At submit: an inline item that is a local file (``file://``, an absolute path, a key of the local
     store) that does not exist fails the job unless ``continue_on_error``: refused here, naming it."""
     if spec.items is None or spec.continue_on_error:
@@ -132,7 +132,7 @@ def _refuse_missing_local_files(spec: GetBatchJob, store_root: str) -> None:
             )
 
 
-def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
+def probe(spec: GetBatchSpec, store_root: str, budget: ProbeBudget) -> Probe:
     if budget.refuse:
         _refuse_missing_local_files(spec, store_root)
     items, n, notes = _items(spec, store_root, budget)
@@ -149,7 +149,7 @@ def probe(spec: GetBatchJob, store_root: str, budget: ProbeBudget) -> Probe:
     return Probe(facts=_size_facts(spec, items, n, found), notes=notes)
 
 
-def _size_facts(spec: GetBatchJob, items: list[Any], n: int, found: dict[str, int | None]) -> dict[str, Any]:
+def _size_facts(spec: GetBatchSpec, items: list[Any], n: int, found: dict[str, int | None]) -> dict[str, Any]:
     """The probe's facts: item count, largest item and part, total bytes and whether sizes were read."""
     fallback = _fallback(items, found)
     seen = [_item_bytes(i, found, fallback) for i in items]
@@ -205,7 +205,7 @@ def gather_buffer(per_part: int, largest: int | None) -> dict[str, int]:
     return {"the engine's byte budget (whatever the objects' sizes)": bound}
 
 
-def loads(spec: GetBatchJob, probed: Probe) -> Loads:
+def loads(spec: GetBatchSpec, probed: Probe) -> Loads:
     facts = probed.facts
     n = int(facts["items"])
     largest = facts.get("largest_item_bytes")

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from shardfold.functions.specs import BatchItem, InputUri, JobOptions, OutputUri
 
 
-class GetBatchJob(JobOptions):
+class GetBatchSpec(JobOptions):
     """Fetch many objects (or ranges, or TAR members) into one ordered TAR in the store."""
 
     kind: Literal["getbatch"] = "getbatch"
@@ -31,7 +31,7 @@ class GetBatchJob(JobOptions):
     items_per_part: int = Field(default=2000, ge=1, le=100_000, description="items gathered by one task")
 
     @model_validator(mode="after")
-    def _exactly_one_source(self) -> GetBatchJob:
+    def _exactly_one_source(self) -> GetBatchSpec:
         if (self.items is None) == (self.manifest is None):
             raise ValueError("give exactly one of 'items' (inline list) or 'manifest' (URI of an item list)")
         if self.items is not None and not self.items:

@@ -22,7 +22,7 @@ from shardfold.functions import access
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference.batcher import token_budget_batches
-from shardfold.functions.inference.spec import HFModel, InferenceJob
+from shardfold.functions.inference.spec import HFModel, InferenceSpec
 from shardfold.functions.log import logger
 from shardfold.functions.store.pinning import Pin
 
@@ -277,7 +277,7 @@ class DeviceRows:
         return self.start.elapsed_time(self.end) / 1000
 
 
-def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], device: Any = None) -> Any:
+def load_runner(spec: InferenceSpec, store_root: str, plan: dict[str, Any], device: Any = None) -> Any:
     """The job's model on ``device``: a :class:`~functions.inference.models.LoadedModel` (embed,
     classify) or a :class:`~functions.inference.models.CausalLM` (generate), a Hugging Face folder read
     as the plan pinned it (:func:`~functions.inference.hf.model_folder`)."""
@@ -314,7 +314,7 @@ def load_runner(spec: InferenceJob, store_root: str, plan: dict[str, Any], devic
     return loaded
 
 
-def uses_vllm(spec: InferenceJob, device: Any = None) -> bool:
+def uses_vllm(spec: InferenceSpec, device: Any = None) -> bool:
     """Whether ``generate`` runs on vLLM: asked for, or ``auto`` where vLLM is installed and a GPU is
     there (on a CPU, vLLM's start-up costs more than it saves on a worker's shards)."""
     from shardfold.functions.inference import vllm_engine
@@ -341,7 +341,7 @@ class _PlanFacts:
 
 
 def compute(
-    spec: InferenceJob, plan: dict[str, Any], model: Any, shard: dict[str, np.ndarray], stats: WorkerStats
+    spec: InferenceSpec, plan: dict[str, Any], model: Any, shard: dict[str, np.ndarray], stats: WorkerStats
 ) -> dict[str, np.ndarray]:
     """The shard's output arrays (see the module doc)."""
     if spec.task == "generate":
@@ -384,7 +384,7 @@ def structured(model: Any, schema: dict[str, Any]) -> Any:
 
 
 def generate_rows(
-    spec: InferenceJob, plan: dict[str, Any], model: Any, shard: dict[str, np.ndarray], stats: WorkerStats
+    spec: InferenceSpec, plan: dict[str, Any], model: Any, shard: dict[str, np.ndarray], stats: WorkerStats
 ) -> dict[str, np.ndarray]:
     """Every row's ``n`` choices, generated with continuous batching; a row that cannot be generated gets
     its error and the others go on."""

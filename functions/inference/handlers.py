@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from shardfold.functions.inference import pipeline
-from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.spec import InferenceSpec
 from shardfold.functions.runtime import JobEvent, task
 
 
@@ -19,25 +19,25 @@ class ShardEvent(JobEvent):
 
 
 @task(JobEvent, kind="inference")
-def prepare(e: JobEvent, spec: InferenceJob) -> dict:
+def prepare(e: JobEvent, spec: InferenceSpec) -> dict:
     return pipeline.prepare(spec, e.job_id, e.store_root)
 
 
 @task(ShardEvent, kind="inference")
-def preprocess(e: ShardEvent, spec: InferenceJob) -> dict:
+def preprocess(e: ShardEvent, spec: InferenceSpec) -> dict:
     return pipeline.preprocess(spec, e.job_id, e.store_root, e.item.shard)
 
 
 @task(JobEvent, kind="inference")
-def cpu_done(e: JobEvent, spec: InferenceJob) -> dict:
+def cpu_done(e: JobEvent, spec: InferenceSpec) -> dict:
     return pipeline.cpu_done(spec, e.job_id, e.store_root)
 
 
 @task(JobEvent, kind="inference")
-def reconcile(e: JobEvent, spec: InferenceJob) -> dict:
+def reconcile(e: JobEvent, spec: InferenceSpec) -> dict:
     return pipeline.reconcile(spec, e.job_id, e.store_root)
 
 
 @task(JobEvent, kind="inference")
-def commit(e: JobEvent, spec: InferenceJob) -> dict:
+def commit(e: JobEvent, spec: InferenceSpec) -> dict:
     return pipeline.commit(spec, e.job_id, e.store_root)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from shardfold.functions.access import Right
-from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.spec import InferenceSpec
 from shardfold.functions.inference.workflow import WORKFLOW
 from shardfold.functions.kinds import JobKind
 
 KIND = JobKind(
     name="inference",
     package=__package__,
-    spec=InferenceJob,
+    spec=InferenceSpec,
     workflow=WORKFLOW,
     sizing="shardfold.functions.inference.sizing",
     rights=frozenset({Right.INPUTS, Right.OUTPUTS}),

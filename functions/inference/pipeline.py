@@ -29,7 +29,7 @@ from shardfold.functions.inference import openai_batch
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference.preprocess import decode_shard, encode_shard, read_shard
 from shardfold.functions.inference.shards import STAGE, load_plan, output_uri, prepare
-from shardfold.functions.inference.spec import HFModel, InferenceJob
+from shardfold.functions.inference.spec import HFModel, InferenceSpec
 from shardfold.functions.jobs import scratch_key
 from shardfold.functions.kinds import counter
 from shardfold.functions.log import logger
@@ -43,7 +43,7 @@ class MissingShards(ShardfoldError):
     """Commit found shards without a commit marker after the repair round."""
 
 
-def preprocess(spec: InferenceJob, job_id: str, store_root: str, shard: int) -> dict[str, Any]:
+def preprocess(spec: InferenceSpec, job_id: str, store_root: str, shard: int) -> dict[str, Any]:
     """Tokenize shard ``shard`` into ``pre/<H>/<k>.npz`` unless it is already there."""
     p = load_plan(store_root, job_id)
     h = p["config_hash"]
@@ -64,7 +64,7 @@ def preprocess(spec: InferenceJob, job_id: str, store_root: str, shard: int) -> 
     return {"shard": shard, "rows": len(rows.texts), "skipped": len(rows.skipped), "cached": not wrote}
 
 
-def cpu_done(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+def cpu_done(spec: InferenceSpec, job_id: str, store_root: str) -> dict[str, Any]:
     """Mark the CPU stage finished (every shard's preprocess task returned)."""
     p = load_plan(store_root, job_id)
     store.put_json(layout.cpu_done_uri(store_root, job_id), {"shards": len(p["shards"])})
@@ -99,7 +99,7 @@ def progress(store_root: str, job_id: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def reconcile(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+def reconcile(spec: InferenceSpec, job_id: str, store_root: str) -> dict[str, Any]:
     """Write ``missing.json`` (``[{"shard": k}]`` for every shard lacking a marker) and the repair round's
     worker list (one worker if any shard is missing); return their references."""
     p = load_plan(store_root, job_id)
@@ -144,7 +144,7 @@ def _nullable(values: Any, errors: np.ndarray) -> Any:
     return pc.if_else(pa.array(errors), pa.nulls(len(values), values.type), values)
 
 
-def _columns(spec: InferenceJob, plan: dict[str, Any], out: dict[str, np.ndarray], errors: np.ndarray):
+def _columns(spec: InferenceSpec, plan: dict[str, Any], out: dict[str, np.ndarray], errors: np.ndarray):
     """The task's output columns of one shard (besides ``id`` and ``error``), null where a row failed."""
     import pyarrow as pa
 
@@ -182,7 +182,7 @@ class _ParquetOut:
     """The output Parquet, a row group per shard: its schema and metadata from the first shard's table,
     every shard's vectors of one width (``dim``); with no rows, an empty table of the task's columns."""
 
-    def __init__(self, spec: InferenceJob, plan: dict[str, Any], f: Any, string_ids: bool) -> None:
+    def __init__(self, spec: InferenceSpec, plan: dict[str, Any], f: Any, string_ids: bool) -> None:
         import pyarrow as pa
 
         self.spec, self.plan, self.f = spec, plan, f
@@ -256,7 +256,7 @@ class _ParquetOut:
 
 
 def _openai_lines(
-    spec: InferenceJob,
+    spec: InferenceSpec,
     job_id: str,
     sh: dict[str, Any],
     out: dict[str, np.ndarray],
@@ -339,7 +339,7 @@ def _shards_in_order(store_root: str, job_id: str, p: dict[str, Any]):
 
 
 def _merge(
-    spec: InferenceJob, job_id: str, store_root: str, p: dict[str, Any], f: Any, string_ids: bool
+    spec: InferenceSpec, job_id: str, store_root: str, p: dict[str, Any], f: Any, string_ids: bool
 ) -> dict[str, Any]:
     """Write every shard's rows in input order to ``f`` (Parquet row groups, or OpenAI lines), one shard at
     a time; count rows, errors and skipped rows. :class:`_StringIds` when a shard's ids are strings and
@@ -389,7 +389,7 @@ def _merge(
     }
 
 
-def commit(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+def commit(spec: InferenceSpec, job_id: str, store_root: str) -> dict[str, Any]:
     """Merge every shard's output in input order into the output (streamed to the store, one shard in
     memory at a time) and write the result; fail, writing nothing, when more rows ended with an error than
     ``max_error_fraction`` allows."""

@@ -37,7 +37,7 @@ from shardfold.functions import store
 from shardfold.functions.errors import BadInputError
 from shardfold.functions.inference import hf, openai_batch
 from shardfold.functions.inference.shards import load_arrays, tokenizer_path
-from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.spec import InferenceSpec
 from shardfold.functions.store.pinning import Pin
 
 
@@ -86,7 +86,7 @@ def tokenize(
 class _Rows:
     """Collects rows, applying the bad-row policy: fail with the location, or record it and go on."""
 
-    def __init__(self, spec: InferenceJob, shard: dict[str, Any]):
+    def __init__(self, spec: InferenceSpec, shard: dict[str, Any]):
         self.spec, self.shard, self.out = spec, shard, ShardRows()
 
     def bad(self, where: dict[str, Any], row_index: int, error: str, row_id: Any = None) -> None:
@@ -170,7 +170,7 @@ def _add_request(rows: _Rows, where: dict[str, Any], row_index: int, doc: dict[s
     rows.add(where, row_index, prompt, custom_id, True, params=params)
 
 
-def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
+def read_jsonl_shard(spec: InferenceSpec, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
     """The shard's rows from its byte range (one ranged read: memory is bounded by the shard), of the
     pinned object only when given its ``pin``."""
     data = store.get(shard["uri"], shard["byte_start"], shard["byte_end"] - shard["byte_start"], pin)
@@ -206,7 +206,7 @@ def read_jsonl_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None 
     return rows.out
 
 
-def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
+def read_parquet_shard(spec: InferenceSpec, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
     """The shard's rows: only the row groups overlapping its row range, only the needed columns."""
     from shardfold.functions.inference.shards import open_parquet, parquet_errors
 
@@ -235,7 +235,7 @@ def read_parquet_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | Non
     return rows.out
 
 
-def read_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
+def read_shard(spec: InferenceSpec, shard: dict[str, Any], pin: Pin | None = None) -> ShardRows:
     """The shard's rows; given the input's ``pin``, :class:`InputChanged` if it changed since the plan."""
     if shard["format"] == "jsonl":
         return read_jsonl_shard(spec, shard, pin)
@@ -245,7 +245,7 @@ def read_shard(spec: InferenceJob, shard: dict[str, Any], pin: Pin | None = None
 # ---------------------------------------------------------------------------------------------- files
 
 
-def shard_tokenizer(spec: InferenceJob, plan: dict[str, Any]) -> tuple[Any, int]:
+def shard_tokenizer(spec: InferenceSpec, plan: dict[str, Any]) -> tuple[Any, int]:
     """The tokenizer of the job's model and its input tokens per row (the plan's, for a folder)."""
     model = plan.get("model")
     if model is None:
@@ -255,7 +255,7 @@ def shard_tokenizer(spec: InferenceJob, plan: dict[str, Any]) -> tuple[Any, int]
     return hf.load_tokenizer(uri, pin, model["input_tokens"]), model["input_tokens"]
 
 
-def encode_shard(rows: ShardRows, spec: InferenceJob, plan: dict[str, Any]) -> bytes:
+def encode_shard(rows: ShardRows, spec: InferenceSpec, plan: dict[str, Any]) -> bytes:
     """The ``.npz`` bytes of a tokenized shard."""
     arrays: dict[str, np.ndarray] = {}
     if spec.task == "generate":

@@ -34,7 +34,7 @@ import numpy as np
 from shardfold.functions import access, store
 from shardfold.functions.errors import BadInputError, InputChanged, SpecError
 from shardfold.functions.inference import hf
-from shardfold.functions.inference.spec import HFModel, InferenceJob, inference_input_format
+from shardfold.functions.inference.spec import HFModel, InferenceSpec, inference_input_format
 from shardfold.functions.log import logger
 from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.store.pinning import Pin, check_local
@@ -193,7 +193,7 @@ def _object_sha256(uri: str, pin: Pin | None) -> str:
 
 
 def config_hash(
-    spec: InferenceJob,
+    spec: InferenceSpec,
     store_root: str,
     pins: dict[str, Pin] | None = None,
     model: dict[str, Any] | None = None,
@@ -370,7 +370,7 @@ def _parquet_source(uri: str, pin: Pin | None = None):
 
 
 def make_shards(
-    spec: InferenceJob, store_root: str, pins: dict[str, Pin] | None = None
+    spec: InferenceSpec, store_root: str, pins: dict[str, Pin] | None = None
 ) -> list[dict[str, Any]]:
     """The deterministic shard list over every input's rows, in input order (reading each input as
     ``pins`` pinned it, when given)."""
@@ -424,7 +424,7 @@ OUTPUT_NAMES = {
 }
 
 
-def output_uri(spec: InferenceJob, store_root: str, job_id: str) -> str:
+def output_uri(spec: InferenceSpec, store_root: str, job_id: str) -> str:
     if spec.output:
         return access.output_uri(spec.output, store_root, "output", job_id)
     name = OUTPUT_NAMES[spec.task]
@@ -433,7 +433,7 @@ def output_uri(spec: InferenceJob, store_root: str, job_id: str) -> str:
     return join(store_root, "jobs", job_id, "output", name)
 
 
-def hf_plan(spec: InferenceJob, folder: hf.Folder, pins: dict[str, Pin]) -> dict[str, Any]:
+def hf_plan(spec: InferenceSpec, folder: hf.Folder, pins: dict[str, Pin]) -> dict[str, Any]:
     """What the plan records of a Hugging Face folder: its files and their pins, and what the CPU stage
     and the worker read of its config (labels, pooling, the input tokens per row)."""
     assert isinstance(spec.model, HFModel)
@@ -459,7 +459,7 @@ def hf_plan(spec: InferenceJob, folder: hf.Folder, pins: dict[str, Pin]) -> dict
     }
 
 
-def prepare(spec: InferenceJob, job_id: str, store_root: str) -> dict[str, Any]:
+def prepare(spec: InferenceSpec, job_id: str, store_root: str) -> dict[str, Any]:
     """Write ``plan.json``, the shard manifest and the worker list; return ``{manifest, workers, shards, rows,
     config_hash}``."""
     inputs = [

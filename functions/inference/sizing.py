@@ -32,7 +32,7 @@ from shardfold.functions.errors import ObjectNotFound, SpecError
 from shardfold.functions.estimate import Loads, MiB, Probe, ProbeBudget, TaskLoad
 from shardfold.functions.inference import workflow as wf
 from shardfold.functions.inference.shards import READ_CHUNK
-from shardfold.functions.inference.spec import HFModel, InferenceJob, inference_input_format
+from shardfold.functions.inference.spec import HFModel, InferenceSpec, inference_input_format
 from shardfold.functions.inference.worker import CPU_BATCH_TOKENS, PREFETCH
 from shardfold.functions.store.uri import is_s3
 from shardfold.functions.tables import Table
@@ -80,7 +80,7 @@ def _input_rows(uri: str, fmt: str, head_bytes: int) -> tuple[int, int, bool]:
 FIRST_ROW_BYTES = 16 * 1024  # what submit reads of a JSONL input to find its first row's keys
 
 
-def _refuse_absent_fields(spec: InferenceJob, uri: str, fmt: str | None, i: int) -> None:
+def _refuse_absent_fields(spec: InferenceSpec, uri: str, fmt: str | None, i: int) -> None:
     """At submit: a column the spec reads (``field``, ``pair_field``, ``id_field``) that no row of input
     ``i`` can have (a Parquet schema without it), or that its first JSONL row lacks when a bad row fails
     the job (``on_bad_row: fail``), is refused naming the field and the columns there are."""
@@ -121,7 +121,7 @@ def _refuse_absent_fields(spec: InferenceJob, uri: str, fmt: str | None, i: int)
             raise SpecError(f"{name}: {msg}", [{"field": name, "error": msg}])
 
 
-def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
+def probe(spec: InferenceSpec, store_root: str, budget: ProbeBudget) -> Probe:
     notes: list[str] = []
     inputs = []
     probed = max(1, min(len(spec.inputs), budget.objects))
@@ -173,7 +173,7 @@ def probe(spec: InferenceJob, store_root: str, budget: ProbeBudget) -> Probe:
     return Probe(facts=facts, notes=notes)
 
 
-def _folder_facts(spec: InferenceJob, store_root: str) -> dict[str, Any]:
+def _folder_facts(spec: InferenceSpec, store_root: str) -> dict[str, Any]:
     """What the plan needs of a Hugging Face folder: its weights' bytes as loaded (the spec's dtype), and
     for generate each token's key/value bytes and the hidden width; :class:`SpecError` naming ``model.hf``
     or ``task`` when the folder cannot do the job."""
@@ -206,7 +206,7 @@ def worker_device(store_root: str) -> str:
     return "cuda" if gpus.is_dir() and any(gpus.iterdir()) else "cpu"
 
 
-def loads(spec: InferenceJob, probed: Probe) -> Loads:
+def loads(spec: InferenceSpec, probed: Probe) -> Loads:
     n_shards, rows, shard_rows, shard_text = _shards(spec, probed.facts)
     shard_tokens = shard_rows * spec.max_input_tokens
     pre_bytes = shard_tokens * 4 + shard_rows * 3 * 8  # input_ids int32 + offsets, row_index, ids
@@ -282,7 +282,7 @@ def loads(spec: InferenceJob, probed: Probe) -> Loads:
     )
 
 
-def _shards(spec: InferenceJob, facts: dict[str, Any]) -> tuple[int, int, int, int]:
+def _shards(spec: InferenceSpec, facts: dict[str, Any]) -> tuple[int, int, int, int]:
     """(shards, rows, the largest shard's rows and text bytes): the inputs not probed like those probed."""
     inputs = facts["inputs"]
     if not inputs:
@@ -295,7 +295,7 @@ def _shards(spec: InferenceJob, facts: dict[str, Any]) -> tuple[int, int, int, i
     return n_shards, round(scale * sum(per_input)), shard_rows, int(shard_rows * bytes_per_row)
 
 
-def _worker_buffers(spec: InferenceJob, facts: dict[str, Any], pre_bytes: int, shard_rows: int) -> dict:
+def _worker_buffers(spec: InferenceSpec, facts: dict[str, Any], pre_bytes: int, shard_rows: int) -> dict:
     """What the worker holds on the host besides its runtime: shards, outputs, a user's model as it loads, a
     generator's keys and values, and on a GPU the CUDA context, on a CPU one batch's activations."""
     folder = facts.get("folder") or {}
@@ -321,7 +321,7 @@ def _worker_buffers(spec: InferenceJob, facts: dict[str, Any], pre_bytes: int, s
     return {"the CUDA context on the host (the activations live on the GPU)": CUDA_HOST_BYTES, **buffers}
 
 
-def _notes(spec: InferenceJob, workers: int, gpu_s: float) -> list[str]:
+def _notes(spec: InferenceSpec, workers: int, gpu_s: float) -> list[str]:
     """The GPU stage's jobs and pricing, and the repair round's."""
     rate = (
         f"~{gpu_s:,.0f} s each at ~{GPU_ROWS_PER_S} rows/s for MiniLM (order of magnitude)"

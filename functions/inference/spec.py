@@ -110,7 +110,7 @@ class Generation(StrictModel):
 TASKS = ("embed", "classify", "generate")
 
 
-class InferenceJob(JobOptions):
+class InferenceSpec(JobOptions):
     """Run a model over every row of one or more JSONL / Parquet files; output Parquet in input order."""
 
     kind: Literal["inference"] = "inference"
@@ -190,7 +190,7 @@ class InferenceJob(JobOptions):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> InferenceJob:
+    def _consistent(self) -> InferenceSpec:
         """The fields checked against each other; generate's decoding options default."""
         self._check_rows()
         self._check_task()

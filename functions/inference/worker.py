@@ -61,7 +61,7 @@ from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.inference import compute
 from shardfold.functions.inference import shards as layout
 from shardfold.functions.inference.compute import WorkerStats
-from shardfold.functions.inference.spec import InferenceJob
+from shardfold.functions.inference.spec import InferenceSpec
 from shardfold.functions.log import logger
 from shardfold.functions.runtime import JobEvent, task
 
@@ -139,7 +139,7 @@ def _listed(prefix: str, suffix: str, after: str | None = None) -> set[int]:
 
 
 def run_worker(
-    spec: InferenceJob,
+    spec: InferenceSpec,
     job_id: str,
     store_root: str,
     attempt: int = 0,
@@ -200,7 +200,7 @@ def run_worker(
     return _report(store_root, job_id, worker_id, stats, started)
 
 
-def _tune_for_device(spec: InferenceJob, plan: dict[str, Any], model: Any, stats: WorkerStats) -> None:
+def _tune_for_device(spec: InferenceSpec, plan: dict[str, Any], model: Any, stats: WorkerStats) -> None:
     """Note the model's device in ``stats``; on a CPU, cap the token budget and set the model's threads."""
     stats.device = str(getattr(model, "device", "cpu"))
     if stats.device.startswith("cpu"):
@@ -476,7 +476,7 @@ def attempt_of(event: dict[str, Any]) -> int:
 
 
 @task(WorkerEvent, kind="inference", step="inference.worker")
-def handler(e: WorkerEvent, spec: InferenceJob) -> dict[str, Any]:
+def handler(e: WorkerEvent, spec: InferenceSpec) -> dict[str, Any]:
     """Entry point ``inference.worker`` (BatchJob steps ``infer`` and ``repair_infer``)."""
     return run_worker(spec, e.job_id, e.store_root, attempt_of(e.model_dump()))
 
