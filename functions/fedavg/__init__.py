@@ -10,6 +10,8 @@ Modules (all pure Python + numpy; no torch, no AWS outside :mod:`functions.store
   rule and :func:`~functions.fedavg.sizing.task_loads` (per-task peak memory and S3 requests of a plan).
 * :mod:`functions.fedavg.core` — ``inspect`` (read and check headers, choose shards; writes nothing),
   ``plan`` → ``aggregate`` (one shard) → ``commit``.
+* :mod:`functions.fedavg.estimate` — the kind's ``probe`` and ``loads`` (:mod:`functions.estimate`), over
+  ``core.inspect`` and ``sizing.task_loads``.
 * :mod:`functions.fedavg.handlers` — the thin Lambda handlers.
 
 See :mod:`functions.fedavg.core` for the semantics (formula, dtypes, integer and bool policies, errors).

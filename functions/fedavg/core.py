@@ -104,6 +104,7 @@ from shardfold.functions.fedavg import dp, kernels, secagg
 from shardfold.functions.fedavg.layout import (
     PREFIX_BYTES,
     FileHeader,
+    bad_file,
     check_like_first,
     check_object_size,
     format_number,
@@ -121,10 +122,8 @@ from shardfold.functions.fedavg.sizing import (
     RunRead,
     Segment,
     ShardPlan,
-    choose_shards,
-    chunk_bytes_for,
+    cut_shards,
     default_budget,
-    read_window,
     runs,
     shard_caps,
     task_loads,
@@ -205,7 +204,7 @@ def _batch_error(exc: BatchItemError, i: int, uri: str, what: str) -> ShardfoldE
     if isinstance(cause, ObjectNotFound):
         return ObjectNotFound(f"{label}: no object at {uri}")
     if isinstance(cause, InvalidRange):
-        return InvalidModelFile(f"{label}: {what}", client=i, uri=uri)
+        return InvalidModelFile(f"{label}: {what}", client=i, uri=uri, reason=what)
     if isinstance(cause, TransientError):
         return TransientError(f"{label}: {exc.reason}")
     return StoreError(f"{label}: {exc.reason}")
@@ -232,20 +231,13 @@ def _await_updates(members: _Round, wait_s: float, cancel_uri: str | None = None
 
 
 def _pins_of(members: _Round, uris: list[str]) -> dict[str, Pin | None]:
-    try:
-        return store.pins(uris)  # all in flight at once (the CRT client, or the shared thread pool)
-    except StoreError:
-        if not members.spec.tolerant:
-            raise
-    found: dict[str, Pin | None] = {}
+    """The updates' pins, all in flight at once; a tolerant round leaves out the clients whose HEAD fails."""
+    failed: dict[str, StoreError] = {}
+    found = store.pins(uris, failed=failed if members.spec.tolerant else None)
     place = {u: i for i, u in enumerate(members.uris)}
-    for u in uris:  # one by one, to tell which ones fail
-        try:
-            found[u] = store.pins([u])[u]
-        except StoreError as exc:
-            members.out(place[u], StoreError(f"{where(place[u], u)}: {exc}"))
-            found[u] = _LEFT_OUT
-    return found
+    for u, exc in failed.items():
+        members.out(place[u], StoreError(f"{where(place[u], u)}: {exc}"))
+    return {u: found.get(u, _LEFT_OUT) for u in uris}
 
 
 class _Round:
@@ -333,7 +325,7 @@ def inspect(
     uris = _client_uris(spec, store_root)
     out = output_uri(spec, store_root, job_id)
     inputs = [(f"clients.{i}.uri", u) for i, u in enumerate(uris)]
-    base_uri = _base_uri(spec, store_root)
+    base_uri = _dp_uri(spec, store_root, "base")
     if base_uri is not None:
         inputs.append(("dp.base", base_uri))
     structure_uri = _dp_uri(spec, store_root, "structure")
@@ -369,10 +361,6 @@ def _dp_uri(spec: FedAvgSpec, store_root: str, name: str) -> str | None:
         raise SpecError(f"dp.{name}: {exc}", [{"field": f"dp.{name}", "error": str(exc)}]) from None
 
 
-def _base_uri(spec: FedAvgSpec, store_root: str) -> str | None:
-    return _dp_uri(spec, store_root, "base")
-
-
 def _read_base(uri: str, field: str = "dp.base") -> tuple[FileHeader, Pin, str]:
     """A server-side model's header and pin (dp.base, dp.structure): the server's own, so any problem with
     it fails the round."""
@@ -384,7 +372,7 @@ def _read_base(uri: str, field: str = "dp.base") -> tuple[FileHeader, Pin, str]:
         header = parse_header(store.get(uri, PREFIX_BYTES, length, pin), -1, uri)
         check_object_size(header, pin.size, -1, uri)
     except (InvalidModelFile, InvalidRange) as exc:
-        raise InvalidModelFile(f"{field} ({uri}): {str(exc).split(': ', 1)[-1]}", uri=uri) from None
+        raise InvalidModelFile(f"{field} ({uri}): {exc.reason}", uri=uri, reason=exc.reason) from None
     return header, pin, uri
 
 
@@ -403,34 +391,84 @@ def _inspect(
     base: tuple[FileHeader, Pin, str] | None = None,
     reference: FileHeader | None = None,
 ) -> ShardPlan:
-    uris = members.uris
+    """The plan of a round whose updates' pins are known: headers read and checked, the round's tensors
+    chosen, the clients' weights and layouts resolved, then its terms (plain, DP or secure) and shards."""
     # A DP round's tensors are the public reference's: an update unlike it is absent, whoever else sent what
-    ref_sig = _signature(reference) if reference is not None else None
+    headers = _read_headers(members, pins, _signature(reference) if reference is not None else None)
+    ref, first = _round_tensors(members, headers)
+    order = output_tensors(first)
+    position = {name: k for k, name in enumerate(sorted(first.tensors))}
+    clients, layouts = _clients(spec, members, headers, order, position, pins)
+    known = [c.weight for c in clients]
+    total = _total_weight(spec, known, members.uris, clients) if all(w is not None for w in known) else None
+    n = len(clients)
+    if spec.secure:
+        terms = _secure_terms(members, headers, order, ref, first, n)
+    elif spec.dp is None:
+        terms = {"metadata": _plain_metadata(spec, first, n, total)}
+    else:
+        base_ref = _base_ref(spec, first, ref, order, position, layouts, base)
+        terms = _dp_terms(spec, base, base_ref, order, budget, len(members.uris))
+    plan = ShardPlan(
+        **{
+            "job_id": job_id,
+            "output": out,
+            "tensors": order,
+            "clients": clients,
+            "layouts": [list(k) for k in layouts],
+            "bounds": [0, first.data_bytes],
+            "chunk_bytes": 1,
+            "read_window": 1,
+            "aggregator": spec.aggregator,
+            "uniform": spec.uniform,
+            "accumulate": spec.accumulate,
+            "integer_policy": spec.integer_policy,
+            "trim_fraction": spec.trim_fraction,
+            "allow_nonfinite": spec.allow_nonfinite,
+            "total_weight": total,
+            "budget": budget,
+            "clients_listed": len(members.uris),
+            "excluded": members.excluded(),
+            **terms,  # what a secure or DP round sets otherwise
+        }
+    )
+    cut_shards(plan, spec.shards)
+    return plan
+
+
+@dataclass
+class _Headers:
+    """What the round's headers say, one parsed header kept per distinct set of tensors (its signature):
+    ``kinds``, each signature's first client and that client's header; per client its signature, its
+    tensors' data offsets in tensor-name order (equal tuples are one object: a layout), its data start and
+    its ``__metadata__`` (for its weight)."""
+
+    kinds: dict[tuple, tuple[int, FileHeader]] = dataclasses.field(default_factory=dict)
+    sig_of: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    begins: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    data_start: dict[int, int] = dataclasses.field(default_factory=dict)
+    metadata: dict[int, dict[str, str]] = dataclasses.field(default_factory=dict)
+
+
+def _read_headers(members: _Round, pins: dict[str, Pin], ref_sig: tuple | None) -> _Headers:
+    """Every live client's length prefix, then its header (two GetBatches), checked; ``ref_sig``: the
+    tensors a DP round's public reference fixes (an update unlike them is out)."""
+    uris, tolerant = members.uris, members.spec.tolerant
     lengths: dict[int, int] = {}
+    got = _Headers()
+    signatures: dict[tuple, tuple] = {}  # one tuple per distinct set of tensors, however many clients
+    distinct: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def take_length(i: int, data: bytes) -> None:
         lengths[i] = parse_length_prefix(data, i, uris[i])
-
-    prefixes = {i: {"uri": uris[i], "start": 0, "length": PREFIX_BYTES} for i in members.live()}
-    members.read_each(prefixes, pins, lambda i: "shorter than 8 bytes: not a safetensors file", take_length)
-
-    # Each client's tensors (by signature, one parsed header kept per distinct one) and offsets (by name).
-    tolerant = spec.tolerant
-    kinds: dict[tuple, tuple[int, FileHeader]] = {}  # signature -> (its first client, that client's header)
-    sig_of: dict[int, tuple] = {}
-    signatures: dict[tuple, tuple] = {}
-    # client -> its tensors' data offsets in tensor-name order; equal tuples are one object (a layout)
-    begins: dict[int, tuple[int, ...]] = {}
-    distinct: dict[tuple[int, ...], tuple[int, ...]] = {}
-    data_start: dict[int, int] = {}
-    metadata: dict[int, dict[str, str]] = {}  # each client's __metadata__, for its weight
 
     def take_header(i: int, data: bytes) -> None:
         header = parse_header(data, i, uris[i])
         # a truncated file is out before it is counted: it may not vote on the round's tensors
         check_object_size(header, pins[uris[i]].size, i, uris[i])
         sig = _signature(header)
-        sig = signatures.setdefault(sig, sig)  # one tuple per distinct set of tensors, however many clients
+        sig = signatures.setdefault(sig, sig)
+        kinds = got.kinds
         if ref_sig is not None:
             if sig != ref_sig:
                 raise InvalidModelFile(
@@ -445,12 +483,14 @@ def _inspect(
                 ref, first = next(iter(kinds.values()))
                 check_like_first(first, header, i, uris[i], ref)
             kinds[sig] = (i, header)
-        sig_of[i] = sig
+        got.sig_of[i] = sig
         offsets = tuple(header.tensors[name].begin for name in sorted(header.tensors))
-        begins[i] = distinct.setdefault(offsets, offsets)
-        data_start[i] = header.data_start
-        metadata[i] = header.metadata
+        got.begins[i] = distinct.setdefault(offsets, offsets)
+        got.data_start[i] = header.data_start
+        got.metadata[i] = header.metadata
 
+    prefixes = {i: {"uri": uris[i], "start": 0, "length": PREFIX_BYTES} for i in members.live()}
+    members.read_each(prefixes, pins, lambda i: "shorter than 8 bytes: not a safetensors file", take_length)
     headers = {i: {"uri": uris[i], "start": PREFIX_BYTES, "length": lengths[i]} for i in members.live()}
     members.read_each(
         headers,
@@ -461,9 +501,15 @@ def _inspect(
         ),
         take_header,
     )
+    return got
+
+
+def _round_tensors(members: _Round, headers: _Headers) -> tuple[int, FileHeader]:
+    """The round's tensors, those most clients have (a tie: the earliest client's), as ``(client, header)``;
+    a client with others is out (or fails the round)."""
+    kinds, sig_of = headers.kinds, headers.sig_of
     if not kinds:
         members.check_enough()  # no client left: raises
-    # The round's tensors: those most clients have (a tie: the earliest client's).
     votes: dict[tuple, int] = {}
     for i in members.live():
         votes[sig_of[i]] = votes.get(sig_of[i], 0) + 1
@@ -472,15 +518,18 @@ def _inspect(
     for i in members.live():
         if sig_of[i] != sig:
             try:
-                check_like_first(first, kinds[sig_of[i]][1], i, uris[i], ref)
+                check_like_first(first, kinds[sig_of[i]][1], i, members.uris[i], ref)
             except InvalidModelFile as exc:
                 members.out(i, exc)
-    order = output_tensors(first)
-    data_bytes = first.data_bytes
-    names = sorted(first.tensors)
-    position = {name: k for k, name in enumerate(names)}
-    layouts: dict[tuple[int, ...], int] = {}
+    return ref, first
 
+
+def _clients(
+    spec: FedAvgSpec, members: _Round, headers: _Headers, order: list, position: dict[str, int], pins: dict
+) -> tuple[list[ClientRef], dict[tuple[int, ...], int]]:
+    """The clients that stay, with their weights, and their distinct layouts (offsets in ``order``) with each
+    one's index; enough of them, or :class:`TooFewClients`."""
+    uris = members.uris
     # Weights last: a broken file is reported as broken before its metadata is judged. DP and secure rounds
     # take the uniform mean; a weight is needed where the mean is weighted (ShardPlan.weighted's rule).
     uniform = spec.uniform or spec.dp is not None or spec.secure
@@ -488,81 +537,62 @@ def _inspect(
     weights: dict[int, float | None] = {}
     for i in members.live():
         try:
-            weights[i] = _weight(spec, metadata[i], i, uris[i], weight_needed)
+            weights[i] = _weight(spec, headers.metadata[i], i, uris[i], weight_needed)
         except InvalidModelFile as exc:
             members.out(i, exc)
     members.check_enough()
     clients: list[ClientRef] = []
+    layouts: dict[tuple[int, ...], int] = {}
     for i in members.live():
-        key = tuple(begins[i][position[t.name]] for t in order)
+        key = tuple(headers.begins[i][position[t.name]] for t in order)
         layout = layouts.setdefault(key, len(layouts))
-        clients.append(ClientRef(uris[i], weights[i], data_start[i], layout, pins[uris[i]], i))
-    known = [c.weight for c in clients]
-    total = _total_weight(spec, known, uris, clients) if all(w is not None for w in known) else None
-    n = len(clients)
-    # Only inputs and options go into the header, so the same round gives the same bytes in any job.
-    # a DP round's output holds nothing a client wrote: the format is the base's (or the default)
-    fmt_from = base[0] if spec.dp is not None and base is not None else first if spec.dp is None else None
-    out_meta = {"format": fmt_from.metadata.get("format", DEFAULT_FORMAT) if fmt_from else DEFAULT_FORMAT}
-    dp_doc, base_ref = None, None
-    secure_doc = _secure_round(order, metadata, members, ref) if spec.secure else None
-    if secure_doc is not None:
-        out_meta["shardfold_aggregator"] = (
-            f"secure mean (clip_range {secure_doc['clip_range']!r}, scale {secure_doc['scale']})"
-        )
-        out_meta["shardfold_clients"] = str(n)
-    elif spec.dp is None:
-        out_meta["shardfold_aggregator"] = spec.aggregator + (" (uniform)" if spec.uniform else "")
-        out_meta["shardfold_clients"] = str(n)
-        if total is not None:
-            out_meta["num_examples"] = format_number(total)
-    else:
-        # Nothing that depends on the clients goes into a DP round's output beyond the noisy mean: not how
-        # many took part, nor their example counts.
-        total = None
-        dp_doc = {
-            "clip_norm": spec.dp.clip_norm,
-            "noise_multiplier": spec.dp.noise_multiplier,
-            "denominator": spec.dp.expected_clients or len(uris),
-        }
-        out_meta["shardfold_aggregator"] = (
-            f"dp-fedavg (clip_norm {spec.dp.clip_norm!r}, noise_multiplier {spec.dp.noise_multiplier!r}, "
-            f"expected_clients {dp_doc['denominator']})"
-        )
-        base_ref = _base_ref(spec, first, ref, order, position, layouts, base)
-        budget = _with_noise_time(budget, order, len(uris))
-    tensors = order
-    plan = ShardPlan(
-        job_id=job_id,
-        output=out,
-        tensors=tensors,
-        clients=clients,
-        layouts=[list(k) for k in layouts],
-        bounds=[0, data_bytes],
-        chunk_bytes=1,
-        read_window=1,
-        aggregator=spec.aggregator,
-        uniform=uniform,
-        # a DP round: the mean in float64, its integer and bool tensors the base's
-        accumulate="float64" if spec.dp is not None else spec.accumulate,
-        integer_policy="base" if spec.dp is not None else spec.integer_policy,
-        trim_fraction=spec.trim_fraction,
-        allow_nonfinite=spec.allow_nonfinite,
-        metadata=out_meta,
-        total_weight=total,
-        budget=budget,
-        clients_listed=len(uris),
-        excluded=members.excluded(),
-        dp=dp_doc,
-        base=base_ref,
-        secure=secure_doc,
+        clients.append(ClientRef(uris[i], weights[i], headers.data_start[i], layout, pins[uris[i]], i))
+    return clients, layouts
+
+
+# Only inputs and options go into the output's header, so the same round gives the same bytes in any job.
+
+
+def _metadata(fmt_from: FileHeader | None, **more: str) -> dict[str, str]:
+    """The output's ``__metadata__``: ``fmt_from``'s format (else :data:`DEFAULT_FORMAT`), then ``more``."""
+    fmt = fmt_from.metadata.get("format", DEFAULT_FORMAT) if fmt_from is not None else DEFAULT_FORMAT
+    return {"format": fmt, **more}
+
+
+def _plain_metadata(spec: FedAvgSpec, first: FileHeader, n: int, total: float | None) -> dict[str, str]:
+    """A plain round's output names its aggregator, its clients and their total weight."""
+    name = spec.aggregator + (" (uniform)" if spec.uniform else "")
+    meta = _metadata(first, shardfold_aggregator=name, shardfold_clients=str(n))
+    if total is not None:
+        meta["num_examples"] = format_number(total)
+    return meta
+
+
+def _dp_terms(
+    spec: FedAvgSpec, base: tuple | None, base_ref: ClientRef | None, order: list, budget: Budget, listed: int
+) -> dict[str, Any]:
+    """A DP round's plan terms: the mean in float64, its integer and bool tensors the base's. Nothing that
+    depends on the clients goes into its output beyond the noisy mean: not how many took part, nor their
+    example counts, nor a client's format (the base's, or the default)."""
+    doc = {
+        "clip_norm": spec.dp.clip_norm,
+        "noise_multiplier": spec.dp.noise_multiplier,
+        "denominator": spec.dp.expected_clients or listed,
+    }
+    name = (
+        f"dp-fedavg (clip_norm {spec.dp.clip_norm!r}, noise_multiplier {spec.dp.noise_multiplier!r}, "
+        f"expected_clients {doc['denominator']})"
     )
-    choice = choose_shards(data_bytes, n, len(plan.header()), budget, spec.shards)
-    plan.bounds = Geometry(tensors).shard_bounds(choice.shards)
-    plan.chunk_bytes = chunk_bytes_for(spec.aggregator, n, tensors, budget)
-    plan.read_window = read_window(plan.chunk_bytes, budget)
-    plan.notes = list(choice.notes)
-    return plan
+    return {
+        "uniform": True,
+        "accumulate": "float64",
+        "integer_policy": "base",
+        "metadata": _metadata(base[0] if base is not None else None, shardfold_aggregator=name),
+        "total_weight": None,
+        "dp": doc,
+        "base": base_ref,
+        "budget": _with_noise_time(budget, order, listed),
+    }
 
 
 def _base_ref(
@@ -589,7 +619,7 @@ def _base_ref(
     try:
         check_like_first(first, header, -1, uri, ref)
     except InvalidModelFile as exc:
-        raise InvalidModelFile(f"dp.base ({uri}): {str(exc).split(': ', 1)[-1]}", uri=uri) from None
+        raise InvalidModelFile(f"dp.base ({uri}): {exc.reason}", uri=uri, reason=exc.reason) from None
     names = sorted(header.tensors)
     offsets = [header.tensors[name].begin for name in names]
     key = tuple(offsets[position[t.name]] for t in order)
@@ -597,52 +627,46 @@ def _base_ref(
     return ClientRef(uri, None, header.data_start, layout, pin, None)
 
 
-def _secure_round(order: list, metadata: dict[int, dict[str, str]], members: _Round, ref: int) -> dict:
-    """The round's secure-aggregation parameters, the same in every masked update, for as many clients as
-    the spec lists (each one's masks cancel only against all the others'); every tensor a masked U32 one."""
+MASK_HINT = "write it with client.fedavg.mask_update"
+
+
+def _secure_terms(
+    members: _Round, headers: _Headers, order: list, ref: int, first_header: FileHeader, n: int
+) -> dict[str, Any]:
+    """A secure round's plan terms: the masked updates' uniform mean, with the round's parameters, the same in
+    every masked update, for as many clients as the spec lists (each one's masks cancel only against all the
+    others'); every tensor a masked U32 one."""
     uris = members.uris
     for t in order:
         if t.dtype != "U32":
-            raise InvalidModelFile(
-                f"{where(ref, uris[ref])}: tensor {t.name!r} is {t.dtype}, not a masked update's U32 "
-                "(write it with client.fedavg.mask_update)",
-                client=ref,
-                uri=uris[ref],
-                tensor=t.name,
-            )
+            what = f"tensor {t.name!r} is {t.dtype}, not a masked update's U32 ({MASK_HINT})"
+            raise bad_file(ref, uris[ref], what, t.name)
     first: secagg.RoundParams | None = None
     for i in members.live():
-        text = metadata[i].get(secagg.METADATA_KEY)
+        text = headers.metadata[i].get(secagg.METADATA_KEY)
         try:
             params = secagg.RoundParams.from_json(text) if text is not None else None
         except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidModelFile(f"{where(i, uris[i])}: {exc}", client=i, uri=uris[i]) from None
+            raise bad_file(i, uris[i], str(exc)) from None
         if params is None:
-            raise InvalidModelFile(
-                f"{where(i, uris[i])}: no __metadata__.{secagg.METADATA_KEY}: not a masked update (write it "
-                "with client.fedavg.mask_update)",
-                client=i,
-                uri=uris[i],
-            )
+            what = f"no __metadata__.{secagg.METADATA_KEY}: not a masked update ({MASK_HINT})"
+            raise bad_file(i, uris[i], what)
         if first is None:
             first = params
             if params.clients != len(uris) or set(params.dtypes) != {t.name for t in order}:
-                raise InvalidModelFile(
-                    f"{where(i, uris[i])}: masked for a round of {params.clients} clients and tensors "
-                    f"{sorted(params.dtypes)}; the spec lists {len(uris)} clients: every client whose key "
-                    "was published must be listed",
-                    client=i,
-                    uri=uris[i],
-                )
+                what = f"masked for a round of {params.clients} clients and tensors {sorted(params.dtypes)}; "
+                what += f"the spec lists {len(uris)} clients: every client whose key was published must be "
+                what += "listed"
+                raise bad_file(i, uris[i], what)
         elif params != first:
-            raise InvalidModelFile(
-                f"{where(i, uris[i])}: masked for another round than client {members.live()[0]} "
-                f"({params.round!r}, {params.clients} clients, clip_range {params.clip_range!r})",
-                client=i,
-                uri=uris[i],
-            )
+            what = f"masked for another round than client {members.live()[0]} ({params.round!r}, "
+            what += f"{params.clients} clients, clip_range {params.clip_range!r})"
+            raise bad_file(i, uris[i], what)
     assert first is not None
-    return json.loads(first.to_json())
+    doc = json.loads(first.to_json())
+    name = f"secure mean (clip_range {doc['clip_range']!r}, scale {doc['scale']})"
+    meta = _metadata(first_header, shardfold_aggregator=name, shardfold_clients=str(n))
+    return {"uniform": True, "metadata": meta, "secure": doc}
 
 
 def _with_noise_time(budget: Budget, tensors: list, clients: int) -> Budget:
@@ -785,7 +809,7 @@ def aggregate(spec: FedAvgSpec, job_id: str, store_root: str, shard: int) -> dic
         return {"shard": shard, "bytes": None, "reads": 0, "read_bytes": 0, "written_before": True}
     if p.dp is None:  # the same bytes whichever attempt writes them: written in place
         with store.spooled_writer(uri, SPOOL_BYTES) as out:
-            stats = (aggregate_into if p.secure is None else aggregate_secure_into)(p, shard, out)
+            stats = aggregate_into(p, shard, out)
     else:
         factors = np.frombuffer(store.get(clip_uri(store_root, job_id)), "<f8")
         if factors.size != p.n_clients or not np.all((factors >= 0) & (factors <= 1)):
@@ -936,8 +960,14 @@ def _shard_reads(plan: ShardPlan, shard: int, stats: _Stream) -> Iterator[tuple[
         raise AssertionError(f"shard {shard}: the read stream ended early")
 
 
+def _values(plan: ShardPlan, chunk: _Chunk, j: int, data: bytes, off: int) -> np.ndarray:
+    """Piece ``j`` of ``chunk`` in one read's bytes, as its tensor's dtype (a view)."""
+    s = chunk.segs[j]
+    return np.frombuffer(data, dtype=plan.tensors[s.tensor].dt.np, count=s.count, offset=off)
+
+
 def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
-    """Write shard ``shard``'s part (the header first for shard 0) to the binary file ``out``."""
+    """Write shard ``shard``'s part of a plain or secure round (the header first for shard 0) to ``out``."""
     if plan.dp is not None:
         raise AssertionError("a DP round aggregates through aggregate_dp_into")
     one_malloc_arena()
@@ -968,9 +998,7 @@ def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
                 arena.reserve(sum(kernels.need(rules[s.tensor], s.count, n) for s in chunk.segs))
                 reducers = [kernels.reducer(rules[s.tensor], s.count, params, arena) for s in chunk.segs]
             for j, off in r.pieces:
-                s = chunk.segs[j]
-                x = np.frombuffer(data, dtype=plan.tensors[s.tensor].dt.np, count=s.count, offset=off)
-                reducers[j].add(i, x)
+                reducers[j].add(i, _values(plan, chunk, j, data, off))
             del data
             if chunk.remaining == 0:
                 for j, red in enumerate(reducers):
@@ -993,37 +1021,7 @@ def aggregate_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
     }
 
 
-def aggregate_secure_into(plan: ShardPlan, shard: int, out: BinaryIO) -> dict:
-    """Write shard ``shard``'s part of a secure round: the uint32 sum of the masked updates (the masks
-    cancel; wrapping is the arithmetic mod 2³²), dequantised to the float32 mean."""
-    params = secagg.RoundParams.from_json(json.dumps(plan.secure))
-    n = plan.n_clients
-    written = out.write(plan.header()) if shard == 0 else 0
-    stats = _Stream()
-    acc: list[np.ndarray] = []
-    current: _Chunk | None = None
-    for chunk, _i, r, data in _shard_reads(plan, shard, stats):
-        if chunk is not current:
-            current = chunk
-            acc = [np.zeros(s.count, np.uint32) for s in chunk.segs]
-        for j, off in r.pieces:
-            x = np.frombuffer(data, dtype=np.uint32, count=chunk.segs[j].count, offset=off)
-            np.add(acc[j], x, out=acc[j])
-        del data
-        if chunk.remaining == 0:
-            for a in acc:
-                written += out.write(secagg.dequantise(a, params, n).astype(np.float32).view(np.uint8))
-            acc = []
-    return {"shard": shard, "bytes": written, "reads": stats.reads, "read_bytes": stats.read_bytes}
-
-
 # --- DP-FedAvg: the norms pass, the clip factors, the noisy mean ------------------------------------------
-
-
-def _values(plan: ShardPlan, chunk: _Chunk, j: int, data: bytes, off: int) -> np.ndarray:
-    """Piece ``j`` of ``chunk`` in one read's bytes, as its tensor's dtype (a view)."""
-    s = chunk.segs[j]
-    return np.frombuffer(data, dtype=plan.tensors[s.tensor].dt.np, count=s.count, offset=off)
 
 
 def _float_segments(plan: ShardPlan, chunk: _Chunk) -> list[bool]:
@@ -1047,9 +1045,7 @@ def norms_into(plan: ShardPlan, shard: int) -> tuple[np.ndarray, dict]:
                 if i == BASE:
                     base[j] = x.astype(np.float64)
                     continue
-                d = x.astype(np.float64)
-                if j in base:
-                    d -= base[j]
+                d = kernels.difference(x, base.get(j), np.empty(x.size, np.float64))  # as the mean's
                 sums[i] += float(np.dot(d, d))
             del data
             if chunk.remaining == 0:

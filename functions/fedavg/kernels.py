@@ -22,6 +22,8 @@ Formulas (``acc`` is the accumulator dtype, ``w_i`` the weights and ``W`` their 
   and divided by ``N - 2k``.
 * integer rules round the float64 result half to even (``np.rint``) before the cast; ``first`` copies
   client 0; ``max`` is an elementwise maximum in the tensor's own dtype.
+* secure_sum (a secure round's masked U32 tensors): ``acc = x_0; acc += x_i`` in uint32 (mod 2³², so the
+  masks cancel), then :func:`functions.fedavg.secagg.dequantise` to the float32 mean.
 
 **Output check.** Every mean and robust reducer checks its result finite before the cast to the tensor's
 dtype (block by block, in a shared scratch, so no chunk-sized temporary) and records where it is not in
@@ -41,9 +43,10 @@ from typing import Literal
 
 import numpy as np
 
+from shardfold.functions.fedavg import secagg
 from shardfold.functions.fedavg.layout import DType
 
-Method = Literal["mean", "median", "trimmed_mean", "first", "max"]
+Method = Literal["mean", "median", "trimmed_mean", "first", "max", "secure_sum"]
 
 BLOCK = 1 << 16  # elements per inner step of the weighted sum (axpy): scratch stays in L2
 ALIGN = 64
@@ -96,6 +99,9 @@ class Rule:
     def acc_ratio(self, in_itemsize: int) -> float:
         """Accumulator bytes per input byte."""
         return self.acc.itemsize / in_itemsize
+
+
+SECURE_SUM = Rule("secure_sum", np.dtype(np.uint32), F32)  # every tensor of a secure round
 
 
 def rule_for(
@@ -180,6 +186,7 @@ class Params:
     total: float  # sum of the weights (math.fsum), or N when unweighted
     n_clients: int
     trim: int = 0
+    secure: secagg.RoundParams | None = None  # a secure round's parameters (its dequantisation)
 
     def __post_init__(self) -> None:
         # Scaled in float64 before the cast (see the module docstring): a power of two, so exact.
@@ -273,20 +280,27 @@ def axpy(acc: np.ndarray, x: np.ndarray, w: np.floating, scratch: np.ndarray) ->
         np.add(a, t, out=a)
 
 
+def difference(x: np.ndarray, base: np.ndarray | None, out: np.ndarray) -> np.ndarray:
+    """An update's difference from the base, ``float64(x) - float64(base)`` (``base`` None: ``float64(x)``),
+    into the float64 ``out``: the one definition that DP-FedAvg's norms pass (the clip) and its mean share,
+    so the update clipped is the update whose norm was measured."""
+    np.copyto(out, x, casting="unsafe")
+    if base is not None:
+        np.subtract(out, base, out=out)
+    return out
+
+
 def axpy_difference(
     acc: np.ndarray, x: np.ndarray, base: np.ndarray | None, f: np.floating, scratch: np.ndarray
 ) -> None:
-    """``acc += f * (float64(x) - float64(base))`` (``base`` None: ``f * float64(x)``) for a float64 ``acc``,
-    block by block through the float64 ``scratch``: the same three roundings as ``d = x.astype(float64);
-    d -= base; d *= f; acc += d``, so the same bits, with no chunk-sized float64 copy of ``x``."""
+    """``acc += f * difference(x, base)`` for a float64 ``acc``, block by block through the float64
+    ``scratch``: the same three roundings as ``d = x.astype(float64); d -= base; d *= f; acc += d``, so the
+    same bits, with no chunk-sized float64 copy of ``x``."""
     step = scratch.size
     n = acc.size
     for lo in range(0, n, step):
         hi = min(lo + step, n)
-        t = scratch[: hi - lo]
-        np.copyto(t, x[lo:hi], casting="unsafe")
-        if base is not None:
-            np.subtract(t, base[lo:hi], out=t)
+        t = difference(x[lo:hi], None if base is None else base[lo:hi], scratch[: hi - lo])
         np.multiply(t, f, out=t)
         a = acc[lo:hi]
         np.add(a, t, out=a)
@@ -383,8 +397,11 @@ class RobustReducer(Reducer):
         return self._emit(res)
 
 
-class FirstReducer(Reducer):
-    """Client 0's values."""
+class FoldReducer(Reducer):
+    """``acc = x_0``, then ``acc = op(acc, x_i)`` in the accumulator's dtype, in client order (no ``op``:
+    client 0's values stay)."""
+
+    op: np.ufunc | None = None
 
     def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
         super().__init__(rule, count, params, arena)
@@ -393,27 +410,34 @@ class FirstReducer(Reducer):
     def add(self, client: int, x: np.ndarray) -> None:
         if client == 0:
             np.copyto(self.acc, _as_input(self.rule, x))
+        elif self.op is not None:
+            self.op(self.acc, _as_input(self.rule, x), out=self.acc)
 
     def finish(self) -> np.ndarray:
         return self.acc
 
 
-class MaxReducer(Reducer):
+class FirstReducer(FoldReducer):
+    """Client 0's values."""
+
+
+class MaxReducer(FoldReducer):
     """The elementwise maximum, in the tensor's own dtype (for BOOL: logical or)."""
 
-    def __init__(self, rule: Rule, count: int, params: Params, arena: Arena):
-        super().__init__(rule, count, params, arena)
-        self.acc = arena.take(rule.acc, (count,))
+    op = np.maximum
 
-    def add(self, client: int, x: np.ndarray) -> None:
-        x = _as_input(self.rule, x)
-        if client == 0:
-            np.copyto(self.acc, x)
-        else:
-            np.maximum(self.acc, x, out=self.acc)
+
+class SecureSumReducer(FoldReducer):
+    """A secure round's masked updates summed in uint32 (wrapping is the arithmetic mod 2³²: the masks
+    cancel), then dequantised to the float32 mean, block by block (no chunk-sized float64 temporary)."""
+
+    op = np.add
 
     def finish(self) -> np.ndarray:
-        return self.acc
+        acc, out, n = self.acc, self.out, self.params.n_clients
+        for lo in range(0, acc.size, BLOCK):
+            np.copyto(out[lo : lo + BLOCK], secagg.dequantise(acc[lo : lo + BLOCK], self.params.secure, n))
+        return out
 
 
 _REDUCERS: dict[str, type[Reducer]] = {
@@ -422,6 +446,7 @@ _REDUCERS: dict[str, type[Reducer]] = {
     "trimmed_mean": RobustReducer,
     "first": FirstReducer,
     "max": MaxReducer,
+    "secure_sum": SecureSumReducer,
 }
 
 

@@ -74,8 +74,8 @@ DTYPES: dict[str, DType] = dict(
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of one file: offsets relative to that file's data buffer."""
+class Tensor:
+    """One tensor: its offsets in a data buffer (a client file's, or the output's)."""
 
     name: str
     dtype: str
@@ -87,13 +87,21 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.end - self.begin
 
+    @property
+    def dt(self) -> DType:
+        return DTYPES[self.dtype]
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
 
 @dataclass(frozen=True)
 class FileHeader:
     """One file's parsed header. ``data_start`` is where its data buffer begins in the object."""
 
     header_len: int
-    tensors: dict[str, TensorEntry]
+    tensors: dict[str, Tensor]
     metadata: dict[str, str]
     data_bytes: int
 
@@ -110,24 +118,29 @@ def where(client: int, uri: str) -> str:
     return f"client {client} ({uri})"
 
 
-def _bad(client: int, uri: str, what: str, tensor: str | None = None) -> InvalidModelFile:
-    return InvalidModelFile(f"{where(client, uri)}: {what}", client=client, uri=uri, tensor=tensor)
+def bad_file(client: int, uri: str, what: str, tensor: str | None = None) -> InvalidModelFile:
+    """The error for client ``client``'s update at ``uri``: ``what`` is wrong (its ``reason``)."""
+    return InvalidModelFile(
+        f"{where(client, uri)}: {what}", client=client, uri=uri, tensor=tensor, reason=what
+    )
 
 
 def parse_length_prefix(prefix: bytes, client: int, uri: str) -> int:
     """The header length from a file's first 8 bytes; refuses what cannot be a safetensors header."""
     if len(prefix) < PREFIX_BYTES:
-        raise _bad(client, uri, f"only {len(prefix)} bytes: not a safetensors file (no 8-byte length prefix)")
+        raise bad_file(
+            client, uri, f"only {len(prefix)} bytes: not a safetensors file (no 8-byte length prefix)"
+        )
     (n,) = struct.unpack("<Q", prefix[:PREFIX_BYTES])
     if n > MAX_HEADER_BYTES:
-        raise _bad(
+        raise bad_file(
             client,
             uri,
             f"not a safetensors file: its length prefix announces a {n}-byte header, more than the "
             f"{MAX_HEADER_BYTES}-byte limit (is it a .pt, .npy or other format?)",
         )
     if n < 2:
-        raise _bad(client, uri, f"not a safetensors file: its length prefix announces a {n}-byte header")
+        raise bad_file(client, uri, f"not a safetensors file: its length prefix announces a {n}-byte header")
     return n
 
 
@@ -136,17 +149,17 @@ def parse_header(raw: bytes, client: int, uri: str) -> FileHeader:
     try:
         doc = jsontext.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        raise _bad(client, uri, "not a safetensors file: its header is not UTF-8 text") from None
+        raise bad_file(client, uri, "not a safetensors file: its header is not UTF-8 text") from None
     except ValueError as exc:  # JSONDecodeError is a ValueError, and so is a duplicate key
-        raise _bad(client, uri, f"not a safetensors file: its header is not valid JSON ({exc})") from None
+        raise bad_file(client, uri, f"not a safetensors file: its header is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
-        raise _bad(client, uri, "not a safetensors file: its header is not a JSON object")
+        raise bad_file(client, uri, "not a safetensors file: its header is not a JSON object")
     meta = doc.pop(METADATA, None)
     if meta is None:
         meta = {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise _bad(client, uri, f"{METADATA} must map strings to strings, got {json.dumps(meta)[:200]}")
-    tensors: dict[str, TensorEntry] = {}
+        raise bad_file(client, uri, f"{METADATA} must map strings to strings, got {json.dumps(meta)[:200]}")
+    tensors: dict[str, Tensor] = {}
     for name, info in doc.items():
         tensors[name] = _tensor(name, info, client, uri)
     data_bytes = _check_tiling(tensors, client, uri)
@@ -157,9 +170,9 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _tensor(name: str, info: Any, client: int, uri: str) -> TensorEntry:
+def _tensor(name: str, info: Any, client: int, uri: str) -> Tensor:
     def bad(what: str) -> InvalidModelFile:
-        return _bad(client, uri, f"tensor {name!r}: {what}", tensor=name)
+        return bad_file(client, uri, f"tensor {name!r}: {what}", tensor=name)
 
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise bad("entry must be an object with dtype, shape and data_offsets")
@@ -181,17 +194,17 @@ def _tensor(name: str, info: Any, client: int, uri: str) -> TensorEntry:
             f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but dtype {dtype} with shape "
             f"{shape} needs {expected}"
         )
-    return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+    return Tensor(name, dtype, tuple(shape), offsets[0], offsets[1])
 
 
-def _check_tiling(tensors: dict[str, TensorEntry], client: int, uri: str) -> int:
+def _check_tiling(tensors: dict[str, Tensor], client: int, uri: str) -> int:
     """The tensors must cover the data buffer exactly once; returns the buffer's length."""
     pos = 0
-    prev: TensorEntry | None = None
+    prev: Tensor | None = None
     for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end, t.name)):
         if t.begin < pos:
             assert prev is not None
-            raise _bad(
+            raise bad_file(
                 client,
                 uri,
                 f"tensor {t.name!r} (bytes {t.begin}-{t.end}) overlaps tensor {prev.name!r} "
@@ -200,7 +213,7 @@ def _check_tiling(tensors: dict[str, TensorEntry], client: int, uri: str) -> int
             )
         if t.begin > pos:
             after = f"after tensor {prev.name!r}" if prev else "at the start of the data"
-            raise _bad(
+            raise bad_file(
                 client,
                 uri,
                 f"data_offsets leave a gap of {t.begin - pos} bytes {after}, before tensor {t.name!r}",
@@ -216,14 +229,14 @@ def check_object_size(header: FileHeader, size: int, client: int, uri: str) -> N
     """The object must end exactly where the header says its data buffer does."""
     want = header.object_bytes
     if size < want:
-        raise _bad(
+        raise bad_file(
             client,
             uri,
             f"truncated: the header describes {header.data_bytes} data bytes (object of {want} bytes) but "
             f"the object has only {size} bytes",
         )
     if size > want:
-        raise _bad(
+        raise bad_file(
             client,
             uri,
             f"{size - want} unexpected bytes after the data the header describes ({want} bytes); "
@@ -234,44 +247,21 @@ def check_object_size(header: FileHeader, size: int, client: int, uri: str) -> N
 # --- N clients --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor of the output: its offsets in the output's data buffer."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def dt(self) -> DType:
-        return DTYPES[self.dtype]
-
-    @property
-    def elements(self) -> int:
-        return math.prod(self.shape)
-
-
 def check_like_first(first: FileHeader, h: FileHeader, client: int, uri: str, ref: int = 0) -> None:
     """Client ``client`` must have exactly client ``ref``'s tensors (``first``: the round's), with the same
     dtypes and shapes (its offsets may differ). The first difference, in tensor-name order, is the error."""
     for name in sorted(first.tensors.keys() - h.tensors.keys()):
-        raise _bad(client, uri, f"has no tensor {name!r}, which client {ref} has", tensor=name)
+        raise bad_file(client, uri, f"has no tensor {name!r}, which client {ref} has", tensor=name)
     for name in sorted(h.tensors.keys() - first.tensors.keys()):
-        raise _bad(client, uri, f"has a tensor {name!r} that client {ref} does not have", tensor=name)
+        raise bad_file(client, uri, f"has a tensor {name!r} that client {ref} does not have", tensor=name)
     for name in sorted(first.tensors):
         a, b = first.tensors[name], h.tensors[name]
         if a.dtype != b.dtype:
-            raise _bad(
+            raise bad_file(
                 client, uri, f"tensor {name!r} is {b.dtype}, but client {ref}'s is {a.dtype}", tensor=name
             )
         if a.shape != b.shape:
-            raise _bad(
+            raise bad_file(
                 client,
                 uri,
                 f"tensor {name!r} has shape {list(b.shape)}, but client {ref}'s has {list(a.shape)}",
@@ -282,8 +272,7 @@ def check_like_first(first: FileHeader, h: FileHeader, client: int, uri: str, re
 def output_tensors(first: FileHeader) -> list[Tensor]:
     """The output's tensors in client 0's data order (so a client written like client 0 is read in one
     range per chunk); their offsets are client 0's."""
-    ordered = sorted(first.tensors.values(), key=lambda t: (t.begin, t.end, t.name))
-    return [Tensor(t.name, t.dtype, t.shape, t.begin, t.end) for t in ordered]
+    return sorted(first.tensors.values(), key=lambda t: (t.begin, t.end, t.name))
 
 
 def encode_header(tensors: list[Tensor], metadata: dict[str, str]) -> bytes:
@@ -301,15 +290,15 @@ def weight_from_metadata(metadata: dict[str, str], client: int, uri: str) -> flo
     hint = f"set clients.{client}.weight in the spec, or uniform=true"
     raw = metadata.get("num_examples")
     if raw is None:
-        raise _bad(
+        raise bad_file(
             client, uri, f"no weight: the spec gives none and {METADATA} has no 'num_examples'; {hint}"
         )
     try:
         value = float(raw.strip())
     except ValueError:
-        raise _bad(client, uri, f"{METADATA}.num_examples is {raw!r}, not a number; {hint}") from None
+        raise bad_file(client, uri, f"{METADATA}.num_examples is {raw!r}, not a number; {hint}") from None
     if not (math.isfinite(value) and value > 0):
-        raise _bad(
+        raise bad_file(
             client, uri, f"{METADATA}.num_examples is {raw!r}; a weight must be a finite number > 0; {hint}"
         )
     return value

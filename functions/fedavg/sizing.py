@@ -39,6 +39,7 @@ on a local store (:data:`LOCAL_INFLIGHT_BYTES`).
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -48,7 +49,7 @@ from typing import Any
 from shardfold.functions import pricing
 from shardfold.functions.errors import PlanError
 from shardfold.functions.estimate import projected_peak
-from shardfold.functions.fedavg import kernels
+from shardfold.functions.fedavg import dp, kernels, secagg
 from shardfold.functions.fedavg.layout import Tensor, encode_header
 from shardfold.functions.store.local import WRITE_BUFFER
 from shardfold.functions.store.pinning import Pin
@@ -204,6 +205,8 @@ class ShardPlan:
         return self.aggregator == "mean" and not self.uniform
 
     def rules(self) -> list[kernels.Rule]:
+        if self.secure is not None:
+            return [kernels.SECURE_SUM] * len(self.tensors)
         return [
             kernels.rule_for(
                 t.dt,
@@ -223,18 +226,18 @@ class ShardPlan:
             total = float(self.total_weight)  # type: ignore[arg-type]
         else:
             weights, total = [1.0] * n, float(n)
-        return kernels.Params(
-            weights=weights, total=total, n_clients=n, trim=kernels.trim_count(self.trim_fraction, n)
-        )
+        secure = secagg.RoundParams.from_json(json.dumps(self.secure)) if self.secure is not None else None
+        trim = kernels.trim_count(self.trim_fraction, n)
+        return kernels.Params(weights=weights, total=total, n_clients=n, trim=trim, secure=secure)
 
-    def mechanism(self) -> Any:
-        """The round's noise (:class:`functions.fedavg.dp.Mechanism`); a DP plan only."""
-        from shardfold.functions.fedavg.dp import Mechanism
-
+    def mechanism(self) -> dp.Mechanism:
+        """The round's noise; a DP plan only."""
         if self.dp is None:
             raise PlanError("not a DP round")
         elements = sum(t.elements for t in self.tensors if t.dt.kind == "float")
-        return Mechanism(self.dp["clip_norm"], self.dp["denominator"], self.dp["noise_multiplier"], elements)
+        return dp.Mechanism(
+            self.dp["clip_norm"], self.dp["denominator"], self.dp["noise_multiplier"], elements
+        )
 
     def dtype_counts(self) -> dict[str, int]:
         """The output's tensors by dtype (a secure round's are float32)."""
@@ -498,6 +501,17 @@ def read_window(chunk_bytes: int, budget: Budget) -> int:
     return max(1, min(64, budget.inflight_bytes // max(chunk_bytes, 1)))
 
 
+def cut_shards(plan: ShardPlan, requested: int | None) -> None:
+    """Set ``plan``'s shards (``requested``: the spec's ``shards``; with the choice's notes), chunk and read
+    window by the rules for its clients and budget."""
+    n = plan.n_clients
+    choice = choose_shards(plan.data_bytes, n, len(plan.header()), plan.budget, requested)
+    plan.bounds = Geometry(plan.tensors).shard_bounds(choice.shards)
+    plan.chunk_bytes = chunk_bytes_for(plan.aggregator, n, plan.tensors, plan.budget)
+    plan.read_window = read_window(plan.chunk_bytes, plan.budget)
+    plan.notes = list(choice.notes)
+
+
 # --- loads -------------------------------------------------------------------------------------------------
 
 
@@ -513,10 +527,10 @@ class StepLoad:
 
     tasks: int
     runtime_bytes: int
-    gets: int
-    puts: int
-    read_bytes: int
-    write_bytes: int
+    gets: int = 0
+    puts: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
     buffers: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -532,6 +546,11 @@ def _upload_puts(nbytes: int) -> int:
     return 2 + math.ceil(nbytes / MULTIPART_CHUNK)
 
 
+def _plan_doc_bytes(plan: ShardPlan) -> int:
+    """About the plan document's size: 200 bytes a tensor per layout (and one), a client; 50 a shard."""
+    return 200 * (len(plan.tensors) * (1 + len(plan.layouts)) + plan.n_clients) + 50 * plan.shards
+
+
 def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
     """Per-step loads of ``plan``: ``{"prepare": ..., "aggregate": ..., "commit": ...}``.
 
@@ -540,74 +559,116 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
     holds, plus :data:`RUNTIME_BYTES`. ``on_s3=False``: the local store, where a part is written in place
     (no spool, no upload buffers).
     """
+    header_bytes = len(plan.header())
+    doc_bytes = _plan_doc_bytes(plan)
+    aggregate = _aggregate_load(plan, on_s3, header_bytes, doc_bytes)
+    steps = {
+        "prepare": _prepare_load(plan, doc_bytes),
+        "aggregate": aggregate,
+        "commit": _commit_load(plan, header_bytes, doc_bytes),
+    }
+    if plan.dp is not None:
+        # prepare asks OpenDP for the round's ρ (the ledger's charge)
+        steps["prepare"] = replace(steps["prepare"], runtime_bytes=RUNTIME_BYTES + DP_RUNTIME_BYTES)
+        steps.update(_dp_loads(plan, aggregate, on_s3))
+    else:  # the DP steps run empty: no norms task, a clip task that reads the plan
+        steps["norms"] = StepLoad(tasks=0, runtime_bytes=0)
+        steps["clip"] = StepLoad(tasks=1, runtime_bytes=RUNTIME_BYTES, gets=1)  # reads only the spec
+    return steps
+
+
+def _aggregate_load(plan: ShardPlan, on_s3: bool, header_bytes: int, doc_bytes: int) -> StepLoad:
+    """The aggregate step: every shard's reads and part upload, and the buffers of its largest task."""
     n = plan.n_clients
     geo = Geometry(plan.tensors)
     rules = plan.rules()
     per_layout = [0] * len(plan.layouts)
     for c in plan.clients:
         per_layout[c.layout] += 1
-    header_bytes = len(plan.header())
-    params_scratch = 2 * kernels.BLOCK * 8
-    plan_doc_bytes = 200 * (len(plan.tensors) * (1 + len(plan.layouts)) + n) + 50 * plan.shards
-
-    agg_gets = agg_puts = 0
+    gets = puts = max_read = max_write = 0
     comps: dict[str, int] = {}
-    max_read = max_write = 0
     for k in range(plan.shards):
         start, end = plan.shard_range(k)
-        reads = 0
-        arena = transient = 0
-        for a, b in geo.chunks(start, end, plan.chunk_bytes):
-            segs = geo.segments(a, b)
-            for j, count in enumerate(per_layout):
-                if count:
-                    reads += count * len(runs(plan.tensors, plan.layouts[j], segs))
-            arena = max(arena, sum(kernels.need(rules[s.tensor], s.count, n) for s in segs))
-            counts = [s.count for s in segs]
-            # a bool mask per element: the robust reducers' input check (N per element); for the mean only
-            # where a result is not finite (its checks run block by block), counted all the same
-            transient = max(transient, (n if plan.robust() else 1) * max(counts, default=0))
+        reads, arena, transient = _shard_chunks(plan, geo, rules, per_layout, start, end)
         part = (end - start) + (header_bytes if k == 0 else 0)
-        buffers = (plan.read_window + 1) * plan.chunk_bytes
-        objects = OBJECT_BYTES + 2 * plan_doc_bytes  # the parsed plan document, read descriptors, slots
-        # S3: the spool holds up to SPOOL_BYTES plus one write, and copies it once when it rolls over to
-        # disk. Locally the part is written in place through the writer's buffer.
-        spool = 2 * min(part, SPOOL_BYTES + plan.chunk_bytes) if on_s3 else min(part, WRITE_BUFFER)
-        comps = max(  # the buffers of the largest task's larger phase
-            comps,
-            {
-                "the reads in flight": buffers,
-                "the reducers' accumulators": arena,
-                "the kernels' scratch": params_scratch + transient,
-                "the part's spool in memory": spool,
-                "the plan document and read descriptors": objects,
-            },
-            # then S3's upload of the spool: s3transfer holds up to 10 parts (one PUT streams the file)
-            {
-                "the upload's buffers": min(part, UPLOAD_BUFFER_BYTES) if on_s3 else 0,
-                "the plan document and read descriptors": objects,
-            },
-            key=lambda buffers: sum(buffers.values()),
-        )
-        agg_gets += 2 + reads  # spec + plan document + the ranged reads
-        agg_puts += _upload_puts(part)
+        phases = _shard_buffers(plan, on_s3, part, arena, transient, doc_bytes)
+        comps = max(comps, *phases, key=lambda buffers: sum(buffers.values()))  # the largest task's phase
+        gets += 2 + reads  # spec + plan document + the ranged reads
+        puts += _upload_puts(part)
         max_read = max(max_read, n * (end - start))
         max_write = max(max_write, part)
+    return StepLoad(
+        tasks=plan.shards,
+        runtime_bytes=RUNTIME_BYTES,
+        gets=gets,
+        puts=puts,
+        read_bytes=max_read,
+        write_bytes=max_write,
+        buffers=comps,
+    )
 
-    m = plan.shards
-    out_bytes = header_bytes + plan.data_bytes
-    plan_step = StepLoad(
+
+def _shard_chunks(
+    plan: ShardPlan, geo: Geometry, rules: list[kernels.Rule], per_layout: list[int], start: int, end: int
+) -> tuple[int, int, int]:
+    """A shard's ranged reads (all clients), and the largest of its chunks' reducer arenas and input masks."""
+    n = plan.n_clients
+    reads = arena = transient = 0
+    for a, b in geo.chunks(start, end, plan.chunk_bytes):
+        segs = geo.segments(a, b)
+        for j, count in enumerate(per_layout):
+            if count:
+                reads += count * len(runs(plan.tensors, plan.layouts[j], segs))
+        arena = max(arena, sum(kernels.need(rules[s.tensor], s.count, n) for s in segs))
+        # a bool mask per element: the robust reducers' input check (N per element); for the mean only
+        # where a result is not finite (its checks run block by block), counted all the same
+        transient = max(transient, (n if plan.robust() else 1) * max((s.count for s in segs), default=0))
+    return reads, arena, transient
+
+
+def _shard_buffers(
+    plan: ShardPlan, on_s3: bool, part: int, arena: int, transient: int, doc_bytes: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The buffers of a shard task's two phases: its reads and fold, then (S3) its part's upload."""
+    objects = OBJECT_BYTES + 2 * doc_bytes  # the parsed plan document, read descriptors, slots
+    # S3: the spool holds up to SPOOL_BYTES plus one write, and copies it once when it rolls over to
+    # disk. Locally the part is written in place through the writer's buffer.
+    spool = 2 * min(part, SPOOL_BYTES + plan.chunk_bytes) if on_s3 else min(part, WRITE_BUFFER)
+    fold = {
+        "the reads in flight": (plan.read_window + 1) * plan.chunk_bytes,
+        "the reducers' accumulators": arena,
+        "the kernels' scratch": 2 * kernels.BLOCK * 8 + transient,
+        "the part's spool in memory": spool,
+        "the plan document and read descriptors": objects,
+    }
+    # then S3's upload of the spool: s3transfer holds up to 10 parts (one PUT streams the file)
+    upload = {
+        "the upload's buffers": min(part, UPLOAD_BUFFER_BYTES) if on_s3 else 0,
+        "the plan document and read descriptors": objects,
+    }
+    return fold, upload
+
+
+def _prepare_load(plan: ShardPlan, doc_bytes: int) -> StepLoad:
+    """The prepare step: every client's length prefix, header and HEAD; the plan document written."""
+    return StepLoad(
         tasks=1,
         runtime_bytes=RUNTIME_BYTES,
-        gets=1 + 3 * n,  # spec; per client: length prefix, header, HEAD
+        gets=1 + 3 * plan.n_clients,  # spec; per client: length prefix, header, HEAD
         puts=2,  # plan document, manifest
         read_bytes=sum(c.data_start for c in plan.clients),
-        write_bytes=plan_doc_bytes,
+        write_bytes=doc_bytes,
         buffers={
             "client 0's parsed header and one other": 2 * HEADER_PARSE_FACTOR * plan.clients[0].data_start,
-            "the plan document with its layouts": 2 * plan_doc_bytes,
+            "the plan document with its layouts": 2 * doc_bytes,
         },
     )
+
+
+def _commit_load(plan: ShardPlan, header_bytes: int, doc_bytes: int) -> StepLoad:
+    """The commit step: the parts assembled (copied server-side, or joined in memory when small)."""
+    m = plan.shards
+    out_bytes = header_bytes + plan.data_bytes
     if out_bytes >= S3_MIN_PART:
         copies = sum(
             max(1, math.ceil((geo_end - geo_start + (header_bytes if k == 0 else 0)) / S3_MAX_COPY_PART))
@@ -616,58 +677,31 @@ def task_loads(plan: ShardPlan, on_s3: bool = True) -> dict[str, StepLoad]:
         assemble_puts, assemble_gets = 2 + copies, m
     else:
         assemble_puts, assemble_gets = 1, 2 * m  # HEAD and GET of each part, one PUT
-    commit_step = StepLoad(
+    return StepLoad(
         tasks=1,
         runtime_bytes=RUNTIME_BYTES,
         gets=3 + assemble_gets,  # spec, result (HEAD), plan document, the parts
         puts=assemble_puts + 1 + 1 + math.ceil((m + 2) / DELETE_BATCH),  # + result, LIST, deletes
-        read_bytes=plan_doc_bytes,
+        read_bytes=doc_bytes,
         write_bytes=out_bytes,
         buffers={
-            "the plan document": 2 * plan_doc_bytes,
+            "the plan document": 2 * doc_bytes,
             # below S3's multipart minimum the parts are joined in memory, not copied server-side
             "the output joined in memory": 0 if out_bytes >= S3_MIN_PART else out_bytes,
         },
     )
-    aggregate_step = StepLoad(
-        tasks=m,
-        runtime_bytes=RUNTIME_BYTES,
-        gets=agg_gets,
-        puts=agg_puts,
-        read_bytes=max_read,
-        write_bytes=max_write,
-        buffers=comps,
-    )
-    steps = {"prepare": plan_step, "aggregate": aggregate_step, "commit": commit_step}
-    if plan.dp is not None:
-        # prepare asks OpenDP for the round's ρ (the ledger's charge)
-        steps["prepare"] = replace(plan_step, runtime_bytes=RUNTIME_BYTES + DP_RUNTIME_BYTES)
-        steps.update(_dp_loads(plan, aggregate_step, on_s3))
-    else:  # the DP steps run empty: no norms task, a clip task that reads the plan
-        steps["norms"] = StepLoad(tasks=0, runtime_bytes=0, gets=0, puts=0, read_bytes=0, write_bytes=0)
-        steps["clip"] = StepLoad(  # reads only the spec
-            tasks=1,
-            runtime_bytes=RUNTIME_BYTES,
-            gets=1,
-            puts=0,
-            read_bytes=0,
-            write_bytes=0,
-        )
-    return steps
 
 
 def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad]:
     """A DP round's norms, clip and aggregate tasks (:func:`functions.fedavg.core.norms_into`, ``clip``,
     ``aggregate_dp_into``): float64 copies of a chunk take the place of the reducers' accumulators."""
-    from shardfold.functions.fedavg import dp
-
     n = plan.n_clients
     floats = [t.dt.itemsize for t in plan.tensors if t.dt.kind == "float"]
     widen = 8 // min(floats) if floats else 1  # float64 bytes per input byte, at the narrowest float
     largest = max(b - a for a, b in zip(plan.bounds, plan.bounds[1:], strict=False))
     chunk = min(plan.chunk_bytes, largest)  # a chunk, and a read, never spans more than its shard
     buffers = (plan.read_window + 1) * chunk
-    plan_doc_bytes = 200 * (len(plan.tensors) * (1 + len(plan.layouts)) + n) + 50 * plan.shards
+    plan_doc_bytes = _plan_doc_bytes(plan)
     objects = OBJECT_BYTES + 2 * plan_doc_bytes
     sources = n + (plan.base is not None)
     gets = 2 * plan.shards + (agg.gets - 2 * plan.shards) * sources // max(n, 1)  # + the base's reads
@@ -712,178 +746,3 @@ def _dp_loads(plan: ShardPlan, agg: StepLoad, on_s3: bool) -> dict[str, StepLoad
         },
     )
     return {"norms": norms, "clip": clip, "aggregate": aggregate}
-
-
-# --- the estimate's contract (functions.estimate) ----------------------------------------------------------
-
-ESTIMATE_JOB_ID = "fedavg-plan-estimate"  # stands in for the job id in default output keys
-
-
-def _fmt_mib(n: float) -> str:
-    return f"{n / MiB:,.1f} MiB" if n >= 0.1 * MiB else f"{n / 1024:,.1f} KiB"
-
-
-def scaled(plan: ShardPlan, n: int, shards: int | None) -> ShardPlan:
-    """``plan`` (built from a sample of the clients) sized for ``n`` clients: the sample's layouts repeat,
-    and the shard count and chunk follow the rules for ``n``."""
-    k = plan.n_clients
-    clients = [plan.clients[i * k // n] for i in range(n)]
-    out = ShardPlan(**{f.name: getattr(plan, f.name) for f in fields(ShardPlan)})
-    out.clients = clients
-    choice = choose_shards(plan.data_bytes, n, len(plan.header()), plan.budget, shards)
-    out.bounds = Geometry(plan.tensors).shard_bounds(choice.shards)
-    out.chunk_bytes = chunk_bytes_for(plan.aggregator, n, plan.tensors, plan.budget)
-    out.read_window = read_window(out.chunk_bytes, plan.budget)
-    out.notes = list(choice.notes)
-    out.total_weight = None  # the sample's weights are not the round's
-    return out
-
-
-def probe(spec: Any, store_root: str, budget: Any) -> Any:
-    """Client headers, as the job's prepare step reads them, for at most ``budget.objects`` clients (evenly
-    sampled beyond); an unreadable update becomes a note (the job fails at its prepare step naming it)."""
-    from shardfold.functions.errors import (
-        InvalidModelFile,
-        ObjectNotFound,
-        SpecError,
-        StoreError,
-        TooFewClients,
-    )
-    from shardfold.functions.estimate import Probe
-    from shardfold.functions.fedavg import core
-
-    n = len(spec.clients)
-    k = min(n, max(1, budget.objects))
-    sample = (
-        spec if k == n else spec.model_copy(update={"clients": [spec.clients[i * n // k] for i in range(k)]})
-    )
-    if spec.tolerant:  # the sizes of the updates there now; the round counts its clients when it runs
-        sample = sample.model_copy(update={"min_clients": 1, "min_fraction": None})
-    try:
-        plan = core.inspect(sample, ESTIMATE_JOB_ID, store_root)
-    except (StoreError, InvalidModelFile, TooFewClients) as exc:
-        # at submit, a round that waits for no one fails at prepare on a missing or unreadable update:
-        # refused now, naming it (a tolerant round may still see it arrive, or go on without it)
-        if budget.refuse and not spec.tolerant and isinstance(exc, ObjectNotFound | InvalidModelFile):
-            raise SpecError(f"clients: {exc}", [{"field": "clients", "error": str(exc)}]) from exc
-        return Probe(
-            facts={"clients": n, "headers_read": 0},
-            notes=[f"{exc}: the job will fail at its prepare step; sizes, shards and memory are not known"],
-        )
-    notes = [] if k == n else [f"headers read for {k} of {n} clients (evenly sampled); the job reads all"]
-    if plan.excluded:
-        left = "; ".join(f"client {e['client']}: {e['reason']}" for e in plan.excluded[:5])
-        notes.append(
-            f"{len(plan.excluded)} of the {k} updates read would be left out now ({left}); the round needs "
-            f"{spec.required_clients} of {n}"
-            + (f" and waits up to {spec.wait_s:g} s for late ones" if spec.wait_s else "")
-        )
-    if k < n:
-        plan = scaled(plan, n, spec.shards)
-    facts = {"clients": n, "headers_read": k, "data_bytes": plan.data_bytes, "shards": plan.shards}
-    return Probe(facts=facts, notes=notes, model=plan)
-
-
-def loads(spec: Any, probed: Any) -> Any:
-    from shardfold.functions.estimate import Loads
-    from shardfold.functions.fedavg import workflow as wf
-
-    plan: ShardPlan | None = probed.model
-    if plan is None:  # unreadable: one shard, runtime memory, one read each
-        return _unread_loads(spec)
-    steps = task_loads(plan, on_s3=True)  # the requests AWS would bill
-    tasks = _estimate_tasks(plan, steps)
-    return Loads(
-        items=plan.n_clients,
-        tasks=tasks,
-        map_items={wf.NORMS: plan.shards if plan.dp is not None else 0, wf.AGGREGATE: plan.shards},
-        notes=_notes(plan, steps, tasks[wf.AGGREGATE_SHARD].why),
-        output_bytes=len(plan.header()) + plan.data_bytes,
-    )
-
-
-def _unread_loads(spec: Any) -> Any:
-    """The loads of a round whose headers could not be read: one shard, runtime memory, one read each."""
-    from shardfold.functions.estimate import Loads, TaskLoad
-    from shardfold.functions.fedavg import workflow as wf
-
-    n = len(spec.clients)
-    base = TaskLoad(RUNTIME_BYTES, duration_s=pricing.TASK_OVERHEAD_S)
-    return Loads(
-        items=n,
-        tasks={
-            wf.PREPARE: replace(base, gets=1 + 3 * n, puts=3),
-            wf.NORMS_SHARD: replace(base, gets=2 + n, puts=1),
-            wf.CLIP: replace(base, gets=3, puts=1),
-            wf.AGGREGATE_SHARD: replace(base, gets=2 + n, puts=1),
-            wf.COMMIT: replace(base, gets=4, puts=4),
-        },
-        map_items={wf.NORMS: 1 if spec.dp is not None else 0, wf.AGGREGATE: 1},
-    )
-
-
-def _estimate_tasks(plan: ShardPlan, steps: dict[str, StepLoad]) -> dict:
-    """Each step's task: its memory and requests from ``steps``, its duration at the assumed rates."""
-    from shardfold.functions.estimate import TaskLoad
-    from shardfold.functions.fedavg import workflow as wf
-
-    def task(step: StepLoad, duration_s: float, **counts: int) -> TaskLoad:
-        counts = {"gets": step.gets, "puts": step.puts, **counts}
-        return TaskLoad(step.runtime_bytes, step.buffers, duration_s=duration_s, **counts)
-
-    def shared(step: StepLoad, puts: int) -> dict[str, int]:  # the shard tasks differ: the exact totals
-        return dict(gets=-(-step.gets // max(m, 1)), puts=puts, total_gets=step.gets, total_puts=step.puts)
-
-    p, a, c, nm, cl = (steps[k] for k in ("prepare", "aggregate", "commit", "norms", "clip"))
-    overhead, latency, m = pricing.TASK_OVERHEAD_S, pricing.S3_GET_LATENCY_S, plan.shards
-    return {
-        # two rounds of concurrent ranged GETs (length prefixes, headers) beside the HEADs, then two PUTs
-        wf.PREPARE: task(p, overhead + 4 * latency + p.read_bytes / pricing.LAMBDA_NET_BYTES_PER_S),
-        wf.NORMS_SHARD: task(nm, overhead + nm.read_bytes / pricing.FEDAVG_READ_BYTES_PER_S, **shared(nm, 1)),
-        wf.CLIP: task(cl, overhead + cl.gets * latency),
-        wf.AGGREGATE_SHARD: task(a, _aggregate_s(plan, a), **shared(a, -(-a.puts // m))),
-        # server-side copies, one by one: each a request plus its bytes at S3's copy rate
-        wf.COMMIT: task(
-            c, overhead + (c.gets + c.puts) * latency + plan.data_bytes / pricing.S3_COPY_BYTES_PER_S
-        ),
-    }
-
-
-def _aggregate_s(plan: ShardPlan, a: StepLoad) -> float:
-    """An aggregate task's seconds: the largest shard's N x bytes read at the budget's assumed rate (a DP
-    round's at ``FEDAVG_READ_BYTES_PER_S``, then its noise drawn), then its part uploaded."""
-    upload_s = a.write_bytes / pricing.LAMBDA_NET_BYTES_PER_S
-    if plan.dp is None:
-        return pricing.TASK_OVERHEAD_S + a.read_bytes / plan.budget.read_bytes_per_s + upload_s
-    from shardfold.functions.fedavg import dp
-
-    floats = sum(t.elements for t in plan.tensors if t.dt.kind == "float")
-    noise_s = floats / plan.shards / dp.NOISE_SAMPLES_PER_S
-    return pricing.TASK_OVERHEAD_S + a.read_bytes / pricing.FEDAVG_READ_BYTES_PER_S + noise_s + upload_s
-
-
-def _notes(plan: ShardPlan, steps: dict[str, StepLoad], aggregate_why: str) -> list[str]:
-    """The round's model, shards and reads, the aggregate task's peak, and what to do if it would not fit."""
-    n, m = plan.n_clients, plan.shards
-    p, a = steps["prepare"], steps["aggregate"]
-    dtypes = ", ".join(f"{k} x{v}" for k, v in plan.dtype_counts().items())
-    shard_bytes = max(b - a_ for a_, b in zip(plan.bounds, plan.bounds[1:], strict=False))
-    notes = [
-        f"{n} client(s); model {_fmt_mib(plan.data_bytes)} in {len(plan.tensors)} tensor(s) ({dtypes})",
-        f"{m} shard(s) of up to {_fmt_mib(shard_bytes)}; each aggregate task reads N x its shard "
-        f"(up to {_fmt_mib(a.read_bytes)}) as ranged GETs of {_fmt_mib(plan.chunk_bytes)} per client, "
-        f"{plan.read_window} in flight",
-        f"aggregate peak per task: {aggregate_why} (does not grow with the number of clients"
-        + (")" if not plan.robust() else "; median/trimmed_mean shrink the chunk as N grows)"),
-    ]
-    if plan.weighted() and plan.total_weight is not None:
-        notes.append(f"weighted mean: total weight {plan.total_weight:g} (from num_examples or the spec)")
-    notes += plan.notes
-    if a.peak_bytes > AGGREGATE_MEMORY_MB * MiB:
-        notes.append(
-            "to fit: use aggregator='mean' (its memory does not depend on N), or average the clients in "
-            "groups (several jobs, passing each group's num_examples on)"
-        )
-    if p.peak_bytes > PLAN_MEMORY_MB * MiB:
-        notes.append("to fit: the headers are too large for the plan function; merge small tensors")
-    return notes

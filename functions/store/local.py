@@ -41,16 +41,16 @@ def check_range(uri: str, size: int, start: int, length: int | None) -> None:
     ``start + length`` may not pass the end.
     """
     if start < 0 or (length is not None and length < 0):
-        raise InvalidRange(f"{uri}: negative range start={start} length={length}")
+        reason = f"negative range start={start} length={length}"
+        raise InvalidRange(f"{uri}: {reason}", reason)
     if length is None:
         bad = start > 0 and start >= size
     else:
         bad = start + length > size
     if bad:
         want = f"bytes {start}-" if length is None else f"bytes {start}-{start + length - 1}"
-        raise InvalidRange(
-            f"{uri}: range {want} is outside the object ({size} bytes); fix the item's start/length"
-        )
+        reason = f"range {want} is outside the object ({size} bytes); fix the item's start/length"
+        raise InvalidRange(f"{uri}: {reason}", reason)
 
 
 class Buffers:
@@ -139,7 +139,8 @@ def get(
             if len(data) < want:  # cut short since the fstat
                 if pin is not None:
                     raise changed(uri, pin, local_pin(os.fstat(f.fileno())))
-                raise InvalidRange(f"{uri}: the file ended at byte {start + len(data)} while it was read")
+                reason = f"the file ended at byte {start + len(data)} while it was read"
+                raise InvalidRange(f"{uri}: {reason}", reason)
             return data
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         telemetry.count("GET")

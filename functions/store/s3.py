@@ -193,7 +193,8 @@ def translate(exc: Exception, uri: str, op: str) -> Exception:
         return ObjectNotFound(f"no {what} at {uri} ({code or status})")
     if code == "InvalidRange" or status == 416:
         size = exc.response.get("Error", {}).get("ActualObjectSize", "?")
-        return InvalidRange(f"{uri}: requested range is outside the object ({size} bytes)")
+        reason = f"requested range is outside the object ({size} bytes)"
+        return InvalidRange(f"{uri}: {reason}", reason)
     if code in TRANSIENT_CODES or status in TRANSIENT_STATUS:
         return TransientError(f"{op} {uri}: {code or status}", status)
     if status == 403 or code == "AccessDenied":
@@ -241,10 +242,11 @@ def check_body(uri: str, data: bytes, start: int, length: int | None, content_ra
     """S3 clips a range that runs past the end; the store refuses it instead, as it does locally."""
     if length is not None and len(data) != length:
         total = (content_range or "").rpartition("/")[2] or "?"
-        raise InvalidRange(
-            f"{uri}: range bytes {start}-{start + length - 1} is outside the object ({total} bytes); "
+        reason = (
+            f"range bytes {start}-{start + length - 1} is outside the object ({total} bytes); "
             "fix the item's start/length"
         )
+        raise InvalidRange(f"{uri}: {reason}", reason)
     return data
 
 
