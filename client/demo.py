@@ -147,7 +147,7 @@ def verify_getbatch(result: dict, expected: list[bytes | None]) -> list[str]:
     rows = [json.loads(line) for line in store.get(result["status"]).decode().splitlines() if line.strip()]
     failed = [r for r in rows if r.get("error")]
     if len(rows) != len(expected) or len(failed) != 1:
-        raise DemoFailed(f"status manifest has {len(rows)} rows and {len(failed)} errors; expected 1 error")
+        raise DemoFailed(f"status file has {len(rows)} rows and {len(failed)} errors; expected 1 error")
     checks.append("missing object reported once, as a __404__ placeholder")
     return checks
 

@@ -53,7 +53,7 @@ def test_archive_equals_single_tar_of_whole_request(root, items_per_part, say_pa
     whole = io.BytesIO()
     write_tar(store.get_batch([{"uri": store.uri.join(root, u)} for u in uris]), whole)
     assert store.get(result["archive"]) == whole.getvalue()
-    # temporaries removed, status manifest complete and in order
+    # temporaries removed, status file complete and in order
     assert not store.list_uris(core.job_uri(root, "getbatch-20260101T000000-abcdef", "getbatch", "fragments"))
     rows = [json.loads(line) for line in store.get(result["status"]).decode().splitlines()]
     assert [r["index"] for r in rows] == list(range(len(uris)))

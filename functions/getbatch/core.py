@@ -12,16 +12,16 @@
 * **gather** fetches one part with the GetBatch engine and streams it into the store as a TAR *fragment*
   (members only, no end-of-archive marker) plus its per-item status rows; every read carries its object's
   pin, so an object changed since the plan fails the job (:class:`InputChanged`, never a placeholder);
-  the only part of a request is written as the whole archive at the output URI, with its status manifest
+  the only part of a request is written as the whole archive at the output URI, with its status file
   and the job result, leaving nothing to assemble.
 * **assemble** concatenates the fragments and a TAR trailer into one archive server-side, writes the
-  per-item status manifest and the job result, then removes the temporaries (after a one-part request,
+  per-item status file and the job result, then removes the temporaries (after a one-part request,
   only the temporaries).
 
 Each task logs one summary line (never a line per item, never an object's bytes): prepare ``planned
 getbatch`` (items, parts, pinned objects, the part manifest's URI), gather ``gathered part`` (the part,
 its items, how many failed, their bytes, and the fragment or archive it wrote with its size and status
-rows), assemble ``assembled getbatch`` (the archive and its size, the status manifest, items, failed
+rows), assemble ``assembled getbatch`` (the archive and its size, the status file, items, failed
 items and bytes; ``result already committed`` when an earlier attempt or the only part committed it).
 
 Every object goes to a key derived from (job id, stage, part), so retries and resumes overwrite identical
@@ -206,7 +206,7 @@ def gather(
 
     ``inline``: the part is the spec's own items, none pinned (prepare wrote no part list); they are
     resolved and checked again here. The only part of a request (``parts == 1``) is written as the whole
-    archive, trailer included, at the output URI, with the status manifest and the result: there is nothing
+    archive, trailer included, at the output URI, with the status file and the result: there is nothing
     to assemble, so the data is written once instead of twice and assemble only clears the scratch."""
     first = part * spec.items_per_part  # the part's first item in the whole request
     if inline:
@@ -278,7 +278,7 @@ def _check_soft_errors(spec: GetBatchSpec, rows: list[dict]) -> None:
 
 
 def assemble(spec: GetBatchSpec, job_id: str, store_root: str, parts: int) -> dict:
-    """Join the fragments into the archive, write the status manifest and the result, clean up.
+    """Join the fragments into the archive, write the status file and the result, clean up.
 
     After a one-part request's gather (which committed all three) and after a retried assemble, the
     result stands and only the scratch goes."""
@@ -311,7 +311,7 @@ def assemble(spec: GetBatchSpec, job_id: str, store_root: str, parts: int) -> di
 
 
 def _log_assembled(message: str, job_id: str, result: Any, archive_bytes: int | None) -> None:
-    """assemble's one line: the archive and status manifest the job's result names, items and bytes."""
+    """assemble's one line: the archive and status file the job's result names, items and bytes."""
     doc = result if isinstance(result, dict) else {}
     said = {k: doc.get(k) for k in ("archive", "status", "parts", "items")}
     said |= {"failed": doc.get("errors"), "item_bytes": doc.get("bytes"), "archive_bytes": archive_bytes}
@@ -321,7 +321,7 @@ def _log_assembled(message: str, job_id: str, result: Any, archive_bytes: int | 
 def _commit_result(
     spec: GetBatchSpec, job_id: str, store_root: str, rows: list[dict], parts: int, archive: str
 ) -> dict:
-    """Write the per-item status manifest, then the result (last: it marks the job's output complete)."""
+    """Write the per-item status file, then the result (last: it marks the job's output complete)."""
     status = job_uri(store_root, job_id, "output", "status.jsonl")
     encode = _ROW_ENCODER.encode
     store.put(status, "".join(encode(r) + "\n" for r in rows).encode())

@@ -2,7 +2,7 @@
 
 The prepare step writes the part list as a manifest (Distributed Map's ``ItemReader`` reads it on AWS), each
 gather task writes one TAR fragment, and assemble joins them server-side into one archive plus a per-item
-status manifest. Nothing but references crosses the control plane, so a 100,000-item request stays far below
+status file. Nothing but references crosses the control plane, so a 100,000-item request stays far below
 the 256 KiB state limit.
 """
 
