@@ -456,6 +456,7 @@ def test_inference_generate(children, root):
     job.check()
 
 
+@pytest.mark.early  # tens of seconds: started last, it was the suite's tail (tests/conftest.py)
 def test_inference_a_million_rows(children, root):
     """A million short rows through every step: prepare keeps each shard's byte range, not an index of
     every line; the worker holds a bounded number of shards; commit streams the merged Parquet (1.5 GB of

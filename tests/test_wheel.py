@@ -3,16 +3,21 @@ and ``client/`` packages, in a fresh virtual environment holding the base instal
 requirements/base.txt), so what needs an extra is refused naming it.
 
 Slow: it builds the wheel and installs the base dependencies (from pip's cache after ``make test``'s own
-install, which took the same locked versions)."""
+install, which took the same locked versions), once a run: the test processes of a ``pytest -n`` run share
+one wheel and one venv, each with a user project of its own (``--dist worksteal`` hands this module's tests
+to several of them near the suite's end, and each built its own, 15 s of CPU apiece)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,39 +48,63 @@ print(json.dumps({"version": shardfold.__version__, "state": state, "items": res
 """
 
 
-@pytest.fixture(scope="module")
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder ``name``, built by ``build(folder)`` once for the whole run: in the base temp folder the
+    test processes of a ``pytest -n`` run share (each process's own otherwise), by the first process that
+    needs it, under a file lock; the others wait for it and reuse it. A build that failed is started over."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "test_wheel" / name
+    folder.parent.mkdir(exist_ok=True)
+    with open(folder.with_name(name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".complete").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            build(folder)
+            (folder / ".complete").write_text("")
+    return folder
+
+
+@pytest.fixture(scope="session")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    # the locked setuptools of this environment, offline
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        str(out),
-        str(REPO),
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    (path,) = out.glob("shardfold-*.whl")
+    def build(out: Path) -> None:
+        # the locked setuptools of this environment, offline
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(REPO),
+        ]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+
+    (path,) = built_once(tmp_path_factory, "wheel", build).glob("shardfold-*.whl")
     return path
 
 
-@pytest.fixture(scope="module")
-def user_env(wheel, tmp_path_factory) -> dict:
-    """A fresh venv with the base lock and the wheel, and a user project beside it."""
-    root = tmp_path_factory.mktemp("user")
-    env_dir = root / "venv"
-    venv.create(env_dir, with_pip=True)
-    py = env_dir / "bin" / "python"
-    pip = [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run(
-        [*pip, "--require-hashes", "-r", str(REPO / "requirements" / "base.txt")], check=True, timeout=900
-    )
-    subprocess.run([*pip, "--no-deps", str(wheel)], check=True, timeout=300)
-    project = root / "project"
+@pytest.fixture(scope="session")
+def user_venv(wheel, tmp_path_factory) -> Path:
+    """A fresh venv with the base lock and the wheel."""
+
+    def build(env_dir: Path) -> None:
+        venv.create(env_dir, with_pip=True)
+        py = env_dir / "bin" / "python"
+        pip = [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        subprocess.run(
+            [*pip, "--require-hashes", "-r", str(REPO / "requirements" / "base.txt")], check=True, timeout=900
+        )
+        subprocess.run([*pip, "--no-deps", str(wheel)], check=True, timeout=300)
+
+    return built_once(tmp_path_factory, "venv", build)
+
+
+@pytest.fixture(scope="session")
+def user_env(user_venv, tmp_path_factory) -> dict:
+    """The venv, and a user project beside it (this test process's own)."""
+    project = tmp_path_factory.mktemp("user") / "project"
     (project / "functions").mkdir(parents=True)
     (project / "functions" / "__init__.py").write_text(USER_FUNCTIONS)
     (project / "client").mkdir()
@@ -83,7 +112,8 @@ def user_env(wheel, tmp_path_factory) -> dict:
     (project / "hello.txt").write_text("hello from the user's project\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHARDFOLD_", "PYTHON"))}
     env.update(SHARDFOLD_HOME=str(project / ".shardfold"), PYTHONPATH=str(project))
-    return {"python": py, "shardfold": env_dir / "bin" / "shardfold", "project": project, "env": env}
+    py = user_venv / "bin" / "python"
+    return {"python": py, "shardfold": user_venv / "bin" / "shardfold", "project": project, "env": env}
 
 
 def run(user_env: dict, *args: str) -> subprocess.CompletedProcess:
