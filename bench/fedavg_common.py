@@ -534,7 +534,7 @@ def child_core_split(req: dict) -> dict:
     quiet_logs(False)
     from shardfold.functions import store
     from shardfold.functions.fedavg import core
-    from shardfold.functions.fedavg.sizing import SPOOL_BYTES
+    from shardfold.functions.fedavg.shardplan import SPOOL_BYTES
 
     event = req["event"]
     store_root, job_id, shard = event["store_root"], event["job_id"], int(event["item"]["shard"])
@@ -939,7 +939,7 @@ def shard_row(ws: Workspace, n: int, *, core_split: bool = False, arena_diag: bo
         row["plan"] = pre
         try:  # what the planner's own memory model says for this very plan (local store)
             from shardfold.functions.fedavg import core as fcore
-            from shardfold.functions.fedavg import sizing as fsizing
+            from shardfold.functions.fedavg import shardplan as fsizing
 
             loads = fsizing.task_loads(fcore.load_plan(ws.store_root, events[0]["job_id"]), on_s3=False)
             row["planned_peak"] = int(loads["aggregate"].peak_bytes)

@@ -5,7 +5,7 @@ models at N = 20 and 100 (aggregation only: client uploads and downloads are the
 
   sharded          the fedavg job's own design: plan, M aggregate tasks (ranged GETs overlapped with the
                    add, memory O(chunk)), commit; shards, memory and requests from
-                   ``functions.fedavg.sizing`` (``choose_shards`` + ``task_loads`` on a synthetic plan);
+                   ``functions.fedavg.shardplan`` (``choose_shards`` + ``task_loads`` on a synthetic plan);
   tree (lambda-FL) as the paper's replication package runs it: ceil(sqrt N) clients per leaf, whole-object
                    GETs on one stream, 3 x model + 450 MB; the root adds the partial sums;
   tree, streamed   the same tree given the sharded design's engine (one full-model accumulator).
@@ -100,7 +100,7 @@ class CostParams:
     overhead_s: float  # invoke + runtime start per task
     get_latency_s: float
     margin_s: float  # kept below Lambda's 900 s when sizing shards
-    runtime_bytes: int  # a warm Python runtime with numpy and boto3 (functions.fedavg.sizing's figure)
+    runtime_bytes: int  # a warm Python runtime with numpy and boto3 (functions.fedavg.shardplan's figure)
     plan_mb: int  # memory of the plan and commit tasks (the workflow's, else 1024 / 512)
     commit_mb: int
     usd_gb_s: dict[str, float] = field(default_factory=dict)
@@ -184,7 +184,7 @@ def best_memory(needed_mb: float, seconds_at: Any) -> tuple[int, float]:
 
 
 def sharded_task_model(model_bytes: int, n: int, p: CostParams, sizing: Any) -> dict:
-    """Shards, per-task peak memory and requests of the sharded design, from ``functions.fedavg.sizing``
+    """Shards, per-task peak memory and requests of the sharded design, from ``functions.fedavg.shardplan``
     when it answers, otherwise from the reference design's rule (GradsSharding notes section 7)."""
     planner_error = ""
     if sizing is not None:
@@ -398,9 +398,9 @@ def calibration(p: CostParams) -> list[dict]:
 
 
 def engine_settings() -> dict:
-    """The aggregate task's range size and reads in flight, as ``functions.fedavg.sizing`` sets them."""
+    """The aggregate task's range size and reads in flight, as ``functions.fedavg.shardplan`` sets them."""
     try:
-        from shardfold.functions.fedavg import sizing
+        from shardfold.functions.fedavg import shardplan as sizing
     except Exception as exc:
         return {"chunk": None, "streams": None, "source": [], "error": f"{type(exc).__name__}: {exc}"}
     budget = sizing.Budget()
@@ -470,12 +470,12 @@ def _synthetic_plan(sizing: Any, model_bytes: int, n: int, budget_overrides: dic
 
 
 def sizing_hook(budget_overrides: dict | None = None) -> tuple[Any, str]:
-    """A callable (model_bytes, n) -> the sharded design's task model from ``functions.fedavg.sizing``
+    """A callable (model_bytes, n) -> the sharded design's task model from ``functions.fedavg.shardplan``
     (``choose_shards`` + ``task_loads`` on a synthetic plan), or (None, why not)."""
     try:
-        from shardfold.functions.fedavg import sizing
+        from shardfold.functions.fedavg import shardplan as sizing
     except Exception as exc:
-        return None, f"shardfold.functions.fedavg.sizing does not import ({exc})"
+        return None, f"shardfold.functions.fedavg.shardplan does not import ({exc})"
     cache: dict[tuple[int, int], dict] = {}
 
     def model(model_bytes: int, n: int) -> dict:
@@ -495,11 +495,11 @@ def sizing_hook(budget_overrides: dict | None = None) -> tuple[Any, str]:
                 "plan_gets": loads["prepare"].gets + loads["commit"].gets,
                 "plan_puts": loads["prepare"].puts,
                 "commit_puts": loads["commit"].puts,
-                "source": "shardfold.functions.fedavg.sizing.task_loads",
+                "source": "shardfold.functions.fedavg.shardplan.task_loads",
             }
         return cache[key]
 
-    return model, "shardfold.functions.fedavg.sizing (choose_shards, task_loads)"
+    return model, "shardfold.functions.fedavg.shardplan (choose_shards, task_loads)"
 
 
 COST_MODELS = [("43 MB (ResNet-18)", 44_726_568), ("528 MB", 528 * MiB), ("5 GB", 5 * GiB)]
@@ -590,7 +590,7 @@ def cost_part(ws: Workspace) -> None:
         f"capped at {p.nic_Bps / MB:.0f} MB/s per function (client/pricing.py); "
         f"range GETs of {p.chunk / MiB:g} MiB"
     )
-    print(f"  sharded task memory: {'shardfold.functions.fedavg.sizing' if sizing else sizing_why}")
+    print(f"  sharded task memory: {'shardfold.functions.fedavg.shardplan' if sizing else sizing_why}")
     print(
         f"  memory per design = the cheapest size >= its model's need (64 MB steps); prices: arm64 "
         f"${ARM_USD_PER_GB_S}/GB-s, x86 ${pricing.LAMBDA_USD_PER_GB_S}/GB-s, $0.20/1M invokes, "
@@ -758,7 +758,7 @@ def cost_part(ws: Workspace) -> None:
     doc["cost"] = {
         "params": asdict(p),
         "engine_settings": eng,
-        "sizing": "shardfold.functions.fedavg.sizing" if sizing else sizing_why,
+        "sizing": "shardfold.functions.fedavg.shardplan" if sizing else sizing_why,
         "designs": [asdict(d) for d in designs],
         "crossover": cross,
         "tree_limits": limits,

@@ -5,7 +5,7 @@ For every N in ``--sweep`` (default 8, 32, 128), each in a fresh process (see ``
   shard task     shard 0 of an N-client fedavg job, its handler as the local executor runs it; peak RSS
                  the max over ``--core-repeats`` runs, and once more with ``MALLOC_ARENA_MAX=1`` (an
                  allocator diagnostic; ``--no-arena-diag`` skips it); beside it, what
-                 ``functions.fedavg.sizing.task_loads`` plans for that task;
+                 ``functions.fedavg.shardplan.task_loads`` plans for that task;
   Flower         ``aggregate_inplace`` (the FedAvg strategy's default) holding the FitRes list a Flower
                  server holds, and ``aggregate`` holding the NDArrays list, on the same files. A case whose
                  estimated need exceeds ``--flower-ram-frac`` of MemAvailable is reported as
@@ -199,7 +199,7 @@ def print_memory_table(ws: Workspace, mem_rows: list[dict]) -> None:
         + (f": {max(base) / MiB:,.0f} MiB for the shard task" if base else "")
         + (f", {max(fbase) / MiB:,.0f} MiB for Flower" if fbase else "")
         + "); 'arena max 1': the same shard task with MALLOC_ARENA_MAX=1; 'planned task': "
-        "shardfold.functions.fedavg.sizing.task_loads for this plan (local store) less its assumed "
+        "shardfold.functions.fedavg.shardplan.task_loads for this plan (local store) less its assumed "
         "runtime, to set beside 'of which task'"
     )
     errs = [

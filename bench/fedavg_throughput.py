@@ -380,7 +380,7 @@ def file_limit(ws: Workspace, n: int, threads: int) -> dict[str, Any]:
     process: what reading and summing these very files costs with every core on it and nothing else."""
     args = ws.args
     try:
-        from shardfold.functions.fedavg.sizing import Budget
+        from shardfold.functions.fedavg.shardplan import Budget
 
         chunk = Budget().chunk_bytes
     except Exception:  # an older checkout: the engine's documented chunk

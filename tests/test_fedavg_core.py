@@ -29,7 +29,7 @@ from shardfold.functions.errors import (
 )
 from shardfold.functions.fedavg import core, handlers, kernels
 from shardfold.functions.fedavg.layout import DTYPES, Tensor
-from shardfold.functions.fedavg.sizing import Budget, Geometry, MiB, Segment, choose_shards, task_loads
+from shardfold.functions.fedavg.shardplan import Budget, Geometry, MiB, Segment, choose_shards, task_loads
 from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.specs import parse_spec
 

@@ -19,7 +19,7 @@ from shardfold.functions import ledger, store
 from shardfold.functions.errors import BudgetExceeded, InvalidModelFile, PlanError, SpecError
 from shardfold.functions.fedavg import core, dp
 from shardfold.functions.fedavg.kind import KIND
-from shardfold.functions.fedavg.sizing import Budget
+from shardfold.functions.fedavg.shardplan import Budget
 from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.specs import parse_spec
 
@@ -380,7 +380,7 @@ def test_dp_shards_leave_time_for_the_noise():
     """A DP shard's two passes of reads and its noise fit the share of the timeout a plain shard's reads do:
     at 40,000 samples a second, 64 MiB shards of float32 would take 420 s of noise alone."""
     from shardfold.functions.fedavg.layout import Tensor
-    from shardfold.functions.fedavg.sizing import choose_shards, shard_caps
+    from shardfold.functions.fedavg.shardplan import choose_shards, shard_caps
 
     tensors = [Tensor("w", "F32", (1 << 28,), 0, 1 << 30)]  # 1 GiB of float32
     n, budget = 10, Budget()

@@ -223,7 +223,7 @@ def test_plan_reports_shards_memory_requests_and_refuses_what_does_not_fit(local
     assert any("client 1" in n and "nope.safetensors" in n for n in lost.notes)
 
     # a task that cannot fit its function's memory: plan and submit refuse, nothing is recorded
-    from shardfold.functions.fedavg import sizing
+    from shardfold.functions.fedavg import shardplan as sizing
 
     monkeypatch.setattr(sizing, "RUNTIME_BYTES", 4096 * MiB)
     with pytest.raises(PlanError, match="aggregate_shard"):

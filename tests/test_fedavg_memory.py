@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 from shardfold.functions import store
 from shardfold.functions.fedavg import core
-from shardfold.functions.fedavg.sizing import RUNTIME_BYTES, Budget, MiB, task_loads
+from shardfold.functions.fedavg.shardplan import RUNTIME_BYTES, Budget, MiB, task_loads
 from shardfold.functions.fedavg.spec import FedAvgSpec
 from shardfold.functions.specs import dump_spec
 from shardfold.functions.store.uri import join

@@ -17,9 +17,9 @@ import pytest
 from safetensors.numpy import save
 
 from shardfold.functions import store
-from shardfold.functions.fedavg import core, kernels, sizing
+from shardfold.functions.fedavg import core, kernels, shardplan
 from shardfold.functions.fedavg.layout import DTYPES
-from shardfold.functions.fedavg.sizing import Budget, MiB, choose_shards, task_loads, workers_for
+from shardfold.functions.fedavg.shardplan import Budget, MiB, choose_shards, task_loads, workers_for
 from shardfold.functions.fedavg.spec import FedAvgSpec
 
 JOB = "fedavg-20260101T000000-0c0c0c"
@@ -69,13 +69,13 @@ def test_the_measured_case_64_mib_and_32_clients_on_two_cores():
 
 
 def test_workers_are_the_local_executors_processes_and_lambda_keeps_the_size_rule(monkeypatch):
-    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(shardplan.os, "cpu_count", lambda: 6)
     assert workers_for("file:///tmp/home") == 6
-    assert sizing.default_budget("file:///tmp/home").workers == 6
-    monkeypatch.setattr(sizing.os, "cpu_count", lambda: None)
+    assert shardplan.default_budget("file:///tmp/home").workers == 6
+    monkeypatch.setattr(shardplan.os, "cpu_count", lambda: None)
     assert workers_for("file:///tmp/home") == 1
     # Lambda runs every shard at once anyway; more shards would only cost requests
-    assert workers_for("s3://bucket") == 1 and sizing.default_budget("s3://bucket") == Budget()
+    assert workers_for("s3://bucket") == 1 and shardplan.default_budget("s3://bucket") == Budget()
 
 
 def sixteen_mib(root: str) -> list[str]:
@@ -95,7 +95,7 @@ def sixteen_mib(root: str) -> list[str]:
 
 def test_a_local_plan_has_a_shard_per_core_and_no_larger_task_peak(root, monkeypatch):
     uris = sixteen_mib(root)
-    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(shardplan.os, "cpu_count", lambda: 3)
     spec = FedAvgSpec(clients=[{"uri": u} for u in uris])
     plan = core.inspect(spec, JOB, root)  # the default budget: the deployed sizes, this machine's cores
     assert plan.budget.workers == 3 and plan.shards == 3
@@ -111,7 +111,7 @@ def test_a_local_plan_has_a_shard_per_core_and_no_larger_task_peak(root, monkeyp
             slack = 2 * 50 * (plan.shards - 1) if name == "the plan document and read descriptors" else 0
             assert value <= single.buffers[name] + slack, (on_s3, name)
         assert many.peak_bytes <= single.peak_bytes + 2 * 50 * (plan.shards - 1)
-    monkeypatch.setattr(sizing.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(shardplan.os, "cpu_count", lambda: 64)
     assert core.inspect(spec, JOB, root).shards == 3  # 16 MiB: three shards of >= 5 MiB at most
 
 
@@ -120,7 +120,7 @@ def test_the_output_is_the_same_bits_with_a_shard_per_core(root, monkeypatch):
     spec = FedAvgSpec(clients=[{"uri": u} for u in uris])
     outs = []
     for cores, job in ((1, JOB), (3, JOB.replace("0c0c0c", "0d0d0d"))):
-        monkeypatch.setattr(sizing.os, "cpu_count", lambda cores=cores: cores)
+        monkeypatch.setattr(shardplan.os, "cpu_count", lambda cores=cores: cores)
         planned = core.prepare(spec.model_copy(update={"output": f"out/{cores}.safetensors"}), job, root)
         assert planned["shards"] == cores
         for item in store.get_json(planned["manifest"]["uri"]):

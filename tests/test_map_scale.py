@@ -91,7 +91,7 @@ def test_getbatch_with_10000_parts(moto_client):
 
 def test_fedavg_with_10000_shards(moto_client, monkeypatch):
     from shardfold.functions.fedavg import core
-    from shardfold.functions.fedavg.sizing import Budget
+    from shardfold.functions.fedavg.shardplan import Budget
 
     # moto runs the prepare handler in this process: lower its 5 MiB shard floor to cut a tiny model
     monkeypatch.setattr(core, "prepare", functools.partial(core.prepare, budget=Budget(min_shard_bytes=1)))

@@ -172,7 +172,7 @@ def test_fedavg_counts_the_models_bytes_shard_by_shard(root):
 
     from shardfold.functions.fedavg import core as fedavg
     from shardfold.functions.fedavg.progress import progress
-    from shardfold.functions.fedavg.sizing import Budget
+    from shardfold.functions.fedavg.shardplan import Budget
     from shardfold.functions.fedavg.spec import FedAvgSpec
 
     job = "fedavg-20260101T000000-abcdef"

@@ -8,7 +8,7 @@ with the same tensors (names, dtypes, shapes) whose values are the clients' aggr
   then every header in a second, and the objects' sizes (HEAD) alongside; checks each file (see
   :mod:`functions.fedavg.layout`) and that all clients have the same tensor names, dtypes and shapes
   (offsets may differ: each comes from its own header); resolves the weights; chooses the shards (see
-  :mod:`functions.fedavg.sizing`); writes the plan document ``jobs/<id>/fedavg/plan.json`` and the shard
+  :mod:`functions.fedavg.shardplan`); writes the plan document ``jobs/<id>/fedavg/plan.json`` and the shard
   manifest ``jobs/<id>/fedavg/manifest.json``; returns small references only.
 * **aggregate** (:func:`aggregate`) streams its shard's byte range from all N clients in chunks: one
   GetBatch whose ranged reads go chunk by chunk, client by client in spec order, with a bounded window of
@@ -114,7 +114,7 @@ from shardfold.functions.fedavg.layout import (
     weight_from_metadata,
     where,
 )
-from shardfold.functions.fedavg.sizing import (
+from shardfold.functions.fedavg.shardplan import (
     SPOOL_BYTES,
     Budget,
     ClientRef,
@@ -313,8 +313,8 @@ def inspect(
     refuse any other: :class:`InputChanged`). ``wait_s``: how long to wait for updates not there yet (HEADs
     of the missing ones every :data:`POLL_S`). Memory: one parsed header per distinct set of tensors (one,
     for a sound round) plus the one being read, and one offset list per distinct layout. ``budget``
-    defaults to :func:`~functions.fedavg.sizing.default_budget` (the deployed functions, and as many workers
-    as run aggregate tasks at once where the job runs); tests pass small ones.
+    defaults to :func:`~functions.fedavg.shardplan.default_budget` (the deployed functions, and as many
+    workers as run aggregate tasks at once where the job runs); tests pass small ones.
 
     Every update is needed unless the spec sets ``min_clients``/``min_fraction``: then a client whose update
     is missing, unreadable, not safetensors, unlike the round's (the tensors most clients have; a tie goes to
@@ -757,7 +757,7 @@ def prepare(spec: FedAvgSpec, job_id: str, store_root: str, *, budget: Budget | 
 def _check_dp_shards(p: ShardPlan) -> None:
     """Refuse, before any budget is reserved, a DP plan whose shard could not finish: one part is written
     in one conditional PUT, and a shard's reads and noise must fit the share of the timeout that
-    :func:`~functions.fedavg.sizing.choose_shards` allows (a spec's ``shards`` may ask for fewer)."""
+    :func:`~functions.fedavg.shardplan.choose_shards` allows (a spec's ``shards`` may ask for fewer)."""
     header = len(p.header())
     largest = max(p.bounds[k + 1] - p.bounds[k] + (header if k == 0 else 0) for k in range(p.shards))
     cap = shard_caps(p.n_clients, header, p.budget)[1]

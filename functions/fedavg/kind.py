@@ -40,7 +40,7 @@ KIND = JobKind(
     package=__package__,
     spec=FedAvgSpec,
     workflow=WORKFLOW,
-    sizing="shardfold.functions.fedavg.estimate",
+    sizing="shardfold.functions.fedavg.sizing",
     # DP-FedAvg reserves each round's budget before any noise is drawn and spends it at commit
     rights=frozenset({Right.INPUTS, Right.OUTPUTS, Right.LEDGER}),
     result_view=result_view,

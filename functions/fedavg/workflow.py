@@ -12,7 +12,7 @@ references cross the control plane.
 
 from __future__ import annotations
 
-from shardfold.functions.fedavg.sizing import (
+from shardfold.functions.fedavg.shardplan import (
     AGGREGATE_MEMORY_MB,
     COMMIT_MEMORY_MB,
     LAMBDA_TIMEOUT_S,
