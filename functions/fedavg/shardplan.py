@@ -1,7 +1,8 @@
-"""Shard plan and sizing for fedavg: the shard plan document, shards, chunks, reads and per-task loads.
+"""fedavg's shard plan: the plan document, shards, chunks, reads and each step's per-task load.
 
-Everything here is pure (no store access): the SDK's ``shardfold plan`` estimator and the benchmark call
-:func:`task_loads` on a :class:`ShardPlan` that :func:`functions.fedavg.core.inspect` built from the headers.
+Everything here is pure (no store access): the kind's estimate (:mod:`functions.fedavg.sizing`) and the
+benchmarks call :func:`task_loads` on a :class:`ShardPlan` that :func:`functions.fedavg.core.inspect` built
+from the headers; the core imports the same rules to run the plan.
 
 **Byte space.** The output's data buffer is the concatenation of the tensors in client 0's data order.
 A shard is a byte range ``[bounds[k], bounds[k+1])`` of it; a chunk is a sub-range of a shard; both end on
