@@ -75,8 +75,9 @@ class Packages:
 
 def image_root(cache: Path = BUILD_ROOT) -> Path:
     """The files ``Dockerfile.lambda`` installs into the image (the lock's ``lambda-image.txt``, the offline
-    model, the project), in a folder, built once per lock and ``functions/`` sources."""
-    from shardfold.infra.package import sources_digest
+    model, the project), in a folder, built once per lock and ``functions/`` sources; older folders beyond
+    the package cache's few are dropped (each is about 1 GB, and every change to the sources makes one)."""
+    from shardfold.infra.package import prune, sources_digest
 
     h = hashlib.sha256(IMAGE_LOCK.read_bytes())
     h.update(sources_digest().encode())
@@ -91,6 +92,7 @@ def image_root(cache: Path = BUILD_ROOT) -> Path:
     subprocess.run([*pip, "--no-deps", "--no-build-isolation", str(REPO)], check=True)
     shutil.rmtree(root / "bin", ignore_errors=True)
     (root / ".complete").write_text("")
+    prune(cache, root)
     return root
 
 

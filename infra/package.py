@@ -380,15 +380,16 @@ def _build(inputs: dict[str, Any], cache: Path) -> Path:
         except OSError:  # a concurrent build of the same key won: identical contents, keep that one
             if not (entry / "package.zip").is_file():
                 raise
-        _prune(cache, keep=entry)
+        prune(cache, keep=entry)
         return entry
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _prune(cache: Path, keep: Path) -> None:
-    """Drop all but the newest :data:`CACHE_KEEP` builds of ``keep``'s architecture and Python version."""
+def prune(cache: Path, keep: Path) -> None:
+    """Drop all but the newest :data:`CACHE_KEEP` builds of ``keep``'s kind: its name up to the last dash
+    (a zip's architecture and Python version, or the emulator's image folder)."""
     prefix = keep.name.rsplit("-", 1)[0] + "-"
     entries = [p for p in cache.glob(prefix + "*") if p.is_dir() and p != keep]
     entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)

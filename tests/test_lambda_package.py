@@ -506,3 +506,25 @@ def test_an_unreachable_index_is_a_clear_build_error(tmp_path, monkeypatch):
     with pytest.raises(PackageBuildError, match=r"(?s)index \(PyPI\).*unreachable"):
         package.build_lambda_package("arm64", tmp_path / "out", cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())  # nothing half-built is cached
+
+
+def test_the_build_cache_keeps_the_newest_few_of_each_kind(tmp_path):
+    """Every change to functions/ makes a new build (the emulator's image folder is about 1 GB): older ones of
+    the same architecture and Python version, or of the image, are dropped; other kinds are left alone."""
+    names = [f"x86_64-py3.12-{i:04x}" for i in range(5)] + [f"emulator-image-{i:04x}" for i in range(5)]
+    for age, name in enumerate(reversed(names)):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (1_000_000 - age, 1_000_000 - age))
+    (tmp_path / "arm64-py3.12-0000").mkdir()
+    package.prune(tmp_path, keep=tmp_path / "x86_64-py3.12-0000")
+    package.prune(tmp_path, keep=tmp_path / "emulator-image-0001")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    newest = package.CACHE_KEEP - 1  # besides the one kept
+    assert (
+        left
+        == sorted(
+            ["arm64-py3.12-0000", "x86_64-py3.12-0000", "emulator-image-0001"]
+            + [n for n in names if n.startswith("x86_64")][-newest:]  # the newest are last
+            + [n for n in names if n.startswith("emulator") and n != "emulator-image-0001"][-newest:]
+        )
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -64,10 +65,14 @@ def emulator(tmp_path_factory):
     containers' logs are under the test's tmp folder."""
     folder = tmp_path_factory.mktemp("ministack")
     (folder / "containers").mkdir()
+    # MiniStack unpacks each Lambda worker's code (about 160 MB) into the temp folder and never removes it
+    scratch = folder / "tmp"
+    scratch.mkdir()
     port = _free_port()
     env = {  # only what it needs: the Lambda workers inherit MiniStack's environment
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(folder),
+        "TMPDIR": str(scratch),
         "BIND_HOST": "127.0.0.1",
         "GATEWAY_PORT": str(port),
         "IOT_MTLS_ENABLED": "0",
@@ -97,6 +102,7 @@ def emulator(tmp_path_factory):
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
