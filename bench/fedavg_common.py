@@ -613,10 +613,10 @@ def prepare_shard_tasks(store_root: str, doc: dict) -> tuple[list[dict], list[di
     (the Map's items as child events, the Map body's steps, the pre-Map results)."""
     from shardfold.functions import store
     from shardfold.functions.jobs import new_job_id, spec_key
-    from shardfold.functions.manifest import read_manifest
     from shardfold.functions.specs import parse_spec
     from shardfold.functions.store.uri import join
     from shardfold.functions.workflow import Map
+    from shardfold.functions.worklist import read_worklist
     from shardfold.orchestrator.invoke import HandlerFailed, call
     from shardfold.orchestrator.registry import handler_path
 
@@ -645,7 +645,7 @@ def prepare_shard_tasks(store_root: str, doc: dict) -> tuple[list[dict], list[di
         if isinstance(step, Map):  # DP-FedAvg's norms: its children, one after another (none without dp)
             ref = state[step.items.removeprefix("$.").split(".")[0]]["norms"]
             base = {k: state[k] for k in ("job_id", "spec_uri", "store_root")}
-            for i, item in enumerate(read_manifest(ref)):
+            for i, item in enumerate(read_worklist(ref)):
                 for task in step.body:
                     run(task, {**base, "item": item, "index": i})
             continue
@@ -655,7 +655,7 @@ def prepare_shard_tasks(store_root: str, doc: dict) -> tuple[list[dict], list[di
     ref: Any = state
     for part in map_step.items.removeprefix("$.").split("."):
         ref = ref[part]
-    items = read_manifest(ref)
+    items = read_worklist(ref)
     base = {k: state[k] for k in ("job_id", "spec_uri", "store_root")}
     events = [{**base, "item": item, "index": i} for i, item in enumerate(items)]
     steps = [

@@ -173,7 +173,3 @@ class InputChanged(StoreError):
     def __init__(self, message: str, uri: str | None = None):
         super().__init__(message)
         self.uri = uri
-
-
-class JobCancelled(ShardfoldError):
-    """The job was cancelled while a task waited (its executor left the cancel marker): the task stops."""

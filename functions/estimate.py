@@ -206,8 +206,8 @@ class Estimate:
 
     def check(self) -> Estimate:
         """Raise :class:`PlanError` naming each step whose task would not fit the memory it gets, or that
-        would fan out over more children than a Map may have (:data:`functions.manifest.MAX_MAP_ITEMS`)."""
-        from shardfold.functions.manifest import MAX_MAP_ITEMS
+        would fan out over more children than a Map may have (:data:`functions.worklist.MAX_MAP_ITEMS`)."""
+        from shardfold.functions.worklist import MAX_MAP_ITEMS
 
         wide = {name: k for name, k in self.fan_out.items() if k > MAX_MAP_ITEMS}
         if wide:

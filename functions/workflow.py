@@ -6,9 +6,12 @@ JSONPath ASL so the two give the same result:
 
 * The workflow input is ``{"job_id", "spec_uri", "store_root"}``.
 * A :class:`Task` receives the whole state; its result (a small JSON object) is stored at ``$.<name>``.
-* A :class:`Map` reads a manifest (a JSON array in the store) named by a *manifest reference* found at
-  its ``items`` path (``functions.manifest.manifest_ref``: ``{"uri", "bucket", "key", "count"}``). Each
-  child receives ``{"job_id", "spec_uri", "store_root", "item": <manifest element>, "index": <int>}`` and
+  A polling Task (``poll=True``) is called again, with its last result at ``$.<name>``, until that result
+  holds ``"ready": true``; between calls the workflow waits the whole seconds its result names as
+  ``"wait_s"`` (a Wait state on AWS, so no Lambda is billed while it waits; a cancellable wait locally).
+* A :class:`Map` reads a work list (a JSON array in the store) named by a *work-list reference* found at
+  its ``items`` path (``functions.worklist.worklist_ref``: ``{"uri", "bucket", "key", "count"}``). Each
+  child receives ``{"job_id", "spec_uri", "store_root", "item": <work-list element>, "index": <int>}`` and
   runs ``body``; child results are discarded (``ResultPath: null``), so children write their outputs to the
   store at deterministic keys.
 * A :class:`Parallel` runs its branches on copies of the state; ``$.<name>`` becomes
@@ -127,6 +130,8 @@ class Task:
     CPU-bound work (handlers are top-level functions, so they pickle by reference). ``memory_mb`` and
     ``timeout_s`` size the Lambda function; the state's ``TimeoutSeconds`` is ``timeout_s`` plus a margin
     (:mod:`orchestrator.asl`), and the local executor stops a task at ``timeout_s`` as Lambda does.
+    ``poll``: call it until its result says it is ready (see the module docstring); each call is short, the
+    waiting is the workflow's.
     """
 
     name: str
@@ -135,6 +140,7 @@ class Task:
     memory_mb: int = 1024
     timeout_s: int = 900
     retry: tuple[Retry, ...] = DEFAULT_TASK_RETRY
+    poll: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,7 +163,7 @@ class BatchJob:
 
 @dataclass(frozen=True)
 class Map:
-    """Fan out over the manifest referenced at ``items`` (a JSONPath into the state: ``$.plan.manifest``).
+    """Fan out over the work list referenced at ``items`` (a JSONPath into the state: ``$.plan.worklist``).
 
     ``max_concurrency`` bounds concurrent children (0: the backend's default: unbounded on AWS, the local
     executor's thread count locally). ``tolerated_failure_percentage`` lets that share of children fail
@@ -327,7 +333,7 @@ def _check_task(step: Task | BatchJob) -> None:
 def _check_map(step: Map) -> None:
     """A Map's items path, concurrency and tolerated failures."""
     if not re.fullmatch(r"\$(\.[A-Za-z_][A-Za-z0-9_]*)+", step.items):
-        raise PlanError(f"Map {step.name!r}: items {step.items!r} must be a JSONPath like '$.plan.manifest'")
+        raise PlanError(f"Map {step.name!r}: items {step.items!r} must be a JSONPath like '$.plan.worklist'")
     if step.max_concurrency < 0:
         raise PlanError(f"Map {step.name!r}: max_concurrency must be >= 0")
     pct = step.tolerated_failure_percentage

@@ -6,7 +6,7 @@ Event pattern (EventBridge's ``wildcard`` operator: ``*`` matches any run of cha
      "detail": {"bucket": {"name": [<bucket>]}, "object": {"key": [{"wildcard": "jobs/*.json"}]}}}
 
 It matches every ``.json`` key under ``jobs/``: the specs users drop (``jobs/<name>.json``), but also the
-dispatch reports beside them and the JSON records under ``jobs/<id>/`` (spec, status, manifest, result).
+dispatch reports beside them and the JSON records under ``jobs/<id>/`` (spec, status, work lists, result).
 EventBridge cannot say "no further ``/``" (wildcards have no character classes, and several matchers on one
 field are OR'ed), so the dispatch function drops those by key shape before reading anything
 (``functions.trigger.ignore_reason``): a few millisecond invocations per job. The pattern still keeps

@@ -5,7 +5,8 @@ A state machine's role may:
 
 * invoke exactly the functions its workflow calls (and their versions/aliases: ``<arn>:*``);
 * for a Distributed Map: start executions of itself (the Map's children) and describe, stop and redrive
-  those executions; read the manifest the ``ItemReader`` loads (``s3:GetObject`` on ``jobs/*`` of the bucket);
+  those executions; read the work list the ``ItemReader`` loads (``s3:GetObject`` on ``jobs/*`` of the
+  bucket);
 * for a ``BatchJob``: submit jobs to the stack's queue with its job definitions, terminate and describe
   them, and manage the managed rule ``StepFunctionsGetEventsForBatchJobsRule`` that ``.sync`` relies on;
 * deliver its logs (the CloudWatch Logs vended-delivery actions, which take no resource) and, with

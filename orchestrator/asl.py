@@ -7,13 +7,16 @@ tests run the compiled ASL there). Shapes, and why:
   function's payload itself, so ``ResultPath: $.<name>`` gives exactly the plan's data-flow rule;
   ``arn:aws:states:::lambda:invoke`` would wrap it in ``{"Payload": ...}``. AWS and moto run both forms,
   and the Lambda.* error names are the same.
-* Map -> Distributed Map (``ProcessorConfig: DISTRIBUTED``, ``STANDARD`` children) reading the manifest
+* Map -> Distributed Map (``ProcessorConfig: DISTRIBUTED``, ``STANDARD`` children) reading the work list
   with ``ItemReader`` ``arn:aws:states:::s3:getObject`` (``InputType: JSON``; bucket and key from the
-  manifest reference in the state), children built by ``ItemSelector`` from ``$$.Map.Item.Value``/``Index``,
+  work-list reference in the state), children built by ``ItemSelector`` from ``$$.Map.Item.Value``/``Index``,
   ``ResultPath: null`` so no child output ever comes back into the state. A Distributed Map still gathers
   every child's output into its result, and that result must fit the 256 KiB payload limit even under
   ``ResultPath: null`` (aws-cdk#24799), so each child's last state has ``OutputPath: null`` (its output is
-  ``{}``: 3 bytes a child) and a manifest holds at most ``functions.manifest.MAX_MAP_ITEMS`` items.
+  ``{}``: 3 bytes a child) and a work list holds at most ``functions.worklist.MAX_MAP_ITEMS`` items.
+* A polling Task -> the Task, then a Choice ``<name>-ready`` (``$.<name>.ready`` true: on to the next step)
+  whose default is a Wait ``<name>-wait`` of ``SecondsPath: $.<name>.wait_s`` back to the Task. The wait
+  is the state machine's, not a running Lambda's.
 * BatchJob -> ``arn:aws:states:::batch:submitJob.sync``; the state travels to the container as
   ``SHARDFOLD_EVENT`` (``States.JsonToString($)``) and ``functions.container`` calls the handler.
 * Every step retries per its plan and catches ``States.ALL`` into a Fail state whose cause names the step
@@ -116,6 +119,11 @@ def fail_state_name(step: str) -> str:
     return f"{step}-failed"
 
 
+def poll_state_names(step: str) -> tuple[str, str]:
+    """The Choice and the Wait of a polling Task (``-``: no step's name)."""
+    return f"{step}-ready", f"{step}-wait"
+
+
 @dataclass
 class _Compiler:
     resolver: Resolver
@@ -134,11 +142,37 @@ class _Compiler:
                 # null makes each child's output {}.
                 state["OutputPath"] = None
             states[step.name] = state
+            if isinstance(step, Task) and step.poll:
+                states.update(self.poll_states(step, state, map_body))
             states[fail_state_name(step.name)] = self.fail(step, in_map)
             if on_failure is not None:  # the Catch passes through the workflow's on_failure task first
                 state["Catch"][0]["Next"] = cleanup = f"{step.name}-{on_failure.name}"
                 states[cleanup] = self.on_failure(on_failure, fail_state_name(step.name))
         return states, steps[0].name
+
+    def poll_states(self, step: Task, state: dict[str, Any], map_body: bool) -> dict[str, Any]:
+        """The Choice and Wait after a polling Task: the Task's own ``Next``/``End`` moves to the Choice's
+        ready branch (a Succeed state where the Task ended its chain)."""
+        ready, wait = poll_state_names(step.name)
+        then = state.pop("Next", None)
+        if then is None:
+            state.pop("End")
+            then = f"{step.name}-done"
+            done: dict[str, Any] = {"Type": "Succeed"}
+            if "OutputPath" in state:  # the last state of a Map child: its output stays out of the Map's
+                done["OutputPath"] = state.pop("OutputPath")
+        state["Next"] = ready
+        out = {
+            ready: {
+                "Type": "Choice",
+                "Choices": [{"Variable": f"$.{step.name}.ready", "BooleanEquals": True, "Next": then}],
+                "Default": wait,
+            },
+            wait: {"Type": "Wait", "SecondsPath": f"$.{step.name}.wait_s", "Next": step.name},
+        }
+        if then == f"{step.name}-done":
+            out[then] = done
+        return out
 
     def on_failure(self, task: Task, fail: str) -> dict[str, Any]:
         """The workflow's on_failure task before a Fail state: it keeps the caught ``$.error`` (ResultPath

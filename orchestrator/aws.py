@@ -35,8 +35,8 @@ from shardfold.functions.errors import PlanError, ShardfoldError
 from shardfold.functions.jobs import cancel_key, kind_of
 from shardfold.functions.log import logger
 from shardfold.functions.store.uri import join
-from shardfold.functions.workflow import Map, Workflow, progress_steps
-from shardfold.orchestrator.asl import fail_state_name
+from shardfold.functions.workflow import Map, Task, Workflow, progress_steps
+from shardfold.orchestrator.asl import fail_state_name, poll_state_names
 from shardfold.orchestrator.status import (
     JobStatus,
     ProgressCallback,
@@ -54,7 +54,7 @@ _STATES = {
     "TIMED_OUT": "FAILED",
     "ABORTED": "CANCELLED",
 }
-_EXITED = {"TaskStateExited", "MapStateExited", "ParallelStateExited"}
+_EXITED = {"TaskStateExited", "MapStateExited", "ParallelStateExited", "ChoiceStateExited"}
 _BATCH_ACTIVE = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING"}
 THRESHOLD_ERROR = "States.ExceedToleratedFailureThreshold"
 
@@ -287,23 +287,29 @@ class AwsExecutor:
 
     def _steps(self, kind: str, arn: str) -> dict[str, dict[str, int | None]]:
         steps = self._initial_steps(kind)
-        exited: set[str] = set()
-        entered: set[str] = set()
+        exited: dict[str, int] = {}  # state name -> the id of its last exit (and of its last entry)
+        entered: dict[str, int] = {}
         events: dict[int, dict[str, Any]] = {}
         run_names: dict[str, str] = {}
         for event in self._history(arn):
             events[event["id"]] = event
             if event["type"] in _EXITED:
-                exited.add(event["stateExitedEventDetails"]["name"])
+                exited[event["stateExitedEventDetails"]["name"]] = event["id"]
             elif event["type"].endswith("StateEntered"):
-                entered.add(event["stateEnteredEventDetails"]["name"])
+                entered[event["stateEnteredEventDetails"]["name"]] = event["id"]
             elif event["type"] == "MapRunStarted":
                 name = _entered_state(events, event)
                 if name:
                     run_names[event["mapRunStartedEventDetails"]["mapRunArn"]] = name
+        workflow = self.workflows.get(kind)
+        polling = {s.name for s in workflow.walk() if isinstance(s, Task) and s.poll} if workflow else set()
         for name, entry in steps.items():
             if name in exited and fail_state_name(name) not in entered:
-                entry["done"] = entry["total"] or 0
+                ready, wait = poll_state_names(name)  # a polling Task: done once its Choice let it go on
+                if name not in polling or (
+                    exited.get(ready, -1) > exited[name] and entered.get(wait, -1) < exited[ready]
+                ):
+                    entry["done"] = entry["total"] or 0
         for run in self._map_runs(arn):
             name = run_names.get(run["mapRunArn"]) or map_run_label(run["mapRunArn"])
             if name not in steps:  # not (yet) attributable to a step: the next poll's history names it

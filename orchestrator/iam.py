@@ -340,7 +340,7 @@ def state_machine_statements(
     kms_key_arn: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every statement of the role of state machine ``name`` running ``workflow``: what its steps need
-    (invoking its functions, a Distributed Map's children and manifest, a BatchJob's queue and
+    (invoking its functions, a Distributed Map's children and work list, a BatchJob's queue and
     definitions), and its logs."""
     steps = list(workflow.walk())
     states = f"arn:{partition}:states:{region}:{account}"
@@ -363,10 +363,10 @@ def state_machine_statements(
             ),
             # Redriving the parent redrives a Map Run's failed children (execution:<name>/<label>:<id>).
             statement(["states:RedriveExecution"], f"{states}:execution:{name}/*", sid="MapRedriveChildren"),
-            # The ItemReader loads the manifest the plan step wrote under jobs/<id>/.
+            # The ItemReader loads the work list the plan step wrote under jobs/<id>/.
             statement(["s3:GetObject"], f"{bucket_arn(partition, bucket)}/jobs/*", sid="MapReadManifest"),
         ]
-        key = kms_statement(kms_key_arn)  # the manifest is encrypted with the bucket's key
+        key = kms_statement(kms_key_arn)  # the work list is encrypted with the bucket's key
         if key:
             out.append(key)
     if any(isinstance(s, BatchJob) for s in steps):

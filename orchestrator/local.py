@@ -49,7 +49,6 @@ from shardfold.functions import store
 from shardfold.functions.errors import JobNotFound, PlanError, ShardfoldError
 from shardfold.functions.jobs import cancel_key, job_key, kind_of
 from shardfold.functions.log import logger
-from shardfold.functions.manifest import is_manifest_ref, read_manifest
 from shardfold.functions.store.uri import is_file, join, local_path
 from shardfold.functions.store.uri import store_root as default_store_root
 from shardfold.functions.workflow import (
@@ -63,6 +62,7 @@ from shardfold.functions.workflow import (
     progress_steps,
     selectable,
 )
+from shardfold.functions.worklist import is_worklist_ref, read_worklist
 from shardfold.orchestrator import owner as ownership
 from shardfold.orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call, call_in_worker
 from shardfold.orchestrator.lifeline import pool_worker_init
@@ -470,6 +470,9 @@ class LocalExecutor:
         if key in run.done:
             return store.get_json(self._marker_uri(run.journal, key))["result"]
         result = self._call_with_retry(run, step, function, state, index)
+        while isinstance(step, Task) and step.poll and not result.get("ready"):
+            self._wait(run, result["wait_s"])  # a Wait state: the state machine's time, no task running
+            result = self._call_with_retry(run, step, function, {**state, step.name: result}, index)
         if isinstance(step, BatchJob):
             result = None  # ResultPath null, as on AWS
         result = self._commit(run, key, {"result": result})["result"]
@@ -615,19 +618,19 @@ class LocalExecutor:
         if key in run.done:
             return
         ref = _lookup(state, step.items)
-        if not is_manifest_ref(ref):
+        if not is_worklist_ref(ref):
             raise _StepFailed(
                 step_error(
                     step.name,
                     index,
                     "States.Runtime",
-                    f"{step.items} is {json.dumps(ref)[:200]}, not a manifest reference "
-                    "(return shardfold.functions.manifest.manifest_ref(...) from the task that writes the "
-                    "manifest)",
+                    f"{step.items} is {json.dumps(ref)[:200]}, not a work-list reference "
+                    "(return shardfold.functions.worklist.worklist_ref(...) from the task that writes the "
+                    "work list)",
                 )
             )
         try:
-            items = read_manifest(ref)
+            items = read_worklist(ref)
         except ShardfoldError as exc:
             raise _StepFailed(step_error(step.name, index, type(exc).__name__, str(exc))) from None
         total = len(items)
@@ -757,6 +760,14 @@ class LocalExecutor:
         return result if names else None
 
     # --- cancellation, progress, status -----------------------------------------------------------------
+
+    def _wait(self, run: _Run, seconds: float) -> None:
+        """A Wait state's ``seconds``, ended by a cancel (another process's marker looked for each second)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if run.cancel.wait(min(left, 1.0)):
+                raise _Cancelled
+            self._check_cancel(run)
 
     def _check_cancel(self, run: _Run) -> None:
         # The marker is how another process cancels; one existence check per step is cheap next to the

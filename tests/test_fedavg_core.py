@@ -118,7 +118,7 @@ def put_clients(root: str, updates: list[dict[str, np.ndarray]], num_examples=No
 
 def run_job(spec: FedAvgSpec, root: str, budget: Budget = TINY, job_id: str = JOB) -> dict:
     planned = core.prepare(spec, job_id, root, budget=budget)
-    for item in store.get_json(planned["manifest"]["uri"]):
+    for item in store.get_json(planned["worklist"]["uri"]):
         core.aggregate(spec, job_id, root, item["shard"])
     return core.commit(spec, job_id, root, planned["shards"])
 
@@ -972,7 +972,7 @@ def test_handlers_run_the_job_and_retries_are_idempotent(root, clients7):
     planned = handlers.prepare(state)
     assert len(json.dumps(planned)) < 2048
     state["prepare"] = planned
-    for i, item in enumerate(store.get_json(planned["manifest"]["uri"])):
+    for i, item in enumerate(store.get_json(planned["worklist"]["uri"])):
         child = {"job_id": JOB, "spec_uri": spec_uri, "store_root": root, "item": item, "index": i}
         first = handlers.aggregate(child)
         part = store.get(core.part_uri(root, JOB, item["shard"]))

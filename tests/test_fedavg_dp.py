@@ -51,7 +51,7 @@ def run_dp(spec: FedAvgSpec, root: str, job_id: str = JOB) -> dict:
     core.clip(spec, job_id, root)
     assert not any(store.exists(u) for u in norms)  # each client's exact norm is gone once clipped
     FACTORS[job_id] = np.frombuffer(store.get(core.clip_uri(root, job_id)), "<f8")
-    for item in store.get_json(planned["manifest"]["uri"]):
+    for item in store.get_json(planned["worklist"]["uri"]):
         core.aggregate(spec, job_id, root, item["shard"])
     return core.commit(spec, job_id, root, planned["shards"])
 

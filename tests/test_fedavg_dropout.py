@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_fedavg_core import JOB, TINY, bad_files, encode, good, load, put_clients, reference, run_job
 
-from shardfold.functions import store
+from shardfold.functions import store, telemetry
 from shardfold.functions.errors import InvalidModelFile, ObjectNotFound, SpecError, TooFewClients
 from shardfold.functions.fedavg import core
 from shardfold.functions.fedavg.spec import MAX_WAIT_S, FedAvgSpec
@@ -184,29 +184,55 @@ def test_an_error_found_while_aggregating_names_the_client_by_its_place_in_the_s
     assert f"client 3 ({uris[3]})" in str(exc.value) and exc.value.client == 3
 
 
-def test_wait_s_waits_for_a_late_update_and_no_longer(root, monkeypatch):
-    monkeypatch.setattr(core, "POLL_S", 0.05)
-    ups, weights = updates(3), [1.0, 2.0, 3.0]
-    uris = put_clients(root, ups, [1, 2, 3])
+def test_a_round_looks_for_late_updates_until_they_come_or_wait_s_passes(root):
+    """The polling step's looks: the gaps (whole seconds, for a Wait state) double up to POLL_MAX_S and never
+    pass the deadline, which the first look sets; ready once every update is there or the deadline passed."""
+    uris = put_clients(root, updates(3), [1, 2, 3])
     late = store.get(uris[2])
     store.delete(uris[2])
-    timer = threading.Timer(0.3, store.put, (uris[2], late))
+    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=60)
+    first = core.await_updates(spec, root, now=1000.0)
+    assert first == {"ready": False, "wait_s": core.POLL_FIRST_S, "deadline": 1060.0, "looks": 1}
+    second = core.await_updates(spec, root, first, now=1002.0)
+    assert second == {"ready": False, "wait_s": 2 * core.POLL_FIRST_S, "deadline": 1060.0, "looks": 2}
+    assert core.await_updates(spec, root, {**second, "looks": 9}, now=1003.0)["wait_s"] == core.POLL_MAX_S
+    assert core.await_updates(spec, root, second, now=1058.5)["wait_s"] == 2  # the 1.5 s left, whole
+    assert core.await_updates(spec, root, second, now=1060.0) == {"ready": True, "looks": 3}
+    # a deadline further than wait_s from now (not one the first look set) is held to wait_s
+    assert core.await_updates(spec, root, {"deadline": 1e12, "looks": 1}, now=1000.0)["deadline"] == 1060.0
+    store.put(uris[2], late)
+    assert core.await_updates(spec, root, second, now=1004.0) == {"ready": True, "looks": 3}
+    store.delete(uris[2])  # a round that does not wait looks at nothing
+    assert core.await_updates(spec.model_copy(update={"wait_s": 0}), root) == {"ready": True, "looks": 0}
+
+
+def test_a_late_update_joins_the_round_that_waits_for_it(local_client):
+    """End to end on the local executor: the polling step looks, waits (the executor's Wait), looks again and
+    finds the update that came meanwhile; the round has every client."""
+    ups, weights = updates(3), [1.0, 2.0, 3.0]
+    uris = [local_client.fedavg.save_update(u, f"late/c{i}.safetensors") for i, u in enumerate(ups)]
+    late = store.get(uris[2])
+    store.delete(uris[2])
+    timer = threading.Timer(0.5, store.put, (uris[2], late))
     timer.start()
     try:
-        spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=30)
-        result = run_job(spec, root)
+        clients = [{"uri": u, "weight": w} for u, w in zip(uris, weights, strict=True)]
+        spec = {"kind": "fedavg", "clients": clients, "min_clients": 2, "wait_s": 30}
+        job = local_client.submit(spec)
+        final = job.wait(progress=False, timeout_s=60)
     finally:
         timer.cancel()
+    assert final.state == "SUCCEEDED", final.error
+    result = job.result()
     assert result["excluded"] == [] and result["clients"] == 3
     assert_round_of(result, ups, weights, [0, 1, 2])
-    # nobody comes: after wait_s the round goes on without the missing client
-    store.delete(uris[2])
-    spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=2, wait_s=0.2)
-    result = run_job(spec, root, job_id=JOB.replace("abcdef", "fedcba"))
-    assert [e["client"] for e in result["excluded"]] == [2]
+    looks = [
+        r for r in telemetry.read_records(local_client.store_root, job.job_id) if r["step"] == "await_updates"
+    ]
+    assert len(looks) == 2  # one before the update came, one after the executor's wait of POLL_FIRST_S
 
 
-def test_the_plan_document_and_manifest_count_only_the_clients_in_the_round(root):
+def test_the_plan_document_and_worklist_count_only_the_clients_in_the_round(root):
     uris = put_clients(root, updates(4), [1, 2, 3, 4])
     store.delete(uris[2])
     spec = FedAvgSpec(clients=[{"uri": u} for u in uris], min_clients=3)

@@ -79,7 +79,7 @@ def run_task(children, model_dir: Path, n: int, aggregator: str) -> tuple[dict, 
     planned = core.prepare(spec, job_id, root, budget=BUDGET)
     plan = core.load_plan(root, job_id)
     predicted = task_loads(plan, on_s3=False)["aggregate"].peak_bytes - RUNTIME_BYTES
-    item = store.get_json(planned["manifest"]["uri"])[0]
+    item = store.get_json(planned["worklist"]["uri"])[0]
     event = {"job_id": job_id, "spec_uri": spec_uri, "store_root": root, "item": item, "index": 0}
     req = {
         "op": "task",

@@ -123,7 +123,7 @@ def test_the_output_is_the_same_bits_with_a_shard_per_core(root, monkeypatch):
         monkeypatch.setattr(shardplan.os, "cpu_count", lambda cores=cores: cores)
         planned = core.prepare(spec.model_copy(update={"output": f"out/{cores}.safetensors"}), job, root)
         assert planned["shards"] == cores
-        for item in store.get_json(planned["manifest"]["uri"]):
+        for item in store.get_json(planned["worklist"]["uri"]):
             core.aggregate(spec, job, root, item["shard"])
         outs.append(store.get(core.commit(spec, job, root, planned["shards"])["output"]))
     assert outs[0] == outs[1]

@@ -71,7 +71,7 @@ def quantised(ups: list, n: int) -> list[np.ndarray]:
 
 def run(spec: FedAvgSpec, root: str, job_id: str = JOB) -> dict:
     planned = core.prepare(spec, job_id, root)
-    for item in store.get_json(planned["manifest"]["uri"]):
+    for item in store.get_json(planned["worklist"]["uri"]):
         core.aggregate(spec, job_id, root, item["shard"])
     return core.commit(spec, job_id, root, planned["shards"])
 

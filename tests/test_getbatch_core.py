@@ -26,7 +26,7 @@ def run_job(
     spec: GetBatchSpec, root: str, job_id: str = "getbatch-20260101T000000-abcdef", say_parts: bool = True
 ) -> dict:
     planned = core.prepare(spec, job_id, root)
-    for part in store.get_json(planned["manifest"]["uri"]):
+    for part in store.get_json(planned["worklist"]["uri"]):
         # told it is the only part, gather writes the whole archive; not told, a fragment for assemble
         core.gather(
             spec, job_id, root, part["part"], part["of"] if say_parts else 0, part.get("inline", False)
@@ -173,7 +173,7 @@ def test_the_only_part_commits_the_archive_status_and_result_itself(root):
     job_id = "getbatch-20260101T000000-0000bb"
     spec = GetBatchSpec(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in (3, 1, 5)])
     planned = core.prepare(spec, job_id, root)
-    (part,) = store.get_json(planned["manifest"]["uri"])
+    (part,) = store.get_json(planned["worklist"]["uri"])
     assert part["inline"]  # nothing pinned: no part list, gather reads the items from the spec
     gathered = core.gather(spec, job_id, root, part["part"], part["of"], part["inline"])
     result = store.get_json(core.job_uri(root, job_id, "result.json"))

@@ -53,7 +53,7 @@ def spec_of(**kw) -> InferenceSpec:
 
 def run_cpu(spec: InferenceSpec, root: str) -> dict:
     planned = pipeline.prepare(spec, JOB, root)
-    for item in store.get_json(planned["manifest"]["uri"]):
+    for item in store.get_json(planned["worklist"]["uri"]):
         pipeline.preprocess(spec, JOB, root, item["shard"])
     pipeline.cpu_done(spec, JOB, root)
     return planned
@@ -125,11 +125,11 @@ def test_plan_is_deterministic_and_hash_tracks_config(root):
     spec = spec_of(inputs=["in/a.jsonl", "in/b.parquet"], shard_rows=10)
     first = pipeline.prepare(spec, JOB, root)
     plan1 = store.get(layout.plan_uri(root, JOB))
-    man1 = store.get(layout.manifest_uri(root, JOB))
+    man1 = store.get(layout.worklist_uri(root, JOB))
     second = pipeline.prepare(spec, JOB, root)
     assert first == second
     assert (
-        store.get(layout.plan_uri(root, JOB)) == plan1 and store.get(layout.manifest_uri(root, JOB)) == man1
+        store.get(layout.plan_uri(root, JOB)) == plan1 and store.get(layout.worklist_uri(root, JOB)) == man1
     )
     p = json.loads(plan1)
     assert [(s["input"], s["start_row"], s["rows"], s["row_offset"]) for s in p["shards"]] == [
@@ -432,7 +432,7 @@ def test_handlers_and_workflow(root):
     state = {"job_id": JOB, "spec_uri": spec_uri, "store_root": root}
     planned = handlers.prepare(state)
     assert planned["shards"] == 3
-    for i, item in enumerate(store.get_json(planned["manifest"]["uri"])):
+    for i, item in enumerate(store.get_json(planned["worklist"]["uri"])):
         handlers.preprocess({**state, "item": item, "index": i})
     handlers.cpu_done(state)
     assert store.exists(layout.cpu_done_uri(root, JOB))

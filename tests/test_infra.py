@@ -171,7 +171,7 @@ def gpu_workflow() -> Workflow:
         kind="gputoy",
         steps=(
             Task("plan", "toy.plan", memory_mb=256, timeout_s=120),
-            Map("squares", items="$.plan.manifest", body=(Task("square", "toy.square", memory_mb=2048),)),
+            Map("squares", items="$.plan.worklist", body=(Task("square", "toy.square", memory_mb=2048),)),
             BatchJob("infer", "toy.batch_double", vcpus=4, memory_mb=15000, gpus=1, timeout_s=1800),
         ),
     )

@@ -37,7 +37,7 @@ TALLY = {
 
         SPLIT = Task("split", "tally.split", memory_mb=256)
         COUNT_WORD = Task("count_word", "tally.count", mode="process", memory_mb=256)
-        COUNT = Map("count", items="$.split.manifest", body=(COUNT_WORD,))
+        COUNT = Map("count", items="$.split.worklist", body=(COUNT_WORD,))
         TOTAL = Task("total", "tally.total", memory_mb=256)
         WORKFLOW = Workflow(kind="tally", steps=(SPLIT, COUNT, TOTAL))
 
@@ -52,7 +52,7 @@ TALLY = {
     """,
     "handlers.py": """
         from shardfold.functions import store
-        from shardfold.functions.manifest import write_manifest
+        from shardfold.functions.worklist import write_worklist
         from shardfold.functions.specs import parse_spec
         from shardfold.functions.store.uri import join
 
@@ -62,7 +62,7 @@ TALLY = {
         def split(event, context):
             spec = parse_spec(store.get(event["spec_uri"]))
             items = [{"i": i, "word": w} for i, w in enumerate(spec.words)]
-            return {"manifest": write_manifest(_uri(event, "manifest.json"), items), "n": len(items)}
+            return {"worklist": write_worklist(_uri(event, "worklist.json"), items), "n": len(items)}
 
         def count(event, context):
             item = event["item"]

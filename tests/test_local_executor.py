@@ -13,9 +13,9 @@ from toyflow import calls, fail_switch, parts_workflow, toy_workflow, write_spec
 from shardfold.functions import store
 from shardfold.functions.errors import JobNotFound, PlanError, ShardfoldError
 from shardfold.functions.jobs import new_job_id
-from shardfold.functions.manifest import MAX_MAP_ITEMS
 from shardfold.functions.store.uri import join
 from shardfold.functions.workflow import Map, Retry, Task, Workflow
+from shardfold.functions.worklist import MAX_MAP_ITEMS
 from shardfold.orchestrator.invoke import MAX_STATE_BYTES, HandlerFailed, call
 from shardfold.orchestrator.local import LocalExecutor, map_result_bytes
 from shardfold.orchestrator.registry import register
@@ -236,16 +236,16 @@ def test_state_stays_small_for_100k_items(root):
     assert fan == {"stamp": {"job": job_id}}  # Parallel: $.fan holds the branches' task results
 
 
-def test_plan_result_for_a_big_manifest_is_small(root):
+def test_plan_result_for_a_big_worklist_is_small(root):
     job_id = new_job_id("toy")
     event = {"job_id": job_id, "spec_uri": write_spec(root, job_id, n=MAX_MAP_ITEMS), "store_root": root}
     result = call(toyflow.__name__ + ":plan", event, function_name="toy.plan")
-    assert len(store.get_json(result["manifest"]["uri"])) == MAX_MAP_ITEMS
+    assert len(store.get_json(result["worklist"]["uri"])) == MAX_MAP_ITEMS
     state = {**event, "plan": result}
     assert len(json.dumps(state)) < 1024
 
 
-def test_a_manifest_over_the_map_limit_is_refused(root):
+def test_a_worklist_over_the_map_limit_is_refused(root):
     """A Distributed Map gathers every child's output ({} each) into 256 KiB even under ResultPath null,
     so a plan may not fan out over more than MAX_MAP_ITEMS children; nothing is written."""
     job_id = new_job_id("toy")
@@ -253,19 +253,19 @@ def test_a_manifest_over_the_map_limit_is_refused(root):
     with pytest.raises(HandlerFailed) as info:
         call(toyflow.__name__ + ":plan", event, function_name="toy.plan")
     assert info.value.error == "PlanError" and "at most 50,000" in str(info.value)
-    assert not store.exists(join(root, "jobs", job_id, "toy", "manifest.json"))
+    assert not store.exists(join(root, "jobs", job_id, "toy", "worklist.json"))
     assert map_result_bytes(MAX_MAP_ITEMS + 5_000) < MAX_STATE_BYTES  # the allowance covers failed children
 
 
 def test_a_map_whose_gathered_result_is_too_big_fails(root):
     """The local executor fails a Map whose children would gather more than 256 KiB, as AWS does, even for a
-    manifest written without manifest_ref."""
+    work list written without worklist_ref."""
     too_many = next(n for n in range(87_000, 90_000) if map_result_bytes(n) > MAX_STATE_BYTES)
     assert too_many == 87_382  # [{},{},...]: 3 bytes a child
     register("toy.raw_plan", __name__ + ":_raw_plan")
     wf = Workflow(
         "raw",
-        (Task("plan", "toy.raw_plan"), Map("m", items="$.plan.manifest", body=(Task("t", "toy.stamp"),))),
+        (Task("plan", "toy.raw_plan"), Map("m", items="$.plan.worklist", body=(Task("t", "toy.stamp"),))),
     )
     with make(root, wf) as ex:
         _, status = run(ex, root, kind="raw", n=too_many)
@@ -277,10 +277,10 @@ def _raw_plan(event, context):
     uri = join(event["store_root"], "jobs", event["job_id"], "raw.json")
     n = int(store.get_json(event["spec_uri"])["n"])
     store.put_json(uri, [{"i": i} for i in range(n)])
-    return {"manifest": {"uri": uri, "bucket": "", "key": "", "count": n}}
+    return {"worklist": {"uri": uri, "bucket": "", "key": "", "count": n}}
 
 
-def test_map_over_something_that_is_not_a_manifest_ref(root):
+def test_map_over_something_that_is_not_a_worklist_ref(root):
     register("toy.bad_plan", toyflow.__name__ + ":stamp")
     wf = Workflow(
         "bad", (Task("plan", "toy.bad_plan"), Map("m", items="$.plan.job", body=(Task("t", "toy.stamp"),)))
@@ -289,7 +289,7 @@ def test_map_over_something_that_is_not_a_manifest_ref(root):
         _, status = run(ex, root, kind="bad", n=1)
     assert status.state == "FAILED"
     assert status.error.startswith("step m failed: States.Runtime: $.plan.job is ")
-    assert "manifest_ref" in status.error
+    assert "worklist_ref" in status.error
 
 
 def test_user_errors_are_never_retried(root):

@@ -170,7 +170,7 @@ def test_getbatch(children, root, count, size):
     job = Job.create(root, {"kind": "getbatch", "items": [{"uri": u} for u in uris]}, label)
     h = "shardfold.functions.getbatch.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
-    parts = store.get_json(planned["manifest"]["uri"])
+    parts = store.get_json(planned["worklist"]["uri"])
     assert len(parts) == planned["parts"] == 1
     job.measure(children, "gather_part", f"{h}:gather", job.event(item=parts[0], index=0))
     result = job.measure(children, "assemble", f"{h}:assemble", job.event(prepare=planned))
@@ -221,7 +221,7 @@ def test_fedavg(children, root, model, clients, aggregator, label):
     job = Job.create(root, doc, label)
     h = "shardfold.functions.fedavg.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
-    shards = store.get_json(planned["manifest"]["uri"])
+    shards = store.get_json(planned["worklist"]["uri"])
     stats = job.measure(children, "aggregate_shard", f"{h}:aggregate", job.event(item=shards[0], index=0))
     assert stats["reads"] >= clients
     for k, item in enumerate(shards[1:], 1):
@@ -256,7 +256,7 @@ def test_fedavg_dp(children, root):
     job = Job.create(root, doc, "4 clients x 0.1 MiB, dp, base")
     h = "shardfold.functions.fedavg.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
-    shards = store.get_json(planned["manifest"]["uri"])
+    shards = store.get_json(planned["worklist"]["uri"])
     assert len(shards) == 1
     job.measure(children, "norms_shard", f"{h}:norms", job.event(item=shards[0], index=0))
     job.measure(children, "clip", f"{h}:clip", job.event())
@@ -286,7 +286,7 @@ def test_fedavg_secure(children, root):
     )
     h = "shardfold.functions.fedavg.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
-    shards = store.get_json(planned["manifest"]["uri"])
+    shards = store.get_json(planned["worklist"]["uri"])
     job.measure(children, "aggregate_shard", f"{h}:aggregate", job.event(item=shards[0], index=0))
     result = job.measure(children, "commit", f"{h}:commit", job.event(prepare=planned))
     assert result["clients"] == 3
@@ -406,7 +406,7 @@ def test_inference(children, root, rows, shard_rows, words, label):
     job = Job.create(root, doc, label)
     h = "shardfold.functions.inference.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
-    shards = store.get_json(planned["manifest"]["uri"])
+    shards = store.get_json(planned["worklist"]["uri"])
     event = job.event(item=shards[0], index=0)
     job.measure(children, "preprocess_shard", f"{h}:preprocess", event, imports=("tokenizers",))
     for k, item in enumerate(shards[1:], 1):
@@ -446,7 +446,7 @@ def test_inference_generate(children, root):
     job = Job.create(root, doc, "8 chat rows, SmolLM2-135M")
     h = "shardfold.functions.inference.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
-    for k, item in enumerate(store.get_json(planned["manifest"]["uri"])):
+    for k, item in enumerate(store.get_json(planned["worklist"]["uri"])):
         handlers.preprocess(job.event(item=item, index=k))
     handlers.cpu_done(job.event())
     summary = job.measure(
@@ -503,7 +503,7 @@ def test_inference_a_million_rows(children, root):
     job = Job.create(root, doc, "1,000,000 short rows")
     h = "shardfold.functions.inference.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
-    shards = store.get_json(planned["manifest"]["uri"])
+    shards = store.get_json(planned["worklist"]["uri"])
     assert planned["rows"] == rows and len(shards) == 50
     job.measure(
         children,

@@ -16,8 +16,10 @@ from toyflow import fail_switch, toy_workflow, write_spec
 
 from shardfold import dryrun
 from shardfold.dryrun import MotoStack
+from shardfold.functions import store
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.jobs import new_job_id
+from shardfold.functions.store.uri import join
 from shardfold.functions.workflow import BatchJob, Map, Task, Workflow
 from shardfold.orchestrator.aws import AwsExecutor
 from shardfold.orchestrator.local import LocalExecutor
@@ -60,7 +62,7 @@ FLOWS = {
         (
             Task("plan", "toy.plan"),
             Map(
-                "squares", "$.plan.manifest", (Task("square", "toy.square"),), tolerated_failure_percentage=25
+                "squares", "$.plan.worklist", (Task("square", "toy.square"),), tolerated_failure_percentage=25
             ),
             Task("total", "toy.total"),
         ),
@@ -68,11 +70,13 @@ FLOWS = {
     "toybatch": Workflow("toybatch", (BatchJob("gpu", "toy.batch_fail", timeout_s=60),)),
     "toyboom": Workflow("toyboom", (Task("boom", "toy.boom"),)),
     "toyscrub": toyflow.toy_scrubbed(),
+    "toypoll": toyflow.polled(),
+    "toypolllast": toyflow.polled(last=True),
     "toybig": Workflow("toybig", (Task("a", "toy.half_big"), Task("b", "toy.half_big"))),
     # no MaxConcurrency: moto would start a thread per child
     "toywide": Workflow(
         "toywide",
-        (Task("plan", "toy.plan"), Map("wide", "$.plan.manifest", (Task("count", "toy.thread_count"),))),
+        (Task("plan", "toy.plan"), Map("wide", "$.plan.worklist", (Task("count", "toy.thread_count"),))),
     ),
 }
 
@@ -119,6 +123,8 @@ def test_stack_outputs(stack):
         "toy.half_big",
         "toy.thread_count",
         "toy.scrub",
+        "toy.look",
+        "toy.stamp",
     }
     assert out["batch_job_definitions"].keys() == {"toy.batch_fail"}
     sfn = boto3.client("stepfunctions", region_name=out["region"])
@@ -193,7 +199,7 @@ def test_lambda_invoke_runs_the_registered_handler(stack, aws):
     event = {"job_id": job_id, "spec_uri": write_spec(root, job_id, n=3), "store_root": root}
     resp = lam.invoke(FunctionName=stack.outputs["function_names"]["toy.plan"], Payload=json.dumps(event))
     assert "FunctionError" not in resp
-    assert json.loads(resp["Payload"].read())["manifest"]["count"] == 3
+    assert json.loads(resp["Payload"].read())["worklist"]["count"] == 3
     resp = lam.invoke(FunctionName=stack.outputs["functions"]["toy.boom"], Payload=b"{}")  # by ARN too
     assert resp["FunctionError"] == "Unhandled"
     payload = json.loads(resp["Payload"].read())
@@ -462,3 +468,54 @@ def test_on_failure_runs_from_the_catch_and_the_job_fails_as_before(aws):
     assert (
         aws.wait(ok, timeout_s=WAIT_S).state == "SUCCEEDED" and toyflow.scrubbed(aws.store_root, ok) is None
     )
+
+
+@pytest.mark.parametrize("kind", ["toypoll", "toypolllast"])
+def test_a_polling_task_waits_between_calls_until_ready_on_both_backends(tmp_path, aws, kind):
+    """The Task, its Choice and its Wait state on moto's interpreter; the executor's wait locally: the task
+    is called until its result says ready, handed its last result each time, and the step shows done once."""
+    runs = {}
+    with LocalExecutor(f"file://{tmp_path}", FLOWS, retry_delay_scale=0) as local:
+        for ex, root in ((aws, aws.store_root), (local, f"file://{tmp_path}")):
+            job_id = new_job_id(kind)
+            ex.start(job_id, kind, write_spec(root, job_id, looks=3))
+            status = ex.wait(job_id, timeout_s=WAIT_S)
+            looks = store.list_uris(join(root, "jobs", job_id, "toy", "looks") + "/")
+            runs[ex is aws] = (status.state, status.steps, [u.rsplit("/", 1)[1][:3] for u in looks])
+    assert runs[True] == runs[False]
+    state, steps, looks = runs[True]
+    assert (
+        state == "SUCCEEDED" and looks == ["001", "002", "003"] and steps["look"] == {"done": 1, "total": 1}
+    )
+
+
+def test_a_polling_step_shows_done_only_once_its_choice_lets_it_go_on():
+    """The AWS executor's progress from the history: a look that was not ready is not the step's end."""
+    ex = AwsExecutor.__new__(AwsExecutor)
+    ex.workflows = FLOWS
+    ex._map_runs = lambda arn: []
+    history = []
+
+    def happen(kind, name):
+        details = "stateEnteredEventDetails" if kind.endswith("Entered") else "stateExitedEventDetails"
+        history.append({"id": len(history) + 1, "type": kind, details: {"name": name}})
+
+    ex._history = lambda arn: iter(history)
+    happen("TaskStateEntered", "look")
+    happen("TaskStateExited", "look")
+    assert ex._steps("toypoll", "arn")["look"]["done"] == 0  # its Choice has not decided yet
+    happen("ChoiceStateEntered", "look-ready")
+    happen("ChoiceStateExited", "look-ready")
+    happen("WaitStateEntered", "look-wait")
+    assert ex._steps("toypoll", "arn")["look"]["done"] == 0
+    for kind, name in [
+        ("WaitStateExited", "look-wait"),
+        ("TaskStateEntered", "look"),
+        ("TaskStateExited", "look"),
+    ]:
+        happen(kind, name)
+    assert ex._steps("toypoll", "arn")["look"]["done"] == 0
+    happen("ChoiceStateEntered", "look-ready")
+    happen("ChoiceStateExited", "look-ready")
+    happen("TaskStateEntered", "stamp")
+    assert ex._steps("toypoll", "arn") == {"look": {"done": 1, "total": 1}, "stamp": {"done": 0, "total": 1}}

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiers import examples
-from toyflow import parts_workflow, toy_workflow
+from toyflow import parts_workflow, polled, toy_workflow
 
 from shardfold.functions.errors import PlanError
 from shardfold.functions.kinds import WORKFLOWS
@@ -54,7 +54,7 @@ def test_workflow_validation_names_the_problem():
     with pytest.raises(PlanError, match="reserved"):
         Workflow("x", (Task("item", "toy.plan"),))
     with pytest.raises(PlanError, match="must be a JSONPath"):
-        Workflow("x", (Map("m", items="plan.manifest", body=(Task("t", "toy.square"),)),))
+        Workflow("x", (Map("m", items="plan.worklist", body=(Task("t", "toy.square"),)),))
     with pytest.raises(PlanError, match="no steps"):
         Workflow("x", (Parallel("p", branches=((),)),))
     with pytest.raises(PlanError, match="lower-case"):
@@ -144,14 +144,28 @@ def test_task_state_shape():
     assert asl["States"]["total"]["End"] is True
 
 
-def test_map_state_is_a_distributed_map_reading_the_manifest():
+def test_a_polling_task_loops_through_a_choice_and_a_wait_state():
+    states = compile_workflow(polled())["States"]
+    assert states["look"]["Next"] == "look-ready" and states["look"]["ResultPath"] == "$.look"
+    assert states["look-ready"] == {
+        "Type": "Choice",
+        "Choices": [{"Variable": "$.look.ready", "BooleanEquals": True, "Next": "stamp"}],
+        "Default": "look-wait",
+    }
+    assert states["look-wait"] == {"Type": "Wait", "SecondsPath": "$.look.wait_s", "Next": "look"}
+    last = compile_workflow(polled(last=True))["States"]  # ending the workflow: through a Succeed state
+    assert "End" not in last["look"] and last["look-ready"]["Choices"][0]["Next"] == "look-done"
+    assert last["look-done"] == {"Type": "Succeed"}
+
+
+def test_map_state_is_a_distributed_map_reading_the_worklist():
     wf = Workflow(
         "m",
         (
             Task("plan", "toy.plan"),
             Map(
                 "work",
-                items="$.plan.manifest",
+                items="$.plan.worklist",
                 body=(Task("square", "toy.square"),),
                 max_concurrency=7,
                 tolerated_failure_percentage=5,
@@ -164,7 +178,7 @@ def test_map_state_is_a_distributed_map_reading_the_manifest():
     assert state["ItemReader"] == {
         "Resource": S3_GET_OBJECT,
         "ReaderConfig": {"InputType": "JSON"},
-        "Parameters": {"Bucket.$": "$.plan.manifest.bucket", "Key.$": "$.plan.manifest.key"},
+        "Parameters": {"Bucket.$": "$.plan.worklist.bucket", "Key.$": "$.plan.worklist.key"},
     }
     assert state["ItemSelector"]["item.$"] == "$$.Map.Item.Value"
     assert state["ItemSelector"]["index.$"] == "$$.Map.Item.Index"
@@ -219,7 +233,7 @@ def test_every_builtin_workflow_validates(kind):
     validate(compile_workflow(WORKFLOWS[kind]))
 
 
-@pytest.mark.parametrize("wf", TOYS, ids=lambda wf: wf.kind)
+@pytest.mark.parametrize("wf", [*TOYS, polled(), polled(last=True)], ids=lambda wf: wf.kind)
 def test_toy_workflows_validate(wf):
     validate(compile_workflow(wf))
 
@@ -238,7 +252,7 @@ def test_statelint_allowances_cover_only_known_false_reports():
         "tol",
         (
             Task("plan", "toy.plan"),
-            Map("m", "$.plan.manifest", (Task("t", "toy.square"),), tolerated_failure_percentage=5),
+            Map("m", "$.plan.worklist", (Task("t", "toy.square"),), tolerated_failure_percentage=5),
         ),
     )
     asl = compile_workflow(tolerant)
@@ -276,9 +290,10 @@ def _name() -> str:
 
 def _task() -> st.SearchStrategy:
     return st.builds(
-        lambda mode, retry: Task(_name(), "toy.stamp", mode=mode, retry=retry),
+        lambda mode, retry, poll: Task(_name(), "toy.stamp", mode=mode, retry=retry, poll=poll),
         st.sampled_from(["thread", "process"]),
         st.sampled_from([DEFAULT_TASK_RETRY, (), (Retry(errors=("ConnectionError",), interval_s=1),)]),
+        st.booleans(),
     )
 
 
@@ -292,7 +307,7 @@ def _steps(depth: int) -> st.SearchStrategy:
     compound = st.one_of(
         st.builds(
             lambda body, pct: Map(
-                _name(), items="$.plan.manifest", body=body, tolerated_failure_percentage=pct
+                _name(), items="$.plan.worklist", body=body, tolerated_failure_percentage=pct
             ),
             inner,
             st.one_of(st.none(), st.floats(0, 100)),
@@ -390,7 +405,7 @@ def test_every_map_child_outputs_nothing_that_grows(wf):
 
 def test_only_the_map_body_ends_with_output_path_null():
     inner = Parallel("fan", branches=((Task("a", "toy.square"),), (Task("b", "toy.square"),)))
-    wf = Workflow("m", (Task("plan", "toy.plan"), Map("work", items="$.plan.manifest", body=(inner,))))
+    wf = Workflow("m", (Task("plan", "toy.plan"), Map("work", items="$.plan.worklist", body=(inner,))))
     asl = compile_workflow(wf)
     validate(asl)
     fan = asl["States"]["work"]["ItemProcessor"]["States"]["fan"]

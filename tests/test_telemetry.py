@@ -203,7 +203,7 @@ def test_every_task_logs_its_start_what_it_read_and_wrote_and_its_end(local_clie
 
     planned = logs[("prepare", None)][1]
     assert planned["message"] == "planned getbatch" and (planned["items"], planned["parts"]) == (6, 3)
-    assert planned["manifest"] == local_client.uri(f"jobs/{job.job_id}/getbatch/manifest.json")
+    assert planned["worklist"] == local_client.uri(f"jobs/{job.job_id}/getbatch/worklist.json")
 
     def member(i: int) -> int:  # a TAR member: a 512-byte header, then its 100(i+1) bytes padded to 512
         return 512 + -(-100 * (i + 1) // 512) * 512

@@ -6,7 +6,8 @@ Spec (a JSON object at ``spec_uri``)::
      "fail": [3],                       # items that raise ValueError while jobs/<id>/toy/fail-switch exists
      "transient": {"2": 2},             # item -> how many times it raises ConnectionError before succeeding
      "gate": false,                     # items wait for GATE (a threading.Event; thread mode only)
-     "parts": 0}                        # >0: plan groups items into parts of this size (map over parts)
+     "parts": 0,                        # >0: plan groups items into parts of this size (map over parts)
+     "looks": 3}                        # toy.look (a polling Task) is ready at its third call
 
 Every call of ``square`` leaves a marker under ``jobs/<id>/toy/calls/`` so tests count invocations through
 the store (they work across processes); outputs are written put-if-absent, so a re-run does no new work.
@@ -20,9 +21,9 @@ import uuid
 from typing import Any
 
 from shardfold.functions import store
-from shardfold.functions.manifest import write_manifest
 from shardfold.functions.store.uri import join
 from shardfold.functions.workflow import BatchJob, Map, Parallel, Retry, Task, Workflow
+from shardfold.functions.worklist import write_worklist
 from shardfold.orchestrator.registry import register
 
 GATE = threading.Event()  # tests release blocked items with GATE.set()
@@ -48,7 +49,7 @@ def plan(event: dict[str, Any], context: Any) -> dict[str, Any]:
         items: list[Any] = [{"first": p, "count": min(size, n - p)} for p in range(0, n, size)]
     else:
         items = [{"i": i} for i in range(n)]
-    return {"manifest": write_manifest(_uri(event, "manifest.json"), items), "n": n}
+    return {"worklist": write_worklist(_uri(event, "worklist.json"), items), "n": n}
 
 
 def square(event: dict[str, Any], context: Any) -> dict[str, Any]:
@@ -121,6 +122,22 @@ def whereabouts(event: dict[str, Any], context: Any) -> dict[str, Any]:
     return {}
 
 
+def look(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """A polling Task: not ready (wait 1 s) until its ``spec["looks"]``-th call; counts its calls in the
+    state it is handed back (``$.look``) and in the store."""
+    seen = (event.get("look") or {}).get("seen", 0) + 1
+    store.put(_uri(event, "looks", f"{seen:03d}-{uuid.uuid4().hex}"), b"")
+    if seen < int(_spec(event).get("looks", 1)):
+        return {"ready": False, "wait_s": 1, "seen": seen}
+    return {"ready": True, "seen": seen}
+
+
+def polled(last: bool = False) -> Workflow:
+    """A polling Task (``toy.look``) before another step, or ending the workflow (``last``)."""
+    steps = (Task("look", "toy.look", poll=True),) + (() if last else (Task("stamp", "toy.stamp"),))
+    return Workflow(kind="toypolllast" if last else "toypoll", steps=steps)
+
+
 def scrub(event: dict[str, Any], context: Any) -> dict[str, Any]:
     """A workflow's on_failure task: records that it ran and the error it was handed (``$.error``)."""
     store.put_json(_uri(event, "scrubbed.json"), {"error": event.get("error")})
@@ -142,6 +159,7 @@ def scrubbed(store_root: str, job_id: str) -> dict[str, Any] | None:
 
 for _name, _fn in {
     "toy.scrub": scrub,
+    "toy.look": look,
     "toy.whereabouts": whereabouts,
     "toy.nap": nap,
     "toy.plan": plan,
@@ -159,7 +177,7 @@ def toy_workflow(mode: str = "thread", max_concurrency: int = 4, batch: bool = F
         Task("plan", "toy.plan"),
         Map(
             "squares",
-            items="$.plan.manifest",
+            items="$.plan.worklist",
             body=(Task("square", "toy.square", mode=mode, retry=TOY_RETRY),),  # type: ignore[arg-type]
             max_concurrency=max_concurrency,
         ),
@@ -171,7 +189,7 @@ def toy_workflow(mode: str = "thread", max_concurrency: int = 4, batch: bool = F
 
 
 def parts_workflow() -> Workflow:
-    """Map over parts of a big item list (the getbatch shape): the manifest of parts stays in the store."""
+    """Map over parts of a big item list (the getbatch shape): the work list of parts stays in the store."""
     return Workflow(
         kind="toyparts",
         steps=(
@@ -179,7 +197,7 @@ def parts_workflow() -> Workflow:
             Parallel(
                 "fan",
                 branches=(
-                    (Map("parts", items="$.plan.manifest", body=(Task("part", "toy.square_part"),)),),
+                    (Map("parts", items="$.plan.worklist", body=(Task("part", "toy.square_part"),)),),
                     (Task("stamp", "toy.stamp"),),
                 ),
             ),

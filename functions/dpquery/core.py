@@ -5,7 +5,7 @@ workload marginals) → finalize.
   of the dataset that checks the public facts (columns, Parquet types, that the file can be read) and never
   fails on a row's contents (:func:`functions.dpquery.data.scan`: values outside the domain follow the
   schema's ``out_of_domain`` policy), then the budget reservation on the dataset's ledger
-  (:mod:`functions.ledger`). Only then are the plan document and the two manifests written. Every
+  (:mod:`functions.ledger`). Only then are the plan document and the two work lists written. Every
   bad input therefore fails before any budget is spent, and whether it fails depends on no row.
 * **measure** (:func:`measure`): one contiguous range of residual sets (about equal noise-sample counts):
   count the covering marginals in one pass over the needed columns, transform, add OpenDP noise, and write
@@ -24,7 +24,7 @@ the dataset's fingerprint (a hash of its pin, :meth:`functions.store.Pin.fingerp
 histograms live in memory in measure tasks and are dropped.
 
 Store layout (under ``jobs/<id>/dpquery/``): ``plan.json`` (the plan document, first writer wins),
-``measure.json`` and ``reconstruct.json`` (manifests), ``measurements/<g>.bin`` (the released
+``measure.json`` and ``reconstruct.json`` (work lists), ``measurements/<g>.bin`` (the released
 measurements: float64 payload in residual order + JSON trailer), ``tables/<g>.json`` (per reconstruct
 group, the tables it wrote). Tables go to ``spec.output`` or ``jobs/<id>/output/`` as
 ``<index>-<attributes>.parquet`` (+ ``.json``), and ``tables.json`` lists them all.
@@ -50,9 +50,9 @@ from shardfold.functions.dpquery.spec import MATRIX, WHOLE_TYPES, DPQuerySpec
 from shardfold.functions.dpquery.unit import ContributionBound, job_seed, unit_report
 from shardfold.functions.errors import DatasetError, InputChanged, PlanError, StoreError
 from shardfold.functions.log import logger
-from shardfold.functions.manifest import write_manifest
 from shardfold.functions.privacy import cdp_eps, gaussian_eps, simple_eps
 from shardfold.functions.store.uri import join
+from shardfold.functions.worklist import write_worklist
 
 STAGE = "dpquery"
 INLINE_TABLES_MAX = 2000  # result.json lists the tables inline up to this many marginals
@@ -117,7 +117,7 @@ def _payload_offsets(pl: Plan) -> np.ndarray:
 
 
 def prepare(spec: DPQuerySpec, job_id: str, store_root: str) -> dict:
-    """Plan the job, validate the dataset, reserve the budget, write the plan and the manifests.
+    """Plan the job, validate the dataset, reserve the budget, write the plan and the work lists.
 
     Order matters: the allocation and the dataset scan raise on bad input BEFORE the ledger is touched,
     and nothing is measured until the reservation is on the ledger."""
@@ -169,8 +169,8 @@ def prepare(spec: DPQuerySpec, job_id: str, store_root: str) -> dict:
         {"group": g, "start": s, "stop": t, "cells": int(pl.cells[s:t].sum())}
         for g, (s, t) in enumerate(doc["reconstruct_groups"])
     ]
-    m_ref = write_manifest(job_uri(store_root, job_id, STAGE, "measure.json"), measure_items)
-    r_ref = write_manifest(job_uri(store_root, job_id, STAGE, "reconstruct.json"), reconstruct_items)
+    m_ref = write_worklist(job_uri(store_root, job_id, STAGE, "measure.json"), measure_items)
+    r_ref = write_worklist(job_uri(store_root, job_id, STAGE, "reconstruct.json"), reconstruct_items)
     logger.info(
         "planned dpquery",
         extra={

@@ -372,7 +372,7 @@ def loads(spec: DPQuerySpec, probed: Probe) -> Loads:
 
 def _plan_load(spec: DPQuerySpec, pl: Any, state: Any, scan: tuple[int, int, float], doc: int) -> TaskLoad:
     """plan: allocate, scan once (and the privacy unit's id column), hash the dataset for the ledger, reserve
-    on it, write the plan document and two manifests."""
+    on it, write the plan document and two work lists."""
     from shardfold.functions.dpquery import smasher
 
     data_bytes, scan_gets, scan_s = scan

@@ -2,7 +2,7 @@
 marginals) → finalize (ResidualPlanner under zCDP).
 
 The prepare step allocates the noise without data, validates the dataset in one scan and reserves the budget
-on the dataset's ledger before anything is measured; it writes two manifests (Distributed Map's
+on the dataset's ledger before anything is measured; it writes two work lists (Distributed Map's
 ``ItemReader`` reads them on AWS). Each measure task writes one measurement object with put-if-absent, so a
 retried task reads it back instead of drawing new noise; each reconstruct task writes one table per
 marginal; finalize records the ρ spent on the ledger and writes the result. Only references cross the

@@ -9,7 +9,7 @@ with the same tensors (names, dtypes, shapes) whose values are the clients' aggr
   :mod:`functions.fedavg.layout`) and that all clients have the same tensor names, dtypes and shapes
   (offsets may differ: each comes from its own header); resolves the weights; chooses the shards (see
   :mod:`functions.fedavg.shardplan`); writes the plan document ``jobs/<id>/fedavg/plan.json`` and the shard
-  manifest ``jobs/<id>/fedavg/manifest.json``; returns small references only.
+  work list ``jobs/<id>/fedavg/worklist.json``; returns small references only.
 * **aggregate** (:func:`aggregate`) streams its shard's byte range from all N clients in chunks: one
   GetBatch whose ranged reads go chunk by chunk, client by client in spec order, with a bounded window of
   reads in flight; each client's bytes are viewed in place (``np.frombuffer``) and folded into the chunk's
@@ -89,7 +89,6 @@ from shardfold.functions.errors import (
     InputChanged,
     InvalidModelFile,
     InvalidRange,
-    JobCancelled,
     NonFiniteAggregate,
     NonFiniteUpdate,
     ObjectExists,
@@ -129,14 +128,14 @@ from shardfold.functions.fedavg.shardplan import (
     task_loads,
 )
 from shardfold.functions.fedavg.spec import FedAvgSpec
-from shardfold.functions.jobs import cancel_key, scratch_key
+from shardfold.functions.jobs import scratch_key
 from shardfold.functions.log import logger
-from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.privacy import REPORT_DELTA, cdp_eps
 from shardfold.functions.store.pinning import Pin
 from shardfold.functions.store.retry import TransientError
 from shardfold.functions.store.s3 import MAX_SINGLE_PUT
 from shardfold.functions.store.uri import is_s3, join
+from shardfold.functions.worklist import worklist_ref
 
 STAGE = "fedavg"
 DEFAULT_FORMAT = "pt"  # __metadata__["format"] when client 0's file has none (what transformers expects)
@@ -153,12 +152,12 @@ def plan_uri(store_root: str, job_id: str) -> str:
     return job_uri(store_root, job_id, STAGE, "plan.json")
 
 
-def manifest_uri(store_root: str, job_id: str) -> str:
-    return job_uri(store_root, job_id, STAGE, "manifest.json")
+def worklist_uri(store_root: str, job_id: str) -> str:
+    return job_uri(store_root, job_id, STAGE, "worklist.json")
 
 
-def norms_manifest_uri(store_root: str, job_id: str) -> str:
-    return job_uri(store_root, job_id, STAGE, "norms-manifest.json")
+def norms_worklist_uri(store_root: str, job_id: str) -> str:
+    return job_uri(store_root, job_id, STAGE, "norms-worklist.json")
 
 
 def norms_uri(store_root: str, job_id: str, shard: int) -> str:
@@ -210,24 +209,31 @@ def _batch_error(exc: BatchItemError, i: int, uri: str, what: str) -> ShardfoldE
     return StoreError(f"{label}: {exc.reason}")
 
 
-POLL_S = 2.0  # how often a round waiting for late updates (wait_s) looks for them again
+# The polling step's gaps between looks for late updates (wait_s), in whole seconds (a Wait state's
+# SecondsPath): the first, doubling up to the longest (each look HEADs every update).
+POLL_FIRST_S, POLL_MAX_S = 2, 30
 _LEFT_OUT = Pin(size=-1)  # stands for an update whose HEAD failed and whose client is out (not "missing")
 
 
-def _await_updates(members: _Round, wait_s: float, cancel_uri: str | None = None) -> dict[str, Pin | None]:
-    """Every update's pin (HEAD), looking again for the missing ones every :data:`POLL_S` until all are
-    there or ``wait_s`` has passed, or the job is cancelled (``cancel_uri`` exists). Under ``min_clients``
-    an update whose HEAD fails otherwise (access denied, a KMS key it may not use) leaves its client out
-    instead of failing the round."""
-    uris = members.uris
-    found = _pins_of(members, uris)
-    deadline = time.monotonic() + wait_s
-    while (missing := [u for u in uris if found[u] is None]) and (left := deadline - time.monotonic()) > 0:
-        time.sleep(min(POLL_S, left))
-        if cancel_uri is not None and store.exists(cancel_uri):
-            raise JobCancelled("the job was cancelled while it waited for late updates")
-        found.update(_pins_of(members, missing))
-    return found
+def await_updates(
+    spec: FedAvgSpec, store_root: str, last: dict[str, Any] | None = None, *, now: float | None = None
+) -> dict[str, Any]:
+    """One look for the updates, for the workflow's polling step: ``{"ready": true, "looks"}`` once each is
+    there (or, under ``min_clients``, its HEAD failed otherwise, which leaves its client out) or ``wait_s``
+    has passed since the first look; else ``{"ready": false, "wait_s", "deadline", "looks"}``, the whole
+    seconds the workflow waits before the next look (a Wait state on AWS: no Lambda runs meanwhile).
+    ``last``: the previous look's result; ``now``: the clock (epoch seconds)."""
+    if spec.wait_s <= 0:
+        return {"ready": True, "looks": 0}
+    now = time.time() if now is None else now
+    deadline = min(float(last["deadline"]) if last else math.inf, now + spec.wait_s)
+    looks = (last or {}).get("looks", 0) + 1
+    members = _Round(spec, _client_uris(spec, store_root))
+    found = _pins_of(members, members.uris)
+    if all(p is not None for p in found.values()) or now >= deadline:
+        return {"ready": True, "looks": looks}
+    gap = min(POLL_FIRST_S * 2 ** (looks - 1), POLL_MAX_S, math.ceil(deadline - now))
+    return {"ready": False, "wait_s": max(1, gap), "deadline": deadline, "looks": looks}
 
 
 def _pins_of(members: _Round, uris: list[str]) -> dict[str, Pin | None]:
@@ -303,15 +309,13 @@ class _Round:
                 self.out(i, _batch_error(exc, i, self.uris[i], what(i)))
 
 
-def inspect(
-    spec: FedAvgSpec, job_id: str, store_root: str, *, budget: Budget | None = None, wait_s: float = 0.0
-) -> ShardPlan:
+def inspect(spec: FedAvgSpec, job_id: str, store_root: str, *, budget: Budget | None = None) -> ShardPlan:
     """Read and check every client's header and size, resolve weights, choose shards; write nothing.
 
     Requests: 1 HEAD (the client's pin: size and ETag, or size, mtime and inode) then 2 ranged GETs per
     client, the GETs pinned, so the plan describes exactly the objects the aggregate tasks will read (they
-    refuse any other: :class:`InputChanged`). ``wait_s``: how long to wait for updates not there yet (HEADs
-    of the missing ones every :data:`POLL_S`). Memory: one parsed header per distinct set of tensors (one,
+    refuse any other: :class:`InputChanged`); late updates were waited for before, by the polling step
+    (:func:`await_updates`). Memory: one parsed header per distinct set of tensors (one,
     for a sound round) plus the one being read, and one offset list per distinct layout. ``budget``
     defaults to :func:`~functions.fedavg.shardplan.default_budget` (the deployed functions, and as many
     workers as run aggregate tasks at once where the job runs); tests pass small ones.
@@ -338,7 +342,7 @@ def inspect(
             "assembled into it server-side"
         )
     members = _Round(spec, uris)
-    found = _await_updates(members, wait_s, join(store_root, cancel_key(job_id)) if wait_s > 0 else None)
+    found = _pins_of(members, uris)
     base = _read_base(base_uri) if base_uri is not None else None
     # a DP round's tensors: the public model's (dp.structure, else dp.base), never the clients' majority
     structure = _read_base(structure_uri, "dp.structure")[0] if structure_uri is not None else None
@@ -712,12 +716,12 @@ def _weight(spec: FedAvgSpec, metadata: dict[str, str], i: int, uri: str, needed
 
 
 def prepare(spec: FedAvgSpec, job_id: str, store_root: str, *, budget: Budget | None = None) -> dict:
-    """Inspect the clients, write the plan document and the shard manifest; return small references.
+    """Inspect the clients, write the plan document and the shard work list; return small references.
 
-    Returns ``{"manifest": manifest_ref, "shards", "clients", "tensors", "bytes", "plan", "notes"}``. Refuses
+    Returns ``{"worklist": worklist_ref, "shards", "clients", "tensors", "bytes", "plan", "notes"}``. Refuses
     (:class:`PlanError`) a plan whose aggregate task would not fit ``budget.memory_mb``.
     """
-    p = inspect(spec, job_id, store_root, budget=budget, wait_s=spec.wait_s)
+    p = inspect(spec, job_id, store_root, budget=budget)
     peak = task_loads(p, on_s3=is_s3(store_root))["aggregate"].peak_bytes
     if peak > p.budget.memory_mb * 2**20:
         raise PlanError(
@@ -730,9 +734,9 @@ def prepare(spec: FedAvgSpec, job_id: str, store_root: str, *, budget: Budget | 
     ledger_summary = _reserve(spec, job_id, store_root, p) if p.dp is not None else None
     store.put_json(plan_uri(store_root, job_id), p.to_doc())
     items = [{"shard": k, "start": p.bounds[k], "end": p.bounds[k + 1]} for k in range(p.shards)]
-    muri = manifest_uri(store_root, job_id)
-    store.put_json(muri, items)
-    nuri = norms_manifest_uri(store_root, job_id)  # a DP round's first pass; empty otherwise
+    wuri = worklist_uri(store_root, job_id)
+    store.put_json(wuri, items)
+    nuri = norms_worklist_uri(store_root, job_id)  # a DP round's first pass; empty otherwise
     store.put_json(nuri, items if p.dp is not None else [])
     for e in p.excluded:
         logger.warning("client left out of the round", extra={"job_id": job_id, **e})
@@ -741,8 +745,8 @@ def prepare(spec: FedAvgSpec, job_id: str, store_root: str, *, budget: Budget | 
         extra={"job_id": job_id, "clients": p.n_clients, "bytes": p.data_bytes, "shards": p.shards},
     )
     return {
-        "manifest": manifest_ref(muri, p.shards),
-        "norms": manifest_ref(nuri, p.shards if p.dp is not None else 0),
+        "worklist": worklist_ref(wuri, p.shards),
+        "norms": worklist_ref(nuri, p.shards if p.dp is not None else 0),
         "shards": p.shards,
         "clients": p.n_clients,
         "left_out": len(p.excluded),
@@ -830,7 +834,7 @@ def scrub(spec: FedAvgSpec, job_id: str, store_root: str) -> dict:
     if spec.dp is None:
         return {"removed": 0}
     removed = store.delete_prefix(job_uri(store_root, job_id, STAGE, "norms") + "/")
-    for uri in (clip_uri(store_root, job_id), norms_manifest_uri(store_root, job_id)):
+    for uri in (clip_uri(store_root, job_id), norms_worklist_uri(store_root, job_id)):
         if store.exists(uri):
             store.delete(uri)
             removed += 1

@@ -11,7 +11,7 @@ from shardfold.functions.runtime import JobEvent, task
 
 
 class ShardRef(BaseModel):
-    """One element of the shard manifest."""
+    """One element of the shard work list."""
 
     shard: int = Field(ge=0)
     start: int = Field(ge=0)
@@ -22,12 +22,28 @@ class AggregateEvent(JobEvent):
     item: ShardRef
 
 
+class LastLook(BaseModel):
+    """The polling step's previous result (the state machine's, not the submitter's)."""
+
+    deadline: float = Field(allow_inf_nan=False)
+    looks: int = Field(ge=1)
+
+
+class AwaitEvent(JobEvent):
+    await_updates: LastLook | None = None
+
+
 class PrepareResult(BaseModel):
     shards: int = Field(ge=1)
 
 
 class CommitEvent(JobEvent):
     prepare: PrepareResult
+
+
+@task(AwaitEvent, kind="fedavg")
+def await_updates(e: AwaitEvent, spec: FedAvgSpec) -> dict:
+    return core.await_updates(spec, e.store_root, e.await_updates and e.await_updates.model_dump())
 
 
 @task(JobEvent, kind="fedavg")

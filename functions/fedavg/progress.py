@@ -1,7 +1,7 @@
 """A fedavg round's progress in bytes: how much of the averaged model the aggregate tasks have written.
 
 The executors count the aggregate step's shards; each shard is a byte range of the model, folded from every
-client, so the bytes done are the shards' ranges whose part object exists. Read from the shard manifest and
+client, so the bytes done are the shards' ranges whose part object exists. Read from the shard work list and
 one listing of the parts, then from the result once the round has it (the scratch is gone then).
 """
 
@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from shardfold.functions import store
-from shardfold.functions.fedavg.core import STAGE, job_uri, manifest_uri
+from shardfold.functions.fedavg.core import STAGE, job_uri, worklist_uri
 from shardfold.functions.kinds import counted, counter
 
 _PART = re.compile(r"/(\d{5})\.bin$")  # jobs/<id>/fedavg/parts/<shard:05d>.bin, as core.part_uri names it
@@ -32,7 +32,7 @@ def _from_result(store_root: str, job_id: str) -> dict[str, dict[str, Any]] | No
 
 
 def _from_parts(store_root: str, job_id: str) -> dict[str, dict[str, Any]]:
-    uri = manifest_uri(store_root, job_id)
+    uri = worklist_uri(store_root, job_id)
     if not store.exists(uri):
         return {}
     ranges = {int(s["shard"]): int(s["end"]) - int(s["start"]) for s in store.get_json(uri)}

@@ -656,7 +656,7 @@ def _prepare_load(plan: ShardPlan, doc_bytes: int) -> StepLoad:
         tasks=1,
         runtime_bytes=RUNTIME_BYTES,
         gets=1 + 3 * plan.n_clients,  # spec; per client: length prefix, header, HEAD
-        puts=2,  # plan document, manifest
+        puts=2,  # plan document, work list
         read_bytes=sum(c.data_start for c in plan.clients),
         write_bytes=doc_bytes,
         buffers={

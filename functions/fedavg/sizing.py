@@ -75,7 +75,7 @@ def loads(spec: Any, probed: Any) -> Any:
     if plan is None:  # unreadable: one shard, runtime memory, one read each
         return _unread_loads(spec)
     steps = shardplan.task_loads(plan, on_s3=True)  # the requests AWS would bill
-    tasks = _estimate_tasks(plan, steps)
+    tasks = {wf.AWAIT_UPDATES: _await_task(spec), **_estimate_tasks(plan, steps)}
     return Loads(
         items=plan.n_clients,
         tasks=tasks,
@@ -92,6 +92,7 @@ def _unread_loads(spec: Any) -> Any:
     return Loads(
         items=n,
         tasks={
+            wf.AWAIT_UPDATES: _await_task(spec),
             wf.PREPARE: replace(base, gets=1 + 3 * n, puts=3),
             wf.NORMS_SHARD: replace(base, gets=2 + n, puts=1),
             wf.CLIP: replace(base, gets=3, puts=1),
@@ -100,6 +101,14 @@ def _unread_loads(spec: Any) -> Any:
         },
         map_items={wf.NORMS: 1 if spec.dp is not None else 0, wf.AGGREGATE: 1},
     )
+
+
+def _await_task(spec: Any) -> TaskLoad:
+    """The polling step's one look, a HEAD per update (all in flight), when the round waits for late ones
+    (each later look is the same again; the waits between them run no Lambda); else a call that returns."""
+    looks = len(spec.clients) if spec.wait_s else 0
+    duration_s = pricing.TASK_OVERHEAD_S + (pricing.S3_GET_LATENCY_S if looks else 0)
+    return TaskLoad(shardplan.RUNTIME_BYTES, duration_s=duration_s, gets=looks)
 
 
 def _estimate_tasks(plan: ShardPlan, steps: dict[str, StepLoad]) -> dict:

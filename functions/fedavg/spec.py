@@ -11,8 +11,8 @@ from shardfold.functions.ledger import DATASET_ID
 from shardfold.functions.privacy import MAX_RHO
 from shardfold.functions.specs import InputUri, JobOptions, OutputUri, StrictModel, fail, repeated_uris
 
-# The longest a round's prepare step waits for late updates (``wait_s``): the prepare function's timeout
-# leaves this much beside the header reads.
+# The longest a round waits for late updates (``wait_s``; the workflow's polling step, which looks for them
+# every few seconds and bills no Lambda time while it waits).
 MAX_WAIT_S = 600
 MAX_CLIENTS = (
     10**9

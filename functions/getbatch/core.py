@@ -1,8 +1,8 @@
 """Pure core of the ``getbatch`` job: plan → gather parts → assemble.
 
 * **plan** splits the request into parts of ``items_per_part`` items, writes each part's item list and a
-  manifest listing the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
-  through the control plane. A part of an inline request with nothing pinned needs no list: its manifest
+  work list of the parts (Distributed Map reads it with ``ItemReader``), so no item list ever travels
+  through the control plane. A part of an inline request with nothing pinned needs no list: its work list
   entry says ``inline`` and gather takes the items from the spec. Every object read more than once — named
   by several items (ranges of one object), or a TAR shard (its index, then its members) — is pinned (one
   HEAD or stat each, all in flight at once) and each part records the pins of its objects, so one job never
@@ -19,7 +19,7 @@
   only the temporaries).
 
 Each task logs one summary line (never a line per item, never an object's bytes): prepare ``planned
-getbatch`` (items, parts, pinned objects, the part manifest's URI), gather ``gathered part`` (the part,
+getbatch`` (items, parts, pinned objects, the part work list's URI), gather ``gathered part`` (the part,
 its items, how many failed, their bytes, and the fragment or archive it wrote with its size and status
 rows), assemble ``assembled getbatch`` (the archive and its size, the status file, items, failed
 items and bytes; ``result already committed`` when an earlier attempt or the only part committed it).
@@ -50,10 +50,10 @@ from shardfold.functions.errors import (
 from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.jobs import scratch_key
 from shardfold.functions.log import logger
-from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.specs import BatchItem, describe_errors, json_type
 from shardfold.functions.store.tar import TAR_TRAILER, write_tar
 from shardfold.functions.store.uri import join
+from shardfold.functions.worklist import worklist_ref
 
 STAGE = "getbatch"
 _ROW_ENCODER = json.JSONEncoder(sort_keys=True)  # a status.jsonl row, as json.dumps(row, sort_keys=True)
@@ -159,7 +159,7 @@ def parse_item(doc: Any, store_root: str, field: str = "", checked: set[str] | N
 
 
 def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
-    """Split the request into parts and write their item lists and the part manifest."""
+    """Split the request into parts and write their item lists and the part work list."""
     items = load_items(spec, store_root)
     inputs = [(f"items.{i}.uri", item.uri) for i, item in enumerate(items)]
     if spec.manifest:
@@ -171,7 +171,7 @@ def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
     pins = {u: pin.to_doc() for u, pin in store.pins(shared).items() if pin is not None}  # None: missing
     size = spec.items_per_part
     n_parts = math.ceil(len(items) / size)
-    manifest = []
+    worklist = []
     for p in range(n_parts):
         chunk = items[p * size : (p + 1) * size]
         ref = {"part": p, "first": p * size, "count": len(chunk), "of": n_parts}
@@ -181,9 +181,9 @@ def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
         else:
             part_doc = {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins}
             store.put_json(_part_uri(store_root, job_id, p), part_doc, indent=None)
-        manifest.append(ref)
-    manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
-    store.put_json(manifest_uri, manifest, indent=None)
+        worklist.append(ref)
+    worklist_uri = job_uri(store_root, job_id, STAGE, "worklist.json")
+    store.put_json(worklist_uri, worklist, indent=None)
     logger.info(
         "planned getbatch",
         extra={
@@ -192,11 +192,11 @@ def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
             "parts": n_parts,
             "items_per_part": size,
             "pinned": len(pins),  # objects read more than once, held to one version
-            "part_lists": sum(1 for ref in manifest if not ref.get("inline")),
-            "manifest": manifest_uri,
+            "part_lists": sum(1 for ref in worklist if not ref.get("inline")),
+            "worklist": worklist_uri,
         },
     )
-    return {"manifest": manifest_ref(manifest_uri, n_parts), "parts": n_parts, "items": len(items)}
+    return {"worklist": worklist_ref(worklist_uri, n_parts), "parts": n_parts, "items": len(items)}
 
 
 def gather(

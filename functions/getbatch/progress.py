@@ -1,7 +1,7 @@
 """A getbatch job's progress in the user's units: items gathered and their bytes, part by part.
 
 The executors count the gather step's tasks (parts of ``items_per_part`` items each); this counts what the
-user asked for. Read from what the job already writes: the part manifest (each part's item count) and the
+user asked for. Read from what the job already writes: the part work list (each part's item count) and the
 status rows each finished part leaves (each item's size), then the result once the job has it (the
 scratch is gone then). A part's rows never change once written (a retry writes the same bytes), so each is
 read once per process however often progress is asked for.
@@ -41,10 +41,10 @@ def _from_result(store_root: str, job_id: str) -> dict[str, dict[str, Any]] | No
 
 
 def _from_parts(store_root: str, job_id: str) -> dict[str, dict[str, Any]]:
-    manifest_uri = job_uri(store_root, job_id, STAGE, "manifest.json")
-    if not store.exists(manifest_uri):
+    worklist_uri = job_uri(store_root, job_id, STAGE, "worklist.json")
+    if not store.exists(worklist_uri):
         return {}
-    counts = {int(ref["part"]): int(ref["count"]) for ref in store.get_json(manifest_uri)}
+    counts = {int(ref["part"]): int(ref["count"]) for ref in store.get_json(worklist_uri)}
     items = size = 0
     for uri in store.list_uris(job_uri(store_root, job_id, STAGE, "status") + "/"):
         found = _PART.search(uri)

@@ -1,6 +1,6 @@
 """The getbatch workflow: prepare → Map(gather one part each) → assemble.
 
-The prepare step writes the part list as a manifest (Distributed Map's ``ItemReader`` reads it on AWS), each
+The prepare step writes the part list as a work list (Distributed Map's ``ItemReader`` reads it on AWS), each
 gather task writes one TAR fragment, and assemble joins them server-side into one archive plus a per-item
 status file. Nothing but references crosses the control plane, so a 100,000-item request stays far below
 the 256 KiB state limit.
@@ -14,7 +14,7 @@ from shardfold.functions.workflow import Map, Task, Workflow
 # buffer, whatever the objects' sizes.
 PREPARE = Task("prepare", "getbatch.prepare", memory_mb=512, timeout_s=300)
 GATHER_PART = Task("gather_part", "getbatch.gather", memory_mb=1024, timeout_s=900)
-GATHER = Map("gather", items="$.prepare.manifest", body=(GATHER_PART,), max_concurrency=64)
+GATHER = Map("gather", items="$.prepare.worklist", body=(GATHER_PART,), max_concurrency=64)
 ASSEMBLE = Task("assemble", "getbatch.assemble", memory_mb=512, timeout_s=900)
 
 WORKFLOW = Workflow(

@@ -4,7 +4,7 @@
   is kept (lineage: a shard's CPU task re-runs only when its file is missing).
 * **cpu_done** marks the end of the CPU stage (the worker exits once it is there and nothing is left).
 * **reconcile** lists the shards lacking a commit marker ``out/<H>/<k>.done`` into ``missing.json`` (the
-  repair round's manifest). The workflow runs one repair round (no loops in the plan vocabulary).
+  repair round's work list). The workflow runs one repair round (no loops in the plan vocabulary).
 * **commit** fails naming the shards still missing, else merges every shard's output in input order into
   the output Parquet, streamed to the store a row group per shard (memory holds two shards, whatever the
   rows; no local disk) (``id`` and the task's columns: ``embedding`` fixed_size_list<float32>[dim];
@@ -33,8 +33,8 @@ from shardfold.functions.inference.spec import HFModel, InferenceSpec
 from shardfold.functions.jobs import scratch_key
 from shardfold.functions.kinds import counter
 from shardfold.functions.log import logger
-from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.store.uri import join
+from shardfold.functions.worklist import worklist_ref
 
 __all__ = ["commit", "cpu_done", "missing_shards", "prepare", "preprocess", "progress", "reconcile"]
 
@@ -115,8 +115,8 @@ def reconcile(spec: InferenceSpec, job_id: str, store_root: str) -> dict[str, An
             "shards to repair", extra={"job_id": job_id, "count": len(missing), "first": missing[:10]}
         )
     return {
-        "missing": manifest_ref(uri, len(missing)),
-        "repair_workers": manifest_ref(r_uri, len(repair)),
+        "missing": worklist_ref(uri, len(missing)),
+        "repair_workers": worklist_ref(r_uri, len(repair)),
         "count": len(missing),
         "first": missing[:20],
     }

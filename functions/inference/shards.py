@@ -10,7 +10,7 @@ the model id, the weights' SHA-256, the tokenizer files' SHA-256, ``max_tokens``
 derived key carries it (``pre/<H>/<k>.npz``, ``out/<H>/<k>.npz``), so a key is a lineage identity
 (shard, stage, H): a changed config never reuses a stale output.
 
-Layout under ``<store_root>/jobs/<id>/inference/``: ``plan.json``, ``manifest.json`` (``[{"shard": k}]``),
+Layout under ``<store_root>/jobs/<id>/inference/``: ``plan.json``, ``worklist.json`` (``[{"shard": k}]``),
 ``pre/<H>/<k:05d>.npz``, ``cpu_done.json``, ``claims/<attempt>/<k:05d>``, ``out/<H>/<k:05d>.npz`` and
 ``.done``, ``missing.json``.
 """
@@ -36,10 +36,10 @@ from shardfold.functions.errors import BadInputError, InputChanged, SpecError
 from shardfold.functions.inference import hf
 from shardfold.functions.inference.spec import HFModel, InferenceSpec, inference_input_format
 from shardfold.functions.log import logger
-from shardfold.functions.manifest import manifest_ref
 from shardfold.functions.store.pinning import Pin, check_local
 from shardfold.functions.store.retry import TransientError
 from shardfold.functions.store.uri import join
+from shardfold.functions.worklist import worklist_ref
 
 STAGE = "inference"
 MINILM_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -59,8 +59,8 @@ def plan_uri(store_root: str, job_id: str) -> str:
     return join(job_root(store_root, job_id), "plan.json")
 
 
-def manifest_uri(store_root: str, job_id: str) -> str:
-    return join(job_root(store_root, job_id), "manifest.json")
+def worklist_uri(store_root: str, job_id: str) -> str:
+    return join(job_root(store_root, job_id), "worklist.json")
 
 
 def shard_name(shard: int) -> str:
@@ -460,8 +460,8 @@ def hf_plan(spec: InferenceSpec, folder: hf.Folder, pins: dict[str, Pin]) -> dic
 
 
 def prepare(spec: InferenceSpec, job_id: str, store_root: str) -> dict[str, Any]:
-    """Write ``plan.json``, the shard manifest and the worker list; return ``{manifest, workers, shards, rows,
-    config_hash}``."""
+    """Write ``plan.json``, the shard work list and the worker list; return ``{worklist, workers, shards,
+    rows, config_hash}``."""
     inputs = [
         (f"inputs.{i}", access.input_uri(u, store_root, f"inputs.{i}")) for i, u in enumerate(spec.inputs)
     ]
@@ -484,16 +484,16 @@ def prepare(spec: InferenceSpec, job_id: str, store_root: str) -> dict[str, Any]
     if model is not None:
         plan["model"] = model
     store.put_json(plan_uri(store_root, job_id), plan)
-    m_uri = manifest_uri(store_root, job_id)
-    store.put_json(m_uri, [{"shard": s["shard"]} for s in shards])
+    w_list = worklist_uri(store_root, job_id)
+    store.put_json(w_list, [{"shard": s["shard"]} for s in shards])
     # more workers than shards would only start GPU instances that find nothing to claim
     workers = max(1, min(spec.gpu_workers, len(shards)))
     w_uri = workers_uri(store_root, job_id)
     store.put_json(w_uri, [{"worker": i} for i in range(workers)])
     logger.info("planned inference", extra={"job_id": job_id, "rows": rows, "shards": len(shards), "H": h})
     return {
-        "manifest": manifest_ref(m_uri, len(shards)),
-        "workers": manifest_ref(w_uri, workers),
+        "worklist": worklist_ref(w_list, len(shards)),
+        "workers": worklist_ref(w_uri, workers),
         "shards": len(shards),
         "rows": rows,
         "config_hash": h,

@@ -24,7 +24,7 @@ PREPARE = Task("prepare", "inference.prepare", memory_mb=1024, timeout_s=900)
 PREPROCESS_SHARD = Task(
     "preprocess_shard", "inference.preprocess", mode="process", memory_mb=2048, timeout_s=900
 )
-PREPROCESS = Map("preprocess", items="$.prepare.manifest", body=(PREPROCESS_SHARD,), max_concurrency=64)
+PREPROCESS = Map("preprocess", items="$.prepare.worklist", body=(PREPROCESS_SHARD,), max_concurrency=64)
 CPU_DONE = Task("cpu_done", "inference.cpu_done", memory_mb=512, timeout_s=60)
 INFER = BatchJob("infer", **WORKER)
 # One Batch job per GPU worker (the spec's gpu_workers); they claim shards side by side. The stage fails only
