@@ -59,6 +59,16 @@ _BATCH_ACTIVE = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING"}
 THRESHOLD_ERROR = "States.ExceedToleratedFailureThreshold"
 
 
+def _step_ended(name: str, polling: bool, exited: dict[str, int], entered: dict[str, int]) -> bool:
+    """Whether step ``name`` ended well, from the ids of its states' last exits and entries: it exited and
+    never entered its Fail state; a polling Task only once its Choice let it go on (its last look's exit
+    came before the Choice's last exit, and no Wait followed that)."""
+    if name not in exited or fail_state_name(name) in entered:
+        return False
+    ready, wait = poll_state_names(name)
+    return not polling or (exited.get(ready, -1) > exited[name] and entered.get(wait, -1) < exited[ready])
+
+
 def _entered_state(events: dict[int, dict[str, Any]], event: dict[str, Any]) -> str | None:
     """The state an event belongs to: follow ``previousEventId`` back to its ``*StateEntered`` event."""
     seen = 0
@@ -304,12 +314,8 @@ class AwsExecutor:
         workflow = self.workflows.get(kind)
         polling = {s.name for s in workflow.walk() if isinstance(s, Task) and s.poll} if workflow else set()
         for name, entry in steps.items():
-            if name in exited and fail_state_name(name) not in entered:
-                ready, wait = poll_state_names(name)  # a polling Task: done once its Choice let it go on
-                if name not in polling or (
-                    exited.get(ready, -1) > exited[name] and entered.get(wait, -1) < exited[ready]
-                ):
-                    entry["done"] = entry["total"] or 0
+            if _step_ended(name, name in polling, exited, entered):
+                entry["done"] = entry["total"] or 0
         for run in self._map_runs(arn):
             name = run_names.get(run["mapRunArn"]) or map_run_label(run["mapRunArn"])
             if name not in steps:  # not (yet) attributable to a step: the next poll's history names it
