@@ -26,7 +26,6 @@ import numpy as np
 
 METADATA_KEY = "shardfold_secagg"  # __metadata__ of a masked update: its round's parameters, as JSON
 VERSION = 1
-MODULUS_BITS = 32
 
 
 def scale(clients: int) -> int:

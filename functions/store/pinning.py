@@ -79,12 +79,3 @@ def check_local(uri: str, pin: Pin, st: os.stat_result) -> None:
     """Raise :class:`InputChanged` unless the opened file's ``fstat`` matches the pin."""
     if (st.st_size, st.st_mtime_ns, st.st_ino) != (pin.size, pin.mtime_ns, pin.inode):
         raise changed(uri, pin, local_pin(st))
-
-
-def input_changed(exc: BaseException) -> InputChanged | None:
-    """The :class:`InputChanged` behind ``exc`` (itself, or the cause of a GetBatch item error), else None."""
-    while exc is not None:
-        if isinstance(exc, InputChanged):
-            return exc
-        exc = exc.__cause__  # type: ignore[assignment]
-    return None
