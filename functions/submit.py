@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardfold.functions import access, claims, kinds, store
+from shardfold.functions import access, claims, kinds, runtime, store
 from shardfold.functions.errors import NoCredentials, ShardfoldError, SpecError, StoreError, StoreUnreachable
 from shardfold.functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
 from shardfold.functions.jobs import job_key, new_job_id, spec_key
@@ -290,5 +290,6 @@ def submit(
     except ShardfoldError:
         _forget(spec, store_root, job_id, grants)
         raise
+    runtime.remember_spec(spec_uri, text, spec)  # the tasks of a job run in this process parse it no more
     execution = start(job_id, spec.kind, spec_uri)
     return Submitted(job_id, spec.kind, spec_uri, execution, est)

@@ -15,6 +15,7 @@ from shardfold.functions.access import Grants, Right, TaskScope
 from shardfold.functions.errors import AccessDenied, SpecError
 from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.runtime import JobEvent, logger, task
+from shardfold.functions.specs import parse_spec
 from shardfold.functions.store.uri import join
 from shardfold.orchestrator.invoke import LocalContext, call
 from shardfold.orchestrator.registry import import_handler
@@ -391,3 +392,21 @@ def test_on_a_deployment_a_task_writes_only_under_its_grants():
         scope.check("s3://in-bkt/x", True)
     with pytest.raises(AccessDenied, match="readBuckets"):
         scope.check("s3://other/x", False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["getbatch", "fedavg", "dpquery", "inference"])
+def test_submit_hands_its_tasks_the_spec_it_wrote_equal_to_a_fresh_parse(local_client, monkeypatch, kind):
+    """Submit caches its parse of the spec it wrote, so the job's tasks in this process parse it no more;
+    that parse must equal what a task would make of the stored bytes."""
+    from shardfold.client.demo import DEMOS
+
+    remembered, parses = [], []
+    real_remember, real_parse = runtime._specs.remember, runtime.parse_spec
+    monkeypatch.setattr(runtime._specs, "remember", lambda *a: (remembered.append(a), real_remember(*a)))
+    monkeypatch.setattr(runtime, "parse_spec", lambda raw: (parses.append(1), real_parse(raw))[1])
+    result = DEMOS[kind](local_client)
+    assert result.state == "SUCCEEDED" and result.verified, result
+    assert remembered and not parses  # the tasks run on threads here took submit's parse
+    for uri, raw, spec in remembered:
+        assert store.get(uri) == raw and parse_spec(raw) == spec
