@@ -484,9 +484,7 @@ def test_a_polling_task_waits_between_calls_until_ready_on_both_backends(tmp_pat
             runs[ex is aws] = (status.state, status.steps, [u.rsplit("/", 1)[1][:3] for u in looks])
     assert runs[True] == runs[False]
     state, steps, looks = runs[True]
-    assert (
-        state == "SUCCEEDED" and looks == ["001", "002"] and steps["look"] == {"done": 1, "total": 1}
-    )
+    assert state == "SUCCEEDED" and looks == ["001", "002"] and steps["look"] == {"done": 1, "total": 1}
 
 
 def test_a_polling_step_shows_done_only_once_its_choice_lets_it_go_on():
