@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import boto3
 import pytest
@@ -17,7 +19,6 @@ from toyflow import fail_switch, toy_workflow, write_spec
 from shardfold import dryrun
 from shardfold.dryrun import MotoStack
 from shardfold.functions import store
-from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.jobs import new_job_id
 from shardfold.functions.store.uri import join
 from shardfold.functions.workflow import BatchJob, Map, Task, Workflow
@@ -28,6 +29,7 @@ from shardfold.orchestrator.registry import register
 pytestmark = pytest.mark.slow
 
 WAIT_S = 120
+HERE = Path(__file__).resolve().parent
 
 
 def batch_fail(event, context):
@@ -81,23 +83,40 @@ FLOWS = {
 }
 
 
-def test_stop_undoes_everything():
-    """Runs before the module's stack starts: a stack's lifetime leaves no trace in the process."""
-    from moto.awslambda_simple.models import LambdaSimpleBackend
-    from moto.stepfunctions.responses import StepFunctionResponse
+_STOP_UNDOES_EVERYTHING = """
+import os
+import pytest
+from moto.awslambda_simple.models import LambdaSimpleBackend
+from moto.stepfunctions.responses import StepFunctionResponse
+from toyflow import toy_workflow
+from shardfold import dryrun
+from shardfold.dryrun import MotoStack
+from shardfold.functions.errors import ShardfoldError
 
-    before_invoke = LambdaSimpleBackend.invoke
-    before_env = os.environ.get("AWS_ENDPOINT_URL")
-    with MotoStack({"toy": toy_workflow()}) as stack:
-        assert os.environ["AWS_ENDPOINT_URL"] == stack.endpoint_url
-        assert LambdaSimpleBackend.invoke is not before_invoke
-        assert hasattr(StepFunctionResponse, "redrive_execution")
-        with pytest.raises(ShardfoldError, match="already running"):
-            MotoStack({"toy": toy_workflow()}).start()
-    assert LambdaSimpleBackend.invoke is before_invoke
-    assert not hasattr(StepFunctionResponse, "redrive_execution")
-    assert os.environ.get("AWS_ENDPOINT_URL") == before_env
-    assert dryrun._active is None and not dryrun._originals
+before_invoke = LambdaSimpleBackend.invoke
+before_env = os.environ.get("AWS_ENDPOINT_URL")
+with MotoStack({"toy": toy_workflow()}) as stack:
+    assert os.environ["AWS_ENDPOINT_URL"] == stack.endpoint_url
+    assert LambdaSimpleBackend.invoke is not before_invoke
+    assert hasattr(StepFunctionResponse, "redrive_execution")
+    with pytest.raises(ShardfoldError, match="already running"):
+        MotoStack({"toy": toy_workflow()}).start()
+assert LambdaSimpleBackend.invoke is before_invoke
+assert not hasattr(StepFunctionResponse, "redrive_execution")
+assert os.environ.get("AWS_ENDPOINT_URL") == before_env
+assert dryrun._active is None and not dryrun._originals
+"""
+
+
+def test_stop_undoes_everything(tmp_path):
+    """A stack's lifetime leaves no trace in the process: checked in a fresh interpreter, since this module's
+    own stack (a module fixture) may already run in this one, whatever order the workers take tests in."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env["SHARDFOLD_HOME"] = str(tmp_path / "home")
+    done = subprocess.run(
+        [sys.executable, "-c", _STOP_UNDOES_EVERYTHING], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
