@@ -183,10 +183,7 @@ class _SpecCache:
                 spec = parse_spec(raw)  # a bad spec raises and caches nothing
                 seconds = round(time.perf_counter() - started, 3)
                 logger.debug("spec parsed", extra={"spec_uri": uri, "bytes": len(raw), "seconds": seconds})
-                with self._lock:
-                    self._entries[key] = spec
-                    while len(self._entries) > self.size:
-                        self._entries.popitem(last=False)
+                self._keep(key, spec)
             finally:
                 with self._lock:
                     self._parsing.pop(key, None)
@@ -195,8 +192,11 @@ class _SpecCache:
     def remember(self, uri: str, raw: bytes, spec: JobSpec) -> None:
         """Cache ``spec`` as the parse of ``raw`` at ``uri`` (what submit parsed and wrote): a task of this
         process that reads the same bytes there takes it; other bytes are parsed as ever."""
+        self._keep((uri, hashlib.sha256(raw).hexdigest()), spec)
+
+    def _keep(self, key: tuple[str, str], spec: JobSpec) -> None:
         with self._lock:
-            self._entries[(uri, hashlib.sha256(raw).hexdigest())] = spec
+            self._entries[key] = spec
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
 

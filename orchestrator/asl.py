@@ -143,35 +143,32 @@ class _Compiler:
                 state["OutputPath"] = None
             states[step.name] = state
             if isinstance(step, Task) and step.poll:
-                states.update(self.poll_states(step, state, map_body))
+                states.update(self.poll_states(step, state))
             states[fail_state_name(step.name)] = self.fail(step, in_map)
             if on_failure is not None:  # the Catch passes through the workflow's on_failure task first
                 state["Catch"][0]["Next"] = cleanup = f"{step.name}-{on_failure.name}"
                 states[cleanup] = self.on_failure(on_failure, fail_state_name(step.name))
         return states, steps[0].name
 
-    def poll_states(self, step: Task, state: dict[str, Any], map_body: bool) -> dict[str, Any]:
-        """The Choice and Wait after a polling Task: the Task's own ``Next``/``End`` moves to the Choice's
-        ready branch (a Succeed state where the Task ended its chain)."""
+    def poll_states(self, step: Task, state: dict[str, Any]) -> dict[str, Any]:
+        """The Choice and Wait after a polling Task: the Task's own ``Next`` becomes the Choice's ready
+        branch; where the Task ended its chain, a Succeed state does (with a Map child's ``OutputPath``)."""
         ready, wait = poll_state_names(step.name)
+        out: dict[str, Any] = {}
         then = state.pop("Next", None)
         if then is None:
-            state.pop("End")
+            del state["End"]
             then = f"{step.name}-done"
-            done: dict[str, Any] = {"Type": "Succeed"}
-            if "OutputPath" in state:  # the last state of a Map child: its output stays out of the Map's
-                done["OutputPath"] = state.pop("OutputPath")
+            out[then] = {"Type": "Succeed"}
+            if "OutputPath" in state:
+                out[then]["OutputPath"] = state.pop("OutputPath")
         state["Next"] = ready
-        out = {
-            ready: {
-                "Type": "Choice",
-                "Choices": [{"Variable": f"$.{step.name}.ready", "BooleanEquals": True, "Next": then}],
-                "Default": wait,
-            },
-            wait: {"Type": "Wait", "SecondsPath": f"$.{step.name}.wait_s", "Next": step.name},
+        out[ready] = {
+            "Type": "Choice",
+            "Choices": [{"Variable": f"$.{step.name}.ready", "BooleanEquals": True, "Next": then}],
+            "Default": wait,
         }
-        if then == f"{step.name}-done":
-            out[then] = done
+        out[wait] = {"Type": "Wait", "SecondsPath": f"$.{step.name}.wait_s", "Next": step.name}
         return out
 
     def on_failure(self, task: Task, fail: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@
   is kept (lineage: a shard's CPU task re-runs only when its file is missing).
 * **cpu_done** marks the end of the CPU stage (the worker exits once it is there and nothing is left).
 * **reconcile** lists the shards lacking a commit marker ``out/<H>/<k>.done`` into ``missing.json`` (the
-  repair round's work list). The workflow runs one repair round (no loops in the plan vocabulary).
+  repair round's work list). The workflow runs one repair round (the plan vocabulary loops only a
+  polling Task).
 * **commit** fails naming the shards still missing, else merges every shard's output in input order into
   the output Parquet, streamed to the store a row group per shard (memory holds two shards, whatever the
   rows; no local disk) (``id`` and the task's columns: ``embedding`` fixed_size_list<float32>[dim];
