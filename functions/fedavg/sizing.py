@@ -15,12 +15,9 @@ from shardfold.functions.estimate import Loads, Probe, TaskLoad
 from shardfold.functions.fedavg import core, dp, shardplan
 from shardfold.functions.fedavg import workflow as wf
 from shardfold.functions.fedavg.shardplan import MiB, ShardPlan, StepLoad
+from shardfold.functions.tables import size_text
 
 ESTIMATE_JOB_ID = "fedavg-plan-estimate"  # stands in for the job id in default output keys
-
-
-def _fmt_mib(n: float) -> str:
-    return f"{n / MiB:,.1f} MiB" if n >= 0.1 * MiB else f"{n / 1024:,.1f} KiB"
 
 
 def scaled(plan: ShardPlan, n: int, shards: int | None) -> ShardPlan:
@@ -154,9 +151,9 @@ def _notes(plan: ShardPlan, steps: dict[str, StepLoad], aggregate_why: str) -> l
     dtypes = ", ".join(f"{k} x{v}" for k, v in plan.dtype_counts().items())
     shard_bytes = max(b - a_ for a_, b in zip(plan.bounds, plan.bounds[1:], strict=False))
     notes = [
-        f"{n} client(s); model {_fmt_mib(plan.data_bytes)} in {len(plan.tensors)} tensor(s) ({dtypes})",
-        f"{m} shard(s) of up to {_fmt_mib(shard_bytes)}; each aggregate task reads N x its shard "
-        f"(up to {_fmt_mib(a.read_bytes)}) as ranged GETs of {_fmt_mib(plan.chunk_bytes)} per client, "
+        f"{n} client(s); model {size_text(plan.data_bytes)} in {len(plan.tensors)} tensor(s) ({dtypes})",
+        f"{m} shard(s) of up to {size_text(shard_bytes)}; each aggregate task reads N x its shard "
+        f"(up to {size_text(a.read_bytes)}) as ranged GETs of {size_text(plan.chunk_bytes)} per client, "
         f"{plan.read_window} in flight",
         f"aggregate peak per task: {aggregate_why} (does not grow with the number of clients"
         + (")" if not plan.robust() else "; median/trimmed_mean shrink the chunk as N grows)"),
