@@ -38,8 +38,6 @@ ITEM_OBJECT_BYTES = 1024
 STATUS_ROW_BYTES = 400
 TAR_MEMBER_ASSUMED = 1 * MiB
 UNKNOWN_OBJECT_ASSUMED = 1 * MiB  # an object whose size was not looked up, for the figures only
-# Objects above this are written with multipart upload; each part is one PUT (functions.store).
-MULTIPART_CHUNK = 8 * MiB
 RUNTIME_BYTES = pricing.LAMBDA_BASELINE_MB * MiB
 ENDPOINT_ANSWERED_S = 60.0  # how recent an answer from the S3 endpoint spares submit its one HEAD
 
@@ -223,7 +221,7 @@ def loads(spec: GetBatchSpec, probed: Probe) -> Loads:
             f"{per_part:,} parsed items": per_part * ITEM_OBJECT_BYTES,
         },
         gets=2 + per_part,  # spec + part list + one GET per item
-        puts=1 + math.ceil(max(part_bytes, 1) / MULTIPART_CHUNK) + (2 if part_bytes > MULTIPART_CHUNK else 0),
+        puts=1 + math.ceil(max(part_bytes, 1) / s3.WRITE_PART) + (2 if part_bytes > s3.WRITE_PART else 0),
         duration_s=pricing.TASK_OVERHEAD_S
         + math.ceil(per_part / concurrency) * pricing.S3_GET_LATENCY_S
         + part_bytes / pricing.LAMBDA_NET_BYTES_PER_S,
