@@ -11,6 +11,7 @@ import io
 import queue
 import random
 import tarfile
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -314,6 +315,46 @@ def test_held_bytes_stay_within_the_budget_whatever_the_sizes(sizes, max_bytes, 
     assert stream.stats.streamed >= sum(
         1 for n in sizes if n > max_bytes + step_bytes(max_bytes, concurrency)
     )
+
+
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 9000), min_size=1, max_size=20),
+    max_bytes=st.integers(256, 12_000),
+    concurrency=st.integers(1, 8),
+    cut=st.integers(0, 9000),
+)
+def test_local_files_read_on_the_spot_give_what_the_evented_engine_gives(sizes, max_bytes, concurrency, cut):
+    # small local reads are made and settled on the engine's own thread (no hand-over, no event); the same
+    # request over the same bytes through a transport that answers on threads must give the same entries
+    # (bytes, placeholders and their errors), within the same budget
+    with tempfile.TemporaryDirectory() as folder:
+        local_objects = {}
+        for i, n in enumerate(sizes):
+            path = f"{folder}/o{i}"
+            with open(path, "wb") as f:
+                f.write(obj(i, n))
+            local_objects[f"file://{path}"] = obj(i, n)
+        extra = [
+            {"uri": f"file://{folder}/gone"},  # missing: a placeholder
+            {"uri": f"file://{folder}/o0", "start": 0, "length": sizes[0] + 1},  # past the end
+            {"uri": f"file://{folder}/o0", "start": min(cut, max(sizes[0] - 1, 0))},  # to the end
+        ]
+        request = [*local_objects, *extra]
+        stream = store.get_batch(
+            request, continue_on_error=True, concurrency=concurrency, max_bytes=max_bytes
+        )
+        here = [(e.index, b"".join(e.chunks()), e.error is not None) for e in stream]
+        bound = max_bytes + step_bytes(max_bytes, concurrency)
+        assert stream.stats.peak_held_bytes <= bound and stream.stats.held_bytes == 0
+    remote = {u.replace(f"file://{folder}", "s3://bkt"): data for u, data in local_objects.items()}
+    same = [{**i, "uri": i["uri"].replace(f"file://{folder}", "s3://bkt")} for i in extra]
+    fake = LimitTransport(remote)
+    evented = store.get_batch(
+        [*remote, *same], continue_on_error=True, concurrency=concurrency, max_bytes=max_bytes, transport=fake
+    )
+    assert here == [(i, data, error is not None) for i, _, data, error in _drain(evented, fake)]
+    assert [error for _, _, error in here[-3:]] == [True, True, False]
 
 
 def test_small_objects_keep_full_concurrency_under_the_budget():

@@ -74,6 +74,7 @@ from shardfold.functions.store.pinning import Pin, TooLarge
 from shardfold.functions.store.retry import RetryPolicy, TransientError
 from shardfold.functions.store.tar import INDEX_BLOCK, find_member, index_tar
 from shardfold.functions.store.transport import (
+    INLINE_READ_BYTES,
     LocalTransport,
     RoutingTransport,
     Transport,
@@ -82,7 +83,7 @@ from shardfold.functions.store.transport import (
     takes_limit,
     thread_pool,
 )
-from shardfold.functions.store.uri import default_name, reach, store_root
+from shardfold.functions.store.uri import FILE, default_name, reach, store_root
 
 MiB = 1024 * 1024
 # Reads in flight. S3 answers small GETs in tens of ms, so throughput is concurrency / latency until the
@@ -381,6 +382,8 @@ class _Engine:
         self.step = step_bytes(max_bytes, concurrency)
         self.cap = self.step  # what a read of unknown length reserves now: see _learn
         self.limits = takes_limit(transport)
+        # small local reads are made here and settled at once: no hand-over, no event, no hedge timer
+        self.read_here = transport.local_read if isinstance(transport, RoutingTransport) else None
         self.max_soft_errors = max_soft_errors
         self.hedge_after = hedge_after
         self.transport = transport
@@ -692,6 +695,11 @@ class _Engine:
         limit = reserved if length is None and self.limits else None
         if slot.probing:
             length, limit, reserved = None, 0, 0
+        elif self.read_here is not None and not hedge and slot.uri.startswith(FILE):
+            size = length if length is not None else limit
+            if size is not None and size <= INLINE_READ_BYTES:
+                self._read_now(slot, start, length, limit, reserved)
+                return
         now = time.monotonic()
         put = self.events.put
         index = slot.index
@@ -717,6 +725,19 @@ class _Engine:
         if self.hedging and slot.hedged < 0:
             self._timer(now + self.hedge_delay, _HEDGE, index, attempt)
 
+    def _read_now(
+        self, slot: _Slot, start: int, length: int | None, limit: int | None, reserved: int
+    ) -> None:
+        """A small local read, made on this thread (as the local transport would) and settled at once."""
+        self.stats.requests += 1
+        pin = self.pins.get(slot.uri) if self.pins else None
+        try:
+            data = self.read_here(slot.uri, start, length, pin, limit)  # type: ignore[misc]
+        except BaseException as exc:  # noqa: BLE001 - the item's outcome, as a transport reports it
+            self._settle(slot, None, exc, None, -1, reserved)
+        else:
+            self._succeed(slot, data, None)
+
     def _handle(self, index: int | str, attempt: int, data: Any, exc: BaseException | None) -> None:
         if isinstance(index, str):  # a TAR index finished
             self.indexes[index] = data
@@ -733,10 +754,23 @@ class _Engine:
             return  # an abandoned attempt
         self.in_flight -= 1
         self._hold(-issued[2])
+        self._settle(slot, data, exc, issued[0], attempt, issued[2])
+
+    def _settle(
+        self,
+        slot: _Slot,
+        data: Any,
+        exc: BaseException | None,
+        issued_at: float | None,
+        attempt: int,
+        reserved: int,
+    ) -> None:
+        """What a read's answer (its bytes, or ``exc``) means for its slot."""
+        index = slot.index
         if slot.probing and (exc is None or isinstance(exc, TooLarge)):
             self._probed(slot, len(data) if exc is None else exc.size, None if exc is None else exc.pin)
         elif exc is None:
-            self._succeed(slot, data, issued[0], attempt)
+            self._succeed(slot, data, issued_at, attempt)
         elif isinstance(exc, TooLarge):
             self._drop_outstanding(slot)
             self.stats.oversize += 1
@@ -753,7 +787,7 @@ class _Engine:
             else:
                 self.stats.retries += 1
                 telemetry.count(None, retries=1)
-                slot.parked = issued[2]  # kept reserved for the retry
+                slot.parked = reserved  # kept reserved for the retry
                 self._hold(slot.parked)
                 self._timer(time.monotonic() + self.retry.delay(slot.failures), _RETRY, index, attempt)
         else:

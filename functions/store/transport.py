@@ -158,7 +158,8 @@ class LocalTransport:
     def __init__(self, buffers: local.Buffers | None = None):
         self.buffers = buffers
 
-    def _read(self, uri: str, start: int, length: int | None, pin: Pin | None, limit: int | None) -> bytes:
+    def read(self, uri: str, start: int, length: int | None, pin: Pin | None, limit: int | None) -> bytes:
+        """One read on the caller's thread, raising its error (the engine's direct path for small reads)."""
         # the path as a string: a Path per read cost as much as the read of a small file
         return local.get(uri[len(FILE) :], uri, start, length, pin, limit=limit, into=self.buffers)
 
@@ -171,7 +172,7 @@ class LocalTransport:
         pin: Pin | None = None,
         limit: int | None = None,
     ) -> Cancel | None:
-        read = functools.partial(self._read, uri, start, length, pin, limit)
+        read = functools.partial(self.read, uri, start, length, pin, limit)
         size = length if length is not None else limit
         if size is not None and size <= INLINE_READ_BYTES:
             _deliver(read, done)  # small: read here; handing it to a reader costs more than the read
@@ -198,6 +199,11 @@ class RoutingTransport:
     def __init__(self, s3_transport: Transport | None = None, local_transport: Transport | None = None):
         self._s3 = s3_transport
         self._local = local_transport or LocalTransport()
+
+    @property
+    def local_read(self) -> Callable[..., bytes] | None:
+        """The built-in local transport's blocking read (:meth:`LocalTransport.read`), else None."""
+        return self._local.read if isinstance(self._local, LocalTransport) else None
 
     @property
     def s3(self) -> Transport:
