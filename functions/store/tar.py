@@ -84,6 +84,11 @@ class Entry(Protocol):
 _MODE_IDS = b"0000644\x00" + b"0000000\x00" * 2
 _AFTER_SIZE = b"00000000000\x00" + b" " * 8 + b"0" + bytes(100) + b"ustar\x0000" + bytes(64)
 _TAIL = bytes(8 + 8 + 155 + 12)  # device numbers (empty for a regular file), prefix, padding
+_MTIME = b"00000000000\x00"
+_AFTER_CHECKSUM = _AFTER_SIZE[len(_MTIME) + 8 :]  # type flag, link name, magic, owner names
+# The checksum is the sum of the header's bytes with its own field read as spaces: the fixed fields' part
+# once here, so a header costs the sum of its name and size only.
+_FIXED_SUM = sum(_MODE_IDS) + sum(_AFTER_SIZE) + sum(_TAIL)
 
 
 def tar_header(name: str, size: int) -> bytes:
@@ -93,10 +98,11 @@ def tar_header(name: str, size: int) -> bytes:
     header is the plain ustar block tarfile would write, built here directly (a TarInfo costs ~75 us, as much
     as fetching a small object). Anything else goes through tarfile."""
     if size < 8**11 and len(name) <= 100 and name.isascii() and name.isprintable():
-        head = bytearray(name.encode("ascii").ljust(100, b"\x00") + _MODE_IDS)
-        head += b"%011o\x00" % size + _AFTER_SIZE + _TAIL
-        head[148:155] = b"%06o\x00" % sum(head)  # checksum: the sum with its own field as spaces
-        return bytes(head)
+        raw, size_field = name.encode("ascii"), b"%011o\x00" % size
+        checksum = b"%06o\x00 " % (_FIXED_SUM + sum(raw) + sum(size_field))
+        return b"".join(
+            (raw.ljust(100, b"\x00"), _MODE_IDS, size_field, _MTIME, checksum, _AFTER_CHECKSUM, _TAIL)
+        )
     info = tarfile.TarInfo(name)
     info.size = size
     info.mtime = 0
