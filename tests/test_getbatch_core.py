@@ -95,6 +95,43 @@ def test_soft_error_budget_is_enforced_across_parts(root):
         run_job(spec, root)
 
 
+def test_soft_error_budget_names_the_first_failed_item_of_the_request(root):
+    # parts 0 and 1 hold no failure; the first failure is item 5 of part 2
+    uris = ["data/obj-001.bin"] * 5 + ["data/missing-a.bin", "data/obj-002.bin", "data/missing-b.bin"]
+    uris += ["data/missing-c.bin"]
+    items = [{"uri": u} for u in uris]
+    spec = GetBatchSpec(items=items, continue_on_error=True, max_soft_errors=2, items_per_part=2)
+    with pytest.raises(TooManySoftErrors, match=r"^3 items failed, .*; first: item 5 \(.*missing-a\.bin"):
+        run_job(spec, root)
+
+
+def test_assemble_reads_the_parts_tallies_not_their_rows(root, monkeypatch):
+    uris = [f"data/obj-{i % 23:03d}.bin" for i in range(30)]
+    uris[3] = "data/missing.bin"
+    spec = GetBatchSpec(items=[{"uri": u} for u in uris], continue_on_error=True, items_per_part=10)
+    job_id = "getbatch-20260101T000000-00000a"
+    planned = core.prepare(spec, job_id, root)
+    for part in store.get_json(planned["worklist"]["uri"]):
+        core.gather(spec, job_id, root, part["part"], 0, part.get("inline", False))
+    read = []
+    real_get = store.get
+
+    def get(uri, *args, **kwargs):
+        data = real_get(uri, *args, **kwargs)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(store, "get", get)
+    result = core.assemble(spec, job_id, root, planned["parts"])
+    # a few numbers per part (each part's 10 rows are ~700 bytes): the rows are joined by the store
+    assert len(read) == 3 and max(read) < 300
+    sizes = [0 if i == 3 else 100 + i % 23 for i in range(30)]
+    assert (result["items"], result["errors"], result["parts"], result["bytes"]) == (30, 1, 3, sum(sizes))
+    rows = [json.loads(line) for line in store.get(result["status"]).decode().splitlines()]
+    assert [r["index"] for r in rows] == list(range(30)) and [r["size"] for r in rows] == sizes
+    assert [i for i, r in enumerate(rows) if r["error"]] == [3]
+
+
 def test_manifest_jsonl_and_bare_uris(root):
     manifest = store.uri.join(root, "requests", "r.jsonl")
     store.put(manifest, b'"data/obj-004.bin"\n{"uri": "data/obj-006.bin", "start": 2, "length": 3}\n')

@@ -10,12 +10,14 @@
   the plan was made (an item too large for the engine's byte budget, read in ranges, is held to the version
   its first read found).
 * **gather** fetches one part with the GetBatch engine and streams it into the store as a TAR *fragment*
-  (members only, no end-of-archive marker) plus its per-item status rows; every read carries its object's
+  (members only, no end-of-archive marker) plus its per-item status rows (as JSON Lines, as the status file
+  will hold them) and its *tally* (items, failures, bytes); every read carries its object's
   pin, so an object changed since the plan fails the job (:class:`InputChanged`, never a placeholder);
   the only part of a request is written as the whole archive at the output URI, with its status file
   and the job result, leaving nothing to assemble.
-* **assemble** concatenates the fragments and a TAR trailer into one archive server-side, writes the
-  per-item status file and the job result, then removes the temporaries (after a one-part request,
+* **assemble** concatenates the fragments and a TAR trailer into one archive, and the parts' status rows
+  into the per-item status file, both server-side; it reads only the parts' tallies (its memory does not
+  grow with the items), writes the job result, then removes the temporaries (after a one-part request,
   only the temporaries).
 
 Each task logs one summary line (never a line per item, never an object's bytes): prepare ``planned
@@ -233,27 +235,31 @@ def gather(
         with store.writer(target) as out:
             frag = _Counted(out)
             rows = write_tar(entries, frag, end_of_archive=whole)  # type: ignore[arg-type]
+            for row in rows:
+                row["index"] += first
+            tally = _tally(rows)
             if whole:
-                _check_soft_errors(spec, rows)  # before the archive is committed
+                _check_soft_errors(spec, tally)  # before the archive is committed
     except BatchItemError as exc:  # name the item by its place in the user's request, not the part
         if isinstance(exc.__cause__, InputChanged):
             raise InputChanged(f"item {first + exc.index}: {exc.__cause__}", uri=exc.__cause__.uri) from None
         raise BatchItemError(first + exc.index, exc.item, exc.reason) from None
-    for row in rows:
-        row["index"] += first
-    errors = sum(1 for r in rows if r["error"])
-    size = sum(r["size"] for r in rows)
     said: dict[str, Any] = {"job_id": job_id, "part": part, "parts": parts or None, "items": len(rows)}
-    said |= {"failed": errors, "item_bytes": size}
+    said |= {"failed": tally["errors"], "item_bytes": tally["bytes"]}
     if whole:
-        result = _commit_result(spec, job_id, store_root, rows, 1, target)
-        said |= {"archive": target, "archive_bytes": frag.bytes, "status": result["status"]}
+        status = _status_file(store_root, job_id)
+        store.put(status, _status_lines(rows))
+        _commit_result(job_id, store_root, tally, 1, target)
+        said |= {"archive": target, "archive_bytes": frag.bytes, "status": status}
     else:
-        status = _status_uri(store_root, job_id, part)
-        store.put_json(status, rows, indent=None)
+        # the rows as they will stand in the status file (assemble joins the parts' bytes), then the part's
+        # tally (assemble's counts, and the mark that the part's rows are all written)
+        status = _part_status_uri(store_root, job_id, part)
+        store.put(status, _status_lines(rows))
+        store.put_json(_part_tally_uri(store_root, job_id, part), tally, indent=None)
         said |= {"fragment": target, "fragment_bytes": frag.bytes, "status": status}
     logger.info("gathered part", extra=said)  # one line per part, never one per item
-    return {"part": part, "items": len(rows), "errors": errors, "bytes": size}
+    return {"part": part, "items": len(rows), "errors": tally["errors"], "bytes": tally["bytes"]}
 
 
 class _Counted:
@@ -268,12 +274,31 @@ class _Counted:
         return self._write(data)
 
 
-def _check_soft_errors(spec: GetBatchSpec, rows: list[dict]) -> None:
+def _tally(rows: list[dict]) -> dict:
+    """A part's counts: its items, how many failed (and the first that did), their bytes."""
     failed = [r for r in rows if r["error"]]
-    if spec.max_soft_errors is not None and len(failed) > spec.max_soft_errors:
+    first = {"index": failed[0]["index"], "error": failed[0]["error"]} if failed else None
+    return {
+        "items": len(rows),
+        "errors": len(failed),
+        "bytes": sum(r["size"] for r in rows),
+        "first_error": first,
+    }
+
+
+def _joined(tallies: list[dict]) -> dict:
+    """The tally of consecutive parts, in request order."""
+    first = next((t["first_error"] for t in tallies if t["first_error"]), None)
+    totals = {k: sum(int(t[k]) for t in tallies) for k in ("items", "errors", "bytes")}
+    return {**totals, "first_error": first}
+
+
+def _check_soft_errors(spec: GetBatchSpec, tally: dict) -> None:
+    failed, first = tally["errors"], tally["first_error"]
+    if spec.max_soft_errors is not None and failed > spec.max_soft_errors:
         raise TooManySoftErrors(
-            f"{len(failed)} items failed, more than max_soft_errors={spec.max_soft_errors}; "
-            f"first: item {failed[0]['index']} ({failed[0]['error']})"
+            f"{failed} items failed, more than max_soft_errors={spec.max_soft_errors}; "
+            f"first: item {first['index']} ({first['error']})"
         )
 
 
@@ -288,10 +313,9 @@ def assemble(spec: GetBatchSpec, job_id: str, store_root: str, parts: int) -> di
         result = store.get_json(result_uri)
         _log_assembled("result already committed", job_id, result, None)
         return result
-    rows: list[dict] = []
-    for p in range(parts):
-        rows.extend(store.get_json(_status_uri(store_root, job_id, p)))
-    _check_soft_errors(spec, rows)
+    # the parts' tallies, not their rows: assemble holds a few numbers per part, however many items
+    tally = _joined([store.get_json(_part_tally_uri(store_root, job_id, p)) for p in range(parts)])
+    _check_soft_errors(spec, tally)
     out = output_uri(spec, store_root, job_id)
     fragments = [_fragment_uri(store_root, job_id, p) for p in range(parts)]
     archive_bytes = None
@@ -304,7 +328,9 @@ def assemble(spec: GetBatchSpec, job_id: str, store_root: str, parts: int) -> di
         trailer = job_uri(store_root, job_id, STAGE, "fragments", "trailer.tar")
         store.put(trailer, TAR_TRAILER)
         archive_bytes = store.assemble([*fragments, trailer], out)
-    result = _commit_result(spec, job_id, store_root, rows, parts, out)
+    status = _status_file(store_root, job_id)
+    store.assemble([_part_status_uri(store_root, job_id, p) for p in range(parts)], status)
+    result = _commit_result(job_id, store_root, tally, parts, out)
     store.delete_prefix(join(store_root, scratch_key(job_id, STAGE)))  # part lists, fragments, status rows
     _log_assembled("assembled getbatch", job_id, result, archive_bytes)
     return result
@@ -318,25 +344,30 @@ def _log_assembled(message: str, job_id: str, result: Any, archive_bytes: int | 
     logger.info(message, extra={"job_id": job_id, **said})
 
 
-def _commit_result(
-    spec: GetBatchSpec, job_id: str, store_root: str, rows: list[dict], parts: int, archive: str
-) -> dict:
-    """Write the per-item status file, then the result (last: it marks the job's output complete)."""
-    status = job_uri(store_root, job_id, "output", "status.jsonl")
+def _status_lines(rows: list[dict]) -> bytes:
+    """Rows as the per-item status file holds them: JSON Lines, keys sorted."""
     encode = _ROW_ENCODER.encode
-    store.put(status, "".join(encode(r) + "\n" for r in rows).encode())
+    return "".join(encode(r) + "\n" for r in rows).encode()
+
+
+def _commit_result(job_id: str, store_root: str, tally: dict, parts: int, archive: str) -> dict:
+    """Write the result (after the archive and the status file: it marks the job's output complete)."""
     result = {
         "job_id": job_id,
         "kind": "getbatch",
         "archive": archive,
-        "status": status,
-        "items": len(rows),
-        "errors": sum(1 for r in rows if r["error"]),
-        "bytes": sum(r["size"] for r in rows),
+        "status": _status_file(store_root, job_id),
+        "items": tally["items"],
+        "errors": tally["errors"],
+        "bytes": tally["bytes"],
         "parts": parts,
     }
     store.put_json(job_uri(store_root, job_id, "result.json"), result)
     return result
+
+
+def _status_file(root: str, job_id: str) -> str:
+    return job_uri(root, job_id, "output", "status.jsonl")
 
 
 def _part_uri(root: str, job_id: str, part: int) -> str:
@@ -347,5 +378,9 @@ def _fragment_uri(root: str, job_id: str, part: int) -> str:
     return job_uri(root, job_id, STAGE, "fragments", f"{part:05d}.tar")
 
 
-def _status_uri(root: str, job_id: str, part: int) -> str:
+def _part_status_uri(root: str, job_id: str, part: int) -> str:
+    return job_uri(root, job_id, STAGE, "status", f"{part:05d}.jsonl")
+
+
+def _part_tally_uri(root: str, job_id: str, part: int) -> str:
     return job_uri(root, job_id, STAGE, "status", f"{part:05d}.json")

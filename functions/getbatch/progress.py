@@ -2,8 +2,8 @@
 
 The executors count the gather step's tasks (parts of ``items_per_part`` items each); this counts what the
 user asked for. Read from what the job already writes: the part work list (each part's item count) and the
-status rows each finished part leaves (each item's size), then the result once the job has it (the
-scratch is gone then). A part's rows never change once written (a retry writes the same bytes), so each is
+tally each finished part leaves (its items' bytes), then the result once the job has it (the
+scratch is gone then). A part's tally never changes once written (a retry writes the same bytes), so each is
 read once per process however often progress is asked for.
 """
 
@@ -18,7 +18,9 @@ from shardfold.functions import store
 from shardfold.functions.getbatch.core import STAGE, job_uri
 from shardfold.functions.kinds import counted, counter
 
-_PART = re.compile(r"/(\d{5})\.json$")  # jobs/<id>/getbatch/status/<part:05d>.json, as core.gather writes it
+_PART = re.compile(
+    r"/(\d{5})\.json$"
+)  # jobs/<id>/getbatch/status/<part:05d>.json: a part's tally (core.gather)
 _CACHED_PARTS = 4096  # parts whose byte sums are kept (a few dozen bytes each)
 _part_bytes: OrderedDict[str, int] = OrderedDict()
 _lock = threading.Lock()
@@ -59,12 +61,12 @@ def _from_parts(store_root: str, job_id: str) -> dict[str, dict[str, Any]]:
 
 
 def _bytes_of(status_uri: str) -> int:
-    """The bytes of one finished part's items (its status rows' sizes), read once per process."""
+    """The bytes of one finished part's items (from its tally), read once per process."""
     with _lock:
         if status_uri in _part_bytes:
             _part_bytes.move_to_end(status_uri)
             return _part_bytes[status_uri]
-    size = sum(int(row.get("size") or 0) for row in store.get_json(status_uri))
+    size = int(store.get_json(status_uri)["bytes"])
     with _lock:
         _part_bytes[status_uri] = size
         while len(_part_bytes) > _CACHED_PARTS:
