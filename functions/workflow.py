@@ -32,6 +32,8 @@ from typing import Literal
 from shardfold.functions.errors import PlanError
 
 Mode = Literal["thread", "process"]
+MODES: tuple[str, ...] = ("thread", "process")
+_PATH_RE = re.compile(r"\$(\.[A-Za-z_][A-Za-z0-9_]*)+")  # the JSONPath both executors read: $.a.b
 # How a kind's Lambda functions are packaged on AWS (see Workflow.lambda_package).
 LambdaPackage = Literal["zip", "image"]
 LAMBDA_PACKAGES: tuple[str, ...] = ("zip", "image")
@@ -127,7 +129,10 @@ class Task:
     """Call one registered function (a Lambda function on AWS).
 
     ``mode`` says how the local executor runs it: ``"thread"`` for I/O-bound work, ``"process"`` for
-    CPU-bound work (handlers are top-level functions, so they pickle by reference). ``memory_mb`` and
+    CPU-bound work (handlers are top-level functions, so they pickle by reference). ``mode_from``: a path
+    into the task's input (``"$.item.mode"``) whose value, where it is ``"thread"`` or ``"process"``,
+    is that call's mode instead: for work only the data can say the nature of (a getbatch part of local
+    files keeps an interpreter busy; one of S3 objects waits on the network). ``memory_mb`` and
     ``timeout_s`` size the Lambda function; the state's ``TimeoutSeconds`` is ``timeout_s`` plus a margin
     (:mod:`orchestrator.asl`), and the local executor stops a task at ``timeout_s`` as Lambda does.
     ``poll``: call it until its result says it is ready (see the module docstring); each call is short, the
@@ -137,6 +142,7 @@ class Task:
     name: str
     function: str
     mode: Mode = "thread"
+    mode_from: str | None = None
     memory_mb: int = 1024
     timeout_s: int = 900
     retry: tuple[Retry, ...] = DEFAULT_TASK_RETRY
@@ -322,8 +328,12 @@ def _check_name(step: Step, where: str, seen: set[str]) -> None:
 
 def _check_task(step: Task | BatchJob) -> None:
     """A Task's or BatchJob's mode, timeout and memory."""
-    if isinstance(step, Task) and step.mode not in ("thread", "process"):
+    if isinstance(step, Task) and step.mode not in MODES:
         raise PlanError(f"step {step.name!r}: mode must be 'thread' or 'process'")
+    if isinstance(step, Task) and step.mode_from is not None and not _PATH_RE.fullmatch(step.mode_from):
+        raise PlanError(
+            f"step {step.name!r}: mode_from {step.mode_from!r} must be a JSONPath like '$.item.mode'"
+        )
     if step.timeout_s < 1 or step.memory_mb < 128:
         raise PlanError(f"step {step.name!r}: timeout_s must be >= 1 and memory_mb >= 128")
     if isinstance(step, BatchJob) and step.timeout_s < 60:
@@ -332,7 +342,7 @@ def _check_task(step: Task | BatchJob) -> None:
 
 def _check_map(step: Map) -> None:
     """A Map's items path, concurrency and tolerated failures."""
-    if not re.fullmatch(r"\$(\.[A-Za-z_][A-Za-z0-9_]*)+", step.items):
+    if not _PATH_RE.fullmatch(step.items):
         raise PlanError(f"Map {step.name!r}: items {step.items!r} must be a JSONPath like '$.plan.worklist'")
     if step.max_concurrency < 0:
         raise PlanError(f"Map {step.name!r}: max_concurrency must be >= 0")

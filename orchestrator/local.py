@@ -53,6 +53,7 @@ from shardfold.functions.store.uri import is_file, join, local_path
 from shardfold.functions.store.uri import store_root as default_store_root
 from shardfold.functions.workflow import (
     LAMBDA_TIMEOUT,
+    MODES,
     BatchJob,
     Map,
     Parallel,
@@ -140,6 +141,12 @@ def _lookup(state: dict[str, Any], path: str) -> Any:
             return None
         node = node[part]
     return node
+
+
+def _mode(step: Task, state: dict[str, Any]) -> str:
+    """How this call runs: the mode its input names at ``step.mode_from``, else the step's own."""
+    named = _lookup(state, step.mode_from) if step.mode_from else None
+    return named if named in MODES else step.mode
 
 
 def default_threads() -> int:
@@ -557,7 +564,7 @@ class LocalExecutor:
         timed_out = HandlerFailed(
             LAMBDA_TIMEOUT, f"{function} ran past its timeout of {step.timeout_s} s (the step's timeout_s)"
         )
-        if step.mode == "thread":
+        if _mode(step, state) == "thread":
             future: cf.Future = cf.Future()
 
             def run() -> None:

@@ -95,6 +95,17 @@ def test_soft_error_budget_is_enforced_across_parts(root):
         run_job(spec, root)
 
 
+def test_parts_of_local_files_are_marked_to_run_in_worker_processes(root):
+    # reading local files keeps an interpreter busy, so the local executor runs those parts in processes;
+    # a part with an S3 object waits on the network and stays on a thread (workflow.GATHER_PART.mode_from)
+    items = [{"uri": "data/obj-001.bin"}, {"uri": "data/obj-002.bin"}, {"uri": "s3://bkt/x"}]
+    items += [{"uri": "data/obj-003.bin"}, {"uri": "data/obj-004.bin"}]
+    spec = GetBatchSpec(items=items, items_per_part=2)
+    planned = core.prepare(spec, "getbatch-20260101T000000-00000b", root)
+    refs = store.get_json(planned["worklist"]["uri"])
+    assert [ref.get("mode", "thread") for ref in refs] == ["process", "thread", "process"]
+
+
 def test_soft_error_budget_names_the_first_failed_item_of_the_request(root):
     # parts 0 and 1 hold no failure; the first failure is item 5 of part 2
     uris = ["data/obj-001.bin"] * 5 + ["data/missing-a.bin", "data/obj-002.bin", "data/missing-b.bin"]

@@ -101,6 +101,25 @@ def test_a_process_task_runs_in_the_jobs_current_environment_and_import_path(roo
     assert (again["mark"], again["value"]) == ("second", 42)
 
 
+@pytest.mark.parametrize(
+    "said, where", [({"mode": "process"}, "worker"), ({"mode": "thread"}, "here"), ({}, "here")]
+)
+def test_a_task_runs_in_the_mode_its_input_names_at_mode_from(root, said, where):
+    # the step says thread; the data (an earlier step's result here, a Map item in getbatch) may say process
+    where_to = Task("where", "toy.whereabouts", mode="thread", mode_from="$.echo.mode")
+    wf = Workflow(kind="toy", steps=(Task("echo", "toy.echo"), where_to))
+    with make(root, wf) as ex:
+        job_id, status = run(ex, root, echo=said)
+    assert status.state == "SUCCEEDED", status.error
+    pid = store.get_json(join(root, "jobs", job_id, "toy", "whereabouts.json"))["pid"]
+    assert (pid == os.getpid()) == (where == "here")
+
+
+def test_mode_from_must_be_a_path():
+    with pytest.raises(PlanError, match="mode_from 'item.mode' must be a JSONPath"):
+        Workflow(kind="toy", steps=(Task("where", "toy.whereabouts", mode_from="item.mode"),))
+
+
 def test_transient_errors_are_retried(root):
     with make(root) as ex:
         job_id, status = run(ex, root, n=5, transient={"2": 2})

@@ -96,6 +96,11 @@ def stamp(event: dict[str, Any], context: Any) -> dict[str, Any]:
     return {"job": event["job_id"]}
 
 
+def echo(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """The spec's ``echo`` object, as the step's result (what a later step's ``mode_from`` reads)."""
+    return dict(_spec(event).get("echo") or {})
+
+
 def batch_double(event: dict[str, Any], context: Any) -> None:
     """A BatchJob entry point: reads the total and writes its double (the result is discarded)."""
     store.put_json(_uri(event, "batch.json"), {"double": 2 * event["total"]["sum"]})
@@ -167,6 +172,7 @@ for _name, _fn in {
     "toy.square_part": square_part,
     "toy.total": total,
     "toy.stamp": stamp,
+    "toy.echo": echo,
     "toy.batch_double": batch_double,
 }.items():
     register(_name, _fn)

@@ -54,7 +54,7 @@ from shardfold.functions.jobs import scratch_key
 from shardfold.functions.log import logger
 from shardfold.functions.specs import BatchItem, describe_errors, json_type
 from shardfold.functions.store.tar import TAR_TRAILER, write_tar
-from shardfold.functions.store.uri import join
+from shardfold.functions.store.uri import FILE, join
 from shardfold.functions.worklist import worklist_ref
 
 STAGE = "getbatch"
@@ -177,6 +177,8 @@ def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
     for p in range(n_parts):
         chunk = items[p * size : (p + 1) * size]
         ref = {"part": p, "first": p * size, "count": len(chunk), "of": n_parts}
+        if all(i.uri.startswith(FILE) for i in chunk):
+            ref["mode"] = "process"  # local files only: CPU-bound (see workflow.GATHER_PART)
         part_pins = {i.uri: pins[i.uri] for i in chunk if i.uri in pins}
         if spec.items is not None and not part_pins:
             ref["inline"] = True  # gather takes these items from the spec itself: no part list to write

@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 from shardfold.functions.getbatch import core
 from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.runtime import JobEvent, task
+from shardfold.functions.workflow import Mode
 
 
 class PartRef(BaseModel):
@@ -16,6 +17,7 @@ class PartRef(BaseModel):
     count: int = Field(ge=1)
     of: int = Field(default=0, ge=0, description="how many parts the request has (0: not said)")
     inline: bool = Field(default=False, description="the items are the spec's own, none pinned: no part list")
+    mode: Mode = Field(default="thread", description="how the local executor runs the part (Task.mode_from)")
 
 
 class GatherEvent(JobEvent):

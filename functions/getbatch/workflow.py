@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from shardfold.functions.workflow import Map, Task, Workflow
 
-# gather is I/O-bound (threads locally); its memory is the engine's byte budget plus the fragment's write
+# gather waits on the network for S3 objects (a thread locally), but keeps an interpreter busy reading local
+# files: prepare marks those parts' work-list entries "process", so the local executor runs them in worker
+# processes, side by side on the cores. Its memory is the engine's byte budget plus the fragment's write
 # buffer, whatever the objects' sizes.
 PREPARE = Task("prepare", "getbatch.prepare", memory_mb=512, timeout_s=300)
-GATHER_PART = Task("gather_part", "getbatch.gather", memory_mb=1024, timeout_s=900)
+GATHER_PART = Task("gather_part", "getbatch.gather", mode_from="$.item.mode", memory_mb=1024, timeout_s=900)
 GATHER = Map("gather", items="$.prepare.worklist", body=(GATHER_PART,), max_concurrency=64)
 ASSEMBLE = Task("assemble", "getbatch.assemble", memory_mb=512, timeout_s=900)
 
