@@ -34,9 +34,12 @@ import concurrent.futures as cf
 import json
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.util
 import os
 import random
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -939,9 +942,30 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     """The process pools' context: forked from one fork server per process, started on first use. Not plain
     fork: the executor runs threads, and forking a threaded process can deadlock. Its workers do not import
     the user's main script (:class:`_WorkerPopen`)."""
+    _socket_folder_that_fits()
     ctx = _WorkerContext()
     ctx.set_forkserver_preload(list(POOL_PRELOAD))  # read when the server starts; later calls change nothing
     return ctx
+
+
+# The fork server listens on a UNIX socket, <multiprocessing's temporary folder>/listener-XXXXXXXX, and that
+# folder is pymp-XXXXXXXX under TMPDIR; a socket's path holds at most 107 bytes (Linux), so under a long
+# TMPDIR (a test's, a batch scheduler's) the server could not start ("AF_UNIX path too long").
+_SOCKET_PATH_MAX = 107
+_SOCKET_NAME_BYTES = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def _socket_folder_that_fits() -> None:
+    """Choose multiprocessing's temporary folder under ``/tmp`` when one under TMPDIR would make the fork
+    server's socket path too long (as Python 3.14 does itself); removed at exit, as its own would be."""
+    config = multiprocessing.process.current_process()._config  # where get_temp_dir() keeps its choice
+    if config.get("tempdir") is not None or not os.path.isdir("/tmp"):
+        return
+    if len(tempfile.gettempdir().encode()) + _SOCKET_NAME_BYTES <= _SOCKET_PATH_MAX:
+        return
+    folder = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+    config["tempdir"] = folder
 
 
 def _kill(proc: Any) -> None:

@@ -81,3 +81,12 @@ def test_an_example_without_shardfold_home_uses_a_temporary_store(tmp_path):
     stores = list(tmp.glob("shardfold-example-*"))
     assert len(stores) == 1 and f"store: {stores[0].as_uri()}" in done.stdout, done.stdout
     assert not (tmp_path / ".shardfold").exists()
+
+
+def test_an_example_runs_under_a_tmpdir_too_long_for_a_socket(tmp_path):
+    """getbatch reads local files in worker processes, forked from a fork server that listens on a UNIX
+    socket under TMPDIR; a socket's path holds at most 107 bytes, so a long TMPDIR moves it to /tmp."""
+    tmp = tmp_path / ("t" * 100)
+    tmp.mkdir()
+    done = run_example(REPO / "examples" / "getbatch_archive.py", tmp_path, TMPDIR=str(tmp))
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
