@@ -201,7 +201,7 @@ def _model_uris(model: BaseModel, loc: tuple[str | int, ...], out: list[UriField
             if isinstance(value, str):
                 out.append(UriField((*loc, key), value, role.role, role.prefix))
             continue
-        if value is not None:
+        if value is not None and annotation is not _NO_URIS:
             _walk(value, annotation, (*loc, key), out)
 
 
@@ -242,21 +242,51 @@ _FIELD_PLANS: dict[type, tuple[tuple[str, str, UriRole | None, Any], ...]] = {}
 _SHAPES: dict[int, tuple[Any, tuple[Any, ...]]] = {}
 
 
+_NO_URIS = object()  # in a field plan, for the annotation of a field whose type can hold no URI
+
+
 def _fields(cls: type[BaseModel]) -> tuple[tuple[str, str, UriRole | None, Any], ...]:
-    """(attribute, key in the document, its URI role or None, annotation) of each field, in order."""
+    """(attribute, key in the document, its URI role or None, annotation) of each field, in order; the
+    annotation is :data:`_NO_URIS` where the field's type can hold no URI (an item's ``start``, ``name``),
+    so the walk passes it by (it was most of a 50,000-item request's walk)."""
     plan = _FIELD_PLANS.get(cls)
     if plan is None:
         plan = tuple(
             (
                 name,
                 info.alias or name,
-                next((m for m in info.metadata if isinstance(m, UriRole)), None),
-                info.annotation,
+                role := next((m for m in info.metadata if isinstance(m, UriRole)), None),
+                info.annotation if role is not None or _may_hold_uris(info.annotation) else _NO_URIS,
             )
             for name, info in cls.model_fields.items()
         )
         _FIELD_PLANS[cls] = plan
     return plan
+
+
+def _may_hold_uris(annotation: Any, seen: frozenset[type] = frozenset()) -> bool:
+    """Whether a value of this type may hold a URI field: a URI type, a model with one, or a union, list or
+    annotation of such; any type the walk does not know (``Any``, a class it cannot see into) counts."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if annotation in seen:
+            return False  # a model within itself: its fields are being looked at already
+        inner = seen | {annotation}
+        return any(
+            any(isinstance(m, UriRole) for m in info.metadata) or _may_hold_uris(info.annotation, inner)
+            for info in annotation.model_fields.values()
+        )
+    if annotation in _PLAIN_TYPES:
+        return False
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        base, *meta = get_args(annotation)
+        return any(isinstance(m, UriRole) for m in meta) or _may_hold_uris(base, seen)
+    if origin in (Union, types.UnionType, list, Literal):
+        return origin is not Literal and any(_may_hold_uris(a, seen) for a in get_args(annotation))
+    return True
+
+
+_PLAIN_TYPES = (int, float, str, bool, bytes, type(None))
 
 
 def _shape(annotation: Any) -> tuple[Any, ...]:

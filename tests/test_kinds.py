@@ -178,3 +178,47 @@ def test_uri_fields_come_from_the_declared_types():
     events = Path(__file__).resolve().parent.parent / "events"
     dp = parse_spec(json.loads((events / "dpquery.json").read_text()))
     assert [f.field for f in uri_fields(dp)] == ["dataset"]
+
+
+def test_the_uri_walk_passes_by_only_fields_that_can_hold_no_uri():
+    from typing import Any, Literal
+
+    from pydantic import BaseModel
+
+    from shardfold.functions.specs import _NO_URIS, BatchItem, InputUri, OutputUri, _fields
+
+    class Inner(BaseModel):
+        path: InputUri
+        note: str = ""
+
+    class Outer(BaseModel):
+        count: int = 0
+        label: Literal["a", "b"] = "a"
+        items: list[BatchItem] | None = None
+        inner: Inner | None = None
+        anything: Any = None  # the walk cannot see into it, so it is walked
+        out: OutputUri
+
+    plan = {name: annotation is _NO_URIS for name, _, _, annotation in _fields(Outer)}
+    assert plan == {
+        "count": True,
+        "label": True,
+        "items": False,
+        "inner": False,
+        "anything": False,
+        "out": False,
+    }
+    spec = Outer(
+        items=[BatchItem(uri="file:///d/x"), BatchItem(uri="k", start=3)],
+        inner=Inner(path="file:///d/y"),
+        anything=Inner(path="file:///d/z"),
+        out="file:///d/out",
+    )
+    found = [(f.field, f.uri) for f in uri_fields(spec)]
+    assert found == [
+        ("items.0.uri", "file:///d/x"),
+        ("items.1.uri", "k"),
+        ("inner.path", "file:///d/y"),
+        ("anything.path", "file:///d/z"),
+        ("out", "file:///d/out"),
+    ]
