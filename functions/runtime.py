@@ -51,7 +51,7 @@ from aws_lambda_powertools.logging.lambda_context import build_lambda_context_mo
 from aws_lambda_powertools.utilities.parser import parse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shardfold.functions import access, store, telemetry
+from shardfold.functions import access, collector, store, telemetry
 from shardfold.functions.errors import SpecError
 from shardfold.functions.log import logger
 from shardfold.functions.specs import JobSpec, parse_spec
@@ -100,16 +100,19 @@ def task(
             if context is not None and not _on_lambda():
                 keys.update(vars(build_lambda_context_model(context)))
             logger.thread_safe_append_keys(**keys)
-            with telemetry.recording(
-                store_root=e.store_root,
-                job_id=e.job_id,
-                kind=kind,
-                function=name,
-                task=e.index,
-                map_name=e.map,
-                batch_step=e.batch_step,
-                batch_job_id=e.batch_job_id,
-                context=context,
+            with (
+                collector.relaxed(),
+                telemetry.recording(
+                    store_root=e.store_root,
+                    job_id=e.job_id,
+                    kind=kind,
+                    function=name,
+                    task=e.index,
+                    map_name=e.map,
+                    batch_step=e.batch_step,
+                    batch_job_id=e.batch_job_id,
+                    context=context,
+                ),
             ):
                 spec = load_spec(e.spec_uri, kind)
                 # every URI the task resolves, under the spec's own limits; every store call, within its reach

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardfold.functions import access, claims, kinds, runtime, store
+from shardfold.functions import access, claims, collector, kinds, runtime, store
 from shardfold.functions.errors import NoCredentials, ShardfoldError, SpecError, StoreError, StoreUnreachable
 from shardfold.functions.estimate import PLAN_BUDGET, SUBMIT_BUDGET, Estimate, Limits, ProbeBudget, estimate
 from shardfold.functions.jobs import job_key, new_job_id, spec_key
@@ -257,6 +257,19 @@ def submit(
     """Check ``doc``, record it under a new job id and start it; :class:`SpecError`/``PlanError`` refuse it
     before anything is written, :class:`StoreUnreachable` says the S3 endpoint did not answer,
     :class:`~functions.extras.MissingExtra` that this machine (``runs_here``) lacks an extra it needs."""
+    with collector.relaxed():  # a request of thousands of items allocates a few objects each
+        return _submit(doc, store_root, start, base_uri, deployed, grants, runs_here)
+
+
+def _submit(
+    doc: Any,
+    store_root: str,
+    start: Starter,
+    base_uri: str | None,
+    deployed: Mapping[str, Any] | None,
+    grants: access.Grants | None,
+    runs_here: bool,
+) -> Submitted:
     spec, est = check(
         doc,
         store_root=store_root,

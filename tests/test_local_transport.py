@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from shardfold.functions import telemetry
 from shardfold.functions.errors import ObjectNotFound
 from shardfold.functions.store import transport
@@ -58,21 +56,3 @@ def test_reads_count_for_the_task_that_asked_on_either_path(tmp_path):
         telemetry._meter.reset(token)
     assert meter.bytes_read == 10 + transport.INLINE_READ_BYTES + 10
     assert meter.requests.get("GET") == 2
-
-
-@pytest.mark.parametrize("users", [1, 3])
-def test_the_collector_threshold_is_raised_while_batches_run_and_restored(users):
-    import gc
-
-    from shardfold.functions.store import batch
-
-    before = gc.get_threshold()
-    pauses = [batch._collector_paused() for _ in range(users)]
-    for p in pauses:
-        p.__enter__()
-    assert gc.get_threshold()[0] >= batch.GC_THRESHOLD_WHILE_BATCHING
-    for p in pauses[:-1]:
-        p.__exit__(None, None, None)
-    assert gc.get_threshold()[0] >= batch.GC_THRESHOLD_WHILE_BATCHING  # one batch still runs
-    pauses[-1].__exit__(None, None, None)
-    assert gc.get_threshold() == before

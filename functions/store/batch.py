@@ -41,13 +41,10 @@ ever yielded. :class:`TooManySoftErrors` aborts at once.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import math
 import queue
 import tarfile
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -57,7 +54,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shardfold.functions import telemetry
+from shardfold.functions import collector, telemetry
 from shardfold.functions.errors import (
     BatchItemError,
     InvalidRange,
@@ -331,34 +328,6 @@ def get_batch(
     return BatchStream(engine)
 
 
-# While a batch runs, Python's cyclic collector waits for this many new container objects before a young
-# collection (700 by default): a batch allocates a few small objects per item, none of them in cycles, and
-# each collection of the young generation re-walked them (a fifth of a 50,000-item local batch's time).
-GC_THRESHOLD_WHILE_BATCHING = 50_000
-_gc_lock = threading.Lock()
-_gc_users = 0
-_gc_saved: tuple[int, int, int] | None = None
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Raise the collector's first threshold while any batch of this process runs (it is process-wide, so
-    the last batch to end restores it); collection still happens, less often."""
-    global _gc_users, _gc_saved
-    with _gc_lock:
-        if _gc_users == 0:
-            _gc_saved = gc.get_threshold()
-            gc.set_threshold(max(GC_THRESHOLD_WHILE_BATCHING, _gc_saved[0]), *_gc_saved[1:])
-        _gc_users += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_users -= 1
-            if _gc_users == 0 and _gc_saved is not None:
-                gc.set_threshold(*_gc_saved)
-
-
 class _Engine:
     def __init__(
         self,
@@ -410,7 +379,7 @@ class _Engine:
     # --- the loop --------------------------------------------------------------------------------------
 
     def run(self) -> Iterator[BatchEntry]:
-        pause = _collector_paused()
+        pause = collector.relaxed()
         pause.__enter__()
         try:
             while True:
