@@ -95,15 +95,25 @@ def test_soft_error_budget_is_enforced_across_parts(root):
         run_job(spec, root)
 
 
-def test_parts_of_local_files_are_marked_to_run_in_worker_processes(root):
-    # reading local files keeps an interpreter busy, so the local executor runs those parts in processes;
-    # a part with an S3 object waits on the network and stays on a thread (workflow.GATHER_PART.mode_from)
+@pytest.mark.parametrize("least, modes", [(5, ["process", "thread", "process"]), (6, ["thread"] * 3)])
+def test_parts_of_local_files_are_marked_to_run_in_worker_processes(root, monkeypatch, least, modes):
+    # reading local files keeps an interpreter busy, so the local executor runs those parts in processes
+    # once the request is large enough to repay starting them; a part with an S3 object waits on the
+    # network and stays on a thread (workflow.GATHER_PART.mode_from)
+    monkeypatch.setattr(core, "PROCESS_MIN_ITEMS", least)
     items = [{"uri": "data/obj-001.bin"}, {"uri": "data/obj-002.bin"}, {"uri": "s3://bkt/x"}]
     items += [{"uri": "data/obj-003.bin"}, {"uri": "data/obj-004.bin"}]
     spec = GetBatchSpec(items=items, items_per_part=2)
     planned = core.prepare(spec, "getbatch-20260101T000000-00000b", root)
     refs = store.get_json(planned["worklist"]["uri"])
-    assert [ref.get("mode", "thread") for ref in refs] == ["process", "thread", "process"]
+    assert [ref.get("mode", "thread") for ref in refs] == modes
+
+
+def test_a_request_of_one_part_stays_on_a_thread(root, monkeypatch):
+    monkeypatch.setattr(core, "PROCESS_MIN_ITEMS", 1)
+    spec = GetBatchSpec(items=[{"uri": "data/obj-001.bin"}, {"uri": "data/obj-002.bin"}], items_per_part=2)
+    planned = core.prepare(spec, "getbatch-20260101T000000-00000c", root)
+    assert "mode" not in store.get_json(planned["worklist"]["uri"])[0]
 
 
 def test_soft_error_budget_names_the_first_failed_item_of_the_request(root):
