@@ -227,8 +227,6 @@ def test_result_before_the_end_and_cancel(client, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(core, "gather", held)
-    # parts of local files run in worker processes, which the patch does not reach: keep them here
-    monkeypatch.setattr("shardfold.orchestrator.local._mode", lambda step, state: step.mode)
     job = client.submit(spec(6, items_per_part=2))
     assert entered.wait(60)
     with pytest.raises(JobNotFinished, match="RUNNING|PENDING"):

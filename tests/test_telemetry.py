@@ -274,8 +274,6 @@ def test_an_injected_retry_is_a_second_attempt(local_client, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(core, "gather", flaky)
-    # parts of local files run in worker processes, which the patch does not reach: keep them here
-    monkeypatch.setattr("shardfold.orchestrator.local._mode", lambda step, state: step.mode)
     job = getbatch_job(local_client, n=2, per_part=2)
     assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
     gather = [
