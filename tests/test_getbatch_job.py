@@ -124,6 +124,30 @@ def local_client(tmp_path, monkeypatch):
         yield c
 
 
+def test_parts_gathered_in_worker_processes_give_the_archive_threads_give(local_client, monkeypatch):
+    """A large request's parts of local files run in worker processes (prepare marks them): the archive
+    and the status file are byte for byte those of the same request gathered on threads."""
+    import os
+
+    from shardfold.functions import telemetry
+    from shardfold.functions.getbatch import core
+
+    spec = {"kind": "getbatch", "items": request(local_client.store_root), "items_per_part": 3}
+    spec["continue_on_error"] = True
+    runs = {}
+    for least in (10**9, 1):  # the request is never large enough, then always
+        monkeypatch.setattr(core, "PROCESS_MIN_ITEMS", least)
+        job = local_client.submit(spec)
+        assert job.wait(progress=False, timeout_s=WAIT_S).state == "SUCCEEDED"
+        records = telemetry.read_records(local_client.store_root, job.job_id)
+        pids = {r["pid"] for r in records if r["step"] == "gather_part"}
+        result = job.result()
+        runs[least] = (store.get(result["archive"]), store.get(result["status"]), pids)
+    (threads_tar, threads_status, here), (procs_tar, procs_status, there) = runs[10**9], runs[1]
+    assert here == {os.getpid()} and os.getpid() not in there
+    assert procs_tar == threads_tar and procs_status == threads_status
+
+
 @pytest.mark.parametrize("backend", ["local", "moto"])
 @pytest.mark.parametrize("changed", ["obj-03.bin", "shard.tar"])
 def test_an_item_replaced_after_the_plan_fails_the_job_naming_it(
