@@ -160,19 +160,26 @@ class Job:
 # --- getbatch -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("count", "size"), [(1, 5 * MiB), (2000, 10 * 1024)], ids=["1x5MiB", "2000x10KiB"])
-def test_getbatch(children, root, count, size):
+@pytest.mark.parametrize(
+    ("count", "size", "per_part"),
+    [(1, 5 * MiB, 2000), (2000, 10 * 1024, 2000), (6000, 1024, 2000)],
+    ids=["1x5MiB", "2000x10KiB", "6000x1KiB-3parts"],
+)
+def test_getbatch(children, root, count, size, per_part):
     rng = np.random.default_rng(0)
     uris = [join(root, "data", f"obj-{i:05d}.bin") for i in range(count)]
+    blob = rng.bytes(size)
     for uri in uris:
-        store.put(uri, rng.bytes(size))
+        store.put(uri, blob)
     label = f"{count:,} x {size / MiB:g} MiB" if size >= MiB else f"{count:,} x {size // 1024} KiB"
-    job = Job.create(root, {"kind": "getbatch", "items": [{"uri": u} for u in uris]}, label)
+    doc = {"kind": "getbatch", "items": [{"uri": u} for u in uris], "items_per_part": per_part}
+    job = Job.create(root, doc, label)
     h = "shardfold.functions.getbatch.handlers"
     planned = job.measure(children, "prepare", f"{h}:prepare", job.event())
     parts = store.get_json(planned["worklist"]["uri"])
-    assert len(parts) == planned["parts"] == 1
-    job.measure(children, "gather_part", f"{h}:gather", job.event(item=parts[0], index=0))
+    assert len(parts) == planned["parts"] == -(-count // per_part)
+    for i, part in enumerate(parts):
+        job.measure(children, "gather_part", f"{h}:gather", job.event(item=part, index=i))
     result = job.measure(children, "assemble", f"{h}:assemble", job.event(prepare=planned))
     assert result["items"] == count and result["bytes"] == count * size
     job.check()
