@@ -7,7 +7,7 @@ import os
 
 import boto3
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from moto import mock_aws
 from tiers import examples
@@ -239,3 +239,50 @@ def test_the_ledgers_and_claims_are_no_input(root, key):
     with pytest.raises(UnsafeKey, match=r"items\.0\.uri: .*system prefix"):
         access.input_uri(key, root, "items.0.uri")
     assert access.input_uri("jobs/other/output/batch.tar", root).endswith("jobs/other/output/batch.tar")
+
+
+_SEGMENTS = ["a", "b.bin", "", ".", "..", ".hidden", "ledger", "claims", "store", "jobs", "x\x00y", "link"]
+
+
+@pytest.fixture(scope="module")
+def linked_root(tmp_path_factory) -> str:
+    """A store root holding a symbolic link that leads out of it."""
+    top = tmp_path_factory.mktemp("plain")
+    (top / "store").mkdir()
+    (top / "outside").mkdir()
+    (top / "store" / "link").symlink_to(top / "outside")
+    return str(top)
+
+
+@settings(max_examples=examples(400), deadline=None)
+@given(
+    segments=st.lists(st.sampled_from(_SEGMENTS), min_size=1, max_size=5),
+    root=st.sampled_from(["{top}/store", "{top}/store/", "{top}/./store", "/", "{top}"]),
+    local_files=st.booleans(),
+    start=st.sampled_from(["file:///", "file://{top}/store/", "file://{top}/", ""]),
+)
+# through a link under the root, out of it; under the root's ledger; a file beside the root
+@example(segments=["link", "a"], root="{top}/store", local_files=True, start="file://{top}/store/")
+@example(segments=["ledger", "a"], root="{top}/store/", local_files=True, start="file://{top}/store/")
+@example(segments=["store2", "a"], root="{top}/store", local_files=True, start="file://{top}/")
+def test_the_plain_path_of_input_uri_answers_as_every_rule_does(
+    linked_root, segments, root, local_files, start
+):
+    # input_uri lets a plain local file through on its string alone; wherever it does, the rules one by one
+    # must allow the same URI unchanged (a hole here would be a policy hole on every path)
+    uri = start.format(top=linked_root) + "/".join(segments)
+    store_root = "file://" + root.format(top=linked_root)
+
+    class Spec:
+        pass
+
+    spec = Spec()
+    spec.local_files = local_files
+    with access.policy(spec):
+        plain = access._plainly_allowed(uri, store_root)
+        try:
+            full = access._checked_input(uri, store_root, "f", None, None)
+        except (ValueError, OSError, access.UnsafeKey, store.StoreError) as exc:
+            full = exc
+    if plain:
+        assert full == uri, (uri, store_root, full)
