@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardfold.functions import store
-from shardfold.functions.errors import BatchItemError, InputChanged, InvalidRange
+from shardfold.functions.errors import BatchItemError, InputChanged, InvalidRange, ObjectNotFound
 from shardfold.functions.store import local
 from shardfold.functions.store.uri import join, local_path
 
@@ -189,7 +189,9 @@ def test_a_file_shorter_than_its_fstat_said_is_refused_on_both_read_paths(blob, 
 
     def fstat(fd):  # as if the file lost its last 100 bytes between the fstat and the read
         st = real(fd)
-        return SimpleNamespace(st_size=st.st_size + 100, st_mtime_ns=st.st_mtime_ns, st_ino=st.st_ino)
+        return SimpleNamespace(
+            st_mode=st.st_mode, st_size=st.st_size + 100, st_mtime_ns=st.st_mtime_ns, st_ino=st.st_ino
+        )
 
     monkeypatch.setattr(os, "fstat", fstat)
     with open(local_path(uri), "rb") as f:
@@ -200,3 +202,13 @@ def test_a_file_shorter_than_its_fstat_said_is_refused_on_both_read_paths(blob, 
         local.get(local_path(uri), uri, start, 100, into=bufs)
     with pytest.raises(InputChanged):
         local.get(local_path(uri), uri, start, 100, pin, into=bufs)
+
+
+def test_a_folder_is_no_object_and_a_file_whose_size_says_zero_is_read_whole(tmp_path):
+    # reads are made on a bare descriptor, which opens a folder too: it must still be "no object"
+    for args in ((), (0, 10), (0, None, None, 1024)):
+        with pytest.raises(ObjectNotFound, match="no object"):
+            local.get(str(tmp_path), tmp_path.as_uri(), *args)
+    # a whole read does not trust the size: /proc files say 0 and hold text
+    status = local.get("/proc/self/status", "file:///proc/self/status")
+    assert b"Name:" in status
