@@ -339,11 +339,13 @@ class BatchItem(StrictModel):
                 data = {**data, "name": path}
         return data
 
-    @model_validator(mode="after")
-    def _range_is_meaningful(self) -> BatchItem:
-        if self.length == 0 and self.start != 0:
+    @field_validator("length")
+    @classmethod
+    def _range_is_meaningful(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # on the field (checked only where a length is given), not the model: a request has thousands of items
+        if value == 0 and info.data.get("start", 0) != 0:
             raise ValueError("length 0 with a non-zero start selects nothing; omit length to read to the end")
-        return self
+        return value
 
     @field_validator("name")
     @classmethod
