@@ -93,3 +93,17 @@ def test_a_range_is_a_json_list_of_two_integers():
     for bad in ([18], [18, 50, 89], [18.5, 89], "18-89"):
         with pytest.raises(SpecError, match=r"schema\.0\.range"):
             attr(bad)
+
+
+@pytest.mark.parametrize(
+    "start, length, refused", [(5, 0, True), (0, 0, False), (5, 1, False), (5, None, False)]
+)
+def test_a_zero_length_range_after_the_start_is_refused_naming_its_length(start, length, refused):
+    item = {"uri": "data/x", "start": start} | ({} if length is None else {"length": length})
+    doc = {"kind": "getbatch", "items": [{"uri": "data/y"}, item]}
+    if not refused:
+        assert parse_spec(doc).items[1].length == length
+        return
+    with pytest.raises(SpecError, match="selects nothing") as info:
+        parse_spec(doc)
+    assert [e["field"] for e in info.value.errors] == ["items.1.length"]
