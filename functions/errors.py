@@ -33,6 +33,11 @@ class InvalidRange(StoreError):
         super().__init__(message)
         self.reason = message if reason is None else reason
 
+    @classmethod
+    def of(cls, uri: str, reason: str) -> "InvalidRange":
+        """The error for ``uri``: its message is ``"<uri>: <reason>"``."""
+        return cls(f"{uri}: {reason}", reason)
+
 
 class NoCredentials(StoreError):
     """The job names ``s3://`` objects (or the store is a bucket) and no AWS credentials are configured."""

@@ -118,7 +118,7 @@ def _error(
     if status == 416:
         size = text.partition("<ActualObjectSize>")[2].partition("</ActualObjectSize>")[0] or "?"
         reason = f"requested range is outside the object ({size} bytes)"
-        return InvalidRange(f"{uri}: {reason}", reason)
+        return InvalidRange.of(uri, reason)
     if status is None and "CREDENTIALS" in str(getattr(exc, "name", "")):
         return StoreError(f"{op} {uri}: no usable AWS credentials ({exc}); configure credentials or a role")
     if status is None or status in TRANSIENT_STATUS or code == "SlowDown":

@@ -42,7 +42,7 @@ def check_range(uri: str, size: int, start: int, length: int | None) -> None:
     """
     if start < 0 or (length is not None and length < 0):
         reason = f"negative range start={start} length={length}"
-        raise InvalidRange(f"{uri}: {reason}", reason)
+        raise InvalidRange.of(uri, reason)
     if length is None:
         bad = start > 0 and start >= size
     else:
@@ -50,7 +50,7 @@ def check_range(uri: str, size: int, start: int, length: int | None) -> None:
     if bad:
         want = f"bytes {start}-" if length is None else f"bytes {start}-{start + length - 1}"
         reason = f"range {want} is outside the object ({size} bytes); fix the item's start/length"
-        raise InvalidRange(f"{uri}: {reason}", reason)
+        raise InvalidRange.of(uri, reason)
 
 
 class Buffers:
@@ -148,7 +148,7 @@ def get(
             if pin is not None:
                 raise changed(uri, pin, local_pin(os.fstat(fd)))
             reason = f"the file ended at byte {start + len(data)} while it was read"
-            raise InvalidRange(f"{uri}: {reason}", reason)
+            raise InvalidRange.of(uri, reason)
         return data
     finally:
         os.close(fd)

@@ -194,7 +194,7 @@ def translate(exc: Exception, uri: str, op: str) -> Exception:
     if code == "InvalidRange" or status == 416:
         size = exc.response.get("Error", {}).get("ActualObjectSize", "?")
         reason = f"requested range is outside the object ({size} bytes)"
-        return InvalidRange(f"{uri}: {reason}", reason)
+        return InvalidRange.of(uri, reason)
     if code in TRANSIENT_CODES or status in TRANSIENT_STATUS:
         return TransientError(f"{op} {uri}: {code or status}", status)
     if status == 403 or code == "AccessDenied":
@@ -246,7 +246,7 @@ def check_body(uri: str, data: bytes, start: int, length: int | None, content_ra
             f"range bytes {start}-{start + length - 1} is outside the object ({total} bytes); "
             "fix the item's start/length"
         )
-        raise InvalidRange(f"{uri}: {reason}", reason)
+        raise InvalidRange.of(uri, reason)
     return data
 
 
