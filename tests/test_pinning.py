@@ -113,3 +113,28 @@ def test_pinned_tar_member_read_refuses_a_changed_shard(local_root):
     store.put(uri, shard(b"two"))
     with pytest.raises(BatchItemError, match="changed since the job was planned"):
         list(store.get_batch([item], pins={uri: p}))
+
+
+def test_a_refused_head_on_crt_is_reported_by_uri_and_nothing_is_asked_twice(monkeypatch, aws_env):
+    # the CRT client's HEADs answer per URI: a tolerant lookup reports the refused one and keeps the others'
+    # pins, and the thread pool is asked only for what CRT did not look up (local files here)
+    from shardfold.functions.errors import StoreError
+    from shardfold.functions.store import crt
+
+    monkeypatch.delenv("SHARDFOLD_S3_TRANSPORT", raising=False)  # the default: awscrt
+    good, refused = "s3://bkt/a", "s3://bkt/denied"
+    pin = Pin(size=3, etag='"e"')
+
+    def head_pins(uris, errors, timeout_s=120.0):
+        errors[refused] = StoreError(f"{refused}: AccessDenied")
+        return {good: pin}
+
+    pooled = []
+    monkeypatch.setattr(crt, "head_pins", head_pins)
+    monkeypatch.setattr(store, "_pin", lambda uri: pooled.append(uri) or None)
+    failed: dict = {}
+    found = store.pins([good, refused, "file:///no/such/file"], failed=failed)
+    assert found == {good: pin, "file:///no/such/file": None} and list(failed) == [refused]
+    assert pooled == ["file:///no/such/file"]
+    with pytest.raises(StoreError, match="AccessDenied"):
+        store.pins([good, refused])

@@ -190,11 +190,11 @@ def pins(uris: list[str], failed: dict[str, StoreError] | None = None) -> dict[s
     :class:`StoreError` (refused, malformed) is put there by URI instead and the others' pins returned."""
     resolved = {u: reach(u) for u in uris}
     wanted = list(dict.fromkeys(resolved.values()))
-    found = _crt_pins([r for r in wanted if is_s3(r)], failed is not None)
-    rest = [r for r in wanted if r not in found]
+    errors: dict[str, Exception] = {}
+    found = _crt_pins([r for r in wanted if is_s3(r)], errors)
+    rest = [r for r in wanted if r not in found and r not in errors]
     pool = transport.thread_pool("size")
     futures = [pool.submit(telemetry.carried(_pin), r) for r in rest]  # counted for the calling task
-    errors: dict[str, Exception] = {}
     for r, future in zip(rest, futures, strict=True):
         try:
             found[r] = future.result()
@@ -213,21 +213,16 @@ def _pin(uri: str) -> Pin | None:
     return s3.head_pin(uri) if is_s3(uri) else local.pin(local_path(uri), uri)
 
 
-def _crt_pins(on_s3: list[str], tolerant: bool) -> dict[str, Pin | None]:
-    """Pins by HEADs all in flight on the CRT client, when it is the transport (else {}: the pool asks).
-    It answers all or raises: ``tolerant``, a failure leaves every lookup to the pool, which tells which."""
+def _crt_pins(on_s3: list[str], errors: dict[str, Exception]) -> dict[str, Pin | None]:
+    """Pins by HEADs all in flight on the CRT client, when it is the transport (else {}: the pool asks);
+    a lookup that failed goes into ``errors`` by URI."""
     if not on_s3 or transport.s3_transport_name() != "crt":
         return {}
     try:
         from shardfold.functions.store.crt import head_pins
     except ImportError:  # no awscrt here: boto3, as GetBatch itself falls back
         return {}
-    try:
-        return head_pins(on_s3)
-    except StoreError:
-        if not tolerant:
-            raise
-        return {}
+    return head_pins(on_s3, errors)
 
 
 def verify(uri: str, pinned: Pin) -> None:

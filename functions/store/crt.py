@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -292,9 +293,12 @@ class _Head:
             self.future.set_exception(_error(self.uri, error, status_code, kw.get("error_body"), "HEAD"))
 
 
-def head_pins(uris: list[str], timeout_s: float = 120.0) -> dict[str, Pin | None]:
+def head_pins(
+    uris: list[str], errors: dict[str, Exception], timeout_s: float = 120.0
+) -> dict[str, Pin | None]:
     """Pins (size, ETag) of S3 objects (None: no object), every HEAD in flight at once on the process's CRT
-    client: no thread per request, a fraction of boto3's CPU per call."""
+    client: no thread per request, a fraction of boto3's CPU per call. A lookup that failed is put in
+    ``errors`` by URI, once every lookup has answered."""
     client = crt_client()
     futures: dict[str, Future] = {}
     for uri in uris:
@@ -314,8 +318,13 @@ def head_pins(uris: list[str], timeout_s: float = 120.0) -> dict[str, Pin | None
         except Exception as exc:  # the client is shutting down: as transient as a dropped connection
             future.set_exception(TransientError(f"HEAD {uri}: {exc}"))
         futures[uri] = future
-    try:
-        return {uri: future.result(timeout_s) for uri, future in futures.items()}
-    except TimeoutError:  # an endpoint that swallows requests: as transient as a dropped connection
-        late = next(u for u, f in futures.items() if not f.done())
-        raise TransientError(f"HEAD {late}: no answer in {timeout_s:g} s") from None
+    found: dict[str, Pin | None] = {}
+    deadline = time.monotonic() + timeout_s
+    for uri, future in futures.items():
+        try:
+            found[uri] = future.result(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:  # an endpoint that swallows requests: as transient as a dropped connection
+            errors[uri] = TransientError(f"HEAD {uri}: no answer in {timeout_s:g} s")
+        except Exception as exc:  # noqa: BLE001 - reported by URI, as the thread pool's lookups are
+            errors[uri] = exc
+    return found
