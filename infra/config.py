@@ -88,6 +88,7 @@ from pydantic.dataclasses import dataclass
 
 from shardfold.functions.access import SYSTEM_PREFIXES, Grants
 from shardfold.functions.errors import ShardfoldError
+from shardfold.orchestrator.registry import name_prefix
 
 ARCHITECTURES = ("arm64", "x86_64")
 # Amazon Linux 2023 runtimes: the Lambda package is built for their glibc (infra.package).
@@ -289,7 +290,7 @@ class StackConfig:
     @property
     def name_prefix(self) -> str:
         """``shardfold-<stage>``: the start of every named resource."""
-        return f"shardfold-{self.stage}"
+        return name_prefix(self.stage)
 
     def grants(self) -> Grants:
         """What the workers' IAM policy lets jobs touch, as submit and the tasks check it."""

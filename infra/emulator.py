@@ -47,15 +47,15 @@ from shardfold.infra.functions import FunctionSpec, base_environment, function_s
 from shardfold.infra.gpu import (
     batch_steps,
     container_properties,
-    job_definition_name,
     retry_strategy,
     sized_workflows,
 )
 from shardfold.infra.package import BUILD_ROOT, REPO
 from shardfold.infra.program import sizes_output
 from shardfold.infra.trigger import event_pattern, sizes_env
-from shardfold.infra.workflows import definition_json, state_machine_name
+from shardfold.infra.workflows import definition_json
 from shardfold.orchestrator import iam
+from shardfold.orchestrator.registry import job_definition_name, state_machine_name
 
 PARTITION = "aws"
 WORKER_IMAGE = "shardfold-worker:emulator"  # never pulled: the emulator tier runs the container itself
@@ -231,7 +231,7 @@ def deploy(
                 environment=env,
             )
             made = batch.register_job_definition(
-                jobDefinitionName=job_definition_name(prefix, entry_point),
+                jobDefinitionName=job_definition_name(entry_point, cfg.stage),
                 type="container",
                 containerProperties=props,
                 retryStrategy=retry_strategy(),
@@ -243,7 +243,7 @@ def deploy(
 
     sfn = d.client("stepfunctions")
     for kind, wf in flows.items():
-        name = state_machine_name(prefix, kind)
+        name = state_machine_name(kind, cfg.stage)
         used = [t.function for t in wf.tasks()]
         entry_points = {s.entry_point for s in wf.walk() if isinstance(s, BatchJob)}
         statements = iam.state_machine_statements(
@@ -255,7 +255,7 @@ def deploy(
             bucket=bucket,
             function_arns=[outputs["functions"][f] for f in dict.fromkeys(used)],
             queue=outputs.get("batch_job_queue"),
-            definition_names=[job_definition_name(prefix, ep) for ep in sorted(entry_points)],
+            definition_names=[job_definition_name(ep, cfg.stage) for ep in sorted(entry_points)],
             tracing=cfg.tracing,
             kms_key_arn=cfg.kms_key_arn,
         )

@@ -45,6 +45,7 @@ from shardfold.infra.context import Component, Context
 from shardfold.infra.functions import base_environment
 from shardfold.infra.instances import placement_problem
 from shardfold.orchestrator import iam
+from shardfold.orchestrator.registry import job_definition_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -141,11 +142,6 @@ def batch_size(step: BatchJob) -> dict[str, Any]:
         "timeout_s": step.timeout_s,
         "config": {fld: size_key(key, step.entry_point) for fld, key in BATCH_SIZE_KEYS.items()},
     }
-
-
-def job_definition_name(prefix: str, entry_point: str) -> str:
-    """As ``orchestrator.asl.NamingResolver.batch_job_definition`` names it."""
-    return f"{prefix}-{entry_point.replace('.', '-')}"
 
 
 def retry_strategy() -> dict[str, Any]:
@@ -509,7 +505,7 @@ class GpuQueue(Component):
         self.job_definitions: dict[str, aws.batch.JobDefinition] = {}
         self.job_definition_names: dict[str, str] = {}
         for entry_point, step in sorted(steps.items()):
-            name = job_definition_name(prefix, entry_point)
+            name = job_definition_name(entry_point, cfg.stage)
             props = pulumi.Output.all(
                 self.image, self.job_role.arn, self.log_group.name, ctx.region, pulumi.Output.all(**env)
             ).apply(

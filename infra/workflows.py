@@ -31,6 +31,7 @@ from shardfold.functions.workflow import BatchJob, Workflow
 from shardfold.infra.context import Component, Context, role_name_args
 from shardfold.orchestrator import iam
 from shardfold.orchestrator.asl import compile_workflow
+from shardfold.orchestrator.registry import state_machine_name
 
 
 class _Resolver:
@@ -69,10 +70,6 @@ def definition_json(
     return json.dumps(asl, sort_keys=True)
 
 
-def state_machine_name(prefix: str, kind: str) -> str:
-    return f"{prefix}-{kind}"
-
-
 def workflow_functions(workflow: Workflow) -> list[str]:
     """Functions the workflow runs on Lambda (its Tasks; BatchJob entry points run in containers)."""
     out: list[str] = []
@@ -101,7 +98,7 @@ class StateMachines(Component):
         self.log_groups: dict[str, aws.cloudwatch.LogGroup] = {}
         self.definitions: dict[str, pulumi.Output[str]] = {}
         for kind, wf in workflows.items():
-            name = state_machine_name(cfg.name_prefix, kind)
+            name = state_machine_name(kind, cfg.stage)
             fns = workflow_functions(wf)
             entry_points = sorted({s.entry_point for s in wf.walk() if isinstance(s, BatchJob)})
             missing = [e for e in entry_points if e not in job_definitions]

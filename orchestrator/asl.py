@@ -42,7 +42,7 @@ from shardfold.functions.workflow import (
     Workflow,
     selectable,
 )
-from shardfold.orchestrator.registry import handler_path, lambda_name
+from shardfold.orchestrator.registry import handler_path, job_definition_name, lambda_name, name_prefix
 
 BATCH_SYNC = "arn:aws:states:::batch:submitJob.sync"
 S3_GET_OBJECT = "arn:aws:states:::s3:getObject"
@@ -73,10 +73,10 @@ class NamingResolver:
         return f"arn:{self.partition}:lambda:{self.region}:{self.account}:function:{name}"
 
     def batch_job_queue(self, step: BatchJob) -> str:
-        return f"arn:{self.partition}:batch:{self.region}:{self.account}:job-queue/shardfold-{self.stage}"
+        return f"arn:{self.partition}:batch:{self.region}:{self.account}:job-queue/{name_prefix(self.stage)}"
 
     def batch_job_definition(self, step: BatchJob) -> str:
-        name = f"shardfold-{self.stage}-{step.entry_point.replace('.', '-')}"
+        name = job_definition_name(step.entry_point, self.stage)
         return f"arn:{self.partition}:batch:{self.region}:{self.account}:job-definition/{name}"
 
 

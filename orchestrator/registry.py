@@ -89,12 +89,28 @@ def registered() -> dict[str, str]:
     return table
 
 
+def name_prefix(stage: str) -> str:
+    """``shardfold-<stage>``: how every resource a deployment ``stage`` names begins (its Batch queue's
+    whole name)."""
+    return f"shardfold-{stage}"
+
+
 def lambda_name(function: str, stage: str) -> str:
     """The Lambda function name for ``function`` in a deployment ``stage`` (<= 64 characters)."""
-    name = f"shardfold-{stage}-{function.replace('.', '-').replace('_', '-')}"
+    name = f"{name_prefix(stage)}-{function.replace('.', '-').replace('_', '-')}"
     if len(name) > 64:
         raise PlanError(f"Lambda name {name!r} is longer than 64 characters; use a shorter stage or function")
     return name
+
+
+def job_definition_name(entry_point: str, stage: str) -> str:
+    """The AWS Batch job definition that runs BatchJob ``entry_point`` in a deployment ``stage``."""
+    return f"{name_prefix(stage)}-{entry_point.replace('.', '-')}"
+
+
+def state_machine_name(kind: str, stage: str) -> str:
+    """The state machine that runs ``kind``'s workflow in a deployment ``stage``."""
+    return f"{name_prefix(stage)}-{kind}"
 
 
 def lambda_handler(function: str) -> str:

@@ -120,7 +120,14 @@ from shardfold.infra.config import BATCH_SIZE_KEYS, FUNCTION_SIZE_KEYS, size_key
 from shardfold.orchestrator import iam
 from shardfold.orchestrator.asl import StackResolver, compile_workflow
 from shardfold.orchestrator.invoke import HandlerFailed, call
-from shardfold.orchestrator.registry import handler_path, lambda_handler, lambda_name
+from shardfold.orchestrator.registry import (
+    handler_path,
+    job_definition_name,
+    lambda_handler,
+    lambda_name,
+    name_prefix,
+    state_machine_name,
+)
 
 # The stack config's default grants (outputPrefixes results/, no other buckets), as the functions get them
 GRANTS = Grants()
@@ -1152,24 +1159,24 @@ def _build_batch(
     bucket, stage = outputs["bucket"], outputs["stage"]
     job_role = _role(
         clients,
-        f"shardfold-{stage}-batch-job-role",
+        f"{name_prefix(stage)}-batch-job-role",
         "ecs-tasks.amazonaws.com",
         iam.document(*iam.batch_job_statements("aws", bucket, GRANTS, iam.batch_rights(workflows))),
         signer=BATCH_ROLE,
     )
     # moto wants a service role for the compute environment (AWS uses Batch's service-linked role)
     service_role = clients["iam"].create_role(
-        RoleName=f"shardfold-{stage}-batch-service-role",
+        RoleName=f"{name_prefix(stage)}-batch-service-role",
         AssumeRolePolicyDocument=iam.to_json(iam.assume_role("batch.amazonaws.com")),
     )["Role"]["Arn"]
     ce = client.create_compute_environment(
-        computeEnvironmentName=f"shardfold-{stage}",
+        computeEnvironmentName=name_prefix(stage),
         type="UNMANAGED",
         state="ENABLED",
         serviceRole=service_role,
     )
     queue = client.create_job_queue(
-        jobQueueName=f"shardfold-{stage}",
+        jobQueueName=name_prefix(stage),
         state="ENABLED",
         priority=1,
         computeEnvironmentOrder=[{"order": 1, "computeEnvironment": ce["computeEnvironmentArn"]}],
@@ -1184,7 +1191,7 @@ def _build_batch(
         ]
         if size["gpus"]:
             requirements.append({"type": "GPU", "value": str(size["gpus"])})
-        names[entry_point] = f"shardfold-{stage}-{entry_point.replace('.', '-')}"
+        names[entry_point] = job_definition_name(entry_point, stage)
         jd = client.register_job_definition(
             jobDefinitionName=names[entry_point],
             type="container",
@@ -1211,7 +1218,7 @@ def _build_state_machines(
     region, bucket, stage = outputs["region"], outputs["bucket"], outputs["stage"]
     resolver = StackResolver(outputs)
     for kind, wf in workflows.items():
-        name = f"shardfold-{stage}-{kind}"
+        name = state_machine_name(kind, stage)
         statements = iam.state_machine_statements(
             wf,
             partition="aws",
@@ -1240,13 +1247,15 @@ def _build_dispatch_role(
     statements = iam.dispatch_statements(
         "aws",
         bucket,
-        state_machine_arns=[f"{states}:shardfold-{stage}-{k}" for k in workflows],
+        state_machine_arns=[f"{states}:{state_machine_name(k, stage)}" for k in workflows],
         dlq_arn=None,
         kms_key_arn=None,
         read_refs=access.reach({Right.INPUTS}, GRANTS, bucket)[0],
     )
     policy = iam.document(*statements)
-    _role(clients, f"shardfold-{stage}-dispatch-role", "lambda.amazonaws.com", policy, signer=DISPATCH_ROLE)
+    _role(
+        clients, f"{name_prefix(stage)}-dispatch-role", "lambda.amazonaws.com", policy, signer=DISPATCH_ROLE
+    )
 
 
 OPERATOR = "shardfold-operator"
