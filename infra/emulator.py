@@ -44,14 +44,10 @@ from shardfold.functions.trigger import SIZES_ENV
 from shardfold.functions.workflow import BatchJob, Workflow
 from shardfold.infra.config import DISPATCH, StackConfig
 from shardfold.infra.functions import FunctionSpec, base_environment, function_specs
-from shardfold.infra.gpu import (
-    batch_steps,
-    container_properties,
-    retry_strategy,
-    sized_workflows,
-)
+from shardfold.infra.gpu import container_properties, retry_strategy, sized_workflows
 from shardfold.infra.package import BUILD_ROOT, REPO
 from shardfold.infra.program import sizes_output
+from shardfold.infra.sizes import batch_steps
 from shardfold.infra.trigger import event_pattern, sizes_env
 from shardfold.infra.workflows import definition_json
 from shardfold.orchestrator import iam

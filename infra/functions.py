@@ -39,16 +39,13 @@ from shardfold.infra.config import (
     DISPATCH,
     DISPATCH_MEMORY_MB,
     DISPATCH_TIMEOUT_S,
-    FUNCTION_SIZE_KEYS,
     StackConfig,
-    size_key,
 )
 from shardfold.infra.context import Component, Context, role_name_args
 from shardfold.infra.package import DISPATCH_HANDLER, function_packages
+from shardfold.infra.sizes import LAMBDA_DEFAULT_EPHEMERAL_MB, function_size, plan_sizes
 from shardfold.orchestrator import iam
 from shardfold.orchestrator.registry import lambda_handler, lambda_name
-
-LAMBDA_DEFAULT_EPHEMERAL_MB = 512
 
 
 @dataclass(frozen=True)
@@ -64,24 +61,8 @@ class FunctionSpec:
     package: str = "zip"  # "zip" or "image" (infra.package.function_packages)
 
     def size(self) -> dict[str, Any]:
-        """This function's entry of the ``sizes`` stack output's ``functions`` map: its deployed memory,
-        /tmp and timeout, and the config key that sets each."""
-        return {
-            "memory_mb": self.memory_mb,
-            "ephemeral_mb": self.ephemeral_mb,
-            "timeout_s": self.timeout_s,
-            "config": {fld: size_key(key, self.function) for fld, key in FUNCTION_SIZE_KEYS.items()},
-        }
-
-
-def plan_sizes(workflows: Mapping[str, Workflow]) -> dict[str, tuple[int, int]]:
-    """``{function: (memory_mb, timeout_s)}``: the largest of each over the Tasks that call it."""
-    sizes: dict[str, tuple[int, int]] = {}
-    for wf in workflows.values():
-        for step in wf.tasks():
-            mem, tmo = sizes.get(step.function, (0, 0))
-            sizes[step.function] = (max(mem, step.memory_mb), max(tmo, step.timeout_s))
-    return sizes
+        """This function's entry of the ``sizes`` stack output's ``functions`` map."""
+        return function_size(self.function, self.memory_mb, self.timeout_s, self.ephemeral_mb)
 
 
 def function_specs(workflows: Mapping[str, Workflow], cfg: StackConfig) -> dict[str, FunctionSpec]:

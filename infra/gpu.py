@@ -44,6 +44,7 @@ from shardfold.infra.config import BATCH_SIZE_KEYS, StackConfig, size_key
 from shardfold.infra.context import Component, Context
 from shardfold.infra.functions import base_environment
 from shardfold.infra.instances import placement_problem
+from shardfold.infra.sizes import batch_steps
 from shardfold.orchestrator import iam
 from shardfold.orchestrator.registry import job_definition_name
 
@@ -60,27 +61,6 @@ RUNNABLE_REASONS = (
 _ECR_URI = re.compile(
     r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/(?P<repo>[^:@]+)"
 )
-
-
-def batch_steps(workflows: Mapping[str, Workflow]) -> dict[str, BatchJob]:
-    """``{entry_point: step}`` over every BatchJob; an entry point used twice gets the larger of each need."""
-    out: dict[str, BatchJob] = {}
-    for wf in workflows.values():
-        for step in wf.walk():
-            if not isinstance(step, BatchJob):
-                continue
-            prev = out.get(step.entry_point)
-            if prev is not None:
-                step = BatchJob(
-                    name=prev.name,
-                    entry_point=step.entry_point,
-                    vcpus=max(prev.vcpus, step.vcpus),
-                    memory_mb=max(prev.memory_mb, step.memory_mb),
-                    gpus=max(prev.gpus, step.gpus),
-                    timeout_s=max(prev.timeout_s, step.timeout_s),
-                )
-            out[step.entry_point] = step
-    return out
 
 
 def sized_workflows(workflows: Mapping[str, Workflow], cfg: StackConfig) -> dict[str, Workflow]:
@@ -130,18 +110,6 @@ def sized_workflows(workflows: Mapping[str, Workflow], cfg: StackConfig) -> dict
                 f"set {size_key('batchVcpus', entry_point)}"
             )
     return sized
-
-
-def batch_size(step: BatchJob) -> dict[str, Any]:
-    """One entry of the ``sizes`` stack output's ``batch`` map: the job definition's resources and attempt
-    timeout, and the config key that sets each."""
-    return {
-        "vcpus": step.vcpus,
-        "memory_mb": step.memory_mb,
-        "gpus": step.gpus,
-        "timeout_s": step.timeout_s,
-        "config": {fld: size_key(key, step.entry_point) for fld, key in BATCH_SIZE_KEYS.items()},
-    }
 
 
 def retry_strategy() -> dict[str, Any]:

@@ -58,8 +58,9 @@ from shardfold.functions.workflow import Workflow
 from shardfold.infra.config import DISPATCH, StackConfig
 from shardfold.infra.context import Context
 from shardfold.infra.functions import FunctionSpec, ImageCode, LambdaCode, WorkerFunctions, function_specs
-from shardfold.infra.gpu import GpuQueue, batch_size, batch_steps, sized_workflows
+from shardfold.infra.gpu import GpuQueue, sized_workflows
 from shardfold.infra.lambda_image import LambdaImage
+from shardfold.infra.sizes import batch_size, batch_steps
 from shardfold.infra.storage import Storage
 from shardfold.infra.trigger import Trigger
 from shardfold.infra.workflows import StateMachines

@@ -115,8 +115,14 @@ from shardfold.functions.credentials import Credentials
 from shardfold.functions.errors import ShardfoldError
 from shardfold.functions.log import logger
 from shardfold.functions.pricing import DEFAULT_LAMBDA_ARCHITECTURE
-from shardfold.functions.workflow import BatchJob, Task, Workflow
-from shardfold.infra.config import BATCH_SIZE_KEYS, FUNCTION_SIZE_KEYS, size_key
+from shardfold.functions.workflow import BatchJob, Workflow
+from shardfold.infra.sizes import (
+    LAMBDA_DEFAULT_EPHEMERAL_MB,
+    batch_size,
+    batch_steps,
+    function_size,
+    plan_sizes,
+)
 from shardfold.orchestrator import iam
 from shardfold.orchestrator.asl import StackResolver, compile_workflow
 from shardfold.orchestrator.invoke import HandlerFailed, call
@@ -133,7 +139,6 @@ from shardfold.orchestrator.registry import (
 GRANTS = Grants()
 
 ACCOUNT = "123456789012"  # moto's default account
-LAMBDA_EPHEMERAL_MB = 512  # Lambda's default /tmp, which infra deploys unless configured
 # Threads that run one Distributed Map's children (its MaxConcurrency when lower). On AWS the children run
 # side by side; in moto they share one process and its GIL, so more threads only add contention.
 MAP_WORKER_THREADS = 8
@@ -1031,29 +1036,16 @@ def _dummy_zip() -> bytes:
 
 
 def stack_sizes(workflows: Mapping[str, Workflow], *, batch: bool = True) -> dict[str, Any]:
-    """The ``sizes`` output for ``workflows`` (see the module docstring; ``infra.program`` documents the
-    shape): ``{"functions": {function: {...}}, "batch": {entry point: {...}}}``, no ARNs."""
-    functions: dict[str, dict[str, Any]] = {}
-    jobs: dict[str, dict[str, Any]] = {}
-    for wf in workflows.values():
-        for step in [*wf.walk(), *([wf.on_failure] if wf.on_failure else [])]:
-            if isinstance(step, Task):
-                prev = functions.get(step.function, {"memory_mb": 0, "timeout_s": 0})
-                functions[step.function] = {
-                    "memory_mb": max(prev["memory_mb"], step.memory_mb),
-                    "ephemeral_mb": LAMBDA_EPHEMERAL_MB,
-                    "timeout_s": max(prev["timeout_s"], step.timeout_s),
-                    "config": {f: size_key(k, step.function) for f, k in FUNCTION_SIZE_KEYS.items()},
-                }
-            elif isinstance(step, BatchJob) and batch:
-                prev = jobs.get(step.entry_point, {f: 0 for f in BATCH_SIZE_KEYS})
-                jobs[step.entry_point] = {
-                    **{f: max(prev[f], getattr(step, f)) for f in BATCH_SIZE_KEYS},
-                    "config": {f: size_key(k, step.entry_point) for f, k in BATCH_SIZE_KEYS.items()},
-                }
+    """The ``sizes`` output for ``workflows`` as a stack with the default configuration has it
+    (:mod:`infra.sizes`; ``infra.program`` documents the shape), no ARNs."""
+    functions = {
+        fn: function_size(fn, memory_mb, timeout_s, LAMBDA_DEFAULT_EPHEMERAL_MB)
+        for fn, (memory_mb, timeout_s) in sorted(plan_sizes(workflows).items())
+    }
+    jobs = {ep: batch_size(step) for ep, step in sorted(batch_steps(workflows).items())} if batch else {}
     return {
-        "functions": dict(sorted(functions.items())),
-        "batch": dict(sorted(jobs.items())),
+        "functions": functions,
+        "batch": jobs,
         "lambda_architecture": DEFAULT_LAMBDA_ARCHITECTURE,  # what the stack deploys by default
     }
 

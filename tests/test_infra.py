@@ -422,8 +422,9 @@ def test_bad_batch_sizes_are_refused_with_the_key_named():
 def test_every_job_definition_fits_an_allowed_instance_type():
     """A job asking more than any allowed instance registers would sit RUNNABLE until cancelled."""
     from shardfold.functions.kinds import WORKFLOWS
-    from shardfold.infra.gpu import batch_steps, sized_workflows
+    from shardfold.infra.gpu import sized_workflows
     from shardfold.infra.instances import INSTANCES, placement_problem, registrable_mb
+    from shardfold.infra.sizes import batch_steps
 
     # the shipped defaults fit the default types (the inference worker once asked for all 16 GiB)
     cfg = StackConfig()
