@@ -391,4 +391,6 @@ def _part_status_uri(root: str, job_id: str, part: int) -> str:
 
 
 def _part_tally_uri(root: str, job_id: str, part: int) -> str:
-    return job_uri(root, job_id, STAGE, "status", f"{part:05d}.json")
+    # not <part>.json, where gathers before the tallies wrote a part's rows: a job resumed across the change
+    # finds no tally (ObjectNotFound naming it) rather than misreading rows
+    return job_uri(root, job_id, STAGE, "status", f"{part:05d}.tally.json")

@@ -18,9 +18,8 @@ from shardfold.functions import store
 from shardfold.functions.getbatch.core import STAGE, job_uri
 from shardfold.functions.kinds import counted, counter
 
-_PART = re.compile(
-    r"/(\d{5})\.json$"
-)  # jobs/<id>/getbatch/status/<part:05d>.json: a part's tally (core.gather)
+# jobs/<id>/getbatch/status/<part:05d>.tally.json: a part's tally, as core.gather writes it
+_PART = re.compile(r"/(\d{5})\.tally\.json$")
 _CACHED_PARTS = 4096  # parts whose byte sums are kept (a few dozen bytes each)
 _part_bytes: OrderedDict[str, int] = OrderedDict()
 _lock = threading.Lock()
