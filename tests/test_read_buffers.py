@@ -212,3 +212,19 @@ def test_a_folder_is_no_object_and_a_file_whose_size_says_zero_is_read_whole(tmp
     # a whole read does not trust the size: /proc files say 0 and hold text
     status = local.get("/proc/self/status", "file:///proc/self/status")
     assert b"Name:" in status
+
+
+def test_a_pipe_is_read_whole_and_a_short_read_is_continued(tmp_path, monkeypatch):
+    r, w = os.pipe()
+    os.write(w, b"from a pipe")
+    os.close(w)
+    assert local.get(f"/dev/fd/{r}", "file:///dev/fd/r") == b"from a pipe"  # a whole read needs no seek
+    os.close(r)
+    # a filesystem that answers a read in pieces (FUSE, NFS): the range is still read whole, not "cut short"
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(200)))
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: real(fd, min(n, 7), offset))
+    assert local.get(str(path), path.as_uri(), 10, 100) == bytes(range(10, 110))
+    monkeypatch.setattr(local, "ONE_CALL_BYTES", 50)  # a large range goes through one buffer
+    assert local.get(str(path), path.as_uri(), 10, 100) == bytes(range(10, 110))

@@ -130,7 +130,10 @@ def get(
             telemetry.count("GET")
             raise ObjectNotFound(f"no object at {uri}")
         if pin is None and limit is None and into is None and start == 0 and length is None:
-            data = _read_to_end(fd, st.st_size)  # its size is a hint: a /proc file says 0, a file may grow
+            with open(
+                fd, "rb", closefd=False
+            ) as f:  # to its end, whatever the size says: a /proc file, a pipe
+                data = f.read()
             telemetry.count("GET", read=len(data))
             return data
         if pin is not None:
@@ -154,26 +157,26 @@ def get(
         os.close(fd)
 
 
+# Up to this many bytes a read is one pread (Linux returns at most ~2 GiB a call); a larger one goes through a
+# file object, which fills one buffer in several calls instead of joining pieces (twice the memory)
+ONE_CALL_BYTES = 1 << 30
+
+
 def _pread(fd: int, n: int, offset: int) -> bytes:
-    """``n`` bytes at ``offset``, fewer where the file ends first (one call for all but the largest reads)."""
+    """``n`` bytes at ``offset``, fewer where the file ends first."""
+    if n > ONE_CALL_BYTES:
+        with open(fd, "rb", closefd=False) as f:
+            f.seek(offset)
+            return f.read(n)
     data = os.pread(fd, n, offset)
     if len(data) in (0, n):
         return data
-    pieces = [data]
+    pieces = [data]  # a short read before the end (FUSE and network filesystems may answer in pieces)
     got = len(data)
     while got < n and (more := os.pread(fd, n - got, offset + got)):
         pieces.append(more)
         got += len(more)
     return b"".join(pieces)
-
-
-def _read_to_end(fd: int, size: int) -> bytes:
-    pieces = [_pread(fd, size, 0)] if size else []
-    got = len(pieces[0]) if pieces else 0
-    while more := os.pread(fd, 1 << 20, got):
-        pieces.append(more)
-        got += len(more)
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _write_tmp(path: Path, chunks: Iterable[bytes]) -> Path:
