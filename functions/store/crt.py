@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -319,10 +318,11 @@ def head_pins(
             future.set_exception(TransientError(f"HEAD {uri}: {exc}"))
         futures[uri] = future
     found: dict[str, Pin | None] = {}
-    deadline = time.monotonic() + timeout_s
     for uri, future in futures.items():
         try:
-            found[uri] = future.result(max(0.0, deadline - time.monotonic()))
+            found[uri] = future.result(
+                timeout_s
+            )  # no answer this long after the one before: a stuck endpoint
         except TimeoutError:  # an endpoint that swallows requests: as transient as a dropped connection
             errors[uri] = TransientError(f"HEAD {uri}: no answer in {timeout_s:g} s")
         except Exception as exc:  # noqa: BLE001 - reported by URI, as the thread pool's lookups are
