@@ -183,15 +183,7 @@ def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
     for p in range(n_parts):
         chunk = items[p * size : (p + 1) * size]
         ref = {"part": p, "first": p * size, "count": len(chunk), "of": n_parts}
-        if in_processes and all(i.uri.startswith(FILE) for i in chunk):
-            ref["mode"] = "process"  # local files only: CPU-bound (see workflow.GATHER_PART)
-        part_pins = {i.uri: pins[i.uri] for i in chunk if i.uri in pins}
-        if spec.items is not None and not part_pins:
-            ref["inline"] = True  # gather takes these items from the spec itself: no part list to write
-        else:
-            part_doc = {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins}
-            store.put_json(_part_uri(store_root, job_id, p), part_doc, indent=None)
-        worklist.append(ref)
+        worklist.append(ref | _part_source(spec, job_id, store_root, p, chunk, pins, in_processes))
     worklist_uri = job_uri(store_root, job_id, STAGE, "worklist.json")
     store.put_json(worklist_uri, worklist, indent=None)
     logger.info(
@@ -207,6 +199,29 @@ def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
         },
     )
     return {"worklist": worklist_ref(worklist_uri, n_parts), "parts": n_parts, "items": len(items)}
+
+
+def _part_source(
+    spec: GetBatchSpec,
+    job_id: str,
+    store_root: str,
+    part: int,
+    chunk: list[BatchItem],
+    pins: dict[str, dict],
+    in_processes: bool,
+) -> dict:
+    """How part ``part`` is gathered: in a worker process or not, from the spec's items (``inline``) or from
+    its item list, written here with its pins."""
+    how: dict[str, Any] = {}
+    if in_processes and all(i.uri.startswith(FILE) for i in chunk):
+        how["mode"] = "process"  # local files only: CPU-bound (see workflow.GATHER_PART)
+    part_pins = {i.uri: pins[i.uri] for i in chunk if i.uri in pins}
+    if spec.items is not None and not part_pins:
+        how["inline"] = True  # gather takes these items from the spec itself: no part list to write
+    else:
+        part_doc = {"items": [i.model_dump(exclude_none=True) for i in chunk], "pins": part_pins}
+        store.put_json(_part_uri(store_root, job_id, part), part_doc, indent=None)
+    return how
 
 
 def gather(
