@@ -444,19 +444,16 @@ def _synthetic_plan(sizing: Any, model_bytes: int, n: int, budget_overrides: dic
     base = sizing.default_budget("s3://b") if hasattr(sizing, "default_budget") else sizing.Budget()
     budget = replace(base, **(budget_overrides or {}))
     header = len(sizing.encode_header(tensors, {}))
-    choice = sizing.choose_shards(begin, n, header, budget)
-    bounds = sizing.Geometry(tensors).shard_bounds(choice.shards)
-    chunk = sizing.chunk_bytes_for("mean", n, tensors, budget)
     clients = [sizing.ClientRef(f"s3://b/c{c}", 1.0, header, 0) for c in range(n)]
-    return sizing.ShardPlan(
+    plan = sizing.ShardPlan(
         job_id="fedavg-bench",
         output="s3://b/out",
         tensors=tensors,
         clients=clients,
         layouts=[[t.begin for t in tensors]],
-        bounds=bounds,
-        chunk_bytes=chunk,
-        read_window=sizing.read_window(chunk, budget),
+        bounds=[],  # cut below, by the planner's own rules
+        chunk_bytes=0,
+        read_window=0,
         aggregator="mean",
         uniform=False,
         accumulate="float32",
@@ -467,6 +464,8 @@ def _synthetic_plan(sizing: Any, model_bytes: int, n: int, budget_overrides: dic
         total_weight=float(n),
         budget=budget,
     )
+    sizing.cut_shards(plan, None)
+    return plan
 
 
 def sizing_hook(budget_overrides: dict | None = None) -> tuple[Any, str]:
