@@ -263,7 +263,7 @@ def reserve(
         if need_bind:
             _bind(store_root, state, job_id, identity, version)
             continue
-        if _held(state, job_id, rho):
+        if _check_reservation(state, job_id, rho):  # held already: a retried plan
             return state.summary()
         entry = {"type": "reserve", "job_id": job_id, "rho": float(rho), "time": _now()}
         if _append(store_root, dataset_id, state.next_seq, entry):
@@ -316,8 +316,10 @@ def _bind(store_root: str, state: LedgerState, job_id: str, identity: dict, vers
     _append(store_root, state.dataset_id, state.next_seq, entry)
 
 
-def _held(state: LedgerState, job_id: str, rho: float) -> bool:
-    """Whether the job holds its reservation already (a retried plan), else that ``rho`` fits the total."""
+def _check_reservation(state: LedgerState, job_id: str, rho: float) -> bool:
+    """True when the job holds this reservation already (a retried plan), False when it is new and ``rho``
+    fits the total; :class:`BudgetExceeded` when it does not fit, :class:`ShardfoldError` when the job holds
+    a different one (its spec changed after planning)."""
     if job_id in state.reserved:
         if state.reserved[job_id] != float(rho):
             raise ShardfoldError(
