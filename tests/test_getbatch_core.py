@@ -7,7 +7,7 @@ import tarfile
 import pytest
 
 from shardfold.functions import store
-from shardfold.functions.errors import BatchItemError, SpecError, TooManySoftErrors
+from shardfold.functions.errors import BatchItemError, SpecError, StoreError, TooManySoftErrors
 from shardfold.functions.getbatch import core
 from shardfold.functions.getbatch.spec import GetBatchSpec
 from shardfold.functions.store.tar import write_tar
@@ -242,3 +242,21 @@ def test_the_only_part_commits_the_archive_status_and_result_itself(root):
     # assemble has only the scratch left to clear, and answers the same result
     assert core.assemble(spec, job_id, root, 1) == result
     assert not store.list_uris(core.job_uri(root, job_id, "getbatch") + "/")
+
+
+@pytest.mark.parametrize(
+    "tally",
+    [[{"index": 0, "size": 1, "error": None}], {"items": "3"}, {"items": 2, "errors": 0, "bytes": -1}, "x"],
+    ids=["rows", "a string count", "negative", "not an object"],
+)
+def test_an_altered_tally_fails_assemble_naming_it_and_commits_nothing(root, tally):
+    spec = GetBatchSpec(items=[{"uri": f"data/obj-{i:03d}.bin"} for i in range(4)], items_per_part=2)
+    job_id = "getbatch-20260101T000000-00000d"
+    planned = core.prepare(spec, job_id, root)
+    for part in store.get_json(planned["worklist"]["uri"]):
+        core.gather(spec, job_id, root, part["part"], 0, part.get("inline", False))
+    store.put_json(core._part_tally_uri(root, job_id, 1), tally)
+    with pytest.raises(StoreError, match=r"00001\.tally\.json is not a part's tally"):
+        core.assemble(spec, job_id, root, planned["parts"])
+    assert not store.exists(core.job_uri(root, job_id, "result.json"))
+    assert not store.exists(core.output_uri(spec, root, job_id))

@@ -46,6 +46,7 @@ from shardfold.functions.errors import (
     ObjectNotFound,
     ShardfoldError,
     SpecError,
+    StoreError,
     TooManySoftErrors,
     UnsafeKey,
 )
@@ -309,6 +310,24 @@ def _tally(rows: list[dict]) -> dict:
     }
 
 
+def read_tally(uri: str) -> dict:
+    """A part's tally as gather wrote it; :class:`StoreError` naming the object when it is not one (anyone who
+    may write the store may have written it)."""
+    doc = store.get_json(uri)
+    counts = isinstance(doc, dict) and all(
+        type(doc.get(k)) is int and doc[k] >= 0 for k in ("items", "errors", "bytes")
+    )
+    first = doc.get("first_error") if isinstance(doc, dict) else None
+    if not counts or not (
+        first is None or (isinstance(first, dict) and type(first.get("index")) is int and "error" in first)
+    ):
+        raise StoreError(
+            f"{uri} is not a part's tally (items, errors, bytes, first_error): the job's scratch was "
+            "altered; run it again"
+        )
+    return doc
+
+
 def _joined(tallies: list[dict]) -> dict:
     """The tally of consecutive parts, in request order."""
     first = next((t["first_error"] for t in tallies if t["first_error"]), None)
@@ -337,7 +356,7 @@ def assemble(spec: GetBatchSpec, job_id: str, store_root: str, parts: int) -> di
         _log_assembled("result already committed", job_id, result, None)
         return result
     # the parts' tallies, not their rows: assemble holds a few numbers per part, however many items
-    tally = _joined([store.get_json(_part_tally_uri(store_root, job_id, p)) for p in range(parts)])
+    tally = _joined([read_tally(_part_tally_uri(store_root, job_id, p)) for p in range(parts)])
     _check_soft_errors(spec, tally)
     out = output_uri(spec, store_root, job_id)
     fragments = [_fragment_uri(store_root, job_id, p) for p in range(parts)]

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from shardfold.functions import store
-from shardfold.functions.getbatch.core import STAGE, job_uri
+from shardfold.functions.getbatch.core import STAGE, job_uri, read_tally
 from shardfold.functions.kinds import counted, counter
 
 # jobs/<id>/getbatch/status/<part:05d>.tally.json: a part's tally, as core.gather writes it
@@ -65,7 +65,7 @@ def _bytes_of(status_uri: str) -> int:
         if status_uri in _part_bytes:
             _part_bytes.move_to_end(status_uri)
             return _part_bytes[status_uri]
-    size = int(store.get_json(status_uri)["bytes"])
+    size = read_tally(status_uri)["bytes"]
     with _lock:
         _part_bytes[status_uri] = size
         while len(_part_bytes) > _CACHED_PARTS:
