@@ -330,8 +330,8 @@ def read_tally(uri: str) -> dict:
 
 def _joined(tallies: list[dict]) -> dict:
     """The tally of consecutive parts, in request order."""
-    first = next((t["first_error"] for t in tallies if t["first_error"]), None)
-    totals = {k: sum(int(t[k]) for t in tallies) for k in ("items", "errors", "bytes")}
+    first = next((t["first_error"] for t in tallies if t.get("first_error")), None)
+    totals = {k: sum(t[k] for t in tallies) for k in ("items", "errors", "bytes")}
     return {**totals, "first_error": first}
 
 

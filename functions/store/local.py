@@ -130,9 +130,8 @@ def get(
             telemetry.count("GET")
             raise ObjectNotFound(f"no object at {uri}")
         if pin is None and limit is None and into is None and start == 0 and length is None:
-            with open(
-                fd, "rb", closefd=False
-            ) as f:  # to its end, whatever the size says: a /proc file, a pipe
+            # to its end, whatever the size says (a /proc file says 0); a file object, as a pipe cannot seek
+            with open(fd, "rb", closefd=False) as f:
                 data = f.read()
             telemetry.count("GET", read=len(data))
             return data
