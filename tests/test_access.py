@@ -116,7 +116,7 @@ def test_an_output_is_checked_against_each_distinct_input_once(tmp_path, monkeyp
     monkeypatch.setattr(access._RealPaths, "__call__", lambda self, uri: calls.append(uri) or real(self, uri))
     store_root = f"file://{tmp_path}"
     inputs = [(f"items.{k}.uri", f"{store_root}/data/x.bin") for k in range(1000)]
-    access.not_an_input(f"{store_root}/out.tar", inputs, "output")
+    access.not_an_input(f"{store_root}/out/x.bin", inputs, "output")  # the same file name, elsewhere
     assert len(calls) == 2  # the output and the one object
     with pytest.raises(UnsafeKey, match="output: .* is the job's input items.0.uri"):
         access.not_an_input(f"{store_root}/data/x.bin", inputs, "output")
@@ -125,6 +125,53 @@ def test_an_output_is_checked_against_each_distinct_input_once(tmp_path, monkeyp
     with pytest.raises(UnsafeKey, match="holds"):
         access.not_an_input("s3://b/data", [("inputs.0", "s3://b/data/x.bin")], "output", prefix=True)
     access.not_an_input("s3://b/dat", [("inputs.0", "s3://b/data/x.bin")], "output", prefix=True)
+
+
+def test_an_input_link_is_followed_only_to_an_output_that_exists(tmp_path, monkeypatch, local_client):
+    """While the output is not written, an input that is a link costs no lstat (a plan of 50,000 files
+    made one each); once it exists (a job that overwrites it), a link to it is that input. A link to where
+    the output will be reads nothing: the job commits its output after its last read."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(50):
+        (data / f"{k}.bin").write_bytes(b"x")
+    out = tmp_path / "out.tar"
+    (data / "to-out").symlink_to(out)
+    inputs = [(f"items.{k}.uri", f"file://{data}/{k}.bin") for k in range(50)]
+    inputs.append(("items.50.uri", f"file://{data}/to-out"))
+    calls = []
+    real_lstat = os.lstat
+    monkeypatch.setattr(os, "lstat", lambda path, *a, **kw: calls.append(path) or real_lstat(path, *a, **kw))
+    access.not_an_input(f"file://{out}", inputs, "output")
+    assert not [c for c in map(str, calls) if c.startswith(f"{data}/")], calls  # the folders' only
+    with pytest.raises(UnsafeKey, match="output: .* is the job's input items.0.uri"):  # named literally
+        access.not_an_input(f"file://{data}/0.bin", inputs, "output")
+    (tmp_path / "alias").symlink_to(data)  # through a linked folder, to an output not yet written
+    with pytest.raises(UnsafeKey, match="is the job's input via-alias"):
+        access.not_an_input(
+            f"file://{data}/new.tar", [*inputs, ("via-alias", f"file://{tmp_path}/alias/new.tar")]
+        )
+    out.write_bytes(b"an earlier archive")
+    with pytest.raises(UnsafeKey, match="is the job's input items.50.uri"):
+        access.not_an_input(f"file://{out}", inputs, "output")
+    monkeypatch.undo()
+    out.unlink()
+    # the job: its one part's reads all come before the archive is committed
+    items = [{"uri": u} for _, u in inputs]
+    spec = {"kind": "getbatch", "items": items, "output": f"file://{out}", "continue_on_error": True}
+    job = local_client.submit(spec)
+    assert job.wait(progress=False, timeout_s=60).state == "SUCCEEDED"
+    rows = [json.loads(line) for line in store.get(job.result()["status"]).splitlines()]
+    assert [r["index"] for r in rows if r["error"]] == [50] and "no object" in rows[50]["error"]
+
+
+@pytest.fixture
+def local_client(tmp_path, monkeypatch):
+    from shardfold.client import Client
+
+    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
+    with Client() as c:
+        yield c
 
 
 def test_keys_with_nul_or_dotdot_are_refused():
