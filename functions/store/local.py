@@ -130,9 +130,7 @@ def get(
             telemetry.count("GET")
             raise ObjectNotFound(f"no object at {uri}")
         if pin is None and limit is None and into is None and start == 0 and length is None:
-            # to its end, whatever the size says (a /proc file says 0); a file object, as a pipe cannot seek
-            with open(fd, "rb", closefd=False) as f:
-                data = f.read()
+            data = _read_to_end(fd, st)
             telemetry.count("GET", read=len(data))
             return data
         if pin is not None:
@@ -154,6 +152,23 @@ def get(
         return data
     finally:
         os.close(fd)
+
+
+def _read_to_end(fd: int, st: os.stat_result) -> bytes:
+    """Everything from the start of an opened file to its end, whatever its size said (a /proc file says 0,
+    a file may grow). A regular file's whole read is one ``read`` of its size and a second that finds the
+    end; anything else (a pipe cannot seek) goes through a file object."""
+    if not stat.S_ISREG(st.st_mode) or not 0 < st.st_size <= ONE_CALL_BYTES:
+        with open(fd, "rb", closefd=False) as f:
+            return f.read()
+    data = os.read(fd, st.st_size)
+    if len(data) == st.st_size:
+        more = os.read(fd, 1 << 16)
+        if not more:  # the end, where the size said
+            return data
+        data += more
+    with open(fd, "rb", closefd=False) as f:  # it grew since the fstat, or answers in pieces
+        return data + f.read()
 
 
 # Up to this many bytes a read is one pread (Linux returns at most ~2 GiB a call); a larger one goes through a
