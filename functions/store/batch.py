@@ -385,6 +385,11 @@ class _Engine:
             while True:
                 if self.timers:  # also when the consumer never waits, so the timer heap stays short
                     self._fire_timers()
+                if not self.slots and self.read_here is not None:
+                    entry = self._at_once()
+                    if entry is not None:
+                        yield entry
+                        continue
                 self._fill()
                 head = self.slots.get(self.next_out)
                 if head is None:
@@ -430,6 +435,48 @@ class _Engine:
             self.slots[slot.index] = slot
             self.next_in += 1
             self._start(slot)
+
+    def _at_once(self) -> BatchEntry | None:
+        """With nothing pending, the next item when it is a small local file read whole: read here and made
+        the next entry at once, with no slot, reservation or hand-over (most of a request of local files).
+        A read that fails becomes a slot settled as usual (its placeholder is returned); anything else, a
+        slot started as usual (None)."""
+        limit = min(self.cap, INLINE_READ_BYTES)
+        if self.queue or self.exhausted or not self.limits or self.held + limit > self.max_bytes:
+            return None
+        try:
+            item = next(self.items)
+        except StopIteration:
+            self.exhausted = True
+            return None
+        index = self.next_in
+        self.next_in += 1
+        slot = self._slot(index, item)
+        if slot.archpath is None and slot.start == 0 and slot.length is None and slot.uri.startswith(FILE):
+            pin = self.pins.get(slot.uri) if self.pins else None
+            try:
+                data = self.read_here(slot.uri, 0, None, pin, limit)  # type: ignore[misc]
+            except BaseException:  # noqa: BLE001 - read again as a slot, which says what it means
+                pass
+            else:
+                stats = self.stats
+                n = len(data)
+                stats.requests += 1
+                stats.items += 1
+                stats.bytes += n
+                if self.held + n > stats.peak_held_bytes:  # held while the consumer has it, as a slot's
+                    stats.peak_held_bytes = self.held + n
+                if stats.buffered_bytes + n > stats.peak_buffered_bytes:
+                    stats.peak_buffered_bytes = stats.buffered_bytes + n
+                if n > stats.largest_item_bytes or self.cap == self.step:
+                    self._learn(n)
+                self.next_out += 1
+                return BatchEntry(index, slot.name, data, None)
+        self.slots[index] = slot
+        self._start(slot)
+        if slot.ready and slot.fatal is None and not slot.stream:
+            return self._emit(slot)  # a placeholder, settled at once: the next item is read at once too
+        return None
 
     def _start_queued(self) -> None:
         """Issue the queued slots that now fit, lowest index first, stopping at one that does not. The
