@@ -5,6 +5,9 @@ import json
 import tarfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiers import examples
 
 from shardfold.functions import store
 from shardfold.functions.errors import BatchItemError, SpecError, StoreError, TooManySoftErrors
@@ -260,3 +263,22 @@ def test_an_altered_tally_fails_assemble_naming_it_and_commits_nothing(root, tal
         core.assemble(spec, job_id, root, planned["parts"])
     assert not store.exists(core.job_uri(root, job_id, "result.json"))
     assert not store.exists(core.output_uri(spec, root, job_id))
+
+
+ANY_TEXT = st.text(st.characters(exclude_categories=()))  # lone surrogates too
+
+
+@given(
+    st.integers(min_value=0, max_value=10**12),
+    ANY_TEXT,
+    st.integers(min_value=0, max_value=10**12),
+    st.none() | ANY_TEXT,
+)
+@settings(max_examples=examples(300))
+def test_a_status_row_is_written_as_json_dumps_writes_it(index, name, size, error):
+    """The status file's rows come from a template: each must be exactly json.dumps(row, sort_keys=True),
+    whatever the name or error holds (quotes, controls, non-ASCII, lone surrogates)."""
+    row = {"index": index, "name": name, "size": size, "error": error}
+    assert core._status_lines([row]) == (json.dumps(row, sort_keys=True) + "\n").encode()
+    odd = {**row, "extra": True}  # not a row write_tar makes: the encoder writes it
+    assert core._status_lines([odd]) == (json.dumps(odd, sort_keys=True) + "\n").encode()

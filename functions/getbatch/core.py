@@ -65,6 +65,7 @@ STAGE = "getbatch"
 # one-shot `shardfold run` of 4,000 items: 0.64 s on threads, 0.95 s in processes; of 20,000: 1.69, 1.57.
 PROCESS_MIN_ITEMS = 10_000
 _ROW_ENCODER = json.JSONEncoder(sort_keys=True)  # a status.jsonl row, as json.dumps(row, sort_keys=True)
+_quote = json.encoder.encode_basestring_ascii  # how json.dumps writes a string (ensure_ascii)
 
 
 def job_uri(store_root: str, job_id: str, *parts: str) -> str:
@@ -387,9 +388,20 @@ def _log_assembled(message: str, job_id: str, result: Any, archive_bytes: int | 
 
 
 def _status_lines(rows: list[dict]) -> bytes:
-    """Rows as the per-item status file holds them: JSON Lines, keys sorted."""
-    encode = _ROW_ENCODER.encode
-    return "".join(encode(r) + "\n" for r in rows).encode()
+    """Rows as the per-item status file holds them: JSON Lines, keys sorted, each exactly
+    ``json.dumps(row, sort_keys=True)`` (written from a template with json's own string encoder: a part
+    has thousands of rows, and an encoder call per row was a tenth of a part's time)."""
+    return "".join([_status_line(r) for r in rows]).encode()
+
+
+def _status_line(row: dict) -> str:
+    error, index, name, size = row["error"], row["index"], row["name"], row["size"]
+    if len(row) != 4 or (type(index), type(size), type(name)) != (int, int, str) or not (
+        error is None or type(error) is str
+    ):
+        return _ROW_ENCODER.encode(row) + "\n"  # not a row write_tar makes
+    said = "null" if error is None else _quote(error)
+    return f'{{"error": {said}, "index": {index}, "name": {_quote(name)}, "size": {size}}}\n'
 
 
 def _commit_result(job_id: str, store_root: str, tally: dict, parts: int, archive: str) -> dict:
