@@ -395,9 +395,11 @@ def _status_lines(rows: list[dict]) -> bytes:
 
 
 def _status_line(row: dict) -> str:
-    error, index, name, size = row["error"], row["index"], row["name"], row["size"]
-    if len(row) != 4 or (type(index), type(size), type(name)) != (int, int, str) or not (
-        error is None or type(error) is str
+    error, index, name, size = row.get("error"), row.get("index"), row.get("name"), row.get("size")
+    if (
+        len(row) != 4
+        or (type(index), type(size), type(name)) != (int, int, str)
+        or not (error is None or type(error) is str)
     ):
         return _ROW_ENCODER.encode(row) + "\n"  # not a row write_tar makes
     said = "null" if error is None else _quote(error)
