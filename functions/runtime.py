@@ -28,18 +28,17 @@ registry imports handlers by name). Each call:
 
 **Spec cache.** A spec is parsed once per process: the local executor's threads share one parse, a
 process-pool worker or a warm Lambda instance parses each job's spec once. Entries are keyed by
-``(spec_uri, sha256 of the stored bytes)``: specs are written once per job id and never change, but the
-object is still read on every call (as it was before the cache) so a rewritten spec is parsed again, never
-served stale. At most :data:`SPEC_CACHE_SIZE` specs are kept, least recently used first out, so a warm
-process that serves many jobs holds a bounded number. The cached spec object is shared by every call that
-reads the same spec: cores must treat it as read-only.
+``spec_uri`` and hold the bytes each was parsed from: specs are written once per job id and never change,
+but the object is still read on every call (as it was before the cache) and compared with those bytes, so a
+rewritten spec is parsed again, never served stale. At most :data:`SPEC_CACHE_SIZE` specs are kept, least
+recently used first out, so a warm process that serves many jobs holds a bounded number. The cached spec
+object is shared by every call that reads the same spec: cores must treat it as read-only.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import hashlib
 import os
 import threading
 import time
@@ -160,25 +159,26 @@ def _parse_event(event: Any, model: type[E]) -> E:
 
 
 class _SpecCache:
-    """Parsed specs by ``(uri, sha256)``, least recently used out; one parse per key even under threads."""
+    """Parsed specs by URI with the bytes they were parsed from, least recently used out; a spec is served
+    only for the very same bytes (compared whole: hashing a 3 MB spec on every call cost milliseconds a
+    task); one parse per URI even under threads."""
 
     def __init__(self, size: int):
         self.size = size
-        self._entries: OrderedDict[tuple[str, str], JobSpec] = OrderedDict()
-        self._parsing: dict[tuple[str, str], threading.Lock] = {}
+        self._entries: OrderedDict[str, tuple[bytes, JobSpec]] = OrderedDict()
+        self._parsing: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
     def get(self, uri: str) -> JobSpec:
         raw = store.get(uri)
-        key = (uri, hashlib.sha256(raw).hexdigest())
         with self._lock:
-            spec = self._hit(key)
+            spec = self._hit(uri, raw)
             if spec is not None:
                 return spec
-            gate = self._parsing.setdefault(key, threading.Lock())
+            gate = self._parsing.setdefault(uri, threading.Lock())
         with gate:  # threads asking for the same spec wait for the first one's parse
             with self._lock:
-                spec = self._hit(key)
+                spec = self._hit(uri, raw)
             if spec is not None:
                 return spec
             try:
@@ -186,28 +186,30 @@ class _SpecCache:
                 spec = parse_spec(raw)  # a bad spec raises and caches nothing
                 seconds = round(time.perf_counter() - started, 3)
                 logger.debug("spec parsed", extra={"spec_uri": uri, "bytes": len(raw), "seconds": seconds})
-                self._keep(key, spec)
+                self._keep(uri, raw, spec)
             finally:
                 with self._lock:
-                    self._parsing.pop(key, None)
+                    self._parsing.pop(uri, None)
         return spec
 
     def remember(self, uri: str, raw: bytes, spec: JobSpec) -> None:
         """Cache ``spec`` as the parse of ``raw`` at ``uri`` (what submit parsed and wrote): a task of this
         process that reads the same bytes there takes it; other bytes are parsed as ever."""
-        self._keep((uri, hashlib.sha256(raw).hexdigest()), spec)
+        self._keep(uri, raw, spec)
 
-    def _keep(self, key: tuple[str, str], spec: JobSpec) -> None:
+    def _keep(self, uri: str, raw: bytes, spec: JobSpec) -> None:
         with self._lock:
-            self._entries[key] = spec
+            self._entries[uri] = (raw, spec)
+            self._entries.move_to_end(uri)
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
 
-    def _hit(self, key: tuple[str, str]) -> JobSpec | None:
-        spec = self._entries.get(key)
-        if spec is not None:
-            self._entries.move_to_end(key)
-        return spec
+    def _hit(self, uri: str, raw: bytes) -> JobSpec | None:
+        entry = self._entries.get(uri)
+        if entry is None or entry[0] != raw:
+            return None
+        self._entries.move_to_end(uri)
+        return entry[1]
 
     def clear(self) -> None:
         with self._lock:
