@@ -235,6 +235,8 @@ class TaskScope:
             key = self._key(uri)
             if key is not None and _under(key, own):
                 return
+            if key is None and not write and self.grants is None and Right.INPUTS in self.rights:
+                return  # a read outside the store, where no deployment limits what the inputs right reads
             areas = [None if key is None else next((f for f in SYSTEM_PREFIXES if _under(key, f)), "")]
         for area in areas:
             self._allow(area, key, uri, write)
