@@ -456,27 +456,30 @@ class _Engine:
             pin = self.pins.get(slot.uri) if self.pins else None
             try:
                 data = self.read_here(slot.uri, 0, None, pin, limit)  # type: ignore[misc]
-            except BaseException:  # noqa: BLE001 - read again as a slot, which says what it means
+            except Exception:  # noqa: BLE001 - read again as a slot, which says what it means
                 pass
             else:
-                stats = self.stats
-                n = len(data)
-                stats.requests += 1
-                stats.items += 1
-                stats.bytes += n
-                if self.held + n > stats.peak_held_bytes:  # held while the consumer has it, as a slot's
-                    stats.peak_held_bytes = self.held + n
-                if stats.buffered_bytes + n > stats.peak_buffered_bytes:
-                    stats.peak_buffered_bytes = stats.buffered_bytes + n
-                if n > stats.largest_item_bytes or self.cap == self.step:
-                    self._learn(n)
-                self.next_out += 1
-                return BatchEntry(index, slot.name, data, None)
+                return self._read_at_once(index, slot.name, data)
         self.slots[index] = slot
         self._start(slot)
         if slot.ready and slot.fatal is None and not slot.stream:
             return self._emit(slot)  # a placeholder, settled at once: the next item is read at once too
         return None
+
+    def _read_at_once(self, index: int, name: str, data: bytes) -> BatchEntry:
+        """Item ``index``, read by :meth:`_at_once`, as the next entry: counted as a slot's read would be, its
+        bytes held while the consumer has them."""
+        stats = self.stats
+        n = len(data)
+        stats.requests += 1
+        stats.items += 1
+        stats.bytes += n
+        stats.peak_held_bytes = max(stats.peak_held_bytes, self.held + n)
+        stats.peak_buffered_bytes = max(stats.peak_buffered_bytes, stats.buffered_bytes + n)
+        if n > stats.largest_item_bytes or self.cap == self.step:
+            self._learn(n)
+        self.next_out += 1
+        return BatchEntry(index, name, data, None)
 
     def _start_queued(self) -> None:
         """Issue the queued slots that now fit, lowest index first, stopping at one that does not. The
