@@ -547,22 +547,27 @@ def _holds(prefix: tuple[str, str], uri: tuple[str, str]) -> bool:
 
 
 def not_an_input(
-    output: str, inputs: Iterable[tuple[str, str]], field: str = "", prefix: bool = False
+    output: str,
+    inputs: Iterable[tuple[str, str]],
+    field: str = "",
+    prefix: bool = False,
+    after_reads: bool = False,
 ) -> None:
     """Refuse an ``output`` (full URI) that is one of the job's ``inputs`` (``(field, full uri)`` pairs),
     or, when it is a ``prefix`` the job writes under, that holds one of them. Each distinct input is
     resolved once, each folder's links once: a request may name one object, or one folder, thousands of
     times.
 
-    While a single-object output does not exist yet, an input file that is a link is not followed (an
-    ``lstat`` per input was most of a 50,000-item plan): a link to where the output will be finds nothing
-    when it is read, as a job commits its output after its last read. The input's folders are still
-    resolved, so an input named through a linked folder is still the output it reaches (and only an input
-    of the output's own file name can)."""
+    ``after_reads``: the output is one object that a later step writes, once every read of the inputs is
+    done (a getbatch request of several parts: assemble writes it). Then, while it does not exist, an input
+    file that is a link is not followed (an ``lstat`` per input was most of a 50,000-item plan): a link to
+    where the output will be finds nothing when it is read. The inputs' folders are still resolved, so an
+    input named through a linked folder is still the output it reaches (and only an input of the output's
+    own file name can)."""
     first: dict[str, str] = {}
     for where, uri in inputs:
         first.setdefault(uri, where)
-    links = prefix or not is_file(output) or os.path.lexists(output[len(FILE) :])
+    links = not after_reads or prefix or not is_file(output) or os.path.lexists(output[len(FILE) :])
     real = _RealPaths(last_links=links)
     out = _identity(output, real)
     name = None if links else output.rpartition("/")[2]

@@ -127,10 +127,13 @@ def test_an_output_is_checked_against_each_distinct_input_once(tmp_path, monkeyp
     access.not_an_input("s3://b/dat", [("inputs.0", "s3://b/data/x.bin")], "output", prefix=True)
 
 
-def test_an_input_link_is_followed_only_to_an_output_that_exists(tmp_path, monkeypatch, local_client):
-    """While the output is not written, an input that is a link costs no lstat (a plan of 50,000 files
-    made one each); once it exists (a job that overwrites it), a link to it is that input. A link to where
-    the output will be reads nothing: the job commits its output after its last read."""
+def test_an_input_link_to_an_output_written_after_every_read_is_followed_once_it_exists(
+    tmp_path, monkeypatch
+):
+    """An output that a later step writes once every read is done (a getbatch request of several parts):
+    while it is not written, an input that is a link costs no lstat (a plan of 50,000 files made one each)
+    and a link to where it will be reads nothing; once it exists, a link to it is that input. Otherwise (the
+    default, and a request of one part, whose gather writes the archive) every input link is followed."""
     data = tmp_path / "data"
     data.mkdir()
     for k in range(50):
@@ -139,39 +142,39 @@ def test_an_input_link_is_followed_only_to_an_output_that_exists(tmp_path, monke
     (data / "to-out").symlink_to(out)
     inputs = [(f"items.{k}.uri", f"file://{data}/{k}.bin") for k in range(50)]
     inputs.append(("items.50.uri", f"file://{data}/to-out"))
+    with pytest.raises(UnsafeKey, match="is the job's input items.50.uri"):
+        access.not_an_input(f"file://{out}", inputs, "output")
     calls = []
     real_lstat = os.lstat
     monkeypatch.setattr(os, "lstat", lambda path, *a, **kw: calls.append(path) or real_lstat(path, *a, **kw))
-    access.not_an_input(f"file://{out}", inputs, "output")
+    access.not_an_input(f"file://{out}", inputs, "output", after_reads=True)
     assert not [c for c in map(str, calls) if c.startswith(f"{data}/")], calls  # the folders' only
     with pytest.raises(UnsafeKey, match="output: .* is the job's input items.0.uri"):  # named literally
-        access.not_an_input(f"file://{data}/0.bin", inputs, "output")
+        access.not_an_input(f"file://{data}/0.bin", inputs, "output", after_reads=True)
     (tmp_path / "alias").symlink_to(data)  # through a linked folder, to an output not yet written
     with pytest.raises(UnsafeKey, match="is the job's input via-alias"):
-        access.not_an_input(
-            f"file://{data}/new.tar", [*inputs, ("via-alias", f"file://{tmp_path}/alias/new.tar")]
-        )
+        via = [*inputs, ("via-alias", f"file://{tmp_path}/alias/new.tar")]
+        access.not_an_input(f"file://{data}/new.tar", via, after_reads=True)
     out.write_bytes(b"an earlier archive")
     with pytest.raises(UnsafeKey, match="is the job's input items.50.uri"):
-        access.not_an_input(f"file://{out}", inputs, "output")
+        access.not_an_input(f"file://{out}", inputs, "output", after_reads=True)
     monkeypatch.undo()
     out.unlink()
-    # the job: its one part's reads all come before the archive is committed
+    # a spec written behind submit's back (submit refuses this one): the job's steps, as they run
+    root, job_id = f"file://{tmp_path}/store", "getbatch-20260101T000000-abcdef"
     items = [{"uri": u} for _, u in inputs]
-    spec = {"kind": "getbatch", "items": items, "output": f"file://{out}", "continue_on_error": True}
-    job = local_client.submit(spec)
-    assert job.wait(progress=False, timeout_s=60).state == "SUCCEEDED"
-    rows = [json.loads(line) for line in store.get(job.result()["status"]).splitlines()]
+    one_part = GetBatchSpec(items=items, output=f"file://{out}", continue_on_error=True)
+    with pytest.raises(UnsafeKey, match="is the job's input items.50.uri"):
+        getbatch.prepare(one_part, job_id, root)
+    spec = one_part.model_copy(update={"items_per_part": 10})
+    parts = getbatch.prepare(spec, job_id, root)["parts"]
+    for p in range(parts):
+        getbatch.gather(spec, job_id, root, p, parts, inline=True)  # its own items, none pinned
+    rows = [
+        json.loads(line)
+        for line in store.get(getbatch.assemble(spec, job_id, root, parts)["status"]).splitlines()
+    ]
     assert [r["index"] for r in rows if r["error"]] == [50] and "no object" in rows[50]["error"]
-
-
-@pytest.fixture
-def local_client(tmp_path, monkeypatch):
-    from shardfold.client import Client
-
-    monkeypatch.setenv("SHARDFOLD_HOME", str(tmp_path / "home"))
-    with Client() as c:
-        yield c
 
 
 def test_keys_with_nul_or_dotdot_are_refused():

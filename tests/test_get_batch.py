@@ -357,6 +357,50 @@ def test_local_files_read_on_the_spot_give_what_the_evented_engine_gives(sizes, 
     assert [error for _, _, error in here[-3:]] == [True, True, False]
 
 
+def test_a_local_read_made_at_once_is_made_once_and_only_its_own_failures_settle_the_item(
+    tmp_path, monkeypatch
+):
+    """Small local files are read on the engine's thread: a missing one is read once (one GET, settled as
+    its placeholder), a filesystem error is the item's error; an exception that is not a read's (a task's
+    timeout raised into the thread) is not taken for the item's failure and leaves the batch as itself."""
+    from shardfold.functions.store import local
+
+    for name in ("a", "c"):
+        (tmp_path / name).write_bytes(name.encode() * 10)
+    uris = [(tmp_path / n).as_uri() for n in ("a", "gone1", "c", "gone2")]
+    reads = []
+    real_get = local.get
+    monkeypatch.setattr(local, "get", lambda *a, **kw: reads.append(a[1]) or real_get(*a, **kw))
+    stream = store.get_batch(uris, continue_on_error=True)
+    assert [(e.data, e.error is not None) for e in stream] == [
+        (b"a" * 10, False),
+        (b"", True),
+        (b"c" * 10, False),
+        (b"", True),
+    ]
+    assert reads == uris and stream.stats.requests == 4
+
+    class Expired(Exception):  # what orchestrator.invoke raises into a handler at its timeout
+        pass
+
+    def refuse(path, uri, *args, **kwargs):
+        if uri.endswith("/c"):
+            raise error
+        return real_get(path, uri, *args, **kwargs)
+
+    monkeypatch.setattr(local, "get", refuse)
+    for error, ranged in (
+        (PermissionError(13, "Permission denied"), False),
+        (Expired(), False),
+        (Expired(), True),
+    ):
+        items = [uris[0], {"uri": uris[2], "start": 1} if ranged else uris[2]]  # a range: read as a slot
+        with pytest.raises(BatchItemError if isinstance(error, OSError) else Expired) as err:
+            list(store.get_batch(items, continue_on_error=True))
+        if isinstance(error, OSError):
+            assert err.value.index == 1 and "Permission denied" in str(err.value)
+
+
 def test_small_objects_keep_full_concurrency_under_the_budget():
     objects = {f"s3://bkt/o{i}": obj(i, 1000) for i in range(64)}
     fake = LimitTransport(objects)

@@ -66,6 +66,7 @@ STAGE = "getbatch"
 PROCESS_MIN_ITEMS = 10_000
 _ROW_ENCODER = json.JSONEncoder(sort_keys=True)  # a status.jsonl row, as json.dumps(row, sort_keys=True)
 _quote = json.encoder.encode_basestring_ascii  # how json.dumps writes a string (ensure_ascii)
+_ROW_KEYS = {"error", "index", "name", "size"}  # a row write_tar makes
 
 
 def job_uri(store_root: str, job_id: str, *parts: str) -> str:
@@ -170,16 +171,17 @@ def parse_item(doc: Any, store_root: str, field: str = "", checked: set[str] | N
 def prepare(spec: GetBatchSpec, job_id: str, store_root: str) -> dict:
     """Split the request into parts and write their item lists and the part work list."""
     items = load_items(spec, store_root)
+    size = spec.items_per_part
+    n_parts = math.ceil(len(items) / size)
     inputs = [(f"items.{i}.uri", item.uri) for i, item in enumerate(items)]
     if spec.manifest:
         inputs.append(("manifest", access.input_uri(spec.manifest, store_root, "manifest")))
-    access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output")
+    # the only part writes the archive (a retried gather would read it); else assemble does, after every read
+    access.not_an_input(output_uri(spec, store_root, job_id), inputs, "output", after_reads=n_parts > 1)
     reads = Counter(item.uri for item in items)
     shards = {item.uri for item in items if item.archpath is not None}
     shared = [u for u, n in reads.items() if n > 1 or u in shards]
     pins = {u: pin.to_doc() for u, pin in store.pins(shared).items() if pin is not None}  # None: missing
-    size = spec.items_per_part
-    n_parts = math.ceil(len(items) / size)
     in_processes = n_parts > 1 and len(items) >= PROCESS_MIN_ITEMS
     worklist = []
     for p in range(n_parts):
@@ -395,13 +397,11 @@ def _status_lines(rows: list[dict]) -> bytes:
 
 
 def _status_line(row: dict) -> str:
-    error, index, name, size = row.get("error"), row.get("index"), row.get("name"), row.get("size")
-    if (
-        len(row) != 4
-        or (type(index), type(size), type(name)) != (int, int, str)
-        or not (error is None or type(error) is str)
-    ):
+    if row.keys() != _ROW_KEYS:
         return _ROW_ENCODER.encode(row) + "\n"  # not a row write_tar makes
+    error, index, name, size = row["error"], row["index"], row["name"], row["size"]
+    if (type(index), type(size), type(name)) != (int, int, str) or not (error is None or type(error) is str):
+        return _ROW_ENCODER.encode(row) + "\n"
     said = "null" if error is None else _quote(error)
     return f'{{"error": {said}, "index": {index}, "name": {_quote(name)}, "size": {size}}}\n'
 

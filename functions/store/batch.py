@@ -99,6 +99,12 @@ SOFT_ERRORS = (ObjectNotFound, InvalidRange)
 _HEDGE, _RETRY = 0, 1
 
 
+# What a read made on the engine's own thread reports as its item's outcome (a missing or changed object, a
+# bad range, one too large for its reservation, a filesystem error, a path the OS cannot take). Anything else
+# raised there is not the item's: a task's timeout raised into the thread, an interrupt; it propagates.
+READ_FAILURES = (ShardfoldError, TransientError, TooLarge, OSError, ValueError)
+
+
 def step_bytes(max_bytes: int, concurrency: int) -> int:
     """What a read of unknown length reserves (and may return before it stops): ``max_bytes /
     concurrency``, at least :data:`MIN_STEP`, at most ``max_bytes``."""
@@ -456,15 +462,24 @@ class _Engine:
             pin = self.pins.get(slot.uri) if self.pins else None
             try:
                 data = self.read_here(slot.uri, 0, None, pin, limit)  # type: ignore[misc]
-            except Exception:  # noqa: BLE001 - read again as a slot, which says what it means
-                pass
+            except TooLarge:
+                pass  # started as a slot: it waits for room for its size, or is streamed
+            except READ_FAILURES as exc:
+                slot.read = (0, None)  # a whole read, as _start makes it
+                self.slots[index] = slot
+                self.stats.requests += 1
+                self._settle(slot, None, exc, None, -1, 0)
+                return self._settled_now(slot)
             else:
                 return self._read_at_once(index, slot.name, data)
         self.slots[index] = slot
         self._start(slot)
-        if slot.ready and slot.fatal is None and not slot.stream:
-            return self._emit(slot)  # a placeholder, settled at once: the next item is read at once too
-        return None
+        return self._settled_now(slot)
+
+    def _settled_now(self, slot: _Slot) -> BatchEntry | None:
+        """The head slot's entry when it settled as it started (a placeholder, a local range): the next item
+        is then read at once too."""
+        return self._emit(slot) if slot.ready and slot.fatal is None and not slot.stream else None
 
     def _read_at_once(self, index: int, name: str, data: bytes) -> BatchEntry:
         """Item ``index``, read by :meth:`_at_once`, as the next entry: counted as a slot's read would be, its
@@ -752,7 +767,7 @@ class _Engine:
         pin = self.pins.get(slot.uri) if self.pins else None
         try:
             data = self.read_here(slot.uri, start, length, pin, limit)  # type: ignore[misc]
-        except BaseException as exc:  # noqa: BLE001 - the item's outcome, as a transport reports it
+        except READ_FAILURES as exc:  # the item's outcome, as a transport reports it
             self._settle(slot, None, exc, None, -1, reserved)
         else:
             self._succeed(slot, data, None)
