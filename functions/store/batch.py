@@ -3,7 +3,10 @@
 The engine runs in the consumer's thread. Transports report completed reads into a queue; the engine
 keeps a sliding window of items (at most ``window`` items between the oldest one not yet yielded and the
 newest one requested, at most ``concurrency`` reads in flight), puts answers into a reorder buffer and
-yields the contiguous ready prefix, so entry 0 comes out as soon as it arrives.
+yields the contiguous ready prefix, so entry 0 comes out as soon as it arrives. A small local read (at most
+``INLINE_READ_BYTES``) takes microseconds from the page cache, less than a hand-over: it is made on the
+engine's thread and settled at once, and with nothing pending a small local file is read and yielded at
+once, with no slot at all (most of a request of local files).
 
 Memory is bounded in bytes, not by the window times the largest item. The engine holds at most ``max_bytes``
 (default :data:`DEFAULT_MAX_BYTES`) buffered or reserved for reads in flight: a read of known length
