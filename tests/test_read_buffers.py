@@ -233,10 +233,10 @@ def test_a_pipe_is_read_whole_and_a_short_read_is_continued(tmp_path, monkeypatc
 def test_a_whole_read_goes_to_the_end_whatever_the_size_said(tmp_path, monkeypatch):
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(200)))
-    real_read, real_fstat = os.read, os.fstat
-    monkeypatch.setattr(os, "read", lambda fd, n: real_read(fd, min(n, 7)))  # answered in pieces
+    real_pread, real_fstat = os.pread, os.fstat
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: real_pread(fd, min(n, 7), at))  # answered in pieces
     assert local.get(str(path), path.as_uri()) == bytes(range(200))
-    monkeypatch.setattr(os, "read", real_read)
+    monkeypatch.setattr(os, "pread", real_pread)
     # grown since the fstat (a log being written): read on to the end
     monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 50, 0, 0, 0)))
     assert local.get(str(path), path.as_uri()) == bytes(range(200))

@@ -156,18 +156,16 @@ def get(
 
 def _read_to_end(fd: int, st: os.stat_result) -> bytes:
     """Everything from the start of an opened file to its end, whatever its size said (a /proc file says 0,
-    a file may grow). A regular file's whole read is one ``read`` of its size and a second that finds the
+    a file may grow). A regular file's whole read is a ``pread`` of its size and one byte's that finds the
     end; anything else (a pipe cannot seek) goes through a file object."""
     if not stat.S_ISREG(st.st_mode) or not 0 < st.st_size <= ONE_CALL_BYTES:
         with open(fd, "rb", closefd=False) as f:
             return f.read()
-    data = os.read(fd, st.st_size)
-    if len(data) == st.st_size:
-        more = os.read(fd, 1 << 16)
-        if not more:  # the end, where the size said
-            return data
-        data += more
-    with open(fd, "rb", closefd=False) as f:  # it grew since the fstat, or answers in pieces
+    data = _pread(fd, st.st_size, 0)  # a read answered in pieces is continued there
+    if len(data) < st.st_size or not os.pread(fd, 1, st.st_size):
+        return data  # the end where the size said (or earlier: cut short since the fstat)
+    with open(fd, "rb", closefd=False) as f:  # it grew since the fstat: on to its end
+        f.seek(len(data))
         return data + f.read()
 
 
